@@ -1,0 +1,157 @@
+"""Model shapes: the presets with their published shapes, and the parameter / FLOP arithmetic.
+
+A `ModelConfig` describes a decoder without allocating any weights, so the planner can reason about
+a 405B model on a laptop. The runtime builds `paratrain.model.llama.Llama` from the same object.
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+
+class ModelConfig(BaseModel):
+    """Shape of a decoder-only transformer.
+
+    arch="llama": RMSNorm, rotary embeddings, grouped-query attention, SwiGLU MLP (3 matrices of ffn_hidden).
+    arch="gpt": LayerNorm, learned positions, multi-head attention, GeLU MLP (2 matrices of ffn_hidden, 4h),
+    biases everywhere (Megatron GPT-3 shapes used by the published A100 measurements).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    name: str = "custom"
+    arch: Literal["llama", "gpt"] = "llama"
+    layers: int = Field(gt=0)
+    hidden: int = Field(gt=0)
+    heads: int = Field(gt=0)
+    kv_heads: int | None = Field(default=None, gt=0)
+    ffn_hidden: int | None = Field(default=None, gt=0)
+    vocab: int = Field(gt=0)
+    max_seq: int = Field(default=4096, gt=0)
+    rope_theta: float = Field(default=10000.0, gt=0)
+    norm_eps: float = Field(default=1e-5, gt=0)
+    tie_embeddings: bool = False
+
+    @model_validator(mode="after")
+    def _check_shapes(self) -> ModelConfig:
+        kv = self.kv_heads if self.kv_heads is not None else self.heads
+        if self.hidden % self.heads:
+            raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
+        if self.heads % kv:
+            raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={kv}")
+        if self.arch == "gpt" and kv != self.heads:
+            raise ValueError("arch='gpt' uses multi-head attention: kv_heads must equal heads")
+        return self
+
+    # ---- derived shapes -------------------------------------------------------------------------
+    @property
+    def n_kv_heads(self) -> int:
+        return self.kv_heads if self.kv_heads is not None else self.heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    @property
+    def ffn(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return 4 * self.hidden if self.arch == "gpt" else _llama_ffn(self.hidden)
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    # ---- parameter counts ---------------------------------------------------------------------------
+    def params_per_layer(self) -> int:
+        h, f, kv = self.hidden, self.ffn, self.kv_dim
+        attn = h * h + 2 * h * kv + h * h  # q, k, v, o
+        if self.arch == "llama":
+            return attn + 3 * h * f + 2 * h  # gate, up, down; two RMSNorm weights
+        # gpt: biases on qkv/o/fc1/fc2, two LayerNorms with weight and bias
+        return attn + (h + 2 * kv + h) + 2 * h * f + f + h + 4 * h
+
+    def embedding_params(self) -> int:
+        pos = self.max_seq * self.hidden if self.arch == "gpt" else 0
+        return self.vocab * self.hidden + pos
+
+    def head_params(self) -> int:
+        """Final norm plus the output projection (zero extra if tied to the embedding)."""
+        norm = self.hidden if self.arch == "llama" else 2 * self.hidden
+        return norm + (0 if self.tie_embeddings else self.vocab * self.hidden)
+
+    def num_params(self) -> int:
+        return self.embedding_params() + self.layers * self.params_per_layer() + self.head_params()
+
+    def num_matmul_params(self) -> int:
+        """Parameters that take part in a matmul per token (what the 6N rule counts): no embedding lookup."""
+        return self.layers * self.params_per_layer() + self.vocab * self.hidden
+
+    # ---- FLOPs ------------------------------------------------------------------------------------
+    def forward_flops_per_token(self, seq: int) -> float:
+        """Model FLOPs of one forward pass per token: 2 per matmul weight, plus causal-free attention.
+
+        Attention scores and the weighted sum cost 2 * 2 * seq * hidden per layer per token (counted
+        for the full, unmasked square, the convention of Narayanan et al. 2021 and PaLM's MFU).
+        """
+        return 2.0 * self.num_matmul_params() + 4.0 * self.layers * seq * self.hidden
+
+    def train_flops_per_token(self, seq: int) -> float:
+        """Forward + backward (backward = 2x forward): the denominator-free numerator of MFU."""
+        return 3.0 * self.forward_flops_per_token(seq)
+
+
+def _llama_ffn(hidden: int, multiple_of: int = 256) -> int:
+    """Meta's Llama rule: 2/3 of 4h, rounded up to a multiple of 256."""
+    f = int(2 * 4 * hidden / 3)
+    return multiple_of * ((f + multiple_of - 1) // multiple_of)
+
+
+# Published shapes. Sources: Touvron et al. 2023 "Llama 2" Table 1 and the released config.json files;
+# Dubey et al. 2024 "The Llama 3 Herd of Models" Table 3 and config.json (ffn, vocab 128256, rope 500000).
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(name="tiny", layers=4, hidden=128, heads=4, kv_heads=2, ffn_hidden=352,
+                        vocab=4096, max_seq=512),
+    "small": ModelConfig(name="small", layers=8, hidden=256, heads=8, kv_heads=4, ffn_hidden=688,
+                         vocab=4096, max_seq=1024),
+    "llama2-7b": ModelConfig(name="llama2-7b", layers=32, hidden=4096, heads=32, kv_heads=32,
+                             ffn_hidden=11008, vocab=32000, max_seq=4096),
+    "llama2-13b": ModelConfig(name="llama2-13b", layers=40, hidden=5120, heads=40, kv_heads=40,
+                              ffn_hidden=13824, vocab=32000, max_seq=4096),
+    "llama2-70b": ModelConfig(name="llama2-70b", layers=80, hidden=8192, heads=64, kv_heads=8,
+                              ffn_hidden=28672, vocab=32000, max_seq=4096),
+    "llama3-8b": ModelConfig(name="llama3-8b", layers=32, hidden=4096, heads=32, kv_heads=8,
+                             ffn_hidden=14336, vocab=128256, max_seq=8192, rope_theta=500000.0),
+    "llama3-70b": ModelConfig(name="llama3-70b", layers=80, hidden=8192, heads=64, kv_heads=8,
+                              ffn_hidden=28672, vocab=128256, max_seq=8192, rope_theta=500000.0),
+    "llama3.1-405b": ModelConfig(name="llama3.1-405b", layers=126, hidden=16384, heads=128, kv_heads=8,
+                                 ffn_hidden=53248, vocab=128256, max_seq=131072, rope_theta=500000.0),
+}
+
+
+def gpt_config(name: str, layers: int, hidden: int, heads: int, vocab: int = 51200, seq: int = 2048) -> ModelConfig:
+    """A Megatron GPT shape (the one used by Narayanan et al. 2021 and Korthikanti et al. 2022)."""
+    return ModelConfig(name=name, arch="gpt", layers=layers, hidden=hidden, heads=heads, vocab=vocab,
+                       max_seq=seq)
+
+
+def load_model_config(spec: str | Path) -> ModelConfig:
+    """A preset name, or a TOML file with arch/layers/hidden/heads/kv_heads/ffn_hidden/vocab.
+
+    The TOML may hold the keys at top level or under a [model] table.
+    """
+    key = str(spec)
+    if key in PRESETS:
+        return PRESETS[key]
+    path = Path(key)
+    if not path.is_file():
+        raise ValueError(f"model '{key}': not a preset ({', '.join(PRESETS)}) and no such TOML file")
+    with path.open("rb") as fh:
+        data = tomllib.load(fh)
+    data = data.get("model", data)
+    data.setdefault("name", path.stem)
+    return ModelConfig(**data)
