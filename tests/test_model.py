@@ -1,0 +1,82 @@
+"""Reference model: published parameter counts, Hugging Face equivalence, determinism."""
+
+import pytest
+import torch
+
+from paratrain.model.config import PRESETS, ModelConfig, load_model_config
+from paratrain.model.llama import Llama, cross_entropy_loss
+
+
+@pytest.mark.parametrize(
+    "name, published",
+    [("llama2-7b", 6.74e9), ("llama3-8b", 8.03e9), ("llama3-70b", 70.6e9), ("llama3.1-405b", 405.9e9),
+     ("llama2-13b", 13.0e9), ("llama2-70b", 69.0e9)],
+)
+def test_preset_parameter_counts_match_published(name, published):
+    assert abs(PRESETS[name].num_params() / published - 1) < 0.005
+
+
+def test_instantiated_parameter_count_equals_formula():
+    cfg = PRESETS["tiny"]
+    assert sum(p.numel() for p in Llama(cfg).parameters()) == cfg.num_params()
+    tied = cfg.model_copy(update={"tie_embeddings": True})
+    assert sum(p.numel() for p in Llama(tied).parameters()) == tied.num_params()
+
+
+def test_flops_per_token_is_six_n_plus_attention():
+    cfg = PRESETS["llama2-7b"]
+    seq = 4096
+    expected = 6 * cfg.num_matmul_params() + 12 * cfg.layers * seq * cfg.hidden
+    assert cfg.train_flops_per_token(seq) == pytest.approx(expected)
+
+
+def test_invalid_shape_is_refused_with_the_field():
+    with pytest.raises(ValueError, match="heads"):
+        ModelConfig(layers=2, hidden=100, heads=3, vocab=10)
+
+
+def test_model_toml(tmp_path):
+    f = tmp_path / "m.toml"
+    f.write_text('arch = "gpt"\nlayers = 2\nhidden = 64\nheads = 4\nvocab = 100\n')
+    cfg = load_model_config(f)
+    assert cfg.arch == "gpt" and cfg.ffn == 256
+    with pytest.raises(ValueError, match="not a preset"):
+        load_model_config(tmp_path / "missing.toml")
+
+
+def test_same_seed_same_weights_and_loss():
+    cfg = PRESETS["tiny"]
+    tokens = torch.randint(0, cfg.vocab, (2, 33), generator=torch.Generator().manual_seed(0))
+    losses = []
+    for _ in range(2):
+        m = Llama(cfg)
+        m.init_weights(seed=7)
+        losses.append(cross_entropy_loss(m(tokens[:, :-1]), tokens[:, 1:]).item())
+    assert losses[0] == losses[1]
+    assert abs(losses[0] - torch.log(torch.tensor(float(cfg.vocab))).item()) < 0.5  # near-uniform at init
+
+
+@pytest.mark.parametrize("tie, kv_heads", [(False, 2), (True, 4)])
+def test_logits_equal_huggingface_llama(tmp_path, tie, kv_heads):
+    transformers = pytest.importorskip("transformers")
+    from paratrain.model.hf import load_hf_llama
+
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=kv_heads, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
+        tie_word_embeddings=tie, attention_bias=False, mlp_bias=False,
+    )
+    torch.manual_seed(0)
+    hf_model = transformers.LlamaForCausalLM(hf_cfg).eval()
+    with torch.no_grad():  # HF inits norms to 1; randomise them so a wrong norm mapping would show
+        for name, p in hf_model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.randn_like(p) * 0.1)
+    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+
+    ours = load_hf_llama(tmp_path).eval()
+    tokens = torch.randint(0, 300, (2, 40))
+    with torch.no_grad():
+        ref = hf_model(tokens).logits
+        got = ours(tokens)
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
