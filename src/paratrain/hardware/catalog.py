@@ -1,0 +1,375 @@
+"""The hardware catalog: chips, interconnects and systems read from TOML, with every number's source.
+
+The built-in files live in `hardware/catalog/*.toml`. Users add or override entries by dropping TOML files of
+the same shape into `$PARATRAIN_HARDWARE_DIR` (every `*.toml` there) or by passing a file path where a
+system name is expected. A malformed file is rejected before any work with one line naming the file, the
+field, the value and what is allowed.
+
+No torch here: the planner imports this at startup.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+BUILTIN_DIR = Path(__file__).parent / "catalog"
+ENV_DIR = "PARATRAIN_HARDWARE_DIR"
+ENDPOINTS = ("device", "chip", "node")
+
+
+class CatalogError(ValueError):
+    """A malformed hardware file or an unknown name (a user error: printed as one line)."""
+
+
+# ---- data -----------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ChipEfficiency:
+    """Physical efficiency parameters of the compute model (fitted by calibration, not per workload).
+
+    matmul_eff_max: fraction of peak a large matmul reaches. matmul_overhead_s: fixed cost per matmul kernel
+    (launch, pipeline fill, tail wave), what makes small matmuls inefficient. memory_bw_eff: fraction of HBM
+    bandwidth that memory-bound ops (norms, activations, softmax, optimizer) reach.
+    """
+
+    matmul_eff_max: float
+    matmul_overhead_s: float
+    memory_bw_eff: float
+    source: str
+
+
+@dataclass(frozen=True)
+class Chip:
+    name: str
+    display_name: str
+    vendor: str
+    status: str
+    bf16_tflops: float
+    hbm_bytes: int
+    hbm_bw_gbytes_per_s: float
+    cores_per_chip: int
+    efficiency: ChipEfficiency
+    source: str
+    fp8_tflops: float | None = None
+    fp4_tflops: float | None = None
+    power_w: float | None = None
+    sources: dict[str, str] = field(default_factory=dict)
+    conflicts: tuple[str, ...] = ()
+    origin: str = ""
+
+    def source_of(self, key: str) -> str:
+        return self.sources.get(key, self.source)
+
+
+@dataclass(frozen=True)
+class Interconnect:
+    name: str
+    display_name: str
+    endpoint: str
+    bw_gbytes_per_s: float
+    latency_us: float
+    bw_eff: float
+    source: str
+    sources: dict[str, str] = field(default_factory=dict)
+    conflicts: tuple[str, ...] = ()
+    origin: str = ""
+
+
+@dataclass(frozen=True)
+class Tier:
+    name: str
+    interconnect: Interconnect
+    domain_devices: int  # 0 = unbounded scale-out network
+
+    def per_device_bw_bytes_per_s(self, system: System) -> float:
+        """Achieved one-direction bandwidth per device when every device of the endpoint communicates."""
+        sharing = {"device": 1, "chip": system.devices_per_chip, "node": system.devices_per_node}
+        link = self.interconnect
+        return link.bw_gbytes_per_s * 1e9 * link.bw_eff / sharing[link.endpoint]
+
+
+@dataclass(frozen=True)
+class SystemEfficiency:
+    dp_overlap: float
+    tp_overlap: float
+    memory_usable_fraction: float
+    source: str
+
+
+@dataclass(frozen=True)
+class Prices:
+    source: str
+    on_demand_usd_per_hour: float | None = None
+    reserved_1yr_usd_per_hour: float | None = None
+    reserved_3yr_usd_per_hour: float | None = None
+    capacity_block_usd_per_hour: float | None = None
+    conflicts: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class System:
+    name: str
+    display_name: str
+    chip: Chip
+    chips_per_node: int
+    devices_per_chip: int
+    device_unit: str
+    tiers: tuple[Tier, ...]
+    efficiency: SystemEfficiency
+    prices: Prices
+    source: str
+    conflicts: tuple[str, ...] = ()
+    origin: str = ""
+
+    @property
+    def devices_per_node(self) -> int:
+        return self.chips_per_node * self.devices_per_chip
+
+    @property
+    def device_memory_bytes(self) -> int:
+        return self.chip.hbm_bytes // self.devices_per_chip
+
+    @property
+    def device_peak_flops(self) -> float:
+        return self.chip.bf16_tflops * 1e12 / self.devices_per_chip
+
+    @property
+    def device_hbm_bw_bytes_per_s(self) -> float:
+        return self.chip.hbm_bw_gbytes_per_s * 1e9 / self.devices_per_chip
+
+    @property
+    def node_power_w(self) -> float | None:
+        """Accelerator power of one node (chips only; host CPUs, NICs and cooling are not included)."""
+        return None if self.chip.power_w is None else self.chip.power_w * self.chips_per_node
+
+
+@dataclass
+class Catalog:
+    chips: dict[str, Chip]
+    interconnects: dict[str, Interconnect]
+    systems: dict[str, System]
+
+    def system(self, name: str) -> System:
+        if name in self.systems:
+            return self.systems[name]
+        raise CatalogError(f"hardware '{name}': unknown system; known: {', '.join(sorted(self.systems))} "
+                           f"(or a TOML file path, or a file in ${ENV_DIR})")
+
+    def chip(self, name: str) -> Chip:
+        if name in self.chips:
+            return self.chips[name]
+        raise CatalogError(f"unknown chip '{name}'; known: {', '.join(sorted(self.chips))}")
+
+
+# ---- schema ---------------------------------------------------------------------------------------------
+# field -> (kind, required). Kinds: "str", "pos" (number > 0), "frac" (0 < x <= 1), "frac0" (0 <= x <= 1),
+# "nonneg", "posint", "strlist", "strdict", "endpoint", "tiers", "table".
+CHIP_FIELDS = {
+    "display_name": ("str", False), "vendor": ("str", True), "status": ("str", False),
+    "bf16_tflops": ("pos", True), "fp8_tflops": ("pos", False), "fp4_tflops": ("pos", False),
+    "hbm_bytes": ("posint", True), "hbm_bw_gbytes_per_s": ("pos", True), "cores_per_chip": ("posint", True),
+    "power_w": ("pos", False), "source": ("str", True), "sources": ("strdict", False),
+    "conflicts": ("strlist", False), "efficiency": ("table", True),
+}
+CHIP_EFF_FIELDS = {
+    "matmul_eff_max": ("frac", True), "matmul_overhead_s": ("nonneg", True),
+    "memory_bw_eff": ("frac", True), "source": ("str", True),
+}
+LINK_FIELDS = {
+    "display_name": ("str", False), "endpoint": ("endpoint", True), "bw_gbytes_per_s": ("pos", True),
+    "latency_us": ("nonneg", True), "bw_eff": ("frac", True), "source": ("str", True),
+    "sources": ("strdict", False), "conflicts": ("strlist", False),
+}
+SYSTEM_FIELDS = {
+    "display_name": ("str", False), "chip": ("str", True), "chips_per_node": ("posint", True),
+    "devices_per_chip": ("posint", True), "device_unit": ("str", True), "tiers": ("tiers", True),
+    "source": ("str", True), "conflicts": ("strlist", False), "prices": ("table", False),
+    "efficiency": ("table", True),
+}
+SYSTEM_EFF_FIELDS = {
+    "dp_overlap": ("frac0", True), "tp_overlap": ("frac0", True), "memory_usable_fraction": ("frac", True),
+    "source": ("str", True),
+}
+PRICE_FIELDS = {
+    "on_demand_usd_per_hour": ("pos", False), "reserved_1yr_usd_per_hour": ("pos", False),
+    "reserved_3yr_usd_per_hour": ("pos", False), "capacity_block_usd_per_hour": ("pos", False),
+    "source": ("str", True), "conflicts": ("strlist", False),
+}
+TIER_FIELDS = {"name": ("str", True), "interconnect": ("str", True), "domain_devices": ("nonneg_int", True)}
+
+ALLOWED = {
+    "str": "a non-empty string", "pos": "a number > 0", "frac": "a number in (0, 1]",
+    "frac0": "a number in [0, 1]", "nonneg": "a number >= 0", "posint": "an integer > 0",
+    "nonneg_int": "an integer >= 0", "strlist": "a list of strings", "strdict": "a table of strings",
+    "endpoint": f"one of {', '.join(ENDPOINTS)}", "tiers": "a non-empty list of tier tables",
+    "table": "a table",
+}
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _valid(kind: str, value: Any) -> bool:
+    checks = {
+        "str": lambda v: isinstance(v, str) and v.strip() != "",
+        "pos": lambda v: _is_number(v) and v > 0,
+        "frac": lambda v: _is_number(v) and 0 < v <= 1,
+        "frac0": lambda v: _is_number(v) and 0 <= v <= 1,
+        "nonneg": lambda v: _is_number(v) and v >= 0,
+        "posint": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+        "nonneg_int": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
+        "strlist": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        "strdict": lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),
+        "endpoint": lambda v: v in ENDPOINTS,
+        "tiers": lambda v: isinstance(v, list) and len(v) > 0 and all(isinstance(x, dict) for x in v),
+        "table": lambda v: isinstance(v, dict),
+    }
+    return checks[kind](value)
+
+
+def _check(origin: str, where: str, data: Any, schema: dict[str, tuple[str, bool]]) -> dict:
+    if not isinstance(data, dict):
+        raise CatalogError(f"{origin}: {where} = {data!r}: must be a table")
+    for key in data:
+        if key not in schema:
+            raise CatalogError(f"{origin}: {where}.{key}: unknown field; allowed: {', '.join(schema)}")
+    for key, (kind, required) in schema.items():
+        if key not in data:
+            if required:
+                raise CatalogError(f"{origin}: {where}.{key}: missing; must be {ALLOWED[kind]}")
+            continue
+        if not _valid(kind, data[key]):
+            raise CatalogError(f"{origin}: {where}.{key} = {data[key]!r}: must be {ALLOWED[kind]}")
+    return data
+
+
+# ---- building entries -----------------------------------------------------------------------------------
+def _chip(origin: str, name: str, raw: dict) -> Chip:
+    where = f"chips.{name}"
+    _check(origin, where, raw, CHIP_FIELDS)
+    eff = _check(origin, f"{where}.efficiency", raw["efficiency"], CHIP_EFF_FIELDS)
+    fields = {k: v for k, v in raw.items() if k not in ("efficiency", "conflicts")}
+    fields.setdefault("display_name", name)
+    fields.setdefault("status", "available")
+    return Chip(name=name, efficiency=ChipEfficiency(**eff), conflicts=tuple(raw.get("conflicts", ())),
+                origin=origin, **fields)
+
+
+def _link(origin: str, name: str, raw: dict) -> Interconnect:
+    _check(origin, f"interconnects.{name}", raw, LINK_FIELDS)
+    fields = {k: v for k, v in raw.items() if k != "conflicts"}
+    fields.setdefault("display_name", name)
+    return Interconnect(name=name, conflicts=tuple(raw.get("conflicts", ())), origin=origin, **fields)
+
+
+def _tiers(origin: str, where: str, raw: list, links: dict[str, Interconnect]) -> tuple[Tier, ...]:
+    tiers = []
+    for i, tier in enumerate(raw):
+        _check(origin, f"{where}.tiers[{i}]", tier, TIER_FIELDS)
+        if tier["interconnect"] not in links:
+            raise CatalogError(f"{origin}: {where}.tiers[{i}].interconnect = {tier['interconnect']!r}: "
+                               f"unknown; allowed: {', '.join(sorted(links))}")
+        tiers.append(Tier(tier["name"], links[tier["interconnect"]], tier["domain_devices"]))
+    sizes = [t.domain_devices for t in tiers]
+    bounded = sizes[:-1]
+    if sizes[-1] != 0 or any(s == 0 for s in bounded) or any(b <= a for a, b in zip(bounded, bounded[1:], strict=False)):
+        raise CatalogError(f"{origin}: {where}.tiers domain_devices = {sizes}: must grow from the innermost "
+                           "tier outwards and end with exactly one 0 (the scale-out network)")
+    for a, b in zip(bounded, bounded[1:], strict=False):
+        if b % a:
+            raise CatalogError(f"{origin}: {where}.tiers domain_devices = {sizes}: each must divide the next")
+    return tuple(tiers)
+
+
+def _system(origin: str, name: str, raw: dict, chips: dict[str, Chip], links: dict[str, Interconnect]) -> System:
+    where = f"systems.{name}"
+    _check(origin, where, raw, SYSTEM_FIELDS)
+    if raw["chip"] not in chips:
+        raise CatalogError(f"{origin}: {where}.chip = {raw['chip']!r}: unknown; allowed: {', '.join(sorted(chips))}")
+    eff = _check(origin, f"{where}.efficiency", raw["efficiency"], SYSTEM_EFF_FIELDS)
+    prices = _check(origin, f"{where}.prices", raw.get("prices", {"source": "no public price"}), PRICE_FIELDS)
+    tiers = _tiers(origin, where, raw["tiers"], links)
+    per_node = raw["chips_per_node"] * raw["devices_per_chip"]
+    inner = [t.domain_devices for t in tiers[:-1]]
+    if inner and per_node % inner[-1] and inner[-1] % per_node:
+        raise CatalogError(f"{origin}: {where}.tiers: innermost-to-node domain sizes {inner} do not nest with "
+                           f"{per_node} devices per node")
+    return System(
+        name=name, display_name=raw.get("display_name", name), chip=chips[raw["chip"]],
+        chips_per_node=raw["chips_per_node"], devices_per_chip=raw["devices_per_chip"],
+        device_unit=raw["device_unit"], tiers=tiers, efficiency=SystemEfficiency(**eff),
+        prices=Prices(**{**prices, "conflicts": tuple(prices.get("conflicts", ()))}), source=raw["source"], conflicts=tuple(raw.get("conflicts", ())), origin=origin,
+    )
+
+
+# ---- loading --------------------------------------------------------------------------------------------
+def _read(path: Path) -> dict:
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise CatalogError(f"{path}: not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise CatalogError(f"{path}: cannot read: {exc.strerror}") from None
+    for key in data:
+        if key not in ("chips", "interconnects", "systems"):
+            raise CatalogError(f"{path}: top-level table [{key}]: unknown; allowed: chips, interconnects, systems")
+    return data
+
+
+def catalog_files(extra: list[Path] | None = None) -> list[Path]:
+    """Built-in files, then every *.toml in $PARATRAIN_HARDWARE_DIR, then explicit extra files (later wins)."""
+    files = sorted(BUILTIN_DIR.glob("*.toml"))
+    user_dir = os.environ.get(ENV_DIR)
+    if user_dir:
+        if not Path(user_dir).is_dir():
+            raise CatalogError(f"${ENV_DIR} = {user_dir!r}: not a directory")
+        files += sorted(Path(user_dir).glob("*.toml"))
+    return files + list(extra or [])
+
+
+def load_catalog(extra: list[Path] | None = None) -> Catalog:
+    raw_chips: dict[str, tuple[str, dict]] = {}
+    raw_links: dict[str, tuple[str, dict]] = {}
+    raw_systems: dict[str, tuple[str, dict]] = {}
+    for path in catalog_files(extra):
+        data = _read(path)
+        for table, target in (("chips", raw_chips), ("interconnects", raw_links), ("systems", raw_systems)):
+            entries = data.get(table, {})
+            if not isinstance(entries, dict):
+                raise CatalogError(f"{path}: [{table}] must be a table of named entries")
+            for name, entry in entries.items():
+                target[name] = (str(path), entry)
+    chips = {name: _chip(origin, name, raw) for name, (origin, raw) in raw_chips.items()}
+    links = {name: _link(origin, name, raw) for name, (origin, raw) in raw_links.items()}
+    systems = {name: _system(origin, name, raw, chips, links) for name, (origin, raw) in raw_systems.items()}
+    return Catalog(chips, links, systems)
+
+
+_CACHE: dict[tuple, Catalog] = {}
+
+
+def get_catalog(extra: list[Path] | None = None) -> Catalog:
+    key = (os.environ.get(ENV_DIR), tuple(str(p) for p in extra or []))
+    if key not in _CACHE:
+        _CACHE[key] = load_catalog(extra)
+    return _CACHE[key]
+
+
+def resolve_system(spec: str | System) -> System:
+    """A system name from the catalog, or a TOML file path holding exactly one [systems.X] (plus its parts)."""
+    if isinstance(spec, System):
+        return spec
+    path = Path(spec)
+    if spec.endswith(".toml"):
+        if not path.is_file():
+            raise CatalogError(f"hardware '{spec}': no such file")
+        names = list(_read(path).get("systems", {}))
+        if len(names) != 1:
+            raise CatalogError(f"{spec}: holds {len(names)} [systems.X] tables; --hardware FILE needs exactly one")
+        return get_catalog([path]).system(names[0])
+    return get_catalog().system(spec)
