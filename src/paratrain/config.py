@@ -1,0 +1,217 @@
+"""The training configuration: one typed schema, loaded from TOML, written by the planner, read by the trainer.
+
+Every section forbids unknown keys, so a typo is an error, not a silently ignored setting. Errors name the
+key, the value and what is allowed (see `format_validation_error`).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from paratrain.model.config import PRESETS, ModelConfig, load_model_config
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelSection(Section):
+    """Either a preset name, a model TOML file, or a Hugging Face folder; explicit fields override the shape."""
+
+    preset: str = "tiny"
+    hf_path: str | None = None  # a Hugging Face Llama folder (config.json + *.safetensors): weights are loaded
+    layers: int | None = Field(default=None, gt=0)
+    hidden: int | None = Field(default=None, gt=0)
+    heads: int | None = Field(default=None, gt=0)
+    kv_heads: int | None = Field(default=None, gt=0)
+    ffn_hidden: int | None = Field(default=None, gt=0)
+    vocab: int | None = Field(default=None, gt=0)
+    max_seq: int | None = Field(default=None, gt=0)
+    tie_embeddings: bool | None = None
+
+    def resolve(self) -> ModelConfig:
+        if self.hf_path:
+            from paratrain.model.hf import config_from_hf
+
+            base = config_from_hf(self.hf_path)
+        elif self.preset in PRESETS or Path(self.preset).is_file():
+            base = load_model_config(self.preset)
+        else:
+            raise ValueError(f"model.preset='{self.preset}': allowed: {', '.join(PRESETS)} or a model TOML file")
+        overrides = {k: v for k, v in self.model_dump(exclude={"preset", "hf_path"}).items() if v is not None}
+        return ModelConfig(**{**base.model_dump(), **overrides}) if overrides else base
+
+
+class DataSection(Section):
+    # "stdlib" = the embedded default: this Python's standard library source (on every machine with Python).
+    source: str = "stdlib"
+    prepared_dir: str = "data/stdlib"
+    tokenizer: str = "train"  # "train" = train a byte-level BPE locally, or a path to a tokenizer.json
+    vocab_size: int = Field(default=4096, ge=256, le=2**31 - 1)
+    max_source_bytes: int = Field(default=8_000_000, gt=0)  # cap on corpus size read from `source`
+    val_fraction: float = Field(default=0.02, gt=0, lt=0.5)
+
+
+class ParallelSection(Section):
+    """Degrees of each mesh dimension. Ranks map with tp innermost (fastest link), then cp, then dp, pp outermost."""
+
+    dp: int = Field(default=-1, description="-1: whatever the world size leaves after tp*pp*cp")
+    tp: int = Field(default=1, ge=1)
+    pp: int = Field(default=1, ge=1)
+    cp: int = Field(default=1, ge=1)
+    sp: bool = False
+    dp_kind: Literal["ddp", "fsdp", "hsdp"] = "fsdp"
+    dp_replicate: int = Field(default=1, ge=1, description="hsdp: replica groups (across nodes); shard within")
+    reshard_after_forward: bool = True  # False = keep params gathered between fwd and bwd (ZeRO-2-like)
+    zero_stage: Literal[1, 2, 3] | None = None  # planner's view; maps onto dp_kind/reshard_after_forward
+    recompute: Literal["none", "selective", "full"] = "none"
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"] = "1f1b"
+    virtual_stages: int = Field(default=1, ge=1)
+    pp_layers: list[int] | None = None  # explicit layers per (virtual) stage; default balanced
+
+    @model_validator(mode="after")
+    def _check(self) -> ParallelSection:
+        if self.sp and self.tp == 1:
+            raise ValueError("parallel.sp=true needs parallel.tp > 1 (sequence parallelism shards the TP regions)")
+        if self.dp_kind != "hsdp" and self.dp_replicate != 1:
+            raise ValueError(f"parallel.dp_replicate={self.dp_replicate} is only allowed with dp_kind='hsdp'")
+        if self.dp != -1 and self.dp < 1:
+            raise ValueError(f"parallel.dp={self.dp}: allowed: -1 (infer) or >= 1")
+        return self
+
+    def non_dp_degree(self) -> int:
+        return self.tp * self.pp * self.cp
+
+
+class OptimSection(Section):
+    lr: float = Field(default=3e-3, gt=0)
+    min_lr: float = Field(default=3e-4, ge=0)
+    warmup_steps: int = Field(default=20, ge=0)
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    weight_decay: float = Field(default=0.1, ge=0)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    eps: float = Field(default=1e-8, gt=0)
+    grad_clip: float = Field(default=1.0, ge=0, description="0 disables clipping")
+
+
+class TrainSection(Section):
+    steps: int = Field(default=200, gt=0)
+    seq_len: int = Field(default=128, gt=1)
+    global_batch: int = Field(default=16, gt=0, description="sequences per optimizer step, all DP ranks")
+    microbatch: int = Field(default=4, gt=0, description="sequences per forward/backward on one DP rank")
+    seed: int = 1234
+    dtype: Literal["fp32", "bf16"] = "fp32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    eval_every: int = Field(default=50, ge=0, description="0 disables eval")
+    eval_batches: int = Field(default=4, gt=0)
+    log_every: int = Field(default=10, gt=0)
+    deterministic: bool = True
+    compile: bool = False
+    progress: bool = True
+
+
+class CheckpointSection(Section):
+    dir: str = ""  # local path, shared filesystem path or s3://bucket/prefix; "" = <run_dir>/checkpoints
+    interval: int = Field(default=0, ge=0, description="steps between saves; 0 = only at the end")
+    keep: int = Field(default=3, ge=1)
+    async_save: bool = False
+    resume: str = "auto"  # "auto" = newest complete checkpoint, "none", or a checkpoint path
+    save_final: bool = True
+
+
+class MetricsSection(Section):
+    run_dir: str = "runs/default"
+    jsonl: bool = True
+    tensorboard: bool = True
+    hardware: str = ""  # catalog entry whose peak FLOP/s defines MFU; "" = measured on this machine
+
+
+class StalenessSection(Section):
+    """Straggler tolerance for data parallelism (policy names shared with the planner and simulator)."""
+
+    policy: Literal["sync", "bounded_staleness", "time_budget"] = "sync"
+    max_staleness: int = Field(default=0, ge=0)
+    step_budget_s: float = Field(default=0.0, ge=0)
+    straggler_threshold: float = Field(default=1.5, gt=1.0)
+    straggler_window: int = Field(default=10, gt=0)
+    evict_stragglers: bool = False
+
+
+class TrainConfig(Section):
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    parallel: ParallelSection = ParallelSection()
+    optim: OptimSection = OptimSection()
+    train: TrainSection = TrainSection()
+    checkpoint: CheckpointSection = CheckpointSection()
+    metrics: MetricsSection = MetricsSection()
+    staleness: StalenessSection = StalenessSection()
+
+    @model_validator(mode="after")
+    def _check_model(self) -> TrainConfig:
+        cfg = self.model.resolve()  # raises a clear error for a bad preset/shape
+        if self.train.seq_len > cfg.max_seq:
+            raise ValueError(f"train.seq_len={self.train.seq_len} exceeds the model's max_seq={cfg.max_seq}")
+        return self
+
+    def model_shape(self) -> ModelConfig:
+        return self.model.resolve()
+
+
+def format_validation_error(err: ValidationError) -> str:
+    """One message per problem: the dotted key, the value given, and what is allowed."""
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"]) or "config"
+        value = e.get("input")
+        msg = e["msg"].removeprefix("Value error, ")
+        shown = "" if isinstance(value, dict) else f"={value!r}"
+        lines.append(f"{key}{shown}: {msg}")
+    return "invalid config: " + "; ".join(lines)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'section.key=value' -> (['section', 'key'], value), the value parsed as a TOML value when it can be."""
+    if "=" not in text:
+        raise ValueError(f"--set '{text}': expected section.key=value")
+    key, raw = text.split("=", 1)
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw  # a bare string
+    return key.strip().split("."), value
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ValueError(f"--config '{path}': no such file")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"--config '{path}': not valid TOML: {exc}") from None
+    for item in overrides or []:
+        keys, value = parse_override(item)
+        node = data
+        for k in keys[:-1]:
+            node = node.setdefault(k, {})
+            if not isinstance(node, dict):
+                raise ValueError(f"--set '{item}': '{k}' is not a section")
+        node[keys[-1]] = value
+    try:
+        return TrainConfig(**data)
+    except ValidationError as err:
+        raise ValueError(format_validation_error(err)) from None
+
+
+def dump_config(cfg: TrainConfig) -> str:
+    import tomli_w
+
+    return tomli_w.dumps(cfg.model_dump(exclude_none=True))

@@ -1,0 +1,298 @@
+"""What the simulator takes: a cluster, a step time, checkpointing, recovery, spares, stragglers, price.
+
+Everything is a plain number so the simulator runs without the hardware catalog or the planner;
+`paratrain.sim.catalog` fills these numbers from them when they are available.
+
+Time unit: seconds everywhere. "Work" is fault-free compute time (steps * step_time_s).
+Every default that is an assumption rather than a published number says so.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import tomllib
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+
+from paratrain.sim.failures import FailureCause, llama3_causes, load_causes_toml, scale_rates
+
+STRAGGLER_POLICIES = ("wait", "bounded_staleness", "evict_replace")
+INTERVAL_RULES = ("daly", "young")
+REPAIR_DISTRIBUTIONS = ("lognormal", "exponential", "fixed")
+
+HOUR_S = 3600.0
+DAY_S = 86400.0
+
+
+@dataclass(frozen=True)
+class StragglerConfig:
+    """Slow devices: episodes start at `rate_per_device_hour` per device, last an exponential time with mean
+    `mean_duration_s`, and slow their device by a factor f = 1 + (slowdown_median - 1) * lognormal(0, sigma).
+
+    Policies (names used by the CLI and the TOML file):
+      wait               synchronous training: every step waits for the slowest rank, so the job runs at
+                         1 / max(f) of full speed while any straggler is active.
+      bounded_staleness  a slow data-parallel rank may fall up to `staleness_steps` steps behind (its gradients
+                         applied late); the job only slows once an episode's lag exceeds that tolerance.
+                         The lag is dropped when the episode ends (the rank discards its stale steps).
+      evict_replace      like wait, but an episode that persists for `evict_after_s` is evicted at the next
+                         checkpoint: the job stops there, swaps the node for a spare and restarts from that
+                         checkpoint (no lost work, one restart, one spare consumed).
+    The default rate is 0 (no stragglers): there is no public per-device straggler rate to default to.
+    """
+
+    rate_per_device_hour: float = 0.0
+    mean_duration_s: float = 1800.0
+    slowdown_median: float = 1.5
+    slowdown_sigma: float = 0.5
+    policy: str = "wait"
+    staleness_steps: int = 4
+    evict_after_s: float = 300.0
+
+    def validate(self) -> None:
+        _require(self.rate_per_device_hour >= 0, "straggler_rate_per_device_hour", self.rate_per_device_hour, ">= 0")
+        _require(self.mean_duration_s > 0, "straggler_mean_duration_s", self.mean_duration_s, "> 0")
+        _require(self.slowdown_median > 1, "straggler_slowdown_median", self.slowdown_median, "> 1 (a factor)")
+        _require(self.slowdown_sigma >= 0, "straggler_slowdown_sigma", self.slowdown_sigma, ">= 0")
+        _require(self.policy in STRAGGLER_POLICIES, "straggler_policy", self.policy, f"one of {STRAGGLER_POLICIES}")
+        _require(self.staleness_steps >= 0, "staleness_steps", self.staleness_steps, ">= 0")
+        _require(self.evict_after_s >= 0, "evict_after_s", self.evict_after_s, ">= 0")
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One training run to simulate. Give exactly one of `steps` (time to train) or `duration_s` (what a
+    fixed wall-clock window achieves, e.g. Llama 3's 54-day snapshot)."""
+
+    devices: int
+    step_time_s: float
+    steps: int | None = None
+    duration_s: float | None = None
+    devices_per_node: int = 8
+    nodes_per_domain: int = 1  # replacement unit: 1 = a node; 4 = a Trn2 UltraServer of 4 nodes
+    # Checkpointing. Sizes and bandwidths are aggregate over the job (assumption defaults: 1 TB, 100 GB/s).
+    checkpoint_bytes: float = 1e12
+    write_bytes_per_s: float = 100e9
+    read_bytes_per_s: float = 100e9
+    async_fraction: float = 0.0  # share of the write that overlaps with compute (0 = fully blocking)
+    checkpoint_interval: str | float = "daly"  # "daly" | "young" | compute seconds between checkpoints
+    # Recovery (assumptions: a health check notices a dead rank within a minute; relaunch + init 3 min;
+    # a node swap adds a minute for the scheduler to bring the spare in).
+    detect_s: float = 60.0
+    restart_s: float = 180.0
+    swap_s: float = 60.0
+    # Hot spares, counted in nodes; None = 1% of the job's nodes, at least one replacement unit (assumption).
+    spare_nodes: int | None = None
+    repair_mean_s: float = 24 * HOUR_S  # assumption: a day to diagnose, reseat or RMA-swap a node
+    repair_distribution: str = "lognormal"
+    repair_sigma: float = 1.0
+    causes: tuple[FailureCause, ...] = field(default_factory=llama3_causes)
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    price_per_device_hour_usd: float | None = None
+    samples: int = 100
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- validation: one clear error per bad field, before any work ----------------------------------
+    def validate(self) -> None:
+        _require(_is_int(self.devices) and self.devices >= 1, "devices", self.devices, "an integer >= 1")
+        _require(_is_int(self.devices_per_node) and self.devices_per_node >= 1, "devices_per_node",
+                 self.devices_per_node, "an integer >= 1")
+        _require(self.devices % self.devices_per_node == 0, "devices", self.devices,
+                 f"a multiple of devices_per_node={self.devices_per_node}")
+        _require(_is_int(self.nodes_per_domain) and self.nodes_per_domain >= 1, "nodes_per_domain",
+                 self.nodes_per_domain, "an integer >= 1")
+        _require(self.nodes % self.nodes_per_domain == 0, "nodes_per_domain", self.nodes_per_domain,
+                 f"a divisor of the job's {self.nodes} nodes")
+        _require(_finite(self.step_time_s) and self.step_time_s > 0, "step_time_s", self.step_time_s, "> 0")
+        if (self.steps is None) == (self.duration_s is None):
+            raise ValueError("give exactly one of steps (time to train) or duration_s (a fixed wall-clock window)")
+        if self.steps is not None:
+            _require(_is_int(self.steps) and self.steps >= 1, "steps", self.steps, "an integer >= 1")
+        if self.duration_s is not None:
+            _require(_finite(self.duration_s) and self.duration_s > 0, "duration_s", self.duration_s, "> 0")
+        _require(self.checkpoint_bytes >= 0, "checkpoint_bytes", self.checkpoint_bytes, ">= 0")
+        _require(self.write_bytes_per_s > 0, "write_bytes_per_s", self.write_bytes_per_s, "> 0")
+        _require(self.read_bytes_per_s > 0, "read_bytes_per_s", self.read_bytes_per_s, "> 0")
+        _require(0 <= self.async_fraction < 1, "async_fraction", self.async_fraction, "in [0, 1)")
+        self._validate_interval()
+        for name in ("detect_s", "restart_s", "swap_s"):
+            _require(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
+        if self.spare_nodes is not None:
+            _require(_is_int(self.spare_nodes) and self.spare_nodes >= 0, "spare_nodes", self.spare_nodes,
+                     "an integer >= 0")
+        _require(self.repair_mean_s > 0, "repair_mean_s", self.repair_mean_s, "> 0")
+        _require(self.repair_distribution in REPAIR_DISTRIBUTIONS, "repair_distribution",
+                 self.repair_distribution, f"one of {REPAIR_DISTRIBUTIONS}")
+        _require(self.repair_sigma >= 0, "repair_sigma", self.repair_sigma, ">= 0")
+        _require(len(self.causes) > 0, "causes", "()", "at least one failure cause")
+        self.stragglers.validate()
+        if self.price_per_device_hour_usd is not None:
+            _require(self.price_per_device_hour_usd >= 0, "price_per_device_hour_usd",
+                     self.price_per_device_hour_usd, ">= 0")
+        _require(_is_int(self.samples) and self.samples >= 2, "samples", self.samples, "an integer >= 2")
+
+    def _validate_interval(self) -> None:
+        interval = self.checkpoint_interval
+        if isinstance(interval, str):
+            _require(interval in INTERVAL_RULES, "checkpoint_interval", interval,
+                     f"one of {INTERVAL_RULES} or a number of seconds")
+            return
+        _require(_finite(interval) and interval > 0, "checkpoint_interval", interval, "> 0 seconds")
+        async_write = self.async_fraction * self.checkpoint_write_s
+        _require(interval >= async_write, "checkpoint_interval", interval,
+                 f">= the asynchronous part of the write ({async_write:.1f} s): one write at a time")
+
+    # ---- derived quantities -----------------------------------------------------------------------
+    @property
+    def nodes(self) -> int:
+        return self.devices // self.devices_per_node
+
+    @property
+    def domains(self) -> int:
+        return self.nodes // self.nodes_per_domain
+
+    @property
+    def spare_node_count(self) -> int:
+        if self.spare_nodes is not None:
+            return self.spare_nodes
+        units = max(1, math.ceil(0.01 * self.domains))
+        return units * self.nodes_per_domain
+
+    @property
+    def spare_slots(self) -> int:
+        """Spares in replacement units: a failure in an UltraServer needs a whole spare UltraServer."""
+        return self.spare_node_count // self.nodes_per_domain
+
+    @property
+    def checkpoint_write_s(self) -> float:
+        return self.checkpoint_bytes / self.write_bytes_per_s
+
+    @property
+    def checkpoint_block_s(self) -> float:
+        """Time the job is stopped per checkpoint (delta in Daly's notation)."""
+        return (1.0 - self.async_fraction) * self.checkpoint_write_s
+
+    @property
+    def checkpoint_async_s(self) -> float:
+        """Time after the stop until the checkpoint is durable (a failure before then loses it)."""
+        return self.async_fraction * self.checkpoint_write_s
+
+    @property
+    def restore_s(self) -> float:
+        return self.checkpoint_bytes / self.read_bytes_per_s
+
+    @property
+    def work_s(self) -> float | None:
+        return None if self.steps is None else self.steps * self.step_time_s
+
+    def with_updates(self, **changes) -> SimConfig:
+        return replace(self, **changes)
+
+
+def _require(ok: bool, name: str, value, allowed: str) -> None:
+    if not ok:
+        raise ValueError(f"{name}={value!r} is not allowed: must be {allowed}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _finite(value) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+# ---- parsing of human-friendly values (CLI and TOML) ----------------------------------------------------
+_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:e[+-]?\d+)?)\s*(s|sec|m|min|h|d)?\s*$", re.IGNORECASE)
+_UNIT_S = {None: 1.0, "s": 1.0, "sec": 1.0, "m": 60.0, "min": 60.0, "h": HOUR_S, "d": DAY_S}
+
+
+def parse_duration_s(text: str | float, name: str) -> float:
+    """'90s', '30m', '2.5h', '54d' or a bare number of seconds."""
+    if isinstance(text, int | float):
+        return float(text)
+    match = _DURATION.match(str(text))
+    if not match:
+        raise ValueError(f"{name}={text!r} is not a duration: use e.g. 90s, 30m, 2.5h, 54d")
+    unit = match.group(2).lower() if match.group(2) else None
+    return float(match.group(1)) * _UNIT_S[unit]
+
+
+def parse_interval(text: str | float, step_time_s: float) -> str | float:
+    """'daly', 'young', a duration ('20m'), or a number of steps ('500steps')."""
+    if isinstance(text, int | float):
+        return float(text)
+    value = str(text).strip().lower()
+    if value in INTERVAL_RULES:
+        return value
+    if value.endswith("steps"):
+        count = value[: -len("steps")].strip()
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"checkpoint_interval={text!r}: a step count must be a positive integer, e.g. 500steps")
+        return int(count) * step_time_s
+    try:
+        return parse_duration_s(value, "checkpoint_interval")
+    except ValueError:
+        raise ValueError(
+            f"checkpoint_interval={text!r} is not allowed: use daly, young, a duration (20m) or a step count (500steps)"
+        ) from None
+
+
+# ---- TOML -------------------------------------------------------------------------------------------------
+_TOML_FIELDS = {f.name for f in fields(SimConfig)} - {"causes", "stragglers"}
+_STRAGGLER_FIELDS = {f.name for f in fields(StragglerConfig)}
+
+
+def load_sim_toml(path: str | Path) -> dict:
+    """Read a simulation TOML into keyword arguments for SimConfig (validated when the config is built).
+
+    Top-level keys are SimConfig fields (durations may be strings like "54d"); optional tables:
+    [stragglers] (StragglerConfig fields), failures = "file.toml" or [[cause]] tables, rate_scale = 0.5.
+    """
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"simulation config {str(path)!r} does not exist")
+    with path.open("rb") as fh:
+        data = tomllib.load(fh)
+    kwargs: dict = {}
+    stragglers = data.pop("stragglers", None)
+    failures = data.pop("failures", None)
+    cause_tables = data.pop("cause", None)
+    rate_scale = float(data.pop("rate_scale", 1.0))
+    unknown = set(data) - _TOML_FIELDS
+    if unknown:
+        raise ValueError(f"{str(path)!r}: unknown field(s) {sorted(unknown)}; allowed: {sorted(_TOML_FIELDS)}")
+    for key, value in data.items():
+        if key in ("duration_s", "repair_mean_s", "detect_s", "restart_s", "swap_s") and isinstance(value, str):
+            value = parse_duration_s(value, key)
+        kwargs[key] = value
+    if stragglers is not None:
+        bad = set(stragglers) - _STRAGGLER_FIELDS
+        if bad:
+            raise ValueError(f"{str(path)!r} [stragglers]: unknown field(s) {sorted(bad)}; allowed: {sorted(_STRAGGLER_FIELDS)}")
+        kwargs["stragglers"] = StragglerConfig(**stragglers)
+    causes = _causes_from_toml_parts(path, failures, cause_tables)
+    kwargs["causes"] = scale_rates(causes, rate_scale)
+    return kwargs
+
+
+def _causes_from_toml_parts(path: Path, failures, cause_tables) -> tuple[FailureCause, ...]:
+    if failures is not None and cause_tables is not None:
+        raise ValueError(f"{str(path)!r}: give either failures = \"file.toml\" or [[cause]] tables, not both")
+    if failures is not None:
+        return load_causes_toml(path.parent / str(failures))
+    if cause_tables is not None:
+        return load_causes_toml_tables(path, cause_tables)
+    return llama3_causes()
+
+
+def load_causes_toml_tables(path: Path, tables: list) -> tuple[FailureCause, ...]:
+    from paratrain.sim.failures import _cause_from_table
+
+    if not isinstance(tables, list) or not tables:
+        raise ValueError(f"{str(path)!r}: [[cause]] must be a non-empty array of tables")
+    return tuple(_cause_from_table(t, path) for t in tables)

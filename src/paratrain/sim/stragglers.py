@@ -1,0 +1,110 @@
+"""Stragglers: how much of the job's compute time a straggler policy loses, per Monte-Carlo replica.
+
+A synchronous job runs at 1 / max(f) of full speed while slow devices with factors f are active, so the lost
+share of time is g = 1 - 1/max(f). With hundreds of thousands of devices episodes overlap, so the loss is the
+integral of g over the upper envelope of all active episodes. It is computed exactly for slowdowns quantised
+to LEVELS values of g (rounded down, so the loss is never overstated by more than 1/LEVELS of g): by the
+layer-cake identity, integral of g(t) dt = sum over levels u of du * |union of episodes with g >= u|, and
+the length of a union of intervals is one sort plus a running maximum, vectorised over all replicas at once.
+
+The loss share is then applied to the failure simulation as a slower effective step ("mean field"): straggler
+episodes (minutes) are short against checkpoint intervals and runs (hours to months) and independent of
+failures, so the mean is right; run-to-run spread comes from each replica's own straggler draw.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from paratrain.sim.config import HOUR_S, StragglerConfig
+
+LEVELS = 64
+# Cap on episodes simulated per replica: the loss share is a time average of a stationary process, so a window
+# holding this many episodes estimates it well; longer runs reuse that window's share.
+MAX_EPISODES_PER_REPLICA = 20_000
+
+
+@dataclass(frozen=True)
+class StragglerOutcome:
+    lost_share: np.ndarray  # per replica: share of compute wall time that makes no progress
+    episodes_per_s: float  # job-level episode rate
+    evictions_per_s: float  # job-level rate of evict_replace evictions (0 for other policies)
+    window_s: float  # simulated window per replica
+
+
+def eviction_rate_per_s(cfg: StragglerConfig, devices: int) -> float:
+    """Evictions are episodes lasting longer than evict_after_s: a thinned Poisson process."""
+    if cfg.policy != "evict_replace" or cfg.rate_per_device_hour == 0:
+        return 0.0
+    episodes = devices * cfg.rate_per_device_hour / HOUR_S
+    return episodes * math.exp(-cfg.evict_after_s / cfg.mean_duration_s)
+
+
+def simulate_stragglers(
+    cfg: StragglerConfig,
+    devices: int,
+    step_time_s: float,
+    checkpoint_period_s: float,
+    horizon_s: float,
+    samples: int,
+    rng: np.random.Generator,
+) -> StragglerOutcome:
+    episodes_per_s = devices * cfg.rate_per_device_hour / HOUR_S
+    evictions = eviction_rate_per_s(cfg, devices)
+    if episodes_per_s == 0:
+        return StragglerOutcome(np.zeros(samples), 0.0, 0.0, 0.0)
+    # Episodes may start before the window and still be active in it: start the draw 8 mean durations early.
+    lead_s = 8.0 * cfg.mean_duration_s
+    window_s = min(horizon_s, MAX_EPISODES_PER_REPLICA / episodes_per_s)
+    counts = rng.poisson(episodes_per_s * (window_s + lead_s), size=samples)
+    replica = np.repeat(np.arange(samples), counts)
+    start = rng.uniform(-lead_s, window_s, size=replica.size)
+    duration = rng.exponential(cfg.mean_duration_s, size=replica.size)
+    factor = 1.0 + (cfg.slowdown_median - 1.0) * rng.lognormal(0.0, cfg.slowdown_sigma, size=replica.size)
+    lost_per_s = 1.0 - 1.0 / factor
+    start, end = _apply_policy(cfg, start, duration, lost_per_s, step_time_s, checkpoint_period_s, rng)
+    lost_s = _envelope_integral(replica, start, end, lost_per_s, window_s, samples)
+    return StragglerOutcome(lost_s / window_s, episodes_per_s, evictions, window_s)
+
+
+def _apply_policy(cfg, start, duration, lost_per_s, step_time_s, checkpoint_period_s, rng):
+    """The part of each episode during which the job is actually slowed, under the chosen policy."""
+    end = start + duration
+    if cfg.policy == "bounded_staleness":
+        # The slow rank falls behind at lost_per_s steps per step time; tolerated until it is s steps behind.
+        absorbed_s = cfg.staleness_steps * step_time_s / lost_per_s
+        start = start + absorbed_s
+    elif cfg.policy == "evict_replace":
+        # Detected after evict_after_s, evicted at the next checkpoint (uniform phase within the period).
+        evict_at = start + cfg.evict_after_s + rng.uniform(0.0, checkpoint_period_s, size=start.size)
+        end = np.minimum(end, evict_at)
+    return start, end
+
+
+def _envelope_integral(replica, start, end, lost_per_s, window_s, samples) -> np.ndarray:
+    """Per replica: integral over [0, window] of max lost_per_s among active episodes (quantised)."""
+    start = np.clip(start, 0.0, window_s)
+    end = np.clip(end, 0.0, window_s)
+    keep = end > start
+    replica, start, end, lost_per_s = replica[keep], start[keep], end[keep], lost_per_s[keep]
+    if replica.size == 0:
+        return np.zeros(samples)
+    level = np.floor(lost_per_s * LEVELS).astype(np.int64)  # episode counts at levels 1..level
+    # Lay the replicas end to end on one time line so one sort serves all of them.
+    offset = replica * (window_s * 2.0)
+    order = np.argsort(start + offset, kind="stable")
+    replica, start, end, level = replica[order], start[order] + offset[order], end[order] + offset[order], level[order]
+    lost_s = np.zeros(samples)
+    for k in range(1, LEVELS + 1):
+        mask = level >= k
+        if not mask.any():
+            break
+        s, e, r = start[mask], end[mask], replica[mask]
+        covered_until = np.maximum.accumulate(e)
+        previous = np.concatenate(([-np.inf], covered_until[:-1]))
+        new_cover = np.maximum(0.0, e - np.maximum(s, previous))
+        lost_s += np.bincount(r, weights=new_cover, minlength=samples) / LEVELS
+    return lost_s

@@ -1,0 +1,94 @@
+"""`paratrain train`, `paratrain data prepare`, `paratrain config`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+TRAIN_HELP = """\
+Train a Llama-style model from a TOML config (see configs/ and docs/config.md).
+
+One process:          paratrain train --config configs/tiny.toml
+Parallel (8 ranks):   torchrun --nproc-per-node 8 -m paratrain train --config configs/tiny.toml \\
+                          --set parallel.tp=2 --set parallel.pp=2
+Override any key:     --set optim.lr=1e-3 --set train.steps=50
+
+Resumes automatically from the newest complete checkpoint in checkpoint.dir (checkpoint.resume="auto").
+Metrics: <metrics.run_dir>/metrics.jsonl and TensorBoard logs in <metrics.run_dir>/tensorboard.
+"""
+
+
+def _add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", "-c", help="TOML config file (default: built-in defaults = tiny model)")
+    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                   help="override one config key (repeatable); the value is parsed as TOML")
+
+
+def register(sub) -> None:
+    p = sub.add_parser("train", help="train a model (single process or under torchrun)", description=TRAIN_HELP,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(p)
+    p.add_argument("--resume-from", help="checkpoint folder to resume from (default: newest complete one)")
+    p.add_argument("--summary-json", help="write the run summary as JSON to this file (main rank)")
+    p.set_defaults(func=run_train)
+
+    d = sub.add_parser("data", help="prepare training data (tokenize into a memory-mapped token file)")
+    dsub = d.add_subparsers(dest="data_command", metavar="ACTION")
+    prep = dsub.add_parser("prepare", help="tokenize data.source into data.prepared_dir",
+                           description="Train (or load) a tokenizer and write packed uint16/uint32 token files.\n"
+                                       "Default source 'stdlib': this Python's standard library, nothing "
+                                       "downloaded.\nExample: paratrain data prepare --set data.source=my_texts/",
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    _add_config_args(prep)
+    prep.add_argument("--force", action="store_true", help="re-tokenize even if already prepared")
+    prep.set_defaults(func=run_prepare)
+    d.set_defaults(func=lambda args: d.print_help() or 0)
+
+    c = sub.add_parser("config", help="validate a config and print it fully resolved (defaults filled in)")
+    _add_config_args(c)
+    c.set_defaults(func=run_config)
+
+
+def run_config(args) -> int:
+    from paratrain.config import dump_config, load_config
+
+    cfg = load_config(args.config, args.set)
+    print(dump_config(cfg), end="")
+    shape = cfg.model_shape()
+    print(f"# model: {shape.name}, {shape.num_params() / 1e6:,.2f}M parameters")
+    return 0
+
+
+def run_prepare(args) -> int:
+    from paratrain.config import load_config
+    from paratrain.train.data import prepare, read_meta
+
+    cfg = load_config(args.config, args.set)
+    out = prepare(cfg.data, force=args.force)
+    print(json.dumps(read_meta(out), indent=2))
+    return 0
+
+
+def run_train(args) -> int:
+    from paratrain.config import load_config
+    from paratrain.train.loop import train
+
+    cfg = load_config(args.config, args.set)  # fails here, before any process group or data work
+    summary = train(cfg, resume_from=args.resume_from)
+    if summary["rank"] == 0:
+        print_summary(summary)
+        if args.summary_json:
+            with open(args.summary_json, "w") as fh:
+                json.dump(summary, fh, indent=2)
+    return 0
+
+
+def print_summary(s: dict) -> None:
+    drop = (1 - s["last_loss"] / s["first_loss"]) if s["first_loss"] == s["first_loss"] else float("nan")
+    print("\n=== paratrain run summary ===")
+    print(f"layout          {s['layout']} on {s['world_size']} rank(s)")
+    print(f"steps           {s['steps']} ({s['tokens']:,} tokens) in {s['wall_s']:.1f} s")
+    print(f"loss            {s['first_loss']:.4f} -> {s['last_loss']:.4f} ({drop:.1%} lower)")
+    print(f"throughput      {s['tokens_per_s']:,.0f} tokens/s")
+    print(f"metrics         {s['run_dir']}/metrics.jsonl, TensorBoard: {s['run_dir']}/tensorboard")
+    print(f"checkpoint      {s['checkpoint'] or '(none saved)'}")

@@ -1,0 +1,203 @@
+"""The training loop. The same code runs one process on a CPU and thousands of ranks under torchrun:
+the layout lives in `paratrain.parallel`, which hands this loop a `Runner`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from paratrain.config import OptimSection, TrainConfig, dump_config
+from paratrain.model.llama import Llama
+from paratrain.parallel import parallelize
+from paratrain.parallel.mesh import build_mesh, init_distributed, resolve_degrees
+from paratrain.train.checkpoint import CheckpointManager
+from paratrain.train.data import GlobalSampler, TokenWindows, prepare, read_meta
+from paratrain.train.metrics import MetricsLogger, measure_peak_flops, peak_memory_bytes
+
+
+def lr_lambda(opt: OptimSection, total_steps: int):
+    """Multiplier of opt.lr at each step: linear warmup, then cosine/linear decay to min_lr (or constant)."""
+    floor = opt.min_lr / opt.lr
+
+    def fn(step: int) -> float:
+        if step < opt.warmup_steps:
+            return (step + 1) / opt.warmup_steps
+        if opt.schedule == "constant":
+            return 1.0
+        progress = min((step - opt.warmup_steps) / max(total_steps - opt.warmup_steps, 1), 1.0)
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if opt.schedule == "cosine" else 1 - progress
+        return floor + (1 - floor) * decay
+
+    return fn
+
+
+def build_optimizer(runner, opt: OptimSection) -> torch.optim.Optimizer:
+    """AdamW; weight decay on matrices only (not norms). foreach is off when parameters mix DTensor and
+    plain tensors (TP without SP leaves norm weights plain), which the foreach kernels reject."""
+    params = [p for p in runner.parameters() if p.requires_grad]
+    decay = [p for p in params if p.ndim >= 2]
+    no_decay = [p for p in params if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
+                             foreach=getattr(runner, "optimizer_foreach", True))
+
+
+@dataclass
+class StepStats:
+    losses: list[float] = field(default_factory=list)
+    tokens: int = 0
+    compute_s: float = 0.0
+
+
+def check_batch_layout(cfg: TrainConfig, dp: int) -> None:
+    t = cfg.train
+    if t.global_batch % dp:
+        raise ValueError(f"train.global_batch={t.global_batch} must be divisible by the data-parallel size {dp}")
+    if (t.global_batch // dp) % t.microbatch:
+        raise ValueError(f"train.microbatch={t.microbatch} must divide the per-rank batch "
+                         f"global_batch/dp = {t.global_batch // dp}")
+
+
+def seed_everything(seed: int, deterministic: bool) -> None:
+    torch.manual_seed(seed)
+    if deterministic:
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
+def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
+    """Train per `cfg`; returns a summary (first/last loss, tokens/s, paths). Runs on every rank."""
+    env = init_distributed(cfg.train.device)
+    if env.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and env.world_size > 1:
+        torch.set_num_threads(1)  # one compute thread per rank: ranks share the cores
+    degrees = resolve_degrees(cfg.parallel, env.world_size)  # validates before any work
+    check_batch_layout(cfg, degrees["dp"])
+    seed_everything(cfg.train.seed, cfg.train.deterministic)
+
+    if env.is_main:
+        prepare(cfg.data)
+    if dist.is_initialized():
+        dist.barrier()
+    model_cfg = cfg.model_shape()
+    vocab = read_meta(cfg.data.prepared_dir)["vocab_size"]
+    if vocab > model_cfg.vocab:
+        raise ValueError(f"model vocab {model_cfg.vocab} < tokenizer vocab {vocab}: set model.vocab >= {vocab}")
+
+    model = _build_model(cfg, model_cfg)
+    mesh = build_mesh(cfg.parallel, env)
+    runner = parallelize(model, cfg, mesh, env)
+    optimizer = build_optimizer(runner, cfg.optim)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.train.steps))
+
+    train_data = TokenWindows(cfg.data.prepared_dir, "train", cfg.train.seq_len)
+    val_data = TokenWindows(cfg.data.prepared_dir, "val", cfg.train.seq_len)
+    sampler = GlobalSampler(train_data.num_samples, cfg.train.global_batch, cfg.train.seed)
+
+    run_dir = Path(cfg.metrics.run_dir)
+    ckpt_dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
+    ckpt = CheckpointManager(ckpt_dir, env.rank, keep=cfg.checkpoint.keep)
+    logger = MetricsLogger(run_dir, env.is_main, cfg.metrics.jsonl, cfg.metrics.tensorboard,
+                           cfg.train.steps, cfg.train.progress)
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(dump_config(cfg))
+
+    start_step = 0
+    source = resume_from or (cfg.checkpoint.resume if cfg.checkpoint.resume not in ("auto", "none") else None)
+    path = Path(source) if source else (ckpt.latest() if cfg.checkpoint.resume == "auto" else None)
+    if path is not None:
+        extra = ckpt.load(path, runner.parts, optimizer)
+        scheduler.load_state_dict(extra["scheduler"])
+        sampler.load_state_dict(extra["sampler"])
+        start_step = extra["step"]
+        logger.write(f"resumed from {path} at step {start_step} (sampler at global sample "
+                     f"{sampler.step * cfg.train.global_batch})")
+
+    peak_flops, peak_label = _peak_flops(cfg, env)
+    flops_per_token = model_cfg.train_flops_per_token(cfg.train.seq_len)
+    stats = StepStats()
+    first_loss = last_loss = float("nan")
+    t_start = time.perf_counter()
+    for step in range(start_step, cfg.train.steps):
+        t0 = time.perf_counter()
+        inputs, targets = train_data.batch(sampler.next_indices(runner.dp_rank, runner.dp_size))
+        loss = runner.forward_backward(inputs, targets)
+        grad_norm = runner.clip_grad_norm_(cfg.optim.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        loss_value = float(loss)
+        dt = time.perf_counter() - t0
+        tokens = cfg.train.global_batch * cfg.train.seq_len
+        stats.losses.append(loss_value)
+        stats.tokens += tokens
+        stats.compute_s += dt
+        if step == start_step:
+            first_loss = loss_value
+        last_loss = loss_value
+        tokens_per_s = tokens / dt
+        # MFU per device: model FLOPs of this step over (world size x peak of one device).
+        mfu = flops_per_token * tokens / dt / (peak_flops * env.world_size)
+        record = {"loss": loss_value, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                  "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
+                  "memory_bytes": peak_memory_bytes(env.device)}
+        logger.log(step + 1, record)
+        logger.advance(1, {"loss": loss_value, "tok/s": tokens_per_s, "mfu": mfu})
+        if (step + 1) % cfg.train.log_every == 0 and not cfg.train.progress:
+            logger.write(f"step {step + 1:>6} loss {loss_value:.4f} lr {record['lr']:.2e} "
+                         f"tok/s {tokens_per_s:,.0f} mfu {mfu:.1%} ({peak_label}) "
+                         f"mem {record['memory_bytes'] / 2**20:,.0f} MiB")
+        if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
+            val = _evaluate(runner, val_data, cfg)
+            logger.log(step + 1, {"val_loss": val})
+            logger.write(f"step {step + 1}: val_loss {val:.4f}")
+        interval = cfg.checkpoint.interval
+        last = step + 1 == cfg.train.steps
+        if (interval and (step + 1) % interval == 0) or (last and cfg.checkpoint.save_final):
+            ckpt.save(step + 1, runner.parts, optimizer, {"step": step + 1, "scheduler": scheduler.state_dict(),
+                                                          "sampler": sampler.state_dict()})
+    wall = time.perf_counter() - t_start
+    logger.close()
+    return {
+        "first_loss": first_loss, "last_loss": last_loss, "losses": stats.losses,
+        "steps": len(stats.losses), "tokens": stats.tokens,
+        "tokens_per_s": stats.tokens / stats.compute_s if stats.compute_s else 0.0,
+        "wall_s": wall, "peak_flops": peak_flops, "peak_label": peak_label,
+        "run_dir": str(run_dir), "checkpoint": str(ckpt.latest() or ""), "rank": env.rank,
+        "world_size": env.world_size, "layout": degrees,
+    }
+
+
+def _build_model(cfg: TrainConfig, model_cfg) -> Llama:
+    if cfg.model.hf_path:
+        from paratrain.model.hf import load_hf_llama
+
+        return load_hf_llama(cfg.model.hf_path)
+    model = Llama(model_cfg)
+    model.init_weights(cfg.train.seed)  # same weights on every rank, whatever the layout
+    return model
+
+
+def _peak_flops(cfg: TrainConfig, env) -> tuple[float, str]:
+    """Peak FLOP/s of one device: from the hardware catalog when named, else measured here (labelled)."""
+    if cfg.metrics.hardware:
+        from paratrain.hardware import peak_flops_per_device
+
+        return peak_flops_per_device(cfg.metrics.hardware, cfg.train.dtype), f"peak of {cfg.metrics.hardware}"
+    return measure_peak_flops(env.device), "peak measured by a matmul probe on this machine"
+
+
+def _evaluate(runner, data: TokenWindows, cfg: TrainConfig) -> float:
+    per_rank = max(cfg.train.global_batch // runner.dp_size, cfg.train.microbatch)
+    losses = []
+    for b in range(cfg.train.eval_batches):
+        start = (b * runner.dp_size + runner.dp_rank) * per_rank
+        idx = [(start + i) % data.num_samples for i in range(per_rank)]
+        losses.append(float(runner.eval_loss(*data.batch(idx))))
+    return sum(losses) / len(losses)
