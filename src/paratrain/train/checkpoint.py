@@ -13,9 +13,9 @@ import shutil
 from pathlib import Path
 
 import torch
-from torch import nn
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 MARKER = "COMMITTED.json"

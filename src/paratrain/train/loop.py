@@ -89,9 +89,7 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
     if vocab > model_cfg.vocab:
         raise ValueError(f"model vocab {model_cfg.vocab} < tokenizer vocab {vocab}: set model.vocab >= {vocab}")
 
-    model = _build_model(cfg, model_cfg)
-    mesh = build_mesh(cfg.parallel, env)
-    runner = parallelize(model, cfg, mesh, env)
+    runner = build_runner(cfg, env)
     optimizer = build_optimizer(runner, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.train.steps))
 
@@ -172,6 +170,12 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
         "run_dir": str(run_dir), "checkpoint": str(ckpt.latest() or ""), "rank": env.rank,
         "world_size": env.world_size, "layout": degrees,
     }
+
+
+def build_runner(cfg: TrainConfig, env):
+    """Model built identically on every rank (same seed), then split/sharded for the layout."""
+    model = _build_model(cfg, cfg.model_shape())
+    return parallelize(model, cfg, build_mesh(cfg.parallel, env), env)
 
 
 def _build_model(cfg: TrainConfig, model_cfg) -> Llama:

@@ -1,0 +1,125 @@
+"""A persistent pool of gloo ranks for multi-process tests.
+
+Launching torchrun per test costs 5-12 s (import torch in every rank). Instead, the pytest process (which has
+already imported torch.distributed and paratrain) forks N workers once per world size; each joins a gloo
+process group and then runs test functions sent to it. A test sends a module-level function and arguments;
+every rank runs it and the pool returns the per-rank results (or re-raises the first rank's error).
+
+The process group has a timeout, and the parent waits with a timeout, so a failing rank cannot hang the suite:
+on failure the pool is torn down and rebuilt for the next test.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import pickle
+import tempfile
+import traceback
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+# Pre-import what the tests use, so forked workers start warm.
+import torch.distributed.checkpoint  # noqa: F401
+import torch.distributed.fsdp  # noqa: F401
+import torch.distributed.pipelining  # noqa: F401
+import torch.distributed.tensor  # noqa: F401
+import torch.distributed.tensor.parallel  # noqa: F401
+
+import paratrain.model.llama  # noqa: F401
+
+TASK_TIMEOUT_S = float(os.environ.get("PARATRAIN_TEST_TIMEOUT_S", "240"))
+
+
+def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None:
+    torch.set_num_threads(1)
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                       "OMP_NUM_THREADS": "1"})
+    store = dist.FileStore(store_path, world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
+                            timeout=timedelta(seconds=TASK_TIMEOUT_S / 2))
+    while True:
+        item = tasks.get()
+        if item is None:
+            break
+        fn, args, kwargs = pickle.loads(item)
+        try:
+            out = ("ok", fn(*args, **kwargs))
+        except BaseException as exc:  # noqa: BLE001 - ship every failure to the parent
+            out = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
+        try:
+            results.put((rank, pickle.dumps(out)))
+        except Exception as exc:  # noqa: BLE001 - unpicklable result
+            results.put((rank, pickle.dumps(("error", f"rank {rank}: result not picklable: {exc}"))))
+    dist.destroy_process_group()
+
+
+class DistPool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.broken = False  # set when a rank failed or hung: ranks may be out of step, so rebuild
+        self._ctx = mp.get_context("fork")
+        self._tmp = tempfile.mkdtemp(prefix=f"paratrain-pool{world_size}-")
+        store = os.path.join(self._tmp, "store")
+        self._tasks = [self._ctx.Queue() for _ in range(world_size)]
+        self._results = self._ctx.Queue()
+        self._procs = [self._ctx.Process(target=_worker, args=(r, world_size, store, self._tasks[r], self._results),
+                                         daemon=True) for r in range(world_size)]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn, *args, **kwargs) -> list:
+        """Run fn(*args, **kwargs) on every rank; return [result of rank 0, rank 1, ...]."""
+        payload = pickle.dumps((fn, args, kwargs))
+        for q in self._tasks:
+            q.put(payload)
+        out: list = [None] * self.world_size
+        errors = []
+        for _ in range(self.world_size):
+            try:
+                rank, data = self._results.get(timeout=TASK_TIMEOUT_S)
+            except Exception:  # noqa: BLE001 - queue.Empty: a rank hung
+                self.broken = True
+                raise TimeoutError(f"a rank did not answer within {TASK_TIMEOUT_S} s") from None
+            status, value = pickle.loads(data)
+            if status == "error":
+                errors.append(value)
+            out[rank] = value
+        if errors:
+            self.broken = True
+            raise RuntimeError("\n".join(sorted(errors)))
+        return out
+
+    def close(self) -> None:
+        for q in self._tasks:
+            try:
+                q.put(None)
+            except Exception:  # noqa: BLE001
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+            if p.is_alive():
+                p.kill()
+
+
+_POOLS: dict[int, DistPool] = {}
+
+
+def get_pool(world_size: int) -> DistPool:
+    pool = _POOLS.get(world_size)
+    if pool is not None and (pool.broken or not all(p.is_alive() for p in pool._procs)):
+        pool.close()
+        pool = None
+    if pool is None:
+        # Keep at most two pools alive: 2 cores, and idle ranks still hold memory.
+        while len(_POOLS) >= 2:
+            _POOLS.pop(next(iter(_POOLS))).close()
+        pool = _POOLS[world_size] = DistPool(world_size)
+    return pool
+
+
+def close_all() -> None:
+    while _POOLS:
+        _POOLS.popitem()[1].close()
