@@ -46,12 +46,16 @@ def register(sub) -> None:
 
     c = sub.add_parser("config", help="validate a config and print it fully resolved (defaults filled in)")
     _add_config_args(c)
+    c.add_argument("--reference", action="store_true", help="print the reference of every key (markdown)")
     c.set_defaults(func=run_config)
 
 
 def run_config(args) -> int:
-    from paratrain.config import dump_config, load_config
+    from paratrain.config import dump_config, load_config, reference_markdown
 
+    if args.reference:
+        print(reference_markdown())
+        return 0
     cfg = load_config(args.config, args.set)
     print(dump_config(cfg), end="")
     shape = cfg.model_shape()
