@@ -30,13 +30,13 @@ class CatalogError(ValueError):
 class ChipEfficiency:
     """Physical efficiency parameters of the compute model (fitted by calibration, not per workload).
 
-    matmul_eff_max: fraction of peak a large matmul reaches. matmul_overhead_s: fixed cost per matmul kernel
+    matmul_eff_max: fraction of peak a large matmul reaches. kernel_overhead_s: fixed cost per kernel
     (launch, pipeline fill, tail wave), what makes small matmuls inefficient. memory_bw_eff: fraction of HBM
     bandwidth that memory-bound ops (norms, activations, softmax, optimizer) reach.
     """
 
     matmul_eff_max: float
-    matmul_overhead_s: float
+    kernel_overhead_s: float
     memory_bw_eff: float
     source: str
 
@@ -100,6 +100,19 @@ class SystemEfficiency:
 
 
 @dataclass(frozen=True)
+class Stack:
+    """What the usual training software on this system supports: the planner searches only these choices
+    (the user can lift the restriction with `plan --any-stack`)."""
+
+    name: str
+    dp_kinds: tuple[str, ...]
+    zero_stages: tuple[int, ...]
+    schedules: tuple[str, ...]
+    source: str
+    attention: str = "flash"
+
+
+@dataclass(frozen=True)
 class Prices:
     source: str
     on_demand_usd_per_hour: float | None = None
@@ -121,6 +134,7 @@ class System:
     efficiency: SystemEfficiency
     prices: Prices
     source: str
+    stack: Stack | None = None
     conflicts: tuple[str, ...] = ()
     origin: str = ""
 
@@ -175,7 +189,7 @@ CHIP_FIELDS = {
     "conflicts": ("strlist", False), "efficiency": ("table", True),
 }
 CHIP_EFF_FIELDS = {
-    "matmul_eff_max": ("frac", True), "matmul_overhead_s": ("nonneg", True),
+    "matmul_eff_max": ("frac", True), "kernel_overhead_s": ("nonneg", True),
     "memory_bw_eff": ("frac", True), "source": ("str", True),
 }
 LINK_FIELDS = {
@@ -187,7 +201,11 @@ SYSTEM_FIELDS = {
     "display_name": ("str", False), "chip": ("str", True), "chips_per_node": ("posint", True),
     "devices_per_chip": ("posint", True), "device_unit": ("str", True), "tiers": ("tiers", True),
     "source": ("str", True), "conflicts": ("strlist", False), "prices": ("table", False),
-    "efficiency": ("table", True),
+    "efficiency": ("table", True), "stack": ("table", False),
+}
+STACK_FIELDS = {
+    "name": ("str", True), "dp_kinds": ("dp_kinds", True), "zero_stages": ("zero_stages", True),
+    "schedules": ("schedules", True), "source": ("str", True), "attention": ("attention", False),
 }
 SYSTEM_EFF_FIELDS = {
     "dp_overlap": ("frac0", True), "tp_overlap": ("frac0", True), "memory_usable_fraction": ("frac", True),
@@ -205,7 +223,8 @@ ALLOWED = {
     "frac0": "a number in [0, 1]", "nonneg": "a number >= 0", "posint": "an integer > 0",
     "nonneg_int": "an integer >= 0", "strlist": "a list of strings", "strdict": "a table of strings",
     "endpoint": f"one of {', '.join(ENDPOINTS)}", "tiers": "a non-empty list of tier tables",
-    "table": "a table",
+    "table": "a table", "dp_kinds": "a list from ddp, fsdp, hsdp", "zero_stages": "a list from 0, 1, 2, 3",
+    "schedules": "a list from gpipe, 1f1b, interleaved_1f1b, zbv", "attention": "one of flash, unfused",
 }
 
 
@@ -227,6 +246,11 @@ def _valid(kind: str, value: Any) -> bool:
         "endpoint": lambda v: v in ENDPOINTS,
         "tiers": lambda v: isinstance(v, list) and len(v) > 0 and all(isinstance(x, dict) for x in v),
         "table": lambda v: isinstance(v, dict),
+        "attention": lambda v: v in ("flash", "unfused"),
+        "dp_kinds": lambda v: isinstance(v, list) and v and all(x in ("ddp", "fsdp", "hsdp") for x in v),
+        "zero_stages": lambda v: isinstance(v, list) and v and all(x in (0, 1, 2, 3) for x in v),
+        "schedules": lambda v: isinstance(v, list) and v and all(
+            x in ("gpipe", "1f1b", "interleaved_1f1b", "zbv") for x in v),
     }
     return checks[kind](value)
 
@@ -293,6 +317,11 @@ def _system(origin: str, name: str, raw: dict, chips: dict[str, Chip], links: di
     eff = _check(origin, f"{where}.efficiency", raw["efficiency"], SYSTEM_EFF_FIELDS)
     prices = _check(origin, f"{where}.prices", raw.get("prices", {"source": "no public price"}), PRICE_FIELDS)
     tiers = _tiers(origin, where, raw["tiers"], links)
+    stack = None
+    if "stack" in raw:
+        st = _check(origin, f"{where}.stack", raw["stack"], STACK_FIELDS)
+        stack = Stack(st["name"], tuple(st["dp_kinds"]), tuple(st["zero_stages"]), tuple(st["schedules"]), st["source"],
+                      st.get("attention", "flash"))
     per_node = raw["chips_per_node"] * raw["devices_per_chip"]
     inner = [t.domain_devices for t in tiers[:-1]]
     if inner and per_node % inner[-1] and inner[-1] % per_node:
@@ -302,7 +331,7 @@ def _system(origin: str, name: str, raw: dict, chips: dict[str, Chip], links: di
         name=name, display_name=raw.get("display_name", name), chip=chips[raw["chip"]],
         chips_per_node=raw["chips_per_node"], devices_per_chip=raw["devices_per_chip"],
         device_unit=raw["device_unit"], tiers=tiers, efficiency=SystemEfficiency(**eff),
-        prices=Prices(**{**prices, "conflicts": tuple(prices.get("conflicts", ()))}), source=raw["source"], conflicts=tuple(raw.get("conflicts", ())), origin=origin,
+        prices=Prices(**{**prices, "conflicts": tuple(prices.get("conflicts", ()))}), source=raw["source"], stack=stack, conflicts=tuple(raw.get("conflicts", ())), origin=origin,
     )
 
 

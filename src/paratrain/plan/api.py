@@ -1,0 +1,295 @@
+"""Planner API: `estimate` one layout, `search` all valid layouts. Used by the CLI, the cost model, the simulator
+and calibration. No torch imports.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+
+from paratrain.hardware.catalog import System, resolve_system
+from paratrain.model.config import ModelConfig, load_model_config
+from paratrain.plan.model import DP_KINDS, RECOMPUTE, SCHEDULES, Options, evaluate
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A parallel layout. dp=None means 'all remaining devices'. zero_stage 0-2 go with dp_kind "ddp"
+    (ZeRO-1/2 = distributed optimizer), 3 with "fsdp" (fully sharded) or "hsdp" (sharded inside a node,
+    replicated across nodes)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int | None = None
+    cp: int = 1
+    sp: bool = False
+    microbatch: int = 1
+    recompute: str = "none"
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    zero_stage: int = 1
+    dp_kind: str = "ddp"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass
+class Estimate:
+    model: str
+    system: str
+    nodes: int
+    devices: int
+    seq: int
+    global_batch: int
+    layout: Layout
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    hfu: float
+    model_flops_per_step: float
+    hardware_flops_per_step: float
+    microbatches: int
+    memory_per_device_bytes: float
+    memory_capacity_bytes: float
+    fits: bool
+    memory_breakdown_bytes: dict[str, float]
+    time_breakdown_s: dict[str, float]
+    bubble_fraction: float
+    cost_usd_per_hour: float | None
+    cost_usd_per_million_tokens: float | None
+    time_to_train_s: float | None = None
+    cost_usd_per_run: float | None = None
+    energy_kwh_per_run: float | None = None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data["layout"] = self.layout.to_dict()
+        return data
+
+
+def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, global_batch: int, lay: Layout) -> Layout:
+    """Validate a layout up front; return it with dp filled in. One ValueError naming field, value, allowed."""
+    devices = nodes * system.devices_per_node
+    for name in ("tp", "pp", "cp", "microbatch", "virtual_stages"):
+        if getattr(lay, name) < 1:
+            raise ValueError(f"{name} = {getattr(lay, name)}: must be >= 1")
+    if lay.recompute not in RECOMPUTE:
+        raise ValueError(f"recompute = {lay.recompute!r}: allowed: {', '.join(RECOMPUTE)}")
+    if lay.schedule not in SCHEDULES:
+        raise ValueError(f"schedule = {lay.schedule!r}: allowed: {', '.join(SCHEDULES)}")
+    if lay.dp_kind not in DP_KINDS:
+        raise ValueError(f"dp_kind = {lay.dp_kind!r}: allowed: {', '.join(DP_KINDS)}")
+    if lay.zero_stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_stage = {lay.zero_stage}: allowed: 0, 1, 2, 3")
+    if (lay.dp_kind == "ddp") != (lay.zero_stage < 3):
+        raise ValueError(f"zero_stage = {lay.zero_stage} with dp_kind = {lay.dp_kind!r}: ddp takes 0-2, fsdp/hsdp take 3")
+    model_par = lay.tp * lay.pp * lay.cp
+    if devices % model_par:
+        raise ValueError(f"tp*pp*cp = {model_par}: must divide the {devices} devices "
+                         f"({nodes} x {system.devices_per_node} {system.device_unit})")
+    dp = lay.dp if lay.dp is not None else devices // model_par
+    if dp * model_par != devices:
+        raise ValueError(f"dp = {lay.dp}: tp*pp*cp*dp = {dp * model_par} must equal the {devices} devices "
+                         f"({nodes} x {system.devices_per_node} {system.device_unit}); dp = {devices // model_par} fits")
+    checks = [
+        (model.heads % lay.tp == 0, f"tp = {lay.tp}: must divide heads = {model.heads}"),
+        (model.n_kv_heads % lay.tp == 0 or lay.tp % model.n_kv_heads == 0,
+         f"tp = {lay.tp}: must divide or be a multiple of kv_heads = {model.n_kv_heads}"),
+        (model.ffn % lay.tp == 0, f"tp = {lay.tp}: must divide ffn_hidden = {model.ffn}"),
+        (model.layers % (lay.pp * lay.virtual_stages) == 0,
+         f"pp*virtual_stages = {lay.pp * lay.virtual_stages}: must divide layers = {model.layers}"),
+        (seq % (2 * lay.cp) == 0 or lay.cp == 1, f"cp = {lay.cp}: seq = {seq} must be divisible by 2*cp"),
+        (global_batch % (dp * lay.microbatch) == 0,
+         f"microbatch = {lay.microbatch}: global_batch = {global_batch} must be divisible by dp*microbatch = {dp * lay.microbatch}"),
+        (not (lay.sp and lay.tp == 1), "sp = true needs tp > 1"),
+        (lay.schedule != "interleaved_1f1b" or (lay.virtual_stages > 1 and lay.pp > 1),
+         "schedule = interleaved_1f1b: needs pp > 1 and virtual_stages > 1"),
+        (lay.schedule != "zbv" or (lay.virtual_stages == 2 and lay.pp > 1),
+         "schedule = zbv: needs pp > 1 and virtual_stages = 2"),
+        (lay.schedule in ("interleaved_1f1b", "zbv") or lay.virtual_stages == 1,
+         f"virtual_stages = {lay.virtual_stages}: only interleaved_1f1b and zbv use more than 1"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise ValueError(message)
+    microbatches = global_batch // (dp * lay.microbatch)
+    if lay.schedule in ("interleaved_1f1b", "zbv") and microbatches < lay.pp:
+        raise ValueError(f"schedule = {lay.schedule}: needs microbatches per replica ({microbatches}) >= pp ({lay.pp})")
+    return Layout(**{**lay.to_dict(), "dp": dp})
+
+
+def _resolve(model, system) -> tuple[ModelConfig, System]:
+    model = model if isinstance(model, ModelConfig) else load_model_config(model)
+    return model, resolve_system(system)
+
+
+def estimate(model: ModelConfig | str, system: System | str, nodes: int, seq: int, global_batch: int,
+             layout: Layout, options: Options | None = None, train_tokens: float | None = None) -> Estimate:
+    """Step time, MFU/HFU, memory and cost of one layout. Raises ValueError for an invalid layout; a layout that
+    does not fit in memory is still estimated (fits=False)."""
+    model, system = _resolve(model, system)
+    _check_scalars(nodes, seq, global_batch)
+    layout = _check_layout(model, system, nodes, seq, global_batch, layout)
+    opts = options or Options.for_system(system)
+    res = evaluate(model, system, seq, global_batch, nodes=nodes, tp=layout.tp, pp=layout.pp, dp=layout.dp,
+                   cp=layout.cp, microbatch=layout.microbatch, sp=layout.sp,
+                   recompute=RECOMPUTE.index(layout.recompute), schedule=SCHEDULES.index(layout.schedule),
+                   virtual_stages=layout.virtual_stages, zero_stage=layout.zero_stage,
+                   dp_kind=DP_KINDS.index(layout.dp_kind), opts=opts)
+    return _to_estimate(model, system, nodes, seq, global_batch, layout, {k: np.asarray(v).item() for k, v in res.items()},
+                        train_tokens)
+
+
+def _check_scalars(nodes: int, seq: int, global_batch: int) -> None:
+    for name, value in (("nodes", nodes), ("seq", seq), ("global_batch", global_batch)):
+        if not isinstance(value, int | np.integer) or value < 1:
+            raise ValueError(f"{name} = {value!r}: must be an integer >= 1")
+
+
+def _to_estimate(model, system, nodes, seq, global_batch, layout, r: dict, train_tokens) -> Estimate:
+    price = r["cost_usd_per_hour"]
+    price = None if price is None or math.isnan(price) else float(price)
+    per_m = None if price is None else price / 3600.0 / r["tokens_per_s"] * 1e6
+    est = Estimate(
+        model=model.name, system=system.name, nodes=int(nodes), devices=int(r["devices"]), seq=seq,
+        global_batch=global_batch, layout=layout, step_time_s=r["step_time_s"], tokens_per_s=r["tokens_per_s"],
+        mfu=r["mfu"], hfu=r["hfu"], model_flops_per_step=r["model_flops_per_step"],
+        hardware_flops_per_step=r["hardware_flops_per_step"], microbatches=int(round(r["microbatches"])),
+        memory_per_device_bytes=r["memory_per_device_bytes"], memory_capacity_bytes=r["memory_capacity_bytes"],
+        fits=bool(r["fits"]),
+        memory_breakdown_bytes={k[len("memory_"):-len("_bytes")]: r[k] for k in
+                                ("memory_weights_bytes", "memory_grads_bytes", "memory_optimizer_bytes",
+                                 "memory_activations_bytes")},
+        time_breakdown_s={k[len("time_"):-len("_s")]: r[k] for k in r if k.startswith("time_")},
+        bubble_fraction=r["bubble_fraction"], cost_usd_per_hour=price, cost_usd_per_million_tokens=per_m,
+    )
+    if train_tokens:
+        est.time_to_train_s = train_tokens / est.tokens_per_s
+        if price is not None:
+            est.cost_usd_per_run = price * est.time_to_train_s / 3600.0
+        if system.node_power_w is not None:
+            est.energy_kwh_per_run = system.node_power_w * nodes * est.time_to_train_s / 3.6e6
+    if not est.fits:
+        est.notes.append(f"does not fit: {est.memory_per_device_bytes / 2**30:.1f} GiB needed per device, "
+                         f"{est.memory_capacity_bytes / 2**30:.1f} GiB usable")
+    stack = system.stack
+    if stack is not None and (layout.dp_kind not in stack.dp_kinds or layout.zero_stage not in stack.zero_stages
+                              or (layout.pp > 1 and layout.schedule not in stack.schedules)):
+        est.notes.append(f"{stack.name} on {system.name} does not support this choice "
+                         f"(dp_kind {layout.dp_kind}, zero {layout.zero_stage}, schedule {layout.schedule})")
+    if price is None:
+        est.notes.append(f"no public price for {system.name}: cost fields are null")
+    return est
+
+
+# ---- search ---------------------------------------------------------------------------------------------
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
+
+
+@dataclass
+class SearchResult:
+    candidates: list[Estimate]
+    evaluated: int
+    valid: int
+    fitting: int
+    seconds: float
+
+    @property
+    def configs_per_s(self) -> float:
+        return self.evaluated / self.seconds if self.seconds > 0 else float("inf")
+
+
+def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch: int,
+          max_microbatch: int, cp_options: list[int], any_stack: bool) -> dict[str, np.ndarray]:
+    """All combinations of the discrete choices that are structurally valid (divisibility), as arrays."""
+    devices = nodes * system.devices_per_node
+    tps = [t for t in _divisors(devices) if model.heads % t == 0 and model.ffn % t == 0
+           and (model.n_kv_heads % t == 0 or t % model.n_kv_heads == 0)]
+    pps = [p for p in _divisors(model.layers) if devices % p == 0]
+    cps = [c for c in cp_options if devices % c == 0 and seq % (2 * c) == 0 or c == 1]
+    mbs = [b for b in _divisors(global_batch) if b <= max_microbatch]
+    # (schedule, virtual stages) pairs
+    sched_v = [(0, 1), (1, 1)] + [(2, v) for v in (2, 3, 4, 6, 8)] + [(3, 2)]
+    # (zero stage, dp kind) pairs
+    zero_kind = [(0, 0), (1, 0), (2, 0), (3, 1), (3, 2)]
+    axes = np.meshgrid(np.array(tps), np.array(pps), np.array(cps), np.array(mbs), np.array([0, 1]),
+                       np.arange(3), np.arange(len(sched_v)), np.arange(len(zero_kind)), indexing="ij")
+    tp, pp, cp, b, sp, rc, sv, zk = (a.ravel() for a in axes)
+    sv_arr, zk_arr = np.array(sched_v), np.array(zero_kind)
+    sched, v = sv_arr[sv, 0], sv_arr[sv, 1]
+    zero, kind = zk_arr[zk, 0], zk_arr[zk, 1]
+    model_par = tp * pp * cp
+    dp = devices // model_par
+    m = global_batch // np.maximum(dp * b, 1)
+    ok = (devices % model_par == 0) & (global_batch % (dp * b) == 0)
+    ok &= (sp == 0) | (tp > 1)
+    ok &= (model.layers % (pp * v) == 0)
+    ok &= np.where(pp == 1, sched == 1, True)  # one stage: no schedule to choose
+    ok &= np.where(sched >= 2, m >= pp, True)
+    ok &= (dp > 1) | (zk == 1) | (zk == 0)  # with one replica the ZeRO choices coincide: keep 0 and 1 only
+    local_dp = system.devices_per_node // (tp * cp)
+    ok &= (kind != 2) | ((local_dp >= 2) & (dp > local_dp))  # HSDP: shards inside a node, replicas across nodes
+    if system.stack is not None and not any_stack:
+        ok &= np.isin(zero, system.stack.zero_stages) & np.isin(kind, [DP_KINDS.index(k) for k in system.stack.dp_kinds])
+        ok &= (pp == 1) | np.isin(sched, [SCHEDULES.index(k) for k in system.stack.schedules])
+    sel = np.nonzero(ok)[0]
+    return {"tp": tp[sel], "pp": pp[sel], "cp": cp[sel], "dp": dp[sel], "microbatch": b[sel], "sp": sp[sel] == 1,
+            "recompute": rc[sel], "schedule": sched[sel], "virtual_stages": v[sel], "zero_stage": zero[sel],
+            "dp_kind": kind[sel], "raw": np.int64(tp.size)}
+
+
+def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int, global_batch: int, *,
+           top: int = 10, objective: str = "time", options: Options | None = None, max_microbatch: int = 64,
+           cp_options: list[int] | None = None, train_tokens: float | None = None,
+           node_counts: list[int] | None = None, any_stack: bool = False) -> SearchResult:
+    """Evaluate every valid layout that fits in memory and rank by step time (objective "time") or by cost per
+    token (objective "cost"; node_counts, default the powers of two up to `nodes`, are then searched too,
+    since on a fixed cluster cost per token ranks exactly like time). Only the choices the system's training
+    stack supports are searched unless any_stack."""
+    model, system = _resolve(model, system)
+    _check_scalars(nodes, seq, global_batch)
+    if objective not in ("time", "cost"):
+        raise ValueError(f"objective = {objective!r}: allowed: time, cost")
+    if objective == "cost" and system.prices.on_demand_usd_per_hour is None:
+        raise ValueError(f"objective = cost: system {system.name} has no public price in the catalog")
+    opts = options or Options.for_system(system)
+    if cp_options is None:
+        cp_options = [1] if seq < 16384 else [1, 2, 4, 8, 16, 32]
+    if node_counts is None:
+        node_counts = [nodes]
+        if objective == "cost":
+            node_counts = sorted({nodes} | {nodes // 2**k for k in range(1, 30) if nodes // 2**k >= 1})
+    start = time.perf_counter()
+    grids, evaluated = [], 0
+    for n in node_counts:
+        grid = _grid(model, system, n, seq, global_batch, max_microbatch, cp_options, any_stack)
+        evaluated += int(grid.pop("raw"))
+        grid["nodes"] = np.full(grid["tp"].shape, n)
+        grids.append(grid)
+    grid = {k: np.concatenate([g[k] for g in grids]) for k in grids[0]}
+    res = evaluate(model, system, seq, global_batch, opts=opts, **grid)
+    fits = res["fits"]
+    score = res["step_time_s"] if objective == "time" else res["cost_usd_per_hour"] / res["tokens_per_s"]
+    score = np.where(fits, score, np.inf)
+    order = np.argsort(score, kind="stable")[:top]
+    order = order[np.isfinite(score[order])]
+    elapsed = time.perf_counter() - start
+    candidates = []
+    for i in order:
+        layout = Layout(tp=int(grid["tp"][i]), pp=int(grid["pp"][i]), dp=int(grid["dp"][i]), cp=int(grid["cp"][i]),
+                        sp=bool(grid["sp"][i]), microbatch=int(grid["microbatch"][i]),
+                        recompute=RECOMPUTE[grid["recompute"][i]], schedule=SCHEDULES[grid["schedule"][i]],
+                        virtual_stages=int(grid["virtual_stages"][i]), zero_stage=int(grid["zero_stage"][i]),
+                        dp_kind=DP_KINDS[grid["dp_kind"][i]])
+        row = {k: float(np.asarray(v)[i]) if np.ndim(v) else float(v) for k, v in res.items()}
+        candidates.append(_to_estimate(model, system, int(grid["nodes"][i]), seq, global_batch, layout, row,
+                                       train_tokens))
+    return SearchResult(candidates=candidates, evaluated=evaluated, valid=int(grid["tp"].size),
+                        fitting=int(fits.sum()), seconds=elapsed)

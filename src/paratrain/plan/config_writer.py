@@ -1,0 +1,47 @@
+"""Write a planned layout as a paratrain training config (TOML: [model], [parallel], [train], [metrics]).
+
+The keys are those of `paratrain.config` (the trainer's schema): parallel.{dp,tp,pp,cp,sp,dp_kind,zero_stage,
+recompute,pp_schedule,virtual_stages,dp_replicate}, train.{seq_len,global_batch,microbatch}, model.preset.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import tomli_w
+
+from paratrain.model.config import PRESETS, ModelConfig
+from paratrain.plan.api import Estimate
+
+
+def training_config(est: Estimate, model: ModelConfig, model_spec: str, devices_per_node: int) -> dict:
+    lay = est.layout
+    if model_spec in PRESETS or Path(model_spec).is_file():
+        model_section = {"preset": model_spec}
+    else:  # a ModelConfig built in code: write its shape over the closest preset
+        model_section = {"preset": "llama2-7b", "layers": model.layers, "hidden": model.hidden,
+                         "heads": model.heads, "kv_heads": model.n_kv_heads, "ffn_hidden": model.ffn,
+                         "vocab": model.vocab, "max_seq": model.max_seq}
+    parallel = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "sp": lay.sp, "dp_kind": lay.dp_kind,
+                "recompute": lay.recompute, "pp_schedule": lay.schedule, "virtual_stages": lay.virtual_stages}
+    if lay.zero_stage >= 1:  # the trainer's schema has no stage 0 (plain DDP = omit it)
+        parallel["zero_stage"] = lay.zero_stage
+    if lay.dp_kind == "hsdp":
+        shard = max(1, min(lay.dp, devices_per_node // (lay.tp * lay.cp)))
+        parallel["dp_replicate"] = lay.dp // shard
+    return {
+        "model": model_section,
+        "parallel": parallel,
+        "train": {"seq_len": est.seq, "global_batch": est.global_batch, "microbatch": lay.microbatch},
+        "metrics": {"hardware": est.system},
+    }
+
+
+def write_training_config(path: str | Path, est: Estimate, model: ModelConfig, model_spec: str,
+                          devices_per_node: int) -> Path:
+    data = training_config(est, model, model_spec, devices_per_node)
+    header = (f"# Written by `paratrain plan/estimate`: {est.model} on {est.nodes} x {est.system}, predicted "
+              f"{est.step_time_s:.3f} s/step, MFU {est.mfu:.1%}, {est.memory_per_device_bytes / 2**30:.1f} GiB/device.\n")
+    path = Path(path)
+    path.write_text(header + tomli_w.dumps(data))
+    return path

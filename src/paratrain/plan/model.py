@@ -1,0 +1,398 @@
+"""The analytic performance model: step time, FLOPs, memory and communication of one parallel layout.
+
+Every formula works element-wise on numpy arrays, so `search` evaluates tens of thousands of layouts in one
+pass and `estimate` is the same code on arrays of length one. No torch (fast import). The formulas, their
+sources and their assumptions are written up in docs/planner.md.
+
+Conventions: T = tokens of one microbatch on one device (b * s / cp); h hidden, f ffn, kv = kv heads * head
+dim, a heads, t = tp, L layers. Bytes: bf16 activations/weights (2), fp32 gradients (4, Megatron's main
+grads), fp32 Adam master + m + v (12).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from paratrain.hardware.catalog import System
+from paratrain.model.config import ModelConfig
+
+RECOMPUTE = ("none", "selective", "full")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
+DP_KINDS = ("ddp", "fsdp", "hsdp")
+ATTENTION = ("flash", "unfused")
+
+BF16_BYTES = 2
+WEIGHT_BYTES = 2
+OPTIMIZER_BYTES = 12  # fp32 master weights + Adam m + v
+ADAM_STEP_BYTES = 32  # per parameter per step: read p, g, m, v (fp32), write p, m, v, bf16 copy
+
+
+@dataclass(frozen=True)
+class Options:
+    """Software choices that are not part of the layout.
+
+    attention: "flash" (fused, causal blocks skipped, no s^2 activations) or "unfused" (Megatron 2021-22:
+    explicit scores, softmax and dropout kernels; what the published A100 measurements ran).
+    grad_bytes: bytes per gradient element kept and reduced (4: fp32 main grads, Megatron's default).
+    """
+
+    attention: str = "flash"
+    grad_bytes: int = 4
+
+    @classmethod
+    def for_system(cls, system: System, attention: str | None = None, **kw) -> Options:
+        """Defaults of the system's usual training stack (e.g. NxD on Trn1 runs unfused attention)."""
+        default = system.stack.attention if system.stack is not None else "flash"
+        return cls(attention=attention or default, **kw)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention = {self.attention!r}: allowed: {', '.join(ATTENTION)}")
+        if self.grad_bytes not in (2, 4):
+            raise ValueError(f"grad_bytes = {self.grad_bytes}: allowed: 2, 4")
+
+
+# ---- collectives ----------------------------------------------------------------------------------------
+def collective_time_s(system: System, kind: str, nbytes, degree, stride):
+    """Time of a hierarchical ring collective over a group of `degree` ranks spaced `stride` apart.
+
+    Ranks are numbered tp fastest, then cp, dp, pp, so a group with stride s has D // s members inside a
+    domain of D devices. Level by level from the innermost tier: reduce-scatter inside the domain, the
+    next level works on 1/n of the data, then all-gather back (the all-reduce = RS + AG of Thakur et al. 2005
+    ring costs: 2(n-1)/n * bytes / bw; RS or AG alone (n-1)/n * bytes / bw). nbytes is the full buffer
+    (all-reduce input, all-gather output, reduce-scatter input). Latency: min(n-1, 2 log2 n) steps per level
+    (ring for small groups, tree-like for large ones, as NCCL/Neuron pick).
+    """
+    factor = {"allreduce": 2.0, "allgather": 1.0, "reducescatter": 1.0}[kind]
+    nbytes = np.asarray(nbytes, dtype=float)
+    degree = np.asarray(degree, dtype=float)
+    stride = np.asarray(stride, dtype=float)
+    total = np.zeros(np.broadcast(nbytes, degree, stride).shape)
+    inside_prev = np.ones_like(total)
+    for tier in system.tiers:
+        if tier.domain_devices:
+            inside = np.clip(np.floor(tier.domain_devices / stride), 1.0, degree)
+        else:
+            inside = degree * np.ones_like(total)
+        n = inside / inside_prev
+        data = nbytes / inside_prev
+        bw = tier.per_device_bw_bytes_per_s(system)
+        steps = np.minimum(n - 1.0, 2.0 * np.ceil(np.log2(np.maximum(n, 1.0))))
+        total = total + np.where(n > 1, factor * ((n - 1) / n * data / bw + steps * tier.interconnect.latency_us * 1e-6), 0.0)
+        inside_prev = np.maximum(inside, inside_prev)
+    return total
+
+
+def p2p_time_s(system: System, nbytes, stride):
+    """Point-to-point send between ranks `stride` apart (pipeline neighbours): over the innermost tier whose
+    domain holds both, at the per-device bandwidth of that tier (all boundary ranks send at once)."""
+    nbytes = np.asarray(nbytes, dtype=float)
+    stride = np.asarray(stride, dtype=float)
+    time = None
+    for tier in reversed(system.tiers):
+        bw = tier.per_device_bw_bytes_per_s(system)
+        t = nbytes / bw + tier.interconnect.latency_us * 1e-6
+        time = t if time is None else np.where(stride < tier.domain_devices, t, time)
+    return time
+
+
+# ---- per-layer shapes -----------------------------------------------------------------------------------
+def layer_matmuls(model: ModelConfig, seq: int, attention: str):
+    """Forward matmuls of one layer as (name, N, K, shard) with M = tokens; shard "n" or "k" is the dim TP splits.
+
+    Attention core returned separately (it scales with seq)."""
+    h, f, kv = model.hidden, model.ffn, model.kv_dim
+    mlp_in = 2 * f if model.arch == "llama" else f
+    return [("qkv", h + 2 * kv, h, "n"), ("proj", h, h, "k"), ("mlp_in", mlp_in, h, "n"), ("mlp_out", h, f, "k")]
+
+
+def activation_bytes_per_token(model: ModelConfig, seq: int, attention: str):
+    """Korthikanti et al. 2022 activation memory per token per layer, split by how it shards.
+
+    Returns (sp_part, tp_part, core_part) in bytes: sp_part is replicated across TP ranks unless sequence
+    parallelism shards it; tp_part is always split by TP; core_part (softmax/dropout of attention scores) is
+    split by TP and dropped by selective recompute. GPT: 10h + 24h + 5as = 34h + 5as per token, the paper's
+    s*b*h*(34 + 5as/h). Llama: no dropout, RMSNorm, SwiGLU (gate, up and their product kept: 6f), GQA (K,V
+    are 2kv each).
+    """
+    h, f, kv, a = model.hidden, model.ffn, model.kv_dim, model.heads
+    if model.arch == "gpt":
+        sp_part = 4 * h + 2 * h + 2 * h + 2 * h  # 2 LayerNorm inputs, QKV input, MLP input, 2 dropout masks
+        tp_part = 2 * h + 2 * kv + 2 * kv + 2 * h + 2 * f + 2 * f  # Q, K, V, proj input, fc1 out, GeLU out
+        core = 5 * a * seq if attention == "unfused" else 4 * a  # softmax (2), dropout mask (1) and output (2)
+    else:
+        sp_part = 4 * h + 2 * h + 2 * h  # 2 RMSNorm inputs, QKV input, MLP input
+        tp_part = 2 * h + 2 * kv + 2 * kv + 2 * h + 6 * f  # Q, K, V, proj input, gate, up, gate*up
+        core = 2 * a * seq if attention == "unfused" else 4 * a  # softmax output, or fp32 log-sum-exp (flash)
+    return float(sp_part), float(tp_part), float(core)
+
+
+def elementwise_bytes_per_token(model: ModelConfig, seq: int, attention: str):
+    """HBM traffic of the memory-bound ops of one layer's forward, per token: (sp_part, tp_part, core, kernels).
+
+    sp_part: norms and residual/dropout adds (replicated across TP ranks without SP). tp_part: activation
+    function, rotary. core: the unfused attention's scale/mask/softmax/dropout over a*s scores.
+    kernels: number of separate elementwise kernels (each pays the chip's kernel overhead).
+    """
+    h, f, kv, a = model.hidden, model.ffn, model.kv_dim, model.heads
+    norms = 2 * (2 * h) * BF16_BYTES  # two norms, read + write h each
+    residual = 2 * (3 * h) * BF16_BYTES  # two residual (+bias+dropout) adds: read 2h, write h
+    if model.arch == "llama":
+        act = 3 * f * BF16_BYTES  # SwiGLU: read gate and up, write product
+        rope = 2 * (h + kv) * BF16_BYTES
+        core = 2 * a * seq * BF16_BYTES  # fused scale-mask-softmax: read + write scores
+        kernels = 6
+    else:
+        act = 2 * f * BF16_BYTES  # bias-GeLU: read + write
+        rope = 0
+        core = (2 + 2.5) * a * seq * BF16_BYTES  # softmax read/write + dropout read/write/mask
+        kernels = 7
+    if attention == "flash":
+        core, kernels = 0, kernels - 1
+    return float(norms + residual), float(act + rope), float(core), kernels
+
+
+ROOFLINE_SHARPNESS = 2.0
+
+
+def soft_roofline(compute_s, memory_s):
+    """max(compute, memory) smoothed: (c^k + m^k)^(1/k), k = 2. A kernel near the ridge point cannot overlap
+    its loads and its math perfectly; far from it the result is the plain roofline."""
+    k = ROOFLINE_SHARPNESS
+    return (compute_s**k + memory_s**k) ** (1.0 / k)
+
+
+def matmul_time_s(system: System, m, n, k):
+    """One matmul: a soft roofline of compute (matmul_eff_max of peak) and operand traffic (memory_bw_eff of
+    HBM bandwidth), plus the fixed per-kernel overhead that makes small matmuls inefficient."""
+    eff = system.chip.efficiency
+    flops = 2.0 * m * n * k
+    traffic = BF16_BYTES * (m * k + k * n + m * n)
+    compute = flops / (system.device_peak_flops * eff.matmul_eff_max)
+    memory = traffic / (system.device_hbm_bw_bytes_per_s * eff.memory_bw_eff)
+    return soft_roofline(compute, memory) + eff.kernel_overhead_s
+
+
+def memory_time_s(system: System, nbytes, kernels):
+    eff = system.chip.efficiency
+    return nbytes / (system.device_hbm_bw_bytes_per_s * eff.memory_bw_eff) + kernels * eff.kernel_overhead_s
+
+
+# ---- the whole step -------------------------------------------------------------------------------------
+def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp):
+    """Forward compute time of one layer on one device, split into matmuls, attention core and elementwise."""
+    matmuls = 0.0
+    for _name, n, k, shard in layer_matmuls(model, seq, opts.attention):
+        if shard == "n":
+            matmuls = matmuls + matmul_time_s(system, T, n / tp, k)
+        else:
+            matmuls = matmuls + matmul_time_s(system, T, n, k / tp)
+    heads = model.heads / tp
+    s_local = seq / cp
+    d = model.head_dim
+    b_seqs = T / s_local  # microbatch sequences on this device
+    # Attention core per head as two batched matmuls (QK^T and AV) over the visible keys.
+    keys = seq if opts.attention == "unfused" else seq / 2.0  # flash skips the masked half (causal)
+    core_flops = 2 * 2.0 * b_seqs * heads * s_local * keys * d
+    eff = system.chip.efficiency
+    core_traffic = BF16_BYTES * b_seqs * heads * (4 * s_local * d)
+    if opts.attention == "unfused":
+        core_traffic = core_traffic + 2 * BF16_BYTES * b_seqs * heads * s_local * keys  # scores written, read
+    core = soft_roofline(core_flops / (system.device_peak_flops * eff.matmul_eff_max),
+                         core_traffic / (system.device_hbm_bw_bytes_per_s * eff.memory_bw_eff)) + 2 * eff.kernel_overhead_s
+    sp_b, tp_b, core_b, kernels = elementwise_bytes_per_token(model, seq, opts.attention)
+    sp_scale = np.where(sp, 1.0 / tp, 1.0)
+    elem_bytes = T * (sp_b * sp_scale + tp_b / tp + core_b * (seq / cp / seq) / tp)
+    elementwise = memory_time_s(system, elem_bytes, kernels)
+    return matmuls, core, elementwise
+
+
+def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *, nodes, tp, pp, dp, cp,
+             microbatch, sp, recompute, schedule, virtual_stages, zero_stage, dp_kind, opts: Options) -> dict:
+    """Evaluate layouts (numpy arrays of equal length, or scalars). Integer codes index RECOMPUTE, SCHEDULES
+    and DP_KINDS. Returns a dict of arrays (times in s, bytes, FLOPs); no validity filtering here."""
+    f64 = lambda x: np.asarray(x, dtype=float)  # noqa: E731
+    nodes, tp, pp, dp, cp, b, v = map(f64, (nodes, tp, pp, dp, cp, microbatch, virtual_stages))
+    sp = np.asarray(sp, dtype=bool) & (tp > 1)
+    rc = np.asarray(recompute)
+    sched = np.asarray(schedule)
+    zero = np.asarray(zero_stage)
+    kind = np.asarray(dp_kind)
+    eff_sys = system.efficiency
+    L, h, V = model.layers, model.hidden, model.vocab
+    devices = nodes * system.devices_per_node
+    m = global_batch / (dp * b)  # microbatches per replica per step
+    T = b * seq / cp  # tokens of one microbatch on one device
+    layers_per_stage = L / pp
+
+    # -- compute per layer, forward; backward = 2x matmuls and attention, 2x elementwise traffic --
+    mm, core, elem = _per_layer_compute(model, system, seq, opts, T, tp, sp, cp)
+    fwd_compute = mm + core + elem
+    recompute_fwd = np.where(rc == 2, fwd_compute, np.where(rc == 1, core, 0.0))
+    bwd_compute = 2 * mm + 2 * core + 2 * elem + recompute_fwd
+
+    # -- tensor parallel: 2 all-reduces (or AG + RS with SP, same volume) forward, 2 backward, 2 more
+    # when full recompute replays the forward --
+    act_bytes = T * h * BF16_BYTES
+    ar = collective_time_s(system, "allreduce", act_bytes, tp, 1.0)
+    tp_fwd = np.where(tp > 1, 2 * ar, 0.0) * (1 - eff_sys.tp_overlap)
+    tp_bwd = tp_fwd * np.where(rc == 2, 2.0, 1.0)
+
+    # -- context parallel: ring attention passes K and V (cp - 1) times; hidden behind attention compute --
+    kv_bytes = 2 * T * model.kv_dim / np.minimum(tp, model.n_kv_heads) * BF16_BYTES
+    cp_comm = np.where(cp > 1, (cp - 1) * p2p_time_s(system, kv_bytes, tp), 0.0)
+    cp_fwd = np.maximum(0.0, cp_comm - core)
+    cp_bwd = np.maximum(0.0, 2 * cp_comm - 2 * core)
+
+    layer_fwd = fwd_compute + tp_fwd + cp_fwd
+    layer_bwd = bwd_compute + tp_bwd + cp_bwd
+
+    # -- first/last stage extras: embedding lookup, output projection (logits) and cross-entropy --
+    logits_mm = matmul_time_s(system, T, V / tp, h)
+    ce_bytes = T * (V / tp) * 4 * 3  # fp32 logits: softmax read/write, gradient write
+    head_fwd = logits_mm + memory_time_s(system, ce_bytes / 2, 2)
+    head_bwd = 2 * logits_mm + memory_time_s(system, ce_bytes / 2, 2)
+    embed = memory_time_s(system, 2 * T * h * BF16_BYTES, 1)
+
+    # -- pipeline: p2p activations between stages (Megatron scatter/gather: 1/t of them per rank) --
+    stride_pp = tp * cp * dp
+    p2p_bytes = act_bytes / tp
+    p2p = np.where(pp > 1, p2p_time_s(system, p2p_bytes, stride_pp), 0.0)
+    chunks = np.where((sched == 2) | (sched == 3), v, 1.0)
+    p2p_per_mb = 2 * chunks * p2p  # forward send + backward send per chunk
+
+    stage_fwd = layers_per_stage * layer_fwd + np.where(pp > 1, head_fwd, head_fwd + embed)
+    stage_bwd = layers_per_stage * layer_bwd + head_bwd
+    stage_mb = stage_fwd + stage_bwd + p2p_per_mb  # the slowest (last) stage per microbatch
+
+    # zero-bubble split of backward: W (weight gradients) = half of the backward matmuls
+    stage_w = layers_per_stage * mm
+    bubble = pipeline_bubble_s(sched, pp, v, m, stage_fwd, stage_bwd - stage_w, stage_w)
+    pipeline = m * stage_mb + bubble
+
+    # -- data parallel: gradient reduce (and parameter gather for ZeRO-1/2/3) --
+    params_stage = _params_per_stage(model, pp)
+    params_dev = params_stage / tp
+    stride_dp = tp * cp
+    dp_shard = np.where(kind == 2, np.maximum(1.0, np.minimum(dp, system.devices_per_node / stride_dp)), dp)
+    grad_bytes = params_dev * opts.grad_bytes
+    param_bytes = params_dev * WEIGHT_BYTES
+    reduce_ar = collective_time_s(system, "allreduce", grad_bytes, dp, stride_dp)
+    reduce_rs = collective_time_s(system, "reducescatter", grad_bytes, dp, stride_dp)
+    gather = collective_time_s(system, "allgather", param_bytes, dp, stride_dp)
+    # FSDP/HSDP: gather parameters for forward and backward of every microbatch, reduce-scatter once;
+    # HSDP shards inside the node and all-reduces the shards across replicas.
+    shard_rs = collective_time_s(system, "reducescatter", grad_bytes, dp_shard, stride_dp)
+    shard_ag = collective_time_s(system, "allgather", param_bytes, dp_shard, stride_dp)
+    repl_ar = collective_time_s(system, "allreduce", grad_bytes / dp_shard, dp / dp_shard, stride_dp * dp_shard)
+    gathers = np.select([kind == 1, kind == 2], [2 * m * gather, 2 * m * shard_ag], 0.0)
+    reduces = np.select([zero == 0, zero <= 2, kind == 1, kind == 2],
+                        [reduce_ar, reduce_rs, reduce_rs, shard_rs + repl_ar])
+    # ZeRO-1/2 gather the updated parameters after the optimizer step: nothing left to hide behind
+    post_step = np.where((zero >= 1) & (zero <= 2), gather, 0.0)
+    dp_time = np.where(dp > 1, gathers + reduces + post_step, 0.0)
+    # The gradient reduce can only hide behind the last microbatch's backward (earlier microbatches only
+    # accumulate); ZeRO-1/2's parameter all-gather after the optimizer step is in that term too. FSDP/HSDP
+    # prefetch their parameter gathers behind every microbatch's forward and backward, but all DP traffic
+    # together cannot hide behind more than the step's compute.
+    window_all = eff_sys.dp_overlap * m * (stage_fwd + stage_bwd)
+    window_last = eff_sys.dp_overlap * stage_bwd
+    exposed = np.maximum(np.maximum(gathers + reduces - window_all, reduces - window_last), 0.0) + post_step
+    dp_exposed = np.where(dp > 1, exposed, 0.0)
+
+    # -- optimizer step: memory-bound Adam over this device's share of the parameters --
+    opt_share = np.where(zero >= 1, params_dev / np.where(kind == 2, dp_shard, dp), params_dev)
+    optimizer = memory_time_s(system, opt_share * ADAM_STEP_BYTES, 4)
+
+    step = pipeline + dp_exposed + optimizer
+
+    # -- FLOPs --
+    tokens = global_batch * seq
+    model_flops = model.train_flops_per_token(seq) * tokens
+    attn_fwd_flops = 4.0 * L * seq * h
+    recompute_flops = np.where(rc == 2, model.forward_flops_per_token(seq) - 2.0 * V * h,
+                               np.where(rc == 1, attn_fwd_flops, 0.0)) * tokens
+    hardware_flops = model_flops + recompute_flops
+    peak = devices * system.device_peak_flops
+    mfu = model_flops / (step * peak)
+    hfu = hardware_flops / (step * peak)
+
+    # -- memory per device (the worst stage) --
+    memory = memory_per_device(model, system, seq, opts, T=T, tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, rc=rc,
+                               sched=sched, v=v, m=m, zero=zero, dp_shard=np.where(kind == 2, dp_shard, dp))
+    price = system.prices.on_demand_usd_per_hour
+    cost_per_hour = nodes * price if price is not None else np.full_like(step, np.nan)
+    return {
+        "step_time_s": step, "tokens_per_s": tokens / step, "mfu": mfu, "hfu": hfu,
+        "model_flops_per_step": model_flops * np.ones_like(step), "hardware_flops_per_step": hardware_flops,
+        "microbatches": m, "devices": devices,
+        "time_compute_s": m * (layers_per_stage * (fwd_compute + bwd_compute)),
+        "time_tp_comm_s": m * layers_per_stage * (tp_fwd + tp_bwd),
+        "time_cp_comm_s": m * layers_per_stage * (cp_fwd + cp_bwd),
+        "time_pp_comm_s": m * p2p_per_mb,
+        "time_head_s": m * (head_fwd + head_bwd),
+        "time_bubble_s": bubble, "time_dp_comm_s": dp_time, "time_dp_exposed_s": dp_exposed,
+        "time_optimizer_s": optimizer, "bubble_fraction": bubble / step,
+        "cost_usd_per_hour": cost_per_hour,
+        **memory,
+    }
+
+
+def pipeline_bubble_s(sched, pp, v, m, fwd, bwd_input, bwd_weight):
+    """Idle time of the pipeline per step, from per-microbatch stage times (all chunks of the stage).
+
+    GPipe and 1F1B: (p-1) stage-times (Huang et al. 2019; Narayanan et al. 2021). Interleaved 1F1B with v
+    chunks per device: (p-1)/v (Narayanan et al. 2021). ZB-V (Qi et al. 2024, two chunks): (p-1) *
+    (F + B - 2W) per chunk, zero when the weight-gradient pass W fills the gaps, never negative.
+    """
+    full = fwd + bwd_input + bwd_weight
+    zb = np.where(m >= 2 * pp, np.maximum(0.0, (fwd + bwd_input - 2 * bwd_weight) / 2.0), full / 2.0)
+    per = np.select([sched <= 1, sched == 2, sched == 3], [full, full / v, zb])
+    return np.where(pp > 1, (pp - 1) * per, 0.0)
+
+
+def _params_per_stage(model: ModelConfig, pp):
+    """Parameters held by the largest pipeline stage: its layers plus the embedding (first stage) and the head
+    (last stage); with one stage, both."""
+    per_layer = model.params_per_layer()
+    layers = model.layers / pp
+    first = layers * per_layer + model.embedding_params()
+    last = layers * per_layer + model.head_params()
+    return np.where(pp > 1, np.maximum(first, last), layers * per_layer + model.embedding_params() + model.head_params())
+
+
+def inflight_microbatches(sched, pp, v, m):
+    """Microbatches whose activations the first stage holds at the peak (Narayanan et al. 2021;
+    Korthikanti et al. 2022 for interleaving: p * (1 + (p-1)/(p v)); ZB-V holds as many as 1F1B)."""
+    one_f_one_b = np.minimum(pp, m)
+    interleaved = pp * (1 + (pp - 1) / (pp * v))
+    return np.select([sched == 0, sched == 2], [m, np.minimum(interleaved, m * v)], one_f_one_b)
+
+
+def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sched, v, m, zero, dp_shard):
+    params_dev = _params_per_stage(model, pp) / tp
+    weights = params_dev * WEIGHT_BYTES / np.where(zero == 3, dp_shard, 1.0)
+    grads = params_dev * opts.grad_bytes / np.where(zero >= 2, dp_shard, 1.0)
+    optimizer = params_dev * OPTIMIZER_BYTES / np.where(zero >= 1, dp_shard, 1.0)
+
+    sp_part, tp_part, core = activation_bytes_per_token(model, seq / 1, opts.attention)
+    if opts.attention == "unfused":
+        core = core / cp  # scores over the local query rows only
+    sp_scale = np.where(sp, 1.0 / tp, 1.0)
+    layer_full = T * (sp_part * sp_scale + tp_part / tp + core / tp)
+    layer_selective = T * (sp_part * sp_scale + tp_part / tp)
+    layer_input = T * 2 * model.hidden * sp_scale
+    per_layer = np.select([rc == 0, rc == 1], [layer_full, layer_selective], layer_input)
+    layers_stage = model.layers / pp
+    inflight = inflight_microbatches(sched, pp, v, m)
+    activations = per_layer * layers_stage * inflight
+    activations = activations + np.where(rc == 2, layer_full, 0.0)  # one layer rebuilt during backward
+    logits = T * model.vocab / tp * (BF16_BYTES + 4)  # bf16 logits + fp32 loss buffer on the last stage
+    activations = activations + logits
+    total = weights + grads + optimizer + activations
+    capacity = system.device_memory_bytes * system.efficiency.memory_usable_fraction
+    return {"memory_weights_bytes": weights, "memory_grads_bytes": grads, "memory_optimizer_bytes": optimizer,
+            "memory_activations_bytes": activations, "memory_per_device_bytes": total,
+            "memory_capacity_bytes": capacity * np.ones_like(total), "fits": total <= capacity}
