@@ -1,0 +1,240 @@
+"""`paratrain probe`: measure this machine and write a hardware file the planner reads like any catalog entry.
+
+What is measured, each the way the training runtime uses the machine (one compute thread per rank on CPU):
+- dense matmul throughput by size (square fp32 on CPU, bf16 on CUDA): peak and the size-dependent curve;
+- memory bandwidth (a large tensor copy: read + write);
+- collectives of the process-group backend in use (gloo on CPU, NCCL on CUDA): all-reduce, reduce-scatter,
+  all-gather and send/recv by message size and group size, fitted to t = latency + volume / bandwidth with
+  the ring volumes of the planner (2(n-1)/n for all-reduce, (n-1)/n for reduce-scatter / all-gather, 1 for p2p).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import platform
+import tempfile
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import numpy as np
+
+COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "send_recv")
+
+
+def ring_volume_factor(kind: str, n: int) -> float:
+    """Bytes each rank sends per byte of the message, for a ring algorithm (the planner's model)."""
+    if kind == "all_reduce":
+        return 2 * (n - 1) / n
+    if kind in ("reduce_scatter", "all_gather"):
+        return (n - 1) / n
+    return 1.0
+
+
+@dataclass
+class ProbeResult:
+    device: str
+    threads_per_rank: int
+    matmul_tflops_by_size: dict[int, float] = field(default_factory=dict)
+    memory_bw_gbytes_per_s: float = 0.0
+    collectives: list[dict] = field(default_factory=list)  # {kind, group, bytes, time_s}
+    fits: dict[str, dict] = field(default_factory=dict)  # kind -> {latency_us, bw_gbytes_per_s}
+
+    @property
+    def peak_tflops(self) -> float:
+        return max(self.matmul_tflops_by_size.values())
+
+
+def _time_best(fn, repeats: int, sync=lambda: None) -> float:
+    fn()
+    sync()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def probe_matmul(sizes: list[int], device: str = "cpu", repeats: int = 5) -> dict[int, float]:
+    import torch
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    out = {}
+    for n in sizes:
+        a = torch.randn(n, n, device=device, dtype=dtype)
+        b = torch.randn(n, n, device=device, dtype=dtype)
+        t = _time_best(lambda a=a, b=b: a @ b, repeats, sync)
+        out[n] = 2 * n**3 / t / 1e12
+    return out
+
+
+def probe_memory_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
+    import torch
+
+    n = megabytes * 2**20 // 4
+    src = torch.ones(n, device=device)
+    dst = torch.empty_like(src)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    t = _time_best(lambda: dst.copy_(src), repeats, sync)
+    return 2 * src.numel() * 4 / t / 1e9  # read + write
+
+
+def _collective_worker(rank, world, store_path, sizes, repeats, queue):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    # torch 2.13 renamed the *_tensor collectives (the old names warn); accept either.
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    store = dist.FileStore(store_path, world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    rows = []
+    for nbytes in sizes:
+        numel = max(nbytes // 4, world)
+        numel -= numel % world
+        x = torch.ones(numel)
+        out_full = torch.empty(numel)
+        out_shard = torch.empty(numel // world)
+        ops = {
+            "all_reduce": lambda x=x: dist.all_reduce(x),
+            "reduce_scatter": lambda x=x, o=out_shard: reduce_scatter(o, x),
+            "all_gather": lambda o=out_full, s=out_shard: all_gather(o, s),
+        }
+        if world == 2:
+            ops["send_recv"] = lambda x=x: dist.send(x, 1) if rank == 0 else dist.recv(x, 0)
+        for kind, op in ops.items():
+            dist.barrier()
+            best = float("inf")
+            for _ in range(repeats):
+                dist.barrier()
+                t0 = time.perf_counter()
+                op()
+                best = min(best, time.perf_counter() - t0)
+            # The slowest rank defines a collective's time.
+            t = torch.tensor([best])
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+            rows.append({"kind": kind, "group": world, "bytes": numel * 4, "time_s": float(t)})
+    if rank == 0:
+        queue.put(rows)
+    dist.destroy_process_group()
+
+
+def probe_collectives(group_sizes: list[int], sizes: list[int], repeats: int = 5) -> list[dict]:
+    """Fork `n` gloo ranks per group size (fork: no re-import of torch) and time each collective."""
+    ctx = mp.get_context("fork")
+    rows: list[dict] = []
+    for world in group_sizes:
+        queue = ctx.Queue()
+        store = os.path.join(tempfile.mkdtemp(prefix="paratrain-probe-"), "store")
+        procs = [ctx.Process(target=_collective_worker, args=(r, world, store, sizes, repeats, queue))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        rows.extend(queue.get(timeout=600))
+        for p in procs:
+            p.join(timeout=60)
+    return rows
+
+
+def fit_alpha_beta(rows: list[dict], kind: str) -> dict:
+    """Least squares of t = latency + volume_bytes / bw over all group and message sizes of one collective."""
+    sel = [r for r in rows if r["kind"] == kind]
+    if len(sel) < 2:
+        return {}
+    vol = np.array([ring_volume_factor(kind, r["group"]) * r["bytes"] for r in sel])
+    t = np.array([r["time_s"] for r in sel])
+    # Weight by 1/t so small and large messages count alike (relative error), as the planner is judged.
+    A = np.stack([np.ones_like(vol), vol], axis=1) / t[:, None]
+    coef, *_ = np.linalg.lstsq(A, np.ones_like(t), rcond=None)
+    latency_s, inv_bw = max(coef[0], 0.0), max(coef[1], 1e-15)
+    return {"latency_us": float(latency_s * 1e6), "bw_gbytes_per_s": float(1 / inv_bw / 1e9), "points": len(sel)}
+
+
+def run_probe(device: str = "cpu", group_sizes=(2, 4), quick: bool = False, log=print) -> ProbeResult:
+    import torch
+
+    threads = 1 if device == "cpu" else torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)  # as a training rank runs
+    res = ProbeResult(device=device, threads_per_rank=threads)
+    sizes = [128, 256, 512, 1024] if quick else [128, 256, 512, 1024, 2048]
+    log("probing matmul throughput ...")
+    res.matmul_tflops_by_size = probe_matmul(sizes, device)
+    log("probing memory bandwidth ...")
+    res.memory_bw_gbytes_per_s = probe_memory_bandwidth(device, 64 if quick else 256)
+    if device == "cpu" and group_sizes:
+        msg = [2**12, 2**16, 2**20, 2**22] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24]
+        log(f"probing gloo collectives for groups {list(group_sizes)} ...")
+        res.collectives = probe_collectives(list(group_sizes), msg, repeats=3 if quick else 5)
+        res.fits = {k: f for k in COLLECTIVES if (f := fit_alpha_beta(res.collectives, k))}
+    return res
+
+
+def hardware_toml(res: ProbeResult, name: str = "local", ranks: int = 8) -> str:
+    """A catalog file (chips/interconnects/systems tables) describing this machine as measured."""
+    import tomli_w
+
+    bw = res.fits.get("all_reduce", {}).get("bw_gbytes_per_s", 1.0)
+    lat = res.fits.get("all_reduce", {}).get("latency_us", 100.0)
+    when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    src = f"measured by `paratrain probe` on {platform.node()} ({platform.processor() or platform.machine()}), {when}"
+    chip = f"{name}-{res.device}"
+    link = f"{name}-{'gloo' if res.device == 'cpu' else 'nccl'}"
+    peak = res.peak_tflops
+    big = max(res.matmul_tflops_by_size)
+    doc = {
+        "chips": {chip: {
+            "display_name": f"{platform.machine()} {res.device} rank ({res.threads_per_rank} thread)",
+            "vendor": "local", "status": "measured",
+            # The catalog's peak field holds the measured best matmul rate (fp32 on CPU): MFU on this machine is
+            # relative to what a rank can reach, not to a datasheet.
+            "bf16_tflops": round(peak, 6), "hbm_bytes": _memory_bytes(),
+            "hbm_bw_gbytes_per_s": round(res.memory_bw_gbytes_per_s, 3), "cores_per_chip": 1,
+            "source": src,
+            "efficiency": {"matmul_eff_max": round(res.matmul_tflops_by_size[big] / peak, 4),
+                           "kernel_overhead_s": _kernel_overhead_s(res), "memory_bw_eff": 1.0,
+                           "source": src + " (initial values; `paratrain calibrate` refines them)"},
+        }},
+        "interconnects": {link: {
+            "display_name": f"{'gloo over shared memory / loopback' if res.device == 'cpu' else 'NCCL'} (measured)",
+            "endpoint": "device", "bw_gbytes_per_s": round(bw, 4), "latency_us": round(lat, 2), "bw_eff": 1.0,
+            "source": src + " (all-reduce alpha-beta fit)",
+        }},
+        "systems": {name: {
+            "display_name": f"this machine ({platform.node()})", "chip": chip, "chips_per_node": ranks,
+            "devices_per_chip": 1, "device_unit": f"{res.device} rank",
+            "tiers": [{"name": "intra-node", "interconnect": link, "domain_devices": ranks},
+                      {"name": "scale-out", "interconnect": link, "domain_devices": 0}],
+            "source": src,
+            "prices": {"on_demand_usd_per_hour": 0.0, "source": "local machine: no hourly price"},
+        }},
+        "probe": {
+            "matmul_tflops_by_size": {str(k): v for k, v in res.matmul_tflops_by_size.items()},
+            "memory_bw_gbytes_per_s": res.memory_bw_gbytes_per_s,
+            "collective_fits": res.fits, "collectives": res.collectives,
+        },
+    }
+    return tomli_w.dumps(doc)
+
+
+def _memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return 16 * 2**30
+
+
+def _kernel_overhead_s(res: ProbeResult) -> float:
+    """Fixed per-matmul cost that makes small matmuls slow: from the smallest vs largest size measured.
+
+    With t(n) = 2n^3/peak_eff + overhead, overhead = t_small - 2 n_small^3 / rate_large.
+    """
+    small, large = min(res.matmul_tflops_by_size), max(res.matmul_tflops_by_size)
+    t_small = 2 * small**3 / (res.matmul_tflops_by_size[small] * 1e12)
+    ideal = 2 * small**3 / (res.matmul_tflops_by_size[large] * 1e12)
+    return float(max(t_small - ideal, 0.0))
