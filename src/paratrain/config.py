@@ -122,6 +122,9 @@ class CheckpointSection(Section):
     async_save: bool = False
     resume: str = "auto"  # "auto" = newest complete checkpoint, "none", or a checkpoint path
     save_final: bool = True
+    verify: Literal["checksum", "size", "none"] = "checksum"  # manifest check on load (sha256 / sizes / off)
+    retries: int = Field(default=4, ge=1, description="attempts per storage operation (transient errors)")
+    retry_base_s: float = Field(default=0.5, ge=0, description="first backoff wait; doubles per attempt, max 8 s")
 
 
 class MetricsSection(Section):

@@ -19,7 +19,9 @@ from paratrain.parallel import parallelize
 from paratrain.parallel.mesh import build_mesh, init_distributed, resolve_degrees
 from paratrain.train.checkpoint import CheckpointManager
 from paratrain.train.data import GlobalSampler, TokenWindows, prepare, read_meta
+from paratrain.train.faults import fault_point
 from paratrain.train.metrics import MetricsLogger, measure_peak_flops, peak_memory_bytes
+from paratrain.train.storage import RetryPolicy
 
 
 def lr_lambda(opt: OptimSection, total_steps: int):
@@ -99,23 +101,25 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
 
     run_dir = Path(cfg.metrics.run_dir)
     ckpt_dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
-    ckpt = CheckpointManager(ckpt_dir, env.rank, keep=cfg.checkpoint.keep)
     logger = MetricsLogger(run_dir, env.is_main, cfg.metrics.jsonl, cfg.metrics.tensorboard,
                            cfg.train.steps, cfg.train.progress)
+    ck = cfg.checkpoint
+    ckpt = CheckpointManager(ckpt_dir, env.rank, keep=ck.keep, layout=degrees, async_save=ck.async_save,
+                             verify=ck.verify, retry=RetryPolicy(ck.retries, ck.retry_base_s), log=logger.write)
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(dump_config(cfg))
 
-    start_step = 0
-    source = resume_from or (cfg.checkpoint.resume if cfg.checkpoint.resume not in ("auto", "none") else None)
-    path = Path(source) if source else (ckpt.latest() if cfg.checkpoint.resume == "auto" else None)
-    if path is not None:
-        extra = ckpt.load(path, runner.parts, optimizer)
-        scheduler.load_state_dict(extra["scheduler"])
-        sampler.load_state_dict(extra["sampler"])
-        start_step = extra["step"]
-        logger.write(f"resumed from {path} at step {start_step} (sampler at global sample "
-                     f"{sampler.step * cfg.train.global_batch})")
+    start_step, resumed = 0, None
+    source = resume_from or (ck.resume if ck.resume not in ("auto", "none") else None)
+    if source or ck.resume == "auto":
+        resumed = ckpt.resume(runner.parts, optimizer, source)  # newest complete one; refuses damaged ones
+    if resumed is not None:
+        scheduler.load_state_dict(resumed.extra["scheduler"])
+        sampler.load_state_dict(resumed.extra["sampler"])
+        start_step = resumed.extra["step"]
+        logger.write(f"{resumed.describe(degrees, env.world_size)}; sampler at global sample "
+                     f"{sampler.step * cfg.train.global_batch}")
 
     peak_flops, peak_label = _peak_flops(cfg, env)
     flops_per_token = model_cfg.train_flops_per_token(cfg.train.seq_len)
@@ -130,6 +134,7 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad(set_to_none=True)
+        fault_point("after_step", step + 1, env.rank)
         loss_value = float(loss)
         dt = time.perf_counter() - t0
         tokens = cfg.train.global_batch * cfg.train.seq_len
@@ -160,6 +165,7 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
         if (interval and (step + 1) % interval == 0) or (last and cfg.checkpoint.save_final):
             ckpt.save(step + 1, runner.parts, optimizer, {"step": step + 1, "scheduler": scheduler.state_dict(),
                                                           "sampler": sampler.state_dict()})
+    ckpt.close()  # an asynchronous save still in flight commits before the run reports done
     wall = time.perf_counter() - t_start
     logger.close()
     return {
@@ -168,6 +174,7 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
         "tokens_per_s": stats.tokens / stats.compute_s if stats.compute_s else 0.0,
         "wall_s": wall, "peak_flops": peak_flops, "peak_label": peak_label,
         "run_dir": str(run_dir), "checkpoint": str(ckpt.latest() or ""), "rank": env.rank,
+        "resumed_from": resumed.path if resumed else "", "failed_checkpoint_saves": ckpt.failed_saves,
         "world_size": env.world_size, "layout": degrees,
     }
 
