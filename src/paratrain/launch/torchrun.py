@@ -1,0 +1,231 @@
+"""Build the torchrun (`torch.distributed.run`) invocation for one node, and check the layout fits the nodes.
+
+paratrain does not have its own launcher: every node runs torchrun, which rendezvouses the nodes (c10d, or a
+static master address), numbers the ranks node by node (node k holds global ranks k*P .. k*P+P-1 for P
+processes per node), restarts the workers after a failure and sets RANK/WORLD_SIZE/MASTER_ADDR for
+`paratrain train`. This module only decides the flags and refuses a layout that would put a tensor-parallel
+group across hosts, before any process starts.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from paratrain.config import TrainConfig
+from paratrain.parallel.mesh import MESH_DIMS, resolve_degrees
+
+DEFAULT_RDZV_PORT = 29400  # torchrun's default c10d rendezvous port
+DEFAULT_MASTER_PORT = 29500  # torchrun's default static master port
+
+
+@dataclass(frozen=True)
+class NodeRange:
+    """--nnodes: a fixed count N, or an elastic range MIN:MAX."""
+
+    min_nodes: int
+    max_nodes: int
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes != self.max_nodes
+
+    def __str__(self) -> str:
+        return f"{self.min_nodes}:{self.max_nodes}" if self.elastic else str(self.min_nodes)
+
+    def counts(self) -> range:
+        return range(self.min_nodes, self.max_nodes + 1)
+
+
+def parse_nnodes(text: str) -> NodeRange:
+    try:
+        lo, _, hi = str(text).partition(":")
+        rng = NodeRange(int(lo), int(hi or lo))
+    except ValueError:
+        raise ValueError(f"--nnodes='{text}': allowed: a node count N or an elastic range MIN:MAX, "
+                         "e.g. 4 or 2:4") from None
+    if rng.min_nodes < 1 or rng.max_nodes < rng.min_nodes:
+        raise ValueError(f"--nnodes='{text}': allowed: 1 <= MIN <= MAX")
+    return rng
+
+
+def parse_endpoint(text: str, default_port: int) -> tuple[str, int]:
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        host, port = text, str(default_port)
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--rdzv-endpoint='{text}': allowed: HOST[:PORT] with a port in 1..65535, "
+                         f"e.g. node001:{default_port}")
+    return host, int(port)
+
+
+@dataclass
+class LaunchSpec:
+    """Everything torchrun needs on one node. `train_args` go to `paratrain train` unchanged."""
+
+    nnodes: NodeRange
+    nproc_per_node: int
+    node_rank: int | None = None  # set = static rendezvous (every node knows its rank)
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "paratrain"
+    rdzv_backend: str = "c10d"
+    rdzv_conf: list[str] = field(default_factory=list)
+    max_restarts: int = 0
+    monitor_interval_s: float | None = None
+    local_addr: str | None = None
+    ifname: str | None = None
+    train_args: list[str] = field(default_factory=list)
+    python: str = sys.executable
+
+    def mode(self) -> str:
+        if self.node_rank is not None:
+            return "static"
+        if self.nnodes.max_nodes == 1 and not self.rdzv_endpoint:
+            return "standalone"
+        return "elastic"
+
+
+def validate_spec(spec: LaunchSpec) -> None:
+    """Flag combinations torchrun would reject late or silently misuse, refused up front."""
+    if spec.nproc_per_node < 1:
+        raise ValueError(f"--nproc-per-node={spec.nproc_per_node}: allowed: >= 1")
+    if spec.max_restarts < 0:
+        raise ValueError(f"--max-restarts={spec.max_restarts}: allowed: >= 0")
+    if spec.node_rank is not None:
+        if spec.nnodes.elastic:
+            raise ValueError(f"--node-rank with --nnodes={spec.nnodes}: a fixed node rank needs a fixed node "
+                             "count; for an elastic range drop --node-rank (c10d assigns ranks)")
+        if not 0 <= spec.node_rank < spec.nnodes.max_nodes:
+            raise ValueError(f"--node-rank={spec.node_rank}: allowed: 0..{spec.nnodes.max_nodes - 1}")
+    multi = spec.nnodes.max_nodes > 1
+    if multi and not spec.rdzv_endpoint:
+        raise ValueError(f"--nnodes={spec.nnodes} needs --rdzv-endpoint HOST:PORT (a host every node can reach, "
+                         "usually the first node)")
+    if spec.rdzv_endpoint:
+        parse_endpoint(spec.rdzv_endpoint, DEFAULT_RDZV_PORT)
+    for item in spec.rdzv_conf:
+        if "=" not in item:
+            raise ValueError(f"--rdzv-conf='{item}': allowed: KEY=VALUE, e.g. join_timeout=900")
+
+
+def build_command(spec: LaunchSpec) -> list[str]:
+    """The exact torchrun command line for this node."""
+    validate_spec(spec)
+    cmd = [spec.python, "-m", "torch.distributed.run"]
+    mode = spec.mode()
+    if mode == "standalone":
+        cmd += ["--standalone", "--nnodes", "1"]
+    elif mode == "static":
+        host, port = parse_endpoint(spec.rdzv_endpoint, DEFAULT_MASTER_PORT)
+        cmd += ["--nnodes", str(spec.nnodes), "--node-rank", str(spec.node_rank),
+                "--master-addr", host, "--master-port", str(port)]
+    else:
+        cmd += ["--nnodes", str(spec.nnodes), "--rdzv-backend", spec.rdzv_backend,
+                "--rdzv-endpoint", spec.rdzv_endpoint, "--rdzv-id", spec.rdzv_id]
+        if spec.rdzv_conf:
+            cmd += ["--rdzv-conf", ",".join(spec.rdzv_conf)]
+    cmd += ["--nproc-per-node", str(spec.nproc_per_node), "--max-restarts", str(spec.max_restarts)]
+    if spec.monitor_interval_s is not None:
+        cmd += ["--monitor-interval", str(spec.monitor_interval_s)]
+    if spec.local_addr:
+        cmd += ["--local-addr", spec.local_addr]
+    return cmd + ["-m", "paratrain", "train", *spec.train_args]
+
+
+def launch_env(spec: LaunchSpec) -> dict[str, str]:
+    """Environment additions for the workers: the network interface for gloo and NCCL's bootstrap sockets.
+
+    Without them both libraries pick the interface that the hostname resolves to, which on multi-homed
+    hosts (a management NIC beside the fabric, a container bridge) is often not the one the peers reach."""
+    env = {}
+    if spec.ifname:
+        env["GLOO_SOCKET_IFNAME"] = spec.ifname
+        env["NCCL_SOCKET_IFNAME"] = spec.ifname
+    if "OMP_NUM_THREADS" not in os.environ:
+        env["OMP_NUM_THREADS"] = "1"  # torchrun sets 1 too, but says so in a warning per node
+    return env
+
+
+def shell_line(cmd: list[str], env: dict[str, str]) -> str:
+    prefix = " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items())
+    return (prefix + " " if prefix else "") + shlex.join(cmd)
+
+
+# ---- placement: which mesh groups stay inside a node -------------------------------------------------------
+
+
+def rank_grid(dims: dict[str, int]) -> np.ndarray:
+    """Global ranks laid out on the mesh, row-major in the given dimension order (as init_device_mesh does)."""
+    return np.arange(int(np.prod(list(dims.values())))).reshape(tuple(dims.values()))
+
+
+def groups_crossing_nodes(dims: dict[str, int], dim: str, nproc_per_node: int) -> int:
+    """How many process groups along `dim` contain ranks of more than one node."""
+    grid = np.moveaxis(rank_grid(dims), list(dims).index(dim), -1).reshape(-1, dims[dim])
+    nodes = grid // nproc_per_node
+    return int((nodes.min(axis=1) != nodes.max(axis=1)).sum())
+
+
+def mesh_dims(cfg: TrainConfig, world_size: int) -> dict[str, int]:
+    """The mesh paratrain builds for this world size (pp, dp, cp, tp outermost to innermost); for HSDP the dp
+    dimension is split into (dp_replicate, dp_shard), replicas outermost, as FSDP2's HSDP mesh is."""
+    degrees = resolve_degrees(cfg.parallel, world_size)
+    dims = {d: degrees[d] for d in MESH_DIMS}
+    if cfg.parallel.dp_kind != "hsdp":
+        return dims
+    rep = cfg.parallel.dp_replicate
+    if degrees["dp"] % rep:
+        raise ValueError(f"parallel.dp_replicate={rep} must divide the data-parallel size {degrees['dp']} "
+                         f"(world size {world_size})")
+    return {"pp": dims["pp"], "dp_replicate": rep, "dp_shard": degrees["dp"] // rep, "cp": dims["cp"],
+            "tp": dims["tp"]}
+
+
+def placement(cfg: TrainConfig, nnodes: int, nproc_per_node: int) -> dict[str, str]:
+    """For each mesh dimension of size > 1: 'intra-node' or 'across nodes' (some or all groups span hosts)."""
+    dims = mesh_dims(cfg, nnodes * nproc_per_node)
+    return {d: ("across nodes" if groups_crossing_nodes(dims, d, nproc_per_node) else "intra-node")
+            for d, size in dims.items() if size > 1}
+
+
+def hybrid_shard_replicas(cfg: TrainConfig, nnodes: int, nproc_per_node: int) -> int:
+    """dp_replicate that makes each FSDP shard group exactly one node: nnodes for pp=1 (nnodes/pp in general)."""
+    p = cfg.parallel
+    per_node = p.tp * p.cp
+    if nproc_per_node % per_node:
+        raise ValueError(f"--hybrid-shard: --nproc-per-node={nproc_per_node} must be a multiple of "
+                         f"parallel.tp*parallel.cp = {per_node} so that one node holds whole shard groups")
+    if nnodes % p.pp:
+        raise ValueError(f"--hybrid-shard: --nnodes={nnodes} must be a multiple of parallel.pp={p.pp}")
+    return nnodes // p.pp
+
+
+def check_layout(cfg: TrainConfig, nnodes: NodeRange, nproc_per_node: int) -> dict[int, dict[str, str]]:
+    """Refuse, with the reason, any node count in the range whose layout is invalid or splits a TP group
+    across hosts. Returns the placement for each allowed node count."""
+    from paratrain.train.loop import check_batch_layout
+
+    tp = cfg.parallel.tp
+    if nproc_per_node % tp:
+        raise ValueError(
+            f"parallel.tp={tp} with --nproc-per-node={nproc_per_node}: tensor-parallel groups would span hosts "
+            f"(TP exchanges activations in every layer and needs the intra-node links); allowed: "
+            f"--nproc-per-node a multiple of parallel.tp")
+    out = {}
+    for n in nnodes.counts():
+        world = n * nproc_per_node
+        try:
+            degrees = resolve_degrees(cfg.parallel, world)
+            check_batch_layout(cfg, degrees["dp"])
+            out[n] = placement(cfg, n, nproc_per_node)
+        except ValueError as exc:
+            hint = " (every node count in an elastic range must give a valid layout)" if nnodes.elastic else ""
+            raise ValueError(f"--nnodes={nnodes}: with {n} node(s) x {nproc_per_node} = {world} ranks: "
+                             f"{exc}{hint}") from None
+        if out[n].get("tp") == "across nodes":  # cannot happen while tp is the innermost mesh dimension
+            raise ValueError(f"parallel.tp={tp}: the mesh order {MESH_DIMS} would put TP groups across hosts")
+    return out
