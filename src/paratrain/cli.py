@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "paratrain.hardware.commands",
     "paratrain.plan.commands",
     "paratrain.sim.commands",
+    "paratrain.launch.commands",
     "paratrain.calibrate.commands",
 ]
 
