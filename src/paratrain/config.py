@@ -143,6 +143,22 @@ class StalenessSection(Section):
     straggler_threshold: float = Field(default=1.5, gt=1.0)
     straggler_window: int = Field(default=10, gt=0)
     evict_stragglers: bool = False
+    # Test/benchmark only, inert when empty: slow a rank on purpose, e.g. "slowdown=2.0,rank=1" or
+    # "sleep_s=0.05,probability=0.3,rank=-1,seed=0" (paratrain.train.staleness.FaultInjection).
+    test_fault_injection: str = ""
+
+    @model_validator(mode="after")
+    def _check(self) -> StalenessSection:
+        from paratrain.train.staleness import FaultInjection
+
+        if self.policy == "sync" and self.max_staleness:
+            raise ValueError(f"staleness.max_staleness={self.max_staleness} needs staleness.policy="
+                             f"'bounded_staleness' or 'time_budget' (policy 'sync' has no stale gradients)")
+        if self.policy == "sync" and self.test_fault_injection:
+            raise ValueError("staleness.test_fault_injection is honoured by the stale-gradient runner only; for a "
+                             "synchronous baseline use policy='bounded_staleness' with max_staleness=0")
+        FaultInjection.parse(self.test_fault_injection)
+        return self
 
 
 class TrainConfig(Section):
@@ -160,6 +176,9 @@ class TrainConfig(Section):
         cfg = self.model.resolve()  # raises a clear error for a bad preset/shape
         if self.train.seq_len > cfg.max_seq:
             raise ValueError(f"train.seq_len={self.train.seq_len} exceeds the model's max_seq={cfg.max_seq}")
+        from paratrain.parallel.layout import check_parallel_config
+
+        check_parallel_config(cfg, self.parallel, self.train.seq_len)  # tp vs heads/ffn/vocab, dp kinds, ...
         return self
 
     def model_shape(self) -> ModelConfig:

@@ -1,7 +1,13 @@
 """Parallel techniques, applied to the single-device model by `parallelize()` in a fixed order.
 
 Order (as torchtitan): pipeline split -> tensor/sequence parallel -> activation recomputation ->
-data parallel (FSDP2/DDP/HSDP). Each technique lives in its own small file.
+data parallel (FSDP2/DDP/HSDP). Why this order:
+- the pipeline split first, so every later technique sees only the layers this rank owns;
+- TP before recompute, so a recomputed region replays its TP collectives in backward;
+- recompute before FSDP, so FSDP's per-block hooks (unshard before backward) wrap the recomputed forward;
+- DP last: FSDP shards the parameters TP has already distributed (2-D DTensors over dp x tp), and the DDP
+  reducer hooks the final parameters.
+Each technique lives in its own file: tensor.py (TP/SP/loss parallel), recompute.py, data.py (FSDP/DDP/HSDP).
 """
 
 from __future__ import annotations
@@ -10,13 +16,60 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from paratrain.config import TrainConfig
-from paratrain.parallel.mesh import DistEnv
-from paratrain.parallel.runner import Runner
+from paratrain.parallel.layout import check_parallel_config, effective_dp
+from paratrain.parallel.mesh import DistEnv, resolve_degrees
+from paratrain.parallel.recompute import apply_recompute
+from paratrain.parallel.runner import ParallelRunner, Runner
+
+
+def check_layout(cfg: TrainConfig, world_size: int) -> dict[str, int]:
+    """Every layout check, before anything is built; returns the mesh degrees."""
+    degrees = resolve_degrees(cfg.parallel, world_size)
+    check_parallel_config(cfg.model_shape(), cfg.parallel, cfg.train.seq_len)
+    return degrees
+
+
+def dp_mesh_of(mesh: DeviceMesh, cfg: TrainConfig) -> DeviceMesh:
+    """The mesh gradients are averaged over: dp (2-D replicate x shard for hsdp), times cp when cp > 1
+    (context-parallel ranks see different tokens of the same sequences, so they are data-parallel for weights)."""
+    if cfg.parallel.dp_kind == "hsdp":
+        if cfg.parallel.cp > 1:
+            mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+            return mesh["dp_replicate", "dp_shard_cp"]
+        return mesh["dp_replicate", "dp_shard"]
+    if cfg.parallel.cp > 1:
+        return mesh["dp", "cp"]._flatten("dp_cp")
+    return mesh["dp"]
 
 
 def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env: DistEnv) -> Runner:
     """Wrap `model` for the layout in cfg.parallel and return the runner the training loop drives."""
+    pcfg = cfg.parallel
+    degrees = check_layout(cfg, env.world_size)
     if mesh is None:
         model.to(env.device)
+        apply_recompute(model, pcfg.recompute)
         return Runner(model, cfg.train.microbatch, env.device, cfg.train.dtype)
-    raise NotImplementedError("multi-rank layouts are being built (issue 3)")
+    model.to(env.device)
+    parts = [model]
+    if degrees["pp"] > 1:
+        raise NotImplementedError("pipeline parallelism is being built (parallel/pipeline.py)")
+    if degrees["tp"] > 1:
+        from paratrain.parallel.tensor import apply_tp
+
+        for part in parts:
+            apply_tp(part, mesh["tp"], sp=pcfg.sp, loss_parallel=True)
+    for part in parts:
+        apply_recompute(part, pcfg.recompute)
+    dp = None
+    dp_mesh = dp_mesh_of(mesh, cfg)
+    if dp_mesh.size() > 1:
+        from paratrain.parallel.data import apply_dp
+
+        kind, reshard = effective_dp(pcfg)
+        dp = apply_dp(parts, dp_mesh, kind, reshard)
+    dp_rank = mesh["dp"].get_local_rank()
+    runner = ParallelRunner(model, cfg.train.microbatch, env.device, cfg.train.dtype,
+                            dp_rank=dp_rank, dp_size=degrees["dp"], dp=dp, loss_parallel=degrees["tp"] > 1)
+    runner.parts = parts
+    return runner

@@ -61,6 +61,9 @@ def resolve_degrees(pcfg: ParallelSection, world_size: int) -> dict[str, int]:
         raise ValueError(
             f"parallel: world size {world_size} != pp*dp*cp*tp = {pcfg.pp}*{pcfg.dp}*{pcfg.cp}*{pcfg.tp}; "
             f"allowed: degrees whose product is the number of ranks (set parallel.dp=-1 to infer dp)")
+    if pcfg.dp_kind == "hsdp" and dp % pcfg.dp_replicate:
+        raise ValueError(f"parallel.dp_replicate={pcfg.dp_replicate} must divide the data-parallel size {dp} "
+                         f"(hsdp: dp = dp_replicate x dp_shard)")
     return {"pp": pcfg.pp, "dp": dp, "cp": pcfg.cp, "tp": pcfg.tp}
 
 
@@ -69,4 +72,11 @@ def build_mesh(pcfg: ParallelSection, env: DistEnv) -> DeviceMesh | None:
     degrees = resolve_degrees(pcfg, env.world_size)
     if env.world_size == 1:
         return None
+    if pcfg.dp_kind == "hsdp":
+        # dp split into (dp_replicate: across nodes) x (dp_shard: within); "dp" stays addressable as a whole.
+        dims = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+        sizes = (degrees["pp"], pcfg.dp_replicate, degrees["dp"] // pcfg.dp_replicate, degrees["cp"], degrees["tp"])
+        mesh = init_device_mesh(env.device.type, sizes, mesh_dim_names=dims)
+        mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        return mesh
     return init_device_mesh(env.device.type, tuple(degrees[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)

@@ -11,8 +11,14 @@ import contextlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from paratrain.model.llama import cross_entropy_loss
+
+
+def plain(t: torch.Tensor) -> torch.Tensor:
+    """A replicated DTensor (e.g. a loss-parallel loss) as an ordinary tensor."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 class Runner:
@@ -53,7 +59,7 @@ class Runner:
                 with self.autocast():
                     loss = self.loss_fn(self.model(x), y) / len(chunks)
                 loss.backward()
-            total += loss.detach()
+            total += plain(loss.detach())
         return self.reduce_loss(total)
 
     @torch.no_grad()
@@ -62,7 +68,7 @@ class Runner:
         losses = []
         for x, y in zip(inputs.split(self.microbatch), targets.split(self.microbatch), strict=True):
             with self.autocast():
-                losses.append(self.loss_fn(self.model(x), y))
+                losses.append(plain(self.loss_fn(self.model(x), y)))
         return self.reduce_loss(torch.stack(losses).mean())
 
     def parameters(self):
@@ -76,3 +82,94 @@ class Runner:
             norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
             return float(norm)
         return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
+
+
+class ParallelRunner(Runner):
+    """A Runner for tensor/sequence/data-parallel layouts on one DeviceMesh.
+
+    - loss parallel: forward and backward run under `loss_parallel()`, so the cross-entropy of vocab-sharded
+      logits is computed without gathering them (each rank reduces max/sum-exp/target-logit over the TP group).
+    - data parallel: gradients are reduced only on the last microbatch (`dp.sync_context`), and `dp.finish()`
+      waits for the reductions still in flight when backward ends; the reported loss is averaged over dp.
+    - the gradient norm is global: each gradient's local shard contributes its sum of squares, reduced over
+      exactly the mesh dimensions it is sharded on (never double counting replicas).
+    """
+
+    def __init__(self, model: nn.Module, microbatch: int, device: torch.device, dtype: str = "fp32",
+                 dp_rank: int = 0, dp_size: int = 1, dp=None, loss_parallel: bool = False,
+                 norm_groups: tuple = ()):
+        super().__init__(model, microbatch, device, dtype, dp_rank, dp_size)
+        self.dp = dp
+        self.loss_parallel = loss_parallel
+        self.norm_groups = norm_groups  # extra groups whose ranks hold different parameters (pipeline stages)
+
+    @property
+    def optimizer_foreach(self) -> bool:
+        """foreach kernels reject a mix of DTensor and plain parameters, or DTensors on different meshes."""
+        kinds = {(type(p), getattr(p, "device_mesh", None)) for p in self.parameters()}
+        return len(kinds) == 1
+
+    def step_context(self):
+        if not self.loss_parallel:
+            return contextlib.nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    def no_sync(self, last: bool):
+        return self.dp.sync_context(last) if self.dp is not None else contextlib.nullcontext()
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self.step_context():
+            loss = super().forward_backward(inputs, targets)
+        if self.dp is not None:
+            self.dp.finish()
+        return loss
+
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        with self.step_context():
+            return super().eval_loss(inputs, targets)
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.dp is None or self.dp_size == 1:
+            return loss
+        import torch.distributed as dist
+
+        loss = loss.clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp.group)
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        norm = global_grad_norm(grads, self.norm_groups)
+        if max_norm > 0:
+            # Same arithmetic as torch.nn.utils.clip_grad_norm_ (always scale by the clamped coefficient).
+            coef = min(max_norm / (norm + 1e-6), 1.0)
+            for g in grads:
+                g.mul_(coef)
+        return norm
+
+
+def global_grad_norm(grads: list[torch.Tensor], extra_groups: tuple = ()) -> float:
+    """L2 norm of all gradients of the model across every rank, from local shards."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate
+
+    sums: dict[tuple, torch.Tensor] = {}
+    for g in grads:
+        groups: tuple = ()
+        if isinstance(g, DTensor):
+            if any(p.is_partial() for p in g.placements):  # unreduced (e.g. replicated kv heads): reduce first
+                g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
+            groups = tuple(g.device_mesh.get_group(i) for i, p in enumerate(g.placements) if p.is_shard())
+            g = g.to_local()
+        sq = g.detach().double().pow(2).sum()
+        sums[groups] = sums[groups] + sq if groups in sums else sq
+    total = torch.zeros((), dtype=torch.float64)
+    for groups, sq in sums.items():
+        for group in groups:
+            dist.all_reduce(sq, group=group)
+        total += sq
+    for group in extra_groups:
+        dist.all_reduce(total, group=group)
+    return float(total.sqrt())

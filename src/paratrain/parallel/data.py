@@ -1,0 +1,171 @@
+"""Data parallelism: FSDP2 (ZeRO-3, or ZeRO-2-like), HSDP (replicate x shard), and DDP (replicated).
+
+- "fsdp": `fully_shard` per block, then the root. Parameters, gradients and optimizer state are sharded over
+  the dp mesh; each block's parameters are all-gathered just before its forward/backward and its gradients
+  reduce-scattered as soon as its backward is done (overlapping the earlier blocks' backward).
+  reshard_after_forward=False keeps a block's parameters gathered from forward to backward (no second
+  all-gather; memory like ZeRO-2 during the step).
+- "hsdp": the same on a 2-D dp mesh (dp_replicate x dp_shard): shard within a node, replicate across nodes
+  (reduce-scatter inside the shard group, then all-reduce across replicas).
+- "ddp": every rank holds all parameters; `BucketedGradReducer` all-reduces gradients in buckets launched
+  asynchronously from post-accumulate-grad hooks, so reduction of the last layers' gradients runs while the
+  earlier layers' backward computes (as torch DDP and Megatron's DDP do). It works on plain and DTensor
+  (tensor-parallel) parameters alike: it reduces each gradient's local shard over the dp group only, which is
+  what TP x DP needs and what torch DDP does not support.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket cap
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class BucketedGradReducer:
+    """Average gradients over `group` in buckets, each launched as soon as all its gradients are final."""
+
+    def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+        self.group = group
+        self.world = dist.get_world_size(group)
+        # Reverse registration order approximates the order gradients become ready in backward.
+        ordered = [p for p in params if p.requires_grad][::-1]
+        self.buckets: list[list[nn.Parameter]] = []
+        size = 0
+        for p in ordered:
+            nbytes = local(p).numel() * local(p).element_size()
+            if not self.buckets or size + nbytes > bucket_bytes:
+                self.buckets.append([])
+                size = 0
+            self.buckets[-1].append(p)
+            size += nbytes
+        self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
+        self._pending: list[int] = []
+        self._ready: list[int] = []
+        self._work: list[tuple[dist.Work, torch.Tensor, int]] = []
+        self.sync = True
+        for p in ordered:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ready = [0] * len(self.buckets)
+        self._work = []
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self.sync:
+            return
+        i = self._bucket_of[id(param)]
+        self._ready[i] += 1
+        if self._ready[i] == len(self.buckets[i]):
+            self._launch(i)
+
+    def _launch(self, i: int) -> None:
+        grads = [local(p.grad) for p in self.buckets[i]]
+        flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+        flat.div_(self.world)
+        self._work.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, i))
+
+    def finish(self) -> None:
+        """Wait for every bucket and write the averaged gradients back (call after the last backward)."""
+        if not self.sync:
+            return
+        if len(self._work) != len(self.buckets):
+            missing = [i for i in range(len(self.buckets)) if self._ready[i] != len(self.buckets[i])]
+            for i in missing:  # parameters that got no gradient this step: reduce what is there (zeros)
+                for p in self.buckets[i]:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                self._launch(i)
+        for work, flat, i in self._work:
+            work.wait()
+            offset = 0
+            for p in self.buckets[i]:
+                g = local(p.grad)
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self._reset()
+
+
+class DataParallel:
+    """What the runner needs from data parallelism: gradient-sync control, completion, and the loss group."""
+
+    def __init__(self, kind: str, group: dist.ProcessGroup | None, fsdp_modules: list[FSDPModule] | None = None,
+                 reducer: BucketedGradReducer | None = None):
+        self.kind = kind
+        self.group = group
+        self.fsdp_modules = fsdp_modules or []
+        self.reducer = reducer
+
+    def sync_context(self, sync: bool):
+        """Within the context, backward reduces gradients only if `sync` (the last microbatch)."""
+        for m in self.fsdp_modules:
+            m.set_requires_gradient_sync(sync, recurse=False)
+        if self.reducer is not None:
+            self.reducer.sync = sync
+        return contextlib.nullcontext()
+
+    def finish(self) -> None:
+        if self.reducer is not None:
+            self.reducer.finish()
+
+
+def dp_group(dp_mesh: DeviceMesh) -> dist.ProcessGroup:
+    """One process group spanning the whole dp mesh (flattened when it is 2-D, as for HSDP)."""
+    if dp_mesh.ndim == 1:
+        return dp_mesh.get_group()
+    return dp_mesh._flatten().get_group()
+
+
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool) -> list[FSDPModule]:
+    """fully_shard each block, then the root (embedding, final norm, head): one all-gather unit per block."""
+    units = []
+    for block in model.layers.values():
+        units.append(fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward))
+    # The root's parameters are needed again first in backward (the head): resharding them buys nothing.
+    units.append(fully_shard(model, mesh=dp_mesh, reshard_after_forward=False))
+    return units
+
+
+def apply_dp(parts: list[nn.Module], dp_mesh: DeviceMesh, kind: str, reshard_after_forward: bool = True,
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> DataParallel:
+    """Apply data parallelism of `kind` ("ddp" | "fsdp" | "hsdp") over `dp_mesh` to every model part.
+
+    For "hsdp" pass a 2-D mesh (replicate, shard); FSDP2 then shards over the inner and replicates over the
+    outer dimension."""
+    group = dp_group(dp_mesh)
+    if kind in ("fsdp", "hsdp"):
+        if kind == "hsdp" and dp_mesh.ndim != 2:
+            raise ValueError("parallel.dp_kind='hsdp' needs a 2-D dp mesh (dp_replicate x dp_shard)")
+        units = [u for part in parts for u in apply_fsdp(part, dp_mesh, reshard_after_forward)]
+        return DataParallel(kind, group, fsdp_modules=units)
+    if kind == "ddp":
+        params = [p for part in parts for p in part.parameters()]
+        _check_replicas_equal(params, group)
+        return DataParallel(kind, group, reducer=BucketedGradReducer(params, group, bucket_bytes))
+    raise ValueError(f"parallel.dp_kind='{kind}': allowed: ddp, fsdp, hsdp")
+
+
+@torch.no_grad()
+def _check_replicas_equal(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Every replica must start from the same weights (all ranks build the model from the same seed); a
+    one-number checksum catches a layout bug or a nondeterministic init before training diverges silently."""
+    total = torch.zeros(1, dtype=torch.float64)
+    for p in params:
+        total += local(p).double().sum()
+    gathered = torch.zeros(dist.get_world_size(group), dtype=torch.float64)
+    dist.all_gather_into_tensor(gathered, total, group=group)
+    if not torch.allclose(gathered, gathered[0].expand_as(gathered), rtol=0, atol=0):
+        raise RuntimeError(f"ddp: parameter checksums differ across data-parallel ranks: {gathered.tolist()}")

@@ -1,0 +1,53 @@
+"""Layout checks that need no process group: run when the config is loaded, before any rank builds anything.
+
+Kept free of torch imports so that loading a config stays cheap.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from paratrain.config import ParallelSection
+    from paratrain.model.config import ModelConfig
+
+
+def check_tp_layout(model_cfg: ModelConfig, tp: int, sp: bool, seq_len: int) -> None:
+    """Raise one clear ValueError if the model cannot be split `tp` ways."""
+    if tp == 1:
+        return
+    checks = [("model.heads", model_cfg.heads), ("model.ffn_hidden", model_cfg.ffn), ("model.vocab", model_cfg.vocab)]
+    for field, value in checks:
+        if value % tp:
+            raise ValueError(f"parallel.tp={tp} must divide {field}={value}; allowed tp: divisors of {value}")
+    kv = model_cfg.n_kv_heads
+    if kv % tp and tp % kv:
+        raise ValueError(f"parallel.tp={tp} and model.kv_heads={kv}: tp must divide kv_heads, or kv_heads must "
+                         f"divide tp (then each kv head is replicated on tp/kv_heads ranks)")
+    if model_cfg.tie_embeddings:
+        raise ValueError(f"parallel.tp={tp} with model.tie_embeddings=true is not supported: the vocab-parallel "
+                         f"embedding and output head are sharded separately; allowed: tie_embeddings=false")
+    if sp and seq_len % tp:
+        raise ValueError(f"parallel.sp=true: train.seq_len={seq_len} must be divisible by parallel.tp={tp}")
+
+
+def effective_dp(pcfg: ParallelSection) -> tuple[str, bool]:
+    """(dp_kind, reshard_after_forward) the runtime uses; zero_stage, when given, must agree with dp_kind."""
+    if pcfg.zero_stage is None:
+        return pcfg.dp_kind, pcfg.reshard_after_forward
+    if pcfg.zero_stage == 1:
+        raise ValueError("parallel.zero_stage=1 (optimizer-state sharding only) is not implemented by the runtime; "
+                         "allowed: 2 (fsdp/hsdp, reshard_after_forward=false), 3 (fsdp/hsdp), or unset")
+    if pcfg.dp_kind == "ddp":
+        raise ValueError(f"parallel.zero_stage={pcfg.zero_stage} shards state, but parallel.dp_kind='ddp' "
+                         f"replicates it; allowed: dp_kind='fsdp' or 'hsdp' with zero_stage 2/3")
+    return pcfg.dp_kind, pcfg.zero_stage == 3
+
+
+def check_parallel_config(model_cfg: ModelConfig, pcfg: ParallelSection, seq_len: int) -> None:
+    """Every check that needs the model shape but not the world size."""
+    check_tp_layout(model_cfg, pcfg.tp, pcfg.sp, seq_len)
+    effective_dp(pcfg)
+    if pcfg.dp_kind == "hsdp" and pcfg.dp != -1 and pcfg.dp % pcfg.dp_replicate:
+        raise ValueError(f"parallel.dp_replicate={pcfg.dp_replicate} must divide parallel.dp={pcfg.dp} "
+                         f"(hsdp: dp = dp_replicate x dp_shard)")

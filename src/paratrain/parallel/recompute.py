@@ -1,0 +1,68 @@
+"""Activation recomputation (Korthikanti et al. 2022), with non-reentrant torch.utils.checkpoint.
+
+- "none": autograd keeps every activation its backward needs.
+- "selective": only the attention core (softmax(QK^T)V, `CoreAttention`) is recomputed: its score/probability
+  tensors (b x heads x s x s, the 5as/h term that grows with sequence length) are not kept; q, k, v are.
+- "full": each transformer block is recomputed from its input in backward: only the block input is kept.
+
+The checkpointed module's `forward` is replaced in place (not wrapped in a new module), so parameter names
+stay those of the single-device model (checkpoints and pipeline stages rely on them). Apply after tensor
+parallelism (the recomputed region then contains the TP collectives, which rerun in backward) and before
+FSDP (whose hooks unshard a block's parameters before its backward, hence before the recompute).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable
+
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from paratrain.model.llama import CoreAttention
+
+MODES = ("none", "selective", "full")
+_input_observers: list[Callable] = []
+
+
+@contextlib.contextmanager
+def observe_checkpoint_inputs(callback: Callable):
+    """Call `callback(args)` with the inputs every checkpointed region keeps for its recompute (they are kept
+    alive by the checkpoint, not through saved-tensor hooks; the activation-memory accounting needs them)."""
+    _input_observers.append(callback)
+    try:
+        yield
+    finally:
+        _input_observers.remove(callback)
+
+
+def checkpoint_module(module: nn.Module) -> nn.Module:
+    """Make `module` recompute its forward in backward (non-reentrant checkpoint); names unchanged."""
+    inner = module.forward
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        for observe in _input_observers:
+            observe(args)
+        return checkpoint(inner, *args, use_reentrant=False, **kwargs)
+
+    module.forward = forward
+    module._paratrain_recompute = True
+    return module
+
+
+def apply_recompute(model: nn.Module, mode: str) -> nn.Module:
+    """Apply recompute `mode` ("none" | "selective" | "full") to every block of `model` (a Llama or a stage)."""
+    if mode not in MODES:
+        raise ValueError(f"parallel.recompute='{mode}': allowed: {', '.join(MODES)}")
+    if mode == "none":
+        return model
+    for block in model.layers.values():
+        if mode == "full":
+            checkpoint_module(block)
+        else:
+            for sub in block.modules():
+                if isinstance(sub, CoreAttention):
+                    checkpoint_module(sub)
+    return model
