@@ -17,6 +17,11 @@ send/recv) by message size and group size, fitted to latency + bytes/bandwidth.
 
 
 def register(sub) -> None:
+    register_probe(sub)
+    register_calibrate(sub)
+
+
+def register_probe(sub) -> None:
     p = sub.add_parser("probe", help="measure this machine and write a hardware file for the planner",
                        description=PROBE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="runs/hardware/local.toml", help="hardware TOML to write")
@@ -29,8 +34,84 @@ def register(sub) -> None:
     p.set_defaults(func=run_probe_cmd)
 
 
+CALIBRATE_HELP = """\
+Fit the planner's efficiency parameters of a hardware entry (a TOML file, e.g. the one `paratrain probe`
+wrote) to measured runs (`paratrain train --summary-json FILE` writes one per run), and write them back.
+Only physical parameters are fitted (matmul efficiency and per-kernel overhead, memory-bound efficiency,
+link bandwidth/latency scale, data-parallel overlap); see src/paratrain/calibrate/fit.py.
+
+  paratrain calibrate --hardware runs/hardware/local.toml runs/calib/*.json
+  paratrain calibrate --hardware runs/hardware/local.toml --holdout 0.5 runs/calib/*.json   # check on half
+"""
+
+
+def register_calibrate(sub) -> None:
+    p = sub.add_parser("calibrate", help="fit the planner to measured runs and write the hardware file back",
+                       description=CALIBRATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("runs", nargs="+", help="run summaries (JSON from paratrain train --summary-json)")
+    p.add_argument("--hardware", required=True, help="hardware TOML file holding the system to calibrate")
+    p.add_argument("--system", default="local", help="system name inside that file (default: local)")
+    p.add_argument("--holdout", type=float, default=0.0,
+                   help="fraction of runs kept out of the fit and only predicted (every other run)")
+    p.add_argument("--dry-run", action="store_true", help="fit and report, do not write the file")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=run_calibrate_cmd)
+
+
+def run_calibrate_cmd(args) -> int:
+    from paratrain.calibrate.fit import fit, load_measurements, mape, write_back
+    from paratrain.cli import UserError
+    if not 0 <= args.holdout < 1:
+        raise UserError(f"--holdout {args.holdout}: allowed: 0 <= fraction < 1")
+    runs = load_measurements(args.runs)
+    system = _system_from_file(args.hardware, args.system)
+    step = round(1 / args.holdout) if args.holdout else 0
+    test = [m for i, m in enumerate(runs) if step and i % step == 1]
+    train = [m for m in runs if m not in test]
+    if not train:
+        raise UserError("calibrate: no runs left to fit after the holdout")
+    before, _ = mape(system, train)
+    fitted, report = fit(system, train)
+    after, rows = mape(fitted, train)
+    out = {"fit_runs": len(train), "mape_before": before, "mape_fit": after, "parameters": report["parameters"],
+           "fit_rows": rows}
+    if test:
+        out["mape_holdout"], out["holdout_rows"] = mape(fitted, test)
+    if not args.dry_run:
+        write_back(args.hardware, args.system, report["parameters"],
+                   f"calibrated by `paratrain calibrate` on {len(train)} runs (MAPE {after:.1%})")
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    print(f"fitted on {len(train)} runs: MAPE {before:.1%} before, {after:.1%} after")
+    for k, v in report["parameters"].items():
+        print(f"  {k:>20} = {v:.4g}")
+    for label, key in (("fit", "fit_rows"), ("held out", "holdout_rows")):
+        for r in out.get(key, []):
+            print(f"  [{label}] {r['run']:<28} measured {r['measured_s'] * 1e3:8.1f} ms  predicted "
+                  f"{r['predicted_s'] * 1e3:8.1f} ms  error {r['error']:+.1%}")
+    if test:
+        print(f"held-out MAPE {out['mape_holdout']:.1%} on {len(test)} runs")
+    if not args.dry_run:
+        print(f"wrote the parameters into {args.hardware}")
+    return 0
+
+
+def _system_from_file(path: str, name: str):
+    from pathlib import Path
+
+    from paratrain.hardware.catalog import CatalogError, load_catalog
+
+    if not Path(path).is_file():
+        raise ValueError(f"--hardware '{path}': no such file")
+    try:
+        return load_catalog([Path(path)]).system(name)
+    except CatalogError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def run_probe_cmd(args) -> int:
-    from paratrain.calibrate.probe import hardware_toml, run_probe
+    from paratrain.calibrate.probe import hardware_toml, probe_json, run_probe
     from paratrain.cli import UserError
 
     try:
@@ -43,6 +124,7 @@ def run_probe_cmd(args) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(hardware_toml(res, args.name, args.ranks))
+    out.with_suffix(".probe.json").write_text(json.dumps(probe_json(res), indent=2))
     if args.json:
         print(json.dumps({"matmul_tflops_by_size": res.matmul_tflops_by_size,
                           "memory_bw_gbytes_per_s": res.memory_bw_gbytes_per_s, "collective_fits": res.fits,

@@ -211,15 +211,21 @@ def hardware_toml(res: ProbeResult, name: str = "local", ranks: int = 8) -> str:
             "tiers": [{"name": "intra-node", "interconnect": link, "domain_devices": ranks},
                       {"name": "scale-out", "interconnect": link, "domain_devices": 0}],
             "source": src,
-            "prices": {"on_demand_usd_per_hour": 0.0, "source": "local machine: no hourly price"},
+            "prices": {"source": "local machine: no hourly price"},
+            "efficiency": {"dp_overlap": 0.0, "tp_overlap": 0.0, "memory_usable_fraction": 0.8,
+                           "source": "initial: gloo collectives run on the compute thread's cores, so no overlap "
+                                     "is assumed; `paratrain calibrate` fits dp_overlap"},
         }},
-        "probe": {
-            "matmul_tflops_by_size": {str(k): v for k, v in res.matmul_tflops_by_size.items()},
-            "memory_bw_gbytes_per_s": res.memory_bw_gbytes_per_s,
-            "collective_fits": res.fits, "collectives": res.collectives,
-        },
     }
     return tomli_w.dumps(doc)
+
+
+def probe_json(res: ProbeResult) -> dict:
+    """The raw measurements (kept beside the hardware file: the catalog schema holds only the model's fields)."""
+    return {"device": res.device, "threads_per_rank": res.threads_per_rank,
+            "matmul_tflops_by_size": {str(k): v for k, v in res.matmul_tflops_by_size.items()},
+            "memory_bw_gbytes_per_s": res.memory_bw_gbytes_per_s, "collective_fits": res.fits,
+            "collectives": res.collectives}
 
 
 def _memory_bytes() -> int:
