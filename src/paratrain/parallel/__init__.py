@@ -46,9 +46,18 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
     """Wrap `model` for the layout in cfg.parallel and return the runner the training loop drives."""
     pcfg = cfg.parallel
     degrees = check_layout(cfg, env.world_size)
+    # -- stale-gradient data parallelism (issue 8, parallel/stale_dp.py): refuse unsupported layouts early --
+    stale = cfg.staleness.policy != "sync"
+    if stale:
+        from paratrain.parallel.stale_dp import build_stale_runner, check_staleness_layout
+
+        check_staleness_layout(cfg, degrees)
+    # -- end stale-gradient block --
     if mesh is None:
         model.to(env.device)
         apply_recompute(model, pcfg.recompute)
+        if stale:  # issue 8: the delayed-gradient runner also runs on one process
+            return build_stale_runner(model, cfg, mesh, env, degrees)
         return Runner(model, cfg.train.microbatch, env.device, cfg.train.dtype)
     model.to(env.device)
     parts = [model]
@@ -61,6 +70,8 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
             apply_tp(part, mesh["tp"], sp=pcfg.sp, loss_parallel=True)
     for part in parts:
         apply_recompute(part, pcfg.recompute)
+    if stale:  # issue 8: its own asynchronous all-reduce over the dp group replaces DDP/FSDP
+        return build_stale_runner(model, cfg, mesh, env, degrees)
     dp = None
     dp_mesh = dp_mesh_of(mesh, cfg)
     if dp_mesh.size() > 1:

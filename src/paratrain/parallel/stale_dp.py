@@ -1,0 +1,297 @@
+"""Stale-gradient data parallelism: the gradient all-reduce of step t runs in the background while the next
+steps compute, and is applied at step t + s (bounded staleness s), optionally with a per-step time budget.
+
+Semantics (docs/staleness.md has the full story):
+- Every rank keeps identical weights: at optimizer step t every rank applies the same gradient, the average over
+  data-parallel ranks of the gradients of step t - s, computed at the weights of step t - s. Steps t < s apply no
+  update (the optimizer skips parameters without a gradient). This is async SGD with a fixed delay s and no delay
+  compensation (the weight-stashing-free variant of PipeDream-2BW's delay of 1).
+- The bound is a guarantee: at step t a rank waits for the all-reduce of step t - s, which completes only when
+  every rank has contributed step t - s. So no rank runs more than s steps ahead of the slowest.
+- s = 0 reduces exactly as the runtime's synchronous DDP path (`parallel.data.BucketedGradReducer`): the same
+  buckets, the same division by the dp size before the sum, the same all-reduce per bucket, so the weights are
+  bitwise identical for any dp size (gloo's ring sum order depends on the bucket layout, hence the same layout).
+- Time budget: a rank stops after the microbatch that leaves too little of the budget for another one (it always
+  does at least one). Gradients are summed (not averaged) over microbatches and ranks and divided by the total
+  number of microbatches processed, so the update is the mean over processed tokens (every microbatch has
+  microbatch x seq_len tokens). The rest of a rank's slice of the global batch is skipped, never revisited: the
+  global sampler advances one global batch per step on every rank, so it stays deterministic and consistent.
+- Each step's small metadata (sum of microbatch losses, microbatches processed, every rank's work time) rides
+  along in its own all-reduce, so losses, token counts and straggler detection need no extra blocking collective.
+
+Works with replicated data parallelism, alone or on top of tensor parallelism (the reduction runs over the dp
+group on each rank's local shard). FSDP/HSDP cannot run stale (parameters are sharded and gathered every step,
+gradients reduce-scattered into the shards the optimizer steps) and pipeline/context parallelism are not
+supported: `check_staleness_layout` refuses them with a clear message.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from paratrain.config import TrainConfig
+from paratrain.parallel.runner import ParallelRunner, plain
+from paratrain.train.staleness import AUTO_BUDGET_SLACK, FaultInjection, StragglerDetector, lower_median
+
+# Same as the runtime's DDP reducer (parallel/data.py, torch DDP's default), so s = 0 reduces identical buckets.
+DEFAULT_BUCKET_BYTES = 25 * 2**20
+META_FIELDS = 2  # [sum of microbatch losses, microbatches processed], then one work time per dp rank
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def bucket_params(params, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[nn.Parameter]]:
+    """Buckets exactly as `BucketedGradReducer` forms them: reverse registration order, greedy up to the cap."""
+    ordered = [p for p in params if p.requires_grad][::-1]
+    buckets: list[list[nn.Parameter]] = []
+    size = 0
+    for p in ordered:
+        nbytes = local(p).numel() * local(p).element_size()
+        if not buckets or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
+def check_staleness_layout(cfg: TrainConfig, degrees: dict[str, int]) -> None:
+    """Refuse layouts that cannot run with stale gradients, naming the fields (before anything is built)."""
+    policy = cfg.staleness.policy
+    if policy == "sync":
+        return
+    where = f"staleness.policy='{policy}'"
+    if degrees["dp"] > 1 and cfg.parallel.dp_kind != "ddp":
+        raise ValueError(f"{where} needs parallel.dp_kind='ddp' (got '{cfg.parallel.dp_kind}'): FSDP/HSDP shard "
+                         f"the parameters and gather them every step, so a rank cannot run ahead on stale "
+                         f"gradients; allowed: dp_kind='ddp', or staleness.policy='sync'")
+    for dim in ("pp", "cp"):
+        if degrees[dim] > 1:
+            raise ValueError(f"{where} with parallel.{dim}={degrees[dim]} is not supported (stale gradients are "
+                             f"implemented for data parallelism, alone or with tensor parallelism); allowed: "
+                             f"parallel.{dim}=1, or staleness.policy='sync'")
+
+
+@dataclass
+class InFlightStep:
+    step: int
+    flats: list[torch.Tensor]
+    works: list
+    meta: torch.Tensor
+    tokens_per_microbatch: int
+
+
+@dataclass
+class AppliedStep:
+    """What optimizer step `step` applied: the gradient of data step `grad_step` (None during warm-up)."""
+
+    step: int
+    grad_step: int | None
+    microbatches: int = 0
+    tokens: int = 0
+    loss: float = float("nan")
+    wait_s: float = 0.0
+    rank_step_s: list[float] = field(default_factory=list)
+
+
+class StaleDataParallelRunner(ParallelRunner):
+    def __init__(self, model: nn.Module, cfg: TrainConfig, device: torch.device, dp_rank: int, dp_size: int,
+                 group: dist.ProcessGroup | None, tp_group: dist.ProcessGroup | None = None,
+                 loss_parallel: bool = False, is_main: bool = True):
+        super().__init__(model, cfg.train.microbatch, device, cfg.train.dtype, dp_rank, dp_size, dp=None,
+                         loss_parallel=loss_parallel)
+        st = cfg.staleness
+        self.time_budget = st.policy == "time_budget"
+        self.max_staleness = st.max_staleness
+        self.step_budget_s = st.step_budget_s
+        self.fault = FaultInjection.parse(st.test_fault_injection)
+        self.group, self.tp_group = group, tp_group
+        self.is_main = is_main
+        self.buckets = bucket_params(self.parameters())
+        self.detector = StragglerDetector(dp_size, st.straggler_threshold, st.straggler_window)
+        self.in_flight: deque[InFlightStep] = deque()
+        self.history: list[AppliedStep] = []  # one per optimizer step: tests check staleness from it
+        self.step = 0
+        self.hosts = self._gather_hosts()
+
+    # -- the step -------------------------------------------------------------------------------------------
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Local gradients of this step, launch their reduction, install the gradient due now (step - s)."""
+        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        chunks = list(zip(inputs.split(self.microbatch), targets.split(self.microbatch), strict=True))
+        t0 = time.perf_counter()
+        if self.fault is not None:
+            self.fault.before_step(self.step, self.dp_rank)
+        with self.step_context():
+            loss_sum, done = self._accumulate(chunks, t0)
+        work_s = (time.perf_counter() - t0) * len(chunks) / done  # normalised to the full local batch
+        self._launch(loss_sum, done, work_s, chunks[0][0].numel())
+        applied = self._apply_due()
+        self.step += 1
+        if applied.grad_step is None:  # warm-up: nothing reduced yet; report this rank's own loss
+            return torch.tensor(loss_sum / done)
+        return torch.tensor(applied.loss)
+
+    def _accumulate(self, chunks, t0: float) -> tuple[float, int]:
+        """Forward/backward over the microbatches (all, or as many as the time budget allows; at least one)."""
+        n = len(chunks)
+        budget_s = self._budget_s(n) if self.time_budget else float("inf")
+        loss_sum, done = 0.0, 0
+        for x, y in chunks:
+            mb_t0 = time.perf_counter()
+            with self.autocast():
+                raw = self.loss_fn(self.model(x), y)
+                # Bounded staleness divides exactly as the synchronous Runner does (bitwise at s = 0); the time
+                # budget sums, and divides by the global microbatch count after the reduction.
+                loss = raw if self.time_budget else raw / n
+            loss.backward()
+            loss_sum += float(plain(raw.detach()))
+            done += 1
+            if self.fault is not None:
+                self.fault.after_microbatch(self.dp_rank, time.perf_counter() - mb_t0)
+            if done < n and self._out_of_budget(time.perf_counter() - t0, done, budget_s):
+                break
+        return loss_sum, done
+
+    def _budget_s(self, n: int) -> float:
+        """step_budget_s, or automatic: the healthy ranks' full-batch time (lower median over ranks, last known
+        step) plus AUTO_BUDGET_SLACK. Unbounded until one step's times are known."""
+        if self.step_budget_s > 0:
+            return self.step_budget_s
+        if not self.detector.history:
+            return float("inf")
+        return lower_median(self.detector.history[-1]) * (1 + AUTO_BUDGET_SLACK)
+
+    def _out_of_budget(self, elapsed_s: float, done: int, budget_s: float) -> bool:
+        """Stop when one more microbatch (at this step's mean pace) would end past the budget. Tensor-parallel
+        peers of this dp rank must stop together (they compute each microbatch jointly): any one decides."""
+        stop = elapsed_s + elapsed_s / done > budget_s
+        if self.tp_group is None:
+            return stop
+        flag = torch.tensor([float(stop)])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.tp_group)
+        return bool(flag.item())
+
+    def _launch(self, loss_sum: float, done: int, work_s: float, tokens_per_mb: int) -> None:
+        flats, works = [], []
+        for bucket in self.buckets:
+            grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket]
+            flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+            if not self.time_budget:
+                flat.div_(self.dp_size)
+            flats.append(flat)
+            works.append(self._all_reduce(flat))
+        if self.tp_group is not None:  # tp peers report the same work time, so every rank flags the same ranks
+            t = torch.tensor([work_s], dtype=torch.float64)
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_group)
+            work_s = float(t.item())
+        meta = torch.zeros(META_FIELDS + self.dp_size, dtype=torch.float64)
+        meta[0], meta[1], meta[META_FIELDS + self.dp_rank] = loss_sum, done, work_s
+        works.append(self._all_reduce(meta))
+        self.in_flight.append(InFlightStep(self.step, flats, works, meta, tokens_per_mb))
+
+    def _all_reduce(self, t: torch.Tensor):
+        if self.group is None:
+            return None
+        return dist.all_reduce(t, group=self.group, async_op=True)
+
+    def _apply_due(self) -> AppliedStep:
+        """Install the reduced gradient of step - s into .grad, or clear .grad during warm-up."""
+        due = self.step - self.max_staleness
+        if not self.in_flight or self.in_flight[0].step > due:
+            for p in self.parameters():
+                p.grad = None
+            applied = AppliedStep(self.step, None)
+            self.history.append(applied)
+            return applied
+        item = self.in_flight.popleft()
+        assert item.step == due, f"in-flight step {item.step}, due {due}"  # one launch per step: never skipped
+        t0 = time.perf_counter()
+        for work in item.works:
+            if work is not None:
+                work.wait()
+        wait_s = time.perf_counter() - t0
+        microbatches = int(item.meta[1].item())
+        for bucket, flat in zip(self.buckets, item.flats, strict=True):
+            if self.time_budget:
+                flat.div_(microbatches)
+            offset = 0
+            for p in bucket:
+                g = local(p.grad)
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        rank_step_s = item.meta[META_FIELDS:].tolist()
+        self.detector.update(rank_step_s)
+        applied = AppliedStep(self.step, item.step, microbatches, microbatches * item.tokens_per_microbatch,
+                              float(item.meta[0] / item.meta[1]), wait_s, rank_step_s)
+        self.history.append(applied)
+        return applied
+
+    # -- what the rest of the runtime asks ----------------------------------------------------------------------
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        if all(p.grad is None for p in self.parameters()):  # warm-up step: nothing to clip, nothing applied
+            return 0.0
+        return super().clip_grad_norm_(max_norm)
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Evaluation only (forward_backward never calls it): a blocking mean over the dp group."""
+        if self.group is None:
+            return loss
+        loss = loss.clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.group)
+        return loss
+
+    def finish(self) -> None:
+        """Wait for every reduction still in flight; their gradients are dropped (the run stops here)."""
+        while self.in_flight:
+            for work in self.in_flight.popleft().works:
+                if work is not None:
+                    work.wait()
+
+    def tokens_last_step(self, default_tokens: int) -> int:
+        last = self.history[-1] if self.history else None
+        return last.tokens if last is not None and last.grad_step is not None else default_tokens
+
+    def staleness_metrics(self) -> dict:
+        last = self.history[-1]
+        metrics = {"applied_step": last.step, "grad_step": last.grad_step,
+                   "staleness": None if last.grad_step is None else last.step - last.grad_step,
+                   "microbatches": last.microbatches, "tokens_processed": last.tokens, "wait_s": last.wait_s,
+                   "stragglers": list(self.detector.flagged)}
+        if last.rank_step_s:
+            metrics["rank_step_s"] = last.rank_step_s
+        ratios = self.detector.window_ratios()
+        if ratios:
+            metrics["straggler_ratio"] = ratios
+        return metrics
+
+    def _gather_hosts(self) -> list[str]:
+        """Host name of every dp rank (once, at start): the eviction request names hosts, not just ranks."""
+        host = socket.gethostname()
+        if self.group is None:
+            return [host]
+        hosts: list = [None] * self.dp_size
+        dist.all_gather_object(hosts, host, group=self.group)
+        return hosts
+
+
+def build_stale_runner(model: nn.Module, cfg: TrainConfig, mesh, env, degrees: dict[str, int]):
+    """The runner for staleness.policy != 'sync', on a model already tensor-parallelised (if tp > 1)."""
+    check_staleness_layout(cfg, degrees)
+    if mesh is None:
+        return StaleDataParallelRunner(model, cfg, env.device, 0, 1, None, is_main=True)
+    dp_mesh = mesh["dp"]
+    group = dp_mesh.get_group() if dp_mesh.size() > 1 else None
+    tp_group = mesh["tp"].get_group() if degrees["tp"] > 1 else None
+    return StaleDataParallelRunner(model, cfg, env.device, dp_mesh.get_local_rank(), degrees["dp"], group,
+                                   tp_group=tp_group, loss_parallel=degrees["tp"] > 1, is_main=env.is_main)
