@@ -73,6 +73,7 @@ class Interconnect:
     latency_us: float
     bw_eff: float
     source: str
+    collective_overhead_us: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
     conflicts: tuple[str, ...] = ()
     origin: str = ""
@@ -195,6 +196,7 @@ CHIP_EFF_FIELDS = {
 LINK_FIELDS = {
     "display_name": ("str", False), "endpoint": ("endpoint", True), "bw_gbytes_per_s": ("pos", True),
     "latency_us": ("nonneg", True), "bw_eff": ("frac", True), "source": ("str", True),
+    "collective_overhead_us": ("nonneg", False),
     "sources": ("strdict", False), "conflicts": ("strlist", False),
 }
 SYSTEM_FIELDS = {

@@ -207,7 +207,8 @@ class SearchResult:
 
 
 def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch: int,
-          max_microbatch: int, cp_options: list[int], any_stack: bool) -> dict[str, np.ndarray]:
+          max_microbatch: int, cp_options: list[int], any_stack: bool,
+          constraints: dict | None = None) -> dict[str, np.ndarray]:
     """All combinations of the discrete choices that are structurally valid (divisibility), as arrays."""
     devices = nodes * system.devices_per_node
     tps = [t for t in _divisors(devices) if model.heads % t == 0 and model.ffn % t == 0
@@ -239,6 +240,14 @@ def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch
     if system.stack is not None and not any_stack:
         ok &= np.isin(zero, system.stack.zero_stages) & np.isin(kind, [DP_KINDS.index(k) for k in system.stack.dp_kinds])
         ok &= (pp == 1) | np.isin(sched, [SCHEDULES.index(k) for k in system.stack.schedules])
+    named = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "microbatch": b, "sp": sp, "recompute": rc, "schedule": sched,
+             "virtual_stages": v, "zero_stage": zero, "dp_kind": kind}
+    for key, allowed in (constraints or {}).items():
+        if key not in named:
+            raise ValueError(f"constraint '{key}': unknown; allowed: {', '.join(named)}")
+        codes = {"recompute": RECOMPUTE, "schedule": SCHEDULES, "dp_kind": DP_KINDS}.get(key)
+        values = [codes.index(a) if codes else int(a) for a in allowed]
+        ok &= np.isin(named[key], values)
     sel = np.nonzero(ok)[0]
     return {"tp": tp[sel], "pp": pp[sel], "cp": cp[sel], "dp": dp[sel], "microbatch": b[sel], "sp": sp[sel] == 1,
             "recompute": rc[sel], "schedule": sched[sel], "virtual_stages": v[sel], "zero_stage": zero[sel],
@@ -248,11 +257,13 @@ def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch
 def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int, global_batch: int, *,
            top: int = 10, objective: str = "time", options: Options | None = None, max_microbatch: int = 64,
            cp_options: list[int] | None = None, train_tokens: float | None = None,
-           node_counts: list[int] | None = None, any_stack: bool = False) -> SearchResult:
+           node_counts: list[int] | None = None, any_stack: bool = False,
+           constraints: dict[str, list] | None = None) -> SearchResult:
     """Evaluate every valid layout that fits in memory and rank by step time (objective "time") or by cost per
     token (objective "cost"; node_counts, default the powers of two up to `nodes`, are then searched too,
     since on a fixed cluster cost per token ranks exactly like time). Only the choices the system's training
-    stack supports are searched unless any_stack."""
+    stack supports are searched unless any_stack. constraints: {"tp": [8], "recompute": ["full"], ...} keeps
+    only layouts whose field is in the list."""
     model, system = _resolve(model, system)
     _check_scalars(nodes, seq, global_batch)
     if objective not in ("time", "cost"):
@@ -269,7 +280,7 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
     start = time.perf_counter()
     grids, evaluated = [], 0
     for n in node_counts:
-        grid = _grid(model, system, n, seq, global_batch, max_microbatch, cp_options, any_stack)
+        grid = _grid(model, system, n, seq, global_batch, max_microbatch, cp_options, any_stack, constraints)
         evaluated += int(grid.pop("raw"))
         grid["nodes"] = np.full(grid["tp"].shape, n)
         grids.append(grid)

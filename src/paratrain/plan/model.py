@@ -63,7 +63,8 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
     next level works on 1/n of the data, then all-gather back (the all-reduce = RS + AG of Thakur et al. 2005
     ring costs: 2(n-1)/n * bytes / bw; RS or AG alone (n-1)/n * bytes / bw). nbytes is the full buffer
     (all-reduce input, all-gather output, reduce-scatter input). Latency: min(n-1, 2 log2 n) steps per level
-    (ring for small groups, tree-like for large ones, as NCCL/Neuron pick).
+    (ring for small groups, tree-like for large ones, as NCCL/Neuron pick), plus the link's fixed
+    collective_overhead_us per level (launch and synchronisation of one collective call).
     """
     factor = {"allreduce": 2.0, "allgather": 1.0, "reducescatter": 1.0}[kind]
     nbytes = np.asarray(nbytes, dtype=float)
@@ -80,7 +81,9 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
         data = nbytes / inside_prev
         bw = tier.per_device_bw_bytes_per_s(system)
         steps = np.minimum(n - 1.0, 2.0 * np.ceil(np.log2(np.maximum(n, 1.0))))
-        total = total + np.where(n > 1, factor * ((n - 1) / n * data / bw + steps * tier.interconnect.latency_us * 1e-6), 0.0)
+        link = tier.interconnect
+        level = factor * ((n - 1) / n * data / bw + steps * link.latency_us * 1e-6) + link.collective_overhead_us * 1e-6
+        total = total + np.where(n > 1, level, 0.0)
         inside_prev = np.maximum(inside, inside_prev)
     return total
 
@@ -93,7 +96,7 @@ def p2p_time_s(system: System, nbytes, stride):
     time = None
     for tier in reversed(system.tiers):
         bw = tier.per_device_bw_bytes_per_s(system)
-        t = nbytes / bw + tier.interconnect.latency_us * 1e-6
+        t = nbytes / bw + (tier.interconnect.latency_us + tier.interconnect.collective_overhead_us) * 1e-6
         time = t if time is None else np.where(stride < tier.domain_devices, t, time)
     return time
 
