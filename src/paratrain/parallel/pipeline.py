@@ -1,0 +1,377 @@
+"""Pipeline parallelism: the model split into stages across the `pp` mesh dimension, microbatches flowing
+through them on a schedule from torch.distributed.pipelining.
+
+Layout
+  * The single-device Llama is cut into S = pp x chunks stages by layer ranges (balanced by count, or
+    `parallel.pp_layers`). The first stage keeps `tok_embeddings`, the last keeps `norm` and `output`; every
+    stage keeps its layers under their global names (`layers.7....`), so checkpoints reshard across layouts.
+  * Placement of stages on pp ranks: looped (stage s on rank s % pp) for gpipe / 1f1b / interleaved_1f1b;
+    V-shaped (rank r holds stages r and 2pp-1-r) for the zero-bubble schedules zbv and dualpipev, which is why
+    the last stage, and hence the loss, lives on pp rank 0 there.
+  * Each stage module then gets the mesh's other techniques, in the fixed order of `paratrain.parallel`:
+    tensor/sequence parallel -> activation recomputation -> data parallel.
+
+Step semantics match the single-device runner exactly: the schedule computes the mean token loss of each
+microbatch and scales gradients by 1/microbatches (`scale_grads=True`), i.e. the gradient of the mean loss.
+The loss is produced on the rank that holds the last stage; it is broadcast over the pp group and averaged
+over data-parallel ranks so that every rank reports the global batch's loss.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleZBVZeroBubble,
+)
+from torch.distributed.tensor import DTensor
+
+from paratrain.config import TrainConfig
+from paratrain.parallel.mesh import DistEnv, resolve_degrees
+from paratrain.parallel.runner import Runner
+
+SINGLE_STAGE_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble,
+                         "dualpipev": ScheduleDualPipeV}
+V_SCHEDULES = ("zbv", "dualpipev")
+
+
+# --------------------------------------------------------------------------------------------------------
+# Layout: which layers each stage holds, which stages each rank holds. Validated before any work.
+# --------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class PipelineLayout:
+    pp: int
+    chunks_per_rank: int  # 1, or `virtual_stages` (interleaved), or 2 (V schedules)
+    layers_per_stage: tuple[int, ...]
+    microbatches: int  # per pp step on one dp rank: global_batch / (dp * microbatch)
+    schedule: str
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp * self.chunks_per_rank
+
+    @property
+    def v_shape(self) -> bool:
+        return self.schedule in V_SCHEDULES
+
+    def stages_of_rank(self, pp_rank: int) -> list[int]:
+        """Stage indices held by `pp_rank`, in execution order of a forward pass."""
+        if self.v_shape:
+            return [pp_rank, 2 * self.pp - 1 - pp_rank]
+        return [pp_rank + k * self.pp for k in range(self.chunks_per_rank)]
+
+    def rank_of_stage(self, stage: int) -> int:
+        return next(r for r in range(self.pp) if stage in self.stages_of_rank(r))
+
+    def layer_ids(self, stage: int) -> list[int]:
+        start = sum(self.layers_per_stage[:stage])
+        return list(range(start, start + self.layers_per_stage[stage]))
+
+
+def balanced_layers(num_layers: int, num_stages: int) -> list[int]:
+    """Equal layer counts; the remainder goes to inner stages first (the first stage also runs the embedding,
+    the last one the norm, the output head and the loss), then to the first stage, then to the last."""
+    counts = [num_layers // num_stages] * num_stages
+    order = list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 1 else [0]
+    for i in range(num_layers % num_stages):
+        counts[order[i]] += 1
+    return counts
+
+
+def _chunks_per_rank(schedule: str, virtual_stages: int) -> int:
+    if schedule in SINGLE_STAGE_SCHEDULES:
+        if virtual_stages != 1:
+            raise ValueError(f"parallel.virtual_stages={virtual_stages} with parallel.pp_schedule='{schedule}': "
+                             f"'{schedule}' runs one stage per rank; allowed: virtual_stages=1, or "
+                             f"pp_schedule='interleaved_1f1b' for several chunks per rank")
+        return 1
+    if schedule == "interleaved_1f1b":
+        if virtual_stages < 2:
+            raise ValueError("parallel.virtual_stages=1 with parallel.pp_schedule='interleaved_1f1b': interleaving "
+                             "needs several chunks per rank; allowed: virtual_stages >= 2 (or pp_schedule='1f1b')")
+        return virtual_stages
+    if virtual_stages not in (1, 2):
+        raise ValueError(f"parallel.virtual_stages={virtual_stages} with parallel.pp_schedule='{schedule}': the V "
+                         f"schedules place exactly 2 chunks per rank; allowed: virtual_stages 1 (means 2) or 2")
+    return 2
+
+
+def _check_microbatches(schedule: str, m: int, pp: int, stages: int, where: str) -> None:
+    if schedule == "1f1b" and m < pp:
+        raise ValueError(f"{where}: 1f1b needs microbatches >= pp={pp}; allowed: a larger global_batch or a "
+                         f"smaller microbatch, or pp_schedule='gpipe'")
+    if schedule == "interleaved_1f1b":
+        if m < pp:
+            raise ValueError(f"{where}: interleaved_1f1b needs microbatches >= pp={pp}")
+        rounds = m // pp
+        if m % rounds:
+            raise ValueError(f"{where}: interleaved_1f1b runs microbatches in rounds of m // pp = {rounds}; "
+                             f"allowed: microbatch counts divisible by {rounds} (e.g. a multiple of pp={pp})")
+    if schedule in V_SCHEDULES and m < stages:
+        raise ValueError(f"{where}: {schedule} needs microbatches >= 2*pp = {stages} (its V holds 2 stages per "
+                         f"rank); allowed: a larger global_batch or a smaller microbatch")
+
+
+def _stage_layer_counts(cfg: TrainConfig, num_layers: int, stages: int) -> list[int]:
+    given = cfg.parallel.pp_layers
+    if given is None:
+        if stages > num_layers:
+            raise ValueError(f"parallel: {stages} pipeline stages (pp={cfg.parallel.pp} x {stages // cfg.parallel.pp}"
+                             f" chunks per rank) but the model has {num_layers} layers; allowed: stages <= layers")
+        return balanced_layers(num_layers, stages)
+    if len(given) != stages:
+        raise ValueError(f"parallel.pp_layers={given}: {len(given)} entries but the layout has {stages} (virtual) "
+                         f"stages; allowed: one layer count per stage, in stage order")
+    if sum(given) != num_layers:
+        raise ValueError(f"parallel.pp_layers={given}: sums to {sum(given)} but the model has {num_layers} layers")
+    inner_empty = [i for i, n in enumerate(given) if n < 0 or (n == 0 and 0 < i < stages - 1)]
+    if inner_empty:
+        raise ValueError(f"parallel.pp_layers={given}: stage(s) {inner_empty} would hold no work; allowed: >= 1 "
+                         f"layer per inner stage (0 only for the first or last stage, which hold embedding/head)")
+    return list(given)
+
+
+def plan_pipeline(cfg: TrainConfig, dp: int) -> PipelineLayout:
+    """The pipeline layout for cfg at data-parallel size dp, or one clear ValueError naming the field."""
+    p = cfg.parallel
+    model = cfg.model_shape()
+    chunks = _chunks_per_rank(p.pp_schedule, p.virtual_stages)
+    stages = p.pp * chunks
+    if model.tie_embeddings and p.pp > 1:
+        raise ValueError("model.tie_embeddings=true with parallel.pp > 1: the embedding and the output head sit "
+                         "on different stages; allowed: tie_embeddings=false for pipeline parallelism")
+    counts = _stage_layer_counts(cfg, model.layers, stages)
+    per_rank = cfg.train.global_batch // dp
+    if per_rank % cfg.train.microbatch:
+        raise ValueError(f"train.microbatch={cfg.train.microbatch} must divide the per-rank batch "
+                         f"global_batch/dp = {per_rank}")
+    m = per_rank // cfg.train.microbatch
+    where = (f"parallel.pp_schedule='{p.pp_schedule}' with {m} microbatches (train.global_batch="
+             f"{cfg.train.global_batch} / (dp={dp} x train.microbatch={cfg.train.microbatch}))")
+    _check_microbatches(p.pp_schedule, m, p.pp, stages, where)
+    return PipelineLayout(pp=p.pp, chunks_per_rank=chunks, layers_per_stage=tuple(counts), microbatches=m,
+                          schedule=p.pp_schedule)
+
+
+def check_pipeline_layout(cfg: TrainConfig, world_size: int) -> PipelineLayout | None:
+    """Validate the pipeline part of cfg for a world size (call before any work); None when pp == 1."""
+    if cfg.parallel.pp == 1:
+        if cfg.parallel.pp_layers is not None:
+            raise ValueError(f"parallel.pp_layers={cfg.parallel.pp_layers} needs parallel.pp > 1")
+        return None
+    return plan_pipeline(cfg, resolve_degrees(cfg.parallel, world_size)["dp"])
+
+
+# --------------------------------------------------------------------------------------------------------
+# Stage modules
+# --------------------------------------------------------------------------------------------------------
+def carve_stage(model: nn.Module, layer_ids: list[int], first: bool, last: bool) -> nn.Module:
+    """A module of the model's class holding only `layer_ids` (under their global names), plus the embedding
+    on the first stage and norm + output head on the last. Shares the parameter tensors with `model` (no copy);
+    a fresh module object, so hooks that TP/FSDP register on one stage never leak into another."""
+    stage = type(model).__new__(type(model))
+    nn.Module.__init__(stage)
+    for key, value in vars(model).items():
+        if not key.startswith("_") and key != "training":
+            setattr(stage, key, value)  # plain attributes such as the model config
+    stage.train(model.training)
+    for name, buf in model.named_buffers(recurse=False):
+        stage.register_buffer(name, buf, persistent=name not in model._non_persistent_buffers_set)
+    stage.tok_embeddings = model.tok_embeddings if first else None
+    stage.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layer_ids})
+    stage.norm = model.norm if last else None
+    stage.output = model.output if last else None
+    return stage
+
+
+def split_model(model: nn.Module, layout: PipelineLayout, pp_rank: int) -> list[tuple[int, nn.Module]]:
+    """(stage index, stage module) for each stage this pp rank holds; the rest of `model` is dropped."""
+    last = layout.num_stages - 1
+    return [(s, carve_stage(model, layout.layer_ids(s), s == 0, s == last)) for s in layout.stages_of_rank(pp_rank)]
+
+
+def _apply_stage_techniques(part: nn.Module, cfg: TrainConfig, mesh: DeviceMesh) -> nn.Module:
+    """TP/SP -> recompute -> DP on one stage module (the same functions the non-pipeline layout uses)."""
+    return part
+
+
+# --------------------------------------------------------------------------------------------------------
+# The runner
+# --------------------------------------------------------------------------------------------------------
+class PipelineRunner(Runner):
+    """Runs one optimizer step's microbatches through the pipeline schedule; reports the global loss on every
+    rank; clips by the global gradient norm over all stages (pp group) and all TP/DP shards (DTensor)."""
+
+    def __init__(self, stages: list[tuple[int, nn.Module]], layout: PipelineLayout, mesh: DeviceMesh,
+                 cfg: TrainConfig, env: DistEnv):
+        dp_mesh = mesh["dp"]
+        super().__init__(stages[0][1], cfg.train.microbatch, env.device, cfg.train.dtype,
+                         dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size())
+        self.layout = layout
+        self.parts = [module for _, module in stages]
+        self.pp_group = mesh["pp"].get_group()
+        self.pp_rank = mesh["pp"].get_local_rank()
+        self.dp_group = dp_mesh.get_group() if dp_mesh.size() > 1 else None
+        self.stage_ids = [s for s, _ in stages]
+        self.has_first = 0 in self.stage_ids
+        self.has_last = layout.num_stages - 1 in self.stage_ids
+        self.loss_src = layout.rank_of_stage(layout.num_stages - 1)  # pp-group rank that computes the loss
+        self.optimizer_foreach = _foreach_ok(self.parameters())
+        self.schedule = self._build_schedule(stages)
+
+    def _build_schedule(self, stages):
+        pipe_stages = [PipelineStage(module, s, self.layout.num_stages, self.device, group=self.pp_group)
+                       for s, module in stages]
+        loss_fn = self._microbatch_loss
+        name, m = self.layout.schedule, self.layout.microbatches
+        if name in SINGLE_STAGE_SCHEDULES:
+            return SINGLE_STAGE_SCHEDULES[name](pipe_stages[0], m, loss_fn=loss_fn, scale_grads=True)
+        return MULTI_STAGE_SCHEDULES[name](pipe_stages, m, loss_fn=loss_fn, scale_grads=True)
+
+    def _microbatch_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.loss_fn(output, targets)
+
+    def step_context(self):
+        """Context around a whole schedule step (forward and backward of all microbatches)."""
+        return self.autocast()
+
+    def _check_batch(self, inputs: torch.Tensor) -> None:
+        expected = self.layout.microbatches * self.microbatch
+        if inputs.shape[0] != expected:
+            raise ValueError(f"pipeline runner got {inputs.shape[0]} sequences on this dp rank; the schedule was "
+                             f"built for {self.layout.microbatches} microbatches x {self.microbatch} = {expected}")
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        self._check_batch(inputs)
+        args = (inputs.to(self.device),) if self.has_first else ()
+        target = targets.to(self.device) if self.has_last else None
+        losses: list[torch.Tensor] = []
+        with self.step_context():
+            self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        return self._broadcast_loss(losses)
+
+    @torch.no_grad()
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Forward only, microbatch by microbatch through the stages in order (plain send/recv on the pp
+        group). Not `schedule.eval()`: the V schedules run their backward actions in eval mode in torch 2.13,
+        and switching the schedule between modes re-runs its shape inference each time."""
+        losses = []
+        modules = dict(zip(self.stage_ids, self.parts, strict=True))
+        for x, y in zip(inputs.split(self.microbatch), targets.split(self.microbatch), strict=True):
+            h = None
+            with self.step_context():
+                for s in range(self.layout.num_stages):
+                    if s not in modules:
+                        continue
+                    if s == 0:
+                        h = x.to(self.device)
+                    elif self.layout.rank_of_stage(s - 1) != self.pp_rank:
+                        h = _recv_activation(self._peer(s - 1), self.pp_group, self.device)
+                    h = modules[s](h)
+                    if s == self.layout.num_stages - 1:
+                        losses.append(self.loss_fn(h, y.to(self.device)))
+                    elif self.layout.rank_of_stage(s + 1) != self.pp_rank:
+                        _send_activation(h, self._peer(s + 1), self.pp_group)
+        return self._broadcast_loss(losses)
+
+    def _peer(self, stage: int) -> int:
+        return self.layout.rank_of_stage(stage)
+
+    def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
+        """Mean microbatch loss (equal-size microbatches: the batch mean), from the last stage to the pp group."""
+        loss = torch.stack([x.detach().float() for x in losses]).mean() if self.has_last else \
+            torch.zeros((), device=self.device)
+        if isinstance(loss, DTensor):
+            loss = loss.full_tensor()
+        dist.broadcast(loss, group=self.pp_group, group_src=self.loss_src)
+        return self.reduce_loss(loss)
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        if self.dp_group is not None:
+            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_group)
+        return loss
+
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        total = global_grad_norm(grads, self.pp_group, self.device)
+        if max_norm > 0:
+            coef = min(max_norm / (total + 1e-6), 1.0)  # same rule as torch.nn.utils.clip_grad_norm_
+            if coef < 1.0:
+                for g in grads:
+                    g.mul_(coef)
+        return total
+
+
+def global_grad_norm(grads: list[torch.Tensor], pp_group, device: torch.device) -> float:
+    """L2 norm over every gradient of the model: this rank's stages, all TP/DP shards and all pp stages.
+
+    Gradients are grouped by (mesh, placements) so each group's norm is one DTensor reduction (a Partial
+    result reduced over exactly the mesh dims its shards span; replicated ones are not double counted); the
+    squares of the groups are summed, then summed over the pp group, whose ranks hold disjoint parameters.
+    """
+    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
+    sq = torch.zeros((), dtype=torch.float64, device=device)
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, 2.0, foreach=False)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        sq += norm.double() ** 2
+    dist.all_reduce(sq, group=pp_group)
+    return float(sq.sqrt())
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+
+
+def _send_activation(h: torch.Tensor, group_dst: int, group) -> None:
+    """Shape and dtype first (a stage's output shape depends on TP/SP), then the tensor."""
+    if isinstance(h, DTensor):
+        h = h.to_local()
+    header = torch.tensor([h.ndim, _DTYPES.index(h.dtype), *h.shape, *[0] * (8 - h.ndim)], dtype=torch.int64)
+    dist.send(header.to(h.device), group=group, group_dst=group_dst)
+    dist.send(h.contiguous(), group=group, group_dst=group_dst)
+
+
+def _recv_activation(group_src: int, group, device: torch.device) -> torch.Tensor:
+    header = torch.zeros(10, dtype=torch.int64, device=device)
+    dist.recv(header, group=group, group_src=group_src)
+    ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
+    h = torch.empty([int(d) for d in header[2:2 + ndim]], dtype=dtype, device=device)
+    dist.recv(h, group=group, group_src=group_src)
+    return h
+
+
+def _foreach_ok(params) -> bool:
+    """foreach AdamW kernels reject a mix of plain tensors and DTensors (or DTensors on different meshes)."""
+    kinds = {p.device_mesh if isinstance(p, DTensor) else None for p in params}
+    return len(kinds) <= 1
+
+
+# --------------------------------------------------------------------------------------------------------
+# Entry point
+# --------------------------------------------------------------------------------------------------------
+def parallelize_pipeline(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, env: DistEnv) -> PipelineRunner:
+    """Split `model` for this rank's pipeline stages, apply TP/SP -> recompute -> DP to each, and return the
+    runner that drives the schedule. Every rank must call this (stage setup talks to the neighbours)."""
+    layout = plan_pipeline(cfg, mesh["dp"].size())
+    model.to(env.device)
+    stages = split_model(model, layout, mesh["pp"].get_local_rank())
+    stages = [(s, _apply_stage_techniques(part, cfg, mesh)) for s, part in stages]
+    return PipelineRunner(stages, layout, mesh, cfg, env)
+
+
+__all__ = ["PipelineLayout", "PipelineRunner", "balanced_layers", "carve_stage", "check_pipeline_layout",
+           "global_grad_norm", "parallelize_pipeline", "plan_pipeline", "split_model"]
