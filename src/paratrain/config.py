@@ -132,6 +132,8 @@ class MetricsSection(Section):
     jsonl: bool = True
     tensorboard: bool = True
     hardware: str = ""  # catalog entry whose peak FLOP/s defines MFU; "" = measured on this machine
+    profile_every: int = Field(default=0, ge=0, description="profile one step in N for exposed communication "
+                                                             "by kind (0 = never)")
 
 
 class StalenessSection(Section):

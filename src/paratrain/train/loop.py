@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,10 +18,12 @@ from paratrain.config import OptimSection, TrainConfig, dump_config
 from paratrain.model.llama import Llama
 from paratrain.parallel import parallelize
 from paratrain.parallel.mesh import build_mesh, init_distributed, resolve_degrees
+from paratrain.train import staleness  # issue 8: straggler metrics, eviction request, draining
 from paratrain.train.checkpoint import CheckpointManager
 from paratrain.train.data import GlobalSampler, TokenWindows, prepare, read_meta
 from paratrain.train.faults import fault_point
 from paratrain.train.metrics import MetricsLogger, measure_peak_flops, peak_memory_bytes
+from paratrain.train.profiling import StepTimer
 from paratrain.train.storage import RetryPolicy
 
 
@@ -126,18 +129,25 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
     stats = StepStats()
     first_loss = last_loss = float("nan")
     t_start = time.perf_counter()
+    timer = StepTimer(sync=torch.cuda.synchronize if env.device.type == "cuda" else None)
+    breakdowns: list[dict] = []
     for step in range(start_step, cfg.train.steps):
         t0 = time.perf_counter()
-        inputs, targets = train_data.batch(sampler.next_indices(runner.dp_rank, runner.dp_size))
-        loss = runner.forward_backward(inputs, targets)
-        grad_norm = runner.clip_grad_norm_(cfg.optim.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
+        profiled = bool(cfg.metrics.profile_every) and (step + 1) % cfg.metrics.profile_every == 0
+        with timer.profile(profiled):
+            with timer.phase("data"):
+                inputs, targets = train_data.batch(sampler.next_indices(runner.dp_rank, runner.dp_size))
+            with timer.phase("forward_backward"):
+                loss = runner.forward_backward(inputs, targets)
+            with timer.phase("optimizer"):
+                grad_norm = runner.clip_grad_norm_(cfg.optim.grad_clip)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
         fault_point("after_step", step + 1, env.rank)
         loss_value = float(loss)
         dt = time.perf_counter() - t0
-        tokens = cfg.train.global_batch * cfg.train.seq_len
+        tokens = staleness.step_tokens(runner, cfg.train.global_batch * cfg.train.seq_len)  # time budget: fewer
         stats.losses.append(loss_value)
         stats.tokens += tokens
         stats.compute_s += dt
@@ -150,6 +160,10 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
         record = {"loss": loss_value, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
                   "memory_bytes": peak_memory_bytes(env.device)}
+        phases = timer.take()
+        breakdowns.append({"step_time_s": dt, **phases})
+        record.update({k if k.endswith("_s") else f"time_{k}_s": v for k, v in phases.items()})
+        staleness.on_step(runner, record, logger)  # issue 8: applied step, staleness, stragglers
         logger.log(step + 1, record)
         logger.advance(1, {"loss": loss_value, "tok/s": tokens_per_s, "mfu": mfu})
         if (step + 1) % cfg.train.log_every == 0 and not cfg.train.progress:
@@ -163,8 +177,13 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
         interval = cfg.checkpoint.interval
         last = step + 1 == cfg.train.steps
         if (interval and (step + 1) % interval == 0) or (last and cfg.checkpoint.save_final):
-            ckpt.save(step + 1, runner.parts, optimizer, {"step": step + 1, "scheduler": scheduler.state_dict(),
-                                                          "sampler": sampler.state_dict()})
+            saved = ckpt.save(step + 1, runner.parts, optimizer, {"step": step + 1,
+                                                                  "scheduler": scheduler.state_dict(),
+                                                                  "sampler": sampler.state_dict()})
+            # -- issue 8: evict_stragglers stops every rank here (exit code 75) once the checkpoint committed --
+            staleness.after_checkpoint(runner, cfg.staleness.evict_stragglers, run_dir, step + 1, str(saved),
+                                       logger, ckpt.close)
+    staleness.finish(runner)  # issue 8: wait for reductions still in flight
     ckpt.close()  # an asynchronous save still in flight commits before the run reports done
     wall = time.perf_counter() - t_start
     logger.close()
@@ -176,7 +195,28 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
         "run_dir": str(run_dir), "checkpoint": str(ckpt.latest() or ""), "rank": env.rank,
         "resumed_from": resumed.path if resumed else "", "failed_checkpoint_saves": ckpt.failed_saves,
         "world_size": env.world_size, "layout": degrees,
+        **measured_for_planner(cfg, model_cfg, degrees, breakdowns),
     }
+
+
+def planner_layout(cfg: TrainConfig, degrees: dict) -> dict:
+    """This run's layout in the planner's terms (paratrain.plan.api.Layout fields)."""
+    p = cfg.parallel
+    kind = p.dp_kind if degrees["dp"] > 1 else "ddp"
+    return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": degrees["dp"], "sp": p.sp, "microbatch": cfg.train.microbatch,
+            "recompute": p.recompute, "schedule": p.pp_schedule if p.pp > 1 else "1f1b",
+            "virtual_stages": p.virtual_stages, "dp_kind": kind, "zero_stage": 3 if kind != "ddp" else 0}
+
+
+def measured_for_planner(cfg: TrainConfig, model_cfg, degrees: dict, breakdowns: list[dict]) -> dict:
+    """Steady-state step time and breakdown (medians, first steps dropped as warm-up), with what the planner
+    needs to predict the same run: `paratrain calibrate` reads these fields from the summary."""
+    steady = breakdowns[min(2, max(len(breakdowns) - 1, 0)):]
+    keys = sorted({k for b in steady for k in b})
+    median = {k: statistics.median([b.get(k, 0.0) for b in steady]) for k in keys} if steady else {}
+    return {"model_shape": model_cfg.model_dump(), "seq_len": cfg.train.seq_len,
+            "global_batch": cfg.train.global_batch, "planner_layout": planner_layout(cfg, degrees),
+            "step_time_s_median": median.pop("step_time_s", float("nan")), "breakdown_median_s": median}
 
 
 def build_runner(cfg: TrainConfig, env):

@@ -1,0 +1,90 @@
+"""Per-step time breakdown: cheap timers every step, and the profiler on sampled steps for communication.
+
+Timers split a step into data, forward+backward, optimizer and checkpoint time. Exposed communication (the
+time the training thread spends inside or waiting for collectives, by kind) needs the profiler: every
+`metrics.profile_every` steps one step runs under torch.profiler and the main thread's collective and wait
+events are summed by kind. Only top-level communication events count, so nested records are not doubled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import defaultdict
+
+# name fragment (lower case) -> kind; first match wins
+COMM_KINDS = (
+    ("reduce_scatter", "reduce_scatter"), ("reducescatter", "reduce_scatter"),
+    ("all_gather", "all_gather"), ("allgather", "all_gather"),
+    ("all_reduce", "all_reduce"), ("allreduce", "all_reduce"),
+    ("all_to_all", "all_to_all"), ("alltoall", "all_to_all"),
+    ("broadcast", "broadcast"), ("send", "p2p"), ("recv", "p2p"), ("c10d::wait", "wait"), ("aten::wait", "wait"),
+)
+
+
+def comm_kind(name: str) -> str | None:
+    low = name.lower()
+    if not any(tag in low for tag in ("c10d", "gloo", "nccl", "wait", "fsdp::", "send", "recv")):
+        return None
+    for fragment, kind in COMM_KINDS:
+        if fragment in low:
+            return kind
+    return None
+
+
+def exposed_comm_seconds(events) -> dict[str, float]:
+    """Seconds the busiest (training) thread spent in top-level communication events, by kind."""
+    by_thread: dict[int, float] = defaultdict(float)
+    for e in events:
+        if e.cpu_parent is None:
+            by_thread[e.thread] += e.cpu_time_total
+    if not by_thread:
+        return {}
+    main = max(by_thread, key=by_thread.get)
+    out: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.thread != main or (kind := comm_kind(e.name)) is None:
+            continue
+        parent, nested = e.cpu_parent, False
+        while parent is not None:
+            if comm_kind(parent.name) is not None:
+                nested = True
+                break
+            parent = parent.cpu_parent
+        if not nested:
+            out[kind] += e.cpu_time_total / 1e6
+    return dict(out)
+
+
+class StepTimer:
+    """Accumulates named phases of one step; `profile()` wraps a step in the profiler when asked."""
+
+    def __init__(self, sync=None):
+        self.phases: dict[str, float] = {}
+        self._sync = sync or (lambda: None)
+        self._profiler = None
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        self._sync()
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
+
+    @contextlib.contextmanager
+    def profile(self, enabled: bool):
+        if not enabled:
+            yield
+            return
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            yield
+        self.phases.update({f"comm_{k}_s": v for k, v in exposed_comm_seconds(prof.events()).items()})
+
+    def take(self) -> dict[str, float]:
+        out, self.phases = self.phases, {}
+        return out
