@@ -53,6 +53,12 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
 
         check_staleness_layout(cfg, degrees)
     # -- end stale-gradient block --
+    # -- context parallelism (issue 10, parallel/context.py): refuse layouts it cannot run, before building --
+    if pcfg.cp > 1:
+        from paratrain.parallel.context import check_cp_layout
+
+        check_cp_layout(cfg.train.seq_len, pcfg.cp, pcfg.tp, pcfg.sp, degrees["pp"])
+    # -- end context-parallel block --
     if mesh is None:
         model.to(env.device)
         apply_recompute(model, pcfg.recompute)
@@ -68,6 +74,12 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
 
         for part in parts:
             apply_tp(part, mesh["tp"], sp=pcfg.sp, loss_parallel=True)
+    # -- context parallelism (issue 10): ring attention over the cp group; after TP, before recompute/DP --
+    if degrees["cp"] > 1:
+        from paratrain.parallel.context import apply_context_parallel
+
+        apply_context_parallel(parts, mesh["cp"].get_group())
+    # -- end context-parallel block --
     for part in parts:
         apply_recompute(part, pcfg.recompute)
     if stale:  # issue 8: its own asynchronous all-reduce over the dp group replaces DDP/FSDP
@@ -80,7 +92,12 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
         kind, reshard = effective_dp(pcfg)
         dp = apply_dp(parts, dp_mesh, kind, reshard)
     dp_rank = mesh["dp"].get_local_rank()
-    runner = ParallelRunner(model, cfg.train.microbatch, env.device, cfg.train.dtype,
-                            dp_rank=dp_rank, dp_size=degrees["dp"], dp=dp, loss_parallel=degrees["tp"] > 1)
+    runner_cls, runner_extra = ParallelRunner, {}
+    if degrees["cp"] > 1:  # issue 10: the runner shards batches along the sequence (zig-zag)
+        from paratrain.parallel.context import ContextParallelRunner
+
+        runner_cls, runner_extra = ContextParallelRunner, {"cp_group": mesh["cp"].get_group()}
+    runner = runner_cls(model, cfg.train.microbatch, env.device, cfg.train.dtype, dp_rank=dp_rank,
+                        dp_size=degrees["dp"], dp=dp, loss_parallel=degrees["tp"] > 1, **runner_extra)
     runner.parts = parts
     return runner

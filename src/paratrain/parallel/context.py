@@ -1,0 +1,370 @@
+"""Context parallelism (CP): the sequence split across the `cp` mesh dimension, attention computed as ring
+attention, for long sequences whose activations do not fit one device (Llama 3 trained at 128K with CP 16).
+
+Sequence layout: zig-zag, load-balanced
+  The global sequence (length s) is cut into 2*cp chunks; cp rank r holds chunks r and 2cp-1-r (one early,
+  one late), in that order. Under a causal mask an early chunk has little to attend to and a late one much, so
+  pairing them gives every rank the same attention work; with a contiguous split rank cp-1 would do ~2x the
+  average and rank 0 would idle. Inputs and targets are sharded identically (`zigzag_shard`), RoPE uses the
+  global positions of the local tokens (`zigzag_positions`, passed to `Llama.forward(positions=...)`), and the
+  loss of the step is the mean over all tokens of the global sequence (local means averaged over cp: every rank
+  holds the same number of tokens).
+
+Ring attention (written here in plain PyTorch)
+  torch.distributed.tensor.experimental.context_parallel (torch 2.13) replaces only the CUDA SDPA kernels
+  (flash / efficient / cudnn). On CPU, SDPA lowers to aten._scaled_dot_product_flash_attention_for_cpu, which it
+  does not handle: under gloo the call fails with "Operator aten._scaled_dot_product_flash_attention_for_cpu.default
+  does not have a sharding strategy registered" (probe: docs/context_parallel.md). It also needs every buffer
+  to be sharded through its context manager. So the ring is an autograd.Function here, on any device/backend:
+
+  Forward, cp steps; at step i rank r holds the K/V block of source rank j = (r - i) mod cp. Before computing
+  on it, the block is already on its way to rank r+1 (dist.batch_isend_irecv), so the transfer overlaps the
+  block's compute. With the zig-zag layout only three block shapes occur, each a dense (unmasked) kernel except
+  the first:
+      i = 0   local q x local kv, causal (the local order [chunk r, chunk 2cp-1-r] is globally increasing)
+      j < r   all local q x the early kv chunk of j (it precedes both local chunks), no mask
+      j > r   the late q chunk x both kv chunks of j (both precede it; neither precedes chunk r), no mask
+  Steps after the first are each half a local block of work on every rank. Partial results are merged with
+  the online softmax: out = sum_b out_b * exp(lse_b - lse), lse = logaddexp over blocks, in fp32.
+
+  Backward runs the same ring for K/V, plus a second ring (its own P2P tag) carrying each block's dK/dV
+  accumulator: rank r adds its contribution to the block it holds and passes the sum on; after cp hops the sum
+  arrives back at the block's owner. Block gradients use the final out and lse (exact: P = exp(S - lse)).
+  Saved for backward: q, k, v, out, lse of the local tokens only -- O(s/cp) per rank, no s x s term.
+
+  Block kernels: on CPU the fused flash kernel that SDPA itself uses (aten._scaled_dot_product_flash_attention_
+  for_cpu and its backward: returns the log-sum-exp, never materialises the s x s scores, handles GQA); on
+  other devices a reference implementation in matmuls ("math"; tested against the fused one).
+
+Why a ring rather than all-gathering K/V (Llama 3's choice): the ring keeps one remote K/V block (plus one in
+flight) per rank instead of the whole sequence's K/V, and its transfers hide behind block compute; the
+all-gather is simpler and better when K/V are small next to Q (heavy GQA) and the network is fast. Both cut
+the attention activations saved for backward by cp.
+
+Composition: CP is orthogonal to TP (heads are sharded by TP, the sequence by CP; the ring runs on each TP
+rank's own heads); data parallelism reduces gradients over the flattened (dp, cp) mesh, since cp ranks compute
+gradients of different tokens of the same sequences (`paratrain.parallel.dp_mesh_of`). Pipeline parallelism
+with CP is refused (`check_cp_layout`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from paratrain.model.llama import CoreAttention
+from paratrain.parallel.runner import ParallelRunner
+
+TAG_KV, TAG_DKV = 17, 18  # distinct P2P tags: the K/V and dK/dV rings are in flight at the same time
+IMPLS = ("auto", "flash_cpu", "math")
+
+
+# -- sequence layout -----------------------------------------------------------------------------------------
+def check_cp_layout(seq_len: int, cp: int, tp: int = 1, sp: bool = False, pp: int = 1) -> None:
+    """One clear error for a layout context parallelism cannot run, before anything is built."""
+    if cp == 1:
+        return
+    if pp > 1:
+        raise ValueError(f"parallel.cp={cp} with parallel.pp={pp} is not supported: context parallelism here "
+                         f"composes with tp, sp and dp; allowed: pp=1 when cp > 1")
+    if seq_len % (2 * cp):
+        raise ValueError(f"parallel.cp={cp}: train.seq_len={seq_len} must be divisible by 2*cp={2 * cp} "
+                         f"(the zig-zag layout cuts the sequence into 2*cp equal chunks)")
+    if sp and (seq_len // cp) % tp:
+        raise ValueError(f"parallel.cp={cp} with parallel.sp=true: the local sequence train.seq_len/cp="
+                         f"{seq_len // cp} must be divisible by parallel.tp={tp}")
+
+
+def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
+    """The two chunks (of 2*cp) that cp rank `rank` holds: one early, one late."""
+    return rank, 2 * cp - 1 - rank
+
+
+def zigzag_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """Global positions of the tokens cp rank `rank` holds, in local order: (seq_len / cp,) int64."""
+    chunk = seq_len // (2 * cp)
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in zigzag_chunks(cp, rank)])
+
+
+def zigzag_shard(x: torch.Tensor, cp: int, rank: int, dim: int = 1) -> torch.Tensor:
+    """The local slice of `x` along the sequence dimension `dim` (its size must be divisible by 2*cp)."""
+    if cp == 1:
+        return x
+    chunk = x.shape[dim] // (2 * cp)
+    return torch.cat([x.narrow(dim, c * chunk, chunk) for c in zigzag_chunks(cp, rank)], dim=dim)
+
+
+def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
+    """Inverse of zigzag_shard: the full sequence from every rank's local slice (rank order)."""
+    cp = len(shards)
+    chunks: list[torch.Tensor | None] = [None] * (2 * cp)
+    for rank, local in enumerate(shards):
+        early, late = local.chunk(2, dim=dim)
+        first, second = zigzag_chunks(cp, rank)
+        chunks[first], chunks[second] = early, late
+    return torch.cat(chunks, dim=dim)
+
+
+# -- block kernels: out and log-sum-exp of one q block against one kv block ----------------------------------
+def _pick_impl(impl: str, device: torch.device) -> str:
+    if impl not in IMPLS:
+        raise ValueError(f"context-parallel attention impl='{impl}': allowed: {', '.join(IMPLS)}")
+    if impl == "auto":
+        return "flash_cpu" if device.type == "cpu" else "math"
+    return impl
+
+
+def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, impl: str
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(out in q's dtype, lse fp32 (b, heads, sq)). q: (b, heads, sq, d); k, v: (b, kv_heads, sk, d)."""
+    if impl == "flash_cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    scores = _scores(q, k, causal)
+    lse = torch.logsumexp(scores, dim=-1)
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    return torch.matmul(probs, _expand_kv(v, q).float()).to(q.dtype), lse
+
+
+def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                   lse: torch.Tensor, causal: bool, impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of one block, given the *final* out and lse of these queries (so P is the global softmax)."""
+    if impl == "flash_cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            dout, q, k, v, out, lse, 0.0, causal)
+    scale = q.shape[-1] ** -0.5
+    probs = torch.exp(_scores(q, k, causal) - lse.unsqueeze(-1))
+    dout32, k_exp, v_exp = dout.float(), _expand_kv(k, q).float(), _expand_kv(v, q).float()
+    dv = torch.matmul(probs.transpose(-1, -2), dout32)
+    dprobs = torch.matmul(dout32, v_exp.transpose(-1, -2))
+    delta = (dout32 * out.float()).sum(-1, keepdim=True)
+    dscores = probs * (dprobs - delta) * scale
+    dq = torch.matmul(dscores, k_exp)
+    dk = torch.matmul(dscores.transpose(-1, -2), q.float())
+    return dq.to(q.dtype), _reduce_kv(dk, k).to(k.dtype), _reduce_kv(dv, v).to(v.dtype)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    scores = torch.matmul(q.float(), _expand_kv(k, q).float().transpose(-1, -2)) * q.shape[-1] ** -0.5
+    if causal:
+        sq, sk = scores.shape[-2:]
+        mask = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(mask, float("-inf"))
+    return scores
+
+
+def _expand_kv(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Grouped-query attention: kv head h serves query heads h*g .. h*g+g-1."""
+    groups = q.shape[1] // t.shape[1]
+    return t.repeat_interleave(groups, dim=1) if groups > 1 else t
+
+
+def _reduce_kv(grad: torch.Tensor, kv: torch.Tensor) -> torch.Tensor:
+    b, heads, s, d = grad.shape
+    groups = heads // kv.shape[1]
+    return grad.view(b, kv.shape[1], groups, s, d).sum(2) if groups > 1 else grad
+
+
+def _merge_(out: torch.Tensor, lse: torch.Tensor, block_out: torch.Tensor, block_lse: torch.Tensor) -> None:
+    """Online softmax: fold one block's (out, lse) into the running fp32 (out, lse), in place."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    out.mul_(torch.exp(lse - new_lse).unsqueeze(-1))
+    out.add_(block_out.float() * torch.exp(block_lse - new_lse).unsqueeze(-1))
+    lse.copy_(new_lse)
+
+
+# -- the ring -----------------------------------------------------------------------------------------------
+@dataclass
+class _Transfer:
+    sent: torch.Tensor  # kept alive until the send completes
+    recv: torch.Tensor
+    works: list
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.recv
+
+
+class Ring:
+    """Neighbour exchange on the cp process group: send to rank+1, receive from rank-1 (group ranks)."""
+
+    def __init__(self, group: dist.ProcessGroup | None):
+        self.group = group
+        self.size = 1 if group is None else dist.get_world_size(group)
+        self.rank = 0 if group is None else dist.get_rank(group)
+        if self.size > 1:
+            ranks = dist.get_process_group_ranks(group)
+            self.next_peer = ranks[(self.rank + 1) % self.size]
+            self.prev_peer = ranks[(self.rank - 1) % self.size]
+
+    def start(self, tensor: torch.Tensor, tag: int) -> _Transfer:
+        recv = torch.empty_like(tensor)
+        ops = [dist.P2POp(dist.isend, tensor, self.next_peer, self.group, tag),
+               dist.P2POp(dist.irecv, recv, self.prev_peer, self.group, tag)]
+        return _Transfer(tensor, recv, dist.batch_isend_irecv(ops))
+
+
+def _block_role(step: int, ring: Ring) -> str:
+    """Which part of the local queries/keys step `step` computes: 'causal', 'early_kv' or 'late_q'."""
+    if step == 0:
+        return "causal"
+    return "early_kv" if (ring.rank - step) % ring.size < ring.rank else "late_q"
+
+
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring, impl: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    half = q.shape[2] // 2
+    kv = torch.stack((k, v))  # one message per hop
+    out = lse = None
+    for step in range(ring.size):
+        transfer = ring.start(kv, TAG_KV) if step < ring.size - 1 else None  # overlaps this step's compute
+        role = _block_role(step, ring)
+        if role == "causal":
+            block_out, lse = block_forward(q, k, v, True, impl)
+            out = block_out.float()
+        elif role == "early_kv":
+            block_out, block_lse = block_forward(q, kv[0, :, :, :half], kv[1, :, :, :half], False, impl)
+            _merge_(out, lse, block_out, block_lse)
+        else:
+            block_out, block_lse = block_forward(q[:, :, half:], kv[0], kv[1], False, impl)
+            _merge_(out[:, :, half:], lse[:, :, half:], block_out, block_lse)
+        if transfer is not None:
+            kv = transfer.wait()
+    return out.to(q.dtype), lse
+
+
+def ring_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                  lse: torch.Tensor, ring: Ring, impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    half = q.shape[2] // 2
+    dq = torch.zeros_like(q, dtype=torch.float32)
+    kv = torch.stack((k, v))
+    dkv_transfer = None
+    for step in range(ring.size):
+        kv_transfer = ring.start(kv, TAG_KV) if step < ring.size - 1 else None
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # grads of the block held now
+        role = _block_role(step, ring)
+        if role == "causal":
+            dq_b, dk_b, dv_b = block_backward(dout, q, k, v, out, lse, True, impl)
+            dq += dq_b
+            dkv[0] += dk_b
+            dkv[1] += dv_b
+        elif role == "early_kv":
+            dq_b, dk_b, dv_b = block_backward(dout, q, kv[0, :, :, :half], kv[1, :, :, :half], out, lse, False, impl)
+            dq += dq_b
+            dkv[0, :, :, :half] += dk_b
+            dkv[1, :, :, :half] += dv_b
+        else:
+            dq_b, dk_b, dv_b = block_backward(dout[:, :, half:], q[:, :, half:], kv[0], kv[1], out[:, :, half:],
+                                              lse[:, :, half:], False, impl)
+            dq[:, :, half:] += dq_b
+            dkv[0] += dk_b
+            dkv[1] += dv_b
+        if dkv_transfer is not None:
+            dkv += dkv_transfer.wait()  # what the ranks before us added to this block
+        if ring.size > 1:
+            dkv_transfer = ring.start(dkv, TAG_DKV)
+        if kv_transfer is not None:
+            kv = kv_transfer.wait()
+    if dkv_transfer is not None:
+        dkv = dkv_transfer.wait()  # our own block, with every rank's contribution
+    return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype)
+
+
+class RingAttentionFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, ring: Ring, impl: str):
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out, lse = ring_forward(q, k, v, ring, impl)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.ring, ctx.impl = ring, impl
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, out, lse = ctx.saved_tensors
+        dq, dk, dv = ring_backward(dout.contiguous(), q, k, v, out, lse, ctx.ring, ctx.impl)
+        return dq, dk, dv, None, None
+
+
+class RingAttention(nn.Module):
+    """Drop-in for `CoreAttention` on zig-zag sequence shards: q (b, heads, s/cp, d), k, v (b, kv_heads, s/cp, d),
+    causal over global positions. Not a CoreAttention subclass on purpose: selective recompute targets those,
+    and this module saves only O(s/cp) tensors, so recomputing it (and its ring) would buy nothing."""
+
+    def __init__(self, group: dist.ProcessGroup | None, impl: str = "auto"):
+        super().__init__()
+        self.ring = Ring(group)
+        self.impl = impl
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if q.shape[2] % 2:
+            raise ValueError(f"ring attention: local sequence {q.shape[2]} must be even (two zig-zag chunks)")
+        return RingAttentionFunction.apply(q, k, v, self.ring, _pick_impl(self.impl, q.device))
+
+    def extra_repr(self) -> str:
+        return f"cp={self.ring.size}, rank={self.ring.rank}, impl={self.impl}"
+
+
+# -- applying it to a model and driving it -------------------------------------------------------------------
+def apply_context_parallel(parts: Iterable[nn.Module], group: dist.ProcessGroup | None, impl: str = "auto") -> None:
+    """Replace every attention core with ring attention over `group`, and make each part take the global
+    RoPE positions of its zig-zag slice. Apply after tensor parallelism, before recompute and data parallelism."""
+    ring = Ring(group)
+    _pick_impl(impl, torch.device("cpu"))  # validate the name before touching the model
+    for part in parts:
+        if getattr(part, "tok_embeddings", None) is None:
+            raise ValueError("context parallelism needs the token embedding on every part (pipeline stages "
+                             "are not supported with cp > 1)")
+        for block in part.layers.values():
+            if not isinstance(block.attention.core, CoreAttention):
+                raise TypeError(f"expected CoreAttention at attention.core, found {type(block.attention.core)}")
+            block.attention.core = RingAttention(group, impl)
+        part.register_forward_pre_hook(_zigzag_positions_hook(ring.size, ring.rank), with_kwargs=True)
+
+
+def _zigzag_positions_hook(cp: int, rank: int):
+    """Tokens arrive as this rank's zig-zag slice (b, s/cp): RoPE must see their global positions."""
+
+    def hook(_module, args, kwargs):
+        if kwargs.get("positions") is None and (len(args) < 2 or args[1] is None):
+            local = args[0].shape[1]
+            kwargs["positions"] = zigzag_positions(local * cp, cp, rank, args[0].device)
+        return args, kwargs
+
+    return hook
+
+
+class ContextParallelRunner(ParallelRunner):
+    """ParallelRunner whose batches are sharded along the sequence (zig-zag) before the step, and whose loss is
+    averaged over dp x cp. Gradients are averaged over the flattened (dp, cp) mesh by the data-parallel wrapper
+    (`self.dp`, built on that mesh), which is why `self.dp` is always present when cp > 1."""
+
+    def __init__(self, *args, cp_group: dist.ProcessGroup, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cp_size = dist.get_world_size(cp_group)
+        self.cp_rank = dist.get_rank(cp_group)
+        if self.dp is None:
+            raise ValueError("context parallelism needs gradient reduction over the (dp, cp) mesh")
+
+    def shard_sequence(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        seq = inputs.shape[1]
+        if seq % (2 * self.cp_size):
+            raise ValueError(f"parallel.cp={self.cp_size}: batch sequence length {seq} must be divisible by "
+                             f"2*cp={2 * self.cp_size}")
+        return (zigzag_shard(inputs, self.cp_size, self.cp_rank), zigzag_shard(targets, self.cp_size, self.cp_rank))
+
+    def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return super().forward_backward(*self.shard_sequence(inputs, targets))
+
+    def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return super().eval_loss(*self.shard_sequence(inputs, targets))
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Mean over dp x cp ranks = the mean over every token of the global batch (equal tokens per rank)."""
+        loss = loss.clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp.group)
+        return loss

@@ -1,0 +1,190 @@
+"""Context parallelism: zig-zag layout, block kernels, ring attention, and whole-model parity (CPU, gloo, fp32).
+
+Ring attention is compared with SDPA on the whole sequence (outputs and q/k/v gradients of each rank's
+zig-zag slice). The model cases run the same model and global batch as the single-device reference
+(tests/parity.py): loss of the first forward, every parameter's gradient after one backward, and the losses
+of 3 AdamW steps. Tolerance: loss rtol 1e-5 (atol 1e-6), gradient relative L2 error 1e-5 -- the same as every
+other layout: the ring only reorders fp32 sums (blockwise softmax merged by log-sum-exp).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from parity import assert_matches_reference, make_config, parallel_run, reference
+
+from paratrain.model.llama import CoreAttention
+from paratrain.parallel.context import (
+    RingAttention,
+    block_backward,
+    block_forward,
+    check_cp_layout,
+    zigzag_positions,
+    zigzag_shard,
+    zigzag_unshard,
+)
+
+LOSS_RTOL, LOSS_ATOL, GRAD_RTOL = 1e-5, 1e-6, 1e-5
+ATTN_TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+# -- layout --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cp", [1, 2, 4])
+def test_zigzag_shard_positions_and_unshard(cp):
+    seq = 8 * cp
+    x = torch.arange(seq).expand(3, seq)
+    shards = [zigzag_shard(x, cp, r) for r in range(cp)]
+    for r, local in enumerate(shards):
+        assert torch.equal(local[0], zigzag_positions(seq, cp, r))  # positions are what the slice holds
+    assert torch.equal(zigzag_unshard(shards), x)
+    assert sorted(torch.cat([s[0] for s in shards]).tolist()) == list(range(seq))
+
+
+def test_zigzag_balances_causal_work():
+    """Causal (query, key) pairs per rank are equal under zig-zag; a contiguous split would be 1:3 at cp=2."""
+    seq, cp = 64, 4
+    pairs = [int((zigzag_positions(seq, cp, r) + 1).sum()) for r in range(cp)]
+    assert len(set(pairs)) == 1
+
+
+def test_layout_errors_name_the_fields():
+    with pytest.raises(ValueError, match=r"train.seq_len=30 must be divisible by 2\*cp=4"):
+        check_cp_layout(30, 2)
+    with pytest.raises(ValueError, match=r"parallel.pp=2 is not supported"):
+        check_cp_layout(32, 2, pp=2)
+    with pytest.raises(ValueError, match=r"train.seq_len/cp=12 must be divisible by parallel.tp=8"):
+        check_cp_layout(24, 2, tp=8, sp=True)
+    check_cp_layout(32, 4, tp=2, sp=True)
+
+
+def test_config_errors_before_building():
+    """parallelize() refuses a bad cp layout before any process group or module is touched."""
+    from paratrain.model.llama import Llama
+    from paratrain.parallel import parallelize
+    from paratrain.parallel.mesh import DistEnv
+
+    env = DistEnv(rank=0, world_size=4, local_rank=0, device=torch.device("cpu"))
+    for overrides, match in ((["parallel.cp=4", "train.seq_len=36"], r"parallel.cp=4: train.seq_len=36"),
+                             (["parallel.cp=2", "parallel.pp=2"], r"parallel.pp=2 is not supported")):
+        cfg = make_config(overrides)
+        with pytest.raises(ValueError, match=match):
+            parallelize(Llama(cfg.model_shape()), cfg, None, env)
+
+
+# -- block kernels -------------------------------------------------------------------------------------------
+def _qkv(b=2, heads=4, kv_heads=2, sq=12, sk=12, d=8, seed=0, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(b, heads, sq, d, generator=g, dtype=dtype),
+            torch.randn(b, kv_heads, sk, d, generator=g, dtype=dtype),
+            torch.randn(b, kv_heads, sk, d, generator=g, dtype=dtype))
+
+
+def _sdpa(q, k, v, causal):
+    rep = q.shape[1] // k.shape[1]
+    return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1),
+                                          is_causal=causal)
+
+
+@pytest.mark.parametrize("impl", ["flash_cpu", "math"])
+@pytest.mark.parametrize("causal,sq", [(True, 12), (False, 12), (False, 6)])
+def test_block_kernels_match_sdpa(impl, causal, sq):
+    q, k, v = _qkv(sq=sq)
+    q_ref, k_ref, v_ref = (t.clone().requires_grad_() for t in (q, k, v))
+    out_ref = _sdpa(q_ref, k_ref, v_ref, causal)
+    dout = torch.randn_like(out_ref)
+    out_ref.backward(dout)
+
+    out, lse = block_forward(q, k, v, causal, impl)
+    torch.testing.assert_close(out, out_ref.detach(), **ATTN_TOL)
+    scores = q @ k.repeat_interleave(2, 1).transpose(-1, -2) / q.shape[-1] ** 0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones(sq, 12, dtype=torch.bool).triu(1), float("-inf"))
+    torch.testing.assert_close(lse, scores.logsumexp(-1), **ATTN_TOL)
+    dq, dk, dv = block_backward(dout, q, k, v, out, lse, causal, impl)
+    for got, want in ((dq, q_ref.grad), (dk, k_ref.grad), (dv, v_ref.grad)):
+        torch.testing.assert_close(got, want, **ATTN_TOL)
+
+
+def test_flash_kernel_reads_strided_slices():
+    """The ring passes sequence slices of a stacked K/V buffer without copying them."""
+    q, k, v = _qkv(sq=12, sk=12)
+    kv = torch.stack((k, v))
+    out, lse = block_forward(q, kv[0, :, :, :6], kv[1, :, :, :6], False, "flash_cpu")
+    out_c, lse_c = block_forward(q, kv[0, :, :, :6].contiguous(), kv[1, :, :, :6].contiguous(), False, "flash_cpu")
+    assert torch.equal(out, out_c) and torch.equal(lse, lse_c)
+
+
+def test_ring_of_one_is_core_attention():
+    q, k, v = (t.requires_grad_() for t in _qkv(sq=16, sk=16))
+    ring_out = RingAttention(None)(q, k, v)
+    grads = torch.autograd.grad(ring_out.square().sum(), (q, k, v))
+    core_out = CoreAttention()(q, k, v)
+    want = torch.autograd.grad(core_out.square().sum(), (q, k, v))
+    torch.testing.assert_close(ring_out, core_out, **ATTN_TOL)
+    for got, ref in zip(grads, want, strict=True):
+        torch.testing.assert_close(got, ref, **ATTN_TOL)
+
+
+# -- ring attention on the pool ------------------------------------------------------------------------------
+def _ring_vs_full(impl: str, heads: int, kv_heads: int, seq: int):
+    """On every rank: ring attention over WORLD on this rank's zig-zag slice vs SDPA over the whole sequence."""
+    cp, rank = dist.get_world_size(), dist.get_rank()
+    q, k, v = _qkv(b=2, heads=heads, kv_heads=kv_heads, sq=seq, sk=seq, d=16, seed=3)
+    dout = torch.randn(2, heads, seq, 16, generator=torch.Generator().manual_seed(4))
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    _sdpa(*full, causal=True).backward(dout)
+
+    local = [zigzag_shard(t, cp, rank, dim=2).requires_grad_() for t in (q, k, v)]
+    out = RingAttention(dist.group.WORLD, impl)(*local)
+    out.backward(zigzag_shard(dout, cp, rank, dim=2))
+    ref_out = zigzag_shard(_sdpa(q, k, v, causal=True), cp, rank, dim=2)
+    errors = {"out": float((out.detach() - ref_out).abs().max())}
+    for name, mine, ref in zip("qkv", local, full, strict=True):
+        errors[f"d{name}"] = float((mine.grad - zigzag_shard(ref.grad, cp, rank, dim=2)).abs().max())
+    return errors
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ring_attention_matches_full_attention(dist_run, world):
+    cases = [(impl, 4, kv, 32) for impl in ("flash_cpu", "math") for kv in (4, 2)]
+    per_rank = dist_run(world, _run_ring_cases, cases)
+    for rank, results in enumerate(per_rank):
+        for case, errors in zip(cases, results, strict=True):
+            assert max(errors.values()) < 1e-5, f"cp={world} rank {rank} {case}: {errors}"
+
+
+def _run_ring_cases(cases):
+    return [_ring_vs_full(*case) for case in cases]
+
+
+# -- whole model vs single device ----------------------------------------------------------------------------
+CASES = {
+    2: [["parallel.cp=2"], ["parallel.cp=2", "parallel.dp_kind=\"ddp\""]],
+    4: [["parallel.cp=4"],
+        ["parallel.cp=2", "parallel.tp=2"],
+        ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"],
+        ["parallel.cp=2", "parallel.dp=2", "parallel.dp_kind=\"fsdp\""],
+        ["parallel.cp=2", "parallel.dp=2", "parallel.dp_kind=\"ddp\"", "parallel.recompute=\"full\""]],
+}
+
+
+@pytest.fixture(scope="module")
+def ref():
+    return reference(make_config())
+
+
+def _run_cases(cases):
+    return [parallel_run(overrides) for overrides in cases]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_context_parallel_matches_single_device(dist_run, ref, world):
+    cases = CASES[world]
+    failures = []
+    for rank, results in enumerate(dist_run(world, _run_cases, cases)):
+        for overrides, got in zip(cases, results, strict=True):
+            try:
+                assert_matches_reference(ref, got, LOSS_RTOL, LOSS_ATOL, GRAD_RTOL)
+            except AssertionError as exc:
+                failures.append(f"{' '.join(overrides)} (rank {rank}): {exc}")
+    assert not failures, "\n".join(failures)
