@@ -23,6 +23,7 @@ import json
 import random
 import re
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -44,6 +45,8 @@ REFUSED = "REFUSED.json"
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 VERIFY_MODES = ("checksum", "size", "none")
+# DCP warns on every single-process save/load; one process without a process group is a supported case here.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 class CheckpointError(ValueError):

@@ -89,7 +89,10 @@ def s3_options() -> dict:
     region = os.environ.get("AWS_REGION") or os.environ.get("AWS_DEFAULT_REGION")
     if region:
         client["region_name"] = region
-    opts = {"use_listings_cache": False, "skip_instance_cache": True, "client_kwargs": client}
+    # Our RetryPolicy is the outer, logged loop; keep botocore's inner one short so that an outage
+    # is reported in seconds, not minutes of silent retries.
+    opts = {"use_listings_cache": False, "skip_instance_cache": True, "client_kwargs": client,
+            "config_kwargs": {"retries": {"max_attempts": 2, "mode": "standard"}, "connect_timeout": 10}}
     if os.environ.get("AWS_PROFILE"):
         opts["profile"] = os.environ["AWS_PROFILE"]
     return opts

@@ -1,0 +1,269 @@
+"""Checkpoints: bitwise resume, async save, manifest verification with fallback, interrupted saves, keep-k,
+retries, and real SIGKILLs (during a save; a rank under torchrun with restarts). S3 cases: test_checkpoint_s3.py;
+multi-rank and resharding cases: test_checkpoint_dist.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from paratrain.cli import main
+from paratrain.train.checkpoint import MANIFEST, REFUSED, CheckpointError, CheckpointManager, step_name
+from paratrain.train.storage import RetryPolicy, Storage, StorageError, retry
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS, EVERY = 6, 3
+
+
+def train_args(tmp: Path, data: Path, run: str, *extra: str) -> list[str]:
+    sets = ["train.steps=6", "checkpoint.interval=3", "train.progress=false", "train.eval_every=0",
+            "metrics.tensorboard=false", f'metrics.run_dir="{tmp / run}"', f'data.prepared_dir="{data}"',
+            "data.max_source_bytes=300000", "data.vocab_size=384", "model.vocab=384", "model.layers=2",
+            "train.global_batch=4", "train.microbatch=2", "train.seq_len=32", "optim.warmup_steps=2",
+            *extra]
+    return ["train", *[a for s in sets for a in ("--set", s)]]
+
+
+def run_train(tmp: Path, data: Path, run: str, *extra: str, resume_from: str | None = None) -> dict:
+    summary = tmp / f"{run}.json"
+    args = train_args(tmp, data, run, *extra) + ["--summary-json", str(summary)]
+    if resume_from:
+        args += ["--resume-from", resume_from]
+    assert main(args) == 0
+    return json.loads(summary.read_text())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One uninterrupted 6-step run that saves at steps 3 and 6; its data folder is shared by the tests."""
+    tmp = tmp_path_factory.mktemp("ckpt-ref")
+    data = tmp / "data"
+    summary = run_train(tmp, data, "ref")
+    return {"tmp": tmp, "data": data, "summary": summary, "ckpt": tmp / "ref" / "checkpoints"}
+
+
+def test_resume_continues_bitwise_with_clear_message(reference, tmp_path, capsys):
+    ref = reference["summary"]
+    assert len(ref["losses"]) == STEPS
+    step3 = str(reference["ckpt"] / step_name(3))
+    resumed = run_train(tmp_path, reference["data"], "b", resume_from=step3)
+    assert resumed["losses"] == ref["losses"][EVERY:]  # bitwise: same layout, fp32, deterministic
+    out = capsys.readouterr().out
+    assert f"resumed from {step3} at step 3: saved as single device on 1 rank(s), now single device" in out
+    assert "sampler at global sample 12" in out
+
+
+def test_auto_resume_picks_newest_complete_checkpoint(reference, tmp_path, capsys):
+    run_dir = tmp_path / "c"
+    shutil.copytree(reference["ckpt"], run_dir / "checkpoints")
+    shutil.rmtree(run_dir / "checkpoints" / step_name(6))
+    partial = run_dir / "checkpoints" / step_name(5)  # a save that never committed
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"half a shard")
+    got = run_train(tmp_path, reference["data"], "c")
+    assert got["losses"] == reference["summary"]["losses"][EVERY:]
+    out = capsys.readouterr().out
+    assert f"removing interrupted checkpoint {partial}" in out and "at step 3" in out
+    assert not partial.exists()
+
+
+def test_async_save_trains_identically_and_its_checkpoint_resumes_bitwise(reference, tmp_path):
+    ref = reference["summary"]["losses"]
+    got = run_train(tmp_path, reference["data"], "d", "checkpoint.async_save=true")
+    assert got["losses"] == ref
+    ckpt = tmp_path / "d" / "checkpoints"
+    assert sorted(p.name for p in ckpt.iterdir()) == [step_name(3), step_name(6)]
+    assert all((ckpt / n / MANIFEST).is_file() for n in (step_name(3), step_name(6)))
+    again = run_train(tmp_path, reference["data"], "e", resume_from=str(ckpt / step_name(3)))
+    assert again["losses"] == ref[EVERY:]
+
+
+def _damage(path: Path, how: str) -> None:
+    data = bytearray(path.read_bytes())
+    if how == "truncate":
+        path.write_bytes(bytes(data[: len(data) // 2]))
+    else:
+        data[len(data) // 2] ^= 0xFF  # one flipped byte, same size
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how, words", [("truncate", "the manifest says"), ("corrupt", "(corrupted)")])
+def test_damaged_newest_checkpoint_is_refused_and_previous_used(reference, tmp_path, capsys, how, words):
+    run_dir = tmp_path / "f"
+    shutil.copytree(reference["ckpt"], run_dir / "checkpoints")
+    shard = run_dir / "checkpoints" / step_name(6) / "__0_0.distcp"
+    _damage(shard, how)
+    got = run_train(tmp_path, reference["data"], "f")
+    assert got["losses"] == reference["summary"]["losses"][EVERY:]  # continued from step 3
+    out = capsys.readouterr().out
+    assert f"checkpoint {shard.parent} refused: {shard}: " in out and words in out
+    assert "at step 3" in out
+    # The damaged folder was replaced by the new save of step 6, which verifies.
+    manifest = json.loads((shard.parent / MANIFEST).read_text())
+    assert manifest["step"] == 6 and not (shard.parent / REFUSED).exists()
+
+
+def test_resume_from_a_damaged_checkpoint_is_one_clear_error(reference, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(reference["ckpt"] / step_name(6), bad)
+    _damage(bad / ".metadata", "truncate")
+    args = train_args(tmp_path, reference["data"], "g") + ["--resume-from", str(bad)]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"cannot resume from {bad}: {bad}/.metadata:" in err[0]
+
+
+# ---- the manager on a small module: fast cases ---------------------------------------------------------------
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+
+def _model_and_optimizer(seed: int):
+    torch.manual_seed(seed)
+    model = Tiny()
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def _manager(path, **kw) -> tuple[CheckpointManager, list[str]]:
+    logs: list[str] = []
+    return CheckpointManager(path, keep=kw.pop("keep", 3), log=logs.append, **kw), logs
+
+
+def test_keep_last_k_and_interrupted_older_saves_pruned(tmp_path):
+    mgr, _ = _manager(tmp_path, keep=2)
+    model, opt = _model_and_optimizer(0)
+    (tmp_path / step_name(1)).mkdir()  # an interrupted save from before
+    for step in (2, 3, 4, 5):
+        mgr.save(step, [model], opt, {"step": step})
+    assert [Path(p).name for p in mgr.committed()] == [step_name(4), step_name(5)]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [step_name(4), step_name(5)]
+
+
+def test_refused_checkpoint_falls_back_and_restores_previous_state(tmp_path):
+    mgr, logs = _manager(tmp_path)
+    model, opt = _model_and_optimizer(1)
+    mgr.save(1, [model], opt, {"step": 1})
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    rng_after_save = torch.rand(4)
+    model(torch.randn(3, 8)).sum().backward()
+    opt.step()
+    mgr.save(2, [model], opt, {"step": 2})
+    _damage(tmp_path / step_name(2) / "__0_0.distcp", "corrupt")
+
+    fresh, fresh_opt = _model_and_optimizer(99)
+    resumed = CheckpointManager(tmp_path, log=logs.append).resume([fresh], fresh_opt)
+    assert resumed.step == 1 and resumed.extra == {"step": 1}
+    assert all(torch.equal(saved[k], v) for k, v in fresh.state_dict().items())
+    assert torch.equal(torch.rand(4), rng_after_save)  # RNG restored to the state at the save
+    assert any("refused" in m and "__0_0.distcp" in m and "corrupted" in m for m in logs)
+    assert (tmp_path / step_name(2) / REFUSED).is_file() and mgr.latest().endswith(step_name(1))
+
+
+def test_missing_file_and_every_checkpoint_refused_is_an_error(tmp_path):
+    mgr, _ = _manager(tmp_path)
+    model, opt = _model_and_optimizer(2)
+    mgr.save(1, [model], opt, {"step": 1})
+    (tmp_path / step_name(1) / "extra_rank0.pt").unlink()
+    with pytest.raises(CheckpointError, match=r"every checkpoint .* was refused"):
+        mgr.resume([model], opt)
+    assert mgr.verify(str(tmp_path / step_name(1))).endswith("extra_rank0.pt: missing (the manifest lists it "
+                                                             f"with {_size_in_manifest(tmp_path)} bytes)")
+
+
+def _size_in_manifest(tmp_path) -> int:
+    return json.loads((tmp_path / step_name(1) / MANIFEST).read_text())["files"]["extra_rank0.pt"]["size"]
+
+
+def test_save_failure_is_loud_marks_nothing_and_next_save_succeeds(tmp_path, monkeypatch):
+    mgr, logs = _manager(tmp_path, retry=RetryPolicy(attempts=2, base_s=0.0))
+    model, opt = _model_and_optimizer(3)
+    mgr.save(1, [model], opt, {"step": 1})
+    real = Storage.write_bytes
+
+    def flaky(self, path, data):
+        raise ConnectionResetError("storage went away")
+
+    monkeypatch.setattr(Storage, "write_bytes", flaky)
+    mgr.save(2, [model], opt, {"step": 2})
+    assert mgr.failed_saves == 1 and mgr.latest().endswith(step_name(1))
+    assert any(m.startswith("ERROR: checkpoint of step 2 NOT saved") and "storage went away" in m for m in logs)
+    assert any("retry 1/1" in m for m in logs)  # the whole write was retried once before giving up
+    monkeypatch.setattr(Storage, "write_bytes", real)
+    mgr.save(3, [model], opt, {"step": 3})
+    assert mgr.latest().endswith(step_name(3)) and mgr.failed_saves == 1
+
+
+def test_retry_backs_off_on_transient_errors_and_not_on_permanent_ones(caplog):
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) < 3:
+            raise TimeoutError("slow down")
+        return "ok"
+
+    assert retry(flaky, "put x", RetryPolicy(attempts=3, base_s=0.0)) == "ok" and len(calls) == 3
+    assert "retry 2/2" in caplog.text
+    calls.clear()
+    with pytest.raises(StorageError, match="put y: PermissionError"):
+        retry(lambda: calls.append(1) or (_ for _ in ()).throw(PermissionError("denied")), "put y", RetryPolicy())
+    assert len(calls) == 1
+    with pytest.raises(StorageError, match="failed after 2 attempts: TimeoutError"):
+        retry(lambda: (_ for _ in ()).throw(TimeoutError("t")), "put z", RetryPolicy(attempts=2, base_s=0.0))
+
+
+def test_bad_checkpoint_dir_and_fault_spec_are_clear_errors(monkeypatch):
+    with pytest.raises(ValueError, match=r"checkpoint.dir='gs://b/x': allowed"):
+        Storage("gs://b/x")
+    from paratrain.train.faults import fault_point
+
+    fault_point("after_step", 1, 0)  # inert by default
+    monkeypatch.setenv("PARATRAIN_FAULT_KILL", "after_stp:3")
+    with pytest.raises(ValueError, match="PARATRAIN_FAULT_KILL='after_stp:3'"):
+        fault_point("after_step", 1, 0)
+
+
+# ---- real SIGKILLs in subprocesses ------------------------------------------------------------------------
+def _cli_env(**extra) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **extra}
+    env.pop("PARATRAIN_FAULT_KILL", None) if "PARATRAIN_FAULT_KILL" not in extra else None
+    return env
+
+
+def _subprocess_train(cmd: list[str], env: dict, timeout_s: float = 240) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+
+
+def test_sigkill_during_checkpoint_write_keeps_previous_and_discards_partial(reference, tmp_path):
+    args = train_args(tmp_path, reference["data"], "h")
+    cmd = [sys.executable, "-m", "paratrain", *args, "--summary-json", str(tmp_path / "h.json")]
+    killed = _subprocess_train(cmd, _cli_env(PARATRAIN_FAULT_KILL="save_written:6"))
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    ckpt = tmp_path / "h" / "checkpoints"
+    partial = ckpt / step_name(6)
+    assert (partial / "__0_0.distcp").is_file() and not (partial / MANIFEST).exists()  # killed mid-save
+
+    done = _subprocess_train(cmd, _cli_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"removing interrupted checkpoint {partial}" in done.stdout and "at step 3" in done.stdout
+    summary = json.loads((tmp_path / "h.json").read_text())
+    assert summary["losses"] == reference["summary"]["losses"][EVERY:]
+    assert json.loads((partial / MANIFEST).read_text())["step"] == 6  # re-saved, complete this time
