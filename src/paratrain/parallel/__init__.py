@@ -67,8 +67,13 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
         return Runner(model, cfg.train.microbatch, env.device, cfg.train.dtype)
     model.to(env.device)
     parts = [model]
+    # -- pipeline parallelism (issue 5, parallel/pipeline.py): split into stages, then TP/SP -> recompute -> DP
+    #    on each stage module (the same functions as below), driven by a pipeline schedule; its own runner --
     if degrees["pp"] > 1:
-        raise NotImplementedError("pipeline parallelism is being built (parallel/pipeline.py)")
+        from paratrain.parallel.pipeline import parallelize_pipeline
+
+        return parallelize_pipeline(model, cfg, mesh, env)
+    # -- end pipeline block --
     if degrees["tp"] > 1:
         from paratrain.parallel.tensor import apply_tp
 

@@ -19,7 +19,7 @@ over data-parallel ranks so that every rank reports the global batch's loss.
 
 from __future__ import annotations
 
-from collections import defaultdict
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -37,8 +37,8 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from paratrain.config import TrainConfig
-from paratrain.parallel.mesh import DistEnv, resolve_degrees
-from paratrain.parallel.runner import Runner
+from paratrain.parallel.mesh import DistEnv
+from paratrain.parallel.runner import ParallelRunner, plain
 
 SINGLE_STAGE_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble,
@@ -164,13 +164,19 @@ def plan_pipeline(cfg: TrainConfig, dp: int) -> PipelineLayout:
                           schedule=p.pp_schedule)
 
 
-def check_pipeline_layout(cfg: TrainConfig, world_size: int) -> PipelineLayout | None:
-    """Validate the pipeline part of cfg for a world size (call before any work); None when pp == 1."""
+def check_pipeline_layout(cfg: TrainConfig, dp: int) -> PipelineLayout | None:
+    """Validate the pipeline part of cfg at data-parallel size dp (call before any work); None when pp == 1."""
     if cfg.parallel.pp == 1:
         if cfg.parallel.pp_layers is not None:
             raise ValueError(f"parallel.pp_layers={cfg.parallel.pp_layers} needs parallel.pp > 1")
         return None
-    return plan_pipeline(cfg, resolve_degrees(cfg.parallel, world_size)["dp"])
+    if cfg.parallel.cp > 1:
+        raise ValueError(f"parallel.cp={cfg.parallel.cp} with parallel.pp={cfg.parallel.pp} is not supported; "
+                         f"allowed: cp=1 with pipeline parallelism")
+    if cfg.staleness.policy != "sync":
+        raise ValueError(f"staleness.policy='{cfg.staleness.policy}' with parallel.pp={cfg.parallel.pp} is not "
+                         f"supported; allowed: staleness.policy='sync' with pipeline parallelism")
+    return plan_pipeline(cfg, dp)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -201,33 +207,59 @@ def split_model(model: nn.Module, layout: PipelineLayout, pp_rank: int) -> list[
     return [(s, carve_stage(model, layout.layer_ids(s), s == 0, s == last)) for s in layout.stages_of_rank(pp_rank)]
 
 
-def _apply_stage_techniques(part: nn.Module, cfg: TrainConfig, mesh: DeviceMesh) -> nn.Module:
-    """TP/SP -> recompute -> DP on one stage module (the same functions the non-pipeline layout uses)."""
-    return part
+def apply_stage_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh):
+    """TP/SP -> recompute -> DP on this rank's stage modules, with the functions the non-pipeline layout
+    uses (parallel/tensor.py, recompute.py, data.py). Returns the DataParallel handle (or None)."""
+    from paratrain.parallel.layout import effective_dp
+    from paratrain.parallel.recompute import apply_recompute
+
+    pcfg = cfg.parallel
+    if mesh["tp"].size() > 1:
+        from paratrain.parallel.tensor import apply_tp
+
+        for part in parts:
+            apply_tp(part, mesh["tp"], sp=pcfg.sp, loss_parallel=True)
+    for part in parts:
+        apply_recompute(part, pcfg.recompute)
+    if mesh["dp"].size() == 1:
+        return None
+    from paratrain.parallel.data import apply_dp
+
+    kind, reshard = effective_dp(pcfg)
+    dp_mesh = mesh["dp_replicate", "dp_shard"] if kind == "hsdp" else mesh["dp"]
+    return apply_dp(parts, dp_mesh, kind, reshard)
 
 
 # --------------------------------------------------------------------------------------------------------
 # The runner
 # --------------------------------------------------------------------------------------------------------
-class PipelineRunner(Runner):
-    """Runs one optimizer step's microbatches through the pipeline schedule; reports the global loss on every
-    rank; clips by the global gradient norm over all stages (pp group) and all TP/DP shards (DTensor)."""
+class PipelineRunner(ParallelRunner):
+    """Runs one optimizer step's microbatches through the pipeline schedule.
+
+    - loss: each microbatch's mean token loss is computed on the last stage (under loss_parallel with TP);
+      the mean over microbatches is broadcast over the pp group and averaged over dp, so every rank reports
+      the global batch's loss.
+    - gradients: the schedule scales them by 1/microbatches. FSDP stage modules are driven by the pipeline
+      stage itself (gradient sync off until its final reduce); the bucketed DDP reducer is held off during the
+      schedule and reduces every bucket once it ends (the schedule's order of backward/weight-gradient work
+      varies, so "last microbatch" has no single meaning here).
+    - clipping: the inherited global norm over all TP/DP shards, summed over the pp group (`norm_groups`),
+      whose ranks hold disjoint parameters.
+    """
 
     def __init__(self, stages: list[tuple[int, nn.Module]], layout: PipelineLayout, mesh: DeviceMesh,
-                 cfg: TrainConfig, env: DistEnv):
-        dp_mesh = mesh["dp"]
+                 cfg: TrainConfig, env: DistEnv, dp=None):
+        self.pp_group = mesh["pp"].get_group()
         super().__init__(stages[0][1], cfg.train.microbatch, env.device, cfg.train.dtype,
-                         dp_rank=dp_mesh.get_local_rank(), dp_size=dp_mesh.size())
+                         dp_rank=mesh["dp"].get_local_rank(), dp_size=mesh["dp"].size(), dp=dp,
+                         loss_parallel=mesh["tp"].size() > 1, norm_groups=(self.pp_group,))
         self.layout = layout
         self.parts = [module for _, module in stages]
-        self.pp_group = mesh["pp"].get_group()
         self.pp_rank = mesh["pp"].get_local_rank()
-        self.dp_group = dp_mesh.get_group() if dp_mesh.size() > 1 else None
         self.stage_ids = [s for s, _ in stages]
         self.has_first = 0 in self.stage_ids
         self.has_last = layout.num_stages - 1 in self.stage_ids
         self.loss_src = layout.rank_of_stage(layout.num_stages - 1)  # pp-group rank that computes the loss
-        self.optimizer_foreach = _foreach_ok(self.parameters())
         self.schedule = self._build_schedule(stages)
 
     def _build_schedule(self, stages):
@@ -243,8 +275,11 @@ class PipelineRunner(Runner):
         return self.loss_fn(output, targets)
 
     def step_context(self):
-        """Context around a whole schedule step (forward and backward of all microbatches)."""
-        return self.autocast()
+        """Around a whole schedule step: loss parallel (TP) for the loss and its backward, and autocast."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(super().step_context())
+        stack.enter_context(self.autocast())
+        return stack
 
     def _check_batch(self, inputs: torch.Tensor) -> None:
         expected = self.layout.microbatches * self.microbatch
@@ -257,107 +292,69 @@ class PipelineRunner(Runner):
         args = (inputs.to(self.device),) if self.has_first else ()
         target = targets.to(self.device) if self.has_last else None
         losses: list[torch.Tensor] = []
+        reducer = self.dp.reducer if self.dp is not None else None
+        if reducer is not None:
+            reducer.sync = False
         with self.step_context():
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
+        if reducer is not None:
+            reducer.sync = True
+            self.dp.finish()
         return self._broadcast_loss(losses)
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Forward only, microbatch by microbatch through the stages in order (plain send/recv on the pp
         group). Not `schedule.eval()`: the V schedules run their backward actions in eval mode in torch 2.13,
-        and switching the schedule between modes re-runs its shape inference each time."""
+        and switching a schedule between modes re-runs its shape inference each time."""
         losses = []
         modules = dict(zip(self.stage_ids, self.parts, strict=True))
+        last = self.layout.num_stages - 1
         for x, y in zip(inputs.split(self.microbatch), targets.split(self.microbatch), strict=True):
             h = None
             with self.step_context():
-                for s in range(self.layout.num_stages):
-                    if s not in modules:
-                        continue
+                for s in sorted(modules):
                     if s == 0:
                         h = x.to(self.device)
                     elif self.layout.rank_of_stage(s - 1) != self.pp_rank:
-                        h = _recv_activation(self._peer(s - 1), self.pp_group, self.device)
+                        h = _recv_activation(self.layout.rank_of_stage(s - 1), self.pp_group, self.device)
                     h = modules[s](h)
-                    if s == self.layout.num_stages - 1:
-                        losses.append(self.loss_fn(h, y.to(self.device)))
+                    if s == last:
+                        losses.append(plain(self.loss_fn(h, y.to(self.device))))
                     elif self.layout.rank_of_stage(s + 1) != self.pp_rank:
-                        _send_activation(h, self._peer(s + 1), self.pp_group)
+                        _send_activation(h, self.layout.rank_of_stage(s + 1), self.pp_group)
         return self._broadcast_loss(losses)
 
-    def _peer(self, stage: int) -> int:
-        return self.layout.rank_of_stage(stage)
-
     def _broadcast_loss(self, losses: list[torch.Tensor]) -> torch.Tensor:
-        """Mean microbatch loss (equal-size microbatches: the batch mean), from the last stage to the pp group."""
-        loss = torch.stack([x.detach().float() for x in losses]).mean() if self.has_last else \
-            torch.zeros((), device=self.device)
-        if isinstance(loss, DTensor):
-            loss = loss.full_tensor()
+        """Mean microbatch loss (equal-size microbatches: the batch mean), from the last stage to the pp group,
+        then averaged over dp."""
+        if self.has_last:
+            loss = torch.stack([plain(x.detach()).float() for x in losses]).mean()
+        else:
+            loss = torch.zeros((), device=self.device)
         dist.broadcast(loss, group=self.pp_group, group_src=self.loss_src)
         return self.reduce_loss(loss)
 
-    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        if self.dp_group is not None:
-            dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp_group)
-        return loss
-
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        total = global_grad_norm(grads, self.pp_group, self.device)
-        if max_norm > 0:
-            coef = min(max_norm / (total + 1e-6), 1.0)  # same rule as torch.nn.utils.clip_grad_norm_
-            if coef < 1.0:
-                for g in grads:
-                    g.mul_(coef)
-        return total
-
-
-def global_grad_norm(grads: list[torch.Tensor], pp_group, device: torch.device) -> float:
-    """L2 norm over every gradient of the model: this rank's stages, all TP/DP shards and all pp stages.
-
-    Gradients are grouped by (mesh, placements) so each group's norm is one DTensor reduction (a Partial
-    result reduced over exactly the mesh dims its shards span; replicated ones are not double counted); the
-    squares of the groups are summed, then summed over the pp group, whose ranks hold disjoint parameters.
-    """
-    groups: dict[object, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        groups[(g.device_mesh, g.placements) if isinstance(g, DTensor) else None].append(g)
-    sq = torch.zeros((), dtype=torch.float64, device=device)
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, 2.0, foreach=False)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        sq += norm.double() ** 2
-    dist.all_reduce(sq, group=pp_group)
-    return float(sq.sqrt())
-
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+_MAX_NDIM = 8
 
 
 def _send_activation(h: torch.Tensor, group_dst: int, group) -> None:
     """Shape and dtype first (a stage's output shape depends on TP/SP), then the tensor."""
-    if isinstance(h, DTensor):
-        h = h.to_local()
-    header = torch.tensor([h.ndim, _DTYPES.index(h.dtype), *h.shape, *[0] * (8 - h.ndim)], dtype=torch.int64)
+    h = h.to_local() if isinstance(h, DTensor) else h
+    header = torch.tensor([h.ndim, _DTYPES.index(h.dtype), *h.shape, *[0] * (_MAX_NDIM - h.ndim)])
     dist.send(header.to(h.device), group=group, group_dst=group_dst)
     dist.send(h.contiguous(), group=group, group_dst=group_dst)
 
 
 def _recv_activation(group_src: int, group, device: torch.device) -> torch.Tensor:
-    header = torch.zeros(10, dtype=torch.int64, device=device)
+    header = torch.zeros(2 + _MAX_NDIM, dtype=torch.int64, device=device)
     dist.recv(header, group=group, group_src=group_src)
     ndim, dtype = int(header[0]), _DTYPES[int(header[1])]
     h = torch.empty([int(d) for d in header[2:2 + ndim]], dtype=dtype, device=device)
     dist.recv(h, group=group, group_src=group_src)
     return h
-
-
-def _foreach_ok(params) -> bool:
-    """foreach AdamW kernels reject a mix of plain tensors and DTensors (or DTensors on different meshes)."""
-    kinds = {p.device_mesh if isinstance(p, DTensor) else None for p in params}
-    return len(kinds) <= 1
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -366,12 +363,12 @@ def _foreach_ok(params) -> bool:
 def parallelize_pipeline(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, env: DistEnv) -> PipelineRunner:
     """Split `model` for this rank's pipeline stages, apply TP/SP -> recompute -> DP to each, and return the
     runner that drives the schedule. Every rank must call this (stage setup talks to the neighbours)."""
-    layout = plan_pipeline(cfg, mesh["dp"].size())
+    layout = check_pipeline_layout(cfg, mesh["dp"].size())
     model.to(env.device)
     stages = split_model(model, layout, mesh["pp"].get_local_rank())
-    stages = [(s, _apply_stage_techniques(part, cfg, mesh)) for s, part in stages]
-    return PipelineRunner(stages, layout, mesh, cfg, env)
+    dp = apply_stage_techniques([part for _, part in stages], cfg, mesh)
+    return PipelineRunner(stages, layout, mesh, cfg, env, dp=dp)
 
 
-__all__ = ["PipelineLayout", "PipelineRunner", "balanced_layers", "carve_stage", "check_pipeline_layout",
-           "global_grad_norm", "parallelize_pipeline", "plan_pipeline", "split_model"]
+__all__ = ["PipelineLayout", "PipelineRunner", "apply_stage_techniques", "balanced_layers", "carve_stage",
+           "check_pipeline_layout", "parallelize_pipeline", "plan_pipeline", "split_model"]

@@ -68,6 +68,10 @@ def check_batch_layout(cfg: TrainConfig, dp: int) -> None:
     if (t.global_batch // dp) % t.microbatch:
         raise ValueError(f"train.microbatch={t.microbatch} must divide the per-rank batch "
                          f"global_batch/dp = {t.global_batch // dp}")
+    if cfg.parallel.pp > 1 or cfg.parallel.pp_layers is not None:  # issue 5: stages, schedule, microbatches
+        from paratrain.parallel.pipeline import check_pipeline_layout
+
+        check_pipeline_layout(cfg, dp)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
