@@ -121,6 +121,7 @@ class StaleDataParallelRunner(ParallelRunner):
         self.detector = StragglerDetector(dp_size, st.straggler_threshold, st.straggler_window)
         self.in_flight: deque[InFlightStep] = deque()
         self.history: list[AppliedStep] = []  # one per optimizer step: tests check staleness from it
+        self.local_microbatches: list[int] = []  # per step, this rank's processed microbatches
         self.step = 0
         self.hosts = self._gather_hosts()
 
@@ -135,6 +136,7 @@ class StaleDataParallelRunner(ParallelRunner):
         with self.step_context():
             loss_sum, done = self._accumulate(chunks, t0)
         work_s = (time.perf_counter() - t0) * len(chunks) / done  # normalised to the full local batch
+        self.local_microbatches.append(done)
         self._launch(loss_sum, done, work_s, chunks[0][0].numel())
         applied = self._apply_due()
         self.step += 1

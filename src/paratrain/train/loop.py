@@ -191,7 +191,7 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
     ckpt.close()  # an asynchronous save still in flight commits before the run reports done
     wall = time.perf_counter() - t_start
     logger.close()
-    return {
+    summary = {
         "first_loss": first_loss, "last_loss": last_loss, "losses": stats.losses,
         "steps": len(stats.losses), "tokens": stats.tokens,
         "tokens_per_s": stats.tokens / stats.compute_s if stats.compute_s else 0.0,
@@ -201,6 +201,9 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
         "world_size": env.world_size, "layout": degrees,
         **measured_for_planner(cfg, model_cfg, degrees, breakdowns),
     }
+    if cfg.metrics.hardware and env.is_main:
+        summary["predicted"] = planner_prediction(cfg, model_cfg, degrees, env.world_size)
+    return summary
 
 
 def planner_layout(cfg: TrainConfig, degrees: dict) -> dict:
@@ -223,6 +226,23 @@ def measured_for_planner(cfg: TrainConfig, model_cfg, degrees: dict, breakdowns:
             "step_time_s_median": median.pop("step_time_s", float("nan")), "breakdown_median_s": median}
 
 
+def planner_prediction(cfg: TrainConfig, model_cfg, degrees: dict, world_size: int) -> dict:
+    """What the planner predicts for this very run on `metrics.hardware` (the plan -> train -> measure loop)."""
+    import dataclasses
+
+    from paratrain.hardware.catalog import resolve_system
+    from paratrain.plan.api import Layout, estimate
+
+    system = resolve_system(cfg.metrics.hardware)
+    nodes = max(world_size // system.devices_per_node, 1)
+    if world_size < system.devices_per_node:  # part of one node: describe the node as the ranks in use
+        system = dataclasses.replace(system, chips_per_node=world_size, devices_per_chip=1)
+    est = estimate(model_cfg, system, nodes, cfg.train.seq_len, cfg.train.global_batch,
+                   Layout(**planner_layout(cfg, degrees)))
+    return {"system": system.name, "step_time_s": est.step_time_s, "breakdown_s": est.time_breakdown_s,
+            "memory_per_device_bytes": est.memory_per_device_bytes}
+
+
 def build_runner(cfg: TrainConfig, env):
     """Model built identically on every rank (same seed), then split/sharded for the layout."""
     model = _build_model(cfg, cfg.model_shape())
@@ -242,9 +262,10 @@ def _build_model(cfg: TrainConfig, model_cfg) -> Llama:
 def _peak_flops(cfg: TrainConfig, env) -> tuple[float, str]:
     """Peak FLOP/s of one device: from the hardware catalog when named, else measured here (labelled)."""
     if cfg.metrics.hardware:
-        from paratrain.hardware import peak_flops_per_device
+        from paratrain.hardware.catalog import resolve_system
 
-        return peak_flops_per_device(cfg.metrics.hardware, cfg.train.dtype), f"peak of {cfg.metrics.hardware}"
+        system = resolve_system(cfg.metrics.hardware)
+        return system.device_peak_flops, f"bf16 peak of one {system.device_unit} of {system.name}"
     return measure_peak_flops(env.device), "peak measured by a matmul probe on this machine"
 
 

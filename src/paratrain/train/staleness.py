@@ -200,14 +200,18 @@ def on_step(runner, record: dict, logger) -> None:
         stale._logged_flags = flagged
 
 
-def after_checkpoint(runner, evict: bool, run_dir: Path, step: int, checkpoint: str, logger) -> None:
-    """With evict_stragglers, after a committed checkpoint: write the eviction request and stop every rank with
-    EVICTION_EXIT_CODE (raise EvictionRequested), if any rank is flagged now."""
+def after_checkpoint(runner, evict: bool, run_dir: Path, step: int, checkpoint: str, logger,
+                     wait_for_commit=None) -> None:
+    """With evict_stragglers, after a checkpoint save: if any rank is flagged now, wait until the checkpoint has
+    committed (`wait_for_commit`, for asynchronous saves), write the eviction request and stop every rank with
+    EVICTION_EXIT_CODE (raise EvictionRequested). Every rank flags the same ranks, so all stop together."""
     stale = _stale(runner)
     if stale is None or not evict or not stale.detector.flagged:
         return
     ranks = list(stale.detector.flagged)
     stale.finish()
+    if wait_for_commit is not None:
+        wait_for_commit()
     path = Path(run_dir) / EVICTION_REQUEST_FILE
     if stale.is_main:
         path = write_eviction_request(run_dir, step, ranks, stale.hosts, stale.detector.window_ratios(), checkpoint)

@@ -1,0 +1,297 @@
+"""Stale-gradient data parallelism (issue 8): bounded staleness, time budget, straggler detection, eviction.
+
+- s = 0 is bitwise identical to the runtime's synchronous DDP path (parallel/data.py BucketedGradReducer) at
+  dp 2 and 4 and with TP2 x DP2: every parameter torch.equal after 4 AdamW steps.
+- s = 1, 2: the step indices of applied gradients show staleness exactly s (never more), every rank holds the
+  same weights, and the run matches a single-process delayed-gradient reference (same math, one process).
+- time budget: the update is the mean over the microbatches each rank actually processed (checked against a
+  single-process reference built from the processed counts each rank reports, so no timing assumption).
+- end to end through `train()`: metrics carry staleness and stragglers; a rank slowed 4x is flagged and, with
+  evict_stragglers, every rank stops after the checkpoint with exit code 75 and an eviction request file.
+"""
+
+import json
+
+import pytest
+import torch
+from parity import clean_name, full_tensor, global_batch, make_config
+
+from paratrain.config import load_config
+from paratrain.parallel.mesh import init_distributed
+from paratrain.parallel.runner import Runner
+from paratrain.parallel.stale_dp import bucket_params, check_staleness_layout
+from paratrain.train.checkpoint import state_module
+from paratrain.train.loop import build_optimizer, build_runner
+from paratrain.train.staleness import (
+    EVICTION_EXIT_CODE,
+    FaultInjection,
+    StragglerDetector,
+    lower_median,
+)
+
+STALE = ['staleness.policy="bounded_staleness"', 'parallel.dp_kind="ddp"']
+
+
+# -- configuration and pure logic -----------------------------------------------------------------------------
+
+
+def test_config_errors_name_field_value_and_allowed():
+    with pytest.raises(ValueError, match="staleness.max_staleness=2 needs staleness.policy"):
+        load_config(None, ["staleness.max_staleness=2"])
+    with pytest.raises(ValueError, match="test_fault_injection.*honoured by the stale-gradient runner only"):
+        load_config(None, ['staleness.test_fault_injection="slowdown=2,rank=1"'])
+    with pytest.raises(ValueError, match="'speed=2' is not key=value with key one of rank, slowdown"):
+        load_config(None, [*STALE, 'staleness.test_fault_injection="speed=2"'])
+    with pytest.raises(ValueError, match="slowdown=0.5: allowed: >= 1"):
+        load_config(None, [*STALE, 'staleness.test_fault_injection="slowdown=0.5"'])
+    with pytest.raises(ValueError, match="staleness.policy"):
+        load_config(None, ['staleness.policy="async"'])
+
+
+def test_fsdp_pipeline_and_context_parallel_are_refused():
+    fsdp = make_config(['staleness.policy="bounded_staleness"', 'parallel.dp_kind="fsdp"'])
+    with pytest.raises(ValueError, match="needs parallel.dp_kind='ddp' \\(got 'fsdp'\\).*gather them every step"):
+        check_staleness_layout(fsdp, {"pp": 1, "dp": 2, "cp": 1, "tp": 1})
+    ddp = make_config([*STALE, "staleness.max_staleness=1"])
+    for dim in ("pp", "cp"):
+        with pytest.raises(ValueError, match=f"parallel.{dim}=2 is not supported"):
+            check_staleness_layout(ddp, {"pp": 1, "dp": 2, "cp": 1, "tp": 1, dim: 2})
+    check_staleness_layout(ddp, {"pp": 1, "dp": 2, "cp": 1, "tp": 2})  # TP x DP composes
+    check_staleness_layout(fsdp, {"pp": 1, "dp": 1, "cp": 1, "tp": 1})  # no DP: nothing is sharded
+
+
+def test_fault_injection_is_inert_by_default_and_reproducible():
+    assert FaultInjection.parse("") is None
+    assert load_config(None, []).staleness.test_fault_injection == ""
+    f = FaultInjection.parse("sleep_s=0.0,probability=0.5,rank=1,seed=3")
+    assert f.applies_to(1) and not f.applies_to(0)
+    g = FaultInjection.parse("slowdown=2,rank=-1")
+    assert g.applies_to(0) and g.applies_to(5) and g.slowdown == 2.0
+
+
+def test_straggler_detector_flags_slow_rank_after_full_window():
+    d = StragglerDetector(world=4, threshold=1.5, window=3)
+    assert d.update([1.0, 1.0, 1.0, 2.0]) == []  # window not full yet
+    assert d.update([1.0, 1.1, 0.9, 2.0]) == []
+    assert d.update([1.0, 1.0, 1.0, 5.0]) == [3]
+    assert d.window_ratios()[3] == pytest.approx(2.0)
+    for _ in range(2):  # one spike in a window of 3 does not flag (median over the window)
+        d.update([1.0, 1.0, 1.0, 1.0])
+    assert d.update([1.0, 9.0, 1.0, 1.0]) == []
+    two = StragglerDetector(world=2, threshold=1.5, window=1)  # lower median: the faster peer is the reference
+    assert two.update([1.0, 2.0]) == [1]
+    assert lower_median([3.0, 1.0]) == 1.0 and lower_median([1.0, 2.0, 3.0]) == 2.0
+
+
+def _single_env():
+    from paratrain.parallel.mesh import DistEnv
+
+    return DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+
+
+# -- distributed runs (persistent gloo pool) ---------------------------------------------------------------------
+
+
+def _train(cfg, runner, steps):
+    """`steps` AdamW steps on the parity batches; per-rank slice of each global batch. Returns losses, the full
+    parameters at the end, the applied-step history and the processed microbatches per step."""
+    optimizer = build_optimizer(runner, cfg.optim)
+    per_rank = cfg.train.global_batch // runner.dp_size
+    losses, in_flight = [], []
+    for step in range(steps):
+        inputs, targets = global_batch(cfg, step)
+        sl = slice(runner.dp_rank * per_rank, (runner.dp_rank + 1) * per_rank)
+        loss = runner.forward_backward(inputs[sl], targets[sl])
+        in_flight.append(len(getattr(runner, "in_flight", [])))
+        runner.clip_grad_norm_(cfg.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(float(loss))
+    if hasattr(runner, "finish"):
+        runner.finish()
+    params = {clean_name(n): full_tensor(p.detach()).clone() for n, p in state_module(runner.parts).named_parameters()}
+    history = [(a.step, a.grad_step, a.loss, a.microbatches) for a in getattr(runner, "history", [])]
+    return {"losses": losses, "params": params, "history": history, "in_flight": in_flight,
+            "local_microbatches": list(getattr(runner, "local_microbatches", []))}
+
+
+def _sync_and_stale0(overrides, steps):
+    env = init_distributed("cpu")
+    out = {}
+    for name, extra in (("sync", ['parallel.dp_kind="ddp"']), ("stale0", [*STALE, "staleness.max_staleness=0"])):
+        cfg = make_config(overrides + extra)
+        runner = build_runner(cfg, env)
+        if name == "sync":  # bitwise needs the DDP path's buckets: gloo's sum order depends on the layout
+            ours = [[id(p) for p in b] for b in bucket_params(runner.parameters())]
+            out["same_buckets"] = ours == [[id(p) for p in b] for b in runner.dp.reducer.buckets]
+        out[name] = _train(cfg, runner, steps)
+    return out
+
+
+@pytest.mark.parametrize("world,layout", [(2, ["parallel.dp=2"]), (4, ["parallel.dp=4"]),
+                                          (4, ["parallel.dp=2", "parallel.tp=2", "parallel.sp=true"])])
+def test_s0_is_bitwise_identical_to_synchronous_ddp(dist_run, world, layout):
+    overrides = layout + ["train.global_batch=16"]
+    for rank, res in enumerate(dist_run(world, _sync_and_stale0, overrides, 4)):
+        sync, stale = res["sync"], res["stale0"]
+        assert res["same_buckets"]
+        assert sync["params"].keys() == stale["params"].keys()
+        differ = [n for n, p in sync["params"].items() if not torch.equal(p, stale["params"][n])]
+        assert not differ, f"rank {rank}: parameters differ from synchronous DDP: {differ[:5]}"
+        assert [g for _, g, _, _ in stale["history"]] == [0, 1, 2, 3]  # applied at once
+        torch.testing.assert_close(torch.tensor(stale["losses"]), torch.tensor(sync["losses"]), rtol=1e-6, atol=0)
+
+
+def _stale_run(overrides, steps):
+    env = init_distributed("cpu")
+    cfg = make_config(overrides)
+    return _train(cfg, build_runner(cfg, env), steps)
+
+
+def _delayed_reference(cfg, steps, s):
+    """One process, full global batch: the gradient computed at step t is applied at step t + s."""
+    runner = Runner(_single_model(cfg), cfg.train.microbatch, torch.device("cpu"))
+    optimizer = build_optimizer(runner, cfg.optim)
+    params = list(runner.parameters())
+    pending, losses = [], []
+    for step in range(steps):
+        inputs, targets = global_batch(cfg, step)
+        losses.append(float(runner.forward_backward(inputs, targets)))
+        pending.append([p.grad.clone() for p in params])
+        if step >= s:
+            for p, g in zip(params, pending.pop(0), strict=True):
+                p.grad = g
+            runner.clip_grad_norm_(cfg.optim.grad_clip)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses, {n: p.detach().clone() for n, p in runner.model.named_parameters()}
+
+
+def _single_model(cfg):
+    from paratrain.model.llama import Llama
+
+    model = Llama(cfg.model_shape())
+    model.init_weights(cfg.train.seed)
+    return model
+
+
+@pytest.mark.parametrize("s", [1, 2])
+def test_bounded_staleness_applies_exactly_s_step_old_gradients(dist_run, s):
+    steps = 6
+    overrides = ["parallel.dp=2", "train.global_batch=16", *STALE, f"staleness.max_staleness={s}"]
+    results = dist_run(2, _stale_run, overrides, steps)
+    ref_losses, ref_params = _delayed_reference(make_config(overrides), steps, s)
+    for res in results:
+        history = res["history"]
+        assert [t for t, _, _, _ in history] == list(range(steps))
+        for t, grad_step, loss, microbatches in history:
+            if t < s:
+                assert grad_step is None  # warm-up: no update yet
+                continue
+            assert t - grad_step == s, f"step {t} applied the gradient of step {grad_step}"
+            assert microbatches == 2 * 4  # all microbatches of both ranks
+            assert loss == pytest.approx(ref_losses[grad_step], rel=1e-5)
+        assert max(res["in_flight"]) <= s  # never more than s reductions outstanding after a step
+        for name, p in res["params"].items():
+            torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
+    for name, p in results[0]["params"].items():
+        assert torch.equal(p, results[1]["params"][name]), f"ranks disagree on {name}"
+
+
+def _budget_reference(cfg, steps, counts_per_rank, dp):
+    """One process: the update of step t is the mean over exactly the microbatches each rank processed."""
+    runner = Runner(_single_model(cfg), cfg.train.microbatch, torch.device("cpu"))
+    optimizer = build_optimizer(runner, cfg.optim)
+    per_rank, mb = cfg.train.global_batch // dp, cfg.train.microbatch
+    losses = []
+    for step in range(steps):
+        inputs, targets = global_batch(cfg, step)
+        rows = [r * per_rank + i for r in range(dp) for i in range(counts_per_rank[r][step] * mb)]
+        losses.append(float(runner.forward_backward(inputs[rows], targets[rows])))
+        runner.clip_grad_norm_(cfg.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses, {n: p.detach().clone() for n, p in runner.model.named_parameters()}
+
+
+@pytest.mark.parametrize("fault", ["", "sleep_s=0.15,probability=1.0,rank=1"])
+def test_time_budget_update_is_the_mean_over_processed_microbatches(dist_run, fault):
+    """Budget 1 ns: each rank does exactly its first microbatch. Budget 0.1 s with rank 1 sleeping 0.15 s before
+    every step: rank 1 does one, rank 0 as many as fit (whatever this machine manages: the reference is built
+    from the counts the ranks report)."""
+    steps = 4
+    budget = "1e-9" if not fault else "0.1"
+    overrides = ["parallel.dp=2", "train.global_batch=16", 'staleness.policy="time_budget"',
+                 'parallel.dp_kind="ddp"', f"staleness.step_budget_s={budget}",
+                 f'staleness.test_fault_injection="{fault}"']
+    results = dist_run(2, _stale_run, overrides, steps)
+    counts = [res["local_microbatches"] for res in results]
+    if not fault:
+        assert counts == [[1] * steps, [1] * steps]
+    else:
+        assert counts[1] == [1] * steps  # the sleeping rank always overruns: at least one, never more
+    ref_losses, ref_params = _budget_reference(make_config(overrides), steps, counts, 2)
+    init = dict(_single_model(make_config(overrides)).named_parameters())
+    for res in results:
+        assert [m for _, _, _, m in res["history"]] == [counts[0][t] + counts[1][t] for t in range(steps)]
+        torch.testing.assert_close(torch.tensor(res["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
+        _assert_same_updates(res["params"], ref_params, init)
+
+
+def _assert_same_updates(params, ref_params, init, rtol=1e-3):
+    """Each tensor's total update (final - initial) within rtol of the reference's, in L2 norm. Elementwise checks
+    fail on rounding alone: Adam divides by sqrt(v), amplifying it where a gradient is near zero."""
+    for name, p in params.items():
+        update = ref_params[name] - init[name].detach()
+        err = float((p - ref_params[name]).norm() / update.norm())
+        assert err < rtol, f"{name}: update differs by {err:.2e} of its norm"
+
+
+# -- end to end through the training loop ---------------------------------------------------------------------------
+
+
+def _train_loop(overrides):
+    from paratrain.train.loop import train
+    from paratrain.train.staleness import EvictionRequested
+
+    cfg = load_config(None, overrides)
+    try:
+        return {"summary": train(cfg)}
+    except EvictionRequested as exc:
+        return {"evicted": exc.ranks, "code": exc.code, "path": str(exc.path)}
+
+
+def _loop_overrides(tmp_path, extra):
+    return ["train.steps=8", "optim.warmup_steps=1", "train.eval_every=0", "train.progress=false",
+            f'metrics.run_dir="{tmp_path / "run"}"', "metrics.tensorboard=false",
+            f'data.prepared_dir="{tmp_path / "data"}"', "data.max_source_bytes=200000", "data.vocab_size=512",
+            "model.vocab=512", "model.layers=2", "train.global_batch=8", "train.microbatch=2", "train.seq_len=64",
+            'train.device="cpu"', "parallel.dp=2", *STALE, *extra]
+
+
+def test_training_loop_logs_staleness_and_evicts_a_slow_rank(dist_run, tmp_path):
+    overrides = _loop_overrides(tmp_path, [
+        "staleness.max_staleness=1", 'staleness.test_fault_injection="slowdown=4,rank=1"',
+        "staleness.straggler_window=3", "staleness.evict_stragglers=true", "checkpoint.interval=6"])
+    results = dist_run(2, _train_loop, overrides)
+    assert [r.get("evicted") for r in results] == [[1], [1]], results
+    assert results[0]["code"] == EVICTION_EXIT_CODE
+    request = json.loads((tmp_path / "run" / "eviction_request.json").read_text())
+    assert request["ranks"] == [1] and request["step"] == 6 and request["step_time_ratio"][0] > 1.5
+    assert "step_00000006" in request["checkpoint"]
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in records if "staleness" in r]
+    assert [r["staleness"] for r in steps] == [None, 1, 1, 1, 1, 1]
+    assert [r["grad_step"] for r in steps][1:] == [0, 1, 2, 3, 4]
+    assert steps[-1]["stragglers"] == [1] and len(steps[-1]["rank_step_s"]) == 2
+
+
+def test_training_loop_time_budget_reports_processed_tokens(dist_run, tmp_path):
+    overrides = _loop_overrides(tmp_path, ['staleness.policy="time_budget"', "staleness.step_budget_s=1e-9",
+                                           "train.steps=3"])
+    results = dist_run(2, _train_loop, overrides)
+    summary = results[0]["summary"]
+    assert summary["steps"] == 3
+    assert summary["tokens"] == 3 * 2 * 2 * 64  # one microbatch (2 x 64 tokens) per rank per step
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["microbatches"] for r in records] == [2, 2, 2]
