@@ -96,3 +96,11 @@ def print_summary(s: dict) -> None:
     print(f"throughput      {s['tokens_per_s']:,.0f} tokens/s")
     print(f"metrics         {s['run_dir']}/metrics.jsonl, TensorBoard: {s['run_dir']}/tensorboard")
     print(f"checkpoint      {s['checkpoint'] or '(none saved)'}")
+    if s.get("predicted"):
+        pred, measured = s["predicted"], s.get("step_time_s_median", float("nan"))
+        print(f"step time       measured {measured * 1e3:,.1f} ms (median), planner predicted "
+              f"{pred['step_time_s'] * 1e3:,.1f} ms on {pred['system']} ({pred['step_time_s'] / measured - 1:+.0%})")
+        shown = {k: v for k, v in pred["breakdown_s"].items() if v > 0}
+        print("  predicted     " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in shown.items()))
+        meas = s.get("breakdown_median_s", {})
+        print("  measured      " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in meas.items()))
