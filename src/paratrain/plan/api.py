@@ -104,8 +104,6 @@ def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, glob
         (model.layers % (lay.pp * lay.virtual_stages) == 0,
          f"pp*virtual_stages = {lay.pp * lay.virtual_stages}: must divide layers = {model.layers}"),
         (seq % (2 * lay.cp) == 0 or lay.cp == 1, f"cp = {lay.cp}: seq = {seq} must be divisible by 2*cp"),
-        (global_batch % (dp * lay.microbatch) == 0,
-         f"microbatch = {lay.microbatch}: global_batch = {global_batch} must be divisible by dp*microbatch = {dp * lay.microbatch}"),
         (not (lay.sp and lay.tp == 1), "sp = true needs tp > 1"),
         (lay.schedule != "interleaved_1f1b" or (lay.virtual_stages > 1 and lay.pp > 1),
          "schedule = interleaved_1f1b: needs pp > 1 and virtual_stages > 1"),
@@ -113,6 +111,8 @@ def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, glob
          "schedule = zbv: needs pp > 1 and virtual_stages = 2"),
         (lay.schedule in ("interleaved_1f1b", "zbv") or lay.virtual_stages == 1,
          f"virtual_stages = {lay.virtual_stages}: only interleaved_1f1b and zbv use more than 1"),
+        (global_batch % (dp * lay.microbatch) == 0,
+         f"microbatch = {lay.microbatch}: global_batch = {global_batch} must be divisible by dp*microbatch = {dp * lay.microbatch}"),
     ]
     for ok, message in checks:
         if not ok:
@@ -195,15 +195,20 @@ def _divisors(n: int) -> list[int]:
 
 @dataclass
 class SearchResult:
+    """candidates: the best `top`, ranked. combinations: the raw grid (tp x pp x cp x microbatch x sp x
+    recompute x schedule/v x ZeRO/dp kind per node count); valid: layouts passing the divisibility and stack
+    rules, each run through the full model; fitting: those that fit in memory."""
+
     candidates: list[Estimate]
-    evaluated: int
+    combinations: int
     valid: int
     fitting: int
     seconds: float
 
     @property
     def configs_per_s(self) -> float:
-        return self.evaluated / self.seconds if self.seconds > 0 else float("inf")
+        """Layouts evaluated by the full model per second (the valid ones; filtering is not counted)."""
+        return self.valid / self.seconds if self.seconds > 0 else float("inf")
 
 
 def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch: int,
@@ -229,7 +234,8 @@ def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch
     model_par = tp * pp * cp
     dp = devices // model_par
     m = global_batch // np.maximum(dp * b, 1)
-    ok = (devices % model_par == 0) & (global_batch % (dp * b) == 0)
+    ok = (devices % model_par == 0) & (dp >= 1)
+    ok &= global_batch % np.maximum(dp * b, 1) == 0
     ok &= (sp == 0) | (tp > 1)
     ok &= (model.layers % (pp * v) == 0)
     ok &= np.where(pp == 1, sched == 1, True)  # one stage: no schedule to choose
@@ -258,12 +264,12 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
            top: int = 10, objective: str = "time", options: Options | None = None, max_microbatch: int = 64,
            cp_options: list[int] | None = None, train_tokens: float | None = None,
            node_counts: list[int] | None = None, any_stack: bool = False,
-           constraints: dict[str, list] | None = None) -> SearchResult:
+           constraints: dict[str, list] | None = None, max_time_s: float | None = None) -> SearchResult:
     """Evaluate every valid layout that fits in memory and rank by step time (objective "time") or by cost per
     token (objective "cost"; node_counts, default the powers of two up to `nodes`, are then searched too,
     since on a fixed cluster cost per token ranks exactly like time). Only the choices the system's training
     stack supports are searched unless any_stack. constraints: {"tp": [8], "recompute": ["full"], ...} keeps
-    only layouts whose field is in the list."""
+    only layouts whose field is in the list. max_time_s (with train_tokens): drop layouts that would train longer."""
     model, system = _resolve(model, system)
     _check_scalars(nodes, seq, global_batch)
     if objective not in ("time", "cost"):
@@ -278,17 +284,22 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
         if objective == "cost":
             node_counts = sorted({nodes} | {nodes // 2**k for k in range(1, 30) if nodes // 2**k >= 1})
     start = time.perf_counter()
-    grids, evaluated = [], 0
+    grids, combinations = [], 0
     for n in node_counts:
         grid = _grid(model, system, n, seq, global_batch, max_microbatch, cp_options, any_stack, constraints)
-        evaluated += int(grid.pop("raw"))
+        combinations += int(grid.pop("raw"))
         grid["nodes"] = np.full(grid["tp"].shape, n)
         grids.append(grid)
     grid = {k: np.concatenate([g[k] for g in grids]) for k in grids[0]}
     res = evaluate(model, system, seq, global_batch, opts=opts, **grid)
     fits = res["fits"]
     score = res["step_time_s"] if objective == "time" else res["cost_usd_per_hour"] / res["tokens_per_s"]
-    score = np.where(fits, score, np.inf)
+    allowed = fits
+    if max_time_s is not None:
+        if not train_tokens:
+            raise ValueError("max_time_s needs train_tokens (the run length) to be set")
+        allowed = allowed & (train_tokens / res["tokens_per_s"] <= max_time_s)
+    score = np.where(allowed, score, np.inf)
     order = np.argsort(score, kind="stable")[:top]
     order = order[np.isfinite(score[order])]
     elapsed = time.perf_counter() - start
@@ -302,5 +313,5 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
         row = {k: float(np.asarray(v)[i]) if np.ndim(v) else float(v) for k, v in res.items()}
         candidates.append(_to_estimate(model, system, int(grid["nodes"][i]), seq, global_batch, layout, row,
                                        train_tokens))
-    return SearchResult(candidates=candidates, evaluated=evaluated, valid=int(grid["tp"].size),
+    return SearchResult(candidates=candidates, combinations=combinations, valid=int(grid["tp"].size),
                         fitting=int(fits.sum()), seconds=elapsed)

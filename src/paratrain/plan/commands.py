@@ -32,7 +32,7 @@ examples:
   paratrain plan --model llama2-7b --hardware trn1.32xlarge --nodes 128 --seq 4096 --global-batch 1024
   paratrain plan --model llama3-70b --hardware p5.48xlarge --nodes 128 --seq 8192 --global-batch 1024 --top 5 --json
   paratrain plan --model llama2-7b --hardware p4d.24xlarge --nodes 64 --seq 4096 --global-batch 1024 \\
-      --objective cost --train-tokens 2e12
+      --objective cost --train-tokens 2e12 --max-days 30
   paratrain plan ... --write-config configs/planned.toml   # then: paratrain train --config configs/planned.toml
 """
 
@@ -76,6 +76,8 @@ def register(subparsers) -> None:
     plan.add_argument("--objective", choices=["time", "cost"], default="time")
     plan.add_argument("--any-stack", action="store_true", help="search choices the system's stack lacks too")
     plan.add_argument("--max-microbatch", type=int, default=64)
+    plan.add_argument("--max-days", type=float, default=None,
+                      help="with --train-tokens: only layouts that finish the run within this many days")
     plan.set_defaults(func=cmd_plan)
 
 
@@ -124,17 +126,21 @@ def cmd_plan(args) -> int:
     model, system = _load(args)
     if args.top < 1:
         raise UserError(f"--top = {args.top}: must be >= 1")
+    if args.max_days is not None and not args.train_tokens:
+        raise UserError("--max-days needs --train-tokens (how many tokens the run trains)")
     result = search(model, system, args.nodes, args.seq, args.global_batch, top=args.top,
                     objective=args.objective, options=_options(args, system), max_microbatch=args.max_microbatch,
-                    train_tokens=args.train_tokens, any_stack=args.any_stack)
+                    train_tokens=args.train_tokens, any_stack=args.any_stack,
+                    max_time_s=None if args.max_days is None else args.max_days * 86400)
     if not result.candidates:
         raise UserError(f"no layout of {model.name} fits on {args.nodes} x {system.name} with seq {args.seq} and "
-                        f"global batch {args.global_batch} ({result.valid} valid layouts, none fits in memory or "
-                        "global batch not divisible by dp): try more nodes, a larger global batch or --any-stack")
+                        f"global batch {args.global_batch} ({result.valid} valid layouts, none fits in memory; a layout "
+                        "is valid when tp divides heads and ffn, pp divides layers, and dp * microbatch divides the "
+                        "global batch): try more nodes, another global batch or --any-stack")
     best = result.candidates[0]
     if args.write_config:
         _write(args, best, model, system)
-    search_info = {"evaluated": result.evaluated, "valid": result.valid, "fitting": result.fitting,
+    search_info = {"combinations": result.combinations, "evaluated": result.valid, "fitting": result.fitting,
                    "seconds": result.seconds, "configs_per_s": result.configs_per_s, "objective": args.objective}
     if args.json:
         print(json.dumps(_clean({"best": best.to_dict(), "candidates": [c.to_dict() for c in result.candidates],
@@ -192,9 +198,9 @@ def _print_estimate(est) -> None:
 
 def _print_plan(result, info) -> None:
     best = result.candidates[0]
-    print(f"{best.model} on {best.nodes} x {best.system}: {info['evaluated']:,} combinations, {info['valid']:,} valid, "
-          f"{info['fitting']:,} fit; searched in {info['seconds'] * 1000:.0f} ms "
-          f"({info['configs_per_s']:,.0f} configs/s)")
+    print(f"{best.model} on {best.nodes} x {best.system}: {info['combinations']:,} combinations, "
+          f"{info['evaluated']:,} valid layouts evaluated, {info['fitting']:,} fit; {info['seconds'] * 1000:.0f} ms "
+          f"({info['configs_per_s']:,.0f} layouts/s)")
     head = (f"{'#':>2} {'nodes':>5} {'tp':>3} {'pp':>3} {'dp':>6} {'cp':>2} {'sp':>3} {'mb':>3} {'recompute':>9} "
             f"{'schedule':>16} {'v':>2} {'dp_kind':>7} {'Z':>1} {'step s':>9} {'MFU':>6} {'GiB/dev':>8} {'$/Mtok':>8}")
     print(head)

@@ -14,6 +14,17 @@ from paratrain.model.config import PRESETS, ModelConfig
 from paratrain.plan.api import Estimate
 
 
+def runtime_dp(dp_kind: str, zero_stage: int) -> tuple[str, int | None]:
+    """The trainer's data-parallel choice for the planner's: plain DDP has no zero_stage; the runtime has no
+    ZeRO-1, so ZeRO-1/2 become FSDP with reshard_after_forward=false (zero_stage 2), which shards at least as
+    much state (memory only goes down) with the same gradient reduce-scatter + parameter all-gather traffic."""
+    if zero_stage == 0:
+        return "ddp", None
+    if zero_stage in (1, 2):
+        return "fsdp", 2
+    return dp_kind, 3
+
+
 def training_config(est: Estimate, model: ModelConfig, model_spec: str, devices_per_node: int) -> dict:
     lay = est.layout
     if model_spec in PRESETS or Path(model_spec).is_file():
@@ -22,10 +33,11 @@ def training_config(est: Estimate, model: ModelConfig, model_spec: str, devices_
         model_section = {"preset": "llama2-7b", "layers": model.layers, "hidden": model.hidden,
                          "heads": model.heads, "kv_heads": model.n_kv_heads, "ffn_hidden": model.ffn,
                          "vocab": model.vocab, "max_seq": model.max_seq}
-    parallel = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "sp": lay.sp, "dp_kind": lay.dp_kind,
+    dp_kind, zero = runtime_dp(lay.dp_kind, lay.zero_stage)
+    parallel = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "sp": lay.sp, "dp_kind": dp_kind,
                 "recompute": lay.recompute, "pp_schedule": lay.schedule, "virtual_stages": lay.virtual_stages}
-    if lay.zero_stage >= 1:  # the trainer's schema has no stage 0 (plain DDP = omit it)
-        parallel["zero_stage"] = lay.zero_stage
+    if zero is not None:
+        parallel["zero_stage"] = zero
     if lay.dp_kind == "hsdp":
         shard = max(1, min(lay.dp, devices_per_node // (lay.tp * lay.cp)))
         parallel["dp_replicate"] = lay.dp // shard
@@ -41,7 +53,10 @@ def write_training_config(path: str | Path, est: Estimate, model: ModelConfig, m
                           devices_per_node: int) -> Path:
     data = training_config(est, model, model_spec, devices_per_node)
     header = (f"# Written by `paratrain plan/estimate`: {est.model} on {est.nodes} x {est.system}, predicted "
-              f"{est.step_time_s:.3f} s/step, MFU {est.mfu:.1%}, {est.memory_per_device_bytes / 2**30:.1f} GiB/device.\n")
+              f"{est.step_time_s:.3f} s/step, MFU {est.mfu:.1%}, {est.memory_per_device_bytes / 2**30:.1f} GiB/device.\n"
+              f"# Planned data parallelism: {est.layout.dp_kind} ZeRO-{est.layout.zero_stage}"
+              f" (written as the runtime's {data['parallel']['dp_kind']}"
+              f"{'' if 'zero_stage' not in data['parallel'] else ' zero_stage ' + str(data['parallel']['zero_stage'])}).\n")
     path = Path(path)
     path.write_text(header + tomli_w.dumps(data))
     return path

@@ -1,0 +1,150 @@
+"""Hardware catalog: built-in data complete and sourced, user files, one-line errors for malformed files."""
+
+from __future__ import annotations
+
+import pytest
+
+from paratrain.cli import main
+from paratrain.hardware.catalog import CatalogError, load_catalog, resolve_system
+
+REQUIRED_CHIPS = ["trainium1", "trainium2", "trainium3", "trainium4", "a100-40gb", "a100-80gb", "h100", "h200", "b200"]
+REQUIRED_SYSTEMS = ["trn1.32xlarge", "trn1n.32xlarge", "trn2.48xlarge", "trn2-ultraserver", "trn3-ultraserver",
+                    "p4d.24xlarge", "p4de.24xlarge", "p5.48xlarge", "p5en.48xlarge", "p6-b200.48xlarge"]
+
+USER_SYSTEM = """
+[interconnects.test-link]
+endpoint = "device"
+bw_gbytes_per_s = 100.0
+latency_us = 0.0
+bw_eff = 1.0
+source = "test"
+
+[interconnects.test-net]
+endpoint = "node"
+bw_gbytes_per_s = 50.0
+latency_us = 0.0
+bw_eff = 1.0
+source = "test"
+
+[chips.test-chip]
+vendor = "test"
+bf16_tflops = 100.0
+hbm_bytes = 10000000000
+hbm_bw_gbytes_per_s = 1000.0
+cores_per_chip = 1
+source = "test"
+[chips.test-chip.efficiency]
+matmul_eff_max = 1.0
+kernel_overhead_s = 0.0
+memory_bw_eff = 1.0
+source = "test"
+
+[systems.test-box]
+chip = "test-chip"
+chips_per_node = 8
+devices_per_chip = 1
+device_unit = "test device"
+tiers = [
+  { name = "intra-node", interconnect = "test-link", domain_devices = 8 },
+  { name = "scale-out", interconnect = "test-net", domain_devices = 0 },
+]
+source = "test"
+[systems.test-box.prices]
+on_demand_usd_per_hour = 10.0
+source = "test"
+[systems.test-box.efficiency]
+dp_overlap = 0.0
+tp_overlap = 0.0
+memory_usable_fraction = 1.0
+source = "test"
+"""
+
+
+def test_builtin_catalog_has_required_entries_with_sources():
+    cat = load_catalog()
+    for name in REQUIRED_CHIPS:
+        chip = cat.chip(name)
+        assert chip.source.strip() and chip.efficiency.source.strip()
+        assert chip.bf16_tflops > 0 and chip.hbm_bytes > 0
+    for name in REQUIRED_SYSTEMS:
+        system = cat.system(name)
+        assert system.source.strip() and system.efficiency.source.strip() and system.prices.source.strip()
+        for tier in system.tiers:
+            assert tier.interconnect.source.strip()
+    assert cat.chip("trainium4").status == "announced"
+
+
+def test_published_numbers_are_the_catalog_numbers():
+    cat = load_catalog()
+    trn1 = cat.system("trn1.32xlarge")
+    assert trn1.devices_per_node == 32  # a rank is a NeuronCore: 16 chips x 2
+    assert trn1.device_memory_bytes == 16 * 2**30
+    assert trn1.prices.on_demand_usd_per_hour == pytest.approx(21.50)
+    trn3 = cat.system("trn3-ultraserver")
+    # the source documents' system figure: 144 chips x 2.52 PF FP8 = 362 PF
+    assert trn3.chips_per_node * trn3.chip.fp8_tflops / 1000 == pytest.approx(362.4, rel=0.01)
+    assert trn3.chip.hbm_bw_gbytes_per_s == 4900
+    assert cat.system("p4d.24xlarge").prices.on_demand_usd_per_hour == pytest.approx(21.957642)
+    assert cat.chip("h100").power_w == 700
+
+
+def test_tier_bandwidth_is_shared_by_the_devices_of_its_endpoint():
+    trn1 = load_catalog().system("trn1.32xlarge")
+    efa = trn1.tiers[-1]
+    expected = 100e9 * efa.interconnect.bw_eff / 32  # 800 Gbps per node, 32 NeuronCores
+    assert efa.per_device_bw_bytes_per_s(trn1) == pytest.approx(expected)
+
+
+def test_user_directory_adds_a_system(tmp_path, monkeypatch):
+    (tmp_path / "mine.toml").write_text(USER_SYSTEM)
+    monkeypatch.setenv("PARATRAIN_HARDWARE_DIR", str(tmp_path))
+    cat = load_catalog()
+    assert "test-box" in cat.systems and "trn1.32xlarge" in cat.systems
+    assert cat.system("test-box").devices_per_node == 8
+
+
+def test_hardware_file_path_resolves(tmp_path):
+    path = tmp_path / "box.toml"
+    path.write_text(USER_SYSTEM)
+    assert resolve_system(str(path)).name == "test-box"
+
+
+@pytest.mark.parametrize("old,new,expect", [
+    ("bf16_tflops = 100.0", "bf16_tflops = -5.0", "chips.test-chip.bf16_tflops = -5.0: must be a number > 0"),
+    ('endpoint = "device"', 'endpoint = "rack"', "interconnects.test-link.endpoint = 'rack': must be one of device, chip, node"),
+    ("dp_overlap = 0.0", "dp_overlap = 1.5", "systems.test-box.efficiency.dp_overlap = 1.5: must be a number in [0, 1]"),
+    ('chip = "test-chip"', 'chip = "nope"', "systems.test-box.chip = 'nope': unknown; allowed:"),
+    ("cores_per_chip = 1", "cores_per_chip = 1\nflops = 3", "chips.test-chip.flops: unknown field; allowed:"),
+    ('source = "test"\n[chips.test-chip.efficiency]', '[chips.test-chip.efficiency]', "chips.test-chip.source: missing"),
+])
+def test_malformed_file_gives_one_clear_error(tmp_path, old, new, expect):
+    assert old in USER_SYSTEM
+    path = tmp_path / "bad.toml"
+    path.write_text(USER_SYSTEM.replace(old, new, 1))
+    with pytest.raises(CatalogError) as err:
+        load_catalog([path])
+    message = str(err.value)
+    assert str(path) in message and expect in message
+    assert "\n" not in message
+
+
+def test_invalid_toml_and_unknown_system(tmp_path):
+    path = tmp_path / "broken.toml"
+    path.write_text("[systems.x\n")
+    with pytest.raises(CatalogError, match="not valid TOML"):
+        load_catalog([path])
+    with pytest.raises(CatalogError, match="unknown system; known:"):
+        load_catalog().system("trn9.huge")
+
+
+def test_hardware_cli_list_and_show(capsys):
+    import json
+
+    assert main(["hardware", "list", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert {s["name"] for s in data["systems"]} >= set(REQUIRED_SYSTEMS)
+    assert main(["hardware", "show", "trn1.32xlarge", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["devices_per_node"] == 32 and shown["tiers"][0]["name"] == "intra-chip"
+    assert main(["hardware", "show", "nope"]) == 2
+    assert "not a known system or chip" in capsys.readouterr().err

@@ -1,0 +1,196 @@
+"""The planner's formula families against hand-computed values: FLOPs, memory, collectives, bubbles."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from test_hardware_catalog import USER_SYSTEM  # tests/ is on sys.path (pytest rootdir import)
+
+from paratrain.hardware.catalog import resolve_system
+from paratrain.model.config import PRESETS, gpt_config
+from paratrain.plan.api import Layout, estimate
+from paratrain.plan.model import (
+    Options,
+    activation_bytes_per_token,
+    collective_time_s,
+    inflight_microbatches,
+    memory_per_device,
+    p2p_time_s,
+    pipeline_bubble_s,
+)
+
+
+@pytest.fixture()
+def box(tmp_path):
+    """8 devices per node, 100 GB/s NVLink-like link per device, 50 GB/s per node network, no latency,
+    perfect efficiencies: every number below can be done by hand."""
+    path = tmp_path / "box.toml"
+    path.write_text(USER_SYSTEM)
+    return resolve_system(str(path))
+
+
+# ---- FLOPs -----------------------------------------------------------------------------------------------
+def test_flops_match_narayanan_formula():
+    """Narayanan et al. 2021 eq. (3): with full recompute, 96 B s l h^2 (1 + s/6h + V/16lh); without the
+    recompute forward the same count is 72 B s l h^2 (1 + s/6h + V/12lh)."""
+    h, layers, heads, V, s, B = 2304, 24, 24, 51200, 2048, 512
+    model = gpt_config("gpt-1.7b", layers, h, heads, V, s)
+    est = estimate(model, "dgx-a100-80gb", 4, s, B, Layout(recompute="full", zero_stage=0),
+                   Options(attention="unfused"))
+    hardware = 96 * B * s * layers * h * h * (1 + s / (6 * h) + V / (16 * layers * h))
+    model_flops = 72 * B * s * layers * h * h * (1 + s / (6 * h) + V / (12 * layers * h))
+    # the formulas omit biases and LayerNorm weights (13h per layer, < 0.1% here)
+    assert est.hardware_flops_per_step == pytest.approx(hardware, rel=2e-3)
+    assert est.model_flops_per_step == pytest.approx(model_flops, rel=2e-3)
+    assert est.hfu / est.mfu == pytest.approx(hardware / model_flops, rel=2e-3)
+
+
+def test_selective_recompute_adds_only_attention_core_flops():
+    model = PRESETS["llama2-7b"]
+    s, B = 4096, 64
+    none = estimate(model, "p5.48xlarge", 1, s, B, Layout(tp=8, sp=True))
+    sel = estimate(model, "p5.48xlarge", 1, s, B, Layout(tp=8, sp=True, recompute="selective"))
+    assert none.hardware_flops_per_step == none.model_flops_per_step
+    extra = 4 * model.layers * s * model.hidden * B * s  # QK^T and AV forward again
+    assert sel.hardware_flops_per_step - sel.model_flops_per_step == pytest.approx(extra)
+
+
+# ---- memory ----------------------------------------------------------------------------------------------
+def test_korthikanti_activations_gpt():
+    """Korthikanti et al. 2022 Table 2: s b h (34 + 5as/h); TP: s b h (10 + 24/t + 5as/ht);
+    TP+SP: s b h/t (34 + 5as/h); selective: s b h/t * 34; full recompute: 2 s b h (per layer)."""
+    h, a, s, b, t = 6144, 64, 2048, 1, 8
+    model = gpt_config("gpt-22b", 48, h, a, 51200, s)
+    sp_part, tp_part, core = activation_bytes_per_token(model, s, "unfused")
+    assert sp_part + tp_part + core == pytest.approx(h * (34 + 5 * a * s / h))
+    per_layer_tp = s * b * (sp_part + tp_part / t + core / t)
+    assert per_layer_tp == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    per_layer_sp = s * b * (sp_part + tp_part + core) / t
+    assert per_layer_sp == pytest.approx(s * b * h / t * (34 + 5 * a * s / h))
+
+
+def test_korthikanti_activations_llama_swiglu_gqa():
+    """Llama: 2 RMSNorm inputs + QKV input + MLP input (8h, replicated without SP); Q (2h), K and V (2kv each),
+    attention output (2h), SwiGLU gate, up and their product (6f); no dropout. Flash attention keeps only the
+    fp32 log-sum-exp (4 bytes per head per token) of the s^2 core."""
+    model = PRESETS["llama3-8b"]  # h 4096, kv 1024, f 14336, 32 heads
+    sp_part, tp_part, core = activation_bytes_per_token(model, 8192, "flash")
+    assert sp_part == 8 * 4096
+    assert tp_part == 2 * 4096 + 4 * 1024 + 2 * 4096 + 6 * 14336
+    assert core == 4 * 32
+    _, _, core_unfused = activation_bytes_per_token(model, 8192, "unfused")
+    assert core_unfused == 2 * 32 * 8192  # the bf16 softmax output
+
+
+def _memory(model, system, **kw):
+    defaults = dict(T=np.array(4096.0), tp=np.array(8.0), pp=np.array(1.0), dp=np.array(16.0), cp=np.array(1.0),
+                    sp=np.array(True), rc=np.array(0), sched=np.array(1), v=np.array(1.0), m=np.array(4.0),
+                    zero=np.array(1), dp_shard=np.array(16.0))
+    defaults.update({k: np.asarray(v) for k, v in kw.items()})
+    return {k: float(v) for k, v in memory_per_device(model, system, 4096, Options(), **defaults).items()}
+
+
+def test_memory_states_per_zero_stage(box):
+    model = PRESETS["llama2-7b"]
+    P = model.num_params() / 8  # tp 8, one stage holds everything
+    for zero, expect in [(0, 2 * P + 4 * P + 12 * P), (1, 2 * P + 4 * P + 12 * P / 16),
+                         (2, 2 * P + 4 * P / 16 + 12 * P / 16), (3, 18 * P / 16)]:
+        mem = _memory(model, box, zero=zero)
+        states = mem["memory_weights_bytes"] + mem["memory_grads_bytes"] + mem["memory_optimizer_bytes"]
+        assert states == pytest.approx(expect), zero
+
+
+def test_memory_activations_by_recompute_and_schedule(box):
+    model = PRESETS["llama2-7b"]
+    h, f, L, T, t = 4096, 11008, 32, 4096.0, 8
+    logits = T * 32000 / t * 6
+    full_layer = T * (8 * h + 4 * h + 4 * h + 6 * f + 4 * 32) / t  # SP: all of it split by t
+    sel_layer = T * (8 * h + 4 * h + 4 * h + 6 * f) / t
+    # 1F1B, pp=1: one microbatch in flight
+    assert _memory(model, box, rc=0)["memory_activations_bytes"] == pytest.approx(L * full_layer + logits)
+    assert _memory(model, box, rc=1)["memory_activations_bytes"] == pytest.approx(L * sel_layer + logits)
+    full = _memory(model, box, rc=2)["memory_activations_bytes"]
+    assert full == pytest.approx(L * T * 2 * h / t + full_layer + logits)  # inputs + one layer rebuilt
+    # pp = 4, 1F1B: the first stage holds 4 microbatches of L/4 layers = L layers' worth
+    pp4 = _memory(model, box, pp=4.0, m=8.0)["memory_activations_bytes"]
+    assert pp4 == pytest.approx(L / 4 * full_layer * 4 + logits)
+    # GPipe holds all m microbatches; interleaved p(1 + (p-1)/(pv))
+    gpipe = _memory(model, box, pp=4.0, m=8.0, sched=0)["memory_activations_bytes"]
+    assert gpipe == pytest.approx(L / 4 * full_layer * 8 + logits)
+    assert float(inflight_microbatches(np.array(2), 4.0, 2.0, 8.0)) == pytest.approx(4 * (1 + 3 / 8))
+
+
+def test_seven_b_on_trn1_needs_tp8_without_pipeline():
+    """Memory is what forces TP >= 8 for llama2-7b at seq 4096 on a 16 GiB NeuronCore with ZeRO-1."""
+    fits = {}
+    for tp in (2, 4, 8):
+        est = estimate("llama2-7b", "trn1.32xlarge", 128, 4096, 2048, Layout(tp=tp, sp=True, recompute="selective"))
+        fits[tp] = est.fits
+    assert fits == {2: False, 4: False, 8: True}
+
+
+# ---- collectives -----------------------------------------------------------------------------------------
+def test_ring_collectives_single_tier(box):
+    S = 1e9
+    bw = 100e9
+    assert float(collective_time_s(box, "allreduce", S, 8, 1)) == pytest.approx(2 * 7 / 8 * S / bw)
+    assert float(collective_time_s(box, "allgather", S, 8, 1)) == pytest.approx(7 / 8 * S / bw)
+    assert float(collective_time_s(box, "reducescatter", S, 4, 2)) == pytest.approx(3 / 4 * S / bw)
+    assert float(collective_time_s(box, "allreduce", S, 1, 1)) == 0.0
+
+
+def test_hierarchical_allreduce_two_tiers(box):
+    """16 ranks on 2 nodes: reduce-scatter/all-gather over 8 inside the node at 100 GB/s, then all-reduce of
+    1/8 of the data across the 2 nodes at 50 GB/s per node shared by 8 devices (6.25 GB/s each)."""
+    S = 1e9
+    expect = 2 * 7 / 8 * S / 100e9 + 2 * 1 / 2 * (S / 8) / (50e9 / 8)
+    assert float(collective_time_s(box, "allreduce", S, 16, 1)) == pytest.approx(expect)
+    # stride 8 (one rank per node): everything goes over the network
+    assert float(collective_time_s(box, "allreduce", S, 4, 8)) == pytest.approx(2 * 3 / 4 * S / (50e9 / 8))
+
+
+def test_collective_latency_terms(box):
+    import dataclasses
+
+    link = dataclasses.replace(box.tiers[0].interconnect, latency_us=10.0, collective_overhead_us=100.0)
+    system = dataclasses.replace(box, tiers=(dataclasses.replace(box.tiers[0], interconnect=link), box.tiers[1]))
+    steps = min(8 - 1, 2 * math.ceil(math.log2(8)))
+    expect = 2 * 7 / 8 * 1e6 / 100e9 + 2 * steps * 10e-6 + 100e-6
+    assert float(collective_time_s(system, "allreduce", 1e6, 8, 1)) == pytest.approx(expect)
+
+
+def test_p2p_uses_the_innermost_shared_tier(box):
+    assert float(p2p_time_s(box, 1e9, 1)) == pytest.approx(1e9 / 100e9)
+    assert float(p2p_time_s(box, 1e9, 8)) == pytest.approx(1e9 / (50e9 / 8))
+
+
+# ---- pipeline bubble --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("sched,v,m,F,B,W,expect", [
+    (0, 1, 8, 1.0, 1.0, 1.0, 3 * 3.0),          # GPipe: (p-1) (F+B+W)
+    (1, 1, 8, 1.0, 1.0, 1.0, 3 * 3.0),          # 1F1B: same bubble, less memory
+    (2, 2, 8, 1.0, 1.0, 1.0, 3 * 3.0 / 2),      # interleaved: (p-1)/v
+    (2, 4, 8, 1.0, 1.0, 1.0, 3 * 3.0 / 4),
+    (3, 2, 8, 1.0, 1.0, 1.0, 0.0),              # ZB-V: W fills the gaps, m >= 2p
+    (3, 2, 8, 2.0, 2.0, 1.0, 3 * (2 + 2 - 2) / 2),  # F + B - 2W > 0 per chunk
+    (3, 2, 4, 1.0, 1.0, 1.0, 3 * 3.0 / 2),      # m < 2p: counted like interleaving with v = 2
+])
+def test_pipeline_bubble(sched, v, m, F, B, W, expect):
+    got = pipeline_bubble_s(np.array(sched), np.array(4.0), np.array(float(v)), np.array(float(m)),
+                            np.array(F), np.array(B), np.array(W))
+    assert float(got) == pytest.approx(expect)
+
+
+def test_no_bubble_without_pipeline():
+    assert float(pipeline_bubble_s(np.array(1), np.array(1.0), 1.0, 8.0, 1.0, 1.0, 1.0)) == 0.0
+
+
+def test_step_time_grows_with_the_bubble():
+    """Same work, 1F1B vs interleaved: interleaving cuts the bubble by v (p2p grows a little)."""
+    model = PRESETS["llama2-13b"]
+    base = dict(tp=8, pp=4, sp=True, recompute="selective")
+    one = estimate(model, "p5.48xlarge", 4, 4096, 64, Layout(**base, schedule="1f1b"))
+    inter = estimate(model, "p5.48xlarge", 4, 4096, 64, Layout(**base, schedule="interleaved_1f1b", virtual_stages=5))
+    assert inter.time_breakdown_s["bubble"] == pytest.approx(one.time_breakdown_s["bubble"] / 5, rel=0.05)
+    assert inter.step_time_s < one.step_time_s
