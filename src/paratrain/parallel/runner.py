@@ -154,6 +154,7 @@ def global_grad_norm(grads: list[torch.Tensor], extra_groups: tuple = ()) -> flo
     """L2 norm of all gradients of the model across every rank, from local shards."""
     import torch.distributed as dist
     from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     sums: dict[tuple, torch.Tensor] = {}
     for g in grads:
@@ -161,7 +162,9 @@ def global_grad_norm(grads: list[torch.Tensor], extra_groups: tuple = ()) -> flo
         if isinstance(g, DTensor):
             if any(p.is_partial() for p in g.placements):  # unreduced (e.g. replicated kv heads): reduce first
                 g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
-            groups = tuple(g.device_mesh.get_group(i) for i, p in enumerate(g.placements) if p.is_shard())
+            # FSDP over TP-sharded parameters places dp as _StridedShard, which is not is_shard() in torch 2.13.
+            groups = tuple(g.device_mesh.get_group(i) for i, p in enumerate(g.placements)
+                           if p.is_shard() or isinstance(p, _StridedShard))
             g = g.to_local()
         sq = g.detach().double().pow(2).sum()
         sums[groups] = sums[groups] + sq if groups in sums else sq
