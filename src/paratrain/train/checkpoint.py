@@ -196,6 +196,12 @@ class CheckpointManager:
         done = self.committed()
         return done[-1] if done else None
 
+    def _latest_if_reachable(self) -> str:
+        try:
+            return self.latest() or "none"
+        except StorageError:
+            return "unknown, storage unreachable"
+
     def incomplete(self) -> list[str]:
         return [p for _, p, files in self._step_dirs() if MANIFEST not in files and REFUSED not in files]
 
@@ -234,7 +240,7 @@ class CheckpointManager:
         except CheckpointError as exc:
             self.failed_saves += 1
             self.log(f"ERROR: checkpoint of step {step} NOT saved: {exc}. Nothing was marked latest "
-                     f"(latest complete: {self.latest() or 'none'}); training continues")
+                     f"(latest complete: {self._latest_if_reachable()}); training continues")
             return False
         total = sum(f["size"] for f in files.values())
         self.log(f"checkpoint step {step} committed: {path} ({total / 2**20:,.1f} MiB, "

@@ -1,0 +1,93 @@
+"""Checkpoints on S3: an S3-compatible server (moto) that the test starts on 127.0.0.1; endpoint and credentials
+reach paratrain the usual AWS ways (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), as they would for AWS S3."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import test_checkpoint
+from test_checkpoint import EVERY, run_train
+
+from paratrain.train import faults
+from paratrain.train.checkpoint import MANIFEST, step_name
+from paratrain.train.storage import Storage
+
+moto_server = pytest.importorskip("moto.server")
+BUCKET = "paratrain-ckpt"
+reference = test_checkpoint.reference  # the same uninterrupted local run, as a fixture of this module
+
+
+class S3Server:
+    """moto in this process; stop() takes the endpoint down (connections refused), start() brings it back with
+    the objects it held (moto keeps them in process memory)."""
+
+    def __init__(self):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        self._server = None
+
+    def start(self, *_):
+        self._server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
+        self._server.start()
+
+    def stop(self, *_):
+        self._server.stop()
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    server = S3Server()
+    server.start()
+    mp = pytest.MonkeyPatch()
+    for key, value in {"AWS_ENDPOINT_URL": server.url, "AWS_ACCESS_KEY_ID": "testing",
+                       "AWS_SECRET_ACCESS_KEY": "testing", "AWS_REGION": "us-east-1"}.items():
+        mp.setenv(key, value)
+    mp.delenv("AWS_PROFILE", raising=False)
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket=BUCKET)
+    yield server
+    mp.undo()
+    server.stop()
+
+
+def test_s3_save_and_resume_bitwise(s3, reference, tmp_path):
+    url = f"s3://{BUCKET}/resume"
+    full = run_train(tmp_path, reference["data"], "a", f'checkpoint.dir="{url}"')
+    assert full["losses"] == reference["summary"]["losses"]
+    st = Storage(url)
+    assert sorted(st.listdir(url)) == [step_name(3), step_name(6)]
+    assert MANIFEST in st.listdir(st.join(step_name(6)))
+    resumed = run_train(tmp_path, reference["data"], "b", resume_from=f"{url}/{step_name(3)}")
+    assert resumed["losses"] == reference["summary"]["losses"][EVERY:]
+    # Automatic resume from the bucket: newest complete one is step 6, so nothing is left to train but the
+    # final save; the run reports where it resumed.
+    auto = run_train(tmp_path, reference["data"], "c", f'checkpoint.dir="{url}"', "train.steps=6")
+    assert auto["steps"] == 0 and auto["resumed_from"] == f"{url}/{step_name(6)}"
+
+
+def test_s3_outage_during_saves_fails_loudly_and_training_continues(s3, reference, tmp_path, capsys, caplog,
+                                                                   monkeypatch):
+    """Server stopped (1) before the write of step 2, (2) after the shards of step 4 but before its commit;
+    back after the next step each time. Saves every 2 steps; steps 6 commits."""
+    url = f"s3://{BUCKET}/outage"
+    monkeypatch.setitem(faults.HOOKS, "save_begin", [lambda step, rank: step == 2 and s3.stop()])
+    monkeypatch.setitem(faults.HOOKS, "save_written", [lambda step, rank: step == 4 and s3.stop()])
+    monkeypatch.setitem(faults.HOOKS, "after_step", [lambda step, rank: step in (3, 5) and s3.start()])
+    got = run_train(tmp_path, reference["data"], "d", f'checkpoint.dir="{url}"', "checkpoint.interval=2",
+                    "checkpoint.retries=2", "checkpoint.retry_base_s=0.05")
+    assert got["losses"] == reference["summary"]["losses"]  # training never noticed
+    assert got["failed_checkpoint_saves"] == 2
+    out = capsys.readouterr().out
+    lines = {step: next(ln for ln in out.splitlines() if ln.startswith(f"ERROR: checkpoint of step {step} NOT saved"))
+             for step in (2, 4)}
+    assert "EndpointConnectionError" in lines[2] and "retry 1/1 in" in caplog.text  # backoff was logged
+    assert f"write {url}/{step_name(4)}/MANIFEST.json failed after 2 attempts" in lines[4]
+    assert "latest complete: unknown, storage unreachable" in lines[2] and "checkpoint step 6 committed" in out
+    st = Storage(url)
+    # Step 4's shards were written without a commit; pruned once step 6 committed. Only step 6 is a checkpoint.
+    assert sorted(st.listdir(url)) == [step_name(6)]
+    assert got["checkpoint"] == f"{url}/{step_name(6)}"
