@@ -33,6 +33,8 @@ MAX_GAPS_PER_BATCH = 2_000_000
 # Stream ids for the per-replica random generators (common random numbers across sweeps).
 _GAPS, _CAUSES, _REPAIRS = 0, 1, 2
 _STRAGGLER_STREAM = 2**31 - 1
+NO_FAILURE_GAP_S = 1e18
+MAX_GAPS_PER_REPLICA = 50_000_000
 
 
 @dataclass(frozen=True)
@@ -124,6 +126,7 @@ class ReplicaTotals:
     restart_s: np.ndarray  # wall time detecting, relaunching, swapping nodes, restoring
     spare_wait_s: np.ndarray  # wall time idle waiting for a repaired node
     interruptions: np.ndarray  # (samples, causes): failures (and evictions) per cause
+    checkpoints: np.ndarray  # checkpoint writes started (closed form per gap, not stepped one by one)
     gaps: int  # number of gaps simulated (events) across all replicas, for speed reporting
 
 
@@ -179,9 +182,8 @@ def _simulate_replicas(cfg, causes: CauseTable, tau, lost_share, horizon_s) -> R
     mtbf = causes.mtbf_s
     expected_gaps = 1.0 if not math.isfinite(mtbf) else horizon_s / mtbf
     n_gaps = int(expected_gaps * 1.05 + 8 * math.sqrt(expected_gaps) + 16)
-    if n_gaps > 50_000_000:
-        raise ValueError(f"the run needs about {expected_gaps:.3g} failures per replica: the job cannot make "
-                         "progress at this failure rate (reduce devices or rates, or shorten restarts)")
+    if n_gaps > MAX_GAPS_PER_REPLICA:
+        raise _no_progress_error(expected_gaps)
     batch = max(1, min(cfg.samples, MAX_GAPS_PER_BATCH // n_gaps))
     parts = []
     for first in range(0, cfg.samples, batch):
@@ -197,6 +199,13 @@ def _simulate_batch(cfg, causes, tau, lost_share, replicas, n_gaps) -> ReplicaTo
         if result is not None:
             return result
         n_gaps *= 2
+        if n_gaps > MAX_GAPS_PER_REPLICA:
+            raise _no_progress_error(n_gaps)
+
+
+def _no_progress_error(gaps: float) -> ValueError:
+    return ValueError(f"the run needs more than {gaps:.3g} failures per replica: the job cannot make progress at "
+                      "this failure rate (fewer devices, lower rates, faster restarts or a shorter interval)")
 
 
 @dataclass
@@ -215,18 +224,40 @@ def _draw(cfg: SimConfig, causes: CauseTable, replicas: range, n: int) -> _Draws
     numbers, so sweeps over the interval compare like with like)."""
     mtbf = causes.mtbf_s
     cdf = np.cumsum(causes.rate_per_s) / max(causes.total_rate_per_s, 1e-300)
+    cdf[-1] = 1.0
+    table = _cause_lookup_table(cdf)
     gaps = np.empty((len(replicas), n))
     cause = np.empty((len(replicas), n), dtype=np.int64)
     repair = np.empty((len(replicas), n))
     for i, r in enumerate(replicas):
         if math.isfinite(mtbf):
             gaps[i] = _replica_rng(cfg.seed, r, _GAPS).exponential(mtbf, n)
-        else:
-            gaps[i] = np.inf
-        u = _replica_rng(cfg.seed, r, _CAUSES).random(n)
-        cause[i] = np.minimum(np.searchsorted(cdf, u, side="right"), len(cdf) - 1)
+        else:  # no failures: one gap far longer than any run (finite, so the arithmetic stays exact)
+            gaps[i] = NO_FAILURE_GAP_S
+        cause[i] = _pick_causes(_replica_rng(cfg.seed, r, _CAUSES).random(n), cdf, table)
         repair[i] = _repair_times(cfg, _replica_rng(cfg.seed, r, _REPAIRS), n)
     return _Draws(gaps, cause, repair)
+
+
+LOOKUP_BINS = 1 << 16
+
+
+def _cause_lookup_table(cdf: np.ndarray) -> np.ndarray:
+    """Cause index at the left edge of each of LOOKUP_BINS equal bins of [0, 1): an O(1) first guess."""
+    edges = np.arange(LOOKUP_BINS) / LOOKUP_BINS
+    return np.searchsorted(cdf, edges, side="right")
+
+
+def _pick_causes(u: np.ndarray, cdf: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """Exact inverse-CDF sampling (same result as searchsorted(cdf, u, 'right')), ~5x faster: start from the
+    bin's left-edge cause and step right past every boundary at or below u (rarely more than one step)."""
+    index = table[np.minimum((u * LOOKUP_BINS).astype(np.int64), LOOKUP_BINS - 1)]
+    while True:
+        step = u >= cdf[np.minimum(index, len(cdf) - 1)]
+        step &= index < len(cdf) - 1
+        if not step.any():
+            return index
+        index = index + step
 
 
 def _repair_times(cfg: SimConfig, rng: np.random.Generator, n: int) -> np.ndarray:
@@ -236,7 +267,8 @@ def _repair_times(cfg: SimConfig, rng: np.random.Generator, n: int) -> np.ndarra
     if cfg.repair_distribution == "exponential":
         return rng.exponential(mean, n)
     sigma = cfg.repair_sigma  # lognormal with the given mean: mu = ln(mean) - sigma^2 / 2
-    return rng.lognormal(math.log(mean) - sigma * sigma / 2.0, sigma, n)
+    normal = rng.standard_normal(n, dtype=np.float32)  # float32: repair times need no more precision
+    return np.exp(normal * np.float32(sigma) + np.float32(math.log(mean) - sigma * sigma / 2.0)).astype(float)
 
 
 def _run_batch(cfg, causes: CauseTable, tau, lost_share, d: _Draws) -> ReplicaTotals | None:
@@ -269,8 +301,9 @@ def _run_batch(cfg, causes: CauseTable, tau, lost_share, d: _Draws) -> ReplicaTo
     saved_wall = np.where(keeps_all, seg.compute, seg.durable * tau_wall)
     compute = (seg.compute * in_run).sum(axis=1)
     lost = ((seg.compute - saved_wall) * in_run).sum(axis=1)
-    counts = np.zeros((len(rows), len(causes.names)))
-    np.add.at(counts, (np.broadcast_to(rows[:, None], d.cause.shape)[failed], d.cause[failed]), 1)
+    n_causes = len(causes.names)
+    flat = (rows[:, None] * n_causes + d.cause)[failed]
+    counts = np.bincount(flat, minlength=len(rows) * n_causes).reshape(len(rows), n_causes).astype(float)
     spare_wait = waits.sum(axis=1)
     return ReplicaTotals(
         wall_s=(gaps * in_run).sum(axis=1) + spare_wait,
@@ -282,6 +315,7 @@ def _run_batch(cfg, causes: CauseTable, tau, lost_share, d: _Draws) -> ReplicaTo
         restart_s=(seg.restart * in_run).sum(axis=1),
         spare_wait_s=spare_wait,
         interruptions=counts,
+        checkpoints=(seg.writes * in_run).sum(axis=1),
         gaps=int((final + 1).sum()),
     )
 
@@ -291,6 +325,7 @@ class _Segments:
     restart: np.ndarray
     compute: np.ndarray
     checkpoint: np.ndarray
+    writes: np.ndarray  # checkpoint writes started within the gap
     durable: np.ndarray  # checkpoints completed and durable within the gap
 
 
@@ -306,8 +341,9 @@ def _gap_segments(gaps, restart_before, tau_wall, block_s, async_s) -> _Segments
     rem = t - full * period
     compute = full * tau_wall + np.minimum(rem, tau_wall)
     checkpoint = full * block_s + np.maximum(rem - tau_wall, 0.0)
+    writes = full + (rem > tau_wall)
     durable = np.where(t >= async_s, np.floor((t - async_s) / period), 0.0)
-    return _Segments(restart, compute, checkpoint, durable)
+    return _Segments(restart, compute, checkpoint, writes, durable)
 
 
 def _final_gap_for_work(cfg, causes, tau, tau_wall, speed, restart_before, d: _Draws):
@@ -376,16 +412,18 @@ def _spare_waits(cfg: SimConfig, exposure_end, replaces, repair_s, rows, final) 
 
 
 def _can_run_out(exposure_end, needs, repair_s, slots) -> bool:
-    """Without waiting, are `slots` units ever all in repair at a failure? If not, nobody ever waits."""
-    for r in range(exposure_end.shape[0]):
-        t = exposure_end[r][needs[r]]
-        if t.size <= slots - 1:
-            continue
-        back = np.sort(t + repair_s[r][needs[r]])
-        in_repair = np.arange(t.size) - np.searchsorted(back, t, side="right")
-        if in_repair.max() >= slots:
-            return True
-    return False
+    """Without waiting, are `slots` units ever all in repair at a failure? If not, nobody ever waits.
+
+    In repair just before failure k = (replacing failures before k) - (repairs finished by then). All replicas
+    are laid end to end on one time line (offsets larger than any repair), so one sort serves them all."""
+    spacing = float(exposure_end[:, -1].max() + repair_s.max()) + 1.0
+    offset = np.arange(exposure_end.shape[0])[:, None] * spacing
+    t = (exposure_end + offset)[needs]  # row-major: sorted within and across replicas
+    if t.size < slots:
+        return False
+    back = np.sort(t + repair_s[needs])
+    in_repair = np.arange(t.size) - np.searchsorted(back, t, side="right")
+    return bool(in_repair.max() >= slots)
 
 
 def _concat(parts: list[ReplicaTotals]) -> ReplicaTotals:

@@ -1,0 +1,264 @@
+"""Cluster simulator: analytic cross-checks (Young, Daly), accounting, failures by cause, spares, stragglers."""
+
+import csv
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paratrain.sim.analytic import (
+    daly_exact_optimum,
+    daly_goodput,
+    daly_interval,
+    daly_wall_time,
+    young_interval,
+)
+from paratrain.sim.config import DAY_S, HOUR_S, SimConfig, StragglerConfig, load_sim_toml, parse_interval
+from paratrain.sim.engine import EVICTION_CAUSE, simulate
+from paratrain.sim.failures import (
+    LLAMA3_DEVICE_HOURS,
+    LLAMA3_TABLE5,
+    FailureCause,
+    llama3_causes,
+    total_rate_per_device_hour,
+)
+from paratrain.sim.results import summarize, t_quantile_975
+from paratrain.sim.stragglers import simulate_stragglers
+from paratrain.sim.sweeps import daly_case_config, exponential_failure_model, simulated_optimum
+
+REFERENCE_CSV = Path("/work/shared/reference/llama3_table5_interruptions.csv")
+MIN = 60.0
+
+
+# ---- analytic -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("mtbf_min, published_min, tolerance_min", [(24 * 60, 117, 0.5), (6 * 60, 57, 0.5), (15, 9.1, 0.05)])
+def test_daly_formula_reproduces_published_examples(mtbf_min, published_min, tolerance_min):
+    assert daly_interval(5 * MIN, mtbf_min * MIN) / MIN == pytest.approx(published_min, abs=tolerance_min)
+
+
+def test_young_is_sqrt_two_delta_m_and_daly_exact_optimum_is_a_minimum():
+    assert young_interval(5 * MIN, 24 * HOUR_S) == pytest.approx(120 * MIN)
+    delta, mtbf = 5 * MIN, 15 * MIN
+    best = daly_exact_optimum(delta, mtbf)
+    wall = [daly_wall_time(1.0, tau, delta, 0.0, mtbf) for tau in (0.9 * best, best, 1.1 * best)]
+    assert wall[1] < wall[0] and wall[1] < wall[2]
+    assert daly_interval(delta, mtbf) == pytest.approx(best, rel=0.01)  # Daly's estimate is close to exact
+    assert daly_interval(3 * HOUR_S, HOUR_S) == HOUR_S  # delta >= 2M: checkpoint every M
+
+
+def test_student_t_quantile_matches_tables():
+    for dof, table in ((5, 2.5706), (10, 2.2281), (30, 2.0423), (99, 1.9842)):
+        assert t_quantile_975(dof) == pytest.approx(table, rel=2e-3)
+
+
+# ---- failure model ------------------------------------------------------------------------------------------
+def test_llama3_table_matches_reference_csv_and_sums_to_419():
+    assert sum(count for _, _, count in LLAMA3_TABLE5) == 419
+    if REFERENCE_CSV.exists():
+        with REFERENCE_CSV.open() as fh:
+            rows = [(r["component"], r["category"], int(r["count"])) for r in csv.DictReader(fh)]
+        assert tuple(rows) == LLAMA3_TABLE5
+    rate = total_rate_per_device_hour(llama3_causes())
+    assert rate == pytest.approx(419 / (16384 * 54 * 24))
+    assert LLAMA3_DEVICE_HOURS == 16384 * 54 * 24
+
+
+def test_llama3_case_gives_419_interruptions_and_over_90_percent_effective_time():
+    cfg = SimConfig(devices=16384, step_time_s=10.0, duration_s=54 * DAY_S, checkpoint_bytes=6.5e12,
+                    write_bytes_per_s=2e12, read_bytes_per_s=2e12, samples=200)
+    report = summarize(simulate(cfg))
+    interruptions = report["metrics"]["interruptions"]
+    lo, hi = interruptions["ci95"]
+    expected = 419 * (1 - report["metrics"]["spare_wait_hours"]["mean"] / (54 * 24))
+    assert lo - 1 <= expected <= hi + 1
+    assert report["inputs"]["mean_restart_s"] < 10 * MIN  # "restart costs of a few minutes"
+    assert report["metrics"]["effective_training_fraction"]["ci95"][0] > 0.90
+    by_cause = {row["cause"]: row for row in report["interruptions_by_cause"]}
+    gpu = by_cause["Faulty GPU"]
+    assert gpu["ci95"][0] - 2 <= gpu["expected"] <= gpu["ci95"][1] + 2
+
+
+# ---- simulation against Daly's model ----------------------------------------------------------------------
+@pytest.mark.parametrize("mtbf_s", [24 * HOUR_S, 6 * HOUR_S, 15 * MIN])
+def test_simulated_optimum_interval_agrees_with_daly(mtbf_s):
+    cfg = daly_case_config(mtbf_s, 5 * MIN, restart_s=10 * MIN, work_mtbfs=600, samples=40)
+    simulated, _ = simulated_optimum(cfg)
+    assert simulated == pytest.approx(daly_interval(5 * MIN, mtbf_s), rel=0.10)
+
+
+@pytest.mark.parametrize("mtbf_s, restart_s", [(6 * HOUR_S, 10 * MIN), (30 * MIN, 5 * MIN)])
+def test_simulated_goodput_matches_daly_expected_wall_time(mtbf_s, restart_s):
+    cfg = daly_case_config(mtbf_s, 5 * MIN, restart_s, work_mtbfs=500, samples=80)
+    tau = daly_interval(5 * MIN, mtbf_s)
+    run = simulate(cfg, interval_s=tau)
+    wall = run.totals.wall_s
+    expected = daly_wall_time(cfg.work_s, run.interval_s, 5 * MIN, restart_s, mtbf_s)
+    half = t_quantile_975(wall.size - 1) * wall.std(ddof=1) / math.sqrt(wall.size)
+    # Daly also writes a checkpoint after the last segment; the simulation does not (one delta at most).
+    assert abs(wall.mean() - expected) <= 3 * half + 5 * MIN
+
+
+def test_no_failures_is_work_plus_checkpoints():
+    none = (FailureCause("never", "GPU", 0.0, replaces_node=True),)
+    cfg = SimConfig(devices=64, step_time_s=2.0, steps=10_000, checkpoint_bytes=20e9, write_bytes_per_s=1e9,
+                    checkpoint_interval=1000.0, causes=none, samples=4)
+    run = simulate(cfg)
+    writes = math.ceil(20_000 / 1000) - 1  # no checkpoint after the last step
+    assert run.totals.wall_s == pytest.approx(np.full(4, 20_000 + writes * 20.0))
+    assert run.totals.interruptions.sum() == 0
+    assert summarize(run)["metrics"]["goodput"]["mean"] == pytest.approx(20_000 / (20_000 + writes * 20.0))
+
+
+@pytest.mark.parametrize("mode", ["steps", "duration"])
+def test_wall_time_is_fully_accounted(mode):
+    extra = {"steps": 200_000} if mode == "steps" else {"duration_s": 20 * DAY_S}
+    cfg = SimConfig(devices=65536, step_time_s=5.0, checkpoint_bytes=2e12, write_bytes_per_s=200e9,
+                    async_fraction=0.5, spare_nodes=8, repair_mean_s=12 * HOUR_S, samples=30,
+                    stragglers=StragglerConfig(rate_per_device_hour=2e-5), **extra)
+    t = simulate(cfg).totals
+    parts = t.compute_s + t.checkpoint_s + t.restart_s + t.spare_wait_s
+    assert parts == pytest.approx(t.wall_s, rel=1e-9)
+    assert np.all(t.lost_s >= 0) and np.all(t.lost_s <= t.compute_s)
+    if mode == "steps":
+        assert t.work_s == pytest.approx(np.full(cfg.samples, cfg.work_s), rel=1e-9)
+    else:
+        assert t.wall_s == pytest.approx(np.full(cfg.samples, cfg.duration_s))
+    assert np.all(t.spare_wait_s > 0)  # 8 spares, 12 h repairs, ~17 hardware failures a day: they run out
+
+
+def test_asynchronous_checkpoints_beat_blocking_ones():
+    common = dict(devices=16384, step_time_s=10.0, duration_s=20 * DAY_S, checkpoint_bytes=6e12,
+                  write_bytes_per_s=50e9, read_bytes_per_s=50e9, samples=40)
+    blocking = summarize(simulate(SimConfig(**common)))["metrics"]["goodput"]["mean"]
+    overlapped = summarize(simulate(SimConfig(**common, async_fraction=0.9)))["metrics"]["goodput"]["mean"]
+    assert overlapped > blocking + 0.01
+
+
+def test_same_seed_same_result_and_common_random_numbers_across_intervals():
+    cfg = SimConfig(devices=8192, step_time_s=4.0, steps=300_000, samples=10, seed=7)
+    a, b = simulate(cfg), simulate(cfg)
+    assert np.array_equal(a.totals.wall_s, b.totals.wall_s)
+    other_seed = simulate(cfg.with_updates(seed=8))
+    assert not np.array_equal(a.totals.wall_s, other_seed.totals.wall_s)
+
+
+# ---- spares ---------------------------------------------------------------------------------------------------
+def test_without_spares_every_hardware_failure_waits_for_its_repair():
+    cfg = SimConfig(devices=16384, step_time_s=10.0, duration_s=60 * DAY_S, spare_nodes=0,
+                    repair_distribution="fixed", repair_mean_s=2 * HOUR_S, samples=20)
+    run = simulate(cfg)
+    hardware = run.causes.replaces_node
+    failures = run.totals.interruptions[:, hardware].sum(axis=1)
+    waits = run.totals.spare_wait_s
+    # Every hardware failure but possibly the last (cut by the window) waited the full repair time.
+    assert np.all(waits <= failures * 2 * HOUR_S + 1e-6)
+    assert np.all(waits >= (failures - 1) * 2 * HOUR_S - 1e-6)
+
+
+def test_more_spares_wait_less():
+    base = dict(devices=32768, step_time_s=8.0, duration_s=30 * DAY_S, repair_mean_s=48 * HOUR_S, samples=30)
+    waits = [simulate(SimConfig(**base, spare_nodes=s)).totals.spare_wait_s.mean() for s in (0, 4, 16, 64)]
+    assert waits[0] > waits[1] > waits[2] >= waits[3]
+    assert waits[3] == 0.0
+
+
+def test_ultraserver_replacement_needs_a_whole_spare_domain():
+    base = dict(devices=16 * 4 * 256, devices_per_node=16, step_time_s=8.0, duration_s=30 * DAY_S,
+                repair_mean_s=48 * HOUR_S, samples=30, spare_nodes=12)
+    per_node = simulate(SimConfig(**base, nodes_per_domain=1)).totals.spare_wait_s.mean()
+    per_server = simulate(SimConfig(**base, nodes_per_domain=4)).totals.spare_wait_s.mean()
+    assert per_server > per_node  # 12 spare nodes are 3 spare UltraServers
+
+
+# ---- stragglers ---------------------------------------------------------------------------------------------
+def test_straggler_envelope_matches_occupancy_probability():
+    # Identical slowdowns (sigma 0): the job is slowed whenever at least one episode is active, which for
+    # Poisson arrivals is 1 - exp(-rate * duration) of the time (M/G/infinity occupancy), overlaps included.
+    devices, rate, duration, factor = 100_000, 2e-5, 1800.0, 2.0
+    cfg = StragglerConfig(rate_per_device_hour=rate, mean_duration_s=duration, slowdown_median=factor,
+                          slowdown_sigma=0.0)
+    out = simulate_stragglers(cfg, devices, 1.0, 600.0, 30 * DAY_S, 20, np.random.default_rng(1))
+    busy = 1 - math.exp(-devices * rate / HOUR_S * duration)
+    assert busy > 0.5  # heavy overlap: summing episodes would overstate the loss by ~40%
+    assert out.lost_share.mean() == pytest.approx(busy * (1 - 1 / factor), rel=0.03)
+
+
+def test_straggler_policies_rank_as_expected():
+    stragglers = dict(rate_per_device_hour=5e-5, mean_duration_s=1800.0, slowdown_median=1.5)
+    base = dict(devices=16384, step_time_s=10.0, duration_s=20 * DAY_S, samples=30)
+    share = {}
+    runs = {}
+    for policy in ("wait", "bounded_staleness", "evict_replace"):
+        cfg = SimConfig(**base, stragglers=StragglerConfig(policy=policy, staleness_steps=20, **stragglers))
+        runs[policy] = simulate(cfg)
+        share[policy] = runs[policy].stragglers.lost_share.mean()
+    assert share["wait"] > share["bounded_staleness"] > 0
+    assert share["wait"] > share["evict_replace"] > 0
+    evictions = runs["evict_replace"].totals.interruptions[:, runs["evict_replace"].causes.names.index(EVICTION_CAUSE)]
+    assert evictions.mean() > 0
+    assert EVICTION_CAUSE not in runs["wait"].causes.names
+    stragglers_free = simulate(SimConfig(**base))
+    assert summarize(runs["wait"])["metrics"]["goodput"]["mean"] < summarize(stragglers_free)["metrics"]["goodput"]["mean"]
+
+
+# ---- inputs ---------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("changes, field", [
+    ({"devices": 0}, "devices"),
+    ({"devices": 100}, "devices"),  # not a multiple of 8 per node
+    ({"step_time_s": -1.0}, "step_time_s"),
+    ({"async_fraction": 1.0}, "async_fraction"),
+    ({"checkpoint_interval": "sometimes"}, "checkpoint_interval"),
+    ({"samples": 1}, "samples"),
+    ({"repair_distribution": "weibull"}, "repair_distribution"),
+    ({"stragglers": StragglerConfig(policy="sync")}, "straggler_policy"),
+])
+def test_bad_inputs_name_the_field(changes, field):
+    kwargs = dict(devices=64, step_time_s=1.0, steps=100) | changes
+    with pytest.raises(ValueError, match=field):
+        SimConfig(**kwargs)
+
+
+def test_exactly_one_of_steps_and_duration():
+    with pytest.raises(ValueError, match="exactly one"):
+        SimConfig(devices=8, step_time_s=1.0)
+    with pytest.raises(ValueError, match="exactly one"):
+        SimConfig(devices=8, step_time_s=1.0, steps=10, duration_s=100.0)
+
+
+def test_interval_parsing():
+    assert parse_interval("daly", 2.0) == "daly"
+    assert parse_interval("500steps", 2.0) == 1000.0
+    assert parse_interval("20m", 2.0) == 1200.0
+    with pytest.raises(ValueError, match="checkpoint_interval"):
+        parse_interval("often", 2.0)
+
+
+def test_toml_config_with_custom_causes(tmp_path):
+    path = tmp_path / "sim.toml"
+    path.write_text(
+        'devices = 1024\nstep_time_s = 3.0\nduration_s = "10d"\nrate_scale = 2.0\n'
+        '[stragglers]\nrate_per_device_hour = 1e-5\npolicy = "evict_replace"\n'
+        '[[cause]]\nname = "Chip"\ncategory = "Accelerator"\ncount = 10\ndevice_hours = 1e6\n'
+        '[[cause]]\nname = "Software"\ncategory = "Dependency"\nrate_per_device_hour = 1e-6\n'
+    )
+    cfg = SimConfig(**load_sim_toml(path))
+    assert cfg.duration_s == 10 * DAY_S
+    assert [c.rate_per_device_hour for c in cfg.causes] == pytest.approx([2e-5, 2e-6])
+    assert [c.replaces_node for c in cfg.causes] == [True, False]
+    assert cfg.stragglers.policy == "evict_replace"
+    path.write_text('devices = 1024\nstep_time = 3.0\n')
+    with pytest.raises(ValueError, match="step_time"):
+        load_sim_toml(path)
+
+
+def test_exponential_failure_model_gives_the_requested_mtbf():
+    cfg = daly_case_config(6 * HOUR_S, 5 * MIN, 0.0, work_mtbfs=10, samples=2)
+    assert simulate(cfg).mtbf_s == pytest.approx(6 * HOUR_S)
+    with pytest.raises(ValueError, match="mtbf_s"):
+        exponential_failure_model(0.0, 1)
+
+
+def test_daly_goodput_is_consistent_with_wall_time():
+    assert daly_goodput(3600.0, 60.0, 300.0, 86400.0) == pytest.approx(
+        1.0 / daly_wall_time(1.0, 3600.0, 60.0, 300.0, 86400.0))
