@@ -121,13 +121,18 @@ def vtrain(system) -> list[tuple[str, float, float]]:
 
 
 def trn1_sanity(catalog) -> list[tuple[str, float, float]]:
-    """Published Trn1 throughput (Neuron benchmarks, hardware-facts.md): seq/s -> step time for gbs 1024."""
+    """Published Trn1 throughput (Neuron benchmarks, hardware-facts.md): seq/s -> step time for gbs 1024 (the
+    NxDT example configs' global batch; an assumption for the benchmark rows). Llama 3.1 shapes = Llama 3 presets."""
     system = catalog.system("trn1.32xlarge")
     cases = [("llama2-7b 16n TP8 DP64", "llama2-7b", 16, 4096, Layout(tp=8, sp=True, recompute="selective"), 95.14),
              ("llama2-13b 32n TP8 PP8", "llama2-13b", 32, 4096,
               Layout(tp=8, pp=8, sp=True, recompute="selective"), 80.33),
              ("llama2-70b 32n TP32 PP8", "llama2-70b", 32, 4096,
-              Layout(tp=32, pp=8, sp=True, recompute="selective"), 14.44)]
+              Layout(tp=32, pp=8, sp=True, recompute="selective"), 14.44),
+             ("llama3.1-8b 32n TP32 seq8192", "llama3-8b", 32, 8192, Layout(tp=32, sp=True, recompute="selective"),
+              47.95),
+             ("llama3.1-70b 32n TP32 PP8 seq8192", "llama3-70b", 32, 8192,
+              Layout(tp=32, pp=8, sp=True, recompute="selective"), 7.94)]
     out = []
     for label, model, nodes, seq, lay, seqs_per_s in cases:
         est = estimate(model, system, nodes, seq, 1024, lay)

@@ -101,8 +101,8 @@ def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, glob
         (model.n_kv_heads % lay.tp == 0 or lay.tp % model.n_kv_heads == 0,
          f"tp = {lay.tp}: must divide or be a multiple of kv_heads = {model.n_kv_heads}"),
         (model.ffn % lay.tp == 0, f"tp = {lay.tp}: must divide ffn_hidden = {model.ffn}"),
-        (model.layers % (lay.pp * lay.virtual_stages) == 0,
-         f"pp*virtual_stages = {lay.pp * lay.virtual_stages}: must divide layers = {model.layers}"),
+        (model.layers >= lay.pp * lay.virtual_stages,
+         f"pp*virtual_stages = {lay.pp * lay.virtual_stages}: must be <= layers = {model.layers}"),
         (seq % (2 * lay.cp) == 0 or lay.cp == 1, f"cp = {lay.cp}: seq = {seq} must be divisible by 2*cp"),
         (not (lay.sp and lay.tp == 1), "sp = true needs tp > 1"),
         (lay.schedule != "interleaved_1f1b" or (lay.virtual_stages > 1 and lay.pp > 1),
@@ -178,6 +178,9 @@ def _to_estimate(model, system, nodes, seq, global_batch, layout, r: dict, train
         est.notes.append(f"does not fit: {est.memory_per_device_bytes / 2**30:.1f} GiB needed per device, "
                          f"{est.memory_capacity_bytes / 2**30:.1f} GiB usable")
     stack = system.stack
+    if est.layout.pp > 1 and model.layers % (layout.pp * layout.virtual_stages):
+        est.notes.append(f"{model.layers} layers do not split evenly over pp*virtual_stages = "
+                         f"{layout.pp * layout.virtual_stages}: the busiest stage sets the pace")
     if stack is not None and (layout.dp_kind not in stack.dp_kinds or layout.zero_stage not in stack.zero_stages
                               or (layout.pp > 1 and layout.schedule not in stack.schedules)):
         est.notes.append(f"{stack.name} on {system.name} does not support this choice "

@@ -169,7 +169,8 @@ def soft_roofline(compute_s, memory_s):
 
 def matmul_time_s(system: System, m, n, k):
     """One matmul: a soft roofline of compute (matmul_eff_max of peak) and operand traffic (memory_bw_eff of
-    HBM bandwidth), plus the fixed per-kernel overhead that makes small matmuls inefficient."""
+    HBM bandwidth), plus the fixed per-kernel cost (launch, pipeline fill, tail wave; measured to fit better
+    added than as a floor, see docs/planner.md) that makes small matmuls inefficient."""
     eff = system.chip.efficiency
     flops = 2.0 * m * n * k
     traffic = BF16_BYTES * (m * k + k * n + m * n)
@@ -228,7 +229,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     devices = nodes * system.devices_per_node
     m = global_batch / (dp * b)  # microbatches per replica per step
     T = b * seq / cp  # tokens of one microbatch on one device
-    layers_per_stage = L / pp
+    layers_per_stage = stage_layers(L, pp, v)
 
     # -- compute per layer, forward; backward = 2x matmuls and attention, 2x elementwise traffic --
     mm, core, elem = _per_layer_compute(model, system, seq, opts, T, tp, sp, cp)
@@ -276,7 +277,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     pipeline = m * stage_mb + bubble
 
     # -- data parallel: gradient reduce (and parameter gather for ZeRO-1/2/3) --
-    params_stage = _params_per_stage(model, pp)
+    params_stage = _params_per_stage(model, pp, v)
     params_dev = params_stage / tp
     stride_dp = tp * cp
     dp_shard = np.where(kind == 2, np.maximum(1.0, np.minimum(dp, system.devices_per_node / stride_dp)), dp)
@@ -356,14 +357,20 @@ def pipeline_bubble_s(sched, pp, v, m, fwd, bwd_input, bwd_weight):
     return np.where(pp > 1, (pp - 1) * per, 0.0)
 
 
-def _params_per_stage(model: ModelConfig, pp):
+def stage_layers(layers, pp, v=1.0):
+    """Layers on the most loaded device: ceil(L / (p v)) per chunk times v chunks (= L/p when it divides;
+    uneven splits, like Llama 3 405B's 126 layers on 16 stages, put the extra layer on some stages)."""
+    return np.ceil(layers / (pp * v) - 1e-9) * v
+
+
+def _params_per_stage(model: ModelConfig, pp, v=1.0):
     """Parameters held by the largest pipeline stage: its layers plus the embedding (first stage) and the head
     (last stage); with one stage, both."""
     per_layer = model.params_per_layer()
-    layers = model.layers / pp
+    layers = stage_layers(model.layers, pp, v)
     first = layers * per_layer + model.embedding_params()
     last = layers * per_layer + model.head_params()
-    return np.where(pp > 1, np.maximum(first, last), layers * per_layer + model.embedding_params() + model.head_params())
+    return np.where(pp > 1, np.maximum(first, last), model.layers * per_layer + model.embedding_params() + model.head_params())
 
 
 def inflight_microbatches(sched, pp, v, m):
@@ -375,7 +382,7 @@ def inflight_microbatches(sched, pp, v, m):
 
 
 def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sched, v, m, zero, dp_shard):
-    params_dev = _params_per_stage(model, pp) / tp
+    params_dev = _params_per_stage(model, pp, v) / tp
     weights = params_dev * WEIGHT_BYTES / np.where(zero == 3, dp_shard, 1.0)
     grads = params_dev * opts.grad_bytes / np.where(zero >= 2, dp_shard, 1.0)
     optimizer = params_dev * OPTIMIZER_BYTES / np.where(zero >= 1, dp_shard, 1.0)
@@ -388,7 +395,7 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     layer_selective = T * (sp_part * sp_scale + tp_part / tp)
     layer_input = T * 2 * model.hidden * sp_scale
     per_layer = np.select([rc == 0, rc == 1], [layer_full, layer_selective], layer_input)
-    layers_stage = model.layers / pp
+    layers_stage = stage_layers(model.layers, pp, v)
     inflight = inflight_microbatches(sched, pp, v, m)
     activations = per_layer * layers_stage * inflight
     activations = activations + np.where(rc == 2, layer_full, 0.0)  # one layer rebuilt during backward
