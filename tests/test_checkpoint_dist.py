@@ -1,0 +1,122 @@
+"""Checkpoints across ranks: bitwise resume under the same layout, resharding to other layouts (TP/PP/DP and a
+single process), the per-rank RNG rule, and a rank SIGKILLed under torchrun with --max-restarts.
+
+Tolerance when the layout changes: losses rtol 1e-5 against the uninterrupted run (the parity harness's
+tolerance for any layout vs the single device: fp32, different reduction orders). Same layout: bitwise.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from paratrain.config import load_config
+from paratrain.train.checkpoint import CheckpointManager, step_name
+from paratrain.train.data import prepare
+from paratrain.train.loop import train
+
+REPO = Path(__file__).resolve().parents[1]
+RTOL = 1e-5
+DATA = ["data.max_source_bytes=300000", "data.vocab_size=384"]
+FSDP2 = ["parallel.dp=2", 'parallel.dp_kind="fsdp"']
+TP2_PP2_DP2 = ["parallel.tp=2", "parallel.sp=true", "parallel.pp=2", 'parallel.pp_schedule="1f1b"',
+               "parallel.dp=2", 'parallel.dp_kind="fsdp"']
+TP4_DP2 = ["parallel.tp=4", "parallel.sp=true", "parallel.dp=2", 'parallel.dp_kind="ddp"']
+
+
+def settings(tmp: Path, run: str, steps: int, every: int, *extra: str) -> list[str]:
+    return ["model.vocab=384", "model.layers=4", f"train.steps={steps}", f"checkpoint.interval={every}",
+            "train.global_batch=8", "train.microbatch=2", "train.seq_len=32", "optim.warmup_steps=1",
+            "train.eval_every=0", "train.progress=false", "metrics.tensorboard=false", 'train.device="cpu"',
+            f'metrics.run_dir="{tmp / run}"', f'data.prepared_dir="{tmp / "data"}"', *DATA, *extra]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ckpt-dist")
+    prepare(load_config(None, [f'data.prepared_dir="{tmp / "data"}"', *DATA]).data, log=lambda *_: None)
+    return tmp
+
+
+def _train(sets: list[str], resume_from: str | None = None) -> dict:
+    return train(load_config(None, sets), resume_from)
+
+
+def _close(got: list[float], want: list[float]) -> bool:
+    return len(got) == len(want) and all(abs(a - b) <= RTOL * abs(b) for a, b in zip(got, want, strict=True))
+
+
+def test_fsdp_dp2_resume_bitwise_and_into_one_process(dist_run, tmp, capsys):
+    full = dist_run(2, _train, settings(tmp, "dp2", 6, 3, *FSDP2))
+    losses = full[0]["losses"]
+    assert len(losses) == 6 and full[1]["losses"] == losses
+    step3 = str(tmp / "dp2" / "checkpoints" / step_name(3))
+    again = dist_run(2, _train, settings(tmp, "dp2-again", 6, 3, *FSDP2), step3)
+    assert again[0]["losses"] == losses[3:] and again[1]["losses"] == losses[3:]  # same layout: bitwise
+    single = _train(settings(tmp, "dp2-single", 6, 3), step3)
+    assert _close(single["losses"], losses[3:]), (single["losses"], losses[3:])
+    out = capsys.readouterr().out
+    assert (f"resumed from {step3} at step 3: saved as dp2 on 2 rank(s), now single device on 1 rank(s) "
+            "(layout changed: model and optimizer resharded by parameter name") in out
+
+
+@pytest.mark.slow
+def test_reshard_tp2_pp2_dp2_to_tp4_dp2_and_one_process(dist_run, tmp):
+    full = dist_run(8, _train, settings(tmp, "tp2pp2dp2", 4, 2, *TP2_PP2_DP2))
+    losses = full[0]["losses"]
+    assert all(r["losses"] == losses for r in full) and len(losses) == 4
+    step2 = str(tmp / "tp2pp2dp2" / "checkpoints" / step_name(2))
+    tp4 = dist_run(8, _train, settings(tmp, "tp4dp2", 4, 2, *TP4_DP2), step2)
+    assert tp4[0]["layout"] == {"pp": 1, "dp": 2, "cp": 1, "tp": 4}
+    assert _close(tp4[0]["losses"], losses[2:]), (tp4[0]["losses"], losses[2:])
+    single = _train(settings(tmp, "tp2pp2dp2-single", 4, 2), step2)
+    assert _close(single["losses"], losses[2:]), (single["losses"], losses[2:])
+
+
+# ---- the RNG rule ------------------------------------------------------------------------------------------
+def _save_rng_per_rank(directory: str) -> list[float]:
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(100 + rank)  # a different stream on every rank
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    CheckpointManager(directory, rank, layout={"dp": 2}).save(1, [model], opt, {"step": 1})
+    return torch.rand(3).tolist()  # what each rank draws right after the save
+
+
+def _resume_and_draw(directory: str, layout: dict) -> list[float]:
+    rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else 0
+    torch.manual_seed(0)
+    model = nn.Linear(4, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    CheckpointManager(directory, rank, layout=layout).resume([model], opt)
+    return torch.rand(3).tolist()
+
+
+def test_rng_rule_own_state_for_same_layout_rank0_state_otherwise(dist_run, tmp_path):
+    after_save = dist_run(2, _save_rng_per_rank, str(tmp_path))
+    assert after_save[0] != after_save[1]
+    assert dist_run(2, _resume_and_draw, str(tmp_path), {"dp": 2}) == after_save  # each rank its own
+    assert _resume_and_draw(str(tmp_path), {"dp": 1}) == after_save[0]  # layout changed: saved rank 0's
+
+
+# ---- a rank killed under torchrun ------------------------------------------------------------------------
+def test_torchrun_restarts_after_a_rank_is_killed_and_finishes_like_uninterrupted(dist_run, tmp):
+    reference = dist_run(2, _train, settings(tmp, "elastic-ref", 6, 2, *FSDP2))[0]["losses"]
+    sets = settings(tmp, "elastic", 6, 2, *FSDP2)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           "--max-restarts", "2", "-m", "paratrain", "train", *[a for s in sets for a in ("--set", s)],
+           "--summary-json", str(tmp / "elastic.json")]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARATRAIN_FAULT_KILL": "after_step:5:1"}
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "Signals.SIGKILL" in proc.stderr or "exitcode: -9" in proc.stderr  # rank 1 really died
+    summary = json.loads((tmp / "elastic.json").read_text())
+    assert summary["resumed_from"].endswith(step_name(4))  # the restart resumed from the latest checkpoint
+    assert summary["losses"] == reference[4:] and summary["last_loss"] == reference[-1]
