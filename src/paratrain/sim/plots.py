@@ -22,7 +22,7 @@ def plot_interval_sweep(points: list[IntervalPoint], path: Path, *, young_s: flo
     ax.fill_between(minutes, lo, hi, alpha=0.25, color="C0", label="simulated, 95% CI of the mean")
     ax.plot(minutes, mean, "o-", color="C0", ms=3, label="simulated goodput")
     if all(p.daly_goodput is not None for p in points):
-        ax.plot(minutes, [p.daly_goodput * 100 for p in points], "--", color="C1", label="Daly model (analytic)")
+        ax.plot(minutes, [p.daly_goodput * 100 for p in points], "--", color="C1", label="Daly model (analytic: no spare waits, no stragglers)")
     for value, name, color in ((young_s, "Young", "C2"), (daly_s, "Daly", "C1"), (simulated_opt_s, "simulated optimum", "C3")):
         if value is not None:
             ax.axvline(value / 60, color=color, ls=":", lw=1.5, label=f"{name}: {value / 60:.1f} min")
@@ -44,7 +44,7 @@ def plot_cluster_sweep(points: list[ClusterPoint], path: Path, *, title: str) ->
     ax.fill_between(devices, lo, hi, alpha=0.25, color="C0", label="simulated, 95% CI of the mean")
     ax.plot(devices, mean, "o-", color="C0", ms=3, label="simulated goodput (interval rule at each size)")
     if all(p.daly_goodput is not None for p in points):
-        ax.plot(devices, [p.daly_goodput * 100 for p in points], "--", color="C1", label="Daly model (analytic)")
+        ax.plot(devices, [p.daly_goodput * 100 for p in points], "--", color="C1", label="Daly model (analytic: no spare waits, no stragglers)")
     ax.set_xscale("log")
     ax.set_ylim(0, 100)
     ax.set_xlabel("devices in the job")

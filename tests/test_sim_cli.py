@@ -1,0 +1,86 @@
+"""`paratrain simulate`: JSON report, plots, Daly check, and one-line errors for bad input."""
+
+import json
+
+import pytest
+
+from paratrain.cli import main
+
+LLAMA = ["simulate", "--devices", "16384", "--step-time", "10s", "--duration", "54d", "--checkpoint-gb", "6500",
+         "--write-gbps", "2000", "--read-gbps", "2000", "--samples", "20"]
+
+
+def run_json(capsys, argv):
+    assert main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_report_has_every_output_with_intervals(capsys):
+    report = run_json(capsys, LLAMA + ["--price", "2.5"])
+    metrics = report["metrics"]
+    for key in ("goodput", "effective_training_fraction", "wall_days", "lost_work_hours", "interruptions",
+                "cost_usd"):
+        lo, hi = metrics[key]["ci95"]
+        assert lo <= metrics[key]["mean"] <= hi
+    assert report["samples"] == 20
+    assert report["inputs"]["checkpoint_interval_rule"] == "daly"
+    assert 380 < metrics["interruptions"]["mean"] < 460
+    causes = [row["cause"] for row in report["interruptions_by_cause"]]
+    assert causes[0] == "Faulty GPU" and len(causes) == 18
+    fleet = report["inputs"]["fleet_devices_paid"]
+    assert metrics["cost_usd"]["mean"] == pytest.approx(54 * 24 * fleet * 2.5)
+    assert report["analytic"]["daly_interval_s"] < report["analytic"]["young_interval_s"] * 1.1
+
+
+def test_flags_override_toml(tmp_path, capsys):
+    path = tmp_path / "sim.toml"
+    path.write_text('devices = 4096\nstep_time_s = 5.0\nsteps = 100000\nspare_nodes = 3\n'
+                    '[stragglers]\nrate_per_device_hour = 1e-5\n')
+    report = run_json(capsys, ["simulate", "--config", str(path), "--samples", "5", "--spare-nodes", "7",
+                               "--straggler-policy", "bounded_staleness", "--interval", "300steps"])
+    assert report["inputs"]["spare_nodes"] == 7
+    assert report["inputs"]["devices"] == 4096
+    assert report["inputs"]["straggler_policy"] == "bounded_staleness"
+    assert report["inputs"]["checkpoint_interval_s"] == 1500.0
+    assert report["mode"] == "time_to_train"
+    assert report["metrics"]["useful_compute_days"]["mean"] == pytest.approx(100000 * 5.0 / 86400)
+
+
+def test_plots_are_written(tmp_path, capsys):
+    argv = ["simulate", "--devices", "1024", "--step-time", "5s", "--duration", "10d", "--samples", "4",
+            "--plot", str(tmp_path / "plots")]
+    report = run_json(capsys, argv)
+    for key in ("goodput_vs_interval", "goodput_vs_cluster_size"):
+        data = (tmp_path / "plots" / f"{key}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
+    sizes = [p["devices"] for p in report["plots"]["cluster_sweep"]]
+    assert 1024 in sizes and max(sizes) >= 1_000_000
+
+
+def test_daly_check_prints_the_three_cases(capsys):
+    assert main(["simulate", "--daly-check", "--samples", "10"]) == 0
+    out = capsys.readouterr().out
+    for published in ("117.0m", "57.0m", "9.1m"):
+        assert published in out
+
+
+def test_text_report(capsys):
+    assert main(LLAMA) == 0
+    out = capsys.readouterr().out
+    assert "goodput" in out and "Faulty GPU" in out and "Young" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["simulate", "--step-time", "10s", "--steps", "10"], "--devices"),
+    (["simulate", "--devices", "64", "--step-time", "10s"], "--steps"),
+    (["simulate", "--devices", "64", "--step-time", "ten", "--steps", "10"], "step-time"),
+    (["simulate", "--devices", "64", "--step-time", "1s", "--steps", "10", "--interval", "often"], "checkpoint_interval"),
+    (["simulate", "--devices", "60", "--step-time", "1s", "--steps", "10"], "devices=60"),
+    (["simulate", "--devices", "64", "--step-time", "1s", "--steps", "10", "--async-fraction", "1.5"], "async_fraction"),
+    (["simulate", "--devices", "64", "--step-time", "1s", "--steps", "10", "--failures", "/nonexistent.toml"],
+     "does not exist"),
+])
+def test_bad_input_is_one_line_naming_the_field(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err
