@@ -47,6 +47,8 @@ def test_elastic_command_is_exact_torchrun_invocation(capsys):
         "--local-addr", "10.0.0.5", "-m", "paratrain", "train", "--config", "configs/tiny.toml",
         "--set", "train.global_batch=24", "--set", "train.microbatch=1", "--set", "checkpoint.interval=10"]
     assert out["env"]["GLOO_SOCKET_IFNAME"] == "ens5" and out["env"]["NCCL_SOCKET_IFNAME"] == "ens5"
+    # restarts need a fresh worker store per rendezvous round (pytorch/pytorch#135712)
+    assert out["env"]["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] == "1"
     assert set(out["placement"]) == {"1", "2", "3", "4"}  # every node count of the range was checked
     # torchrun itself accepts the command line (its own parser; nothing is started)
     from torch.distributed.run import get_args_parser

@@ -145,6 +145,12 @@ def launch_env(spec: LaunchSpec) -> dict[str, str]:
     if spec.ifname:
         env["GLOO_SOCKET_IFNAME"] = spec.ifname
         env["NCCL_SOCKET_IFNAME"] = spec.ifname
+    if spec.max_restarts and "TORCH_DISABLE_SHARE_RDZV_TCP_STORE" not in os.environ:
+        # torchrun's agent shares its c10d store with the workers by default, but a surviving rank-0 agent does
+        # not republish MASTER_ADDR for a new rendezvous round, so a node that restarts and rejoins waits for it
+        # forever (pytorch/pytorch#135712; seen here with torch 2.13). The opt-out gives each round a fresh
+        # worker store.
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
     if "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"  # torchrun sets 1 too, but says so in a warning per node
     return env
