@@ -1,0 +1,224 @@
+"""Pipeline parallelism against the single-device model (CPU, gloo, fp32), and layout refusals.
+
+Each parity case runs the same model on the same global batch as the single-device reference and compares,
+on every rank: the loss of the first forward (reported on every rank, not only the last stage), every
+gradient this rank holds after the first backward (relative L2 error of the full tensor gathered out of its
+TP/FSDP shards; the union over ranks must cover every parameter), the global gradient norm used for clipping
+(over all stages and shards) at each of 3 AdamW steps, the losses of those steps, and the forward-only eval
+loss afterwards. Clipping is set low (0.5) so that it scales every step. The norm is compared directly:
+AdamW is nearly invariant to a uniform gradient scale, so a wrong clipping norm barely moves the losses
+(this is how a TP x FSDP norm bug, _StridedShard placements not reduced over dp, was found).
+
+Tolerance: losses, norms and eval loss rtol 1e-5 (atol 1e-6); gradient relative error 1e-5 (fp32; the
+measured errors are ~1e-7).
+
+Cases are grouped per world size and run in one call each to the persistent gloo pool.
+"""
+
+import pytest
+import torch
+from parity import assert_matches_reference, global_batch, make_config, run_steps
+
+from paratrain.config import load_config
+from paratrain.parallel.mesh import DistEnv, init_distributed
+from paratrain.parallel.pipeline import PipelineLayout, balanced_layers, carve_stage, plan_pipeline
+from paratrain.train.loop import _build_model, build_runner
+
+RTOL, ATOL, GRAD_RTOL = 1e-5, 1e-6, 1e-5
+CLIP = ["optim.grad_clip=0.5"]
+
+
+def sched(name: str, *extra: str) -> list[str]:
+    return [f'parallel.pp_schedule="{name}"', *extra]
+
+
+PP2 = [["parallel.pp=2", *sched(s)] for s in ("gpipe", "1f1b", "zbv", "dualpipev")] + [
+    ["parallel.pp=2", *sched("interleaved_1f1b", "parallel.virtual_stages=2")],
+    ["parallel.pp=2", *sched("1f1b"), "parallel.pp_layers=[1, 3]", 'parallel.recompute="full"'],
+    ["parallel.pp=2", *sched("interleaved_1f1b", "parallel.virtual_stages=2"), 'parallel.recompute="selective"'],
+]
+PP4_MODEL = ["model.layers=8", "train.microbatch=1"]  # 8 stages for the 2-chunk schedules; 8 microbatches
+PP4 = [["parallel.pp=4", *PP4_MODEL, *sched(s)] for s in ("gpipe", "1f1b", "zbv", "dualpipev")] + [
+    ["parallel.pp=4", *PP4_MODEL, *sched("interleaved_1f1b", "parallel.virtual_stages=2")],
+]
+PP2_MIXED = [
+    ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", *sched("1f1b")],
+    ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", *sched("zbv")],
+    ["parallel.pp=2", "parallel.dp=2", 'parallel.dp_kind="fsdp"', *sched("1f1b")],
+    ["parallel.pp=2", "parallel.dp=2", 'parallel.dp_kind="ddp"', "train.microbatch=1",
+     *sched("interleaved_1f1b", "parallel.virtual_stages=2")],
+]
+PP2_TP2_DP2 = [
+    ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "parallel.dp=2", 'parallel.dp_kind="fsdp"',
+     *sched("1f1b"), 'parallel.recompute="selective"'],
+    ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "parallel.dp=2", 'parallel.dp_kind="ddp"',
+     "train.microbatch=1", *sched("dualpipev")],
+]
+
+
+def _steps_with_norms(cfg, runner) -> dict:
+    """parity.run_steps, also recording the clipping norm of each step and the eval loss after the steps."""
+    norms = []
+    clip = runner.clip_grad_norm_
+
+    def recording_clip(max_norm):
+        norms.append(clip(max_norm))
+        return norms[-1]
+
+    runner.clip_grad_norm_ = recording_clip
+    out = run_steps(cfg, runner)
+    inputs, targets = global_batch(cfg, 3)
+    per_rank = cfg.train.global_batch // runner.dp_size
+    sl = slice(runner.dp_rank * per_rank, (runner.dp_rank + 1) * per_rank)
+    out.update(norms=norms, eval=float(runner.eval_loss(inputs[sl], targets[sl])))
+    return out
+
+
+def _reference(overrides: list[str]) -> dict:
+    cfg = make_config(overrides + CLIP)
+    single = cfg.model_copy(update={"parallel": type(cfg.parallel)()})
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    return _steps_with_norms(single, build_runner(single, env))
+
+
+def _run_cases(cases: list[list[str]]) -> list[dict]:
+    """On every rank of the pool: each layout through the real entry point (parallelize -> PipelineRunner)."""
+    env = init_distributed("cpu")
+    results = []
+    for overrides in cases:
+        cfg = make_config(overrides + CLIP)
+        runner = build_runner(cfg, env)
+        results.append({**_steps_with_norms(cfg, runner), "runner": type(runner).__name__})
+    return results
+
+
+def _check(cases, per_rank_results):
+    failures = []
+    for i, overrides in enumerate(cases):
+        ref = _reference(overrides)
+        covered = set()
+        for rank, results in enumerate(per_rank_results):
+            got = results[i]
+            label = f"{' '.join(overrides)} (rank {rank})"
+            try:
+                assert got["runner"] == "PipelineRunner"
+                assert_matches_reference(ref, got, RTOL, ATOL, GRAD_RTOL)
+                torch.testing.assert_close(torch.tensor(got["norms"]), torch.tensor(ref["norms"]), rtol=RTOL,
+                                           atol=ATOL)
+                assert abs(got["eval"] - ref["eval"]) <= RTOL * abs(ref["eval"]), (got["eval"], ref["eval"])
+            except AssertionError as exc:
+                failures.append(f"{label}: {exc}")
+            covered |= set(got["grads"])
+        if covered != set(ref["grads"]):
+            failures.append(f"{' '.join(overrides)}: parameters without a gradient on any rank: "
+                            f"{sorted(set(ref['grads']) - covered)}")
+    assert not failures, "\n".join(failures)
+
+
+def test_clipping_is_active_in_the_parity_cases():
+    """The parity cases only test the global norm if clipping actually scales the gradients."""
+    assert min(_reference(PP2[0])["norms"]) > 0.5
+
+
+def test_pp2_every_schedule_matches_single_device(dist_run):
+    _check(PP2, dist_run(2, _run_cases, PP2))
+
+
+def test_pp4_every_schedule_matches_single_device(dist_run):
+    _check(PP4, dist_run(4, _run_cases, PP4))
+
+
+def test_pp2_with_tp_sp_and_dp_matches_single_device(dist_run):
+    _check(PP2_MIXED, dist_run(4, _run_cases, PP2_MIXED))
+
+
+def test_pp2_tp2_dp2_on_8_ranks_matches_single_device(dist_run):
+    _check(PP2_TP2_DP2, dist_run(8, _run_cases, PP2_TP2_DP2))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Layout: split, placement, refusals (no processes)
+# ---------------------------------------------------------------------------------------------------------
+def _plan(overrides: list[str], dp: int = 1) -> PipelineLayout:
+    return plan_pipeline(make_config(overrides), dp)
+
+
+def test_balanced_split_gives_remainder_to_inner_stages_first():
+    assert balanced_layers(8, 4) == [2, 2, 2, 2]
+    assert balanced_layers(10, 4) == [2, 3, 3, 2]
+    assert balanced_layers(11, 4) == [3, 3, 3, 2]
+    assert balanced_layers(5, 2) == [3, 2]
+    assert sum(balanced_layers(61, 7)) == 61
+
+
+def test_looped_and_v_placement():
+    looped = _plan(["parallel.pp=2", "model.layers=8", *sched("interleaved_1f1b", "parallel.virtual_stages=2")])
+    assert looped.num_stages == 4 and looped.stages_of_rank(0) == [0, 2] and looped.stages_of_rank(1) == [1, 3]
+    assert [looped.layer_ids(s) for s in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    v = _plan(["parallel.pp=4", "model.layers=8", "train.microbatch=1", *sched("zbv")])
+    assert [v.stages_of_rank(r) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert v.rank_of_stage(7) == 0  # the loss is computed on pp rank 0 in a V
+    explicit = _plan(["parallel.pp=2", *sched("1f1b"), "parallel.pp_layers=[1, 3]"])
+    assert explicit.layer_ids(0) == [0] and explicit.layer_ids(1) == [1, 2, 3]
+    assert _plan(["parallel.pp=2"], dp=2).microbatches == 2  # global_batch 8 / (dp 2 x microbatch 2)
+
+
+def test_stage_keeps_global_layer_names_and_only_its_parts():
+    cfg = make_config(["model.layers=4"])
+    model = _build_model(cfg, cfg.model_shape())
+    middle = carve_stage(model, [1, 2], first=False, last=False)
+    last = carve_stage(model, [3], first=False, last=True)
+    assert {n.split(".")[1] for n, _ in middle.named_parameters()} == {"1", "2"}
+    assert all(n.startswith("layers.") for n, _ in middle.named_parameters())
+    assert {n for n, _ in last.named_parameters() if not n.startswith("layers.")} == {"norm.weight", "output.weight"}
+    assert middle.layers["1"] is model.layers["1"]  # shared, not copied
+    h = torch.randn(2, 8, cfg.model_shape().hidden)
+    assert middle(h).shape == h.shape  # a middle stage maps hidden states to hidden states
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.pp=8"], r"8 pipeline stages .* but the model has 4 layers"),
+    (["parallel.pp=2", "model.layers=4", *sched("interleaved_1f1b", "parallel.virtual_stages=4")],
+     r"8 pipeline stages"),
+    (["parallel.pp=4", "train.global_batch=4", "train.microbatch=2", *sched("1f1b")],
+     r"1f1b needs microbatches >= pp=4"),
+    (["parallel.pp=4", "train.global_batch=4", "train.microbatch=2", *sched("interleaved_1f1b",
+                                                                              "parallel.virtual_stages=1")],
+     r"virtual_stages=1 .* interleaving needs several chunks"),
+    (["parallel.pp=2", "train.global_batch=2", "train.microbatch=2",
+      *sched("interleaved_1f1b", "parallel.virtual_stages=2")], r"interleaved_1f1b needs microbatches >= pp=2"),
+    (["parallel.pp=2", "train.global_batch=10", "train.microbatch=2",
+      *sched("interleaved_1f1b", "parallel.virtual_stages=2")], r"rounds of m // pp = 2; allowed: .* divisible by 2"),
+    (["parallel.pp=2", "train.global_batch=6", "train.microbatch=2", *sched("zbv")],
+     r"zbv needs microbatches >= 2\*pp = 4"),
+    (["parallel.pp=2", "train.global_batch=6", "train.microbatch=2", *sched("dualpipev")],
+     r"dualpipev needs microbatches >= 2\*pp = 4"),
+    (["parallel.pp=2", *sched("zbv", "parallel.virtual_stages=3")], r"exactly 2 chunks per rank"),
+    (["parallel.pp=2", *sched("gpipe", "parallel.virtual_stages=2")], r"'gpipe' runs one stage per rank"),
+    (["parallel.pp=2", "parallel.pp_layers=[1, 2, 1]"], r"pp_layers=\[1, 2, 1\]: 3 entries .* 2 \(virtual\)"),
+    (["parallel.pp=2", "parallel.pp_layers=[1, 2]"], r"sums to 3 but the model has 4 layers"),
+    (["parallel.pp=4", "parallel.pp_layers=[2, 0, 1, 1]"], r"stage\(s\) \[1\] would hold no work"),
+    (["parallel.pp=2", "model.tie_embeddings=true"], r"tie_embeddings=true with parallel.pp > 1"),
+])
+def test_impossible_layouts_are_refused_with_the_field(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        _plan(overrides)
+
+
+def test_refused_by_the_batch_check_that_runs_before_any_work():
+    """train() and `paratrain launch` call check_batch_layout before data preparation or model building."""
+    from paratrain.train.loop import check_batch_layout
+
+    cfg = make_config(["parallel.pp=2", 'parallel.pp_schedule="1f1b"', "train.global_batch=2"])
+    with pytest.raises(ValueError, match=r"train.global_batch=2 .*1f1b needs microbatches >= pp=2"):
+        check_batch_layout(cfg, 1)
+
+
+def test_pp_layers_with_pp1_and_zero_edge_stages():
+    with pytest.raises(ValueError, match="pp_layers=.* needs parallel.pp > 1"):
+        from paratrain.parallel.pipeline import check_pipeline_layout
+
+        check_pipeline_layout(make_config(["parallel.pp_layers=[4]"]), 1)
+    layout = _plan(["parallel.pp=2", "parallel.pp_layers=[0, 4]"])  # embedding-only first stage is allowed
+    assert layout.layer_ids(0) == [] and layout.layer_ids(1) == [0, 1, 2, 3]
+    assert load_config(None, ["parallel.pp=2"]).parallel.pp_schedule == "1f1b"
