@@ -129,6 +129,33 @@ def vtrain(system) -> list[tuple[str, float, float]]:
     return out
 
 
+def vtrain_cluster(catalog):
+    """vTrain's multi-node cluster as its validation configs describe it (config/validation/multi/*.json):
+    8 A100 per node, "inter_node_bandwidth": 800 (Gbps) -> a DGX A100 entry with a 100 GB/s scale-out link."""
+    base = catalog.system("dgx-a100-80gb")
+    net = dataclasses.replace(base.tiers[-1].interconnect, name="vtrain-800g", bw_gbytes_per_s=100.0)
+    return dataclasses.replace(base, name="vtrain-a100-800g",
+                               tiers=(*base.tiers[:-1], dataclasses.replace(base.tiers[-1], interconnect=net)))
+
+
+def vtrain_multi(system) -> list[tuple[str, float, float]]:
+    """Held out (never used for calibration): vTrain data/ground_truth_multi.csv, 109 Megatron-DeepSpeed runs
+    on 64-512 A100 (3.6B-175B), copied to benchmarks/data/ from VIA-Research/vTrain @f8dda84."""
+    out = []
+    with (Path(__file__).parent / "data" / "vtrain_ground_truth_multi.csv").open(encoding="utf-8") as fh:
+        for r in csv.DictReader(fh):
+            h, heads, layers = int(r["hidden size"]), int(r["attention heads"]), int(r["# layers"])
+            s, gbs, gpus = int(r["sequence length"]), int(r["global batch"]), int(r["# GPUs"])
+            tp, dp, pp, mb = (int(r[k]) for k in ("tensor parallelism", "data parallelism", "pipeline parallelism",
+                                                 "micro batch"))
+            model = gpt_config(f"gpt-{r['Parameters (billion)']}B", layers, h, heads, VOCAB, s)
+            lay = Layout(tp=tp, pp=pp, dp=dp, microbatch=mb, recompute="full", zero_stage=0)
+            est = estimate(model, system, gpus // 8, s, gbs, lay, MEGATRON)
+            out.append((f"{r['Parameters (billion)']}B mb{mb} tp{tp} dp{dp} pp{pp}", est.step_time_s,
+                        float(r["iteration time (ms)"]) / 1000.0))
+    return out
+
+
 def trn1_sanity(catalog) -> list[tuple[str, float, float]]:
     """Published Trn1 throughput (Neuron benchmarks, hardware-facts.md): seq/s -> step time for gbs 1024 (the
     NxDT example configs' global batch; an assumption for the benchmark rows). Llama 3.1 shapes = Llama 3 presets."""
@@ -245,6 +272,8 @@ def main() -> int:
                                          korthikanti(catalog.system("dgx-a100-80gb")), args.worst, False),
         "vtrain_single": report("vTrain single-node ground truth (A100, 2-8 GPUs)",
                                 vtrain(catalog.system("p4d.24xlarge")), args.worst, True),
+        "vtrain_multi_heldout": report("vTrain multi-node ground truth, HELD OUT (A100, 64-512 GPUs)",
+                                       vtrain_multi(vtrain_cluster(catalog)), args.worst, True),
         "trn1_sanity": report("Trn1 published throughput (Neuron benchmarks), sanity check", trn1_sanity(catalog),
                               args.worst, False),
     }

@@ -150,3 +150,20 @@ def test_spec_without_cli():
                       train_args=["--config", "x.toml"], python="python3")
     assert build_command(spec)[:4] == ["python3", "-m", "torch.distributed.run", "--nnodes"]
     assert build_command(spec)[-5:] == ["-m", "paratrain", "train", "--config", "x.toml"]
+
+
+def test_kubeflow_pet_environment_gives_the_defaults(capsys, monkeypatch):
+    """In a PyTorchJob pod the training operator sets PET_*; `paratrain launch -- --config x` then suffices."""
+    for key, value in {"PET_NNODES": "1:3", "PET_NPROC_PER_NODE": "2", "PET_RDZV_ENDPOINT": "job-worker-0:23456",
+                       "PET_RDZV_ID": "job", "PET_RDZV_BACKEND": "c10d", "PET_MAX_RESTARTS": "5",
+                       "PET_RDZV_CONF": "join_timeout=600,last_call_timeout=10"}.items():
+        monkeypatch.setenv(key, value)
+    out = dry_run(capsys, "--set", "train.global_batch=12", "--set", "train.microbatch=1")
+    cmd = out["command"]
+    assert cmd[cmd.index("--nnodes") + 1] == "1:3" and cmd[cmd.index("--nproc-per-node") + 1] == "2"
+    assert cmd[cmd.index("--rdzv-endpoint") + 1] == "job-worker-0:23456" and cmd[cmd.index("--rdzv-id") + 1] == "job"
+    assert cmd[cmd.index("--max-restarts") + 1] == "5"
+    assert cmd[cmd.index("--rdzv-conf") + 1] == "join_timeout=600,last_call_timeout=10"
+    # an explicit flag still wins
+    out = dry_run(capsys, "--nnodes", "2", "--set", "train.global_batch=12", "--set", "train.microbatch=1")
+    assert out["command"][out["command"].index("--nnodes") + 1] == "2"

@@ -46,28 +46,37 @@ examples:
   # hybrid sharding: FSDP shards inside each node, replicas across nodes (dp_kind=hsdp, dp_replicate=nnodes)
   paratrain launch --nnodes 4 --nproc-per-node 8 --rdzv-endpoint node001:29400 --hybrid-shard -- --config run.toml
 
+Defaults come from torchrun's own PET_* variables when set (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
+PET_RDZV_ENDPOINT, PET_RDZV_ID, PET_RDZV_BACKEND, PET_RDZV_CONF, PET_MAX_RESTARTS), which the Kubeflow
+training operator sets in every PyTorchJob pod: there `paratrain launch -- --config run.toml` is enough.
+
 Arguments after `--` (or the --config/--set given here) go to `paratrain train`. Cluster recipes (Slurm,
 Kubernetes, AWS trn1/p5) are in recipes/ and explained in docs/multinode.md.
 """
+
+
+def pet(name: str, default=None):
+    """torchrun's environment default for a flag (PET_<NAME>), as the Kubeflow training operator sets them."""
+    return os.environ.get(f"PET_{name}", default)
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("launch", help="run training on one node of a multi-node job (torchrun wrapper)",
                               description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("nodes and processes")
-    g.add_argument("--nnodes", default="1", help="node count N, or MIN:MAX for an elastic job (default 1)")
-    g.add_argument("--nproc-per-node", type=int, default=None,
+    g.add_argument("--nnodes", default=pet("NNODES", "1"), help="node count N, or MIN:MAX for an elastic job (default 1)")
+    g.add_argument("--nproc-per-node", type=int, default=pet("NPROC_PER_NODE"),
                    help="processes per node (default: the number of CUDA devices, else 1)")
-    g.add_argument("--node-rank", type=int, default=None,
+    g.add_argument("--node-rank", type=int, default=pet("NODE_RANK"),
                    help="this node's rank for a static (non-elastic) rendezvous; omit for c10d")
     r = p.add_argument_group("rendezvous and restarts")
-    r.add_argument("--rdzv-endpoint", help="HOST[:PORT] of the rendezvous (c10d store; or the master for static)")
-    r.add_argument("--rdzv-id", default="paratrain", help="job id shared by all nodes of one job")
-    r.add_argument("--rdzv-backend", default="c10d", choices=["c10d", "etcd-v2"],
+    r.add_argument("--rdzv-endpoint", default=pet("RDZV_ENDPOINT"), help="HOST[:PORT] of the rendezvous (c10d store; or the master for static)")
+    r.add_argument("--rdzv-id", default=pet("RDZV_ID", "paratrain"), help="job id shared by all nodes of one job")
+    r.add_argument("--rdzv-backend", default=pet("RDZV_BACKEND", "c10d"), choices=["c10d", "etcd-v2"],
                    help="elastic rendezvous backend (default c10d: no extra service)")
-    r.add_argument("--rdzv-conf", action="append", default=[], metavar="KEY=VALUE",
+    r.add_argument("--rdzv-conf", action="append", default=None, metavar="KEY=VALUE",
                    help="rendezvous option, repeatable: join_timeout=900, last_call_timeout=30, is_host=1, ...")
-    r.add_argument("--max-restarts", type=int, default=0,
+    r.add_argument("--max-restarts", type=int, default=pet("MAX_RESTARTS", 0),
                    help="worker-group restarts before the job fails (default 0); each restart resumes from "
                         "the newest complete checkpoint")
     r.add_argument("--monitor-interval", type=float, default=None, help="seconds between worker health checks")
@@ -159,6 +168,8 @@ def warnings_for(cfg, spec: LaunchSpec) -> list[str]:
 
 def run_launch(args) -> int:
     merge_extra(args)
+    if args.rdzv_conf is None:  # argparse appends to a list default, so the env default is applied here
+        args.rdzv_conf = [c for c in pet("RDZV_CONF", "").split(",") if c]
     nnodes = parse_nnodes(args.nnodes)
     nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc()
     cfg, extra_sets = resolve_config(args, nnodes, nproc)
