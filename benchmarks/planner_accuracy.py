@@ -140,9 +140,9 @@ def vtrain_cluster(catalog):
 
 def vtrain_multi(system) -> list[tuple[str, float, float]]:
     """Held out (never used for calibration): vTrain data/ground_truth_multi.csv, 109 Megatron-DeepSpeed runs
-    on 64-512 A100 (3.6B-175B), copied to benchmarks/data/ from VIA-Research/vTrain @f8dda84."""
+    on 64-512 A100 (3.6B-175B), copied to benchmarks/planner_vtrain_multi.csv from VIA-Research/vTrain @f8dda84."""
     out = []
-    with (Path(__file__).parent / "data" / "vtrain_ground_truth_multi.csv").open(encoding="utf-8") as fh:
+    with (Path(__file__).parent / "planner_vtrain_multi.csv").open(encoding="utf-8") as fh:
         for r in csv.DictReader(fh):
             h, heads, layers = int(r["hidden size"]), int(r["attention heads"]), int(r["# layers"])
             s, gbs, gpus = int(r["sequence length"]), int(r["global batch"]), int(r["# GPUs"])
