@@ -84,3 +84,26 @@ def test_bad_input_is_one_line_naming_the_field(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert message in err and "\n" not in err
+
+
+def test_catalog_and_planner_fill_the_inputs(capsys):
+    catalog = pytest.importorskip("paratrain.hardware.catalog")
+    pytest.importorskip("paratrain.plan.api")
+    from paratrain.model.config import PRESETS
+    from paratrain.sim.catalog import CHECKPOINT_BYTES_PER_PARAM
+
+    system = catalog.resolve_system("p5.48xlarge")
+    report = run_json(capsys, ["simulate", "--hardware", "p5.48xlarge", "--model", "llama3-8b", "--devices", "256",
+                               "--steps", "1000", "--samples", "4"])
+    inputs = report["inputs"]
+    assert inputs["devices_per_node"] == system.chips_per_node
+    assert inputs["price_per_device_hour_usd"] == pytest.approx(
+        system.prices.on_demand_usd_per_hour / system.chips_per_node)
+    assert inputs["checkpoint_bytes"] == PRESETS["llama3-8b"].num_params() * CHECKPOINT_BYTES_PER_PARAM
+    assert 0 < inputs["step_time_s"] < 60
+    assert any("planner" in note for note in inputs["notes"])
+    # Flags still win over the catalog.
+    report = run_json(capsys, ["simulate", "--hardware", "p5.48xlarge", "--devices", "256", "--step-time", "2s",
+                               "--steps", "1000", "--samples", "4", "--price", "1.0"])
+    assert report["inputs"]["price_per_device_hour_usd"] == 1.0
+    assert report["inputs"]["step_time_s"] == 2.0

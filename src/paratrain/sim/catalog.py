@@ -1,9 +1,79 @@
-"""Fill the simulator's plain inputs from the hardware catalog and the planner, when they are installed."""
+"""Fill the simulator's plain inputs from the hardware catalog (`paratrain.hardware`) and the planner
+(`paratrain.plan`). Both are imported lazily: the simulator itself never needs them.
+
+A simulator "device" is an accelerator package that fails as a unit (a GPU, a Trainium chip), because the
+failure rates are per GPU-hour (Llama 3). The catalog counts logical devices (Trainium: NeuronCores, 4 per
+Trn2 chip), so the bridge converts: devices here = chips, devices per node = chips per node, price per
+device-hour = node price / chips per node.
+"""
 
 from __future__ import annotations
 
+from importlib import import_module
 
-def fill_from_catalog(*, hardware: str | None, model: str | None, devices: int | None, seq: int | None,
-                      global_batch: int | None) -> dict:
-    raise ValueError("--hardware/--model need paratrain.hardware and paratrain.plan, which are not available yet;"
-                     " give --devices, --devices-per-node, --step-time, --checkpoint-gb and --price instead")
+# Mixed-precision Adam checkpoint: bf16 weights (2) + fp32 master weights (4) + Adam m and v (4 + 4) bytes per
+# parameter. Frameworks that do not save the bf16 copy write 12; this is the usual upper figure.
+CHECKPOINT_BYTES_PER_PARAM = 14
+DEFAULT_SEQ = 4096
+DEFAULT_GLOBAL_BATCH = 1024  # sequences: 4M tokens at seq 4096, Llama-3-like
+
+
+def fill_from_catalog(*, hardware: str | None, model: str | None, devices: int | None, seq: int | None = None,
+                      global_batch: int | None = None) -> dict:
+    """SimConfig keyword arguments (plus 'notes', naming each number's source) from the catalog and planner."""
+    if model and not hardware:
+        raise ValueError("--model needs --hardware (the planner estimates the step time on a catalog system)")
+    system = _system(hardware)
+    chips_per_node = system.chips_per_node
+    out: dict = {"devices_per_node": chips_per_node, "nodes_per_domain": 1}
+    notes = [f"devices are {system.chip.name} chips; {chips_per_node} per node ({system.name}: {system.source})"]
+    price = system.prices.on_demand_usd_per_hour
+    if price is not None:
+        out["price_per_device_hour_usd"] = price / chips_per_node
+        notes.append(f"price {price:.2f} USD per node-hour on demand / {chips_per_node} chips ({system.prices.source})")
+    else:
+        notes.append(f"no public price for {system.name} in the catalog: give --price for cost outputs")
+    if model:
+        out.update(_from_planner(system, model, devices, seq or DEFAULT_SEQ, global_batch or DEFAULT_GLOBAL_BATCH,
+                                 notes))
+    out["notes"] = tuple(notes)
+    return out
+
+
+def _system(name: str | None):
+    if not name:
+        raise ValueError("--hardware is required to use the catalog")
+    try:
+        hardware = import_module("paratrain.hardware.catalog")
+    except ModuleNotFoundError:
+        raise ValueError("--hardware needs paratrain.hardware, which is not installed; give --devices-per-node "
+                         "and --price instead") from None
+    return hardware.resolve_system(name)
+
+
+def _from_planner(system, model_name: str, devices: int | None, seq: int, global_batch: int, notes: list) -> dict:
+    if not devices:
+        raise ValueError("--model needs --devices (chips in the job) to plan the step time")
+    if devices % system.chips_per_node:
+        raise ValueError(f"devices={devices} is not a whole number of {system.name} nodes "
+                         f"({system.chips_per_node} chips each)")
+    try:
+        plan = import_module("paratrain.plan.api")
+        model_config = import_module("paratrain.model.config")
+    except ModuleNotFoundError:
+        raise ValueError("--model needs paratrain.plan, which is not installed; give --step-time and "
+                         "--checkpoint-gb instead") from None
+    model = model_config.load_model_config(model_name)
+    nodes = devices // system.chips_per_node
+    result = plan.search(model, system, nodes, seq, global_batch, top=1)
+    if not result.candidates:
+        raise ValueError(f"the planner found no layout of {model.name} on {nodes} x {system.name} that fits in "
+                         f"memory at seq {seq}, global batch {global_batch}")
+    best = result.candidates[0]
+    params = model.num_params()
+    notes.append(f"step time {best.step_time_s:.3f} s: planner's fastest layout of {model.name} on {nodes} x "
+                 f"{system.name}, seq {seq}, global batch {global_batch} ({best.layout.to_dict()})")
+    notes.append(f"checkpoint {params * CHECKPOINT_BYTES_PER_PARAM / 1e12:.2f} TB = {params / 1e9:.1f}B params x "
+                 f"{CHECKPOINT_BYTES_PER_PARAM} bytes (bf16 weights, fp32 master, Adam m and v)")
+    return {"devices": devices, "step_time_s": float(best.step_time_s),
+            "checkpoint_bytes": float(params * CHECKPOINT_BYTES_PER_PARAM)}

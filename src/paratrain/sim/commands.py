@@ -64,11 +64,13 @@ def register(subparsers) -> None:
     )
     p.add_argument("--config", help="TOML file with SimConfig fields (see docs/simulator.md)")
     g = p.add_argument_group("cluster")
-    g.add_argument("--devices", type=int, help="devices (chips/GPUs) in the job")
+    g.add_argument("--devices", type=int,
+                   help="devices in the job: accelerator packages that fail as a unit (GPUs, Trainium chips)")
     g.add_argument("--devices-per-node", type=int, help="devices per node (default 8)")
     g.add_argument("--nodes-per-domain", type=int,
                    help="nodes replaced together, e.g. 4 for a Trn2 UltraServer (default 1)")
-    g.add_argument("--hardware", help="fill devices-per-node, UltraServer size and price from the hardware catalog")
+    g.add_argument("--hardware", help="catalog system (e.g. p5.48xlarge, trn2.48xlarge): fills chips per node and "
+                   "the price per chip-hour")
     g = p.add_argument_group("workload (give --steps, or --duration for a fixed window)")
     g.add_argument("--step-time", help="fault-free time of one training step, e.g. 8.5s")
     g.add_argument("--steps", type=int, help="steps to train: report time and cost to train")
@@ -330,6 +332,7 @@ def format_report(report: dict) -> str:
         lines.append(f"stragglers   {i['straggler_rate_per_device_hour']:.3g} episodes per device-hour, policy"
                      f" {i['straggler_policy']}: {i['straggler_lost_share_mean'] * 100:.2f}% of compute time lost")
     mode = "time to train" if report["mode"] == "time_to_train" else f"fixed window of {i['duration_days']:.1f} days"
+    lines += [f"source       {note}" for note in i.get("notes", [])]
     lines += ["", f"results over {report['samples']} Monte-Carlo replicas ({mode}): mean [95% CI of mean] (p5-p95 of runs)"]
     rows = [("goodput", "goodput", 100, "%"), ("effective training time", "effective_training_fraction", 100, "%"),
             ("wall time", "wall_days", 1, " days"), ("useful compute", "useful_compute_days", 1, " days"),

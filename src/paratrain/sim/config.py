@@ -92,6 +92,7 @@ class SimConfig:
     price_per_device_hour_usd: float | None = None
     samples: int = 100
     seed: int = 0
+    notes: tuple[str, ...] = ()  # where the numbers came from (catalog, planner), shown in reports
 
     def __post_init__(self) -> None:
         self.validate()
@@ -243,7 +244,7 @@ def parse_interval(text: str | float, step_time_s: float) -> str | float:
 
 
 # ---- TOML -------------------------------------------------------------------------------------------------
-_TOML_FIELDS = {f.name for f in fields(SimConfig)} - {"causes", "stragglers"}
+_TOML_FIELDS = {f.name for f in fields(SimConfig)} - {"causes", "stragglers", "notes"}
 _STRAGGLER_FIELDS = {f.name for f in fields(StragglerConfig)}
 
 

@@ -105,6 +105,7 @@ def _inputs(run: SimRun, fleet_devices: int) -> dict:
         "price_per_device_hour_usd": cfg.price_per_device_hour_usd,
         "failure_rate_per_device_hour": float(run.causes.total_rate_per_s * HOUR_S / cfg.devices),
         "job_mtbf_hours": run.mtbf_s / HOUR_S,
+        "notes": list(cfg.notes),
     }
 
 
