@@ -194,3 +194,16 @@ def test_step_time_grows_with_the_bubble():
     inter = estimate(model, "p5.48xlarge", 4, 4096, 64, Layout(**base, schedule="interleaved_1f1b", virtual_stages=5))
     assert inter.time_breakdown_s["bubble"] == pytest.approx(one.time_breakdown_s["bubble"] / 5, rel=0.05)
     assert inter.step_time_s < one.step_time_s
+
+
+def test_comm_bytes_by_kind():
+    """Per device per step: TP 4 collectives of T h bf16 per layer and microbatch (6 with full recompute);
+    ZeRO-1 DP: fp32 gradient reduce-scatter + bf16 parameter all-gather of this rank's parameters."""
+    model = PRESETS["llama2-7b"]
+    est = estimate(model, "trn1.32xlarge", 128, 4096, 1024, Layout(tp=8, sp=True, recompute="selective"))
+    m, T, h = 2, 4096, 4096
+    assert est.comm_bytes_per_device["tp"] == pytest.approx(m * 32 * 4 * T * h * 2)
+    assert est.comm_bytes_per_device["dp"] == pytest.approx(model.num_params() / 8 * (4 + 2))
+    assert est.comm_bytes_per_device["pp"] == 0.0
+    full = estimate(model, "trn1.32xlarge", 128, 4096, 1024, Layout(tp=8, sp=True, recompute="full"))
+    assert full.comm_bytes_per_device["tp"] == pytest.approx(m * 32 * 6 * T * h * 2)

@@ -58,6 +58,7 @@ class Estimate:
     fits: bool
     memory_breakdown_bytes: dict[str, float]
     time_breakdown_s: dict[str, float]
+    comm_bytes_per_device: dict[str, float]
     bubble_fraction: float
     cost_usd_per_hour: float | None
     cost_usd_per_million_tokens: float | None
@@ -166,6 +167,7 @@ def _to_estimate(model, system, nodes, seq, global_batch, layout, r: dict, train
                                 ("memory_weights_bytes", "memory_grads_bytes", "memory_optimizer_bytes",
                                  "memory_activations_bytes")},
         time_breakdown_s={k[len("time_"):-len("_s")]: r[k] for k in r if k.startswith("time_")},
+        comm_bytes_per_device={k[len("comm_"):-len("_bytes")]: r[k] for k in r if k.startswith("comm_")},
         bubble_fraction=r["bubble_fraction"], cost_usd_per_hour=price, cost_usd_per_million_tokens=per_m,
     )
     if train_tokens:

@@ -277,37 +277,13 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     pipeline = m * stage_mb + bubble
 
     # -- data parallel: gradient reduce (and parameter gather for ZeRO-1/2/3) --
-    params_stage = _params_per_stage(model, pp, v)
-    params_dev = params_stage / tp
-    stride_dp = tp * cp
-    dp_shard = np.where(kind == 2, np.maximum(1.0, np.minimum(dp, system.devices_per_node / stride_dp)), dp)
-    grad_bytes = params_dev * opts.grad_bytes
-    param_bytes = params_dev * WEIGHT_BYTES
-    reduce_ar = collective_time_s(system, "allreduce", grad_bytes, dp, stride_dp)
-    reduce_rs = collective_time_s(system, "reducescatter", grad_bytes, dp, stride_dp)
-    gather = collective_time_s(system, "allgather", param_bytes, dp, stride_dp)
-    # FSDP/HSDP: gather parameters for forward and backward of every microbatch, reduce-scatter once;
-    # HSDP shards inside the node and all-reduces the shards across replicas.
-    shard_rs = collective_time_s(system, "reducescatter", grad_bytes, dp_shard, stride_dp)
-    shard_ag = collective_time_s(system, "allgather", param_bytes, dp_shard, stride_dp)
-    repl_ar = collective_time_s(system, "allreduce", grad_bytes / dp_shard, dp / dp_shard, stride_dp * dp_shard)
-    gathers = np.select([kind == 1, kind == 2], [2 * m * gather, 2 * m * shard_ag], 0.0)
-    reduces = np.select([zero == 0, zero <= 2, kind == 1, kind == 2],
-                        [reduce_ar, reduce_rs, reduce_rs, shard_rs + repl_ar])
-    # ZeRO-1/2 gather the updated parameters after the optimizer step: nothing left to hide behind
-    post_step = np.where((zero >= 1) & (zero <= 2), gather, 0.0)
-    dp_time = np.where(dp > 1, gathers + reduces + post_step, 0.0)
-    # The gradient reduce can only hide behind the last microbatch's backward (earlier microbatches only
-    # accumulate); ZeRO-1/2's parameter all-gather after the optimizer step is in that term too. FSDP/HSDP
-    # prefetch their parameter gathers behind every microbatch's forward and backward, but all DP traffic
-    # together cannot hide behind more than the step's compute.
-    window_all = eff_sys.dp_overlap * m * (stage_fwd + stage_bwd)
-    window_last = eff_sys.dp_overlap * stage_bwd
-    exposed = np.maximum(np.maximum(gathers + reduces - window_all, reduces - window_last), 0.0) + post_step
-    dp_exposed = np.where(dp > 1, exposed, 0.0)
+    params_dev = _params_per_stage(model, pp, v) / tp
+    dp_shard = np.where(kind == 2, np.maximum(1.0, np.minimum(dp, system.devices_per_node / (tp * cp))), dp)
+    dp_time, dp_exposed = _data_parallel_s(system, opts, params_dev, dp, dp_shard, tp * cp, zero, kind, m,
+                                           stage_fwd, stage_bwd)
 
     # -- optimizer step: memory-bound Adam over this device's share of the parameters --
-    opt_share = np.where(zero >= 1, params_dev / np.where(kind == 2, dp_shard, dp), params_dev)
+    opt_share = np.where(zero >= 1, params_dev / dp_shard, params_dev)
     optimizer = memory_time_s(system, opt_share * ADAM_STEP_BYTES, 4)
 
     step = pipeline + dp_exposed + optimizer
@@ -325,7 +301,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
 
     # -- memory per device (the worst stage) --
     memory = memory_per_device(model, system, seq, opts, T=T, tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, rc=rc,
-                               sched=sched, v=v, m=m, zero=zero, dp_shard=np.where(kind == 2, dp_shard, dp))
+                               sched=sched, v=v, m=m, zero=zero, dp_shard=dp_shard)
     price = system.prices.on_demand_usd_per_hour
     cost_per_hour = nodes * price if price is not None else np.full_like(step, np.nan)
     return {
@@ -339,9 +315,44 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         "time_head_s": m * (head_fwd + head_bwd),
         "time_bubble_s": bubble, "time_dp_comm_s": dp_time, "time_dp_exposed_s": dp_exposed,
         "time_optimizer_s": optimizer, "bubble_fraction": bubble / step,
+        # buffer bytes handed to collectives per device per step, by kind (for the simulator/cost model)
+        "comm_tp_bytes": np.where(tp > 1, m * layers_per_stage * act_bytes * np.where(rc == 2, 6.0, 4.0), 0.0),
+        "comm_pp_bytes": np.where(pp > 1, m * 2 * chunks * p2p_bytes, 0.0),
+        "comm_dp_bytes": np.where(dp > 1, params_dev * (opts.grad_bytes + WEIGHT_BYTES * np.where(
+            kind >= 1, 2 * m, np.where(zero >= 1, 1.0, 0.0))), 0.0),
         "cost_usd_per_hour": cost_per_hour,
         **memory,
     }
+
+
+def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, kind, m, stage_fwd, stage_bwd):
+    """(all DP communication time, the part not hidden behind compute) per step.
+
+    DDP all-reduces gradients; ZeRO-1/2 reduce-scatter them and all-gather the updated parameters after the
+    optimizer step; FSDP gathers parameters for the forward and backward of every microbatch and
+    reduce-scatters once; HSDP does that inside a node (dp_shard ranks) and all-reduces the shards across
+    nodes. The gradient reduce can only hide behind the last microbatch's backward (earlier microbatches
+    only accumulate); FSDP/HSDP prefetch their gathers behind every microbatch, but all DP traffic together
+    cannot hide behind more than the step's compute; the post-step gather of ZeRO-1/2 has nothing to hide behind.
+    """
+    grad_bytes = params_dev * opts.grad_bytes
+    param_bytes = params_dev * WEIGHT_BYTES
+    reduce_ar = collective_time_s(system, "allreduce", grad_bytes, dp, stride_dp)
+    reduce_rs = collective_time_s(system, "reducescatter", grad_bytes, dp, stride_dp)
+    gather = collective_time_s(system, "allgather", param_bytes, dp, stride_dp)
+    shard_rs = collective_time_s(system, "reducescatter", grad_bytes, dp_shard, stride_dp)
+    shard_ag = collective_time_s(system, "allgather", param_bytes, dp_shard, stride_dp)
+    repl_ar = collective_time_s(system, "allreduce", grad_bytes / dp_shard, dp / dp_shard, stride_dp * dp_shard)
+    gathers = np.select([kind == 1, kind == 2], [2 * m * gather, 2 * m * shard_ag], 0.0)
+    reduces = np.select([zero == 0, zero <= 2, kind == 1, kind == 2],
+                        [reduce_ar, reduce_rs, reduce_rs, shard_rs + repl_ar])
+    post_step = np.where((zero >= 1) & (zero <= 2), gather, 0.0)
+    overlap = system.efficiency.dp_overlap
+    window_all = overlap * m * (stage_fwd + stage_bwd)
+    window_last = overlap * stage_bwd
+    exposed = np.maximum(np.maximum(gathers + reduces - window_all, reduces - window_last), 0.0) + post_step
+    total = gathers + reduces + post_step
+    return np.where(dp > 1, total, 0.0), np.where(dp > 1, exposed, 0.0)
 
 
 def pipeline_bubble_s(sched, pp, v, m, fwd, bwd_input, bwd_weight):
