@@ -3,6 +3,7 @@ single process), the per-rank RNG rule, and a rank SIGKILLed under torchrun with
 
 Tolerance when the layout changes: losses rtol 1e-5 against the uninterrupted run (the parity harness's
 tolerance for any layout vs the single device: fp32, different reduction orders). Same layout: bitwise.
+Measured (TP2 x PP2 x DP2 -> TP4 x DP2: 0.0, i.e. bitwise here; -> one process: 8.3e-8 relative).
 """
 
 from __future__ import annotations
@@ -107,6 +108,7 @@ def test_rng_rule_own_state_for_same_layout_rank0_state_otherwise(dist_run, tmp_
 
 
 # ---- a rank killed under torchrun ------------------------------------------------------------------------
+@pytest.mark.slow
 def test_torchrun_restarts_after_a_rank_is_killed_and_finishes_like_uninterrupted(dist_run, tmp):
     reference = dist_run(2, _train, settings(tmp, "elastic-ref", 6, 2, *FSDP2))[0]["losses"]
     sets = settings(tmp, "elastic", 6, 2, *FSDP2)
