@@ -255,28 +255,54 @@ def report(name: str, rows: list[tuple[str, float, float]], worst: int, with_ran
     return result
 
 
+def plot(sets: dict[str, list[tuple[str, float, float]]], path: str) -> None:
+    """Predicted vs measured step time, log-log, one colour per data set, with the +-15% band."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.5, 6))
+    lo, hi = 1e9, 0.0
+    for name, rows in sets.items():
+        pred = np.array([p for _, p, _ in rows])
+        meas = np.array([m for _, _, m in rows])
+        ax.scatter(meas, pred, s=8 if len(rows) > 100 else 30, alpha=0.6, label=f"{name} ({len(rows)})")
+        lo, hi = min(lo, meas.min(), pred.min()), max(hi, meas.max(), pred.max())
+    line = np.array([lo / 1.2, hi * 1.2])
+    ax.plot(line, line, "k-", lw=1)
+    ax.fill_between(line, line * 0.85, line * 1.15, color="grey", alpha=0.15, label="+-15%")
+    ax.set(xscale="log", yscale="log", xlabel="measured step time (s)", ylabel="predicted step time (s)",
+           title="paratrain planner vs published measurements")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calibrate", action="store_true", help="grid-search the A100 physical parameters")
     parser.add_argument("--worst", type=int, default=6, help="rows to list per data set (worst first)")
+    parser.add_argument("--plot", metavar="PNG", help="also draw predicted vs measured")
     args = parser.parse_args()
     catalog = get_catalog()
     if args.calibrate:
         calibrate(catalog)
         return 0
     start = time.perf_counter()
-    results = {
-        "narayanan2021_table1": report("Narayanan et al. 2021 Table 1 (DGX A100, 32-3072 GPUs)",
-                                       narayanan(catalog.system("dgx-a100-80gb")), args.worst, False),
-        "korthikanti2022_table5": report("Korthikanti et al. 2022 Table 5 (DGX A100, 8-512 GPUs)",
-                                         korthikanti(catalog.system("dgx-a100-80gb")), args.worst, False),
-        "vtrain_single": report("vTrain single-node ground truth (A100, 2-8 GPUs)",
-                                vtrain(catalog.system("p4d.24xlarge")), args.worst, True),
-        "vtrain_multi_heldout": report("vTrain multi-node ground truth, HELD OUT (A100, 64-512 GPUs)",
-                                       vtrain_multi(vtrain_cluster(catalog)), args.worst, True),
-        "trn1_sanity": report("Trn1 published throughput (Neuron benchmarks), sanity check", trn1_sanity(catalog),
-                              args.worst, False),
+    sets = {
+        "Narayanan et al. 2021 Table 1 (DGX A100, 32-3072 GPUs)": narayanan(catalog.system("dgx-a100-80gb")),
+        "Korthikanti et al. 2022 Table 5 (DGX A100, 8-512 GPUs)": korthikanti(catalog.system("dgx-a100-80gb")),
+        "vTrain single-node ground truth (A100, 2-8 GPUs)": vtrain(catalog.system("p4d.24xlarge")),
+        "vTrain multi-node ground truth, HELD OUT (A100, 64-512 GPUs)": vtrain_multi(vtrain_cluster(catalog)),
+        "Trn1 published throughput (Neuron benchmarks), sanity check": trn1_sanity(catalog),
     }
+    keys = ["narayanan2021_table1", "korthikanti2022_table5", "vtrain_single", "vtrain_multi_heldout", "trn1_sanity"]
+    results = {key: report(name, rows, args.worst, key.startswith("vtrain"))
+               for key, (name, rows) in zip(keys, sets.items(), strict=True)}
+    if args.plot:
+        plot(dict(zip(keys, sets.values(), strict=True)), args.plot)
     print(f"\nCalculon's published predictions on Korthikanti Table 5: MAPE {calculon_korthikanti():.1f}%")
     print(f"\nsummary ({time.perf_counter() - start:.1f} s):")
     for name, r in results.items():
