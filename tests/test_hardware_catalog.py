@@ -148,3 +148,37 @@ def test_hardware_cli_list_and_show(capsys):
     assert shown["devices_per_node"] == 32 and shown["tiers"][0]["name"] == "intra-chip"
     assert main(["hardware", "show", "nope"]) == 2
     assert "not a known system or chip" in capsys.readouterr().err
+
+
+def test_calibrated_values_write_back_and_override(tmp_path, monkeypatch):
+    """What `paratrain calibrate` will do: replace efficiency values, write, and the catalog picks them up."""
+    import dataclasses
+
+    from paratrain.hardware.catalog import write_catalog_file
+
+    cat = load_catalog()
+    chip = cat.chip("h100")
+    new_eff = dataclasses.replace(chip.efficiency, matmul_eff_max=0.61, source="fitted in a test")
+    link = dataclasses.replace(cat.interconnects["nvlink4"], bw_eff=0.66, source="fitted in a test")
+    system = cat.system("p5.48xlarge")
+    write_catalog_file(tmp_path / "calibrated.toml", chips=[dataclasses.replace(chip, efficiency=new_eff)],
+                       interconnects=[link], systems=[system])
+    monkeypatch.setenv("PARATRAIN_HARDWARE_DIR", str(tmp_path))
+    again = load_catalog()
+    assert again.chip("h100").efficiency.matmul_eff_max == 0.61
+    assert again.chip("h100").bf16_tflops == chip.bf16_tflops and again.chip("h100").sources == chip.sources
+    p5 = again.system("p5.48xlarge")
+    assert p5.chip.efficiency.matmul_eff_max == 0.61 and p5.tiers[0].interconnect.bw_eff == 0.66
+    assert p5.prices == system.prices and p5.efficiency == system.efficiency
+
+
+def test_write_back_rejects_invalid_values(tmp_path):
+    import dataclasses
+
+    from paratrain.hardware.catalog import write_catalog_file
+
+    chip = load_catalog().chip("h100")
+    bad = dataclasses.replace(chip, efficiency=dataclasses.replace(chip.efficiency, matmul_eff_max=1.7))
+    with pytest.raises(CatalogError, match="matmul_eff_max = 1.7"):
+        write_catalog_file(tmp_path / "bad.toml", chips=[bad])
+    assert not list(tmp_path.iterdir())

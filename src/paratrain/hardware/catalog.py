@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import tomllib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -385,7 +385,9 @@ _CACHE: dict[tuple, Catalog] = {}
 
 
 def get_catalog(extra: list[Path] | None = None) -> Catalog:
-    key = (os.environ.get(ENV_DIR), tuple(str(p) for p in extra or []))
+    """The catalog, cached until a file is added, removed or changed."""
+    files = catalog_files(extra)
+    key = tuple((str(p), p.stat().st_mtime_ns if p.exists() else 0) for p in files)
     if key not in _CACHE:
         _CACHE[key] = load_catalog(extra)
     return _CACHE[key]
@@ -404,3 +406,68 @@ def resolve_system(spec: str | System) -> System:
             raise CatalogError(f"{spec}: holds {len(names)} [systems.X] tables; --hardware FILE needs exactly one")
         return get_catalog([path]).system(names[0])
     return get_catalog().system(spec)
+
+
+# ---- writing entries back (calibration) ------------------------------------------------------------------
+def _drop_empty(table: dict) -> dict:
+    return {k: v for k, v in table.items() if v is not None and v != {} and v != () and v != []}
+
+
+def chip_table(chip: Chip) -> dict:
+    data = asdict(chip)
+    for key in ("name", "origin"):
+        data.pop(key)
+    data["conflicts"] = list(chip.conflicts)
+    return _drop_empty(data)
+
+
+def interconnect_table(link: Interconnect) -> dict:
+    data = asdict(link)
+    for key in ("name", "origin"):
+        data.pop(key)
+    data["conflicts"] = list(link.conflicts)
+    return _drop_empty(data)
+
+
+def system_table(system: System) -> dict:
+    data = {
+        "display_name": system.display_name, "chip": system.chip.name, "chips_per_node": system.chips_per_node,
+        "devices_per_chip": system.devices_per_chip, "device_unit": system.device_unit,
+        "tiers": [{"name": t.name, "interconnect": t.interconnect.name, "domain_devices": t.domain_devices}
+                  for t in system.tiers],
+        "source": system.source, "conflicts": list(system.conflicts),
+        "prices": _drop_empty({**asdict(system.prices), "conflicts": list(system.prices.conflicts)}),
+        "efficiency": asdict(system.efficiency),
+    }
+    if system.stack is not None:
+        stack = asdict(system.stack)
+        data["stack"] = {k: list(v) if isinstance(v, tuple) else v for k, v in stack.items()}
+    return _drop_empty(data)
+
+
+def write_catalog_file(path: str | Path, chips: list[Chip] = (), interconnects: list[Interconnect] = (),
+                       systems: list[System] = ()) -> Path:
+    """Write entries (e.g. with calibrated efficiency values, via dataclasses.replace) as a catalog TOML file.
+
+    Put it in $PARATRAIN_HARDWARE_DIR: entries there replace built-in entries of the same name. The file is
+    validated by loading it back before it is kept."""
+    import tomli_w
+
+    data: dict[str, dict] = {}
+    if chips:
+        data["chips"] = {c.name: chip_table(c) for c in chips}
+    if interconnects:
+        data["interconnects"] = {i.name: interconnect_table(i) for i in interconnects}
+    if systems:
+        data["systems"] = {s.name: system_table(s) for s in systems}
+    path = Path(path)
+    text = "# Written by paratrain (catalog entries; every number keeps its `source`).\n" + tomli_w.dumps(data)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    try:
+        load_catalog([tmp])
+    except CatalogError:
+        tmp.unlink()
+        raise
+    tmp.replace(path)
+    return path
