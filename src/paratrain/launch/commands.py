@@ -65,8 +65,9 @@ def register(subparsers) -> None:
                               description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("nodes and processes")
     g.add_argument("--nnodes", default=pet("NNODES", "1"), help="node count N, or MIN:MAX for an elastic job (default 1)")
-    g.add_argument("--nproc-per-node", type=int, default=pet("NPROC_PER_NODE"),
-                   help="processes per node (default: the number of CUDA devices, else 1)")
+    g.add_argument("--nproc-per-node", default=pet("NPROC_PER_NODE", "auto"),
+                   help="processes per node: a number, 'gpu' (one per CUDA device) or 'auto' (default: one per "
+                        "CUDA device, else 1)")
     g.add_argument("--node-rank", type=int, default=pet("NODE_RANK"),
                    help="this node's rank for a static (non-elastic) rendezvous; omit for c10d")
     r = p.add_argument_group("rendezvous and restarts")
@@ -99,10 +100,17 @@ def register(subparsers) -> None:
     p.set_defaults(func=run_launch)
 
 
-def default_nproc() -> int:
-    import torch
+def resolve_nproc(text: str) -> int:
+    if str(text).isdigit() and int(text) >= 1:
+        return int(text)
+    if text in ("auto", "gpu"):
+        import torch
 
-    return torch.cuda.device_count() or 1
+        gpus = torch.cuda.device_count()
+        if text == "gpu" and not gpus:
+            raise ValueError("--nproc-per-node=gpu: this torch build sees no CUDA device; give a number")
+        return gpus or 1
+    raise ValueError(f"--nproc-per-node='{text}': allowed: a number >= 1, 'gpu' or 'auto'")
 
 
 def merge_extra(args) -> None:
@@ -171,7 +179,7 @@ def run_launch(args) -> int:
     if args.rdzv_conf is None:  # argparse appends to a list default, so the env default is applied here
         args.rdzv_conf = [c for c in pet("RDZV_CONF", "").split(",") if c]
     nnodes = parse_nnodes(args.nnodes)
-    nproc = args.nproc_per_node if args.nproc_per_node is not None else default_nproc()
+    nproc = resolve_nproc(args.nproc_per_node)
     cfg, extra_sets = resolve_config(args, nnodes, nproc)
     spec = LaunchSpec(nnodes=nnodes, nproc_per_node=nproc, node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, rdzv_backend=args.rdzv_backend,
