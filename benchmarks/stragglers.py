@@ -1,0 +1,256 @@
+"""Stragglers on CPU/gloo: throughput of bounded staleness (s = 1, 2) and the time-budget mode against synchronous
+data parallelism with a rank slowed on purpose, and convergence of the tiny model under each policy.
+
+Every run is the real training loop (`paratrain.train.loop.train`) on forked gloo ranks, with the test-only fault
+injection of `staleness.test_fault_injection`. The synchronous baseline is policy bounded_staleness with s = 0,
+which tests/test_staleness.py shows bitwise identical to the runtime's DDP path (and it honours the injection).
+
+Scenarios (delays sized from the measured healthy step time T):
+  healthy    no injection
+  jitter     every rank independently sleeps 1.0 T before a step with probability 0.25
+  one_random rank 1 alone sleeps 1.0 T before a step with probability 0.25
+  constant   rank 1 runs 2x slower all the time (sleeps as long as each microbatch's compute)
+
+Printed per dp size and scenario: tokens/s per policy, the ratio to synchronous, and "hidden": the share of the
+delay synchronous training loses that the policy recovers, (t_sync - t_policy) / (t_sync - t_floor). t_floor is
+the healthy time plus the largest per-rank total of injected sleep: no policy that processes every sample can be
+faster, since that rank must sleep through it. Bounded staleness can only hide waiting, never a rank's own delay:
+it absorbs jitter spread across ranks; a single rank's delays (one_random, constant) are hidden only by the time
+budget, which processes fewer of that rank's samples.
+
+    .venv/bin/python benchmarks/stragglers.py                 # throughput at dp 2 and 4, convergence, ~15 min
+    .venv/bin/python benchmarks/stragglers.py --quick         # fewer steps and seeds, ~5 min
+    .venv/bin/python benchmarks/stragglers.py --json out.json # also write every measurement
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import tempfile
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import paratrain.train.loop  # noqa: F401 - imported before forking so ranks start warm
+from paratrain.config import load_config
+from paratrain.train.data import prepare
+from paratrain.train.staleness import FaultInjection
+
+POLICIES = {  # name -> [staleness] overrides
+    "sync": ['staleness.policy="bounded_staleness"', "staleness.max_staleness=0"],
+    "s=1": ['staleness.policy="bounded_staleness"', "staleness.max_staleness=1"],
+    "s=2": ['staleness.policy="bounded_staleness"', "staleness.max_staleness=2"],
+    "budget": ['staleness.policy="time_budget"', "staleness.max_staleness=0"],
+}
+SLEEP_PROBABILITY = 0.25
+
+
+def fault_specs(step_s: float) -> dict[str, str]:
+    sleep = f"sleep_s={step_s:.4f},probability={SLEEP_PROBABILITY}"
+    return {"healthy": "", "jitter": f"{sleep},rank=-1,seed=1", "one_random": f"{sleep},rank=1,seed=1",
+            "constant": "slowdown=2.0,rank=1"}
+
+
+def base_overrides(run_dir: Path, steps: int, seed: int, dp: int) -> list[str]:
+    return [f"train.steps={steps}", f"train.seed={seed}", "train.seq_len=128", "train.global_batch=16",
+            "train.microbatch=2", "train.eval_every=0", "train.progress=false", "train.device=\"cpu\"",
+            "optim.warmup_steps=10", "train.log_every=100000", f'metrics.run_dir="{run_dir}"', "metrics.tensorboard=false",
+            "checkpoint.save_final=false", "checkpoint.resume=\"none\"", f"parallel.dp={dp}",
+            'parallel.dp_kind="ddp"', "staleness.straggler_window=5"]
+
+
+# -- running the training loop on forked gloo ranks ---------------------------------------------------------------
+
+
+def _rank_main(rank: int, world: int, store_path: str, overrides: list[str], out) -> None:
+    torch.set_num_threads(1)
+    sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the loop's step lines; the parent prints the results
+    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),
+                       "OMP_NUM_THREADS": "1"})
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300))
+    try:
+        summary = paratrain.train.loop.train(load_config(None, overrides))
+        out.put((rank, {k: summary[k] for k in ("wall_s", "tokens", "steps", "last_loss")}))
+    except BaseException as exc:  # noqa: BLE001 - report to the parent instead of hanging it
+        out.put((rank, {"error": f"{type(exc).__name__}: {exc}"}))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_training(world: int, overrides: list[str]) -> dict:
+    """Train on `world` forked ranks; rank 0's summary plus the metrics it logged."""
+    ctx = mp.get_context("fork")
+    with tempfile.TemporaryDirectory(prefix="stragglers-") as tmp:
+        out = ctx.Queue()
+        procs = [ctx.Process(target=_rank_main, args=(r, world, os.path.join(tmp, "store"), overrides, out))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        results = dict(out.get(timeout=900) for _ in procs)
+        for p in procs:
+            p.join()
+    errors = [r["error"] for r in results.values() if "error" in r]
+    if errors:
+        raise RuntimeError(errors[0])
+    return results[0]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+# -- throughput -------------------------------------------------------------------------------------------------
+
+
+def injected_floor_s(spec: str, steps: int, world: int, step_s: float) -> float:
+    """The largest per-rank total of injected sleep over the run (same seeded draws as the runner makes)."""
+    fault = FaultInjection.parse(spec)
+    if fault is None or fault.sleep_s == 0:
+        return 0.0
+    import random
+
+    ranks = range(world) if fault.rank == -1 else [fault.rank]
+    return max(sum(fault.sleep_s for t in range(steps)
+                   if random.Random(f"{fault.seed}/{r}/{t}").random() < fault.probability) for r in ranks)
+
+
+def throughput(world: int, steps: int, repeats: int, workdir: Path, progress) -> dict:
+    """Median wall time per (scenario, policy) over `repeats` rounds; each round runs every cell once, so slow
+    drifts in machine load hit every policy alike."""
+    calib = run_training(world, base_overrides(workdir / f"dp{world}-calib", steps, 0, world) + POLICIES["sync"])
+    step_s = calib["wall_s"] / steps
+    specs = fault_specs(step_s)
+    cells = [(sc, name) for sc in specs for name in POLICIES if not (sc == "healthy" and name.startswith("budget"))]
+    samples: dict = {cell: [] for cell in cells}
+    for rep in range(repeats):
+        for scenario, name in cells:
+            run_dir = workdir / f"dp{world}-{scenario}-{name.replace(',', '_').replace('=', '')}-{rep}"
+            spec = specs[scenario]
+            fault = [f'staleness.test_fault_injection="{spec}"'] if spec else []
+            res = run_training(world, base_overrides(run_dir, steps, 0, world) + POLICIES[name] + fault)
+            metrics = read_metrics(run_dir)
+            samples[(scenario, name)].append({
+                "wall_s": res["wall_s"], "tokens": res["tokens"],
+                "max_staleness_seen": max((m["staleness"] or 0) for m in metrics),
+                "flagged": sorted({r for m in metrics for r in m.get("stragglers", [])})})
+            progress(f"dp={world} round {rep + 1}/{repeats} {scenario:<10} {name:<10} "
+                     f"{res['tokens'] / res['wall_s']:>9,.0f} tok/s ({res['wall_s']:.1f} s)")
+    rows: dict = {sc: {} for sc in specs}
+    for (scenario, name), runs in samples.items():
+        wall = statistics.median(r["wall_s"] for r in runs)
+        tokens = statistics.median(r["tokens"] for r in runs)
+        rows[scenario][name] = {"wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+                                "runs_wall_s": [r["wall_s"] for r in runs],
+                                "max_staleness_seen": max(r["max_staleness_seen"] for r in runs),
+                                "flagged": sorted({f for r in runs for f in r["flagged"]})}
+    healthy_s = rows["healthy"]["sync"]["wall_s"]
+    for scenario, spec in specs.items():
+        if scenario != "healthy":  # a 2x rank: only skipping its samples gets back to the healthy time
+            rows[scenario]["_floor_s"] = healthy_s + injected_floor_s(spec, steps, world, step_s)
+    return {"step_s_calibration": step_s, "sleep_s": step_s, "scenarios": rows}
+
+
+def print_throughput(world: int, result: dict) -> None:
+    print(f"\n## dp={world}: tokens/s (ratio to sync; hidden = share of sync's lost time recovered)")
+    print(f"calibration step time {result['step_s_calibration'] * 1e3:.0f} ms (= injected sleep)")
+    names = list(POLICIES)
+    print(f"{'scenario':<11}" + "".join(f"{n:>22}" for n in names) + f"{'flagged (sync)':>16}")
+    for scenario, row in result["scenarios"].items():
+        sync = row["sync"]
+        cells = []
+        for n in names:
+            if n not in row:
+                cells.append(f"{'-':>22}")
+                continue
+            r = row[n]
+            ratio = r["tokens_per_s"] / sync["tokens_per_s"]
+            hidden = ""
+            floor = row.get("_floor_s")
+            if floor is not None and sync["wall_s"] > floor and n != "sync":
+                hidden = f" {(sync['wall_s'] - r['wall_s']) / (sync['wall_s'] - floor):>4.0%}"
+            cells.append(f"{r['tokens_per_s']:>9,.0f} {ratio:>5.2f}x{hidden:>6}")
+        print(f"{scenario:<11}" + "".join(cells) + f"{str(sync['flagged']):>16}")
+
+
+# -- convergence ---------------------------------------------------------------------------------------------
+
+
+def convergence(steps: int, seeds: list[int], workdir: Path, progress) -> dict:
+    """Final validation loss after `steps` steps (same tokens offered) per policy, dp 2, over seeds. The time
+    budget runs with rank 1 at 2x slowdown, so it really skips samples; staleness math does not depend on timing."""
+    runs = {"sync": POLICIES["sync"], "s=1": POLICIES["s=1"], "s=2": POLICIES["s=2"],
+            "budget (rank 1 2x slow)": POLICIES["budget"] + ['staleness.test_fault_injection="slowdown=2.0,rank=1"']}
+    out: dict = {name: {"val_loss": [], "tokens": [], "wall_s": []} for name in runs}
+    for seed in seeds:
+        for name, policy in runs.items():
+            run_dir = workdir / f"conv-{seed}-{len(out[name]['val_loss'])}-{name.split()[0].replace('=', '')}"
+            overrides = base_overrides(run_dir, steps, seed, 2) + policy + [f"train.eval_every={steps}",
+                                                                             "train.eval_batches=8"]
+            res = run_training(2, overrides)
+            val = [m["val_loss"] for m in read_metrics(run_dir) if "val_loss" in m][-1]
+            out[name]["val_loss"].append(val)
+            out[name]["tokens"].append(res["tokens"])
+            out[name]["wall_s"].append(res["wall_s"])
+            progress(f"convergence seed {seed} {name:<24} val_loss {val:.4f} tokens {res['tokens']:,}")
+    return out
+
+
+def print_convergence(result: dict, steps: int, seeds: list[int]) -> None:
+    sync = statistics.mean(result["sync"]["val_loss"])
+    print(f"\n## convergence: tiny model, dp=2, {steps} steps x 16 x 128 tokens offered, seeds {seeds}")
+    print(f"{'policy':<26}{'val loss (mean)':>16}{'vs sync':>9}{'per seed':>30}{'tokens used':>13}{'wall s':>8}")
+    for name, r in result.items():
+        mean = statistics.mean(r["val_loss"])
+        per_seed = " ".join(f"{v:.3f}" for v in r["val_loss"])
+        print(f"{name:<26}{mean:>16.4f}{(mean / sync - 1):>+9.2%}{per_seed:>30}"
+              f"{statistics.mean(r['tokens']):>13,.0f}{statistics.mean(r['wall_s']):>8.1f}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="data-parallel sizes (default 2 4)")
+    ap.add_argument("--steps", type=int, default=60, help="steps per throughput run (default 60)")
+    ap.add_argument("--conv-steps", type=int, default=200, help="steps per convergence run (default 200)")
+    ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="convergence seeds (default 1 2 3)")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds per throughput cell, median (default 3)")
+    ap.add_argument("--quick", action="store_true", help="1 round of 30 steps, 100 convergence steps, 2 seeds")
+    ap.add_argument("--skip", choices=["throughput", "convergence"], help="skip one part")
+    ap.add_argument("--json", help="write all measurements to this file")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats, args.conv_steps, args.seeds = 30, 1, 100, args.seeds[:2]
+    prepare(load_config(None, []).data)  # the default corpus, once, before forking
+    progress = lambda text: print(text, file=sys.stderr, flush=True)  # noqa: E731
+    report: dict = {"command": " ".join(sys.argv), "cpus": os.cpu_count(), "torch": torch.__version__,
+                    "load_average_start": os.getloadavg()}
+    print(f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f} at start (timings share the machine)")
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="stragglers-runs-") as tmp:
+        work = Path(tmp)
+        if args.skip != "throughput":
+            report["throughput"] = {}
+            for world in args.dp:
+                report["throughput"][world] = throughput(world, args.steps, args.repeats, work, progress)
+                print_throughput(world, report["throughput"][world])
+        if args.skip != "convergence":
+            report["convergence"] = convergence(args.conv_steps, args.seeds, work, progress)
+            print_convergence(report["convergence"], args.conv_steps, args.seeds)
+    report["load_average_end"] = os.getloadavg()
+    print(f"\n(total {time.perf_counter() - t0:.0f} s on {os.cpu_count()} CPUs, load average "
+          f"{os.getloadavg()[0]:.1f} at the end)")
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
