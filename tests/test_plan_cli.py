@@ -127,3 +127,12 @@ def test_search_ranks_what_estimate_computes():
 def test_layout_not_fitting_is_reported():
     est = estimate("llama2-70b", "p4d.24xlarge", 1, 4096, 8, Layout(tp=8))
     assert not est.fits and "does not fit" in est.notes[0]
+
+
+def test_plan_without_any_fitting_layout_says_why(capsys):
+    assert main(["plan", "--model", "llama3.1-405b", "--hardware", "p4d.24xlarge", "--nodes", "1", "--seq", "8192",
+                 "--global-batch", "8"]) == 2
+    assert "fits in memory" in capsys.readouterr().err
+    assert main(["plan", "--model", "llama3-70b", "--hardware", "trn3-ultraserver", "--nodes", "8", "--seq", "8192",
+                 "--global-batch", "256"]) == 2
+    assert "no valid layout" in capsys.readouterr().err

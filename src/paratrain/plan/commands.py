@@ -133,10 +133,14 @@ def cmd_plan(args) -> int:
                     train_tokens=args.train_tokens, any_stack=args.any_stack,
                     max_time_s=None if args.max_days is None else args.max_days * 86400)
     if not result.candidates:
-        raise UserError(f"no layout of {model.name} fits on {args.nodes} x {system.name} with seq {args.seq} and "
-                        f"global batch {args.global_batch} ({result.valid} valid layouts, none fits in memory; a layout "
-                        "is valid when tp divides heads and ffn, pp divides layers, and dp * microbatch divides the "
-                        "global batch): try more nodes, another global batch or --any-stack")
+        devices = args.nodes * system.devices_per_node
+        where = f"{model.name} on {args.nodes} x {system.name} ({devices} devices), seq {args.seq}, global batch {args.global_batch}"
+        if result.valid == 0:
+            raise UserError(f"no valid layout for {where}: tp must divide heads and ffn, pp the layers, tp*pp*cp the "
+                            "devices, and dp * microbatch the global batch; try a global batch with more factors in "
+                            "common with the device count, or another node count")
+        raise UserError(f"none of the {result.valid} valid layouts for {where} fits in memory (or the --max-days "
+                        "limit): try more nodes or --any-stack (FSDP)")
     best = result.candidates[0]
     if args.write_config:
         _write(args, best, model, system)
