@@ -262,3 +262,19 @@ def test_exponential_failure_model_gives_the_requested_mtbf():
 def test_daly_goodput_is_consistent_with_wall_time():
     assert daly_goodput(3600.0, 60.0, 300.0, 86400.0) == pytest.approx(
         1.0 / daly_wall_time(1.0, 3600.0, 60.0, 300.0, 86400.0))
+
+
+def test_bounded_staleness_absorbs_the_first_s_steps_of_each_episode():
+    # Sparse episodes (no overlap) with one slowdown f: each episode of length D slows the job for
+    # max(0, D - a) where a = s * step / (1 - 1/f); for exponential D the mean is D_mean * exp(-a / D_mean).
+    devices, rate, mean_d, factor, step, s = 10_000, 1e-6, 1200.0, 2.0, 30.0, 10
+    cfg = StragglerConfig(rate_per_device_hour=rate, mean_duration_s=mean_d, slowdown_median=factor,
+                          slowdown_sigma=0.0, policy="bounded_staleness", staleness_steps=s)
+    out = simulate_stragglers(cfg, devices, step, 600.0, 1e9, 40, np.random.default_rng(3))
+    g = 1 - 1 / factor
+    absorbed = s * step / g
+    expected = devices * rate / HOUR_S * g * mean_d * math.exp(-absorbed / mean_d)
+    assert out.lost_share.mean() == pytest.approx(expected, rel=0.05)
+    wait = simulate_stragglers(StragglerConfig(**{**cfg.__dict__, "policy": "wait"}), devices, step, 600.0, 1e9, 40,
+                               np.random.default_rng(3))
+    assert wait.lost_share.mean() == pytest.approx(devices * rate / HOUR_S * g * mean_d, rel=0.05)

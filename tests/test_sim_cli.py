@@ -50,7 +50,7 @@ def test_plots_are_written(tmp_path, capsys):
     argv = ["simulate", "--devices", "1024", "--step-time", "5s", "--duration", "10d", "--samples", "4",
             "--plot", str(tmp_path / "plots")]
     report = run_json(capsys, argv)
-    for key in ("goodput_vs_interval", "goodput_vs_cluster_size"):
+    for key in ("goodput_vs_interval", "goodput_vs_cluster_size", "goodput_vs_spares"):
         data = (tmp_path / "plots" / f"{key}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000
     sizes = [p["devices"] for p in report["plots"]["cluster_sweep"]]

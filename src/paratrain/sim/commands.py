@@ -108,7 +108,8 @@ def register(subparsers) -> None:
     g.add_argument("--seed", type=int, help="random seed (default 0)")
     g = p.add_argument_group("output")
     g.add_argument("--json", action="store_true", help="print the full report as JSON")
-    g.add_argument("--plot", metavar="DIR", help="write goodput-vs-interval and goodput-vs-cluster-size PNGs")
+    g.add_argument("--plot", metavar="DIR",
+                   help="write PNGs of goodput vs checkpoint interval, vs cluster size and vs spare nodes")
     g.add_argument("--daly-check", action="store_true",
                    help="reproduce Daly's published examples analytically and by simulation, then exit")
     p.set_defaults(func=run_simulate)
@@ -210,15 +211,17 @@ def _require_inputs(kwargs: dict) -> None:
 def _plots(cfg: SimConfig, out_dir: Path, json_mode: bool) -> dict:
     from paratrain.sim.analytic import daly_interval, young_interval
     from paratrain.sim.engine import build_cause_table
-    from paratrain.sim.plots import plot_cluster_sweep, plot_interval_sweep
+    from paratrain.sim.plots import plot_cluster_sweep, plot_interval_sweep, plot_spare_sweep
     from paratrain.sim.stragglers import eviction_rate_per_s
     from paratrain.sim.sweeps import (
         analytic_optimum,
         default_cluster_sizes,
+        default_spare_counts,
         interval_grid,
         simulated_optimum,
         sweep_cluster,
         sweep_interval,
+        sweep_spares,
     )
 
     progress = _progress(json_mode)
@@ -239,9 +242,16 @@ def _plots(cfg: SimConfig, out_dir: Path, json_mode: bool) -> dict:
                                      title=f"{window / DAY_S:.0f}-day window, interval rule "
                                            f"{cfg.checkpoint_interval if isinstance(cfg.checkpoint_interval, str) else 'fixed'}, "
                                            f"checkpoint stall {cfg.checkpoint_block_s:.0f} s ({cfg.samples} samples)")
+    spares = sweep_spares(cfg, default_spare_counts(cfg), progress("spares sweep"))
+    spares_png = plot_spare_sweep(spares, out_dir / "goodput_vs_spares.png",
+                                  title=f"{cfg.devices:,} devices, repair mean {cfg.repair_mean_s / HOUR_S:.0f} h "
+                                        f"({cfg.repair_distribution}), replacement unit {cfg.nodes_per_domain} node(s)")
     return {
         "goodput_vs_interval": str(interval_png),
         "goodput_vs_cluster_size": str(cluster_png),
+        "goodput_vs_spares": str(spares_png),
+        "spare_sweep": [{"spare_nodes": p.spare_nodes, "goodput": p.goodput, "spare_wait_hours": p.spare_wait_hours}
+                        for p in spares],
         "simulated_optimum_interval_s": optimum,
         "interval_sweep": [{"interval_s": p.interval_s, "goodput": p.goodput, "daly_goodput": p.daly_goodput}
                            for p in points],
@@ -350,7 +360,8 @@ def format_report(report: dict) -> str:
         if row["expected"] > 0 or row["simulated"] > 0:
             lines.append(f"  {row['cause']:<32} {row['simulated']:>10.1f}  ({row['expected']:.1f})")
     if "plots" in report:
-        lines += ["", f"plots: {report['plots']['goodput_vs_interval']}, {report['plots']['goodput_vs_cluster_size']}",
+        plots = report["plots"]
+        lines += ["", f"plots: {plots['goodput_vs_interval']}, {plots['goodput_vs_cluster_size']}, {plots['goodput_vs_spares']}",
                   f"simulated optimum interval {report['plots']['simulated_optimum_interval_s'] / 60:.1f} min"]
     return "\n".join(lines)
 

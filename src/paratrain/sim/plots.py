@@ -62,3 +62,26 @@ def _save(fig, path: Path) -> Path:
     fig.savefig(path, dpi=120)
     plt.close(fig)
     return path
+
+
+def plot_spare_sweep(points, path: Path, *, title: str) -> Path:
+    spares = [p.spare_nodes for p in points]
+    fig, ax = plt.subplots(figsize=(7.5, 4.5))
+    mean = [p.goodput["mean"] * 100 for p in points]
+    ax.fill_between(spares, [p.goodput["ci95"][0] * 100 for p in points], [p.goodput["ci95"][1] * 100 for p in points],
+                    alpha=0.25, color="C0")
+    ax.plot(spares, mean, "o-", color="C0", ms=3, label="goodput (95% CI band)")
+    ax.set_xscale("symlog", linthresh=max(1, spares[1] if len(spares) > 1 else 1))
+    ax.set_xlabel("hot spare nodes")
+    ax.set_ylabel("goodput (%)")
+    ax.grid(True, which="both", alpha=0.3)
+    right = ax.twinx()
+    right.plot(spares, [p.spare_wait_hours["mean"] for p in points], "s--", color="C3", ms=3,
+               label="idle waiting for a repaired node (h per run)")
+    right.set_ylabel("hours waiting for spares per run")
+    lines = ax.get_legend_handles_labels()
+    more = right.get_legend_handles_labels()
+    ax.legend(lines[0] + more[0], lines[1] + more[1], fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.14),
+              ncol=2, frameon=False)
+    ax.set_title(title, fontsize=10)
+    return _save(fig, path)

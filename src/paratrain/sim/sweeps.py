@@ -145,3 +145,34 @@ def default_cluster_sizes(devices: int) -> list[int]:
         sizes.add(n)
         n *= 2
     return sorted(sizes)
+
+
+@dataclass
+class SparePoint:
+    spare_nodes: int
+    goodput: dict
+    spare_wait_hours: dict
+
+
+def sweep_spares(cfg: SimConfig, spare_counts: Iterable[int],
+                 progress: Callable[[Iterable], Iterable] | None = None) -> list[SparePoint]:
+    """Goodput and idle time waiting for repaired nodes against the number of hot spare nodes (whole
+    replacement units). Same failures at every point (common random numbers)."""
+    unit = cfg.nodes_per_domain
+    counts = sorted({max(0, round(n / unit) * unit) for n in spare_counts})
+    points = []
+    for spares in (progress(counts) if progress else counts):
+        t = simulate(cfg.with_updates(spare_nodes=spares)).totals
+        points.append(SparePoint(spares, stat_interval(t.work_s / t.wall_s), stat_interval(t.spare_wait_s / HOUR_S)))
+    return points
+
+
+def default_spare_counts(cfg: SimConfig) -> list[int]:
+    """0, then doubling replacement units up to 8% of the job's nodes (and the configured count)."""
+    unit = cfg.nodes_per_domain
+    counts = {0, cfg.spare_node_count}
+    n = unit
+    while n <= max(unit, 0.08 * cfg.nodes):
+        counts.add(n)
+        n *= 2
+    return sorted(counts)
