@@ -18,7 +18,6 @@ from paratrain.launch.torchrun import (
     placement,
     rank_grid,
 )
-from paratrain.parallel.mesh import MESH_DIMS
 
 
 def dry_run(capsys, *argv) -> dict:
@@ -130,16 +129,25 @@ def test_restart_without_checkpoints_is_flagged(capsys):
     assert out["warnings"] == []
 
 
-def test_rank_grid_matches_the_device_mesh_paratrain_builds():
-    """The placement check assumes init_device_mesh lays ranks out row-major in MESH_DIMS order."""
+@pytest.mark.parametrize("overrides", [
+    ["parallel.tp=2", "parallel.pp=2"],
+    ["parallel.tp=2", 'parallel.dp_kind="hsdp"', "parallel.dp_replicate=2", "train.microbatch=1"],
+])
+def test_rank_grid_matches_the_device_mesh_paratrain_builds(overrides):
+    """The placement check assumes ranks sit on the mesh as paratrain's build_mesh puts them (8 ranks, fake
+    process group: the mesh layout without any communication)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    dims = {"pp": 2, "dp": 2, "cp": 1, "tp": 2}
+    from paratrain.launch.torchrun import mesh_dims
+    from paratrain.parallel.mesh import DistEnv, build_mesh
+
+    cfg = load_config(None, overrides)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
     try:
-        mesh = init_device_mesh("cpu", tuple(dims.values()), mesh_dim_names=MESH_DIMS)
+        mesh = build_mesh(cfg.parallel, DistEnv(rank=0, world_size=8, local_rank=0, device=torch.device("cpu")))
+        dims = mesh_dims(cfg, 8)
+        assert mesh.mesh_dim_names == tuple(dims)
         assert torch.equal(mesh.mesh, torch.as_tensor(rank_grid(dims)))
     finally:
         dist.destroy_process_group()
