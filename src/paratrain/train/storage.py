@@ -186,6 +186,9 @@ class Storage:
     def digest(self, path: str) -> tuple[int, str]:
         """(size in bytes, sha256 hex) of one file, streamed."""
         def op():
+            if not self.remote:  # plain file I/O: ~2x faster than through fsspec's file wrapper
+                with open(path, "rb") as fh:
+                    return os.fstat(fh.fileno()).st_size, hashlib.file_digest(fh, "sha256").hexdigest()
             h, size = hashlib.sha256(), 0
             with self.fs.open(path, "rb", block_size=HASH_CHUNK_BYTES) as fh:
                 while chunk := fh.read(HASH_CHUNK_BYTES):
