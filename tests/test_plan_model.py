@@ -207,3 +207,25 @@ def test_comm_bytes_by_kind():
     assert est.comm_bytes_per_device["pp"] == 0.0
     full = estimate(model, "trn1.32xlarge", 128, 4096, 1024, Layout(tp=8, sp=True, recompute="full"))
     assert full.comm_bytes_per_device["tp"] == pytest.approx(m * 32 * 6 * T * h * 2)
+
+
+def test_data_parallel_time_per_dp_kind(box):
+    """On the test box (no overlap, no latency): DDP all-reduces fp32 gradients hierarchically; ZeRO-1
+    reduce-scatters them and all-gathers bf16 parameters; FSDP gathers twice per microbatch and reduce-scatters."""
+    model = PRESETS["small"]
+    P = model.num_params()
+
+    def hier(kind_factor, nbytes):  # 8 ranks on NVLink-like 100 GB/s, then 2 nodes at 50/8 GB/s per device
+        return kind_factor * (7 / 8 * nbytes / 100e9 + 1 / 2 * (nbytes / 8) / (50e9 / 8))
+
+    def dp_time(**kw):
+        est = estimate(model, box, 2, 256, 32, Layout(**kw), Options(grad_bytes=4))
+        return est.time_breakdown_s["dp_comm"], est
+
+    ddp, est = dp_time(zero_stage=0)
+    assert est.layout.dp == 16 and ddp == pytest.approx(hier(2, 4 * P))
+    zero1, _ = dp_time(zero_stage=1)
+    assert zero1 == pytest.approx(hier(1, 4 * P) + hier(1, 2 * P))
+    fsdp, est = dp_time(zero_stage=3, dp_kind="fsdp", microbatch=1)
+    assert est.microbatches == 2
+    assert fsdp == pytest.approx(2 * 2 * hier(1, 2 * P) + hier(1, 4 * P))
