@@ -295,3 +295,24 @@ def test_training_loop_time_budget_reports_processed_tokens(dist_run, tmp_path):
     assert summary["tokens"] == 3 * 2 * 2 * 64  # one microbatch (2 x 64 tokens) per rank per step
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["microbatches"] for r in records] == [2, 2, 2]
+
+
+def test_single_process_bounded_staleness_is_the_delayed_update():
+    """No process group: the stale runner still delays by s (useful for convergence studies on one device)."""
+    steps, s = 5, 2
+    cfg = make_config([*STALE, f"staleness.max_staleness={s}"])
+    res = _train(cfg, build_runner(cfg, _single_env()), steps)
+    ref_losses, ref_params = _delayed_reference(cfg, steps, s)
+    assert [g for _, g, _, _ in res["history"]] == [None, None, 0, 1, 2]
+    assert [loss for _, g, loss, _ in res["history"] if g is not None] == pytest.approx(ref_losses[:3], rel=1e-6)
+    init = dict(_single_model(cfg).named_parameters())
+    _assert_same_updates(res["params"], ref_params, init)
+
+
+def test_every_runtime_policy_maps_to_a_simulator_policy():
+    from paratrain.config import StalenessSection
+    from paratrain.sim.config import STRAGGLER_POLICIES
+    from paratrain.train.staleness import SIM_POLICY
+
+    runtime = StalenessSection.model_fields["policy"].annotation.__args__
+    assert set(SIM_POLICY) == set(runtime) and set(SIM_POLICY.values()) <= set(STRAGGLER_POLICIES)
