@@ -185,7 +185,7 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
                                                                   "scheduler": scheduler.state_dict(),
                                                                   "sampler": sampler.state_dict()})
             # -- issue 8: evict_stragglers stops every rank here (exit code 75) once the checkpoint committed --
-            staleness.after_checkpoint(runner, cfg.staleness.evict_stragglers, run_dir, step + 1, str(saved),
+            staleness.after_checkpoint(runner, cfg.staleness.evict_stragglers and not last, run_dir, step + 1, str(saved),
                                        logger, ckpt.close)
     staleness.finish(runner)  # issue 8: wait for reductions still in flight
     ckpt.close()  # an asynchronous save still in flight commits before the run reports done

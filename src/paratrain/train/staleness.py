@@ -195,7 +195,7 @@ def on_step(runner, record: dict, logger) -> None:
     if flagged != getattr(stale, "_logged_flags", []):
         ratios = metrics.get("straggler_ratio", [])
         detail = ", ".join(f"rank {r} at {ratios[r]:.2f}x" for r in flagged) if ratios else ""
-        logger.write(f"step {metrics['applied_step']}: stragglers {flagged or 'none'}"
+        logger.write(f"step {metrics['applied_step'] + 1}: stragglers {flagged or 'none'}"
                      + (f" ({detail} the median step time)" if detail else ""))
         stale._logged_flags = flagged
 
