@@ -16,6 +16,7 @@ COMMAND_MODULES = [
     "paratrain.train.commands",
     "paratrain.hardware.commands",
     "paratrain.plan.commands",
+    "paratrain.cost.commands",
     "paratrain.sim.commands",
     "paratrain.launch.commands",
     "paratrain.calibrate.commands",

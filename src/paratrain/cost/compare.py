@@ -1,0 +1,218 @@
+"""Time, dollars and energy to train one workload on several clusters, each with the planner's best layout.
+
+For every (system, nodes) target: the planner searches the layouts the system's training stack supports and
+keeps the fastest that fits; from its step time follow time to train, accelerator-hours, on-demand and
+reserved cost, cost per million tokens, energy and tokens per MWh. Failures and checkpoints stretch the run:
+the simulator (Monte-Carlo, Llama 3 interruption rates per device-hour, Daly-optimal checkpoint interval)
+gives the goodput, and wall time, cost and energy are divided by it. Every assumption is in `Assumptions`,
+printed with the results.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+
+from paratrain.hardware.catalog import System, resolve_system
+from paratrain.model.config import ModelConfig, load_model_config
+
+HOUR_S = 3600.0
+
+
+@dataclass(frozen=True)
+class Workload:
+    model: str | ModelConfig
+    train_tokens: float
+    seq: int = 4096
+    global_batch: int = 1024  # sequences per step
+
+    def model_config(self) -> ModelConfig:
+        return self.model if isinstance(self.model, ModelConfig) else load_model_config(self.model)
+
+    @property
+    def steps(self) -> int:
+        return max(1, math.ceil(self.train_tokens / (self.seq * self.global_batch)))
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """Numbers the result depends on that no catalog entry holds; each is printed with the results."""
+
+    pue: float = 1.2  # power usage effectiveness: assumption, typical of large cloud data centres (1.1-1.2)
+    host_power_fraction: float = 0.25  # host CPUs, memory, NICs, fans on top of the accelerators: assumption
+    checkpoint_write_gbytes_per_s_per_node: float = 2.0  # to a parallel FS / S3: assumption
+    checkpoint_bytes_per_param: float = 16.0  # bf16 weights + fp32 master + Adam m, v (Rajbhandari et al. 2020)
+    failures: str = "simulate"  # "simulate" (Monte-Carlo), "daly" (closed form) or "none"
+    sim_samples: int = 30
+    prices: dict[str, float] = field(default_factory=dict)  # system -> USD per node-hour, overriding the catalog
+
+    def describe(self) -> list[str]:
+        return [
+            f"PUE {self.pue} (assumption: typical large cloud data centre)",
+            f"host power = {self.host_power_fraction:.0%} of accelerator power (assumption)",
+            f"checkpoint = {self.checkpoint_bytes_per_param:g} bytes/parameter (weights + Adam state), written at "
+            f"{self.checkpoint_write_gbytes_per_s_per_node:g} GB/s per node (assumption)",
+            f"failures: {self.failures} (Llama 3 interruption rates per device-hour, Dubey et al. 2024 Table 5)",
+        ] + [f"price override: {k} = {v:.2f} USD/node-hour (given)" for k, v in self.prices.items()]
+
+
+@dataclass
+class Row:
+    system: str
+    nodes: int
+    devices: int
+    chips: int
+    layout: dict
+    step_time_s: float
+    tokens_per_s: float
+    mfu: float
+    memory_per_device_bytes: float
+    memory_breakdown_bytes: dict
+    time_breakdown_s: dict
+    bubble_fraction: float
+    compute_hours: float  # failure-free time to train
+    goodput: float
+    wall_hours: float  # with failures, restarts and checkpoints
+    accelerator_hours: float  # chips x wall hours
+    price_usd_per_node_hour: float | None
+    price_source: str
+    cost_on_demand_usd: float | None
+    cost_reserved_usd: float | None
+    reserved_kind: str
+    cost_usd_per_million_tokens: float | None
+    energy_mwh: float | None
+    tokens_per_mwh: float | None
+    price_per_chip_hour_usd: float | None
+    price_per_peak_bf16_pflop_hour_usd: float | None
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _price(system: System, assumptions: Assumptions) -> tuple[float | None, str]:
+    if system.name in assumptions.prices:
+        return assumptions.prices[system.name], "given by the user"
+    return system.prices.on_demand_usd_per_hour, system.prices.source
+
+
+def _reserved(system: System) -> tuple[float | None, str]:
+    p = system.prices
+    for value, kind in ((p.reserved_3yr_usd_per_hour, "3-year reserved"),
+                        (p.reserved_1yr_usd_per_hour, "1-year reserved"),
+                        (p.capacity_block_usd_per_hour, "capacity block")):
+        if value is not None:
+            return value, kind
+    return None, "none published"
+
+
+def failure_goodput(system: System, nodes: int, step_time_s: float, steps: int, model: ModelConfig,
+                    assumptions: Assumptions) -> tuple[float, str]:
+    """Fraction of wall time that is useful work, with failures, restarts and checkpoint stalls."""
+    if assumptions.failures == "none":
+        return 1.0, "failures ignored"
+    from paratrain.sim.analytic import daly_goodput, daly_interval
+    from paratrain.sim.config import SimConfig
+
+    ckpt_bytes = model.num_params() * assumptions.checkpoint_bytes_per_param
+    write_bps = assumptions.checkpoint_write_gbytes_per_s_per_node * 1e9 * nodes
+    cfg = SimConfig(devices=nodes * system.chips_per_node, devices_per_node=system.chips_per_node,
+                    step_time_s=step_time_s, steps=steps, checkpoint_bytes=ckpt_bytes, write_bytes_per_s=write_bps,
+                    read_bytes_per_s=write_bps, samples=max(assumptions.sim_samples, 2))
+    if assumptions.failures == "daly":
+        from paratrain.sim.engine import build_cause_table
+
+        mtbf = build_cause_table(cfg, 0.0).mtbf_s
+        delta = cfg.checkpoint_block_s
+        tau = daly_interval(delta, mtbf)
+        return daly_goodput(tau, delta, cfg.restart_s + cfg.detect_s + cfg.restore_s, mtbf), "Daly closed form"
+    from paratrain.sim.engine import simulate
+    from paratrain.sim.results import summarize
+
+    report = summarize(simulate(cfg))
+    return report["metrics"]["goodput"]["mean"], f"simulated, {cfg.samples} Monte-Carlo samples"
+
+
+def evaluate_target(workload: Workload, system_name: str, nodes: int, assumptions: Assumptions,
+                    search_kw: dict | None = None) -> Row:
+    from paratrain.plan.api import search
+
+    system = resolve_system(system_name)
+    model = workload.model_config()
+    result = search(model, system, nodes, workload.seq, workload.global_batch, top=1, **(search_kw or {}))
+    if not result.candidates:
+        raise ValueError(f"{model.name} does not fit on {nodes} x {system.name} with any layout "
+                         f"(seq {workload.seq}, global batch {workload.global_batch})")
+    est = result.candidates[0]
+    compute_s = workload.steps * est.step_time_s
+    goodput, how = failure_goodput(system, nodes, est.step_time_s, workload.steps, model, assumptions)
+    wall_h = compute_s / goodput / HOUR_S
+    chips = nodes * system.chips_per_node
+    price, price_src = _price(system, assumptions)
+    reserved, reserved_kind = _reserved(system)
+    if system.name in assumptions.prices:
+        reserved, reserved_kind = None, "none (price given)"
+    power_w = None if system.node_power_w is None else system.node_power_w * (1 + assumptions.host_power_fraction)
+    energy_mwh = None if power_w is None else power_w * nodes * wall_h * assumptions.pue / 1e6
+    peak_pflops_node = system.chip.bf16_tflops * system.chips_per_node / 1e3
+    tokens = workload.steps * workload.seq * workload.global_batch
+    row = Row(
+        system=system.name, nodes=nodes, devices=est.devices, chips=chips, layout=est.layout.to_dict(),
+        step_time_s=est.step_time_s, tokens_per_s=est.tokens_per_s, mfu=est.mfu,
+        memory_per_device_bytes=est.memory_per_device_bytes, memory_breakdown_bytes=est.memory_breakdown_bytes,
+        time_breakdown_s=est.time_breakdown_s, bubble_fraction=est.bubble_fraction,
+        compute_hours=compute_s / HOUR_S, goodput=goodput, wall_hours=wall_h, accelerator_hours=chips * wall_h,
+        price_usd_per_node_hour=price, price_source=price_src,
+        cost_on_demand_usd=None if price is None else price * nodes * wall_h,
+        cost_reserved_usd=None if reserved is None else reserved * nodes * wall_h, reserved_kind=reserved_kind,
+        cost_usd_per_million_tokens=None if price is None else price * nodes * wall_h / tokens * 1e6,
+        energy_mwh=energy_mwh, tokens_per_mwh=None if not energy_mwh else tokens / energy_mwh,
+        price_per_chip_hour_usd=None if price is None else price / system.chips_per_node,
+        price_per_peak_bf16_pflop_hour_usd=None if price is None else price / peak_pflops_node,
+        notes=[f"goodput {goodput:.1%} ({how})"] + list(est.notes),
+    )
+    if system.chip.power_w is None:
+        row.notes.append(f"no chip power for {system.chip.name} in the catalog: energy unknown")
+    return row
+
+
+def compare(workload: Workload, targets: list[tuple[str, int]], assumptions: Assumptions | None = None,
+            search_kw: dict | None = None, progress=None) -> list[Row]:
+    assumptions = assumptions or Assumptions()
+    rows = []
+    for system, nodes in targets:
+        rows.append(evaluate_target(workload, system, nodes, assumptions, search_kw))
+        if progress:
+            progress(1)
+    return rows
+
+
+def parse_targets(text: str) -> list[tuple[str, int]]:
+    """'trn1.32xlarge:16,p4d.24xlarge:16' -> [(system, nodes), ...]; nodes default 1."""
+    out = []
+    for item in filter(None, (t.strip() for t in text.split(","))):
+        name, _, nodes = item.partition(":")
+        try:
+            n = int(nodes) if nodes else 1
+        except ValueError:
+            raise ValueError(f"--targets item '{item}': nodes must be an integer, e.g. trn1.32xlarge:16") from None
+        if n < 1:
+            raise ValueError(f"--targets item '{item}': nodes must be >= 1")
+        resolve_system(name)  # unknown names fail here, before any work
+        out.append((name, n))
+    if not out:
+        raise ValueError("--targets: give at least one SYSTEM:NODES")
+    return out
+
+
+def pareto_front(rows: list[Row]) -> list[Row]:
+    """Rows not beaten on both wall time and on-demand cost by another row."""
+    priced = [r for r in rows if r.cost_on_demand_usd is not None]
+    front = []
+    for r in priced:
+        dominated = any(o.wall_hours <= r.wall_hours and o.cost_on_demand_usd <= r.cost_on_demand_usd
+                        and (o.wall_hours < r.wall_hours or o.cost_on_demand_usd < r.cost_on_demand_usd)
+                        for o in priced)
+        if not dominated:
+            front.append(r)
+    return sorted(front, key=lambda r: r.wall_hours)
