@@ -116,13 +116,18 @@ class TrainSection(Section):
 
 
 class CheckpointSection(Section):
-    dir: str = ""  # local path, shared filesystem path or s3://bucket/prefix; "" = <run_dir>/checkpoints
+    """Sharded DCP checkpoints, committed by a manifest written last; see docs/checkpoints.md."""
+
+    dir: str = Field(default="", description="local path, shared filesystem path or s3://bucket/prefix; "
+                                             "\"\" = <metrics.run_dir>/checkpoints")
     interval: int = Field(default=0, ge=0, description="steps between saves; 0 = only at the end")
-    keep: int = Field(default=3, ge=1)
-    async_save: bool = False
-    resume: str = "auto"  # "auto" = newest complete checkpoint, "none", or a checkpoint path
-    save_final: bool = True
-    verify: Literal["checksum", "size", "none"] = "checksum"  # manifest check on load (sha256 / sizes / off)
+    keep: int = Field(default=3, ge=1, description="complete checkpoints kept (older ones deleted)")
+    async_save: bool = Field(default=False, description="write in a background thread while training continues")
+    resume: str = Field(default="auto", description="\"auto\" = newest complete checkpoint in dir, \"none\", "
+                                                    "or a checkpoint path")
+    save_final: bool = Field(default=True, description="save after the last step")
+    verify: Literal["checksum", "size", "none"] = Field(
+        default="checksum", description="manifest check: sha256 of every file (at save and load), sizes only, or off")
     retries: int = Field(default=4, ge=1, description="attempts per storage operation (transient errors)")
     retry_base_s: float = Field(default=0.5, ge=0, description="first backoff wait; doubles per attempt, max 8 s")
 
