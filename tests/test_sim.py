@@ -278,3 +278,36 @@ def test_bounded_staleness_absorbs_the_first_s_steps_of_each_episode():
     wait = simulate_stragglers(StragglerConfig(**{**cfg.__dict__, "policy": "wait"}), devices, step, 600.0, 1e9, 40,
                                np.random.default_rng(3))
     assert wait.lost_share.mean() == pytest.approx(devices * rate / HOUR_S * g * mean_d, rel=0.05)
+
+
+def test_gap_closed_form_with_asynchronous_writes():
+    from paratrain.sim.engine import _gap_segments
+
+    # tau 600 s, 10 s stall, then 90 s until the write is durable; no restart before the gap.
+    gaps = np.array([[650.0, 705.0, 1230.0, 5.0]])
+    restart = np.array([[0.0, 0.0, 0.0, 20.0]])
+    seg = _gap_segments(gaps, restart, np.array([[600.0]]), 10.0, 90.0)
+    assert seg.compute.tolist() == [[640.0, 695.0, 1210.0, 0.0]]
+    assert seg.checkpoint.tolist() == [[10.0, 10.0, 20.0, 0.0]]
+    assert seg.restart.tolist() == [[0.0, 0.0, 0.0, 5.0]]  # a failure during the restart interrupts it
+    # Checkpoint 1 is durable at 610 + 90 = 700, checkpoint 2 at 1310.
+    assert seg.durable.tolist() == [[0.0, 1.0, 1.0, 0.0]]
+
+
+def test_asynchronous_writes_lose_the_undurable_interval():
+    # With M >> period the failure phase is ~uniform: E[lost] = (tau^2/2 + tau*stall + tau*async) / period.
+    tau, write, mtbf = 600.0, 100.0, 400 * 700.0
+    for async_fraction in (0.0, 0.9):
+        cfg = daly_case_config(mtbf, write, 0.0, work_mtbfs=300, samples=20).with_updates(
+            async_fraction=async_fraction, checkpoint_interval=tau)
+        run = simulate(cfg)
+        stall, pending = (1 - async_fraction) * write, async_fraction * write
+        expected = (tau**2 / 2 + tau * stall + tau * pending) / (tau + stall)
+        per_failure = run.totals.lost_s.sum() / run.totals.interruptions.sum()
+        assert per_failure == pytest.approx(expected, rel=0.04)
+
+
+def test_a_job_that_cannot_progress_is_a_clear_error_not_a_memory_blowup():
+    cfg = SimConfig(devices=1_000_000, step_time_s=10.0, steps=1_000_000, restart_s=3 * HOUR_S, samples=4)
+    with pytest.raises(ValueError, match="cannot make progress"):
+        simulate(cfg)

@@ -57,7 +57,9 @@ def daly_wall_time(work_s: float, tau_s: float, delta_s: float, restart_s: float
     """Daly's expected wall time to finish `work_s` of fault-free compute."""
     _check_positive(tau_s=tau_s, mtbf_s=mtbf_s)
     m = mtbf_s
-    return m * math.exp(restart_s / m) * math.expm1((tau_s + delta_s) / m) * work_s / tau_s
+    log_wall = math.log(m) + restart_s / m + math.log(math.expm1(min((tau_s + delta_s) / m, 700.0)))
+    log_wall += math.log(work_s / tau_s) if work_s > 0 else -math.inf
+    return math.exp(log_wall) if log_wall < 700.0 else math.inf  # beyond: the job never finishes
 
 
 def daly_goodput(tau_s: float, delta_s: float, restart_s: float, mtbf_s: float) -> float:

@@ -34,7 +34,7 @@ MAX_GAPS_PER_BATCH = 2_000_000
 _GAPS, _CAUSES, _REPAIRS = 0, 1, 2
 _STRAGGLER_STREAM = 2**31 - 1
 NO_FAILURE_GAP_S = 1e18
-MAX_GAPS_PER_REPLICA = 50_000_000
+MAX_GAPS_PER_REPLICA = 5_000_000  # ~600 MB of arrays for one replica: beyond, the job cannot progress
 
 
 @dataclass(frozen=True)
@@ -173,8 +173,13 @@ def _exposure_estimate_s(cfg: SimConfig, causes: CauseTable, tau: float) -> floa
         return cfg.duration_s
     if not math.isfinite(causes.mtbf_s):
         return cfg.work_s * (1 + cfg.checkpoint_block_s / tau)
-    estimate = daly_wall_time(cfg.work_s, tau, cfg.checkpoint_block_s, causes.mean_restart_s, causes.mtbf_s)
-    return min(estimate, 1e6 * causes.mtbf_s + cfg.work_s)  # beyond this the job essentially never finishes
+    m = causes.mtbf_s
+    # Daly's expected wall time, in logs: exp(R/M) overflows long before the job becomes hopeless to simulate.
+    log_failures = (causes.mean_restart_s / m + math.log(math.expm1((tau + cfg.checkpoint_block_s) / m))
+                    + math.log(cfg.work_s / tau))
+    if log_failures > math.log(MAX_GAPS_PER_REPLICA):
+        raise _no_progress_error(math.exp(min(log_failures, 700.0)))
+    return daly_wall_time(cfg.work_s, tau, cfg.checkpoint_block_s, causes.mean_restart_s, m)
 
 
 # ---- the vectorised core ---------------------------------------------------------------------------------
@@ -199,8 +204,11 @@ def _simulate_batch(cfg, causes, tau, lost_share, replicas, n_gaps) -> ReplicaTo
         if result is not None:
             return result
         n_gaps *= 2
-        if n_gaps > MAX_GAPS_PER_REPLICA:
-            raise _no_progress_error(n_gaps)
+        if n_gaps > MAX_GAPS_PER_REPLICA or n_gaps * len(replicas) > 4 * MAX_GAPS_PER_BATCH:
+            if n_gaps > MAX_GAPS_PER_REPLICA:
+                raise _no_progress_error(n_gaps)
+            return _concat([_simulate_batch(cfg, causes, tau, lost_share[[i]], range(r, r + 1), n_gaps)
+                            for i, r in enumerate(replicas)])  # bound memory: one replica at a time
 
 
 def _no_progress_error(gaps: float) -> ValueError:
