@@ -197,6 +197,8 @@ class CheckpointManager:
         return done[-1] if done else None
 
     def _latest_if_reachable(self) -> str:
+        if self.rank != 0:  # only rank 0 prints it; spare the storage thousands of listings
+            return ""
         try:
             return self.latest() or "none"
         except StorageError:
