@@ -311,3 +311,17 @@ def test_a_job_that_cannot_progress_is_a_clear_error_not_a_memory_blowup():
     cfg = SimConfig(devices=1_000_000, step_time_s=10.0, steps=1_000_000, restart_s=3 * HOUR_S, samples=4)
     with pytest.raises(ValueError, match="cannot make progress"):
         simulate(cfg)
+
+
+def test_toml_example_in_the_docs_loads_and_runs(tmp_path):
+    doc = Path(__file__).resolve().parents[1] / "docs" / "simulator.md"
+    if not doc.exists():
+        pytest.skip("docs/simulator.md not present")
+    block = doc.read_text().split("```toml\n", 1)[1].split("```", 1)[0]
+    path = tmp_path / "run.toml"
+    path.write_text(block)
+    cfg = SimConfig(**load_sim_toml(path)).with_updates(samples=5)
+    assert cfg.spare_slots == 16 and cfg.stragglers.policy == "bounded_staleness"
+    report = summarize(simulate(cfg))
+    assert 0 < report["metrics"]["goodput"]["mean"] < 1
+    assert report["metrics"]["cost_usd"]["mean"] > 0

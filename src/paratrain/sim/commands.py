@@ -26,7 +26,8 @@ analytic checkpoint models.
 
 Failure rates default to the Llama 3 405B table (Dubey et al. 2024, Table 5: 419 unexpected interruptions in
 54 days on 16,384 H100), read as a rate per device-hour = count / (16,384 * 54 * 24); --rate-scale and
---failures change them. Precedence: built-in defaults < --config TOML < flags.
+--failures change them. Precedence: built-in defaults < --config TOML < --hardware/--model (catalog,
+planner) < flags.
 """
 
 EXAMPLES = """\
@@ -76,8 +77,8 @@ def register(subparsers) -> None:
     g.add_argument("--steps", type=int, help="steps to train: report time and cost to train")
     g.add_argument("--duration", help="fixed wall-clock window, e.g. 54d: report what it achieves")
     g.add_argument("--model", help="model preset or TOML: step time from the planner, checkpoint size from params")
-    g.add_argument("--seq", type=int, help="sequence length for the planner (with --model)")
-    g.add_argument("--global-batch", type=int, help="global batch in sequences for the planner (with --model)")
+    g.add_argument("--seq", type=int, help="sequence length for the planner (with --model; default 4096)")
+    g.add_argument("--global-batch", type=int, help="global batch in sequences for the planner (with --model; default 1024)")
     g = p.add_argument_group("checkpoints")
     g.add_argument("--checkpoint-gb", type=float, help="checkpoint size in GB (default 1000)")
     g.add_argument("--write-gbps", type=float, help="aggregate storage write bandwidth, GB/s (default 100)")
