@@ -28,7 +28,7 @@ span nodes. A layout that would put a TP group across hosts is refused.
 
 examples:
   # one node, 8 processes (same as torchrun --standalone)
-  paratrain launch --nproc-per-node 8 -- --config configs/tiny.toml --set parallel.tp=2
+  paratrain launch --nproc-per-node 8 -- --config configs/tiny.toml --set parallel.tp=2 --set train.microbatch=4
 
   # 4 nodes, elastic c10d rendezvous on node001 (run on every node, same command)
   paratrain launch --nnodes 4 --nproc-per-node 8 --rdzv-endpoint node001:29400 --rdzv-id $JOB_ID \\
