@@ -23,18 +23,25 @@ from torch.utils.checkpoint import checkpoint
 from paratrain.model.llama import CoreAttention
 
 MODES = ("none", "selective", "full")
-_input_observers: list[Callable] = []
+_kept_observers: list[Callable] = []
 
 
 @contextlib.contextmanager
-def observe_checkpoint_inputs(callback: Callable):
-    """Call `callback(args)` with the inputs every checkpointed region keeps for its recompute (they are kept
-    alive by the checkpoint, not through saved-tensor hooks; the activation-memory accounting needs them)."""
-    _input_observers.append(callback)
+def observe_kept_tensors(callback: Callable):
+    """Call `callback(tensors)` with tensors that paratrain's own mechanisms keep for backward outside the
+    saved-tensor hooks a caller may install: the inputs a checkpointed region keeps for its recompute, and
+    what sequence parallelism keeps in place of gathered activations (its hooks are innermost, so an outer
+    saved_tensors_hooks does not see those). Used by the activation-memory accounting."""
+    _kept_observers.append(callback)
     try:
         yield
     finally:
-        _input_observers.remove(callback)
+        _kept_observers.remove(callback)
+
+
+def notify_kept(tensors) -> None:
+    for observe in _kept_observers:
+        observe(tensors)
 
 
 def checkpoint_module(module: nn.Module) -> nn.Module:
@@ -43,8 +50,7 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
 
     @functools.wraps(inner)
     def forward(*args, **kwargs):
-        for observe in _input_observers:
-            observe(args)
+        notify_kept(args)
         return checkpoint(inner, *args, use_reentrant=False, **kwargs)
 
     module.forward = forward

@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from paratrain.model.config import ModelConfig
 from paratrain.parallel.layout import check_tp_layout  # noqa: F401 - re-exported
+from paratrain.parallel.recompute import notify_kept
 
 
 class ReplicatedKVProjection(ParallelStyle):
@@ -90,7 +91,91 @@ def block_plan(model_cfg: ModelConfig, tp: int, sp: bool) -> dict[str, ParallelS
     return plan
 
 
-def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, loss_parallel: bool = True) -> nn.Module:
+class _ShardHolder:
+    """What autograd keeps instead of a sequence-gathered activation: this rank's sequence shard."""
+
+    def __init__(self, shard: torch.Tensor):
+        self.shard = shard
+        self.full: torch.Tensor | None = None  # re-gathered once in backward, shared by every saved view
+
+
+def _local_of(t: torch.Tensor) -> torch.Tensor:
+    while True:
+        if isinstance(t, DTensor):
+            t = t._local_tensor
+        elif type(t).__name__ == "AsyncCollectiveTensor":
+            t = t.trigger_wait()
+        else:
+            return t
+
+
+class SaveGatheredInputAsShard:
+    """Sequence parallelism's last factor of t: keep only the local shard of the all-gathered TP-region input.
+
+    Entering attention/feed_forward, SP all-gathers the normalised activation along the sequence; the
+    column-parallel linears then save that full (b, s, h) tensor for their weight gradients, on every rank.
+    Like Megatron-LM, keep this rank's (b, s/t, h) slice instead and all-gather it again when backward needs
+    it (one extra all-gather per TP region in backward), so every saved activation divides by t.
+    Skipped inside a fully recomputed block (that keeps only the block input anyway)."""
+
+    def __init__(self, tp_mesh: DeviceMesh, block: nn.Module):
+        self.group = tp_mesh.get_group()
+        self.tp, self.rank = tp_mesh.size(), tp_mesh.get_local_rank()
+        self.block = block
+        self._gathered: torch.Tensor | None = None
+        self._holders: dict[int, _ShardHolder] = {}
+        self._ctx = None
+
+    def register(self, module: nn.Module) -> None:
+        module.register_forward_pre_hook(self._enter)  # after PrepareModuleInput's gather (registered earlier)
+        module.register_forward_hook(self._exit, always_call=True)
+
+    def _enter(self, _module, args):
+        if getattr(self.block, "_paratrain_recompute", False) or not torch.is_grad_enabled():
+            return
+        self._gathered = _local_of(args[0])
+        self._holders = {}
+        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._ctx.__enter__()
+
+    def _exit(self, _module, _args, _output):
+        if self._ctx is not None:
+            self._ctx.__exit__(None, None, None)
+            self._ctx, self._gathered = None, None
+
+    def _pack(self, t: torch.Tensor):
+        loc, gathered = _local_of(t), self._gathered
+        ptr = loc.untyped_storage().data_ptr()
+        if (gathered is None or ptr != gathered.untyped_storage().data_ptr() or loc.numel() != gathered.numel()
+                or not loc.is_contiguous() or not gathered.is_contiguous()):
+            notify_kept((t,))
+            return t
+        if ptr not in self._holders:  # wq, wk, wv (or w1, w3) save the same tensor: keep one shard
+            seq_shard = gathered.chunk(self.tp, dim=1)[self.rank]
+            self._holders[ptr] = _ShardHolder(seq_shard.clone())
+            notify_kept((self._holders[ptr].shard,))
+        meta = (t.device_mesh, t.placements, t.shape, t.stride()) if isinstance(t, DTensor) else None
+        return self._holders[ptr], loc.shape, meta
+
+    def _unpack(self, packed):
+        if not isinstance(packed, tuple):
+            return packed
+        holder, local_shape, meta = packed
+        if holder.full is None:
+            import torch.distributed as dist
+
+            parts = [torch.empty_like(holder.shard) for _ in range(self.tp)]
+            dist.all_gather(parts, holder.shard, group=self.group)
+            holder.full = torch.cat(parts, dim=1)
+        local = holder.full.view(local_shape)
+        if meta is None:
+            return local
+        mesh, placements, shape, stride = meta
+        return DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, loss_parallel: bool = True,
+             save_shards: bool = True) -> nn.Module:
     """Shard a Llama (or a pipeline stage of one: tok_embeddings/norm/output may be None) over `tp_mesh`.
 
     With loss_parallel the model returns logits as a DTensor sharded on the vocab dimension; compute the loss
@@ -113,6 +198,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, loss_parallel: boo
         parallelize_module(model, tp_mesh, top)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan(cfg, tp, sp))
+        if sp and save_shards:
+            for region in (block.attention, block.feed_forward):
+                SaveGatheredInputAsShard(tp_mesh, block).register(region)
     if sp and model.tok_embeddings is None:
         model.register_forward_pre_hook(_full_sequence_positions(tp), with_kwargs=True)
     return model
