@@ -10,8 +10,9 @@ the loss by 1e-3 to 1e-2 (a half-size batch: 1.6e-3 at step 1). Subtler bugs sho
 gradient clipping used about half the true norm (fixed in 7838803), this test measured 7.3e-5 (it then had a
 looser 1e-4 and passed; 1e-5 fails it).
 
-Node failure: every process of host b is SIGKILLed mid-run (as when a machine dies), its launcher is started
-again, and the job resumes from the newest complete checkpoint and finishes with the uninterrupted losses.
+Node failure: HSDP across the hosts (--hybrid-shard: shards inside a host, replicas across), every process of
+host b is SIGKILLed mid-run (as when a machine dies), its launcher is started again, and the job resumes from
+the newest complete checkpoint and finishes with the uninterrupted losses.
 Elastic shrink: with --nnodes 1:2 and host b gone for good, host a goes on alone (DP2 -> DP1, same global
 batch by gradient accumulation), resharding the checkpoint, and finishes with the same losses.
 
@@ -185,22 +186,23 @@ def test_tp2_within_host_dp2_across_hosts_matches_single_process(hosts, data_dir
     assert "2 node(s) x 2: dp: across nodes, tp: intra-node" in logs[1].read_text()
 
 
-def run_with_failure(hosts, data_dir, tmp_path, nnodes: str, restart_b: bool, extra: list[str]):
-    """DP2 across the two hosts; SIGKILL every process of host b after the checkpoint at step 4."""
+def run_with_failure(hosts, data_dir, tmp_path, nnodes: str, nproc: int, restart_b: bool, sets: dict,
+                     extra: list[str]):
+    """Data parallel across the two hosts; SIGKILL every process of host b after the checkpoint at step 4."""
     a, b = hosts
     run_dir = tmp_path / "run"
-    sets = train_overrides(data_dir, run_dir, **{"parallel.dp_kind": '"ddp"'})
+    sets = train_overrides(data_dir, run_dir, **sets)
     logs = [tmp_path / "host_a.log", tmp_path / "host_b.log"]
     launch = ["--max-restarts", "3", *extra]
     run_id = f"fail{tmp_path.name}"
-    procs = [start_host(h, a, nnodes, 1, sets, log, run_id, launch) for h, log in zip(hosts, logs, strict=True)]
+    procs = [start_host(h, a, nnodes, nproc, sets, log, run_id, launch) for h, log in zip(hosts, logs, strict=True)]
     wait_for_checkpoint(run_dir / "checkpoints", 4, procs, logs)
     killed = b.kill_all()
-    assert killed >= 2, f"expected host b's agent and worker, found {killed} processes"
+    assert killed >= 1 + nproc, f"expected host b's agent and {nproc} worker(s), found {killed} processes"
     with logs[1].open("a") as fh:
         fh.write("\n=== host b killed (SIGKILL) ===\n")
     if restart_b:
-        procs[1] = start_host(b, a, nnodes, 1, sets, logs[1], run_id, launch)
+        procs[1] = start_host(b, a, nnodes, nproc, sets, logs[1], run_id, launch)
     else:
         procs = procs[:1]
     wait_all(procs, logs)
@@ -209,9 +211,13 @@ def run_with_failure(hosts, data_dir, tmp_path, nnodes: str, restart_b: bool, ex
 
 @pytest.mark.slow
 def test_host_killed_and_restarted_resumes_from_checkpoint(hosts, data_dir, reference_losses, tmp_path):
-    run_dir, logs = run_with_failure(hosts, data_dir, tmp_path, "2:2", restart_b=True, extra=[])
+    # HSDP across the hosts: FSDP shards inside each host (2 ranks), the replicas sit on different hosts
+    run_dir, logs = run_with_failure(hosts, data_dir, tmp_path, "2:2", 2, restart_b=True, sets={},
+                                     extra=["--hybrid-shard"])
     resumed = resumed_steps(logs)
     assert resumed and min(resumed) >= 4, f"the job did not resume from a checkpoint\n{tails(logs)}"
+    assert "2 node(s) x 2: dp_replicate: across nodes, dp_shard: intra-node" in logs[0].read_text()
+    assert "same layout" in logs[0].read_text() + logs[1].read_text()
     got = losses_by_step(run_dir)
     assert sorted(got) == list(range(1, STEPS + 1))
     assert_losses_match([got[s] for s in range(1, STEPS + 1)], reference_losses, LOSS_RTOL)
@@ -221,8 +227,8 @@ def test_host_killed_and_restarted_resumes_from_checkpoint(hosts, data_dir, refe
 @pytest.mark.slow
 def test_elastic_shrink_to_one_host_reshards_and_finishes(hosts, data_dir, reference_losses, tmp_path):
     # min 1 node: after host b dies, host a's next rendezvous round closes with itself after last_call_timeout
-    run_dir, logs = run_with_failure(hosts, data_dir, tmp_path, "1:2", restart_b=False,
-                                     extra=["--rdzv-conf", "last_call_timeout=2"])
+    run_dir, logs = run_with_failure(hosts, data_dir, tmp_path, "1:2", 1, restart_b=False,
+                                     sets={"parallel.dp_kind": '"ddp"'}, extra=["--rdzv-conf", "last_call_timeout=2"])
     resumed = resumed_steps(logs)
     assert resumed and min(resumed) >= 4, f"the job did not resume from a checkpoint\n{tails(logs)}"
     assert "layout changed" in logs[0].read_text()  # DP2 checkpoint loaded by one rank: resharded
