@@ -69,6 +69,8 @@ class ParallelSection(Section):
     reshard_after_forward: bool = True  # False = keep params gathered between fwd and bwd (ZeRO-2-like)
     zero_stage: Literal[1, 2, 3] | None = None  # planner's view; maps onto dp_kind/reshard_after_forward
     recompute: Literal["none", "selective", "full"] = "none"
+    ddp_bucket_mb: float = Field(default=25.0, gt=0, description="ddp: gradient bucket size (MiB); smaller "
+                                 "buckets start reducing earlier in backward")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"] = "1f1b"
     virtual_stages: int = Field(default=1, ge=1)
     pp_layers: list[int] | None = None  # explicit layers per (virtual) stage; default balanced

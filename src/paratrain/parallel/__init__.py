@@ -95,7 +95,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
         from paratrain.parallel.data import apply_dp
 
         kind, reshard = effective_dp(pcfg)
-        dp = apply_dp(parts, dp_mesh, kind, reshard)
+        dp = apply_dp(parts, dp_mesh, kind, reshard, bucket_bytes=int(pcfg.ddp_bucket_mb * 2**20))
     dp_rank = mesh["dp"].get_local_rank()
     runner_cls, runner_extra = ParallelRunner, {}
     if degrees["cp"] > 1:  # issue 10: the runner shards batches along the sequence (zig-zag)

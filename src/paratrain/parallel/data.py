@@ -78,6 +78,14 @@ class BucketedGradReducer:
         flat.div_(self.world)
         self._work.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, i))
 
+    def reduce_all_now(self) -> None:
+        """Reduce every bucket now, after backward (no overlap): the communication-alone time of a step."""
+        self.sync = True
+        for i in range(len(self.buckets)):
+            self._ready[i] = len(self.buckets[i])
+            self._launch(i)
+        self.finish()
+
     def finish(self) -> None:
         """Wait for every bucket and write the averaged gradients back (call after the last backward)."""
         if not self.sync:
