@@ -316,3 +316,29 @@ def test_every_runtime_policy_maps_to_a_simulator_policy():
 
     runtime = StalenessSection.model_fields["policy"].annotation.__args__
     assert set(SIM_POLICY) == set(runtime) and set(SIM_POLICY.values()) <= set(STRAGGLER_POLICIES)
+
+
+@pytest.mark.slow
+def test_torchrun_eviction_request_and_exit_code(tmp_path):
+    """As users run it: torchrun, 2 ranks, s = 1, rank 1 slowed 4x; the workers stop with exit code 75 after the
+    checkpoint of step 6 and leave the eviction request (torchrun reports the workers' exit code, exits non-zero)."""
+    import os
+    import subprocess
+    import sys
+
+    from paratrain.train.data import prepare
+
+    overrides = _loop_overrides(tmp_path, [
+        "staleness.max_staleness=1", 'staleness.test_fault_injection="slowdown=4,rank=1"',
+        "staleness.straggler_window=3", "staleness.evict_stragglers=true", "checkpoint.interval=6"])
+    prepare(load_config(None, overrides).data, log=lambda *_: None)
+    sets = [a for o in overrides for a in ("--set", o)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+           "-m", "paratrain", "train", *sets]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode != 0
+    assert f"exitcode  : {EVICTION_EXIT_CODE}" in proc.stderr or f"exitcode: {EVICTION_EXIT_CODE}" in proc.stderr, \
+        proc.stderr[-3000:]
+    request = json.loads((tmp_path / "run" / "eviction_request.json").read_text())
+    assert request["ranks"] == [1] and request["exit_code"] == EVICTION_EXIT_CODE
+    assert (tmp_path / "run" / "checkpoints").is_dir()

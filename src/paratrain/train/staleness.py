@@ -217,6 +217,10 @@ def after_checkpoint(runner, evict: bool, run_dir: Path, step: int, checkpoint: 
         path = write_eviction_request(run_dir, step, ranks, stale.hosts, stale.detector.window_ratios(), checkpoint)
         logger.write(f"step {step}: requesting eviction of straggling data-parallel ranks {ranks} "
                      f"(exit code {EVICTION_EXIT_CODE}, {path})")
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # nobody exits before the request is written (a launcher kills the survivors)
+        dist.barrier()
     raise EvictionRequested(ranks, path)
 
 
