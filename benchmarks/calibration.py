@@ -147,7 +147,7 @@ def best_vs_defaults(hw: Path, steps: int, out: Path) -> None:
                                  "zero_stage": [0, 3], "recompute": ["none"]})
     best = result.candidates[0].layout
     print(f"\nplan's best layout for small on 4 ranks: tp={best.tp} pp={best.pp} dp={best.dp} sp={best.sp} "
-          f"microbatch={best.microbatch} dp_kind={best.dp_kind} (searched {result.evaluated} layouts)")
+          f"microbatch={best.microbatch} dp_kind={best.dp_kind} (searched {result.valid} valid layouts)")
     overrides = [f"parallel.tp={best.tp}", f"parallel.pp={best.pp}", f"parallel.sp={str(best.sp).lower()}",
                  f'parallel.dp_kind="{best.dp_kind if best.dp_kind != "hsdp" else "fsdp"}"',
                  f"train.microbatch={best.microbatch}", f'parallel.pp_schedule="{best.schedule}"']
