@@ -42,13 +42,19 @@ def run_train(tmp: Path, data: Path, run: str, *extra: str, resume_from: str | N
     return json.loads(summary.read_text())
 
 
+_REFERENCE: dict = {}
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """One uninterrupted 6-step run that saves at steps 3 and 6; its data folder is shared by the tests."""
-    tmp = tmp_path_factory.mktemp("ckpt-ref")
-    data = tmp / "data"
-    summary = run_train(tmp, data, "ref")
-    return {"tmp": tmp, "data": data, "summary": summary, "ckpt": tmp / "ref" / "checkpoints"}
+    """One uninterrupted 6-step run that saves at steps 3 and 6; its data folder is shared by the tests.
+    Computed once per session (test_checkpoint_s3 uses it too); tests copy, never modify, its checkpoints."""
+    if not _REFERENCE:
+        tmp = tmp_path_factory.mktemp("ckpt-ref")
+        data = tmp / "data"
+        summary = run_train(tmp, data, "ref")
+        _REFERENCE.update(tmp=tmp, data=data, summary=summary, ckpt=tmp / "ref" / "checkpoints")
+    return _REFERENCE
 
 
 def test_resume_continues_bitwise_with_clear_message(reference, tmp_path, capsys):

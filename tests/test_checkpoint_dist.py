@@ -54,8 +54,8 @@ def _close(got: list[float], want: list[float]) -> bool:
     return len(got) == len(want) and all(abs(a - b) <= RTOL * abs(b) for a, b in zip(got, want, strict=True))
 
 
-def test_fsdp_dp2_resume_bitwise_and_into_one_process(dist_run, tmp, capsys):
-    full = dist_run(2, _train, settings(tmp, "dp2", 6, 3, *FSDP2))
+def test_fsdp_dp2_async_saves_resume_bitwise_and_into_one_process(dist_run, tmp, capsys):
+    full = dist_run(2, _train, settings(tmp, "dp2", 6, 3, *FSDP2, "checkpoint.async_save=true"))
     losses = full[0]["losses"]
     assert len(losses) == 6 and full[1]["losses"] == losses
     step3 = str(tmp / "dp2" / "checkpoints" / step_name(3))
