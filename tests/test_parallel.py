@@ -10,7 +10,12 @@ TP4 on this model has kv_heads=2 < tp=4, so it also covers the replicated-kv-hea
 """
 
 import pytest
-from parity import assert_matches_reference, make_config, parallel_run, reference
+import torch.distributed as dist
+from parity import assert_matches_reference, global_batch, make_config, parallel_run, reference
+
+from paratrain.cli import main
+from paratrain.config import load_config
+from paratrain.parallel import check_layout
 
 LOSS_RTOL, LOSS_ATOL, GRAD_RTOL = 1e-5, 1e-6, 1e-5
 
@@ -66,3 +71,82 @@ def test_zero2_and_hsdp_match_single_device(dist_run, ref):
         ["parallel.dp=4", "parallel.zero_stage=2"],
     ]
     _check_all(ref, cases, dist_run(4, _run_cases, cases))
+
+
+@pytest.mark.parametrize("overrides, world, message", [
+    (["parallel.tp=3"], 3, r"parallel.tp=3 must divide model.heads=4"),
+    (["parallel.tp=2", "model.ffn_hidden=351"], 2, r"parallel.tp=2 must divide model.ffn_hidden=351"),
+    (["parallel.tp=2", "model.vocab=255"], 2, r"parallel.tp=2 must divide model.vocab=255"),
+    (["parallel.tp=4", "model.heads=12", "model.kv_heads=6", "model.hidden=192"], 4, r"tp must divide kv_heads, or kv_heads must divide tp"),
+    (["parallel.tp=2", "model.tie_embeddings=true"], 2, r"tie_embeddings=true is not supported"),
+    (["parallel.tp=2", "parallel.sp=true", "train.seq_len=33"], 2, r"seq_len=33 must be divisible"),
+    (["parallel.sp=true"], 1, r"parallel.sp=true needs parallel.tp > 1"),
+    (["parallel.zero_stage=1"], 2, r"zero_stage=1 .* not implemented"),
+    (["parallel.zero_stage=3", "parallel.dp_kind=\"ddp\""], 2, r"zero_stage=3 shards state"),
+    (["parallel.dp_kind=\"hsdp\"", "parallel.dp_replicate=3"], 4, r"dp_replicate=3 must divide"),
+    (["parallel.tp=2", "parallel.dp=3"], 4, r"world size 4 != pp\*dp\*cp\*tp"),
+])
+def test_invalid_layouts_fail_before_building(overrides, world, message):
+    with pytest.raises(ValueError, match=message):
+        check_layout(make_config(overrides), world)
+
+
+def test_cli_rejects_bad_layout_in_one_line(capsys):
+    assert main(["train", "--set", "parallel.tp=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "parallel.tp=3 must divide model.heads=4" in err[0]
+
+
+def test_valid_gqa_replication_layout_accepted():
+    cfg = load_config(None, ["parallel.tp=4"])  # tiny: kv_heads=2 < tp=4, replicated kv heads
+    assert check_layout(cfg, 8) == {"pp": 1, "dp": 2, "cp": 1, "tp": 4}
+
+
+def _ddp_bucket_launch_points():
+    """Per bucket: how many parameters still had no gradient when the bucket's all-reduce was launched."""
+    from paratrain.parallel.mesh import init_distributed
+    from paratrain.train.loop import build_runner
+
+    cfg = make_config(["parallel.dp=2", "parallel.dp_kind=\"ddp\"", "parallel.ddp_bucket_mb=0.05",
+                       "train.microbatch=4"])
+    runner = build_runner(cfg, init_distributed("cpu"))
+    reducer = runner.dp.reducer
+    params = list(runner.parameters())
+    pending_at_launch = []
+    launch = reducer._launch
+
+    def recording_launch(i):
+        pending_at_launch.append(sum(p.grad is None for p in params))
+        launch(i)
+
+    reducer._launch = recording_launch
+    x, y = global_batch(cfg, 0)
+    rank = dist.get_rank()
+    runner.forward_backward(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+    return len(reducer.buckets), pending_at_launch
+
+
+def test_ddp_reduction_starts_during_backward(dist_run):
+    buckets, pending = dist_run(2, _ddp_bucket_launch_points)[0]
+    assert buckets > 4 and len(pending) == buckets
+    # all but the last bucket launch while other gradients are still being computed: overlap with backward
+    assert all(n > 0 for n in pending[:-1]) and pending == sorted(pending, reverse=True)
+
+
+def _hsdp_mesh_groups():
+    from paratrain.parallel import dp_mesh_of
+    from paratrain.parallel.mesh import build_mesh, init_distributed
+
+    cfg = make_config(["parallel.dp=4", "parallel.dp_kind=\"hsdp\"", "parallel.dp_replicate=2"])
+    mesh = build_mesh(cfg.parallel, init_distributed("cpu"))
+    dp = dp_mesh_of(mesh, cfg)
+    ranks = lambda group: dist.get_process_group_ranks(group)  # noqa: E731
+    return dp.mesh_dim_names, ranks(dp["dp_shard"].get_group()), ranks(dp["dp_replicate"].get_group()), \
+        ranks(mesh["dp"].get_group())
+
+
+def test_hsdp_mesh_shards_within_and_replicates_across(dist_run):
+    out = dist_run(4, _hsdp_mesh_groups)
+    names, shard, replicate, whole = out[0]
+    assert names == ("dp_replicate", "dp_shard") and shard == [0, 1] and replicate == [0, 2]
+    assert whole == [0, 1, 2, 3] and out[3][1:3] == ([2, 3], [1, 3])
