@@ -77,7 +77,19 @@ def base_overrides(run_dir: Path, steps: int, seed: int, dp: int) -> list[str]:
 # -- running the training loop on forked gloo ranks ---------------------------------------------------------------
 
 
+def _die_with_parent() -> None:
+    """Linux: a rank gets SIGTERM when the benchmark process dies, instead of waiting forever on its peers."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def _rank_main(rank: int, world: int, store_path: str, overrides: list[str], out) -> None:
+    _die_with_parent()
     torch.set_num_threads(1)
     sys.stdout = open(os.devnull, "w")  # noqa: SIM115 - the loop's step lines; the parent prints the results
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank),

@@ -112,7 +112,9 @@ def _train(cfg, runner, steps):
     params = {clean_name(n): full_tensor(p.detach()).clone() for n, p in state_module(runner.parts).named_parameters()}
     history = [(a.step, a.grad_step, a.loss, a.microbatches) for a in getattr(runner, "history", [])]
     return {"losses": losses, "params": params, "history": history, "in_flight": in_flight,
-            "local_microbatches": list(getattr(runner, "local_microbatches", []))}
+            "local_microbatches": list(getattr(runner, "local_microbatches", [])),
+            "launched": list(getattr(runner, "launch_unix_s", [])),
+            "applied": [a.applied_unix_s for a in getattr(runner, "history", [])]}
 
 
 def _sync_and_stale0(overrides, steps):
@@ -196,6 +198,17 @@ def test_bounded_staleness_applies_exactly_s_step_old_gradients(dist_run, s):
             torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     for name, p in results[0]["params"].items():
         assert torch.equal(p, results[1]["params"][name]), f"ranks disagree on {name}"
+
+
+def test_a_rank_more_than_s_steps_behind_makes_the_others_wait(dist_run):
+    """Rank 1 sleeps 0.2 s before every step, s = 1: rank 0 may run ahead, but it has the gradient of step t - 1 in
+    hand only after rank 1 launched step t - 1 (a causal check on one machine's clock, no timing threshold)."""
+    steps, s = 5, 1
+    overrides = ["parallel.dp=2", "train.global_batch=16", *STALE, f"staleness.max_staleness={s}",
+                 'staleness.test_fault_injection="sleep_s=0.2,probability=1.0,rank=1"']
+    fast, slow = dist_run(2, _stale_run, overrides, steps)
+    for t in range(s, steps):
+        assert fast["applied"][t] >= slow["launched"][t - s], f"rank 0 applied step {t - s} before rank 1 sent it"
 
 
 def _budget_reference(cfg, steps, counts_per_rank, dp):

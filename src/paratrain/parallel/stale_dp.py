@@ -102,6 +102,7 @@ class AppliedStep:
     loss: float = float("nan")
     wait_s: float = 0.0
     rank_step_s: list[float] = field(default_factory=list)
+    applied_unix_s: float = 0.0  # when the reduced gradient was in hand (tests check the bound causally)
 
 
 class StaleDataParallelRunner(ParallelRunner):
@@ -122,6 +123,7 @@ class StaleDataParallelRunner(ParallelRunner):
         self.in_flight: deque[InFlightStep] = deque()
         self.history: list[AppliedStep] = []  # one per optimizer step: tests check staleness from it
         self.local_microbatches: list[int] = []  # per step, this rank's processed microbatches
+        self.launch_unix_s: list[float] = []  # per step, when this rank launched its reduction
         self.step = 0
         self.hosts = self._gather_hosts()
 
@@ -199,6 +201,7 @@ class StaleDataParallelRunner(ParallelRunner):
             work_s = float(t.item())
         meta = torch.zeros(META_FIELDS + self.dp_size, dtype=torch.float64)
         meta[0], meta[1], meta[META_FIELDS + self.dp_rank] = loss_sum, done, work_s
+        self.launch_unix_s.append(time.time())
         works.append(self._all_reduce(meta))
         self.in_flight.append(InFlightStep(self.step, flats, works, meta, tokens_per_mb))
 
@@ -235,7 +238,7 @@ class StaleDataParallelRunner(ParallelRunner):
         rank_step_s = item.meta[META_FIELDS:].tolist()
         self.detector.update(rank_step_s)
         applied = AppliedStep(self.step, item.step, microbatches, microbatches * item.tokens_per_microbatch,
-                              float(item.meta[0] / item.meta[1]), wait_s, rank_step_s)
+                              float(item.meta[0] / item.meta[1]), wait_s, rank_step_s, time.time())
         self.history.append(applied)
         return applied
 
