@@ -122,3 +122,65 @@ def test_torchrun_restarts_after_a_rank_is_killed_and_finishes_like_uninterrupte
     summary = json.loads((tmp / "elastic.json").read_text())
     assert summary["resumed_from"].endswith(step_name(4))  # the restart resumed from the latest checkpoint
     assert summary["losses"] == reference[4:] and summary["last_loss"] == reference[-1]
+
+
+# ---- failures seen by one rank only: every rank must agree -------------------------------------------------
+def _linear_and_sgd(seed: int):
+    torch.manual_seed(seed)
+    model = nn.Linear(64, 64)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _one_rank_cannot_write(directory: str) -> dict:
+    from paratrain.train.storage import RetryPolicy, Storage
+
+    rank = torch.distributed.get_rank()
+    logs: list[str] = []
+    mgr = CheckpointManager(directory, rank, layout={"dp": 2}, retry=RetryPolicy(2, 0.0), log=logs.append)
+    model, opt = _linear_and_sgd(0)
+    mgr.save(1, [model], opt, {"step": 1})
+    real = Storage.write_bytes
+    if rank == 1:
+        Storage.write_bytes = lambda self, path, data: (_ for _ in ()).throw(PermissionError(f"denied: {path}"))
+    try:
+        mgr.save(2, [model], opt, {"step": 2})
+    finally:
+        Storage.write_bytes = real
+    return {"failed": mgr.failed_saves, "latest": mgr.latest(), "logs": logs}
+
+
+def test_a_write_failing_on_one_rank_fails_the_save_on_all(dist_run, tmp_path):
+    got = dist_run(2, _one_rank_cannot_write, str(tmp_path))
+    assert [g["failed"] for g in got] == [1, 1]
+    assert all(g["latest"].endswith(step_name(1)) for g in got)
+    error = next(m for m in got[0]["logs"] if m.startswith("ERROR: checkpoint of step 2 NOT saved"))
+    assert "failed after 1 attempt(s): rank 1: PermissionError: denied" in error  # permanent: not retried
+
+
+def _save_two(directory: str) -> None:
+    rank = torch.distributed.get_rank()
+    mgr = CheckpointManager(directory, rank, layout={"dp": 2})
+    model, opt = _linear_and_sgd(1)
+    for step in (1, 2):
+        model(torch.randn(4, 64)).sum().backward()
+        opt.step()
+        mgr.save(step, [model], opt, {"step": step})
+
+
+def _resume(directory: str) -> tuple[int, list[str]]:
+    rank = torch.distributed.get_rank()
+    logs: list[str] = []
+    model, opt = _linear_and_sgd(2)
+    resumed = CheckpointManager(directory, rank, layout={"dp": 2}, log=logs.append).resume([model], opt)
+    return resumed.step, logs
+
+
+def test_corruption_found_by_one_rank_makes_every_rank_fall_back(dist_run, tmp_path):
+    dist_run(2, _save_two, str(tmp_path))
+    shard = tmp_path / step_name(2) / "__0_0.distcp"  # files are verified round-robin: rank 1 checks this one
+    data = bytearray(shard.read_bytes())
+    data[-100] ^= 1
+    shard.write_bytes(bytes(data))
+    got = dist_run(2, _resume, str(tmp_path))
+    assert [step for step, _ in got] == [1, 1]
+    assert any(f"refused: {shard}: sha256" in m for m in got[0][1])
