@@ -273,3 +273,20 @@ def test_sigkill_during_checkpoint_write_keeps_previous_and_discards_partial(ref
     summary = json.loads((tmp_path / "h.json").read_text())
     assert summary["losses"] == reference["summary"]["losses"][EVERY:]
     assert json.loads((partial / MANIFEST).read_text())["step"] == 6  # re-saved, complete this time
+
+
+def test_checkpoint_list_and_verify_commands(reference, tmp_path, capsys):
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(reference["ckpt"], ckpt)
+    (ckpt / step_name(7)).mkdir()
+    assert main(["checkpoint", "list", str(ckpt), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["step"], r["status"]) for r in rows] == [(3, "complete"), (6, "complete"), (7, "interrupted")]
+    assert rows[0]["layout"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 1} and rows[0]["bytes"] > 1e6
+    assert main(["checkpoint", "verify", str(ckpt)]) == 0
+    assert capsys.readouterr().out.startswith(f"{ckpt / step_name(6)}: OK")
+    _damage(ckpt / step_name(3) / "extra_rank0.pt", "corrupt")
+    assert main(["checkpoint", "verify", str(ckpt / step_name(3))]) == 1
+    assert f"REFUSED: {ckpt / step_name(3)}/extra_rank0.pt: sha256" in capsys.readouterr().out
+    assert main(["checkpoint", "verify", str(tmp_path / "nothing")]) == 2
+    assert "not a checkpoint" in capsys.readouterr().err

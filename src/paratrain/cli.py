@@ -14,6 +14,7 @@ import sys
 # (module, one-line summary shown by `paratrain --help`). Order = order in the help text.
 COMMAND_MODULES = [
     "paratrain.train.commands",
+    "paratrain.train.checkpoint_commands",
     "paratrain.hardware.commands",
     "paratrain.plan.commands",
     "paratrain.cost.commands",

@@ -385,7 +385,7 @@ class CheckpointManager:
             return st, st.root
         done = self._from_rank0(lambda: self.committed(st))
         if not done:
-            raise CheckpointError(f"cannot resume from {source}: it holds no {MANIFEST} and no complete "
+            raise CheckpointError(f"{source}: not a checkpoint: it holds no {MANIFEST} and no complete "
                                   "step_* checkpoint folder")
         return st, done[-1]
 
