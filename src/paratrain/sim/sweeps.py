@@ -29,16 +29,21 @@ def exponential_failure_model(mtbf_s: float, devices: int) -> tuple[FailureCause
     return (FailureCause("Failure", "Any", HOUR_S / (mtbf_s * devices), replaces_node=False, detect_s=0.0),)
 
 
-def daly_case_config(mtbf_s: float, delta_s: float, restart_s: float, *, work_mtbfs: float = 2000.0,
-                     samples: int = 200, seed: int = 0, step_time_s: float = 1.0) -> SimConfig:
+DALY_SOLVE_TIME_S = 500 * HOUR_S  # Daly 2006, Figs. 3-5: T_s = 500 h, R = 10 min, delta = 5 min
+
+
+def daly_case_config(mtbf_s: float, delta_s: float, restart_s: float, *, work_s: float = DALY_SOLVE_TIME_S,
+                     work_mtbfs: float | None = None, samples: int = 200, seed: int = 0,
+                     step_time_s: float = 1.0) -> SimConfig:
     """Daly's setting as a SimConfig: exponential failures with MTBF M, blocking checkpoints of delta,
-    restart R (all in the relaunch), no spares needed, no stragglers; work of `work_mtbfs` MTBFs so each
-    replica sees thousands of failures."""
+    restart R (all in the relaunch), no spares needed, no stragglers. Work: T_s = 500 h as in Daly's
+    figures, or `work_mtbfs` MTBFs when given."""
     devices = 1
     write = 1e9
+    work = work_s if work_mtbfs is None else work_mtbfs * mtbf_s
     return SimConfig(
         devices=devices, devices_per_node=1, step_time_s=step_time_s,
-        steps=max(1, round(work_mtbfs * mtbf_s / step_time_s)),
+        steps=max(1, round(work / step_time_s)),
         checkpoint_bytes=delta_s * write, write_bytes_per_s=write, read_bytes_per_s=1e300,
         detect_s=0.0, restart_s=restart_s, swap_s=0.0, spare_nodes=0,
         causes=exponential_failure_model(mtbf_s, devices), samples=samples, seed=seed,
