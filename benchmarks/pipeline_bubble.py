@@ -20,7 +20,7 @@ Theory (p stages' worth of ranks, m microbatches):
     of it. Deferred W work fills the drain, so this fill is the only bubble left (the "zero bubble" of Qi et
     al. 2024 is this value once the optimizer-step barrier is also relaxed, which torch does not do).
 
-Run:  python benchmarks/pipeline_bubble.py [--tf-ms 50] [--steps 3] [--json] [--plot bubble.png]
+Run:  python benchmarks/pipeline_bubble.py [--tf-ms 50] [--steps 3] [--factors 1 2 4 8] [--json] [--plot x.png]
 """
 
 from __future__ import annotations
@@ -50,10 +50,10 @@ def theory(schedule: str, p: int, m: int) -> float:
     return (p - 1) / (6 * m + p - 1)
 
 
-def cases(p: int) -> list[tuple[str, int]]:
+def cases(p: int, factors=MICROBATCH_FACTORS) -> list[tuple[str, int]]:
     out = []
     for schedule in SCHEDULES:
-        for f in MICROBATCH_FACTORS:
+        for f in factors:
             m = f * p
             if schedule in ("zbv", "dualpipev") and m < 2 * p:
                 continue
@@ -139,12 +139,12 @@ def measure(schedule_name: str, p: int, m: int, tf_s: float, steps: int) -> dict
     return {"idle": idle}
 
 
-def _worker(rank: int, world: int, store_path: str, tf_s: float, steps: int, out_path: str) -> None:
+def _worker(rank: int, world: int, store_path: str, tf_s: float, steps: int, factors, out_path: str) -> None:
     torch.set_num_threads(1)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     rows = []
-    for schedule, m in cases(world):
+    for schedule, m in cases(world, factors):
         result = measure(schedule, world, m, tf_s, steps)
         per_rank = [None] * world
         dist.all_gather_object(per_rank, result["idle"])
@@ -160,10 +160,10 @@ def _worker(rank: int, world: int, store_path: str, tf_s: float, steps: int, out
     dist.destroy_process_group()
 
 
-def run(p: int, tf_s: float, steps: int) -> list[dict]:
+def run(p: int, tf_s: float, steps: int, factors=MICROBATCH_FACTORS) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        mp.spawn(_worker, args=(p, os.path.join(tmp, "store"), tf_s, steps, out), nprocs=p, join=True)
+        mp.spawn(_worker, args=(p, os.path.join(tmp, "store"), tf_s, steps, factors, out), nprocs=p, join=True)
         with open(out) as f:
             return json.load(f)
 
@@ -182,8 +182,11 @@ def plot(rows: list[dict], path: str) -> None:
             color = f"C{i}"
             ax.plot([r["m"] for r in sel], [r["measured_idle"] for r in sel], "o-", color=color, label=schedule)
             ax.plot([r["m"] for r in sel], [r["theory_idle"] for r in sel], "--", color=color, alpha=0.6)
+        ms = sorted({r["m"] for r in rows if r["p"] == p})
         ax.set(title=f"p = {p} (solid: measured, dashed: theory)", xlabel="microbatches m",
                ylabel="idle fraction", xscale="log")
+        ax.set_xticks(ms, [str(m) for m in ms])
+        ax.minorticks_off()
         ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -194,13 +197,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tf-ms", type=float, default=50.0, help="forward cost per rank and microbatch (ms)")
     ap.add_argument("--steps", type=int, default=3, help="measured steps per case (after one warm-up step)")
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes to measure")
+    ap.add_argument("--factors", type=int, nargs="+", default=list(MICROBATCH_FACTORS),
+                    help="microbatch counts to measure, as multiples of p (V schedules skip m < 2p)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     ap.add_argument("--plot", help="write measured vs theory to this PNG")
     args = ap.parse_args(argv)
     rows = []
     for p in args.pp:
-        print(f"measuring p={p} ({len(cases(p))} cases, t_f={args.tf_ms} ms)...", file=sys.stderr, flush=True)
-        rows += run(p, args.tf_ms / 1000, args.steps)
+        n = len(cases(p, args.factors))
+        print(f"measuring p={p} ({n} cases, t_f={args.tf_ms} ms)...", file=sys.stderr, flush=True)
+        rows += run(p, args.tf_ms / 1000, args.steps, tuple(args.factors))
     for r in rows:
         r["ratio"] = r["measured_idle"] / r["theory_idle"]
     if args.json:
