@@ -3,6 +3,7 @@ reach paratrain the usual AWS ways (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), a
 
 from __future__ import annotations
 
+import json
 import socket
 
 import pytest
@@ -91,3 +92,29 @@ def test_s3_outage_during_saves_fails_loudly_and_training_continues(s3, referenc
     # Step 4's shards were written without a commit; pruned once step 6 committed. Only step 6 is a checkpoint.
     assert sorted(st.listdir(url)) == [step_name(6)]
     assert got["checkpoint"] == f"{url}/{step_name(6)}"
+
+
+def _rank_main(env: dict, args: list[str]) -> int:
+    import os
+
+    from paratrain.cli import main
+
+    os.environ.update(env)  # the pool's ranks may have been forked before this module set the AWS variables
+    return main(args)
+
+
+def test_s3_two_ranks_async_save_then_resume_in_one_process(s3, reference, tmp_path, dist_run):
+    import os
+
+    from test_checkpoint import train_args
+
+    url = f"s3://{BUCKET}/dp2"
+    env = {k: os.environ[k] for k in ("AWS_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_REGION")}
+    args = train_args(tmp_path, reference["data"], "dp2", f'checkpoint.dir="{url}"', "checkpoint.async_save=true",
+                      "parallel.dp=2", 'parallel.dp_kind="fsdp"') + ["--summary-json", str(tmp_path / "dp2.json")]
+    assert dist_run(2, _rank_main, env, args) == [0, 0]
+    dp2 = json.loads((tmp_path / "dp2.json").read_text())
+    manifest = json.loads(Storage(url).read_bytes(f"{url}/{step_name(3)}/{MANIFEST}"))
+    assert {"__0_0.distcp", "__1_0.distcp", "extra_rank0.pt", "extra_rank1.pt"} <= set(manifest["files"])
+    single = run_train(tmp_path, reference["data"], "one", resume_from=f"{url}/{step_name(3)}")
+    assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(single["losses"], dp2["losses"][EVERY:], strict=True))
