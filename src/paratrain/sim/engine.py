@@ -25,7 +25,7 @@ import numpy as np
 
 from paratrain.sim.analytic import daly_interval, daly_wall_time, young_interval
 from paratrain.sim.config import HOUR_S, SimConfig
-from paratrain.sim.stragglers import StragglerOutcome, simulate_stragglers
+from paratrain.sim.stragglers import StragglerOutcome, eviction_rate_per_s, simulate_stragglers
 
 EVICTION_CAUSE = "Straggler eviction"
 # Replicas are simulated in batches holding at most this many gaps, to bound memory.
@@ -145,8 +145,7 @@ class SimRun:
 
 def simulate(cfg: SimConfig, interval_s: float | None = None) -> SimRun:
     """Run `cfg.samples` Monte-Carlo replicas of the training run. `interval_s` overrides the interval rule."""
-    evictions = _eviction_rate(cfg)
-    causes = build_cause_table(cfg, evictions)
+    causes = build_cause_table(cfg, eviction_rate_per_s(cfg.stragglers, cfg.devices))
     tau = resolve_interval_s(cfg, causes.mtbf_s) if interval_s is None else float(interval_s)
     if tau < cfg.checkpoint_async_s:
         raise ValueError(f"checkpoint interval {tau:.1f} s is shorter than the asynchronous write "
@@ -157,14 +156,10 @@ def simulate(cfg: SimConfig, interval_s: float | None = None) -> SimRun:
                                    horizon, cfg.samples, straggle_rng)
     if np.any(straggle.lost_share >= 0.999):
         raise ValueError("stragglers leave the job no progress (>= 99.9% of compute lost): check the straggler rate")
+    if cfg.steps is not None:  # stragglers stretch the time to do the work: draw enough failures for it
+        horizon /= 1.0 - float(straggle.lost_share.max())
     totals = _simulate_replicas(cfg, causes, tau, straggle.lost_share, horizon)
     return SimRun(cfg, causes, tau, straggle, totals)
-
-
-def _eviction_rate(cfg: SimConfig) -> float:
-    from paratrain.sim.stragglers import eviction_rate_per_s
-
-    return eviction_rate_per_s(cfg.stragglers, cfg.devices)
 
 
 def _exposure_estimate_s(cfg: SimConfig, causes: CauseTable, tau: float) -> float:
