@@ -57,18 +57,12 @@ def test_layout_errors_name_the_fields():
     check_cp_layout(32, 4, tp=2, sp=True)
 
 
-def test_config_errors_before_building():
-    """parallelize() refuses a bad cp layout before any process group or module is touched."""
-    from paratrain.model.llama import Llama
-    from paratrain.parallel import parallelize
-    from paratrain.parallel.mesh import DistEnv
-
-    env = DistEnv(rank=0, world_size=4, local_rank=0, device=torch.device("cpu"))
+def test_config_errors_at_load_time():
+    """A bad cp layout is refused when the config is loaded, before any rank builds anything (one line)."""
     for overrides, match in ((["parallel.cp=4", "train.seq_len=36"], r"parallel.cp=4: train.seq_len=36"),
                              (["parallel.cp=2", "parallel.pp=2"], r"parallel.pp=2 is not supported")):
-        cfg = make_config(overrides)
         with pytest.raises(ValueError, match=match):
-            parallelize(Llama(cfg.model_shape()), cfg, None, env)
+            make_config(overrides)
 
 
 # -- block kernels -------------------------------------------------------------------------------------------

@@ -57,6 +57,7 @@ import torch.distributed as dist
 from torch import nn
 
 from paratrain.model.llama import CoreAttention
+from paratrain.parallel.layout import check_cp_layout  # noqa: F401 - re-exported; torch-free for config loading
 from paratrain.parallel.runner import ParallelRunner
 
 TAG_KV, TAG_DKV = 17, 18  # distinct P2P tags: the K/V and dK/dV rings are in flight at the same time
@@ -64,21 +65,6 @@ IMPLS = ("auto", "flash_cpu", "math")
 
 
 # -- sequence layout -----------------------------------------------------------------------------------------
-def check_cp_layout(seq_len: int, cp: int, tp: int = 1, sp: bool = False, pp: int = 1) -> None:
-    """One clear error for a layout context parallelism cannot run, before anything is built."""
-    if cp == 1:
-        return
-    if pp > 1:
-        raise ValueError(f"parallel.cp={cp} with parallel.pp={pp} is not supported: context parallelism here "
-                         f"composes with tp, sp and dp; allowed: pp=1 when cp > 1")
-    if seq_len % (2 * cp):
-        raise ValueError(f"parallel.cp={cp}: train.seq_len={seq_len} must be divisible by 2*cp={2 * cp} "
-                         f"(the zig-zag layout cuts the sequence into 2*cp equal chunks)")
-    if sp and (seq_len // cp) % tp:
-        raise ValueError(f"parallel.cp={cp} with parallel.sp=true: the local sequence train.seq_len/cp="
-                         f"{seq_len // cp} must be divisible by parallel.tp={tp}")
-
-
 def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
     """The two chunks (of 2*cp) that cp rank `rank` holds: one early, one late."""
     return rank, 2 * cp - 1 - rank

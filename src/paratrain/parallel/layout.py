@@ -44,9 +44,27 @@ def effective_dp(pcfg: ParallelSection) -> tuple[str, bool]:
     return pcfg.dp_kind, pcfg.zero_stage == 3
 
 
+# -- context parallelism (issue 10, parallel/context.py) --
+def check_cp_layout(seq_len: int, cp: int, tp: int = 1, sp: bool = False, pp: int = 1) -> None:
+    """One clear error for a layout context parallelism cannot run, before anything is built."""
+    if cp == 1:
+        return
+    if pp > 1:
+        raise ValueError(f"parallel.cp={cp} with parallel.pp={pp} is not supported: context parallelism here "
+                         f"composes with tp, sp and dp; allowed: pp=1 when cp > 1")
+    if seq_len % (2 * cp):
+        raise ValueError(f"parallel.cp={cp}: train.seq_len={seq_len} must be divisible by 2*cp={2 * cp} "
+                         f"(the zig-zag layout cuts the sequence into 2*cp equal chunks)")
+    if sp and (seq_len // cp) % tp:
+        raise ValueError(f"parallel.cp={cp} with parallel.sp=true: the local sequence train.seq_len/cp="
+                         f"{seq_len // cp} must be divisible by parallel.tp={tp}")
+# -- end context-parallel block --
+
+
 def check_parallel_config(model_cfg: ModelConfig, pcfg: ParallelSection, seq_len: int) -> None:
     """Every check that needs the model shape but not the world size."""
     check_tp_layout(model_cfg, pcfg.tp, pcfg.sp, seq_len)
+    check_cp_layout(seq_len, pcfg.cp, pcfg.tp, pcfg.sp, pcfg.pp)  # issue 10
     effective_dp(pcfg)
     if pcfg.dp_kind == "hsdp" and pcfg.dp != -1 and pcfg.dp % pcfg.dp_replicate:
         raise ValueError(f"parallel.dp_replicate={pcfg.dp_replicate} must divide parallel.dp={pcfg.dp} "
