@@ -169,8 +169,8 @@ class CheckpointManager:
         if self.rank == 0:
             try:
                 result = fn()
-            except (StorageError, CheckpointError, OSError, ValueError) as exc:
-                error = str(exc)
+            except Exception as exc:  # noqa: BLE001 - the other ranks wait in the gather: always reach it
+                error = str(exc) if isinstance(exc, (StorageError, CheckpointError)) else f"{type(exc).__name__}: {exc}"
         result, error = self._gather((result, error))[0]
         if error:
             raise CheckpointError(error)
@@ -328,6 +328,8 @@ class CheckpointManager:
                         if (p := self._check_file(st, path, name, manifest["files"][name], listing, mode))]
         except (StorageError, CheckpointError) as exc:
             problems = [str(exc)]
+        except (KeyError, TypeError, ValueError) as exc:  # a manifest of the right format but wrong content
+            problems = [f"{path}/{MANIFEST}: malformed ({type(exc).__name__}: {exc})"]
         found = [p for per_rank in self._gather(problems) for p in per_rank]
         return found[0] if found else None
 
