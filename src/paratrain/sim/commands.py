@@ -334,8 +334,9 @@ def format_report(report: dict) -> str:
         f"cluster      {i['devices']:,} devices = {i['nodes']:,} nodes x {i['devices_per_node']}"
         f" (replacement unit {i['nodes_per_domain']} node(s)), {i['spare_nodes']} spare nodes,"
         f" repair mean {i['repair_mean_hours']:.1f} h",
-        f"failures     {i['failure_rate_per_device_hour']:.3g} per device-hour -> job MTBF {i['job_mtbf_hours']:.2f} h,"
-        f" mean restart {i['mean_restart_s'] / 60:.1f} min",
+        f"failures     {i['failure_rate_per_device_hour']:.3g} per device-hour"
+        + (f" + {i['eviction_rate_per_hour']:.2f} straggler evictions per hour" if i["eviction_rate_per_hour"] else "")
+        + f" -> job MTBF {i['job_mtbf_hours']:.2f} h, mean restart {i['mean_restart_s'] / 60:.1f} min",
         f"checkpoint   write {i['checkpoint_write_s']:.1f} s (stall {i['checkpoint_block_s']:.1f} s),"
         f" restore {i['restore_s']:.1f} s, every {i['checkpoint_interval_s'] / 60:.1f} min"
         f" ({i['checkpoint_interval_steps']} steps, rule {i['checkpoint_interval_rule']})",

@@ -19,6 +19,7 @@ import numpy as np
 from paratrain.sim.analytic import daly_goodput, daly_interval, young_interval
 from paratrain.sim.config import DAY_S, HOUR_S
 from paratrain.sim.engine import SimRun
+from paratrain.sim.failures import total_rate_per_device_hour
 
 
 def t_quantile_975(dof: int) -> float:
@@ -103,8 +104,9 @@ def _inputs(run: SimRun, fleet_devices: int) -> dict:
         "straggler_rate_per_device_hour": cfg.stragglers.rate_per_device_hour,
         "straggler_lost_share_mean": float(run.stragglers.lost_share.mean()),
         "price_per_device_hour_usd": cfg.price_per_device_hour_usd,
-        "failure_rate_per_device_hour": float(run.causes.total_rate_per_s * HOUR_S / cfg.devices),
-        "job_mtbf_hours": run.mtbf_s / HOUR_S,
+        "failure_rate_per_device_hour": total_rate_per_device_hour(cfg.causes),
+        "eviction_rate_per_hour": float(run.causes.rate_per_s[~run.causes.loses_work].sum() * HOUR_S),
+        "job_mtbf_hours": run.mtbf_s / HOUR_S,  # mean time between interruptions (failures and evictions)
         "notes": list(cfg.notes),
     }
 
