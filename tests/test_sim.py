@@ -348,3 +348,19 @@ def test_spare_pool_by_hand():
     # A software failure (no node replaced) never waits.
     soft = _spare_waits(cfg, exposure, np.array([[True, False, True]]), repair, np.arange(1), None)
     assert (soft / HOUR_S).tolist() == [[0.0, 0.0, 0.0]]
+
+
+def test_cluster_sweep_goodput_falls_and_interruptions_scale_with_size():
+    from paratrain.sim.sweeps import sweep_cluster
+
+    cfg = SimConfig(devices=16384, step_time_s=10.0, duration_s=30 * DAY_S, checkpoint_bytes=6.5e12,
+                    write_bytes_per_s=2e12, read_bytes_per_s=2e12, samples=8)
+    points = sweep_cluster(cfg, [4096, 65536, 1_000_000])
+    assert [p.devices for p in points] == [4096, 65536, 1_000_000]
+    goodput = [p.goodput["mean"] for p in points]
+    assert goodput[0] > goodput[1] > goodput[2]
+    # Interruptions grow ~linearly with devices while restarts leave most of the window exposed.
+    ratio = points[1].interruptions_mean / points[0].interruptions_mean
+    assert ratio == pytest.approx(16, rel=0.15)
+    for p in points:  # the simulation tracks Daly's model where Daly's assumptions hold (no spare waits here)
+        assert p.goodput["mean"] == pytest.approx(p.daly_goodput, abs=0.01)
