@@ -4,14 +4,15 @@ For each layout: tokens/s of a full training step (forward, backward, gradient r
 ratio to one rank. For the data-parallel layouts, also how much of the gradient-reduction time is hidden
 behind backward compute:
 
-  exposed  = step time with gradient reduction - step time with reduction switched off (same compute)
+  exposed  = DDP: time still spent waiting for gradient buckets after the last backward (measured directly);
+             FSDP: step time with gradient reduction - step time with reduction switched off (same compute)
   alone    = time of the same reductions run by themselves after backward (DDP: every bucket all-reduced;
              FSDP: one reduce-scatter per FSDP unit, of the unit's unsharded gradient size)
   hidden   = 1 - exposed / alone   (clipped to [0, 1])
 
 Each rank uses one thread; the 1-rank baseline runs first in the parent process, then 2 ranks are spawned once
-(gloo) and run every layout. On a shared 2-core machine all numbers are noisy (+-20-30%): read ratios, not
-absolute rates, and rerun.
+(gloo) and run every layout. On a shared 2-core machine all numbers are noisy: times are the fastest of
+the timed steps (interference only adds time); read ratios, not absolute rates, and rerun.
 
     .venv/bin/python benchmarks/parallel_scaling.py [--preset small] [--layers 4] [--seq 128] [--batch 8]
                                                      [--steps 4] [--bucket-mb 2] [--json]
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -59,7 +59,8 @@ def batch(cfg, step: int):
 
 
 def time_steps(cfg, runner, steps: int, sync: bool = True) -> float:
-    """Median seconds of one optimizer step (2 warm-up steps not counted)."""
+    """Fastest optimizer step in seconds (2 warm-up steps not counted). The minimum, not the median: on a
+    shared machine, other processes only ever add time, so the fastest step is the least disturbed one."""
     from paratrain.train.loop import build_optimizer
 
     opt = build_optimizer(runner, cfg.optim)
@@ -82,7 +83,7 @@ def time_steps(cfg, runner, steps: int, sync: bool = True) -> float:
         opt.zero_grad(set_to_none=True)
         if step >= 2:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 class _no_grad_sync:
@@ -122,7 +123,7 @@ def reduction_alone_s(cfg, runner, repeats: int = 3) -> float:
         times.append(time.perf_counter() - t0)
     for p in runner.parameters():
         p.grad = None
-    return statistics.median(times)
+    return min(times)
 
 
 def fsdp_unit_numels(model) -> list[int]:
@@ -136,14 +137,39 @@ def run_layout(args, name: str, env) -> dict:
 
     cfg = make_cfg(args, LAYOUTS[name])
     runner = build_runner(cfg, env)
+    waits = _record_finish_waits(runner)
     out = {"layout": name, "step_s": time_steps(cfg, runner, args.steps)}
+    waits = waits[2:]  # the timed steps only (after 2 warm-up steps)
     if runner.dp is not None:
-        out["step_nosync_s"] = time_steps(cfg, runner, args.steps, sync=False)
         out["reduce_alone_s"] = reduction_alone_s(cfg, runner)
-        exposed = max(out["step_s"] - out["step_nosync_s"], 0.0)
+        if runner.dp.reducer is not None:
+            # DDP: what is still in flight when backward ends is the exposed part; measured directly.
+            exposed = min(waits)
+        else:
+            # FSDP reduces inside backward hooks: exposed = step with reduction - step without it.
+            out["step_nosync_s"] = time_steps(cfg, runner, args.steps, sync=False)
+            exposed = max(out["step_s"] - out["step_nosync_s"], 0.0)
         out["exposed_s"] = exposed
         out["hidden_fraction"] = min(max(1 - exposed / out["reduce_alone_s"], 0.0), 1.0)
     return out
+
+
+def _record_finish_waits(runner) -> list[float]:
+    """Seconds each step spends waiting for DDP buckets after the last backward (filled while timing)."""
+    waits: list[float] = []
+    reducer = runner.dp.reducer if runner.dp is not None else None
+    if reducer is None:
+        return waits
+    finish = reducer.finish
+
+    def timed_finish():
+        t0 = time.perf_counter()
+        finish()
+        if reducer.sync:
+            waits.append(time.perf_counter() - t0)
+
+    reducer.finish = timed_finish
+    return waits
 
 
 def worker(rank: int, args, port: int, queue) -> None:
