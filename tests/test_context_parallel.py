@@ -266,3 +266,34 @@ def test_context_parallel_bf16_close_to_single_device_bf16(dist_run):
             assert_matches_reference(ref, got, rtol=1e-3, atol=1e-4, grad_rtol=2e-2)
         except AssertionError as exc:
             raise AssertionError(f"bf16 cp=2 rank {rank}: {exc}") from None
+
+
+# -- checkpoints: a CP run resumes in one process (parameters sharded over dp x cp by FSDP, resharded by name) --
+CKPT_DATA = ["data.max_source_bytes=200000", "data.vocab_size=384"]
+
+
+def _train_settings(tmp, run, *extra):
+    return ["model.vocab=384", "model.layers=2", "train.steps=4", "checkpoint.interval=2", "train.global_batch=4",
+            "train.microbatch=2", "train.seq_len=32", "optim.warmup_steps=1", "train.eval_every=0",
+            "train.progress=false", "metrics.tensorboard=false", 'train.device="cpu"', f'metrics.run_dir="{tmp / run}"',
+            f'data.prepared_dir="{tmp / "data"}"', *CKPT_DATA, *extra]
+
+
+def _train(sets, resume_from=None):
+    from paratrain.config import load_config
+    from paratrain.train.loop import train
+
+    return train(load_config(None, sets), resume_from)
+
+
+def test_cp2_checkpoint_resumes_in_one_process(dist_run, tmp_path):
+    from paratrain.config import load_config
+    from paratrain.train.checkpoint import step_name
+    from paratrain.train.data import prepare
+
+    prepare(load_config(None, [f'data.prepared_dir="{tmp_path / "data"}"', *CKPT_DATA]).data, log=lambda *_: None)
+    full = dist_run(2, _train, _train_settings(tmp_path, "cp2", "parallel.cp=2", 'parallel.dp_kind="fsdp"'))
+    losses = full[0]["losses"]
+    assert full[0]["layout"]["cp"] == 2 and full[1]["losses"] == losses and len(losses) == 4
+    single = _train(_train_settings(tmp_path, "single"), str(tmp_path / "cp2" / "checkpoints" / step_name(2)))
+    torch.testing.assert_close(torch.tensor(single["losses"]), torch.tensor(losses[2:]), rtol=1e-5, atol=0)
