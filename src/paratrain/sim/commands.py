@@ -284,7 +284,7 @@ def daly_check(samples: int = 200, restart_s: float = 600.0, seed: int = 0, prog
 
     Daly's figures use T_s = 500 h, R = 10 min, delta = 5 min. The optimum does not depend on R in his model
     (R only scales the wall time); the goodput measured near the optimum is reported beside Daly's."""
-    from paratrain.sim.analytic import daly_exact_optimum, daly_interval, young_interval
+    from paratrain.sim.analytic import daly_exact_optimum, daly_interval, daly_wall_time, young_interval
     from paratrain.sim.sweeps import daly_case_config, simulated_optimum
 
     rows = []
@@ -295,10 +295,11 @@ def daly_check(samples: int = 200, restart_s: float = 600.0, seed: int = 0, prog
         cfg = daly_case_config(mtbf, delta, restart_s, samples=replicas, seed=seed)
         simulated, points = simulated_optimum(cfg)
         best = min(points, key=lambda p: abs(p.interval_s - simulated))
+        failures = replicas * daly_wall_time(cfg.work_s, best.interval_s, delta, restart_s, mtbf) / mtbf
         daly = daly_interval(delta, mtbf)
         rows.append({
             "mtbf_s": mtbf, "delta_s": delta, "restart_s": restart_s, "solve_time_s": cfg.work_s,
-            "replicas": replicas,
+            "replicas": replicas, "failures_per_interval": failures,
             "published_s": published, "daly_s": daly, "daly_exact_s": daly_exact_optimum(delta, mtbf),
             "young_s": young_interval(delta, mtbf), "simulated_s": simulated,
             "simulated_vs_daly": simulated / daly - 1.0,
@@ -324,6 +325,10 @@ def _daly_check(args) -> int:
               f"{r['daly_exact_s'] / 60:>7.1f}m {r['young_s'] / 60:>7.1f}m {r['simulated_s'] / 60:>9.1f}m "
               f"{r['simulated_vs_daly'] * 100:>+8.2f}% {r['simulated_goodput_near_optimum']['mean'] * 100:>11.2f}% "
               f"{r['daly_goodput_near_optimum'] * 100:>6.2f}% {r['replicas']:>9}")
+    few = [r for r in rows if r["failures_per_interval"] < 2000]
+    if few:
+        print(f"note: {', '.join(_fmt_minutes(r['mtbf_s']) for r in few)}: under 2000 failures per interval; "
+              "the simulated optimum is noisy (raise --samples; 200 is the default)")
     return 0
 
 
