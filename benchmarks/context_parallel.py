@@ -6,7 +6,9 @@ the same model through paratrain's own `build_runner` (parallel.cp=CP, the rest 
     after one warm-up step, ranks barriered around each step; tokens/s = global tokens / median step time;
   * runs one more step under torch's MemTracker (tensor-level accounting through a dispatch mode, CPU included):
     peak bytes per rank, split into parameters, gradients, optimizer state, activations and temporaries;
-  * counts the bytes autograd saves inside the attention modules (saved-tensor hooks), per rank.
+  * counts the bytes autograd saves inside the attention modules (saved-tensor hooks), per rank;
+  * reports the ring's traffic per step and rank (K/V and dK/dV bytes sent) and the fraction of the step a rank
+    spent blocked waiting for ring transfers (communication the block compute did not hide).
 Gradients are averaged with DDP (`--dp-kind ddp`, default) so parameter/optimizer memory stays the same across
 CP degrees and the memory ratios show the activations CP splits; `--dp-kind fsdp` shards them over cp as well.
 
@@ -71,6 +73,7 @@ def worker(args) -> None:
     from torch.distributed._tools.mem_tracker import MemTracker
 
     from paratrain.config import load_config
+    from paratrain.parallel.context import ring_stats
     from paratrain.parallel.mesh import init_distributed
     from paratrain.train.loop import build_optimizer, build_runner
 
@@ -90,6 +93,7 @@ def worker(args) -> None:
         return float(loss)
 
     losses = [step()]  # warm-up
+    ring_stats(runner.parts)  # reset the ring counters
     times, cpu_times = [], []
     for _ in range(args.steps):
         _barrier(env)
@@ -98,6 +102,7 @@ def worker(args) -> None:
         cpu_times.append(time.process_time() - c0)  # before the barrier: this rank's own work
         _barrier(env)
         times.append(time.perf_counter() - t0)
+    ring = {k: v / args.steps for k, v in ring_stats(runner.parts).items()}
     tracker = MemTracker()
     tracker.track_external(*runner.parts, optimizer)
     with tracker:
@@ -105,7 +110,8 @@ def worker(args) -> None:
     peak = {str(k).split(".")[-1].lower(): v for k, v in tracker.get_tracker_snapshot("peak")[torch.device("cpu")].items()}
     attn_bytes = attention_saved_bytes(runner, step)
     result = {"rank": env.rank, "step_s": statistics.median(times), "cpu_s": statistics.median(cpu_times), "losses": losses, "peak_bytes": peak,
-              "attention_saved_bytes": attn_bytes}
+              "attention_saved_bytes": attn_bytes,
+              "ring_bytes_sent": ring["bytes_sent"], "ring_wait_s": ring["wait_s"]}
     gathered = [None] * env.world_size if env.world_size > 1 else [result]
     if env.world_size > 1:
         dist.all_gather_object(gathered, result)
@@ -148,6 +154,8 @@ def summarize(cp: int, ranks: list[dict], seq: int) -> dict:
             "peak_bytes_per_rank": peak_total,
             "peak_activation_bytes_per_rank": max(r["peak_bytes"]["act"] + r["peak_bytes"]["temp"] for r in ranks),
             "attention_saved_bytes_per_rank": max(r["attention_saved_bytes"] for r in ranks),
+            "ring_mib_sent_per_rank": max(r["ring_bytes_sent"] for r in ranks) / 2**20,
+            "ring_wait_fraction": max(r["ring_wait_s"] / r["step_s"] for r in ranks),
             "first_loss": ranks[0]["losses"][0]}
 
 
@@ -191,13 +199,14 @@ def main() -> None:
     print(f"seq {args.seq}, preset {args.preset} x {args.layers} layers, fp32, {os.cpu_count()} cores, "
           f"grad reduction {args.dp_kind}")
     print(f"{'CP':>3} {'tokens/s':>9} {'x CP1':>6} {'tok/cpu-s':>9} {'x CP1':>6} {'peak MiB/rank':>14} {'CP1/this':>9} {'act+tmp MiB':>12} "
-          f"{'CP1/this':>9} {'attn saved MiB':>15} {'CP1/this':>9}")
+          f"{'CP1/this':>9} {'attn saved MiB':>15} {'CP1/this':>9} {'ring MiB/step':>13} {'ring wait':>9}")
     for r in rows:
         print(f"{r['cp']:>3} {r['tokens_per_s']:>9.0f} {r['throughput_ratio']:>6.2f} "
               f"{r['tokens_per_cpu_s']:>9.0f} {r['work_efficiency']:>6.2f} "
               f"{r['peak_bytes_per_rank'] / mib:>14.1f} {r['peak_reduction']:>9.2f} "
               f"{r['peak_activation_bytes_per_rank'] / mib:>12.1f} {r['peak_activation_reduction']:>9.2f} "
-              f"{r['attention_saved_bytes_per_rank'] / mib:>15.1f} {r['attention_saved_reduction']:>9.2f}")
+              f"{r['attention_saved_bytes_per_rank'] / mib:>15.1f} {r['attention_saved_reduction']:>9.2f} "
+              f"{r['ring_mib_sent_per_rank']:>13.1f} {r['ring_wait_fraction']:>9.1%}")
 
 
 if __name__ == "__main__":

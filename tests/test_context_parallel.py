@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from parity import assert_matches_reference, make_config, parallel_run, reference
+from parity import assert_matches_reference, global_batch, make_config, parallel_run, reference
 
 from paratrain.model.llama import CoreAttention
 from paratrain.parallel.context import (
@@ -183,6 +183,38 @@ def test_context_parallel_matches_single_device(dist_run, ref, world):
             except AssertionError as exc:
                 failures.append(f"{' '.join(overrides)} (rank {rank}): {exc}")
     assert not failures, "\n".join(failures)
+
+
+# -- ring traffic: what the planner's formula says -----------------------------------------------------------
+def planner_ring_bytes(cp, tp, seq, tokens_batch, layers, kv_dim, elem_bytes=4):
+    """Per rank, one forward+backward: K/V forward 2(cp-1)/cp*s*b*kv_dim*B, the same again in backward, plus the
+    fp32 dK/dV ring 2*s*b*kv_dim*4; kv_dim is per TP rank."""
+    kv = kv_dim // tp
+    kv_ring = 2 * (cp - 1) / cp * seq * tokens_batch * kv * elem_bytes
+    return layers * (2 * kv_ring + 2 * seq * tokens_batch * kv * 4)
+
+
+def _ring_bytes_of_step(overrides):
+    from paratrain.parallel.context import ring_stats
+    from paratrain.parallel.mesh import init_distributed
+    from paratrain.train.loop import build_runner
+
+    cfg = make_config(overrides)
+    env = init_distributed("cpu")
+    runner = build_runner(cfg, env)
+    inputs, targets = global_batch(cfg, 0)
+    runner.forward_backward(inputs, targets)
+    return ring_stats(runner.parts)["bytes_sent"]
+
+
+@pytest.mark.parametrize("world,overrides,cp,tp", [(2, ["parallel.cp=2"], 2, 1), (4, ["parallel.cp=4"], 4, 1),
+                                                   (4, ["parallel.cp=2", "parallel.tp=2"], 2, 2)])
+def test_ring_traffic_matches_planner_formula(dist_run, world, overrides, cp, tp):
+    cfg = make_config(overrides)
+    shape = cfg.model_shape()
+    want = planner_ring_bytes(cp, tp, cfg.train.seq_len, cfg.train.global_batch // (world // (cp * tp)),
+                              shape.layers, shape.kv_dim)
+    assert dist_run(world, _ring_bytes_of_step, overrides) == [want] * world
 
 
 # -- attention activation memory per rank --------------------------------------------------------------------

@@ -49,6 +49,7 @@ with CP is refused (`check_cp_layout`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -168,10 +169,13 @@ class _Transfer:
     sent: torch.Tensor  # kept alive until the send completes
     recv: torch.Tensor
     works: list
+    ring: Ring
 
     def wait(self) -> torch.Tensor:
+        t0 = time.perf_counter()
         for work in self.works:
             work.wait()
+        self.ring.wait_s += time.perf_counter() - t0
         return self.recv
 
 
@@ -186,12 +190,17 @@ class Ring:
             ranks = dist.get_process_group_ranks(group)
             self.next_peer = ranks[(self.rank + 1) % self.size]
             self.prev_peer = ranks[(self.rank - 1) % self.size]
+        # Counters for benchmarks and the planner's traffic formula: bytes this rank sent, and the time it was
+        # blocked waiting for transfers (the communication the block compute did not hide).
+        self.bytes_sent = 0
+        self.wait_s = 0.0
 
     def start(self, tensor: torch.Tensor, tag: int) -> _Transfer:
         recv = torch.empty_like(tensor)
         ops = [dist.P2POp(dist.isend, tensor, self.next_peer, self.group, tag),
                dist.P2POp(dist.irecv, recv, self.prev_peer, self.group, tag)]
-        return _Transfer(tensor, recv, dist.batch_isend_irecv(ops))
+        self.bytes_sent += tensor.numel() * tensor.element_size()
+        return _Transfer(tensor, recv, dist.batch_isend_irecv(ops), self)
 
 
 def _block_role(step: int, ring: Ring) -> str:
@@ -310,6 +319,16 @@ def apply_context_parallel(parts: Iterable[nn.Module], group: dist.ProcessGroup 
                 raise TypeError(f"expected CoreAttention at attention.core, found {type(block.attention.core)}")
             block.attention.core = RingAttention(group, impl)
         part.register_forward_pre_hook(_zigzag_positions_hook(ring.size, ring.rank), with_kwargs=True)
+
+
+def ring_stats(parts: Iterable[nn.Module]) -> dict[str, float]:
+    """Totals over every ring attention layer of `parts` since the last call (which resets them): bytes this rank
+    sent (K/V and dK/dV) and seconds it waited on transfers."""
+    rings = [m.ring for part in parts for m in part.modules() if isinstance(m, RingAttention)]
+    stats = {"bytes_sent": float(sum(r.bytes_sent for r in rings)), "wait_s": sum(r.wait_s for r in rings)}
+    for r in rings:
+        r.bytes_sent, r.wait_s = 0, 0.0
+    return stats
 
 
 def _zigzag_positions_hook(cp: int, rank: int):
