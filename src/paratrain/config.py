@@ -56,6 +56,10 @@ class DataSection(Section):
     val_fraction: float = Field(default=0.02, gt=0, lt=0.5)
 
 
+# Mesh dimensions, outermost to innermost: tp innermost = the fastest links (see parallel/mesh.py).
+MESH_DIMS = ("pp", "dp", "cp", "tp")
+
+
 class ParallelSection(Section):
     """Degrees of each mesh dimension. Ranks map with tp innermost (fastest link), then cp, then dp, pp outermost."""
 
@@ -87,6 +91,20 @@ class ParallelSection(Section):
 
     def non_dp_degree(self) -> int:
         return self.tp * self.pp * self.cp
+
+
+def resolve_degrees(pcfg: ParallelSection, world_size: int) -> dict[str, int]:
+    """The size of each mesh dimension (torch-free, so launchers and the CLI can check a layout fast); dp=-1 takes what the others leave. Errors name the fields."""
+    other = pcfg.non_dp_degree()
+    dp = world_size // other if pcfg.dp == -1 else pcfg.dp
+    if dp < 1 or dp * other != world_size:
+        raise ValueError(
+            f"parallel: world size {world_size} != pp*dp*cp*tp = {pcfg.pp}*{pcfg.dp}*{pcfg.cp}*{pcfg.tp}; "
+            f"allowed: degrees whose product is the number of ranks (set parallel.dp=-1 to infer dp)")
+    if pcfg.dp_kind == "hsdp" and dp % pcfg.dp_replicate:
+        raise ValueError(f"parallel.dp_replicate={pcfg.dp_replicate} must divide the data-parallel size {dp} "
+                         f"(hsdp: dp = dp_replicate x dp_shard)")
+    return {"pp": pcfg.pp, "dp": dp, "cp": pcfg.cp, "tp": pcfg.tp}
 
 
 class OptimSection(Section):

@@ -16,8 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from paratrain.config import TrainConfig
-from paratrain.parallel.mesh import MESH_DIMS, resolve_degrees
+from paratrain.config import MESH_DIMS, TrainConfig, resolve_degrees
 
 DEFAULT_RDZV_PORT = 29400  # torchrun's default c10d rendezvous port
 DEFAULT_MASTER_PORT = 29500  # torchrun's default static master port

@@ -15,9 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from paratrain.config import ParallelSection
-
-MESH_DIMS = ("pp", "dp", "cp", "tp")
+from paratrain.config import MESH_DIMS, ParallelSection, resolve_degrees  # noqa: F401 (re-exported)
 
 
 @dataclass(frozen=True)
@@ -51,20 +49,6 @@ def init_distributed(device_request: str = "auto", timeout_s: float = 600.0) -> 
         backend = "nccl" if device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
-
-
-def resolve_degrees(pcfg: ParallelSection, world_size: int) -> dict[str, int]:
-    """The size of each mesh dimension; dp=-1 takes what the others leave. Errors name the fields."""
-    other = pcfg.non_dp_degree()
-    dp = world_size // other if pcfg.dp == -1 else pcfg.dp
-    if dp < 1 or dp * other != world_size:
-        raise ValueError(
-            f"parallel: world size {world_size} != pp*dp*cp*tp = {pcfg.pp}*{pcfg.dp}*{pcfg.cp}*{pcfg.tp}; "
-            f"allowed: degrees whose product is the number of ranks (set parallel.dp=-1 to infer dp)")
-    if pcfg.dp_kind == "hsdp" and dp % pcfg.dp_replicate:
-        raise ValueError(f"parallel.dp_replicate={pcfg.dp_replicate} must divide the data-parallel size {dp} "
-                         f"(hsdp: dp = dp_replicate x dp_shard)")
-    return {"pp": pcfg.pp, "dp": dp, "cp": pcfg.cp, "tp": pcfg.tp}
 
 
 def build_mesh(pcfg: ParallelSection, env: DistEnv) -> DeviceMesh | None:
