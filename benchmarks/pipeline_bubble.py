@@ -10,6 +10,9 @@ machine, decides the timing:
     weight-gradient (W) halves, F = I = W = t_f / 2 per chunk (the condition under which ZB-V is bubble-free).
 Busy time of a rank = wall time spent inside its forward/backward/weight actions; the step's wall time is
 taken between barriers; idle fraction = 1 - busy / wall, averaged over ranks, median over measured steps.
+Beside the closed-form theory, "sched-sim" replays the action lists the schedule executes (torch's own for
+the multi-stage schedules) with the same fixed costs and free messages: where it equals the theory, the
+schedule attains the theory and any measured excess is runtime cost (messages, Python, CPU sharing).
 
 Theory (p stages' worth of ranks, m microbatches):
   * GPipe, 1F1B:           (p-1) / (m + p - 1)
@@ -17,10 +20,11 @@ Theory (p stages' worth of ranks, m microbatches):
   * ZB-V / DualPipeV:      (p-1) / (6 m + p - 1). Derivation: with F = I = W = c per chunk, a rank does
     2 chunks x 3 ops = 6c per microbatch, 6mc per step. Rank p-1 cannot start before microbatch 0 has passed
     p-1 chunk forwards, (p-1)c, so the step takes at least (p-1)c + 6mc and every rank idles at least (p-1)c
-    of it. Deferred W work fills the drain, so this fill is the only bubble left (the "zero bubble" of Qi et
-    al. 2024 is this value once the optimizer-step barrier is also relaxed, which torch does not do).
+    of it. Deferred W work fills the drain, so this fill is all that is left; replaying torch's ZBV and
+    DualPipeV action lists (below) gives exactly this value.
 
-Run:  python benchmarks/pipeline_bubble.py [--tf-ms 50] [--steps 3] [--factors 1 2 4 8] [--json] [--plot x.png]
+Run:  python benchmarks/pipeline_bubble.py [--tf-ms 50] [--steps 3] [--factors 1 2 4 8] [--json]
+          [--save rows.json] [--load rows.json] [--plot bubble.png]
 """
 
 from __future__ import annotations
@@ -42,12 +46,23 @@ MICROBATCH_FACTORS = (1, 2, 4, 8)  # m = factor x p; the V schedules start at 2p
 VIRTUAL = 2  # chunks per rank for interleaved_1f1b
 
 
-def theory(schedule: str, p: int, m: int) -> float:
-    if schedule in ("gpipe", "1f1b"):
-        return (p - 1) / (m + p - 1)
-    if schedule == "interleaved_1f1b":
-        return (p - 1) / (VIRTUAL * m + p - 1)
-    return (p - 1) / (6 * m + p - 1)
+def layout_of(schedule: str, p: int, m: int):
+    from paratrain.parallel.pipeline import PipelineLayout
+
+    chunks = 1 if schedule in ("gpipe", "1f1b") else 2
+    return PipelineLayout(pp=p, chunks_per_rank=chunks, layers_per_stage=(1,) * (p * chunks), microbatches=m,
+                          schedule=schedule)
+
+
+def ideal(schedule: str, p: int, m: int) -> tuple[float, float]:
+    """(closed-form theory, simulation of the schedule's own action lists with the same fixed costs)."""
+    from paratrain.parallel.pipeline import ideal_idle_fraction, schedule_action_lists, theory_idle_fraction
+
+    layout = layout_of(schedule, p, m)
+    v = layout.chunks_per_rank
+    cost = {"F": 1 / v, "B": 2 / v, "I": 1 / v, "W": 1 / v}
+    sim = ideal_idle_fraction(schedule_action_lists(layout), layout.num_stages, cost)
+    return theory_idle_fraction(layout), sim
 
 
 def cases(p: int, factors=MICROBATCH_FACTORS) -> list[tuple[str, int]]:
@@ -150,8 +165,7 @@ def _worker(rank: int, world: int, store_path: str, tf_s: float, steps: int, fac
         dist.all_gather_object(per_rank, result["idle"])
         # Per step: mean over ranks; then the median over steps.
         measured = statistics.median(statistics.fmean(r[s] for r in per_rank) for s in range(steps))
-        rows.append({"schedule": schedule, "p": world, "m": m, "measured_idle": measured,
-                     "theory_idle": theory(schedule, world, m)})
+        rows.append({"schedule": schedule, "p": world, "m": m, "measured_idle": measured})
         if rank == 0:
             print(f"  p={world} {schedule:<17} m={m:<3} measured {measured:6.3f}", file=sys.stderr, flush=True)
     if rank == 0:
@@ -201,21 +215,31 @@ def main(argv: list[str] | None = None) -> int:
                     help="microbatch counts to measure, as multiples of p (V schedules skip m < 2p)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     ap.add_argument("--plot", help="write measured vs theory to this PNG")
+    ap.add_argument("--save", help="write the rows (measurements + theory) to this JSON file")
+    ap.add_argument("--load", help="no measurement: print/plot rows saved earlier with --save")
     args = ap.parse_args(argv)
-    rows = []
-    for p in args.pp:
-        n = len(cases(p, args.factors))
-        print(f"measuring p={p} ({n} cases, t_f={args.tf_ms} ms)...", file=sys.stderr, flush=True)
-        rows += run(p, args.tf_ms / 1000, args.steps, tuple(args.factors))
+    if args.load:
+        with open(args.load) as f:
+            rows = json.load(f)
+    else:
+        rows = []
+        for p in args.pp:
+            n = len(cases(p, args.factors))
+            print(f"measuring p={p} ({n} cases, t_f={args.tf_ms} ms)...", file=sys.stderr, flush=True)
+            rows += run(p, args.tf_ms / 1000, args.steps, tuple(args.factors))
     for r in rows:
+        r["theory_idle"], r["schedule_sim_idle"] = ideal(r["schedule"], r["p"], r["m"])
         r["ratio"] = r["measured_idle"] / r["theory_idle"]
+    if args.save:
+        with open(args.save, "w") as f:
+            json.dump(rows, f, indent=1)
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"{'schedule':<17} {'p':>2} {'m':>3} {'measured':>9} {'theory':>7} {'ratio':>6}")
+        print(f"{'schedule':<17} {'p':>2} {'m':>3} {'measured':>9} {'theory':>7} {'sched-sim':>9} {'ratio':>6}")
         for r in rows:
             print(f"{r['schedule']:<17} {r['p']:>2} {r['m']:>3} {r['measured_idle']:>9.3f} "
-                  f"{r['theory_idle']:>7.3f} {r['ratio']:>6.2f}")
+                  f"{r['theory_idle']:>7.3f} {r['schedule_sim_idle']:>9.3f} {r['ratio']:>6.2f}")
     if args.plot:
         plot(rows, args.plot)
         print(f"plot: {args.plot}", file=sys.stderr)

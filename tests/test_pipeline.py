@@ -222,3 +222,35 @@ def test_pp_layers_with_pp1_and_zero_edge_stages():
     layout = _plan(["parallel.pp=2", "parallel.pp_layers=[0, 4]"])  # embedding-only first stage is allowed
     assert layout.layer_ids(0) == [] and layout.layer_ids(1) == [0, 1, 2, 3]
     assert load_config(None, ["parallel.pp=2"]).parallel.pp_schedule == "1f1b"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Bubble theory vs the action lists the schedules execute (no processes; fake process group)
+# ---------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"])
+@pytest.mark.parametrize("p", [2, 4])
+def test_schedule_action_lists_attain_the_closed_form_bubble(schedule, p):
+    """Replaying each schedule's actions with F = 1, B = 2 (split I = W = 1 for zero-bubble), per rank and
+    microbatch, gives exactly (p-1)/(m+p-1), (p-1)/(v m+p-1) interleaved, (p-1)/(6m+p-1) for the V schedules."""
+    from paratrain.parallel.pipeline import ideal_idle_fraction, schedule_action_lists, theory_idle_fraction
+
+    chunks = 1 if schedule in ("gpipe", "1f1b") else 2
+    for m in (p, 2 * p, 4 * p):
+        if schedule in ("zbv", "dualpipev") and m < 2 * p:
+            continue
+        layout = PipelineLayout(pp=p, chunks_per_rank=chunks, layers_per_stage=(1,) * (p * chunks),
+                                microbatches=m, schedule=schedule)
+        cost = {"F": 1 / chunks, "B": 2 / chunks, "I": 1 / chunks, "W": 1 / chunks}
+        simulated = ideal_idle_fraction(schedule_action_lists(layout), layout.num_stages, cost)
+        assert simulated == pytest.approx(theory_idle_fraction(layout), abs=1e-12), (m, simulated)
+
+
+def test_bubble_simulation_detects_a_deadlocking_order():
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    from paratrain.parallel.pipeline import ideal_idle_fraction
+
+    f, b = _ComputationType.FORWARD, _ComputationType.FULL_BACKWARD
+    lists = {0: [_Action(0, b, 0), _Action(0, f, 0)], 1: [_Action(1, f, 0), _Action(1, b, 0)]}
+    with pytest.raises(RuntimeError, match="deadlock"):
+        ideal_idle_fraction(lists, 2, {"F": 1, "B": 2})

@@ -358,6 +358,102 @@ def _recv_activation(group_src: int, group, device: torch.device) -> torch.Tenso
 
 
 # --------------------------------------------------------------------------------------------------------
+# Schedule analysis: the bubble of the action lists the schedules execute, with fixed action costs
+# --------------------------------------------------------------------------------------------------------
+def schedule_action_lists(layout: PipelineLayout) -> dict[int, list]:
+    """pp rank -> the compute actions (torch `_Action`s) it executes, in order.
+
+    Multi-stage schedules: torch's own `pipeline_order` (what their runtime executes), built in this process on
+    a fake process group, so call it where no process group is initialised. GPipe and 1F1B: their step loops
+    (torch 2.13's recorded `pipeline_order` for 1F1B numbers microbatches differently from what runs)."""
+    from torch.distributed.pipelining.schedules import _Action, _ComputationType
+
+    p, m = layout.pp, layout.microbatches
+    if layout.schedule in SINGLE_STAGE_SCHEDULES:
+        lists = {}
+        for r in range(p):
+            fwd = [_Action(r, _ComputationType.FORWARD, i) for i in range(m)]
+            bwd = [_Action(r, _ComputationType.FULL_BACKWARD, i) for i in range(m)]
+            if layout.schedule == "gpipe":
+                lists[r] = fwd + bwd
+                continue
+            warmup = min(m, p - r)  # as Schedule1F1B: then one backward, one forward, ...; then the rest
+            acts = fwd[:warmup]
+            for i in range(m - warmup):
+                acts += [bwd[i], fwd[warmup + i]]
+            lists[r] = acts + bwd[m - warmup:]
+        return lists
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("schedule_action_lists builds torch schedules on a fake process group: call it in a "
+                           "process without an initialised process group")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p)
+    try:
+        ids = layout.stages_of_rank(0)
+        stages = [PipelineStage(nn.Linear(1, 1), s, layout.num_stages, torch.device("cpu")) for s in ids]
+        schedule = MULTI_STAGE_SCHEDULES[layout.schedule](stages, m, loss_fn=lambda out, _: out.sum())
+        return {r: [a for a in acts if a is not None] for r, acts in schedule.pipeline_order.items()}
+    finally:
+        dist.destroy_process_group()
+
+
+def ideal_idle_fraction(lists: dict[int, list], num_stages: int, cost: dict[str, float]) -> float:
+    """Mean idle fraction over ranks when each action takes `cost[type]` ("F", "B", "I", "W") and messages are
+    free: every rank runs its list in order, an action starting once its inputs exist (F after the previous
+    stage's F; B/I after its own F and the next stage's B/I; W after its I). Raises on a deadlock."""
+    from torch.distributed.pipelining.schedules import _ComputationType as Op
+
+    kind = {Op.FORWARD: "F", Op.FULL_BACKWARD: "B", Op.BACKWARD_INPUT: "I", Op.BACKWARD_WEIGHT: "W"}
+
+    def deps(a) -> list[tuple]:
+        k, s, mb = kind[a.computation_type], a.stage_index, a.microbatch_index
+        if k == "F":
+            return [("F", s - 1, mb)] if s > 0 else []
+        if k == "W":
+            return [("B", s, mb)]
+        return [("F", s, mb)] + ([("B", s + 1, mb)] if s < num_stages - 1 else [])
+
+    def done_key(a) -> tuple:
+        k = kind[a.computation_type]
+        return ("F" if k == "F" else "W" if k == "W" else "B", a.stage_index, a.microbatch_index)
+
+    flat = {r: [x for a in acts for x in (a.sub_actions or (a,)) if x.computation_type in kind]
+            for r, acts in lists.items()}
+    finish: dict[tuple, float] = {}
+    clock = dict.fromkeys(flat, 0.0)
+    busy = dict.fromkeys(flat, 0.0)
+    pos = dict.fromkeys(flat, 0)
+    progress = True
+    while progress:
+        progress = False
+        for r, acts in flat.items():
+            while pos[r] < len(acts) and all(d in finish for d in deps(acts[pos[r]])):
+                a = acts[pos[r]]
+                c = cost[kind[a.computation_type]]
+                clock[r] = max([clock[r]] + [finish[d] for d in deps(a)]) + c
+                busy[r] += c
+                finish[done_key(a)] = clock[r]
+                pos[r] += 1
+                progress = True
+    if any(pos[r] < len(acts) for r, acts in flat.items()):
+        raise RuntimeError("schedule deadlocks under the dependency model")
+    makespan = max(clock.values())
+    return sum(1 - b / makespan for b in busy.values()) / len(busy)
+
+
+def theory_idle_fraction(layout: PipelineLayout) -> float:
+    """Closed forms: (p-1)/(m+p-1) for GPipe/1F1B; (p-1)/(v m+p-1) interleaved; (p-1)/(6m+p-1) for the V
+    schedules with F = I = W per chunk (only the fill of p-1 chunk forwards is left; see docs/pipeline.md)."""
+    p, m = layout.pp, layout.microbatches
+    if layout.schedule in SINGLE_STAGE_SCHEDULES:
+        return (p - 1) / (m + p - 1)
+    if layout.schedule == "interleaved_1f1b":
+        return (p - 1) / (layout.chunks_per_rank * m + p - 1)
+    return (p - 1) / (6 * m + p - 1)
+
+
+# --------------------------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------------------------
 def parallelize_pipeline(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, env: DistEnv) -> PipelineRunner:
@@ -371,4 +467,5 @@ def parallelize_pipeline(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, e
 
 
 __all__ = ["PipelineLayout", "PipelineRunner", "apply_stage_techniques", "balanced_layers", "carve_stage",
-           "check_pipeline_layout", "parallelize_pipeline", "plan_pipeline", "split_model"]
+           "check_pipeline_layout", "ideal_idle_fraction", "parallelize_pipeline", "plan_pipeline",
+           "schedule_action_lists", "split_model", "theory_idle_fraction"]
