@@ -10,6 +10,7 @@ TP4 on this model has kv_heads=2 < tp=4, so it also covers the replicated-kv-hea
 """
 
 import pytest
+import torch
 import torch.distributed as dist
 from parity import assert_matches_reference, global_batch, make_config, parallel_run, reference
 
@@ -69,6 +70,8 @@ def test_zero2_and_hsdp_match_single_device(dist_run, ref):
         ["parallel.tp=2", "parallel.dp=2", "parallel.dp_kind=\"hsdp\"", "parallel.dp_replicate=2",
          "parallel.sp=true"],
         ["parallel.dp=4", "parallel.zero_stage=2"],
+        ["parallel.tp=2", "parallel.dp=2", "parallel.dp_kind=\"fsdp\""],  # TP without SP: plain norm weights
+        ["parallel.tp=2", "parallel.dp=2", "parallel.dp_kind=\"ddp\""],
     ]
     _check_all(ref, cases, dist_run(4, _run_cases, cases))
 
@@ -150,3 +153,37 @@ def test_hsdp_mesh_shards_within_and_replicates_across(dist_run):
     names, shard, replicate, whole = out[0]
     assert names == ("dp_replicate", "dp_shard") and shard == [0, 1] and replicate == [0, 2]
     assert whole == [0, 1, 2, 3] and out[3][1:3] == ([2, 3], [1, 3])
+
+
+def _grad_norms(cases):
+    from paratrain.parallel.mesh import init_distributed
+    from paratrain.train.loop import build_runner
+
+    norms = []
+    for overrides in cases:
+        cfg = make_config(overrides)
+        runner = build_runner(cfg, init_distributed("cpu"))
+        x, y = global_batch(cfg, 0)
+        per_rank = cfg.train.global_batch // runner.dp_size
+        rows = slice(runner.dp_rank * per_rank, (runner.dp_rank + 1) * per_rank)
+        runner.forward_backward(x[rows], y[rows])
+        norms.append(runner.clip_grad_norm_(0.0))  # 0: report the global norm, do not clip
+    return norms
+
+
+def test_global_grad_norm_matches_single_device(dist_run):
+    """The clipping norm counts every shard once: TP shards, FSDP shards, replicated norms, replicated kv."""
+    from paratrain.parallel.mesh import DistEnv
+    from paratrain.train.loop import build_runner
+
+    cfg = make_config()
+    single = build_runner(cfg, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    x, y = global_batch(cfg, 0)
+    single.forward_backward(x, y)
+    expected = single.clip_grad_norm_(0.0)
+    cases = [["parallel.tp=4"], ["parallel.tp=4", "parallel.sp=true"], ["parallel.dp=4"],
+             ["parallel.tp=2", "parallel.dp=2", "parallel.sp=true"],
+             ["parallel.tp=2", "parallel.dp=2", "parallel.dp_kind=\"ddp\""]]
+    for rank_norms in dist_run(4, _grad_norms, cases):
+        for overrides, norm in zip(cases, rank_norms, strict=True):
+            assert norm == pytest.approx(expected, rel=1e-5), overrides
