@@ -187,3 +187,39 @@ def test_global_grad_norm_matches_single_device(dist_run):
     for rank_norms in dist_run(4, _grad_norms, cases):
         for overrides, norm in zip(cases, rank_norms, strict=True):
             assert norm == pytest.approx(expected, rel=1e-5), overrides
+
+
+def _block_collectives(sp: bool) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from paratrain.model.config import ModelConfig
+    from paratrain.model.llama import Llama
+    from paratrain.parallel.tensor import apply_tp
+
+    shape = ModelConfig(name="m", layers=1, hidden=128, heads=4, kv_heads=2, ffn_hidden=256, vocab=256, max_seq=64)
+    model = Llama(shape)
+    model.init_weights(0)
+    apply_tp(model, init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)), sp=sp)
+    block = model.layers["0"]
+    x = torch.randn(2, 32 // (2 if sp else 1), 128, requires_grad=True)
+    counts = {}
+    for phase in ("forward", "backward"):
+        with CommDebugMode() as comm:
+            if phase == "forward":
+                out = block(x, model.rope_cos[:32], model.rope_sin[:32])
+            else:
+                out.sum().backward()
+        counts[phase] = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    return counts
+
+
+def test_collectives_per_block_are_megatrons(dist_run):
+    """Without SP: one all-reduce per block half in forward and one in backward (Megatron's g and f). With SP:
+    all-gather in / reduce-scatter out in forward, the reverse in backward, plus SP's re-gather of the kept
+    input shards (2 plain all-gathers)."""
+    no_sp = dist_run(2, _block_collectives, False)[0]
+    assert no_sp == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
+    sp = dist_run(2, _block_collectives, True)[0]
+    assert sp["forward"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
+    assert sp["backward"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "allgather_": 2}
