@@ -8,7 +8,8 @@ the same model through paratrain's own `build_runner` (parallel.cp=CP, the rest 
     peak bytes per rank, split into parameters, gradients, optimizer state, activations and temporaries;
   * counts the bytes autograd saves inside the attention modules (saved-tensor hooks), per rank;
   * reports the ring's traffic per step and rank (K/V and dK/dV bytes sent) and the fraction of the step a rank
-    spent blocked waiting for ring transfers (communication the block compute did not hide).
+    spent blocked waiting for ring transfers (communication the block compute did not hide), and the spread of
+    CPU time across ranks (the zig-zag layout's load balance: 1.0 = every rank did the same work).
 Gradients are averaged with DDP (`--dp-kind ddp`, default) so parameter/optimizer memory stays the same across
 CP degrees and the memory ratios show the activations CP splits; `--dp-kind fsdp` shards them over cp as well.
 
@@ -151,6 +152,8 @@ def summarize(cp: int, ranks: list[dict], seq: int) -> dict:
     cpu_s = sum(r["cpu_s"] for r in ranks)  # CPU time of all ranks for one step: the total work
     return {"cp": cp, "step_s": step_s, "tokens_per_s": seq / step_s, "cpu_s_per_step": cpu_s,
             "tokens_per_cpu_s": seq / cpu_s,
+            # zig-zag balance: the busiest rank's CPU time over the least busy one's (1.0 = balanced)
+            "rank_cpu_imbalance": max(r["cpu_s"] for r in ranks) / min(r["cpu_s"] for r in ranks),
             "peak_bytes_per_rank": peak_total,
             "peak_activation_bytes_per_rank": max(r["peak_bytes"]["act"] + r["peak_bytes"]["temp"] for r in ranks),
             "attention_saved_bytes_per_rank": max(r["attention_saved_bytes"] for r in ranks),
@@ -199,14 +202,14 @@ def main() -> None:
     print(f"seq {args.seq}, preset {args.preset} x {args.layers} layers, fp32, {os.cpu_count()} cores, "
           f"grad reduction {args.dp_kind}")
     print(f"{'CP':>3} {'tokens/s':>9} {'x CP1':>6} {'tok/cpu-s':>9} {'x CP1':>6} {'peak MiB/rank':>14} {'CP1/this':>9} {'act+tmp MiB':>12} "
-          f"{'CP1/this':>9} {'attn saved MiB':>15} {'CP1/this':>9} {'ring MiB/step':>13} {'ring wait':>9}")
+          f"{'CP1/this':>9} {'attn saved MiB':>15} {'CP1/this':>9} {'ring MiB/step':>13} {'ring wait':>9} {'imbalance':>9}")
     for r in rows:
         print(f"{r['cp']:>3} {r['tokens_per_s']:>9.0f} {r['throughput_ratio']:>6.2f} "
               f"{r['tokens_per_cpu_s']:>9.0f} {r['work_efficiency']:>6.2f} "
               f"{r['peak_bytes_per_rank'] / mib:>14.1f} {r['peak_reduction']:>9.2f} "
               f"{r['peak_activation_bytes_per_rank'] / mib:>12.1f} {r['peak_activation_reduction']:>9.2f} "
               f"{r['attention_saved_bytes_per_rank'] / mib:>15.1f} {r['attention_saved_reduction']:>9.2f} "
-              f"{r['ring_mib_sent_per_rank']:>13.1f} {r['ring_wait_fraction']:>9.1%}")
+              f"{r['ring_mib_sent_per_rank']:>13.1f} {r['ring_wait_fraction']:>9.1%} {r['rank_cpu_imbalance']:>9.2f}")
 
 
 if __name__ == "__main__":
