@@ -223,3 +223,18 @@ def test_collectives_per_block_are_megatrons(dist_run):
     sp = dist_run(2, _block_collectives, True)[0]
     assert sp["forward"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
     assert sp["backward"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "allgather_": 2}
+
+
+def _losses(cases):
+    return [parallel_run(overrides)["losses"] for overrides in cases]
+
+
+def test_bf16_autocast_composes_with_tp_sp_and_dp(dist_run):
+    """bf16 autocast (fp32 master weights) under TP2 x DP2: losses follow the single-device bf16 run; the
+    tolerance is bf16's (matmul roundings differ with the split), not fp32's."""
+    bf16 = ["train.dtype=\"bf16\""]
+    ref = reference(make_config(bf16))["losses"]
+    cases = [bf16 + ["parallel.tp=2", "parallel.dp=2", "parallel.sp=true"],
+             bf16 + ["parallel.tp=2", "parallel.dp=2", "parallel.dp_kind=\"ddp\""]]
+    for losses in dist_run(4, _losses, cases)[0]:
+        assert losses == pytest.approx(ref, rel=1e-3)
