@@ -238,3 +238,18 @@ def test_bf16_autocast_composes_with_tp_sp_and_dp(dist_run):
              bf16 + ["parallel.tp=2", "parallel.dp=2", "parallel.dp_kind=\"ddp\""]]
     for losses in dist_run(4, _losses, cases)[0]:
         assert losses == pytest.approx(ref, rel=1e-3)
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+def test_recompute_on_one_device_matches(ref, mode):
+    from parity import run_steps
+
+    from paratrain.parallel.mesh import DistEnv
+    from paratrain.train.loop import build_runner
+
+    cfg = make_config([f"parallel.recompute=\"{mode}\""])
+    runner = build_runner(cfg, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    block = runner.model.layers["0"]
+    target = block if mode == "full" else block.attention.core
+    assert getattr(target, "_paratrain_recompute", False)
+    assert_matches_reference(ref, run_steps(cfg, runner), LOSS_RTOL, LOSS_ATOL, GRAD_RTOL)
