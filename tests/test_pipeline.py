@@ -36,6 +36,7 @@ PP2 = [["parallel.pp=2", *sched(s)] for s in ("gpipe", "1f1b", "zbv", "dualpipev
     ["parallel.pp=2", *sched("interleaved_1f1b", "parallel.virtual_stages=2")],
     ["parallel.pp=2", *sched("1f1b"), "parallel.pp_layers=[1, 3]", 'parallel.recompute="full"'],
     ["parallel.pp=2", *sched("interleaved_1f1b", "parallel.virtual_stages=2"), 'parallel.recompute="selective"'],
+    ["parallel.pp=2", *sched("gpipe"), "parallel.pp_layers=[0, 4]"],  # first stage: embedding only
 ]
 PP4_MODEL = ["model.layers=8", "train.microbatch=1"]  # 8 stages for the 2-chunk schedules; 8 microbatches
 PP4 = [["parallel.pp=4", *PP4_MODEL, *sched(s)] for s in ("gpipe", "1f1b", "zbv", "dualpipev")] + [
@@ -53,6 +54,8 @@ PP2_TP2_DP2 = [
      *sched("1f1b"), 'parallel.recompute="selective"'],
     ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "parallel.dp=2", 'parallel.dp_kind="ddp"',
      "train.microbatch=1", *sched("dualpipev")],
+    ["parallel.pp=2", "parallel.dp=4", 'parallel.dp_kind="hsdp"', "parallel.dp_replicate=2", "train.microbatch=1",
+     *sched("1f1b")],
 ]
 
 
@@ -132,7 +135,7 @@ def test_pp2_with_tp_sp_and_dp_matches_single_device(dist_run):
     _check(PP2_MIXED, dist_run(4, _run_cases, PP2_MIXED))
 
 
-def test_pp2_tp2_dp2_on_8_ranks_matches_single_device(dist_run):
+def test_pp2_tp2_dp2_and_hsdp_on_8_ranks_match_single_device(dist_run):
     _check(PP2_TP2_DP2, dist_run(8, _run_cases, PP2_TP2_DP2))
 
 
