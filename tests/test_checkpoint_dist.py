@@ -125,7 +125,10 @@ def run_in_own_session(cmd: list[str], env: dict, log_path: Path, timeout_s: flo
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_torchrun_restarts_after_a_rank_is_killed_and_finishes_like_uninterrupted(dist_run, tmp):
+def test_torchrun_restarts_after_a_rank_is_killed_during_a_save_and_finishes_like_uninterrupted(dist_run, tmp):
+    """Rank 1 is SIGKILLed while saving step 4 (its shards written but not reported; rank 0 waits for it).
+    torchrun restarts both ranks; the partial step 4 is discarded, training resumes from step 2 and ends with
+    exactly the uninterrupted losses."""
     reference = dist_run(2, _train, settings(tmp, "elastic-ref", 6, 2, *FSDP2))[0]["losses"]
     sets = settings(tmp, "elastic", 6, 2, *FSDP2)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
@@ -134,14 +137,17 @@ def test_torchrun_restarts_after_a_rank_is_killed_and_finishes_like_uninterrupte
     # torch 2.13's torchrun shares its rendezvous TCPStore with the workers by default; after a restart the new
     # workers can read the previous attempt's gloo addresses from it and fail with "Connection refused"
     # (pytorch/pytorch#135712; seen here under load). A fresh store per round avoids it.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARATRAIN_FAULT_KILL": "after_step:5:1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARATRAIN_FAULT_KILL": "save_shards:4:1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     returncode, log = run_in_own_session(cmd, env, tmp / "elastic.log", timeout_s=420)
     assert returncode == 0, log[-4000:]
     assert "Signals.SIGKILL" in log or "exitcode: -9" in log  # rank 1 really died
     summary = json.loads((tmp / "elastic.json").read_text())
-    assert summary["resumed_from"].endswith(step_name(4))  # the restart resumed from the latest checkpoint
-    assert summary["losses"] == reference[4:] and summary["last_loss"] == reference[-1]
+    partial = tmp / "elastic" / "checkpoints" / step_name(4)
+    assert f"removing interrupted checkpoint {partial}" in log
+    assert summary["resumed_from"].endswith(step_name(2))  # the newest complete checkpoint
+    assert summary["losses"] == reference[2:] and summary["last_loss"] == reference[-1]
+    assert (partial / "MANIFEST.json").is_file()  # step 4 saved again, completely, after the restart
 
 
 # ---- failures seen by one rank only: every rank must agree -------------------------------------------------

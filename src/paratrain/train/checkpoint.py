@@ -256,7 +256,7 @@ class CheckpointManager:
         self._from_rank0(lambda: self.storage.remove_tree(path))  # leftovers of an earlier attempt at this step
         policy = self.storage.policy
         for attempt in range(policy.attempts):
-            results = self._gather(self._write_attempt(path, state, extra))
+            results = self._gather(self._write_attempt(step, path, state, extra))
             errors = [(r, msg, transient) for r, (msg, transient, _) in enumerate(results) if msg]
             if not errors:
                 return {name: info for _, _, files in results for name, info in files.items()}
@@ -269,7 +269,7 @@ class CheckpointManager:
             time.sleep(wait_s)
         raise AssertionError("unreachable")
 
-    def _write_attempt(self, path: str, state: dict, extra: dict) -> tuple[str | None, bool, dict]:
+    def _write_attempt(self, step: int, path: str, state: dict, extra: dict) -> tuple[str | None, bool, dict]:
         """(error or None, error is transient, {file: size/sha256} of the files this rank wrote)."""
         try:
             dcp.save(state, storage_writer=self.storage.writer(path), process_group=self.group,
@@ -277,6 +277,7 @@ class CheckpointManager:
             buffer = io.BytesIO()
             torch.save(extra, buffer)
             self.storage.write_bytes(f"{path}/{extra_name(self.rank)}", buffer.getvalue())
+            fault_point("save_shards", step, self.rank)  # this rank's files written, not yet reported
             return None, True, self._describe_own_files(path)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank must reach the gather
             return f"{type(exc).__name__}: {short(exc)}", is_transient(exc), {}

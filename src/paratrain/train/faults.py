@@ -3,7 +3,8 @@
 PARATRAIN_FAULT_KILL="<point>:<step>[:<rank>]" sends SIGKILL to this process (no cleanup, no flush, exactly what
 a lost node looks like) when it reaches <point> at <step>, on <rank> only if given. Points:
   after_step        after the optimizer step <step> (before a checkpoint of that step)
-  save_written      inside the save of <step>: shards written, manifest (the commit) not yet
+  save_shards       inside the save of <step>: this rank's files written, not yet reported to the others
+  save_written      inside the save of <step>: every rank's files written and checksummed, manifest not yet
 It fires only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT unset or 0), so the restarted
 job gets past the point.
 
@@ -19,7 +20,7 @@ from collections import defaultdict
 from collections.abc import Callable
 
 ENV_KILL = "PARATRAIN_FAULT_KILL"
-POINTS = ("after_step", "save_begin", "save_written")
+POINTS = ("after_step", "save_begin", "save_shards", "save_written")
 HOOKS: dict[str, list[Callable[[int, int], None]]] = defaultdict(list)
 
 
