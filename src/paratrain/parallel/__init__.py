@@ -65,15 +65,16 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
         if stale:  # issue 8: the delayed-gradient runner also runs on one process
             return build_stale_runner(model, cfg, mesh, env, degrees)
         return Runner(model, cfg.train.microbatch, env.device, cfg.train.dtype)
-    model.to(env.device)
-    parts = [model]
     # -- pipeline parallelism (issue 5, parallel/pipeline.py): split into stages, then TP/SP -> recompute -> DP
-    #    on each stage module (the same functions as below), driven by a pipeline schedule; its own runner --
+    #    on each stage module (the same functions as below), driven by a pipeline schedule; its own runner.
+    #    Before model.to(device): only this rank's stages are moved to the accelerator --
     if degrees["pp"] > 1:
         from paratrain.parallel.pipeline import parallelize_pipeline
 
         return parallelize_pipeline(model, cfg, mesh, env)
     # -- end pipeline block --
+    model.to(env.device)
+    parts = [model]
     if degrees["tp"] > 1:
         from paratrain.parallel.tensor import apply_tp
 

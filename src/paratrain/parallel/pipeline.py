@@ -460,8 +460,8 @@ def parallelize_pipeline(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, e
     """Split `model` for this rank's pipeline stages, apply TP/SP -> recompute -> DP to each, and return the
     runner that drives the schedule. Every rank must call this (stage setup talks to the neighbours)."""
     layout = check_pipeline_layout(cfg, mesh["dp"].size())
-    model.to(env.device)
-    stages = split_model(model, layout, mesh["pp"].get_local_rank())
+    # Carve first, then move: only this rank's stages reach the accelerator, not the whole model.
+    stages = [(s, part.to(env.device)) for s, part in split_model(model, layout, mesh["pp"].get_local_rank())]
     dp = apply_stage_techniques([part for _, part in stages], cfg, mesh)
     return PipelineRunner(stages, layout, mesh, cfg, env, dp=dp)
 
