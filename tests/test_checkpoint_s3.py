@@ -55,7 +55,7 @@ def s3(tmp_path_factory):
     server.stop()
 
 
-def test_s3_save_and_resume_bitwise(s3, reference, tmp_path):
+def test_s3_save_and_resume_bitwise(s3, reference, tmp_path, capsys):
     url = f"s3://{BUCKET}/resume"
     full = run_train(tmp_path, reference["data"], "a", f'checkpoint.dir="{url}"')
     assert full["losses"] == reference["summary"]["losses"]
@@ -68,6 +68,7 @@ def test_s3_save_and_resume_bitwise(s3, reference, tmp_path):
     # final save; the run reports where it resumed.
     auto = run_train(tmp_path, reference["data"], "c", f'checkpoint.dir="{url}"', "train.steps=6")
     assert auto["steps"] == 0 and auto["resumed_from"] == f"{url}/{step_name(6)}"
+    assert "nothing left to train: the checkpoint is at step 6, train.steps=6" in capsys.readouterr().out
 
 
 def test_s3_outage_during_saves_fails_loudly_and_training_continues(s3, reference, tmp_path, capsys, caplog,

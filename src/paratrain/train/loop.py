@@ -127,6 +127,9 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
         start_step = resumed.extra["step"]
         logger.write(f"{resumed.describe(degrees, env.world_size)}; sampler at global sample "
                      f"{sampler.step * cfg.train.global_batch}")
+        if start_step >= cfg.train.steps:
+            logger.write(f"nothing left to train: the checkpoint is at step {start_step}, train.steps="
+                         f"{cfg.train.steps} (raise train.steps to continue this run)")
 
     peak_flops, peak_label = _peak_flops(cfg, env)
     flops_per_token = model_cfg.train_flops_per_token(cfg.train.seq_len)
