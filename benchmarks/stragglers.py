@@ -50,19 +50,26 @@ POLICIES = {  # name -> [staleness] overrides
     "s=2": ['staleness.policy="bounded_staleness"', "staleness.max_staleness=2"],
     "budget": ['staleness.policy="time_budget"', "staleness.max_staleness=0"],
 }
+# Which policies run in which scenario: staleness where it can help (jitter), the time budget where only it can
+# (one slow rank), sync everywhere as the baseline; s = 1 everywhere to show what it does and does not hide.
+SCENARIO_POLICIES = {"healthy": ["sync", "s=1"], "jitter": ["sync", "s=1", "s=2"],
+                     "one_random": ["sync", "s=1", "budget"], "constant": ["sync", "s=1", "budget"]}
 SLEEP_PROBABILITY = 0.25
 MIN_SLEEP_S = 0.05
 
 
-def fault_specs(step_s: float) -> dict[str, str]:
-    sleep = f"sleep_s={step_s:.4f},probability={SLEEP_PROBABILITY}"
-    return {"healthy": "", "jitter": f"{sleep},rank=-1,seed=1", "one_random": f"{sleep},rank=1,seed=1",
-            "constant": "slowdown=2.0,rank=1"}
+def fault_specs(step_s: float, base_s: float) -> dict[str, str]:
+    base = f"base_s={base_s}," if base_s > 0 else ""
+    sleep = f"{base}sleep_s={step_s:.4f},probability={SLEEP_PROBABILITY}"
+    return {"healthy": base.rstrip(","), "jitter": f"{sleep},rank=-1,seed=1", "one_random": f"{sleep},rank=1,seed=1",
+            "constant": f"{base}slowdown=2.0,rank=1"}
 
 
-# Throughput runs use a 2-layer tiny model (compute small against the injected delays, so that the policies, not
-# CPU contention on a shared machine, dominate); convergence runs use the tiny preset as it is (4 layers).
-THROUGHPUT_SHAPE = ["model.layers=2"]
+# Throughput runs use a 1-layer tiny model on 32-token sequences plus an emulated device time per microbatch
+# (--base-s, a sleep): the real compute is then small against the emulated one and the injected delays, so the
+# policies, not the CPU share a shared 2-core machine gives each rank, decide the result. Convergence runs use
+# the tiny preset as it is (4 layers) and real compute only.
+THROUGHPUT_SHAPE = ["model.layers=1", "train.seq_len=32"]
 SEQ_LEN = 64
 
 
@@ -142,14 +149,16 @@ def injected_floor_s(spec: str, steps: int, world: int, step_s: float) -> float:
                    if random.Random(f"{fault.seed}/{r}/{t}").random() < fault.probability) for r in ranks)
 
 
-def throughput(world: int, steps: int, repeats: int, workdir: Path, progress) -> dict:
+def throughput(world: int, steps: int, repeats: int, base_s: float, workdir: Path, progress) -> dict:
     """Median wall time per (scenario, policy) over `repeats` rounds; each round runs every cell once, so slow
     drifts in machine load hit every policy alike."""
+    healthy = fault_specs(0.0, base_s)["healthy"]
+    emulate = [f'staleness.test_fault_injection="{healthy}"'] if healthy else []
     calib = run_training(world, base_overrides(workdir / f"dp{world}-calib", steps, 0, world) + THROUGHPUT_SHAPE
-                         + POLICIES["sync"])
+                         + POLICIES["sync"] + emulate)
     step_s = max(calib["wall_s"] / steps, MIN_SLEEP_S)
-    specs = fault_specs(step_s)
-    cells = [(sc, name) for sc in specs for name in POLICIES if not (sc == "healthy" and name.startswith("budget"))]
+    specs = fault_specs(step_s, base_s)
+    cells = [(sc, name) for sc in specs for name in SCENARIO_POLICIES[sc]]
     samples: dict = {cell: [] for cell in cells}
     for rep in range(repeats):
         for scenario, name in cells:
@@ -177,12 +186,13 @@ def throughput(world: int, steps: int, repeats: int, workdir: Path, progress) ->
     for scenario, spec in specs.items():
         if scenario != "healthy":  # a 2x rank: only skipping its samples gets back to the healthy time
             rows[scenario]["_floor_s"] = healthy_s + injected_floor_s(spec, steps, world, step_s)
-    return {"step_s_calibration": step_s, "sleep_s": step_s, "scenarios": rows}
+    return {"step_s_calibration": step_s, "sleep_s": step_s, "base_s": base_s, "specs": specs, "scenarios": rows}
 
 
 def print_throughput(world: int, result: dict) -> None:
     print(f"\n## dp={world}: tokens/s (ratio to sync; hidden = share of sync's lost time recovered)")
-    print(f"calibration step time {result['step_s_calibration'] * 1e3:.0f} ms (= injected sleep)")
+    print(f"healthy step time {result['step_s_calibration'] * 1e3:.0f} ms (= the injected sleep); emulated device "
+          f"time {result['base_s'] * 1e3:.0f} ms per microbatch on every rank")
     names = list(POLICIES)
     print(f"{'scenario':<11}" + "".join(f"{n:>22}" for n in names) + f"{'flagged (sync)':>16}")
     for scenario, row in result["scenarios"].items():
@@ -242,6 +252,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=40, help="steps per throughput run (default 40)")
     ap.add_argument("--conv-steps", type=int, default=150, help="steps per convergence run (default 150)")
     ap.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3], help="convergence seeds (default 1 2 3)")
+    ap.add_argument("--base-s", type=float, default=0.04,
+                    help="emulated device seconds per microbatch in throughput runs (default 0.04; 0 = real compute only)")
     ap.add_argument("--repeats", type=int, default=3, help="rounds per throughput cell, median (default 3)")
     ap.add_argument("--quick", action="store_true", help="1 round of 30 steps, 100 convergence steps, 2 seeds")
     ap.add_argument("--skip", choices=["throughput", "convergence"], help="skip one part")
@@ -260,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.skip != "throughput":
             report["throughput"] = {}
             for world in args.dp:
-                report["throughput"][world] = throughput(world, args.steps, args.repeats, work, progress)
+                report["throughput"][world] = throughput(world, args.steps, args.repeats, args.base_s, work, progress)
                 print_throughput(world, report["throughput"][world])
         if args.skip != "convergence":
             report["convergence"] = convergence(args.conv_steps, args.seeds, work, progress)

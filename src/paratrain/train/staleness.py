@@ -65,6 +65,9 @@ class FaultInjection:
     - "sleep_s=0.05,probability=0.3,rank=-1,seed=0": before each step, each chosen rank (-1 = every rank,
       independently) sleeps sleep_s with the given probability (jitter: OS noise, a slow host for a moment).
       The draws are seeded by (seed, rank, step), so a run is reproducible.
+    - "base_s=0.05" (combinable with the above): every rank's microbatch also takes base_s more (emulated device
+      time, benchmarks only), so that a policy's effect is measured against a known compute time rather than the
+      CPU share a shared machine happens to give; `slowdown` scales the whole microbatch time, emulation included.
     """
 
     rank: int = -1
@@ -72,8 +75,9 @@ class FaultInjection:
     sleep_s: float = 0.0
     probability: float = 0.0
     seed: int = 0
+    base_s: float = 0.0
 
-    KEYS = ("rank", "slowdown", "sleep_s", "probability", "seed")
+    KEYS = ("rank", "slowdown", "sleep_s", "probability", "seed", "base_s")
 
     @classmethod
     def parse(cls, spec: str) -> FaultInjection | None:
@@ -94,8 +98,8 @@ class FaultInjection:
         fault = cls(**values)
         if fault.slowdown < 1.0:
             raise ValueError(f"{where}: slowdown={fault.slowdown}: allowed: >= 1 (1 = no slowdown)")
-        if not 0.0 <= fault.probability <= 1.0 or fault.sleep_s < 0:
-            raise ValueError(f"{where}: allowed: 0 <= probability <= 1 and sleep_s >= 0")
+        if not 0.0 <= fault.probability <= 1.0 or fault.sleep_s < 0 or fault.base_s < 0:
+            raise ValueError(f"{where}: allowed: 0 <= probability <= 1, sleep_s >= 0, base_s >= 0")
         if fault.rank < -1:
             raise ValueError(f"{where}: rank={fault.rank}: allowed: a data-parallel rank, or -1 for every rank")
         return fault
@@ -110,6 +114,9 @@ class FaultInjection:
             time.sleep(self.sleep_s)
 
     def after_microbatch(self, dp_rank: int, compute_s: float) -> None:
+        if self.base_s > 0:
+            time.sleep(self.base_s)
+            compute_s += self.base_s
         if self.slowdown > 1.0 and self.applies_to(dp_rank):
             time.sleep((self.slowdown - 1.0) * compute_s)
 
