@@ -5,6 +5,9 @@ Every run is the real training loop (`paratrain.train.loop.train`) on forked glo
 injection of `staleness.test_fault_injection`. The synchronous baseline is policy bounded_staleness with s = 0,
 which tests/test_staleness.py shows bitwise identical to the runtime's DDP path (and it honours the injection).
 
+Throughput runs add an emulated device time per microbatch on every rank (--base-s, a sleep) to a 1-layer model,
+so the result reflects the policy rather than the CPU share a shared machine gives each rank.
+
 Scenarios (delays sized from the measured healthy step time T):
   healthy    no injection
   jitter     every rank independently sleeps 1.0 T before a step with probability 0.25

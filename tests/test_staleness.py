@@ -67,6 +67,9 @@ def test_fault_injection_is_inert_by_default_and_reproducible():
     assert f.applies_to(1) and not f.applies_to(0)
     g = FaultInjection.parse("slowdown=2,rank=-1")
     assert g.applies_to(0) and g.applies_to(5) and g.slowdown == 2.0
+    assert FaultInjection.parse("base_s=0.04,slowdown=2,rank=1").base_s == 0.04
+    with pytest.raises(ValueError, match="base_s >= 0"):
+        FaultInjection.parse("base_s=-1")
 
 
 def test_straggler_detector_flags_slow_rank_after_full_window():
