@@ -97,3 +97,20 @@ def test_same_seed_same_losses_and_training_learns(tmp_path):
     lines = (tmp_path / "a" / "metrics.jsonl").read_text().splitlines()
     rec = json.loads(lines[-1])
     assert {"loss", "lr", "tokens_per_s", "mfu", "memory_bytes"} <= rec.keys() and 0 < rec["mfu"] < 1
+
+
+def test_compiled_blocks_match_eager():
+    """train.compile compiles attention and MLP; numerics stay those of eager mode (fp32)."""
+    eager = reference(make_config(["model.layers=2"]), steps=2)
+    compiled = reference(make_config(["model.layers=2", "train.compile=true"]), steps=2)
+    assert_matches_reference(eager, compiled, rtol=1e-5, grad_rtol=1e-5)
+
+
+def test_compile_wraps_attention_and_mlp_only():
+    from paratrain.model.config import PRESETS
+    from paratrain.model.llama import Llama
+    from paratrain.parallel.compile import apply_compile
+
+    model = apply_compile(Llama(PRESETS["tiny"]), True)
+    compiled = {type(m).__name__ for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None}
+    assert compiled == {"Attention", "FeedForward"}

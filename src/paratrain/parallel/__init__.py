@@ -16,6 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from paratrain.config import TrainConfig
+from paratrain.parallel.compile import apply_compile
 from paratrain.parallel.layout import check_parallel_config, effective_dp
 from paratrain.parallel.mesh import DistEnv, resolve_degrees
 from paratrain.parallel.recompute import apply_recompute
@@ -62,6 +63,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
     if mesh is None:
         model.to(env.device)
         apply_recompute(model, pcfg.recompute)
+        apply_compile(model, cfg.train.compile)
         if stale:  # issue 8: the delayed-gradient runner also runs on one process
             return build_stale_runner(model, cfg, mesh, env, degrees)
         return Runner(model, cfg.train.microbatch, env.device, cfg.train.dtype)
@@ -88,6 +90,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
     # -- end context-parallel block --
     for part in parts:
         apply_recompute(part, pcfg.recompute)
+        apply_compile(part, cfg.train.compile)
     if stale:  # issue 8: its own asynchronous all-reduce over the dp group replaces DDP/FSDP
         return build_stale_runner(model, cfg, mesh, env, degrees)
     dp = None

@@ -210,6 +210,7 @@ def split_model(model: nn.Module, layout: PipelineLayout, pp_rank: int) -> list[
 def apply_stage_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh):
     """TP/SP -> recompute -> DP on this rank's stage modules, with the functions the non-pipeline layout
     uses (parallel/tensor.py, recompute.py, data.py). Returns the DataParallel handle (or None)."""
+    from paratrain.parallel.compile import apply_compile
     from paratrain.parallel.layout import effective_dp
     from paratrain.parallel.recompute import apply_recompute
 
@@ -221,6 +222,7 @@ def apply_stage_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: Devic
             apply_tp(part, mesh["tp"], sp=pcfg.sp, loss_parallel=True)
     for part in parts:
         apply_recompute(part, pcfg.recompute)
+        apply_compile(part, cfg.train.compile)
     if mesh["dp"].size() == 1:
         return None
     from paratrain.parallel.data import apply_dp
