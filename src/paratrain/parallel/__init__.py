@@ -1,13 +1,15 @@
 """Parallel techniques, applied to the single-device model by `parallelize()` in a fixed order.
 
-Order (as torchtitan): pipeline split -> tensor/sequence parallel -> activation recomputation ->
-data parallel (FSDP2/DDP/HSDP). Why this order:
+Order (as torchtitan): pipeline split -> tensor/sequence parallel -> context parallel -> activation
+recomputation (-> torch.compile) -> data parallel (FSDP2/DDP/HSDP, or stale-gradient DP). Why this order:
 - the pipeline split first, so every later technique sees only the layers this rank owns;
 - TP before recompute, so a recomputed region replays its TP collectives in backward;
 - recompute before FSDP, so FSDP's per-block hooks (unshard before backward) wrap the recomputed forward;
 - DP last: FSDP shards the parameters TP has already distributed (2-D DTensors over dp x tp), and the DDP
   reducer hooks the final parameters.
-Each technique lives in its own file: tensor.py (TP/SP/loss parallel), recompute.py, data.py (FSDP/DDP/HSDP).
+Each technique lives in its own file: pipeline.py, tensor.py (TP/SP/loss parallel), context.py (ring
+attention), recompute.py, compile.py, data.py (FSDP/DDP/HSDP), stale_dp.py (bounded staleness / time budget);
+mesh.py builds the device mesh, layout.py checks a layout before anything is built, runner.py drives a step.
 """
 
 from __future__ import annotations
@@ -26,7 +28,11 @@ from paratrain.parallel.runner import ParallelRunner, Runner
 def check_layout(cfg: TrainConfig, world_size: int) -> dict[str, int]:
     """Every layout check, before anything is built; returns the mesh degrees."""
     degrees = resolve_degrees(cfg.parallel, world_size)
-    check_parallel_config(cfg.model_shape(), cfg.parallel, cfg.train.seq_len)
+    check_parallel_config(cfg.model_shape(), cfg.parallel, cfg.train.seq_len)  # TP, SP, CP, DP kinds
+    if cfg.staleness.policy != "sync":
+        from paratrain.parallel.stale_dp import check_staleness_layout
+
+        check_staleness_layout(cfg, degrees)
     return degrees
 
 
@@ -47,66 +53,52 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
     """Wrap `model` for the layout in cfg.parallel and return the runner the training loop drives."""
     pcfg = cfg.parallel
     degrees = check_layout(cfg, env.world_size)
-    # -- stale-gradient data parallelism (issue 8, parallel/stale_dp.py): refuse unsupported layouts early --
-    stale = cfg.staleness.policy != "sync"
+    stale = cfg.staleness.policy != "sync"  # bounded staleness / time budget: parallel/stale_dp.py
     if stale:
-        from paratrain.parallel.stale_dp import build_stale_runner, check_staleness_layout
-
-        check_staleness_layout(cfg, degrees)
-    # -- end stale-gradient block --
-    # -- context parallelism (issue 10, parallel/context.py): refuse layouts it cannot run, before building --
-    if pcfg.cp > 1:
-        from paratrain.parallel.context import check_cp_layout
-
-        check_cp_layout(cfg.train.seq_len, pcfg.cp, pcfg.tp, pcfg.sp, degrees["pp"])
-    # -- end context-parallel block --
-    if mesh is None:
+        from paratrain.parallel.stale_dp import build_stale_runner
+    if mesh is None:  # one process: recompute and compile still apply; the stale runner works here too
         model.to(env.device)
         apply_recompute(model, pcfg.recompute)
         apply_compile(model, cfg.train.compile)
-        if stale:  # issue 8: the delayed-gradient runner also runs on one process
+        if stale:
             return build_stale_runner(model, cfg, mesh, env, degrees)
         return Runner(model, cfg.train.microbatch, env.device, cfg.train.dtype)
-    # -- pipeline parallelism (issue 5, parallel/pipeline.py): split into stages, then TP/SP -> recompute -> DP
-    #    on each stage module (the same functions as below), driven by a pipeline schedule; its own runner.
-    #    Before model.to(device): only this rank's stages are moved to the accelerator --
     if degrees["pp"] > 1:
+        # 0. pipeline split first; pipeline.py then applies steps 1-4 below to each stage module and drives a
+        #    schedule. It runs before model.to(device) so that only this rank's stages reach the accelerator.
         from paratrain.parallel.pipeline import parallelize_pipeline
 
         return parallelize_pipeline(model, cfg, mesh, env)
-    # -- end pipeline block --
     model.to(env.device)
     parts = [model]
-    if degrees["tp"] > 1:
+    if degrees["tp"] > 1:  # 1. tensor (+ sequence, loss) parallelism
         from paratrain.parallel.tensor import apply_tp
 
         for part in parts:
             apply_tp(part, mesh["tp"], sp=pcfg.sp, loss_parallel=True)
-    # -- context parallelism (issue 10): ring attention over the cp group; after TP, before recompute/DP --
-    if degrees["cp"] > 1:
+    if degrees["cp"] > 1:  # 2. context parallelism: ring attention over the cp group
         from paratrain.parallel.context import apply_context_parallel
 
         apply_context_parallel(parts, mesh["cp"].get_group())
-    # -- end context-parallel block --
-    for part in parts:
+    for part in parts:  # 3. activation recomputation, then compilation of what runs
         apply_recompute(part, pcfg.recompute)
         apply_compile(part, cfg.train.compile)
-    if stale:  # issue 8: its own asynchronous all-reduce over the dp group replaces DDP/FSDP
+    if stale:  # 4a. stale gradients: its own asynchronous all-reduce over dp replaces DDP/FSDP
         return build_stale_runner(model, cfg, mesh, env, degrees)
-    dp = None
+    dp = None  # 4. data parallelism over dp (x cp): FSDP2 / HSDP / bucketed DDP
     dp_mesh = dp_mesh_of(mesh, cfg)
     if dp_mesh.size() > 1:
         from paratrain.parallel.data import apply_dp
 
         kind, reshard = effective_dp(pcfg)
         dp = apply_dp(parts, dp_mesh, kind, reshard, bucket_bytes=int(pcfg.ddp_bucket_mb * 2**20))
-    dp_rank = mesh["dp"].get_local_rank()
     runner_cls, runner_extra = ParallelRunner, {}
-    if degrees["cp"] > 1:  # issue 10: the runner shards batches along the sequence (zig-zag)
+    if degrees["cp"] > 1:  # the runner shards each batch along the sequence (zig-zag)
         from paratrain.parallel.context import ContextParallelRunner
 
         runner_cls, runner_extra = ContextParallelRunner, {"cp_group": mesh["cp"].get_group()}
-    runner = runner_cls(model, cfg.train.microbatch, env.device, cfg.train.dtype, dp_rank=dp_rank,
-                        dp_size=degrees["dp"], dp=dp, loss_parallel=degrees["tp"] > 1, **runner_extra)
+    runner = runner_cls(model, cfg.train.microbatch, env.device, cfg.train.dtype,
+                        dp_rank=mesh["dp"].get_local_rank(), dp_size=degrees["dp"], dp=dp,
+                        loss_parallel=degrees["tp"] > 1, **runner_extra)
     runner.parts = parts
     return runner

@@ -44,7 +44,6 @@ def effective_dp(pcfg: ParallelSection) -> tuple[str, bool]:
     return pcfg.dp_kind, pcfg.zero_stage == 3
 
 
-# -- context parallelism (issue 10, parallel/context.py) --
 def check_cp_layout(seq_len: int, cp: int, tp: int = 1, sp: bool = False, pp: int = 1) -> None:
     """One clear error for a layout context parallelism cannot run, before anything is built."""
     if cp == 1:
@@ -64,7 +63,7 @@ def check_cp_layout(seq_len: int, cp: int, tp: int = 1, sp: bool = False, pp: in
 def check_parallel_config(model_cfg: ModelConfig, pcfg: ParallelSection, seq_len: int) -> None:
     """Every check that needs the model shape but not the world size."""
     check_tp_layout(model_cfg, pcfg.tp, pcfg.sp, seq_len)
-    check_cp_layout(seq_len, pcfg.cp, pcfg.tp, pcfg.sp, pcfg.pp)  # issue 10
+    check_cp_layout(seq_len, pcfg.cp, pcfg.tp, pcfg.sp, pcfg.pp)
     effective_dp(pcfg)
     if pcfg.dp_kind == "hsdp" and pcfg.dp != -1 and pcfg.dp % pcfg.dp_replicate:
         raise ValueError(f"parallel.dp_replicate={pcfg.dp_replicate} must divide parallel.dp={pcfg.dp} "

@@ -18,7 +18,7 @@ from paratrain.config import OptimSection, TrainConfig, dump_config
 from paratrain.model.llama import Llama
 from paratrain.parallel import parallelize
 from paratrain.parallel.mesh import build_mesh, init_distributed, resolve_degrees
-from paratrain.train import staleness  # issue 8: straggler metrics, eviction request, draining
+from paratrain.train import staleness  # straggler metrics, eviction request, draining
 from paratrain.train.checkpoint import CheckpointManager
 from paratrain.train.data import GlobalSampler, TokenWindows, prepare, read_meta
 from paratrain.train.faults import fault_point
@@ -68,7 +68,7 @@ def check_batch_layout(cfg: TrainConfig, dp: int) -> None:
     if (t.global_batch // dp) % t.microbatch:
         raise ValueError(f"train.microbatch={t.microbatch} must divide the per-rank batch "
                          f"global_batch/dp = {t.global_batch // dp}")
-    if cfg.parallel.pp > 1 or cfg.parallel.pp_layers is not None:  # issue 5: stages, schedule, microbatches
+    if cfg.parallel.pp > 1 or cfg.parallel.pp_layers is not None:  # stages, schedule, microbatches
         from paratrain.parallel.pipeline import check_pipeline_layout
 
         check_pipeline_layout(cfg, dp)
@@ -170,7 +170,7 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
         phases = timer.take()
         breakdowns.append({"step_time_s": dt, **phases})
         record.update({k if k.endswith("_s") else f"time_{k}_s": v for k, v in phases.items()})
-        staleness.on_step(runner, record, logger)  # issue 8: applied step, staleness, stragglers
+        staleness.on_step(runner, record, logger)  # applied step, staleness, stragglers
         logger.log(step + 1, record)
         logger.advance(1, {"loss": loss_value, "tok/s": tokens_per_s, "mfu": mfu})
         if (step + 1) % cfg.train.log_every == 0 and not cfg.train.progress:
@@ -187,10 +187,10 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
             saved = ckpt.save(step + 1, runner.parts, optimizer, {"step": step + 1,
                                                                   "scheduler": scheduler.state_dict(),
                                                                   "sampler": sampler.state_dict()})
-            # -- issue 8: evict_stragglers stops every rank here (exit code 75) once the checkpoint committed --
+            # evict_stragglers stops every rank here (exit code 75) once the checkpoint committed
             staleness.after_checkpoint(runner, cfg.staleness.evict_stragglers and not last, run_dir, step + 1, str(saved),
                                        logger, ckpt.close)
-    staleness.finish(runner)  # issue 8: wait for reductions still in flight
+    staleness.finish(runner)  # wait for stale reductions still in flight
     ckpt.close()  # an asynchronous save still in flight commits before the run reports done
     wall = time.perf_counter() - t_start
     logger.close()
