@@ -114,3 +114,13 @@ def test_compile_wraps_attention_and_mlp_only():
     model = apply_compile(Llama(PRESETS["tiny"]), True)
     compiled = {type(m).__name__ for m in model.modules() if getattr(m, "_compiled_call_impl", None) is not None}
     assert compiled == {"Attention", "FeedForward"}
+
+
+def test_config_reference_doc_is_current():
+    """docs/config.md is generated from the schema; regenerate with `paratrain config --reference`."""
+    from pathlib import Path
+
+    from paratrain.config import reference_markdown
+
+    doc = Path(__file__).resolve().parents[1] / "docs" / "config.md"
+    assert doc.read_text().strip() == reference_markdown().strip()

@@ -260,6 +260,55 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
         raise ValueError(format_validation_error(err)) from None
 
 
+# Meaning of the keys whose Field has no description (shown by `paratrain config --reference`).
+FIELD_HELP = {
+    "model.preset": "preset name (tiny, small, llama2-7b/13b/70b, llama3-8b/70b, llama3.1-405b) or a model TOML file",
+    "model.hf_path": "a Hugging Face Llama folder (config.json + *.safetensors): shape and weights are loaded",
+    "model.layers": "override: decoder blocks", "model.hidden": "override: model width",
+    "model.heads": "override: attention heads", "model.kv_heads": "override: key/value heads (GQA)",
+    "model.ffn_hidden": "override: SwiGLU inner width", "model.vocab": "override: vocabulary size (>= tokenizer's)",
+    "model.max_seq": "override: longest sequence (RoPE table length)",
+    "model.tie_embeddings": "override: share the embedding and output matrices",
+    "data.source": "'stdlib' (this Python's standard library source, nothing downloaded), a text file or a folder",
+    "data.prepared_dir": "where the token files, tokenizer.json and meta.json go",
+    "data.tokenizer": "'train' (byte-level BPE trained on the source) or a tokenizer.json path",
+    "data.vocab_size": "vocabulary of a trained tokenizer",
+    "data.max_source_bytes": "read at most this many characters of the source",
+    "data.val_fraction": "share of tokens held out for the eval loss",
+    "parallel.tp": "tensor-parallel degree (innermost mesh dimension: fastest links)",
+    "parallel.pp": "pipeline stages (outermost mesh dimension)",
+    "parallel.cp": "context-parallel degree (ring attention; sequence split zig-zag)",
+    "parallel.sp": "sequence parallelism inside the TP regions (needs tp > 1)",
+    "parallel.dp_kind": "fsdp (FSDP2, ZeRO-3), ddp (replicated, bucketed overlap), hsdp (replicate x shard)",
+    "parallel.reshard_after_forward": "fsdp: false keeps parameters gathered between forward and backward (ZeRO-2-like)",
+    "parallel.zero_stage": "the planner's name for the DP kind: 2 = fsdp without reshard, 3 = fsdp; must agree with dp_kind",
+    "parallel.recompute": "activation recomputation: none, selective (attention core) or full (whole block)",
+    "parallel.pp_schedule": "gpipe, 1f1b, interleaved_1f1b (virtual_stages > 1), zbv or dualpipev (2 chunks per rank)",
+    "parallel.virtual_stages": "model chunks per pipeline rank",
+    "parallel.pp_layers": "explicit layers per (virtual) stage, e.g. [6, 8, 8, 10]; default balanced",
+    "optim.lr": "peak learning rate (AdamW)", "optim.min_lr": "learning rate at the end of the decay",
+    "optim.warmup_steps": "linear warmup steps", "optim.schedule": "decay after warmup: cosine, linear or constant",
+    "optim.weight_decay": "AdamW weight decay (matrices only)", "optim.beta1": "AdamW beta1",
+    "optim.beta2": "AdamW beta2", "optim.eps": "AdamW epsilon",
+    "train.steps": "optimizer steps", "train.seq_len": "tokens per sequence", "train.seed": "seed of weights and data order",
+    "train.dtype": "fp32, or bf16 autocast", "train.device": "auto (CUDA if present), cpu or cuda",
+    "train.eval_batches": "batches per eval", "train.log_every": "console line every N steps (without progress bar)",
+    "train.deterministic": "torch deterministic algorithms", "train.compile": "torch.compile attention and MLP blocks",
+    "train.progress": "progress bar on the console",
+    "metrics.run_dir": "metrics.jsonl, TensorBoard logs, config.toml and (default) checkpoints go here",
+    "metrics.jsonl": "write metrics.jsonl", "metrics.tensorboard": "write TensorBoard logs",
+    "metrics.hardware": "catalog system (or TOML file) whose peak defines MFU and whose planner prediction is "
+                        "printed beside the measured step time; empty = measured peak",
+    "staleness.policy": "sync, bounded_staleness (apply the gradient of step t-s) or time_budget",
+    "staleness.max_staleness": "s: steps a gradient may lag (bounded_staleness)",
+    "staleness.step_budget_s": "time_budget: seconds per step each DP rank may spend on microbatches",
+    "staleness.straggler_threshold": "flag a rank slower than this x the median step time",
+    "staleness.straggler_window": "steps the straggler median is taken over",
+    "staleness.evict_stragglers": "after the next checkpoint, exit with code 75 and write an eviction request",
+    "staleness.test_fault_injection": "tests only: slow a rank on purpose (empty = off)",
+}
+
+
 def reference_markdown() -> str:
     """The configuration reference (docs/config.md is generated from this, so it cannot drift)."""
     lines = ["# Configuration reference", "",
@@ -267,11 +316,13 @@ def reference_markdown() -> str:
              "the TOML file or with `--set section.key=value`.", ""]
     for section, field in TrainConfig.model_fields.items():
         cls = field.annotation
-        lines += [f"## [{section}]", "", (cls.__doc__ or "").strip(), "", "| key | type | default | meaning |",
+        doc = [(cls.__doc__ or "").strip(), ""] if cls.__doc__ else []
+        lines += [f"## [{section}]", "", *doc, "| key | type | default | meaning |",
                   "|---|---|---|---|"]
         for name, f in cls.model_fields.items():
-            kind = str(f.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "")
-            lines.append(f"| `{name}` | `{kind}` | `{f.default!r}` | {f.description or ''} |")
+            kind = str(f.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "").replace(" | ", " or ")
+            meaning = (f.description or FIELD_HELP.get(f"{section}.{name}", "")).replace("|", "/")
+            lines.append(f"| `{name}` | `{kind}` | `{f.default!r}` | {meaning} |")
         lines.append("")
     return "\n".join(lines)
 
