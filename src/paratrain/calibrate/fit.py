@@ -96,8 +96,14 @@ def apply_parameters(system: System, params: dict[str, float]) -> System:
 
 
 def sized_for(system: System, world_size: int) -> System:
-    """The system as one node of `world_size` devices (a run used that many ranks of this machine)."""
-    return dataclasses.replace(system, chips_per_node=world_size, devices_per_chip=1)
+    """The system as one node running `world_size` ranks. Ranks beyond the node's chips share a chip, as two
+    NeuronCores share a Trainium1: on a CPU host whose "chips" are its cores (what `paratrain probe` writes),
+    4 ranks on 2 cores each get half a core's FLOP/s and memory bandwidth. That sharing is physics the
+    planner must see, not something to fit."""
+    chips = min(world_size, system.chips_per_node)
+    while world_size % chips:
+        chips -= 1
+    return dataclasses.replace(system, chips_per_node=chips, devices_per_chip=world_size // chips)
 
 
 def predict(system: System, m: Measurement):

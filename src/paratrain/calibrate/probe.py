@@ -175,8 +175,12 @@ def run_probe(device: str = "cpu", group_sizes=(2, 4), quick: bool = False, log=
     return res
 
 
-def hardware_toml(res: ProbeResult, name: str = "local", ranks: int = 8) -> str:
-    """A catalog file (chips/interconnects/systems tables) describing this machine as measured."""
+def hardware_toml(res: ProbeResult, name: str = "local", ranks: int | None = None) -> str:
+    """A catalog file (chips/interconnects/systems tables) describing this machine as measured.
+
+    On a CPU the "chip" is one core running one rank's compute thread: a node has as many chips as the machine
+    has cores (`ranks` overrides), and more ranks than cores share them (see calibrate.fit.sized_for)."""
+    ranks = ranks or (os.cpu_count() or 1) if res.device == "cpu" else ranks or 1
     import tomli_w
 
     bw = res.fits.get("all_reduce", {}).get("bw_gbytes_per_s", 1.0)

@@ -231,15 +231,15 @@ def measured_for_planner(cfg: TrainConfig, model_cfg, degrees: dict, breakdowns:
 
 def planner_prediction(cfg: TrainConfig, model_cfg, degrees: dict, world_size: int) -> dict:
     """What the planner predicts for this very run on `metrics.hardware` (the plan -> train -> measure loop)."""
-    import dataclasses
-
     from paratrain.hardware.catalog import resolve_system
     from paratrain.plan.api import Layout, estimate
 
     system = resolve_system(cfg.metrics.hardware)
     nodes = max(world_size // system.devices_per_node, 1)
-    if world_size < system.devices_per_node:  # part of one node: describe the node as the ranks in use
-        system = dataclasses.replace(system, chips_per_node=world_size, devices_per_chip=1)
+    if world_size < system.devices_per_node or system.chip.vendor == "local":  # the ranks in use on one node
+        from paratrain.calibrate.fit import sized_for
+
+        system = sized_for(system, world_size)
     est = estimate(model_cfg, system, nodes, cfg.train.seq_len, cfg.train.global_batch,
                    Layout(**planner_layout(cfg, degrees)))
     return {"system": system.name, "step_time_s": est.step_time_s, "breakdown_s": est.time_breakdown_s,
