@@ -80,12 +80,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--out", default="runs/calibration")
     ap.add_argument("--skip-probe", action="store_true")
+    ap.add_argument("--reuse", action="store_true", help="reuse run summaries already in --out (refit only)")
     args = ap.parse_args()
     out = (ROOT / args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     hw = out / "local.toml"
     subprocess.run([PY, "-m", "paratrain", "data", "prepare"], cwd=ROOT, check=True, capture_output=True)
-    if not args.skip_probe or not hw.is_file():
+    if not (args.skip_probe or args.reuse) or not hw.is_file():
         subprocess.run([PY, "-m", "paratrain", "probe", "--out", str(hw), "--groups", "2,4,8"], cwd=ROOT,
                        check=True)
 
@@ -94,7 +95,9 @@ def main() -> None:
 
     runs = []
     for name, preset, ranks, overrides in LAYOUTS:
-        s = train_run(name, preset, ranks, overrides, args.steps, out)
+        done = out / f"{name}.json"
+        s = json.loads(done.read_text()) if args.reuse and done.is_file() else train_run(
+            name, preset, ranks, overrides, args.steps, out)
         runs.append(Measurement.from_summary(s, name))
         print(f"measured {name:<22} {ranks} ranks  {s['step_time_s_median'] * 1e3:8.1f} ms/step", flush=True)
 
@@ -132,10 +135,10 @@ def main() -> None:
     from paratrain.calibrate.fit import write_back
 
     write_back(fitted_file, "local", report["parameters"], "calibrated by benchmarks/calibration.py")
-    best_vs_defaults(fitted_file, args.steps, out)
+    best_vs_defaults(fitted_file, args.steps, out, args.reuse)
 
 
-def best_vs_defaults(hw: Path, steps: int, out: Path) -> None:
+def best_vs_defaults(hw: Path, steps: int, out: Path, reuse: bool = False) -> None:
     """`plan` on 4 ranks for the small model, restricted to what the runtime runs; its best vs pure DP/TP."""
     from paratrain.calibrate.fit import sized_for
     from paratrain.hardware.catalog import load_catalog
@@ -152,8 +155,11 @@ def best_vs_defaults(hw: Path, steps: int, out: Path) -> None:
                  f'parallel.dp_kind="{best.dp_kind if best.dp_kind != "hsdp" else "fsdp"}"',
                  f"train.microbatch={best.microbatch}", f'parallel.pp_schedule="{best.schedule}"']
     planned = train_run("small-planned", "small", 4, overrides, steps, out)["step_time_s_median"]
-    dp = train_run("small-ddp4-again", "small", 4, ['parallel.dp_kind="ddp"'], steps, out)["step_time_s_median"]
-    tp = train_run("small-tp4-again", "small", 4, ["parallel.tp=4"], steps, out)["step_time_s_median"]
+    again = (lambda n: json.loads((out / f"{n}.json").read_text())) if reuse else None
+    dp = (again("small-ddp4-again") if reuse else train_run("small-ddp4-again", "small", 4,
+          ['parallel.dp_kind="ddp"'], steps, out))["step_time_s_median"]
+    tp = (again("small-tp4-again") if reuse else train_run("small-tp4-again", "small", 4, ["parallel.tp=4"],
+          steps, out))["step_time_s_median"]
     print(f"measured step time: planned {planned * 1e3:.1f} ms, pure DP {dp * 1e3:.1f} ms, pure TP {tp * 1e3:.1f} ms")
     print(f"speed of the planned layout vs pure DP: {dp / planned:.2f}x, vs pure TP: {tp / planned:.2f}x "
           f"(>= 1 means at least as fast)")

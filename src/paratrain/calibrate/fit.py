@@ -34,7 +34,7 @@ PARAMETERS: dict[str, tuple[float, float, bool]] = {
     "kernel_overhead_s": (1e-7, 1e-2, True),
     "memory_bw_eff": (0.02, 1.0, False),
     "link_bw_scale": (0.02, 5.0, True),
-    "link_latency_scale": (0.05, 20.0, True),
+    "link_latency_scale": (0.05, 1000.0, True),  # gloo + DTensor dispatch: per-collective costs of ms
     "dp_overlap": (0.0, 1.0, False),
 }
 
