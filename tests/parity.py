@@ -93,3 +93,16 @@ def assert_matches_reference(ref: dict, got: dict, rtol: float = 1e-5, atol: flo
         r = ref["grads"][name]
         err = (g - r).norm() / r.norm().clamp_min(1e-12)
         assert err < grad_rtol, f"gradient of {name}: relative error {err:.2e}"
+
+
+def assert_cases_match(ref: dict, cases: list[list[str]], per_rank_results: list[list[dict]], rtol: float = 1e-5,
+                       atol: float = 1e-6, grad_rtol: float = 1e-5) -> None:
+    """Every case on every rank against the reference; one failure message listing all mismatches."""
+    failures = []
+    for rank, results in enumerate(per_rank_results):
+        for overrides, got in zip(cases, results, strict=True):
+            try:
+                assert_matches_reference(ref, got, rtol, atol, grad_rtol)
+            except AssertionError as exc:
+                failures.append(f"{' '.join(overrides)} (rank {rank}): {exc}")
+    assert not failures, "\n".join(failures)

@@ -11,7 +11,14 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from parity import assert_matches_reference, global_batch, make_config, parallel_run, reference
+from parity import (
+    assert_cases_match,
+    assert_matches_reference,
+    global_batch,
+    make_config,
+    parallel_run,
+    reference,
+)
 
 from paratrain.model.llama import CoreAttention
 from paratrain.parallel.context import (
@@ -175,14 +182,7 @@ def _run_cases(cases):
 @pytest.mark.parametrize("world", [2, 4])
 def test_context_parallel_matches_single_device(dist_run, ref, world):
     cases = CASES[world]
-    failures = []
-    for rank, results in enumerate(dist_run(world, _run_cases, cases)):
-        for overrides, got in zip(cases, results, strict=True):
-            try:
-                assert_matches_reference(ref, got, LOSS_RTOL, LOSS_ATOL, GRAD_RTOL)
-            except AssertionError as exc:
-                failures.append(f"{' '.join(overrides)} (rank {rank}): {exc}")
-    assert not failures, "\n".join(failures)
+    assert_cases_match(ref, cases, dist_run(world, _run_cases, cases), LOSS_RTOL, LOSS_ATOL, GRAD_RTOL)
 
 
 # -- ring traffic: what the planner's formula says -----------------------------------------------------------

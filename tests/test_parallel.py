@@ -12,7 +12,14 @@ TP4 on this model has kv_heads=2 < tp=4, so it also covers the replicated-kv-hea
 import pytest
 import torch
 import torch.distributed as dist
-from parity import assert_matches_reference, global_batch, make_config, parallel_run, reference
+from parity import (
+    assert_cases_match,
+    assert_matches_reference,
+    global_batch,
+    make_config,
+    parallel_run,
+    reference,
+)
 
 from paratrain.cli import main
 from paratrain.config import load_config
@@ -47,14 +54,7 @@ def _run_cases(cases):
 
 
 def _check_all(ref, cases, per_rank_results):
-    failures = []
-    for rank, results in enumerate(per_rank_results):
-        for overrides, got in zip(cases, results, strict=True):
-            try:
-                assert_matches_reference(ref, got, LOSS_RTOL, LOSS_ATOL, GRAD_RTOL)
-            except AssertionError as exc:
-                failures.append(f"{' '.join(overrides)} (rank {rank}): {exc}")
-    assert not failures, "\n".join(failures)
+    assert_cases_match(ref, cases, per_rank_results, LOSS_RTOL, LOSS_ATOL, GRAD_RTOL)
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])

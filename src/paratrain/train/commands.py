@@ -88,6 +88,10 @@ def run_train(args) -> int:
 
 
 def print_summary(s: dict) -> None:
+    if not s["steps"]:
+        print(f"\nnothing left to train: resumed from {s.get('resumed_from') or s['checkpoint']}, which already "
+              f"reached train.steps; raise train.steps or use a new metrics.run_dir / checkpoint.dir")
+        return
     drop = (1 - s["last_loss"] / s["first_loss"]) if s["first_loss"] == s["first_loss"] else float("nan")
     print("\n=== paratrain run summary ===")
     print(f"layout          {s['layout']} on {s['world_size']} rank(s)")
