@@ -51,6 +51,15 @@ def init_distributed(device_request: str = "auto", timeout_s: float = 600.0) -> 
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 
+def shutdown_distributed() -> None:
+    """Leave the process group cleanly once every rank is done: without this, gloo's worker threads and any
+    pipeline send still held by a work object are torn down by the interpreter at exit, which aborts the
+    process now and then ("terminate called without an active exception") after a successful run."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def build_mesh(pcfg: ParallelSection, env: DistEnv) -> DeviceMesh | None:
     """A DeviceMesh over all ranks, or None for a single process (no process group needed)."""
     degrees = resolve_degrees(pcfg, env.world_size)

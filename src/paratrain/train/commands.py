@@ -75,10 +75,12 @@ def run_prepare(args) -> int:
 
 def run_train(args) -> int:
     from paratrain.config import load_config
+    from paratrain.parallel.mesh import shutdown_distributed
     from paratrain.train.loop import train
 
     cfg = load_config(args.config, args.set)  # fails here, before any process group or data work
     summary = train(cfg, resume_from=args.resume_from)
+    shutdown_distributed()  # torchrun's ranks exit together, with no gloo thread left running
     if summary["rank"] == 0:
         print_summary(summary)
         if args.summary_json:
