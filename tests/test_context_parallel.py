@@ -57,8 +57,7 @@ def test_zigzag_balances_causal_work():
 def test_layout_errors_name_the_fields():
     with pytest.raises(ValueError, match=r"train.seq_len=30 must be divisible by 2\*cp=4"):
         check_cp_layout(30, 2)
-    with pytest.raises(ValueError, match=r"parallel.pp=2 is not supported"):
-        check_cp_layout(32, 2, pp=2)
+    check_cp_layout(32, 2, pp=2)  # composes with pipeline parallelism (tests/test_pipeline_context.py)
     with pytest.raises(ValueError, match=r"train.seq_len/cp=12 must be divisible by parallel.tp=8"):
         check_cp_layout(24, 2, tp=8, sp=True)
     check_cp_layout(32, 4, tp=2, sp=True)
@@ -67,7 +66,8 @@ def test_layout_errors_name_the_fields():
 def test_config_errors_at_load_time():
     """A bad cp layout is refused when the config is loaded, before any rank builds anything (one line)."""
     for overrides, match in ((["parallel.cp=4", "train.seq_len=36"], r"parallel.cp=4: train.seq_len=36"),
-                             (["parallel.cp=2", "parallel.pp=2"], r"parallel.pp=2 is not supported")):
+                             (["parallel.cp=2", "parallel.pp=2", "train.seq_len=30"],
+                              r"parallel.cp=2: train.seq_len=30 must be divisible by 2\*cp=4")):
         with pytest.raises(ValueError, match=match):
             make_config(overrides)
 

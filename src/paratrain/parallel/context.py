@@ -305,20 +305,25 @@ class RingAttention(nn.Module):
 
 
 # -- applying it to a model and driving it -------------------------------------------------------------------
-def apply_context_parallel(parts: Iterable[nn.Module], group: dist.ProcessGroup | None, impl: str = "auto") -> None:
+def apply_context_parallel(parts: Iterable[nn.Module], group: dist.ProcessGroup | None, impl: str = "auto",
+                           sp_tp: int = 1) -> None:
     """Replace every attention core with ring attention over `group`, and make each part take the global
-    RoPE positions of its zig-zag slice. Apply after tensor parallelism, before recompute and data parallelism."""
+    RoPE positions of its zig-zag slice. Apply after tensor parallelism, before recompute and data parallelism.
+
+    `parts` may be pipeline stages: a stage without the token embedding receives hidden states of s/cp tokens,
+    or s/(cp*tp) with sequence parallelism; pass `sp_tp` = tp when SP is on so that its positions cover the
+    cp-local sequence its attention sees (SP gathers it over tp)."""
     ring = Ring(group)
     _pick_impl(impl, torch.device("cpu"))  # validate the name before touching the model
     for part in parts:
-        if getattr(part, "tok_embeddings", None) is None:
-            raise ValueError("context parallelism needs the token embedding on every part (pipeline stages "
-                             "are not supported with cp > 1)")
         for block in part.layers.values():
             if not isinstance(block.attention.core, CoreAttention):
                 raise TypeError(f"expected CoreAttention at attention.core, found {type(block.attention.core)}")
             block.attention.core = RingAttention(group, impl)
-        part.register_forward_pre_hook(_zigzag_positions_hook(ring.size, ring.rank), with_kwargs=True)
+        gathered = 1 if getattr(part, "tok_embeddings", None) is not None else sp_tp
+        # prepend: runs before the SP stage hook (parallel/tensor.py), which would otherwise fill in 0..s/cp-1.
+        part.register_forward_pre_hook(_zigzag_positions_hook(ring.size, ring.rank, gathered), with_kwargs=True,
+                                       prepend=True)
 
 
 def ring_stats(parts: Iterable[nn.Module]) -> dict[str, float]:
@@ -331,16 +336,27 @@ def ring_stats(parts: Iterable[nn.Module]) -> dict[str, float]:
     return stats
 
 
-def _zigzag_positions_hook(cp: int, rank: int):
-    """Tokens arrive as this rank's zig-zag slice (b, s/cp): RoPE must see their global positions."""
+def _zigzag_positions_hook(cp: int, rank: int, gathered: int = 1):
+    """Tokens (or a pipeline stage's hidden states) arrive as this rank's zig-zag slice, (b, s/cp, ...), or
+    (b, s/(cp*gathered), ...) when sequence parallelism splits it further: RoPE must see the global positions
+    of the s/cp tokens attention works on."""
 
     def hook(_module, args, kwargs):
         if kwargs.get("positions") is None and (len(args) < 2 or args[1] is None):
-            local = args[0].shape[1]
+            local = args[0].shape[1] * gathered
             kwargs["positions"] = zigzag_positions(local * cp, cp, rank, args[0].device)
         return args, kwargs
 
     return hook
+
+
+def shard_batch(inputs: torch.Tensor, targets: torch.Tensor, cp: int, rank: int
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """This cp rank's zig-zag slice of a (b, s) batch, with one clear error when s does not split."""
+    seq = inputs.shape[1]
+    if seq % (2 * cp):
+        raise ValueError(f"parallel.cp={cp}: batch sequence length {seq} must be divisible by 2*cp={2 * cp}")
+    return zigzag_shard(inputs, cp, rank), zigzag_shard(targets, cp, rank)
 
 
 class ContextParallelRunner(ParallelRunner):
@@ -356,11 +372,7 @@ class ContextParallelRunner(ParallelRunner):
             raise ValueError("context parallelism needs gradient reduction over the (dp, cp) mesh")
 
     def shard_sequence(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        seq = inputs.shape[1]
-        if seq % (2 * self.cp_size):
-            raise ValueError(f"parallel.cp={self.cp_size}: batch sequence length {seq} must be divisible by "
-                             f"2*cp={2 * self.cp_size}")
-        return (zigzag_shard(inputs, self.cp_size, self.cp_rank), zigzag_shard(targets, self.cp_size, self.cp_rank))
+        return shard_batch(inputs, targets, self.cp_size, self.cp_rank)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return super().forward_backward(*self.shard_sequence(inputs, targets))

@@ -48,9 +48,6 @@ def check_cp_layout(seq_len: int, cp: int, tp: int = 1, sp: bool = False, pp: in
     """One clear error for a layout context parallelism cannot run, before anything is built."""
     if cp == 1:
         return
-    if pp > 1:
-        raise ValueError(f"parallel.cp={cp} with parallel.pp={pp} is not supported: context parallelism here "
-                         f"composes with tp, sp and dp; allowed: pp=1 when cp > 1")
     if seq_len % (2 * cp):
         raise ValueError(f"parallel.cp={cp}: train.seq_len={seq_len} must be divisible by 2*cp={2 * cp} "
                          f"(the zig-zag layout cuts the sequence into 2*cp equal chunks)")

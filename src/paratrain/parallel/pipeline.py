@@ -164,18 +164,41 @@ def plan_pipeline(cfg: TrainConfig, dp: int) -> PipelineLayout:
                           schedule=p.pp_schedule)
 
 
+def stage_reshard_after_forward(pcfg) -> bool:
+    """FSDP's reshard_after_forward for the stage modules.
+
+    The zero-bubble schedules (zbv, dualpipev) split each backward into an input-gradient and a later
+    weight-gradient pass (torch.distributed.pipelining's stage_backward_input / stage_backward_weight), which
+    find the weights through the stage module's *registered* parameters after the forward. When FSDP2 reshards
+    a block after its forward, those are the sharded DTensors, not the unsharded tensors the autograd graph used:
+    the weight pass then silently misses gradients (measured, PP2 x FSDP2, torch 2.13: the last stage's block got
+    no gradient, inner stages' gradients 54-88% off). So under those schedules the blocks keep their gathered
+    parameters from forward to backward (ZeRO-2 within the step; gradients and optimizer state stay sharded);
+    an explicit request for resharding (reshard_after_forward=true, zero_stage=3) is refused instead."""
+    from paratrain.parallel.layout import effective_dp
+
+    kind, reshard = effective_dp(pcfg)
+    if kind == "ddp" or pcfg.pp <= 1 or pcfg.pp_schedule not in V_SCHEDULES:
+        return reshard
+    if pcfg.zero_stage == 3 or "reshard_after_forward" in pcfg.model_fields_set and pcfg.reshard_after_forward:
+        raise ValueError(f"parallel.pp_schedule='{pcfg.pp_schedule}' with parallel.dp_kind='{kind}' and "
+                         f"{'zero_stage=3' if pcfg.zero_stage == 3 else 'reshard_after_forward=true'}: the "
+                         f"zero-bubble weight-gradient pass needs the parameters gathered from forward to backward; "
+                         f"allowed: reshard_after_forward=false / zero_stage=2 (the default under this schedule), "
+                         f"dp_kind='ddp', or pp_schedule gpipe / 1f1b / interleaved_1f1b")
+    return False
+
+
 def check_pipeline_layout(cfg: TrainConfig, dp: int) -> PipelineLayout | None:
     """Validate the pipeline part of cfg at data-parallel size dp (call before any work); None when pp == 1."""
     if cfg.parallel.pp == 1:
         if cfg.parallel.pp_layers is not None:
             raise ValueError(f"parallel.pp_layers={cfg.parallel.pp_layers} needs parallel.pp > 1")
         return None
-    if cfg.parallel.cp > 1:
-        raise ValueError(f"parallel.cp={cfg.parallel.cp} with parallel.pp={cfg.parallel.pp} is not supported; "
-                         f"allowed: cp=1 with pipeline parallelism")
     if cfg.staleness.policy != "sync":
         raise ValueError(f"staleness.policy='{cfg.staleness.policy}' with parallel.pp={cfg.parallel.pp} is not "
                          f"supported; allowed: staleness.policy='sync' with pipeline parallelism")
+    stage_reshard_after_forward(cfg.parallel)
     return plan_pipeline(cfg, dp)
 
 
@@ -208,28 +231,35 @@ def split_model(model: nn.Module, layout: PipelineLayout, pp_rank: int) -> list[
 
 
 def apply_stage_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh):
-    """TP/SP -> recompute -> DP on this rank's stage modules, with the functions the non-pipeline layout
-    uses (parallel/tensor.py, recompute.py, data.py). Returns the DataParallel handle (or None)."""
+    """TP/SP -> CP -> recompute -> DP on this rank's stage modules, with the functions the non-pipeline layout
+    uses (parallel/tensor.py, context.py, recompute.py, data.py). Returns the DataParallel handle (or None)."""
+    from paratrain.parallel import dp_mesh_of
     from paratrain.parallel.compile import apply_compile
     from paratrain.parallel.layout import effective_dp
     from paratrain.parallel.recompute import apply_recompute
 
     pcfg = cfg.parallel
-    if mesh["tp"].size() > 1:
+    tp = mesh["tp"].size()
+    if tp > 1:
         from paratrain.parallel.tensor import apply_tp
 
         for part in parts:
             apply_tp(part, mesh["tp"], sp=pcfg.sp, loss_parallel=True)
+    if mesh["cp"].size() > 1:  # ring attention over the stage's cp group; positions hook on every stage
+        from paratrain.parallel.context import apply_context_parallel
+
+        apply_context_parallel(parts, mesh["cp"].get_group(), sp_tp=tp if pcfg.sp else 1)
     for part in parts:
         apply_recompute(part, pcfg.recompute)
         apply_compile(part, cfg.train.compile)
-    if mesh["dp"].size() == 1:
+    dp_mesh = dp_mesh_of(mesh, cfg)  # dp, or the flattened (dp, cp) when cp > 1: cp ranks see other tokens
+    if dp_mesh.size() == 1:
         return None
     from paratrain.parallel.data import apply_dp
 
-    kind, reshard = effective_dp(pcfg)
-    dp_mesh = mesh["dp_replicate", "dp_shard"] if kind == "hsdp" else mesh["dp"]
-    return apply_dp(parts, dp_mesh, kind, reshard)
+    kind, _ = effective_dp(pcfg)
+    return apply_dp(parts, dp_mesh, kind, stage_reshard_after_forward(pcfg),
+                    bucket_bytes=int(pcfg.ddp_bucket_mb * 2**20))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -262,6 +292,9 @@ class PipelineRunner(ParallelRunner):
         self.has_first = 0 in self.stage_ids
         self.has_last = layout.num_stages - 1 in self.stage_ids
         self.loss_src = layout.rank_of_stage(layout.num_stages - 1)  # pp-group rank that computes the loss
+        self.cp_size, self.cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
+        if self.cp_size > 1 and dp is None:
+            raise ValueError("context parallelism needs gradient reduction over the (dp, cp) mesh")
         self.schedule = self._build_schedule(stages)
 
     def _build_schedule(self, stages):
@@ -289,8 +322,18 @@ class PipelineRunner(ParallelRunner):
             raise ValueError(f"pipeline runner got {inputs.shape[0]} sequences on this dp rank; the schedule was "
                              f"built for {self.layout.microbatches} microbatches x {self.microbatch} = {expected}")
 
+    def shard_sequence(self, inputs: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Context parallelism: this cp rank's zig-zag slice of every sequence (every stage of the rank's
+        pipeline then works on s/cp tokens, and the activations between stages are those slices)."""
+        if self.cp_size == 1:
+            return inputs, targets
+        from paratrain.parallel.context import shard_batch
+
+        return shard_batch(inputs, targets, self.cp_size, self.cp_rank)
+
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         self._check_batch(inputs)
+        inputs, targets = self.shard_sequence(inputs, targets)
         args = (inputs.to(self.device),) if self.has_first else ()
         target = targets.to(self.device) if self.has_last else None
         losses: list[torch.Tensor] = []
@@ -309,6 +352,7 @@ class PipelineRunner(ParallelRunner):
         """Forward only, microbatch by microbatch through the stages in order (plain send/recv on the pp
         group). Not `schedule.eval()`: the V schedules run their backward actions in eval mode in torch 2.13,
         and switching a schedule between modes re-runs its shape inference each time."""
+        inputs, targets = self.shard_sequence(inputs, targets)
         losses = []
         modules = dict(zip(self.stage_ids, self.parts, strict=True))
         last = self.layout.num_stages - 1
@@ -336,6 +380,16 @@ class PipelineRunner(ParallelRunner):
             loss = torch.zeros((), device=self.device)
         dist.broadcast(loss, group=self.pp_group, group_src=self.loss_src)
         return self.reduce_loss(loss)
+
+    def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """Mean over dp, or over dp x cp with context parallelism (`self.dp` is built on that flattened mesh):
+        each cp rank's loss is the mean of its s/cp tokens, all equal in number, so the average is the mean over
+        every token of the global batch."""
+        if self.cp_size == 1:
+            return super().reduce_loss(loss)
+        loss = loss.clone()
+        dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp.group)
+        return loss
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
