@@ -64,8 +64,9 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
             return build_stale_runner(model, cfg, mesh, env, degrees)
         return Runner(model, cfg.train.microbatch, env.device, cfg.train.dtype)
     if degrees["pp"] > 1:
-        # 0. pipeline split first; pipeline.py then applies steps 1-4 below to each stage module and drives a
-        #    schedule. It runs before model.to(device) so that only this rank's stages reach the accelerator.
+        # 0. pipeline split first; pipeline.py then applies steps 1-4 below (CP included) to each stage module
+        #    and drives a schedule. It runs before model.to(device) so that only this rank's stages reach the
+        #    accelerator.
         from paratrain.parallel.pipeline import parallelize_pipeline
 
         return parallelize_pipeline(model, cfg, mesh, env)

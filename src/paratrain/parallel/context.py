@@ -43,8 +43,18 @@ the attention activations saved for backward by cp.
 
 Composition: CP is orthogonal to TP (heads are sharded by TP, the sequence by CP; the ring runs on each TP
 rank's own heads); data parallelism reduces gradients over the flattened (dp, cp) mesh, since cp ranks compute
-gradients of different tokens of the same sequences (`paratrain.parallel.dp_mesh_of`). Pipeline parallelism
-with CP is refused (`check_cp_layout`).
+gradients of different tokens of the same sequences (`paratrain.parallel.dp_mesh_of`).
+With pipeline parallelism (pipeline.py), every stage module gets ring attention over its cp group
+(`apply_stage_techniques`: TP/SP -> CP -> recompute -> DP over (dp, cp)), and `PipelineRunner` shards each
+batch zig-zag before the schedule: each cp "copy" of the pipeline carries the s/cp slices of the same
+microbatches, so the activations between stages are (mb, s/cp, h) -- (mb, s/(cp*tp), h) with SP -- and the P2P
+messages shrink by cp. A stage without the embedding still needs the global positions of its tokens for RoPE:
+`apply_context_parallel(sp_tp=tp)` registers the positions hook ahead of SP's own stage hook and scales the
+received length back to the s/cp tokens attention sees. The ring's P2P (on the cp group) and the pipeline's (on
+the pp group) never wait on each other: all cp ranks of a stage execute the same schedule actions in the same
+order. The loss is each last-stage rank's mean over its tokens, averaged over dp x cp. Every schedule works,
+the zero-bubble ones included (their split backward runs the ring backward in the input-gradient pass; the
+weight pass starts below the ring). Stale-gradient DP with CP stays refused by that feature's own check.
 """
 
 from __future__ import annotations

@@ -9,12 +9,14 @@ Layout
     V-shaped (rank r holds stages r and 2pp-1-r) for the zero-bubble schedules zbv and dualpipev, which is why
     the last stage, and hence the loss, lives on pp rank 0 there.
   * Each stage module then gets the mesh's other techniques, in the fixed order of `paratrain.parallel`:
-    tensor/sequence parallel -> activation recomputation -> data parallel.
+    tensor/sequence parallel -> context parallel -> activation recomputation -> data parallel (over dp, or the
+    flattened (dp, cp) with context parallelism). With cp > 1 the runner hands the schedule each sequence's
+    zig-zag s/cp slice (context.py), so the activations between stages are those slices.
 
 Step semantics match the single-device runner exactly: the schedule computes the mean token loss of each
 microbatch and scales gradients by 1/microbatches (`scale_grads=True`), i.e. the gradient of the mean loss.
 The loss is produced on the rank that holds the last stage; it is broadcast over the pp group and averaged
-over data-parallel ranks so that every rank reports the global batch's loss.
+over data-parallel (x context-parallel) ranks so that every rank reports the global batch's loss.
 """
 
 from __future__ import annotations
@@ -269,8 +271,9 @@ class PipelineRunner(ParallelRunner):
     """Runs one optimizer step's microbatches through the pipeline schedule.
 
     - loss: each microbatch's mean token loss is computed on the last stage (under loss_parallel with TP);
-      the mean over microbatches is broadcast over the pp group and averaged over dp, so every rank reports
-      the global batch's loss.
+      the mean over microbatches is broadcast over the pp group and averaged over dp (x cp), so every rank
+      reports the global batch's loss.
+    - context parallelism: batches are sharded zig-zag along the sequence before the schedule and eval.
     - gradients: the schedule scales them by 1/microbatches. FSDP stage modules are driven by the pipeline
       stage itself (gradient sync off until its final reduce); the bucketed DDP reducer is held off during the
       schedule and reduces every bucket once it ends (the schedule's order of backward/weight-gradient work
