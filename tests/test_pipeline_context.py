@@ -28,6 +28,8 @@ PP2_CP2 = [
 PP2_CP2_8 = [
     ["parallel.pp=2", "parallel.cp=2", "parallel.tp=2", "parallel.sp=true", *sched("1f1b")],
     ["parallel.pp=2", "parallel.cp=2", "parallel.dp=2", "train.microbatch=1", *sched("zbv")],
+    ["parallel.pp=2", "parallel.cp=2", "parallel.dp=2", 'parallel.dp_kind="hsdp"', "parallel.dp_replicate=2",
+     "train.microbatch=1", *sched("interleaved_1f1b", "parallel.virtual_stages=2")],  # shards over (dp_shard, cp)
 ]
 
 
@@ -63,7 +65,7 @@ def test_pp2_cp2_every_schedule_matches_single_device(dist_run):
     _check_stage_inputs(PP2_CP2, results)
 
 
-def test_pp2_cp2_with_tp_sp_or_dp_on_8_ranks_matches_single_device(dist_run):
+def test_pp2_cp2_with_tp_sp_dp_or_hsdp_on_8_ranks_matches_single_device(dist_run):
     results = dist_run(8, _run_cases_with_shapes, PP2_CP2_8)
     _check(PP2_CP2_8, results)
     _check_stage_inputs(PP2_CP2_8, results)
