@@ -89,6 +89,11 @@ def main() -> None:
     if not (args.skip_probe or args.reuse) or not hw.is_file():
         subprocess.run([PY, "-m", "paratrain", "probe", "--out", str(hw), "--groups", "2,4,8"], cwd=ROOT,
                        check=True)
+    elif hw.with_suffix(".probe.json").is_file():  # refit the saved probe measurements with the current code
+        from paratrain.calibrate.probe import ProbeResult, hardware_toml
+
+        saved = ProbeResult.from_json(json.loads(hw.with_suffix(".probe.json").read_text()))
+        hw.write_text(hardware_toml(saved, "local"))
 
     from paratrain.calibrate.fit import Measurement, fit, mape, predict
     from paratrain.hardware.catalog import load_catalog

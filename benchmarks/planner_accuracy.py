@@ -38,7 +38,9 @@ from paratrain.plan.model import DP_KINDS, RECOMPUTE, SCHEDULES, Options, evalua
 
 REF = Path("/work/shared/reference")
 VOCAB = 51200
-MEGATRON = Options(attention="unfused", grad_bytes=2)
+# Megatron-LM 2021-22: unfused attention, fp16 gradients, one all-reduce over the contiguous gradient buffer
+# (its local DDP's allreduce_gradients; no buckets)
+MEGATRON = Options(attention="unfused", grad_bytes=2, bucket_bytes=float("inf"))
 
 
 def _rows(name: str) -> list[dict]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -12,6 +13,9 @@ from paratrain.hardware.catalog import resolve_system
 from paratrain.model.config import PRESETS, gpt_config
 from paratrain.plan.api import Layout, estimate
 from paratrain.plan.model import (
+    EAGER_ELEMENTWISE_KERNELS,
+    EAGER_EXTRA_MATMULS,
+    RUNTIME_BUCKET_BYTES,
     Options,
     activation_bytes_per_token,
     collective_time_s,
@@ -211,7 +215,8 @@ def test_comm_bytes_by_kind():
 
 def test_data_parallel_time_per_dp_kind(box):
     """On the test box (no overlap, no latency): DDP all-reduces fp32 gradients hierarchically; ZeRO-1
-    reduce-scatters them and all-gathers bf16 parameters; FSDP gathers twice per microbatch and reduce-scatters."""
+    reduce-scatters them and all-gathers bf16 parameters; FSDP gathers every unit (blocks and root) per microbatch
+    forward, the blocks again for backward, and reduce-scatters once."""
     model = PRESETS["small"]
     P = model.num_params()
 
@@ -228,4 +233,81 @@ def test_data_parallel_time_per_dp_kind(box):
     assert zero1 == pytest.approx(hier(1, 4 * P) + hier(1, 2 * P))
     fsdp, est = dp_time(zero_stage=3, dp_kind="fsdp", microbatch=1)
     assert est.microbatches == 2
-    assert fsdp == pytest.approx(2 * 2 * hier(1, 2 * P) + hier(1, 4 * P))
+    blocks = model.layers * model.params_per_layer()
+    assert fsdp == pytest.approx(2 * hier(1, 2 * (P + blocks)) + hier(1, 4 * P))
+
+
+# ---- collective calls ------------------------------------------------------------------------------------
+def _with_call_cost(system, overhead_us: float):
+    tiers = tuple(dataclasses.replace(t, interconnect=dataclasses.replace(t.interconnect,
+                                                                          collective_overhead_us=overhead_us))
+                  for t in system.tiers)
+    return dataclasses.replace(system, tiers=tiers)
+
+
+def _calls(box, layout, kind):
+    """Collective calls of one kind per step: the time a 1 ms per-call overhead adds, in ms."""
+    model = PRESETS["small"]
+    base = estimate(model, box, 1, 256, 16, layout).time_breakdown_s[kind]
+    paid = estimate(model, _with_call_cost(box, 1000.0), 1, 256, 16, layout).time_breakdown_s[kind]
+    return (paid - base) / 1e-3
+
+
+def test_collectives_are_counted_per_call(box):
+    """What the runtime issues (counted with the profiler on gloo, see docs/calibration.md). TP per layer and
+    microbatch: 2 all-reduces forward, 2 backward; SP: an all-gather + reduce-scatter pair for each. Embedding
+    and head: non-SP 5 (embedding all-reduce, 3 loss-parallel all-reduces, head input gradient), SP 7. FSDP per
+    step: m (2L + 1) all-gathers (every unit forward, the blocks again backward) + (L + 1) reduce-scatters.
+    DDP: one all-reduce per 25 MiB bucket (RUNTIME_BUCKET_BYTES, passed explicitly)."""
+    L, m = PRESETS["small"].layers, 4
+    assert _calls(box, Layout(tp=2, dp=4, microbatch=1), "tp_comm") == pytest.approx(m * (4 * L + 5))
+    assert _calls(box, Layout(tp=2, dp=4, microbatch=1, sp=True), "tp_comm") == pytest.approx(m * (8 * L + 7))
+    fsdp = Layout(dp=8, microbatch=1, dp_kind="fsdp", zero_stage=3)
+    assert _calls(box, fsdp, "dp_comm") == pytest.approx(2 * (2 * L + 1) + L + 1)
+
+    model = PRESETS["small"]
+    opts = Options(bucket_bytes=RUNTIME_BUCKET_BYTES)
+    ddp = Layout(dp=8, microbatch=2, zero_stage=0)
+    base = estimate(model, box, 1, 256, 16, ddp, opts).time_breakdown_s["dp_comm"]
+    paid = estimate(model, _with_call_cost(box, 1000.0), 1, 256, 16, ddp, opts).time_breakdown_s["dp_comm"]
+    assert (paid - base) / 1e-3 == pytest.approx(math.ceil(model.num_params() * 4 / RUNTIME_BUCKET_BYTES))
+
+
+def test_runtime_bucket_size_is_the_reducers():
+    from paratrain.parallel.data import DEFAULT_BUCKET_BYTES
+
+    assert RUNTIME_BUCKET_BYTES == DEFAULT_BUCKET_BYTES
+
+
+def test_eager_kernel_counts_are_paratrains_llama_block():
+    """The eager stack's launch counts are counted from the runtime's own model, not fitted."""
+    import collections
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from paratrain.model.llama import Llama
+
+    views = {"view", "_unsafe_view", "expand", "t", "transpose", "permute", "slice", "select", "unsqueeze",
+             "squeeze", "alias", "detach", "as_strided", "split", "unbind"}
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[func.overloadpacket.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = PRESETS["tiny"]
+    model = Llama(cfg)
+    cos, sin = model.positions_tables(16, None)
+    hidden = torch.randn(2, 16, cfg.hidden)
+    with Count() as count:
+        model.layers["0"](hidden, cos, sin)
+    ops = {k: v for k, v in count.ops.items() if k not in views}
+    matmuls = ops.pop("mm") + ops.pop("addmm", 0) + ops.pop("bmm", 0)
+    attention = sum(ops.pop(k) for k in list(ops) if "attention" in k)
+    assert attention == 1 and matmuls == 4 + EAGER_EXTRA_MATMULS
+    assert sum(ops.values()) == EAGER_ELEMENTWISE_KERNELS, ops

@@ -8,8 +8,14 @@ a per-layout constant, so what is learnt transfers to layouts that were not meas
     chip.kernel_overhead_s  fixed cost per kernel (what makes small matmuls slow)
     chip.memory_bw_eff      fraction of memory bandwidth that memory-bound ops reach
     link.bw_eff             fraction of the link's bandwidth a large collective reaches (all links scaled alike)
-    link.latency_us         per-step latency of a collective (all links scaled alike)
+    link.latency_us         per-step latency of a collective, with the time-sharing term the probe measured
+                            (timeshare_step_us; all links scaled alike)
+    link.collective_overhead_us  fixed software cost of one collective call (framework dispatch: DTensor
+                            redistribution, FSDP's copy-in/out; the probe times bare collectives)
     system.dp_overlap       fraction of data-parallel communication hidden behind backward compute
+
+On a machine described by `paratrain probe` (chip status "measured") memory_bw_eff stays at the probe's
+value: the bandwidth is measured, not fitted.
 
 The fit minimises the squared log ratio of predicted to measured step time (relative error, so fast and
 slow layouts weigh alike) with bounded least squares (scipy).
@@ -34,7 +40,8 @@ PARAMETERS: dict[str, tuple[float, float, bool]] = {
     "kernel_overhead_s": (1e-7, 1e-2, True),
     "memory_bw_eff": (0.02, 1.0, False),
     "link_bw_scale": (0.02, 5.0, True),
-    "link_latency_scale": (0.05, 1000.0, True),  # gloo + DTensor dispatch: per-collective costs of ms
+    "link_latency_scale": (0.05, 100.0, True),
+    "collective_overhead_s": (1e-7, 0.05, True),
     "dp_overlap": (0.0, 1.0, False),
 }
 
@@ -78,6 +85,7 @@ def current_parameters(system: System) -> dict[str, float]:
     eff = system.chip.efficiency
     return {"matmul_eff_max": eff.matmul_eff_max, "kernel_overhead_s": max(eff.kernel_overhead_s, 1e-7),
             "memory_bw_eff": eff.memory_bw_eff, "link_bw_scale": 1.0, "link_latency_scale": 1.0,
+            "collective_overhead_s": max(system.tiers[0].interconnect.collective_overhead_us * 1e-6, 1e-7),
             "dp_overlap": system.efficiency.dp_overlap}
 
 
@@ -90,7 +98,9 @@ def apply_parameters(system: System, params: dict[str, float]) -> System:
         t.interconnect, bw_eff=min(t.interconnect.bw_eff * params["link_bw_scale"], 1.0),
         # bandwidth beyond bw_eff = 1 is carried by the nominal bandwidth, so a scale > 1 still counts
         bw_gbytes_per_s=t.interconnect.bw_gbytes_per_s * max(t.interconnect.bw_eff * params["link_bw_scale"], 1.0),
-        latency_us=t.interconnect.latency_us * params["link_latency_scale"])) for t in system.tiers)
+        latency_us=t.interconnect.latency_us * params["link_latency_scale"],
+        timeshare_step_us=t.interconnect.timeshare_step_us * params["link_latency_scale"],
+        collective_overhead_us=params["collective_overhead_s"] * 1e6)) for t in system.tiers)
     eff = dataclasses.replace(system.efficiency, dp_overlap=params["dp_overlap"])
     return dataclasses.replace(system, chip=chip, tiers=tiers, efficiency=eff)
 
@@ -130,7 +140,13 @@ def fit(system: System, measurements: list[Measurement], fixed: dict[str, float]
     """Least-squares fit of the parameters (those in `fixed` are held); returns the fitted system and a report."""
     from scipy.optimize import least_squares
 
-    fixed = fixed or {}
+    fixed = dict(fixed or {})
+    if system.chip.status == "measured":
+        # `paratrain probe` measured the streaming bandwidth itself (memory_bw_eff = 1 of it, what a long
+        # memory-bound op like the optimizer step reaches); small elementwise ops are slower through their
+        # per-kernel cost, which is fitted. Letting both move trades one for the other and mispredicts the
+        # optimizer step (it matters: it separates DDP from FSDP on few ranks).
+        fixed.setdefault("memory_bw_eff", system.chip.efficiency.memory_bw_eff)
     start = {**current_parameters(system), **fixed}
     names = [n for n in PARAMETERS if n not in fixed]
     x0 = _to_unit(start)
@@ -192,6 +208,8 @@ def write_back(hardware_file: str | Path, system_name: str, params: dict[str, fl
         link["bw_gbytes_per_s"] = link["bw_gbytes_per_s"] * max(scaled, 1.0)
         link["bw_eff"] = min(scaled, 1.0)
         link["latency_us"] = link["latency_us"] * params["link_latency_scale"]
+        link["timeshare_step_us"] = link.get("timeshare_step_us", 0.0) * params["link_latency_scale"]
+        link["collective_overhead_us"] = params["collective_overhead_s"] * 1e6
         link["source"] = link.get("source", "") + f"; {note}"
         link["_calibrated"] = True
     for link in doc.get("interconnects", {}).values():

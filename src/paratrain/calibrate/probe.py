@@ -40,6 +40,19 @@ class ProbeResult:
     memory_bw_gbytes_per_s: float = 0.0
     collectives: list[dict] = field(default_factory=list)  # {kind, group, bytes, time_s}
     fits: dict[str, dict] = field(default_factory=dict)  # kind -> {latency_us, bw_gbytes_per_s}
+    cores: int = 1  # cores the ranks ran on (more ranks than cores time-share them)
+    link_fit: dict = field(default_factory=dict)  # the planner's link model fitted to every collective
+
+    @classmethod
+    def from_json(cls, data: dict) -> ProbeResult:
+        """Back from `probe_json` (refit the saved measurements with the current fitting code)."""
+        res = cls(device=data["device"], threads_per_rank=data["threads_per_rank"],
+                  matmul_tflops_by_size={int(k): v for k, v in data["matmul_tflops_by_size"].items()},
+                  memory_bw_gbytes_per_s=data["memory_bw_gbytes_per_s"], collectives=data["collectives"],
+                  cores=data.get("cores", os.cpu_count() or 1))
+        res.fits = {k: f for k in COLLECTIVES if (f := fit_alpha_beta(res.collectives, k))}
+        res.link_fit = fit_link(res.collectives, res.cores)
+        return res
 
     @property
     def peak_tflops(self) -> float:
@@ -155,13 +168,51 @@ def fit_alpha_beta(rows: list[dict], kind: str) -> dict:
     return {"latency_us": float(latency_s * 1e6), "bw_gbytes_per_s": float(1 / inv_bw / 1e9), "points": len(sel)}
 
 
+def fit_link(rows: list[dict], cores: int) -> dict:
+    """The planner's link model (plan.model.collective_time_s on one tier) fitted to the measured all-reduce,
+    reduce-scatter and all-gather times, by non-negative least squares on relative error:
+
+        t = f * steps(n) * (latency + (share - 1) * timeshare_step) + f * (n - 1) / n * bytes * share / bw
+
+    f = 2 for all-reduce, 1 for reduce-scatter / all-gather; share = max(1, n / cores) ranks take turns on one
+    core: each step also waits for the next rank to be scheduled (on 2 cores, gloo's 4 KiB all-reduce takes
+    0.1 ms on 2 ranks and ~2 ms on 4), and each rank gets 1/share of a core to copy and reduce. send/recv is
+    left out: gloo's point-to-point is a plain copy, ~5x faster per byte than its collectives. With no group
+    larger than the core count the time-sharing term is not identifiable and stays 0."""
+    from scipy.optimize import nnls
+
+    from paratrain.plan.model import ring_steps
+
+    cols, t = [], []
+    for r in rows:
+        if r["kind"] == "send_recv":
+            continue
+        n = r["group"]
+        share = max(1.0, n / cores)
+        f = 2.0 if r["kind"] == "all_reduce" else 1.0
+        steps = f * float(ring_steps(n))
+        cols.append([steps, steps * (share - 1.0), f * (n - 1) / n * r["bytes"] * share])
+        t.append(r["time_s"])
+    if len(t) < 2:
+        return {}
+    A, t = np.array(cols), np.array(t)
+    shared = bool((A[:, 1] > 0).any())
+    if not shared:
+        A = A[:, [0, 2]]
+    coef, _ = nnls(A / t[:, None], np.ones_like(t))
+    pred = A @ coef
+    return {"latency_us": float(coef[0] * 1e6), "timeshare_step_us": float(coef[1] * 1e6) if shared else 0.0,
+            "bw_gbytes_per_s": float(1 / max(coef[-1], 1e-15) / 1e9), "points": len(t), "cores": cores,
+            "mape": float(np.mean(np.abs(pred / t - 1)))}
+
+
 def run_probe(device: str = "cpu", group_sizes=(2, 4), quick: bool = False, log=print) -> ProbeResult:
     import torch
 
     threads = 1 if device == "cpu" else torch.get_num_threads()
     if device == "cpu":
         torch.set_num_threads(1)  # as a training rank runs
-    res = ProbeResult(device=device, threads_per_rank=threads)
+    res = ProbeResult(device=device, threads_per_rank=threads, cores=os.cpu_count() or 1)
     sizes = [128, 256, 512, 1024] if quick else [128, 256, 512, 1024, 2048]
     log("probing matmul throughput ...")
     res.matmul_tflops_by_size = probe_matmul(sizes, device)
@@ -172,6 +223,7 @@ def run_probe(device: str = "cpu", group_sizes=(2, 4), quick: bool = False, log=
         log(f"probing gloo collectives for groups {list(group_sizes)} ...")
         res.collectives = probe_collectives(list(group_sizes), msg, repeats=3 if quick else 5)
         res.fits = {k: f for k in COLLECTIVES if (f := fit_alpha_beta(res.collectives, k))}
+        res.link_fit = fit_link(res.collectives, res.cores)
     return res
 
 
@@ -180,11 +232,13 @@ def hardware_toml(res: ProbeResult, name: str = "local", ranks: int | None = Non
 
     On a CPU the "chip" is one core running one rank's compute thread: a node has as many chips as the machine
     has cores (`ranks` overrides), and more ranks than cores share them (see calibrate.fit.sized_for)."""
-    ranks = ranks or (os.cpu_count() or 1) if res.device == "cpu" else ranks or 1
+    ranks = ranks or res.cores if res.device == "cpu" else ranks or 1
     import tomli_w
 
-    bw = res.fits.get("all_reduce", {}).get("bw_gbytes_per_s", 1.0)
-    lat = res.fits.get("all_reduce", {}).get("latency_us", 100.0)
+    link_fit = res.link_fit or res.fits.get("all_reduce", {})
+    bw = link_fit.get("bw_gbytes_per_s", 1.0)
+    lat = link_fit.get("latency_us", 100.0)
+    timeshare = link_fit.get("timeshare_step_us", 0.0)
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     src = f"measured by `paratrain probe` on {platform.node()} ({platform.processor() or platform.machine()}), {when}"
     chip = f"{name}-{res.device}"
@@ -207,7 +261,9 @@ def hardware_toml(res: ProbeResult, name: str = "local", ranks: int | None = Non
         "interconnects": {link: {
             "display_name": f"{'gloo over shared memory / loopback' if res.device == 'cpu' else 'NCCL'} (measured)",
             "endpoint": "device", "bw_gbytes_per_s": round(bw, 4), "latency_us": round(lat, 2), "bw_eff": 1.0,
-            "source": src + " (all-reduce alpha-beta fit)",
+            "timeshare_step_us": round(timeshare, 2),
+            "source": src + (" (the planner's ring model fitted to all collectives and group sizes, `fit_link`)"
+                             if res.link_fit else " (all-reduce alpha-beta fit)"),
         }},
         "systems": {name: {
             "display_name": f"this machine ({platform.node()})", "chip": chip, "chips_per_node": ranks,
@@ -226,7 +282,8 @@ def hardware_toml(res: ProbeResult, name: str = "local", ranks: int | None = Non
 
 def probe_json(res: ProbeResult) -> dict:
     """The raw measurements (kept beside the hardware file: the catalog schema holds only the model's fields)."""
-    return {"device": res.device, "threads_per_rank": res.threads_per_rank,
+    return {"device": res.device, "threads_per_rank": res.threads_per_rank, "cores": res.cores,
+            "link_fit": res.link_fit,
             "matmul_tflops_by_size": {str(k): v for k, v in res.matmul_tflops_by_size.items()},
             "memory_bw_gbytes_per_s": res.memory_bw_gbytes_per_s, "collective_fits": res.fits,
             "collectives": res.collectives}

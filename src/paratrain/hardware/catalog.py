@@ -74,6 +74,9 @@ class Interconnect:
     bw_eff: float
     source: str
     collective_overhead_us: float = 0.0
+    # Extra latency per collective step for each further rank time-sharing one core: CPU hosts running more
+    # ranks than cores (`paratrain probe` measures it); 0 for accelerators, whose devices never time-share.
+    timeshare_step_us: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
     conflicts: tuple[str, ...] = ()
     origin: str = ""
@@ -196,7 +199,7 @@ CHIP_EFF_FIELDS = {
 LINK_FIELDS = {
     "display_name": ("str", False), "endpoint": ("endpoint", True), "bw_gbytes_per_s": ("pos", True),
     "latency_us": ("nonneg", True), "bw_eff": ("frac", True), "source": ("str", True),
-    "collective_overhead_us": ("nonneg", False),
+    "collective_overhead_us": ("nonneg", False), "timeshare_step_us": ("nonneg", False),
     "sources": ("strdict", False), "conflicts": ("strlist", False),
 }
 SYSTEM_FIELDS = {

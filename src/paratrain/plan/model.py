@@ -27,6 +27,11 @@ BF16_BYTES = 2
 WEIGHT_BYTES = 2
 OPTIMIZER_BYTES = 12  # fp32 master weights + Adam m + v
 ADAM_STEP_BYTES = 32  # per parameter per step: read p, g, m, v (fp32), write p, m, v, bf16 copy
+# paratrain's Llama block forward, eager: aten ops that are neither views nor matmuls nor the attention core
+# (tests/test_plan_model.py counts them with a dispatch mode and checks this number)
+EAGER_ELEMENTWISE_KERNELS = 32
+EAGER_EXTRA_MATMULS = 3  # q, k, v and gate, up as separate matmuls (the model counts qkv and gate+up fused)
+RUNTIME_BUCKET_BYTES = 25 * 2**20  # paratrain.parallel.data.DEFAULT_BUCKET_BYTES (torch DDP's bucket_cap_mb)
 
 
 @dataclass(frozen=True)
@@ -36,15 +41,29 @@ class Options:
     attention: "flash" (fused, causal blocks skipped, no s^2 activations) or "unfused" (Megatron 2021-22:
     explicit scores, softmax and dropout kernels; what the published A100 measurements ran).
     grad_bytes: bytes per gradient element kept and reduced (4: fp32 main grads, Megatron's default).
+    bucket_bytes: gradient bucket size of replicated data parallelism, one collective call per bucket. None:
+    Megatron-core's default, max(40M, 1M x dp) parameters ("larger DP sizes need larger buckets to ensure
+    collectives do not become latency-bound", DistributedDataParallelConfig.bucket_size). paratrain's own
+    reducer uses torch DDP's 25 MiB (RUNTIME_BUCKET_BYTES): the default on this machine ("local" systems).
+
+    eager: PyTorch eager execution, one kernel per op, as paratrain's runtime runs without train.compile: its
+    Llama block launches EAGER_ELEMENTWISE_KERNELS elementwise kernels per forward (norms in fp32, rotary,
+    SwiGLU, residuals; counted from the model by a test) where a fused stack launches a handful, and separate
+    q/k/v and gate/up matmuls (7 instead of 4). Each launch pays the chip's kernel_overhead_s.
     """
 
     attention: str = "flash"
     grad_bytes: int = 4
+    bucket_bytes: float | None = None
+    eager: bool = False
 
     @classmethod
     def for_system(cls, system: System, attention: str | None = None, **kw) -> Options:
         """Defaults of the system's usual training stack (e.g. NxD on Trn1 runs unfused attention)."""
         default = system.stack.attention if system.stack is not None else "flash"
+        if system.chip.vendor == "local":  # measured by `paratrain probe`: paratrain's runtime runs here
+            kw.setdefault("bucket_bytes", RUNTIME_BUCKET_BYTES)
+            kw.setdefault("eager", True)
         return cls(attention=attention or default, **kw)
 
     def __post_init__(self) -> None:
@@ -64,7 +83,10 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
     ring costs: 2(n-1)/n * bytes / bw; RS or AG alone (n-1)/n * bytes / bw). nbytes is the full buffer
     (all-reduce input, all-gather output, reduce-scatter input). Latency: min(n-1, 2 log2 n) steps per level
     (ring for small groups, tree-like for large ones, as NCCL/Neuron pick), plus the link's fixed
-    collective_overhead_us per level (launch and synchronisation of one collective call).
+    collective_overhead_us per level (launch and synchronisation of one collective call). Where ranks
+    time-share cores (a CPU host running more ranks than cores), each step also waits for the next rank to be
+    scheduled: + (ranks per core - 1) x timeshare_step_us per step, and each rank gets 1/(ranks per core)
+    of a core to copy and reduce with (bandwidth divided alike).
     """
     factor = {"allreduce": 2.0, "allgather": 1.0, "reducescatter": 1.0}[kind]
     nbytes = np.asarray(nbytes, dtype=float)
@@ -72,6 +94,7 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
     stride = np.asarray(stride, dtype=float)
     total = np.zeros(np.broadcast(nbytes, degree, stride).shape)
     inside_prev = np.ones_like(total)
+    share = timesharing_ranks(system)
     for tier in system.tiers:
         if tier.domain_devices:
             inside = np.clip(np.floor(tier.domain_devices / stride), 1.0, degree)
@@ -80,12 +103,26 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
         n = inside / inside_prev
         data = nbytes / inside_prev
         bw = tier.per_device_bw_bytes_per_s(system)
-        steps = np.minimum(n - 1.0, 2.0 * np.ceil(np.log2(np.maximum(n, 1.0))))
+        steps = ring_steps(n)
         link = tier.interconnect
-        level = factor * ((n - 1) / n * data / bw + steps * link.latency_us * 1e-6) + link.collective_overhead_us * 1e-6
+        step_s = (link.latency_us + (share - 1) * link.timeshare_step_us) * 1e-6
+        level = factor * ((n - 1) / n * data * share / bw + steps * step_s) + link.collective_overhead_us * 1e-6
         total = total + np.where(n > 1, level, 0.0)
         inside_prev = np.maximum(inside, inside_prev)
     return total
+
+
+def ring_steps(n):
+    """Latency-bound steps of one collective phase over n ranks: a ring's n - 1 for small groups, a tree's
+    2 log2 n for large ones (NCCL and Neuron pick the cheaper)."""
+    n = np.asarray(n, dtype=float)
+    return np.minimum(n - 1.0, 2.0 * np.ceil(np.log2(np.maximum(n, 1.0))))
+
+
+def timesharing_ranks(system: System) -> float:
+    """Ranks that take turns on one core: more than 1 only where devices outnumber the chip's cores (a CPU host
+    described by `paratrain probe`, sized for more ranks than cores); accelerator devices never time-share."""
+    return max(1.0, system.devices_per_chip / system.chip.cores_per_chip)
 
 
 def p2p_time_s(system: System, nbytes, stride):
@@ -96,7 +133,9 @@ def p2p_time_s(system: System, nbytes, stride):
     time = None
     for tier in reversed(system.tiers):
         bw = tier.per_device_bw_bytes_per_s(system)
-        t = nbytes / bw + (tier.interconnect.latency_us + tier.interconnect.collective_overhead_us) * 1e-6
+        link = tier.interconnect
+        t = nbytes * timesharing_ranks(system) / bw + (link.latency_us + (timesharing_ranks(system) - 1) * link.timeshare_step_us
+                           + link.collective_overhead_us) * 1e-6
         time = t if time is None else np.where(stride < tier.domain_devices, t, time)
     return time
 
@@ -207,6 +246,9 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp):
     core = soft_roofline(core_flops / (system.device_peak_flops * eff.matmul_eff_max),
                          core_traffic / (system.device_hbm_bw_bytes_per_s * eff.memory_bw_eff)) + 2 * eff.kernel_overhead_s
     sp_b, tp_b, core_b, kernels = elementwise_bytes_per_token(model, seq, opts.attention)
+    if opts.eager:
+        kernels = EAGER_ELEMENTWISE_KERNELS
+        matmuls = matmuls + EAGER_EXTRA_MATMULS * system.chip.efficiency.kernel_overhead_s
     sp_scale = np.where(sp, 1.0 / tp, 1.0)
     elem_bytes = T * (sp_b * sp_scale + tp_b / tp + core_b * (seq / cp / seq) / tp)
     elementwise = memory_time_s(system, elem_bytes, kernels)
@@ -237,12 +279,25 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     recompute_fwd = np.where(rc == 2, fwd_compute, np.where(rc == 1, core, 0.0))
     bwd_compute = 2 * mm + 2 * core + 2 * elem + recompute_fwd
 
-    # -- tensor parallel: 2 all-reduces (or AG + RS with SP, same volume) forward, 2 backward, 2 more
-    # when full recompute replays the forward --
+    # -- tensor parallel, per layer: 2 all-reduces forward and 2 backward (Megatron's f/g), or with SP an
+    # all-gather + reduce-scatter pair in place of each (same volume, twice the calls); full recompute
+    # replays the forward ones. Counted per call: each pays the link's latency and per-call overhead. --
     act_bytes = T * h * BF16_BYTES
     ar = collective_time_s(system, "allreduce", act_bytes, tp, 1.0)
-    tp_fwd = np.where(tp > 1, 2 * ar, 0.0) * (1 - eff_sys.tp_overlap)
+    ag_rs = (collective_time_s(system, "allgather", act_bytes, tp, 1.0)
+             + collective_time_s(system, "reducescatter", act_bytes, tp, 1.0))
+    tp_exposed = 1 - eff_sys.tp_overlap
+    tp_fwd = np.where(tp > 1, 2 * np.where(sp, ag_rs, ar), 0.0) * tp_exposed
     tp_bwd = tp_fwd * np.where(rc == 2, 2.0, 1.0)
+    # Embedding and head under TP: the vocabulary-parallel embedding's all-reduce (reduce-scatter with SP);
+    # with SP the final norm's output is gathered for the head; vocabulary-parallel cross-entropy all-reduces
+    # three [tokens] fp32 vectors (max logit, sum of exponentials, target logit); backward, the head's input
+    # gradient is all-reduced (gather + reduce-scatter with SP).
+    ar_small = collective_time_s(system, "allreduce", T * 4.0, tp, 1.0)
+    half_ag_rs = ag_rs / 2  # one of the two calls (same volume each)
+    tp_embed = np.where(tp > 1, np.where(sp, half_ag_rs, ar), 0.0) * tp_exposed
+    tp_head_fwd = np.where(tp > 1, np.where(sp, half_ag_rs, 0.0) + 3 * ar_small, 0.0) * tp_exposed
+    tp_head_bwd = np.where(tp > 1, np.where(sp, ag_rs, ar), 0.0) * tp_exposed
 
     # -- context parallel: ring attention passes K and V (cp - 1) times; hidden behind attention compute --
     kv_bytes = 2 * T * model.kv_dim / np.minimum(tp, model.n_kv_heads) * BF16_BYTES
@@ -256,9 +311,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     # -- first/last stage extras: embedding lookup, output projection (logits) and cross-entropy --
     logits_mm = matmul_time_s(system, T, V / tp, h)
     ce_bytes = T * (V / tp) * 4 * 3  # fp32 logits: softmax read/write, gradient write
-    head_fwd = logits_mm + memory_time_s(system, ce_bytes / 2, 2)
-    head_bwd = 2 * logits_mm + memory_time_s(system, ce_bytes / 2, 2)
-    embed = memory_time_s(system, 2 * T * h * BF16_BYTES, 1)
+    head_fwd = logits_mm + memory_time_s(system, ce_bytes / 2, 2) + tp_head_fwd
+    head_bwd = 2 * logits_mm + memory_time_s(system, ce_bytes / 2, 2) + tp_head_bwd
+    embed = memory_time_s(system, 2 * T * h * BF16_BYTES, 1) + tp_embed
 
     # -- pipeline: p2p activations between stages (Megatron scatter/gather: 1/t of them per rank) --
     stride_pp = tp * cp * dp
@@ -280,7 +335,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     params_dev = _params_per_stage(model, pp, v) / tp
     dp_shard = np.where(kind == 2, np.maximum(1.0, np.minimum(dp, system.devices_per_node / (tp * cp))), dp)
     dp_time, dp_exposed = _data_parallel_s(system, opts, params_dev, dp, dp_shard, tp * cp, zero, kind, m,
-                                           stage_fwd, stage_bwd)
+                                           stage_fwd, stage_bwd, layers_per_stage,
+                                           layers_per_stage * model.params_per_layer() / tp / params_dev)
 
     # -- optimizer step: memory-bound Adam over this device's share of the parameters --
     opt_share = np.where(zero >= 1, params_dev / dp_shard, params_dev)
@@ -309,10 +365,11 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         "model_flops_per_step": model_flops * np.ones_like(step), "hardware_flops_per_step": hardware_flops,
         "microbatches": m, "devices": devices,
         "time_compute_s": m * (layers_per_stage * (fwd_compute + bwd_compute)),
-        "time_tp_comm_s": m * layers_per_stage * (tp_fwd + tp_bwd),
+        "time_tp_comm_s": m * (layers_per_stage * (tp_fwd + tp_bwd) + tp_head_fwd + tp_head_bwd
+                               + np.where(pp > 1, 0.0, tp_embed)),
         "time_cp_comm_s": m * layers_per_stage * (cp_fwd + cp_bwd),
         "time_pp_comm_s": m * p2p_per_mb,
-        "time_head_s": m * (head_fwd + head_bwd),
+        "time_head_s": m * (head_fwd + head_bwd - tp_head_fwd - tp_head_bwd),
         "time_bubble_s": bubble, "time_dp_comm_s": dp_time, "time_dp_exposed_s": dp_exposed,
         "time_optimizer_s": optimizer, "bubble_fraction": bubble / step,
         # buffer bytes handed to collectives per device per step, by kind (for the simulator/cost model)
@@ -325,28 +382,46 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     }
 
 
-def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, kind, m, stage_fwd, stage_bwd):
+def _calls_s(system, kind, total_bytes, calls, degree, stride):
+    """`calls` collectives of equal size sharing `total_bytes`: the volume is paid once, the latency and
+    per-call overhead `calls` times (what makes many small collectives slower than one large one)."""
+    return calls * collective_time_s(system, kind, total_bytes / calls, degree, stride)
+
+
+def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, kind, m, stage_fwd, stage_bwd,
+                     stage_layers_dev, block_share):
     """(all DP communication time, the part not hidden behind compute) per step.
 
-    DDP all-reduces gradients; ZeRO-1/2 reduce-scatter them and all-gather the updated parameters after the
-    optimizer step; FSDP gathers parameters for the forward and backward of every microbatch and
-    reduce-scatters once; HSDP does that inside a node (dp_shard ranks) and all-reduces the shards across
-    nodes. The gradient reduce can only hide behind the last microbatch's backward (earlier microbatches
-    only accumulate); FSDP/HSDP prefetch their gathers behind every microbatch, but all DP traffic together
-    cannot hide behind more than the step's compute; the post-step gather of ZeRO-1/2 has nothing to hide behind.
+    DDP all-reduces gradients in buckets (opts.bucket_bytes, torch DDP's 25 MiB by default) once per step;
+    ZeRO-1/2 reduce-scatter the same buckets and all-gather the updated parameters after the optimizer
+    step; FSDP (one unit per block plus the root, as torchtitan and paratrain wrap it) gathers every
+    unit for the forward of every microbatch and every block again for its backward, and reduce-scatters each
+    unit once per step (gradient sync only on the last microbatch); HSDP does that inside a node (dp_shard
+    ranks) and all-reduces each unit's shard across nodes. The gradient reduce can only hide behind the last
+    microbatch's backward (earlier microbatches only accumulate); FSDP/HSDP prefetch their gathers behind
+    every microbatch, but all DP traffic together cannot hide behind more than the step's compute; the
+    post-step gather of ZeRO-1/2 has nothing to hide behind.
     """
     grad_bytes = params_dev * opts.grad_bytes
     param_bytes = params_dev * WEIGHT_BYTES
-    reduce_ar = collective_time_s(system, "allreduce", grad_bytes, dp, stride_dp)
-    reduce_rs = collective_time_s(system, "reducescatter", grad_bytes, dp, stride_dp)
-    gather = collective_time_s(system, "allgather", param_bytes, dp, stride_dp)
-    shard_rs = collective_time_s(system, "reducescatter", grad_bytes, dp_shard, stride_dp)
-    shard_ag = collective_time_s(system, "allgather", param_bytes, dp_shard, stride_dp)
-    repl_ar = collective_time_s(system, "allreduce", grad_bytes / dp_shard, dp / dp_shard, stride_dp * dp_shard)
-    gathers = np.select([kind == 1, kind == 2], [2 * m * gather, 2 * m * shard_ag], 0.0)
+    bucket = (np.maximum(40e6, 1e6 * dp) * opts.grad_bytes) if opts.bucket_bytes is None else opts.bucket_bytes
+    buckets = np.maximum(1.0, np.ceil(grad_bytes / bucket))
+    units = stage_layers_dev + 1.0  # block_share: the blocks' part of the parameters (backward re-gathers them)
+    reduce_ar = _calls_s(system, "allreduce", grad_bytes, buckets, dp, stride_dp)
+    reduce_rs = _calls_s(system, "reducescatter", grad_bytes, buckets, dp, stride_dp)
+    post_gather = _calls_s(system, "allgather", param_bytes, buckets, dp, stride_dp)
+    unit_rs = _calls_s(system, "reducescatter", grad_bytes, units, dp, stride_dp)
+    shard_rs = _calls_s(system, "reducescatter", grad_bytes, units, dp_shard, stride_dp)
+    # per microbatch: every unit gathered for forward, the blocks again for backward
+    unit_ag = (_calls_s(system, "allgather", param_bytes, units, dp, stride_dp)
+               + _calls_s(system, "allgather", param_bytes * block_share, stage_layers_dev, dp, stride_dp))
+    shard_ag = (_calls_s(system, "allgather", param_bytes, units, dp_shard, stride_dp)
+                + _calls_s(system, "allgather", param_bytes * block_share, stage_layers_dev, dp_shard, stride_dp))
+    repl_ar = _calls_s(system, "allreduce", grad_bytes / dp_shard, units, dp / dp_shard, stride_dp * dp_shard)
+    gathers = np.select([kind == 1, kind == 2], [m * unit_ag, m * shard_ag], 0.0)
     reduces = np.select([zero == 0, zero <= 2, kind == 1, kind == 2],
-                        [reduce_ar, reduce_rs, reduce_rs, shard_rs + repl_ar])
-    post_step = np.where((zero >= 1) & (zero <= 2), gather, 0.0)
+                        [reduce_ar, reduce_rs, unit_rs, shard_rs + repl_ar])
+    post_step = np.where((zero >= 1) & (zero <= 2), post_gather, 0.0)
     overlap = system.efficiency.dp_overlap
     window_all = overlap * m * (stage_fwd + stage_bwd)
     window_last = overlap * stage_bwd
