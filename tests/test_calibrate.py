@@ -1,6 +1,7 @@
 """Probe and calibration: the alpha-beta fit, the hardware file, and recovering known efficiency parameters."""
 
 import dataclasses
+import json
 
 import numpy as np
 import pytest
@@ -107,3 +108,56 @@ def test_link_fit_inverts_the_planners_collective_model(local_file):
     assert f["latency_us"] == pytest.approx(60.0, rel=1e-6)
     assert f["timeshare_step_us"] == pytest.approx(150.0, rel=1e-6)
     assert f["bw_gbytes_per_s"] == pytest.approx(0.9, rel=1e-6)
+
+
+# ---- the commands, as users run them ---------------------------------------------------------------------
+def _summary(m: Measurement) -> dict:
+    """What `paratrain train --summary-json` records for calibration (see train.loop.measured_for_planner)."""
+    return {"model_shape": m.model.model_dump(), "seq_len": m.seq, "global_batch": m.global_batch,
+            "planner_layout": m.layout, "world_size": m.world_size, "step_time_s_median": m.step_time_s}
+
+
+def test_probe_command_writes_a_loadable_hardware_file(tmp_path, capsys):
+    from paratrain.cli import main
+
+    out = tmp_path / "hw" / "local.toml"
+    assert main(["probe", "--quick", "--groups", "2", "--out", str(out), "--json"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    system = load_catalog([out]).system("local")
+    link = system.tiers[0].interconnect
+    assert printed["hardware_file"] == str(out) and out.with_suffix(".probe.json").is_file()
+    assert system.device_peak_flops > 0 and link.bw_gbytes_per_s > 0 and link.latency_us > 0
+    assert system.chip.status == "measured"
+
+
+def test_calibrate_command_fits_writes_back_and_reports_holdout(local_file, tmp_path, capsys):
+    from paratrain.cli import main
+
+    system = load_catalog([local_file]).system("local")
+    truth = {"matmul_eff_max": 0.5, "kernel_overhead_s": 1e-4, "memory_bw_eff": 1.0, "link_bw_scale": 0.5,
+             "link_latency_scale": 3.0, "collective_overhead_s": 1e-3, "dp_overlap": 0.0}
+    paths = []
+    for m in synthetic_runs(apply_parameters(system, truth), noise=0.03):
+        path = tmp_path / f"{m.name}.json"
+        path.write_text(json.dumps(_summary(m)))
+        paths.append(str(path))
+    before = local_file.read_text()
+    assert main(["calibrate", "--hardware", str(local_file), "--holdout", "0.5", "--json", *paths]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["mape_fit"] < report["mape_before"] and report["mape_holdout"] < 0.15
+    assert local_file.read_text() != before
+    reloaded = load_catalog([local_file]).system("local")
+    assert reloaded.chip.efficiency.kernel_overhead_s == pytest.approx(report["parameters"]["kernel_overhead_s"])
+
+
+def test_calibrate_command_refuses_bad_input(local_file, tmp_path, capsys):
+    from paratrain.cli import main
+
+    assert main(["calibrate", "--hardware", str(local_file), str(tmp_path / "missing.json")]) == 2
+    assert "missing.json': no such file" in capsys.readouterr().err
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps({"seq_len": 128}))
+    assert main(["calibrate", "--hardware", str(local_file), str(broken)]) == 2
+    assert "missing 'model_shape'" in capsys.readouterr().err
+    assert main(["calibrate", "--hardware", str(local_file), "--holdout", "1.5", str(broken)]) == 2
+    assert "--holdout 1.5" in capsys.readouterr().err
