@@ -311,3 +311,28 @@ def test_eager_kernel_counts_are_paratrains_llama_block():
     attention = sum(ops.pop(k) for k in list(ops) if "attention" in k)
     assert attention == 1 and matmuls == 4 + EAGER_EXTRA_MATMULS
     assert sum(ops.values()) == EAGER_ELEMENTWISE_KERNELS, ops
+
+
+# ---- context parallelism with data parallelism and pipelines ---------------------------------------------
+def test_gradients_reduce_over_dp_times_cp(box):
+    """cp ranks hold gradients of different tokens of the same sequences: the runtime reduces (and FSDP
+    shards) over the flattened dp x cp group, so DP 4 x CP 2 costs what DP 8 costs and shards as far."""
+    model = PRESETS["small"]
+    ddp_cp2 = estimate(model, box, 1, 256, 16, Layout(dp=4, cp=2, microbatch=1, zero_stage=0))
+    ddp_dp8 = estimate(model, box, 1, 256, 16, Layout(dp=8, microbatch=1, zero_stage=0))
+    assert ddp_cp2.time_breakdown_s["dp_comm"] == pytest.approx(ddp_dp8.time_breakdown_s["dp_comm"])
+    cp2 = estimate(model, box, 1, 256, 16, Layout(dp=4, cp=2, microbatch=1, dp_kind="fsdp", zero_stage=3))
+    dp8 = estimate(model, box, 1, 256, 16, Layout(dp=8, microbatch=1, dp_kind="fsdp", zero_stage=3))
+    for part in ("weights", "grads", "optimizer"):
+        assert cp2.memory_breakdown_bytes[part] == pytest.approx(dp8.memory_breakdown_bytes[part])
+    only_cp = estimate(model, box, 1, 256, 16, Layout(tp=4, dp=1, cp=2, microbatch=1, zero_stage=0))
+    assert only_cp.time_breakdown_s["dp_comm"] > 0
+
+
+def test_zbv_with_zero3_and_sp_cp_shapes_are_refused(box):
+    model = PRESETS["small"]
+    with pytest.raises(ValueError, match="zbv with zero_stage = 3"):
+        estimate(model, box, 1, 256, 32, Layout(pp=2, schedule="zbv", virtual_stages=2, microbatch=1,
+                                               dp_kind="fsdp", zero_stage=3))
+    with pytest.raises(ValueError, match="seq/cp = 6 must be divisible by tp = 4"):
+        estimate(model, box, 1, 12, 16, Layout(tp=4, sp=True, cp=2, microbatch=1))

@@ -106,6 +106,11 @@ def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, glob
          f"pp*virtual_stages = {lay.pp * lay.virtual_stages}: must be <= layers = {model.layers}"),
         (seq % (2 * lay.cp) == 0 or lay.cp == 1, f"cp = {lay.cp}: seq = {seq} must be divisible by 2*cp"),
         (not (lay.sp and lay.tp == 1), "sp = true needs tp > 1"),
+        (not lay.sp or lay.cp == 1 or (seq // lay.cp) % lay.tp == 0,
+         f"sp = true with cp = {lay.cp}: seq/cp = {seq // lay.cp} must be divisible by tp = {lay.tp}"),
+        (lay.schedule != "zbv" or lay.zero_stage < 3,
+         "schedule = zbv with zero_stage = 3: the zero-bubble schedule computes weight gradients after the "
+         "forward, when FSDP would have resharded the weights; allowed: zero_stage 0-2 with zbv"),
         (lay.schedule != "interleaved_1f1b" or (lay.virtual_stages > 1 and lay.pp > 1),
          "schedule = interleaved_1f1b: needs pp > 1 and virtual_stages > 1"),
         (lay.schedule != "zbv" or (lay.virtual_stages == 2 and lay.pp > 1),
@@ -246,8 +251,10 @@ def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch
     ok &= np.where(pp == 1, sched == 1, True)  # one stage: no schedule to choose
     ok &= np.where(sched >= 2, m >= pp, True)
     ok &= (dp > 1) | (zk == 1) | (zk == 0)  # with one replica the ZeRO choices coincide: keep 0 and 1 only
-    local_dp = system.devices_per_node // (tp * cp)
-    ok &= (kind != 2) | ((local_dp >= 2) & (dp > local_dp))  # HSDP: shards inside a node, replicas across nodes
+    local_dp = system.devices_per_node // tp  # HSDP shards over dp x cp ranks inside a node, replicas across nodes
+    ok &= (kind != 2) | ((local_dp >= 2) & (dp * cp > local_dp))
+    ok &= (sp == 0) | (cp == 1) | ((seq // cp) % tp == 0)  # SP splits each cp rank's sequence over tp
+    ok &= (sched != 3) | (zero < 3)  # ZB-V computes weight gradients after FSDP would reshard (runtime refuses)
     if system.stack is not None and not any_stack:
         ok &= np.isin(zero, system.stack.zero_stages) & np.isin(kind, [DP_KINDS.index(k) for k in system.stack.dp_kinds])
         ok &= (pp == 1) | np.isin(sched, [SCHEDULES.index(k) for k in system.stack.schedules])

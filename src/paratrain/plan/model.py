@@ -50,12 +50,15 @@ class Options:
     Llama block launches EAGER_ELEMENTWISE_KERNELS elementwise kernels per forward (norms in fp32, rotary,
     SwiGLU, residuals; counted from the model by a test) where a fused stack launches a handful, and separate
     q/k/v and gate/up matmuls (7 instead of 4). Each launch pays the chip's kernel_overhead_s.
+    p2p_scatter_gather: without SP, pipeline stages send 1/t of the activation per TP rank and all-gather it
+    on arrival (Megatron, Narayanan et al. 2021); paratrain's runtime sends the whole replicated activation.
     """
 
     attention: str = "flash"
     grad_bytes: int = 4
     bucket_bytes: float | None = None
     eager: bool = False
+    p2p_scatter_gather: bool = True
 
     @classmethod
     def for_system(cls, system: System, attention: str | None = None, **kw) -> Options:
@@ -64,6 +67,7 @@ class Options:
         if system.chip.vendor == "local":  # measured by `paratrain probe`: paratrain's runtime runs here
             kw.setdefault("bucket_bytes", RUNTIME_BUCKET_BYTES)
             kw.setdefault("eager", True)
+            kw.setdefault("p2p_scatter_gather", False)
         return cls(attention=attention or default, **kw)
 
     def __post_init__(self) -> None:
@@ -317,7 +321,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
 
     # -- pipeline: p2p activations between stages (Megatron scatter/gather: 1/t of them per rank) --
     stride_pp = tp * cp * dp
-    p2p_bytes = act_bytes / tp
+    # what a stage sends per rank: the SP shard, or with Megatron's scatter/gather 1/t of the replicated
+    # activation; paratrain's runtime without SP sends it whole
+    p2p_bytes = act_bytes / np.where(sp | opts.p2p_scatter_gather, tp, 1.0)
     p2p = np.where(pp > 1, p2p_time_s(system, p2p_bytes, stride_pp), 0.0)
     chunks = np.where((sched == 2) | (sched == 3), v, 1.0)
     p2p_per_mb = 2 * chunks * p2p  # forward send + backward send per chunk
@@ -333,8 +339,11 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
 
     # -- data parallel: gradient reduce (and parameter gather for ZeRO-1/2/3) --
     params_dev = _params_per_stage(model, pp, v) / tp
-    dp_shard = np.where(kind == 2, np.maximum(1.0, np.minimum(dp, system.devices_per_node / (tp * cp))), dp)
-    dp_time, dp_exposed = _data_parallel_s(system, opts, params_dev, dp, dp_shard, tp * cp, zero, kind, m,
+    # Gradients reduce (and FSDP shards) over dp x cp ranks: cp ranks hold gradients of different tokens of
+    # the same sequences. Ranks are numbered tp fastest, then cp, so that group starts at stride tp.
+    dp_group = dp * cp
+    dp_shard = np.where(kind == 2, np.maximum(1.0, np.minimum(dp_group, system.devices_per_node / tp)), dp_group)
+    dp_time, dp_exposed = _data_parallel_s(system, opts, params_dev, dp_group, dp_shard, tp, zero, kind, m,
                                            stage_fwd, stage_bwd, layers_per_stage,
                                            layers_per_stage * model.params_per_layer() / tp / params_dev)
 
@@ -375,7 +384,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         # buffer bytes handed to collectives per device per step, by kind (for the simulator/cost model)
         "comm_tp_bytes": np.where(tp > 1, m * layers_per_stage * act_bytes * np.where(rc == 2, 6.0, 4.0), 0.0),
         "comm_pp_bytes": np.where(pp > 1, m * 2 * chunks * p2p_bytes, 0.0),
-        "comm_dp_bytes": np.where(dp > 1, params_dev * (opts.grad_bytes + WEIGHT_BYTES * np.where(
+        "comm_dp_bytes": np.where(dp * cp > 1, params_dev * (opts.grad_bytes + WEIGHT_BYTES * np.where(
             kind >= 1, 2 * m, np.where(zero >= 1, 1.0, 0.0))), 0.0),
         "cost_usd_per_hour": cost_per_hour,
         **memory,
