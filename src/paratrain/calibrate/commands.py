@@ -9,7 +9,9 @@ from pathlib import Path
 PROBE_HELP = """\
 Measure this machine the way training ranks use it and write a hardware file for the planner:
 matmul throughput by size, memory bandwidth, and gloo collectives (all-reduce, reduce-scatter, all-gather,
-send/recv) by message size and group size, fitted to latency + bytes/bandwidth.
+send/recv) by message size and group size, fitted to the planner's own collective model: latency per ring
+step, bandwidth, and on CPU hosts the extra wait per step when more ranks than cores take turns (probe
+groups larger than the core count, e.g. --groups 2,4,8 on 2 cores, to measure it).
 
   paratrain probe --out hardware/local.toml
   PARATRAIN_HARDWARE_DIR=hardware paratrain plan --hardware local --nodes 1 ...
@@ -38,8 +40,9 @@ def register_probe(sub) -> None:
 CALIBRATE_HELP = """\
 Fit the planner's efficiency parameters of a hardware entry (a TOML file, e.g. the one `paratrain probe`
 wrote) to measured runs (`paratrain train --summary-json FILE` writes one per run), and write them back.
-Only physical parameters are fitted (matmul efficiency and per-kernel overhead, memory-bound efficiency,
-link bandwidth/latency scale, data-parallel overlap); see src/paratrain/calibrate/fit.py.
+Only physical parameters are fitted (matmul efficiency and per-kernel overhead, memory-bound efficiency
+(held at the probe's measurement on a probed machine), link bandwidth and latency scale, the fixed software
+cost of one collective call, data-parallel overlap); see src/paratrain/calibrate/fit.py.
 
   paratrain calibrate --hardware runs/hardware/local.toml runs/calib/*.json
   paratrain calibrate --hardware runs/hardware/local.toml --holdout 0.5 runs/calib/*.json   # check on half
