@@ -1,7 +1,7 @@
 """Plan -> train -> measure -> calibrate, on this machine (CPU, gloo, 1-8 ranks).
 
 1. `paratrain probe` writes a hardware file for this machine.
-2. A set of layouts (DP, TP, PP, mixed; the tiny model and one 4x larger) is trained for a few steps under
+2. A set of layouts (DP, TP, PP, CP, mixed; the tiny model and one 4x larger) is trained for a few steps under
    torchrun; each run's summary has the measured median step time.
 3. `calibrate` fits the planner's physical efficiency parameters on every other run and predicts the rest:
    per-layout error and mean absolute percentage error (goal < 20%) on the held-out half.
@@ -46,6 +46,8 @@ LAYOUTS = [
     ("small-tp2-ddp2", "small", 4, ["parallel.tp=2", 'parallel.dp_kind="ddp"']),
     ("small-tp2-pp2-ddp2", "small", 8, ["parallel.tp=2", "parallel.pp=2", 'parallel.dp_kind="ddp"',
                                         "train.microbatch=2"]),
+    ("small-cp2", "small", 2, ["parallel.cp=2"]),
+    ("small-pp2-cp2", "small", 4, ["parallel.pp=2", "parallel.cp=2", "train.microbatch=2"]),
 ]
 COMMON = ["train.seq_len=128", "train.global_batch=16", "train.microbatch=4", "train.eval_every=0",
           "train.progress=false", "checkpoint.save_final=false", "checkpoint.resume=\"none\"",
@@ -159,7 +161,7 @@ def best_vs_defaults(hw: Path, steps: int, out: Path, reuse: bool = False) -> No
 
     system = sized_for(load_catalog([hw]).system("local"), 4)
     result = search("small", system, 1, 128, 16, top=5, any_stack=True,
-                    constraints={"cp": [1], "dp_kind": ["ddp", "fsdp"], "schedule": ["gpipe", "1f1b"],
+                    constraints={"cp": [1, 2], "dp_kind": ["ddp", "fsdp"], "schedule": ["gpipe", "1f1b"],
                                  "zero_stage": [0, 3], "recompute": ["none"]})
     best = result.candidates[0].layout
     print(f"\nplan's best layout for small on 4 ranks: tp={best.tp} pp={best.pp} dp={best.dp} sp={best.sp} "
