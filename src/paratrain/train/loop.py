@@ -168,6 +168,8 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
                   "memory_bytes": peak_memory_bytes(env.device)}
         phases = timer.take()
+        if "backward" in phases:  # a profiled step: split forward from backward
+            phases["forward"] = phases["forward_backward"] - phases["backward"]
         breakdowns.append({"step_time_s": dt, **phases})
         record.update({k if k.endswith("_s") else f"time_{k}_s": v for k, v in phases.items()})
         staleness.on_step(runner, record, logger)  # applied step, staleness, stragglers
@@ -184,9 +186,12 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
         interval = cfg.checkpoint.interval
         last = step + 1 == cfg.train.steps
         if (interval and (step + 1) % interval == 0) or (last and cfg.checkpoint.save_final):
+            t_ckpt = time.perf_counter()
             saved = ckpt.save(step + 1, runner.parts, optimizer, {"step": step + 1,
                                                                   "scheduler": scheduler.state_dict(),
                                                                   "sampler": sampler.state_dict()})
+            # the time the step loop was blocked (an asynchronous save writes on in the background)
+            logger.log(step + 1, {"time_checkpoint_s": time.perf_counter() - t_ckpt})
             # evict_stragglers stops every rank here (exit code 75) once the checkpoint committed
             staleness.after_checkpoint(runner, cfg.staleness.evict_stragglers and not last, run_dir, step + 1, str(saved),
                                        logger, ckpt.close)

@@ -1,9 +1,11 @@
 """Per-step time breakdown: cheap timers every step, and the profiler on sampled steps for communication.
 
-Timers split a step into data, forward+backward, optimizer and checkpoint time. Exposed communication (the
-time the training thread spends inside or waiting for collectives, by kind) needs the profiler: every
-`metrics.profile_every` steps one step runs under torch.profiler and the main thread's collective and wait
-events are summed by kind. Only top-level communication events count, so nested records are not doubled.
+Timers split every step into data, forward+backward and optimizer time (and the loop times checkpoint saves).
+The rest needs the profiler: every `metrics.profile_every` steps one step runs under torch.profiler, and
+from the training thread's events come the exposed communication by kind (time inside or waiting for
+collectives; for pipelines the point-to-point waits are the pipeline's idle time) and the backward time
+(autograd engine functions; forward = forward+backward - backward, each including the communication issued
+inside it). Only top-level communication events count, so nested records are not doubled.
 """
 
 from __future__ import annotations
@@ -56,6 +58,21 @@ def exposed_comm_seconds(events) -> dict[str, float]:
     return dict(out)
 
 
+def backward_seconds(events) -> float:
+    """Seconds the busiest (training) thread spent running the autograd engine's backward functions (on CPU
+    the engine runs on the calling thread; the communication issued inside backward is included)."""
+    by_thread: dict[int, float] = defaultdict(float)
+    backward: dict[int, float] = defaultdict(float)
+    for e in events:
+        if e.cpu_parent is None:
+            by_thread[e.thread] += e.cpu_time_total
+            if e.name.startswith("autograd::engine::evaluate_function"):
+                backward[e.thread] += e.cpu_time_total
+    if not by_thread:
+        return 0.0
+    return backward[max(by_thread, key=by_thread.get)] / 1e6
+
+
 class StepTimer:
     """Accumulates named phases of one step; `profile()` wraps a step in the profiler when asked."""
 
@@ -83,7 +100,10 @@ class StepTimer:
 
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             yield
-        self.phases.update({f"comm_{k}_s": v for k, v in exposed_comm_seconds(prof.events()).items()})
+        events = prof.events()
+        self.phases.update({f"comm_{k}_s": v for k, v in exposed_comm_seconds(events).items()})
+        if (backward := backward_seconds(events)) > 0:
+            self.phases["backward"] = backward
 
     def take(self) -> dict[str, float]:
         out, self.phases = self.phases, {}

@@ -1,0 +1,70 @@
+"""The per-step breakdown the planner is compared with: timers every step, the profiler on sampled steps for
+forward vs backward and communication by kind, and the time a checkpoint save blocks the loop."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from paratrain.config import load_config
+from paratrain.train.data import prepare
+from paratrain.train.loop import train
+
+DATA = ["data.max_source_bytes=200000", "data.vocab_size=384"]
+
+
+def settings(tmp: Path, run: str, *extra: str) -> list[str]:
+    return ["model.vocab=384", "model.layers=2", "train.steps=4", "metrics.profile_every=2",
+            "checkpoint.interval=3", "train.global_batch=8", "train.microbatch=2", "train.seq_len=32",
+            "train.eval_every=0", "train.progress=false", "metrics.tensorboard=false", 'train.device="cpu"',
+            f'metrics.run_dir="{tmp / run}"', f'data.prepared_dir="{tmp / "data"}"', *DATA, *extra]
+
+
+@pytest.fixture(scope="module")
+def tmp(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("profiling")
+    prepare(load_config(None, [f'data.prepared_dir="{tmp / "data"}"', *DATA]).data, log=lambda *_: None)
+    return tmp
+
+
+def _records(run_dir: Path) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        out.setdefault(rec["step"], {}).update(rec)
+    return out
+
+
+def _train(sets: list[str]) -> dict:
+    return train(load_config(None, sets))
+
+
+def _check_breakdown(records: dict[int, dict], comm_kinds: set[str]) -> None:
+    profiled, plain = records[2], records[1]
+    assert "time_backward_s" not in plain and "time_backward_s" in records[4]
+    fb = profiled["time_forward_backward_s"]
+    assert 0 < profiled["time_backward_s"] < fb and profiled["time_forward_s"] > 0
+    assert profiled["time_forward_s"] + profiled["time_backward_s"] == pytest.approx(fb)
+    assert comm_kinds <= {k[len("comm_"):-2] for k in profiled if k.startswith("comm_")}, profiled
+    assert records[3]["time_checkpoint_s"] > 0 and "time_checkpoint_s" not in records[2]
+
+
+def test_single_process_breakdown(tmp):
+    summary = _train(settings(tmp, "one"))
+    _check_breakdown(_records(tmp / "one"), set())
+    assert {"forward_backward", "optimizer", "data"} <= summary["breakdown_median_s"].keys()
+
+
+def test_ddp_breakdown_has_the_gradient_all_reduce(dist_run, tmp):
+    dist_run(2, _train, settings(tmp, "ddp2", "parallel.dp=2", 'parallel.dp_kind="ddp"'))
+    _check_breakdown(_records(tmp / "ddp2"), {"all_reduce"})
+
+
+def test_pipeline_breakdown_has_the_point_to_point_waits(dist_run, tmp):
+    """Pipeline idle shows as time in point-to-point sends/receives and waits on the training thread."""
+    dist_run(2, _train, settings(tmp, "pp2", "parallel.pp=2", 'parallel.pp_schedule="1f1b"'))
+    records = _records(tmp / "pp2")
+    kinds = {k for k in records[2] if k.startswith("comm_")}
+    assert kinds & {"comm_p2p_s", "comm_wait_s"}, records[2]
