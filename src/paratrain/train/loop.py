@@ -228,7 +228,8 @@ def measured_for_planner(cfg: TrainConfig, model_cfg, degrees: dict, breakdowns:
     needs to predict the same run: `paratrain calibrate` reads these fields from the summary."""
     steady = breakdowns[min(2, max(len(breakdowns) - 1, 0)):]
     keys = sorted({k for b in steady for k in b})
-    median = {k: statistics.median([b.get(k, 0.0) for b in steady]) for k in keys} if steady else {}
+    # profiler-only keys (forward/backward split, communication by kind) over the profiled steps only
+    median = {k: statistics.median([b[k] for b in steady if k in b]) for k in keys} if steady else {}
     return {"model_shape": model_cfg.model_dump(), "seq_len": cfg.train.seq_len,
             "global_batch": cfg.train.global_batch, "planner_layout": planner_layout(cfg, degrees),
             "step_time_s_median": median.pop("step_time_s", float("nan")), "breakdown_median_s": median}
