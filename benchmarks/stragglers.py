@@ -47,7 +47,9 @@ from paratrain.config import load_config
 from paratrain.train.data import prepare
 from paratrain.train.staleness import FaultInjection
 
-POLICIES = {  # name -> [staleness] overrides
+COMPENSATIONS = ("none", "weight_prediction", "optimizer_lookahead")  # staleness.compensation values
+
+POLICIES = {  # name -> [staleness] overrides (compensation: the config default unless a row sets it)
     "sync": ['staleness.policy="bounded_staleness"', "staleness.max_staleness=0"],
     "s=1": ['staleness.policy="bounded_staleness"', "staleness.max_staleness=1"],
     "s=2": ['staleness.policy="bounded_staleness"', "staleness.max_staleness=2"],
@@ -218,17 +220,28 @@ def print_throughput(world: int, result: dict) -> None:
 # -- convergence ---------------------------------------------------------------------------------------------
 
 
-def convergence(steps: int, seeds: list[int], workdir: Path, progress) -> dict:
+def convergence_runs(compensations: list[str]) -> dict[str, list[str]]:
+    """Row name -> overrides: sync, s = 1 and 2 with each delay compensation, the time budget."""
+    runs = {"sync": POLICIES["sync"]}
+    for comp in compensations:
+        for s in ("s=1", "s=2"):
+            runs[f"{s} {comp}"] = POLICIES[s] + [f'staleness.compensation="{comp}"']
+    runs["budget (rank 1 2x slow)"] = POLICIES["budget"] + ['staleness.test_fault_injection="slowdown=2.0,rank=1"']
+    return runs
+
+
+def convergence(steps: int, seeds: list[int], compensations: list[str], workdir: Path, progress,
+                extra: list[str] = ()) -> dict:
     """Final validation loss after `steps` steps (same tokens offered) per policy, dp 2, over seeds. The time
-    budget runs with rank 1 at 2x slowdown, so it really skips samples; staleness math does not depend on timing."""
-    runs = {"sync": POLICIES["sync"], "s=1": POLICIES["s=1"], "s=2": POLICIES["s=2"],
-            "budget (rank 1 2x slow)": POLICIES["budget"] + ['staleness.test_fault_injection="slowdown=2.0,rank=1"']}
+    budget runs with rank 1 at 2x slowdown, so it really skips samples; staleness math does not depend on timing.
+    `extra`: overrides added to every run (e.g. another learning rate, an extra row of the table)."""
+    runs = convergence_runs(compensations)
     out: dict = {name: {"val_loss": [], "tokens": [], "wall_s": []} for name in runs}
     for seed in seeds:
         for name, policy in runs.items():
-            run_dir = workdir / f"conv-{seed}-{len(out[name]['val_loss'])}-{name.split()[0].replace('=', '')}"
+            run_dir = workdir / f"conv-{len(list(workdir.glob('conv-*')))}"  # a fresh directory per run
             overrides = base_overrides(run_dir, steps, seed, 2) + policy + [f"train.eval_every={steps}",
-                                                                             "train.eval_batches=8"]
+                                                                             "train.eval_batches=8", *extra]
             res = run_training(2, overrides)
             val = [m["val_loss"] for m in read_metrics(run_dir) if "val_loss" in m][-1]
             out[name]["val_loss"].append(val)
@@ -238,14 +251,18 @@ def convergence(steps: int, seeds: list[int], workdir: Path, progress) -> dict:
     return out
 
 
-def print_convergence(result: dict, steps: int, seeds: list[int]) -> None:
+def print_convergence(result: dict, steps: int, seeds: list[int], label: str = "") -> None:
     sync = statistics.mean(result["sync"]["val_loss"])
-    print(f"\n## convergence: tiny model, dp=2, {steps} steps x 16 x {SEQ_LEN} tokens offered, seeds {seeds}")
-    print(f"{'policy':<26}{'val loss (mean)':>16}{'vs sync':>9}{'per seed':>30}{'tokens used':>13}{'wall s':>8}")
+    print(f"\n## convergence: tiny model, dp=2, {steps} steps x 16 x {SEQ_LEN} tokens offered, seeds {seeds}"
+          f"{label}")
+    print("vs sync: mean over seeds vs the mean of sync; paired: mean over seeds of the per-seed ratio")
+    print(f"{'policy':<32}{'val loss (mean)':>16}{'vs sync':>9}{'paired':>9}{'per seed':>24}{'tokens used':>13}"
+          f"{'wall s':>8}")
     for name, r in result.items():
         mean = statistics.mean(r["val_loss"])
+        paired = statistics.mean(v / b - 1 for v, b in zip(r["val_loss"], result["sync"]["val_loss"], strict=True))
         per_seed = " ".join(f"{v:.3f}" for v in r["val_loss"])
-        print(f"{name:<26}{mean:>16.4f}{(mean / sync - 1):>+9.2%}{per_seed:>30}"
+        print(f"{name:<32}{mean:>16.4f}{(mean / sync - 1):>+9.2%}{paired:>+9.2%}{per_seed:>24}"
               f"{statistics.mean(r['tokens']):>13,.0f}{statistics.mean(r['wall_s']):>8.1f}")
 
 
@@ -260,6 +277,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="rounds per throughput cell, median (default 3)")
     ap.add_argument("--quick", action="store_true", help="1 round of 30 steps, 100 convergence steps, 2 seeds")
     ap.add_argument("--skip", choices=["throughput", "convergence"], help="skip one part")
+    ap.add_argument("--compensation", nargs="+", default=list(COMPENSATIONS), choices=COMPENSATIONS,
+                    help="staleness.compensation values for the s = 1, 2 convergence rows (default: all)")
+    ap.add_argument("--extra-lr", type=float, nargs="*", default=[],
+                    help="also run the convergence table at these learning rates (extra information; the "
+                         "main table keeps the default optim.lr)")
     ap.add_argument("--json", help="write all measurements to this file")
     args = ap.parse_args(argv)
     if args.quick:
@@ -278,8 +300,13 @@ def main(argv: list[str] | None = None) -> int:
                 report["throughput"][world] = throughput(world, args.steps, args.repeats, args.base_s, work, progress)
                 print_throughput(world, report["throughput"][world])
         if args.skip != "convergence":
-            report["convergence"] = convergence(args.conv_steps, args.seeds, work, progress)
+            report["convergence"] = convergence(args.conv_steps, args.seeds, args.compensation, work, progress)
             print_convergence(report["convergence"], args.conv_steps, args.seeds)
+            for lr in args.extra_lr:
+                key = f"convergence_lr_{lr:g}"
+                report[key] = convergence(args.conv_steps, args.seeds, args.compensation, work, progress,
+                                          [f"optim.lr={lr}", f"optim.min_lr={lr / 10}"])
+                print_convergence(report[key], args.conv_steps, args.seeds, f", lr {lr:g} (min_lr {lr / 10:g})")
     report["load_average_end"] = os.getloadavg()
     print(f"\n(total {time.perf_counter() - t0:.0f} s on {os.cpu_count()} CPUs, load average "
           f"{os.getloadavg()[0]:.1f} at the end)")

@@ -4,6 +4,9 @@
   dp 2 and 4 and with TP2 x DP2: every parameter torch.equal after 4 AdamW steps.
 - s = 1, 2: the step indices of applied gradients show staleness exactly s (never more), every rank holds the
   same weights, and the run matches a single-process delayed-gradient reference (same math, one process).
+- delay compensation: optimizer_lookahead computes step t's gradient at the weights AdamW reaches with this rank's
+  pending gradients (with one rank: exactly the weights it is applied to), weight_prediction at w_t + s(w_t -
+  w_{t-1}); both checked against single-process references (torch's own AdamW on copies for the lookahead).
 - time budget: the update is the mean over the microbatches each rank actually processed (checked against a
   single-process reference built from the processed counts each rank reports, so no timing assumption).
 - end to end through `train()`: metrics carry staleness and stragglers; a rank slowed 4x is flagged and, with
@@ -30,6 +33,7 @@ from paratrain.train.staleness import (
 )
 
 STALE = ['staleness.policy="bounded_staleness"', 'parallel.dp_kind="ddp"']
+NO_COMP = ['staleness.compensation="none"']
 
 
 # -- configuration and pure logic -----------------------------------------------------------------------------
@@ -46,6 +50,21 @@ def test_config_errors_name_field_value_and_allowed():
         load_config(None, [*STALE, 'staleness.test_fault_injection="slowdown=0.5"'])
     with pytest.raises(ValueError, match="staleness.policy"):
         load_config(None, ['staleness.policy="async"'])
+    with pytest.raises(ValueError, match="staleness.compensation='dc_asgd': Input should be 'none', "
+                                         "'weight_prediction' or 'optimizer_lookahead'"):
+        load_config(None, [*STALE, 'staleness.compensation="dc_asgd"'])
+
+
+def test_lookahead_refuses_an_optimizer_it_cannot_replay():
+    cfg = make_config([*STALE, "staleness.max_staleness=1"])
+    runner = build_runner(cfg, _single_env())
+    with pytest.raises(ValueError, match="compensation='optimizer_lookahead' replays torch.optim.AdamW.*got SGD"):
+        runner.attach_optimizer(torch.optim.SGD(runner.parameters(), lr=0.1))
+    with pytest.raises(ValueError, match="no amsgrad"):
+        runner.attach_optimizer(torch.optim.AdamW(runner.parameters(), amsgrad=True))
+    plain_sgd = build_runner(make_config([*STALE, "staleness.max_staleness=1",
+                                          'staleness.compensation="weight_prediction"']), _single_env())
+    plain_sgd.attach_optimizer(torch.optim.SGD(plain_sgd.parameters(), lr=0.1))  # extrapolation: any optimizer
 
 
 def test_fsdp_pipeline_and_context_parallel_are_refused():
@@ -99,6 +118,8 @@ def _train(cfg, runner, steps):
     """`steps` AdamW steps on the parity batches; per-rank slice of each global batch. Returns losses, the full
     parameters at the end, the applied-step history and the processed microbatches per step."""
     optimizer = build_optimizer(runner, cfg.optim)
+    if hasattr(runner, "attach_optimizer"):
+        runner.attach_optimizer(optimizer)
     per_rank = cfg.train.global_batch // runner.dp_size
     losses, in_flight = [], []
     for step in range(steps):
@@ -123,7 +144,8 @@ def _train(cfg, runner, steps):
 def _sync_and_stale0(overrides, steps):
     env = init_distributed("cpu")
     out = {}
-    for name, extra in (("sync", ['parallel.dp_kind="ddp"']), ("stale0", [*STALE, "staleness.max_staleness=0"])):
+    stale0 = [*STALE, "staleness.max_staleness=0", 'staleness.compensation="optimizer_lookahead"']  # inert at s=0
+    for name, extra in (("sync", ['parallel.dp_kind="ddp"']), ("stale0", stale0)):
         cfg = make_config(overrides + extra)
         runner = build_runner(cfg, env)
         if name == "sync":  # bitwise needs the DDP path's buckets: gloo's sum order depends on the layout
@@ -183,7 +205,7 @@ def _single_model(cfg):
 @pytest.mark.parametrize("s", [1, 2])
 def test_bounded_staleness_applies_exactly_s_step_old_gradients(dist_run, s):
     steps = 6
-    overrides = ["parallel.dp=2", "train.global_batch=16", *STALE, f"staleness.max_staleness={s}"]
+    overrides = ["parallel.dp=2", "train.global_batch=16", *STALE, f"staleness.max_staleness={s}", *NO_COMP]
     results = dist_run(2, _stale_run, overrides, steps)
     ref_losses, ref_params = _delayed_reference(make_config(overrides), steps, s)
     for res in results:
@@ -201,6 +223,123 @@ def test_bounded_staleness_applies_exactly_s_step_old_gradients(dist_run, s):
             torch.testing.assert_close(p, ref_params[name], rtol=1e-4, atol=1e-5, msg=lambda m, n=name: f"{n}: {m}")
     for name, p in results[0]["params"].items():
         assert torch.equal(p, results[1]["params"][name]), f"ranks disagree on {name}"
+
+
+# -- delay compensation ---------------------------------------------------------------------------------------
+
+
+def _compensated_reference(cfg, steps, s, dp, compensation):
+    """One process, dp simulated ranks: rank r computes step t's gradient on its slice at its predicted weights;
+    the mean over ranks is applied s steps later. The lookahead replays the rank's pending gradients with
+    torch's own AdamW (and clip_grad_norm_) on a copy of the model and optimizer: independent of the runner's
+    hand-written AdamW arithmetic. Returns the global losses and final parameters."""
+    import copy
+
+    model = _single_model(cfg)
+    runner = Runner(model, cfg.train.microbatch, torch.device("cpu"))
+    optimizer = build_optimizer(runner, cfg.optim)
+    params = list(model.parameters())
+    per_rank = cfg.train.global_batch // dp
+    pending, losses, prev = [], [], [p.detach().clone() for p in params]
+    for step in range(steps):
+        inputs, targets = global_batch(cfg, step)
+        now = [p.detach().clone() for p in params]
+        local, loss = [], 0.0
+        for r in range(dp):
+            probe = copy.deepcopy(model)
+            with torch.no_grad():
+                if compensation == "weight_prediction":
+                    for q, w, w_prev in zip(probe.parameters(), now, prev, strict=True):
+                        q.copy_(w + s * (w - w_prev))
+                elif pending:  # optimizer_lookahead: AdamW steps with this rank's own pending gradients
+                    probe_opt = build_optimizer(Runner(probe, 1, torch.device("cpu")), cfg.optim)
+                    # load_state_dict keeps the state's tensors (no copy): deep-copy, or the probe's steps
+                    # would update the real optimizer's moments in place
+                    probe_opt.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+                    for grads_by_rank, _ in pending:
+                        for q, g in zip(probe.parameters(), grads_by_rank[r], strict=True):
+                            q.grad = g.clone()
+                        torch.nn.utils.clip_grad_norm_(list(probe.parameters()), cfg.optim.grad_clip)
+                        probe_opt.step()
+                        probe_opt.zero_grad(set_to_none=True)
+            rank_runner = Runner(probe, cfg.train.microbatch, torch.device("cpu"))
+            sl = slice(r * per_rank, (r + 1) * per_rank)
+            loss += float(rank_runner.forward_backward(inputs[sl], targets[sl])) / dp
+            local.append([q.grad.clone() for q in probe.parameters()])
+        losses.append(loss)
+        pending.append((local, [sum(gs) / dp for gs in zip(*local, strict=True)]))
+        prev = now
+        if step >= s:
+            for p, g in zip(params, pending.pop(0)[1], strict=True):
+                p.grad = g
+            runner.clip_grad_norm_(cfg.optim.grad_clip)
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("compensation,s,world,layout", [
+    ("optimizer_lookahead", 1, 2, ["parallel.dp=2"]),
+    ("optimizer_lookahead", 2, 2, ["parallel.dp=2"]),
+    ("weight_prediction", 2, 2, ["parallel.dp=2"]),
+    ("optimizer_lookahead", 1, 4, ["parallel.dp=2", "parallel.tp=2", "parallel.sp=true"]),
+])
+def test_compensated_update_matches_single_process_reference(dist_run, compensation, s, world, layout):
+    """fp32; tolerance: each tensor's total update within 1e-3 of the reference's in L2 norm (Adam amplifies
+    rounding where a gradient is near zero, so elementwise checks would fail on rounding alone)."""
+    steps = 6
+    overrides = [*layout, "train.global_batch=16", *STALE, f"staleness.max_staleness={s}",
+                 f'staleness.compensation="{compensation}"']
+    results = dist_run(world, _stale_run, overrides, steps)
+    cfg = make_config(overrides)
+    ref_losses, ref_params = _compensated_reference(cfg, steps, s, 2, compensation)
+    plain_losses, plain_params = _delayed_reference(cfg, steps, s)
+    init = dict(_single_model(cfg).named_parameters())
+    for res in results:
+        for t, grad_step, loss, _ in res["history"]:
+            assert grad_step is None if t < s else t - grad_step == s  # the bound still holds
+            if grad_step is not None:
+                assert loss == pytest.approx(ref_losses[grad_step], rel=1e-5)
+        assert max(res["in_flight"]) <= s
+        _assert_same_updates(res["params"], ref_params, init)
+        # and the compensation did something: the losses of the gradients differ from the uncompensated run's
+        assert res["history"][-1][2] != pytest.approx(plain_losses[steps - 1 - s], rel=1e-5)
+    for rank in range(1, world):
+        for name, p in results[0]["params"].items():
+            assert torch.equal(p, results[rank]["params"][name]), f"rank {rank} disagrees on {name}"
+
+
+@pytest.mark.parametrize("s", [1, 2])
+def test_lookahead_with_one_rank_computes_at_the_weights_it_is_applied_to(s):
+    """One process, constant lr: the prediction is exact, so the weights step t's forward ran at equal the weights
+    after optimizer step t + s - 1, to which its gradient is applied (fp32 rounding: the runner's AdamW
+    arithmetic against torch's foreach AdamW)."""
+    steps = 6
+    cfg = make_config([*STALE, f"staleness.max_staleness={s}", 'staleness.compensation="optimizer_lookahead"'])
+    runner = build_runner(cfg, _single_env())
+    optimizer = build_optimizer(runner, cfg.optim)
+    runner.attach_optimizer(optimizer)
+    seen, after = [], []
+    runner.parts[0].register_forward_pre_hook(
+        lambda m, a: seen.append([p.detach().clone() for p in m.parameters()]) if m.training else None)
+    for step in range(steps):
+        inputs, targets = global_batch(cfg, step)
+        n_seen = len(seen)
+        runner.forward_backward(inputs, targets)
+        at_forward = seen[n_seen]  # every microbatch of the step runs at the same weights
+        assert all(torch.equal(a, b) for a, b in zip(at_forward, seen[-1], strict=True))
+        seen[n_seen:] = [at_forward]
+        runner.clip_grad_norm_(cfg.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        after.append([p.detach().clone() for p in runner.parts[0].parameters()])
+    moved = 0
+    for t in range(steps - s + 1):
+        applied_to = after[t + s - 1]  # w_{t+s}: G_t is applied by optimizer step t + s
+        for a, b in zip(seen[t], applied_to, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        moved += t > 0 and not all(torch.equal(a, b) for a, b in zip(seen[t], after[t - 1], strict=True))
+    assert moved >= steps - s - 1  # the forward did run ahead of the current weights
 
 
 def test_a_rank_more_than_s_steps_behind_makes_the_others_wait(dist_run):
@@ -310,13 +449,13 @@ def test_training_loop_time_budget_reports_processed_tokens(dist_run, tmp_path):
     assert summary["steps"] == 3
     assert summary["tokens"] == 3 * 2 * 2 * 64  # one microbatch (2 x 64 tokens) per rank per step
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["microbatches"] for r in records] == [2, 2, 2]
+    assert [r["microbatches"] for r in records if "microbatches" in r] == [2, 2, 2]  # step records only
 
 
 def test_single_process_bounded_staleness_is_the_delayed_update():
     """No process group: the stale runner still delays by s (useful for convergence studies on one device)."""
     steps, s = 5, 2
-    cfg = make_config([*STALE, f"staleness.max_staleness={s}"])
+    cfg = make_config([*STALE, f"staleness.max_staleness={s}", *NO_COMP])
     res = _train(cfg, build_runner(cfg, _single_env()), steps)
     ref_losses, ref_params = _delayed_reference(cfg, steps, s)
     assert [g for _, g, _, _ in res["history"]] == [None, None, 0, 1, 2]

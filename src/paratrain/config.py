@@ -166,6 +166,10 @@ class StalenessSection(Section):
 
     policy: Literal["sync", "bounded_staleness", "time_budget"] = "sync"
     max_staleness: int = Field(default=0, ge=0)
+    # Delay compensation for max_staleness > 0 (paratrain.parallel.stale_dp; docs/staleness.md): where step t's
+    # gradient is computed. "optimizer_lookahead" = at the weights AdamW will reach when the gradient is applied,
+    # predicted from this rank's own pending gradients; "weight_prediction" = w_t + s (w_t - w_{t-1}).
+    compensation: Literal["none", "weight_prediction", "optimizer_lookahead"] = "optimizer_lookahead"
     step_budget_s: float = Field(default=0.0, ge=0)
     straggler_threshold: float = Field(default=1.5, gt=1.0)
     straggler_window: int = Field(default=10, gt=0)
@@ -301,6 +305,9 @@ FIELD_HELP = {
                         "printed beside the measured step time; empty = measured peak",
     "staleness.policy": "sync, bounded_staleness (apply the gradient of step t-s) or time_budget",
     "staleness.max_staleness": "s: steps a gradient may lag (bounded_staleness)",
+    "staleness.compensation": "s > 0: compute step t's gradient at predicted weights (optimizer_lookahead: "
+                              "AdamW applied to this rank's pending gradients; weight_prediction: w_t + s(w_t - "
+                              "w_{t-1})) or at w_t (none)",
     "staleness.step_budget_s": "time_budget: seconds per step each DP rank may spend on microbatches",
     "staleness.straggler_threshold": "flag a rank slower than this x the median step time",
     "staleness.straggler_window": "steps the straggler median is taken over",

@@ -19,6 +19,21 @@ Semantics (docs/staleness.md has the full story):
 - Each step's small metadata (sum of microbatch losses, microbatches processed, every rank's work time) rides
   along in its own all-reduce, so losses, token counts and straggler detection need no extra blocking collective.
 
+Delay compensation (`staleness.compensation`, only for s > 0): the gradient applied at step t + s is computed at
+predicted weights instead of w_t, so it is computed near the weights it will be applied to.
+- "optimizer_lookahead" (default): run AdamW's update, on a scratch copy, with the gradients this rank computed
+  at steps t - s .. t - 1 (those still in flight: their reduced versions are what the next s updates apply), each
+  clipped by its own norm, at the current learning rate: w_hat ~ w_{t+s}. With one rank the prediction is exact,
+  so s = 1 computes at exactly the weights it will be applied to; with dp ranks it misses by the difference
+  between the rank's own gradient and the dp mean, damped by (1 - beta1). It is the weight prediction of XPipe
+  (Guan et al. 2019, "XPipe: Efficient Pipeline Model Parallelism for Multi-GPU DNN Training", Adam's update
+  direction) and SpecTrain (Chen et al. 2018, "Efficient and Robust Parallel DNN Training through Model
+  Parallelism on Multi-GPU Platform"), using the rank's own pending gradients for the unknown next updates.
+- "weight_prediction": linear extrapolation of the last update, w_hat = w_t + s (w_t - w_{t-1}) (SpecTrain's
+  "smoothed gradient" prediction in its optimizer-agnostic form).
+The weights the optimizer steps are restored bit for bit after backward, so every rank still holds identical
+weights; s = 0 computes at w_t (nothing is pending), so it stays bitwise synchronous DDP.
+
 Works with replicated data parallelism, alone or on top of tensor parallelism (the reduction runs over the dp
 group on each rank's local shard). FSDP/HSDP cannot run stale (parameters are sharded and gathered every step,
 gradients reduce-scattered into the shards the optimizer steps) and pipeline/context parallelism are not
@@ -27,6 +42,8 @@ supported: `check_staleness_layout` refuses them with a clear message.
 
 from __future__ import annotations
 
+import contextlib
+import math
 import socket
 import time
 from collections import deque
@@ -38,7 +55,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paratrain.config import TrainConfig
-from paratrain.parallel.runner import ParallelRunner, plain
+from paratrain.parallel.runner import ParallelRunner, global_grad_norm, plain
 from paratrain.train.staleness import AUTO_BUDGET_SLACK, FaultInjection, StragglerDetector, lower_median
 
 # Same as the runtime's DDP reducer (parallel/data.py, torch DDP's default), so s = 0 reduces identical buckets.
@@ -89,6 +106,7 @@ class InFlightStep:
     works: list
     meta: torch.Tensor
     tokens_per_microbatch: int
+    local_grads: list[torch.Tensor] | None = None  # this rank's own mean gradient (optimizer_lookahead only)
 
 
 @dataclass
@@ -125,7 +143,19 @@ class StaleDataParallelRunner(ParallelRunner):
         self.local_microbatches: list[int] = []  # per step, this rank's processed microbatches
         self.launch_unix_s: list[float] = []  # per step, when this rank launched its reduction
         self.step = 0
+        # Delay compensation needs something to compensate: s = 0 computes at w_t (bitwise synchronous DDP).
+        self.compensation = st.compensation if self.max_staleness > 0 else "none"
+        self.grad_clip = cfg.optim.grad_clip
+        self.optimizer: torch.optim.Optimizer | None = None  # attach_optimizer (optimizer_lookahead)
+        self.prev_weights: list[torch.Tensor] | None = None  # weight_prediction: w_{t-1} (local shards)
         self.hosts = self._gather_hosts()
+
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer whose state and hyperparameters optimizer_lookahead replays (the training loop calls
+        this right after building it). Only plain AdamW is replayed."""
+        if self.compensation == "optimizer_lookahead":
+            check_lookahead_optimizer(optimizer)
+        self.optimizer = optimizer
 
     # -- the step -------------------------------------------------------------------------------------------
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -135,16 +165,66 @@ class StaleDataParallelRunner(ParallelRunner):
         t0 = time.perf_counter()
         if self.fault is not None:
             self.fault.before_step(self.step, self.dp_rank)
-        with self.step_context():
+        with self.step_context(), self._at_predicted_weights():
             loss_sum, done = self._accumulate(chunks, t0)
         work_s = (time.perf_counter() - t0) * len(chunks) / done  # normalised to the full local batch
         self.local_microbatches.append(done)
         self._launch(loss_sum, done, work_s, chunks[0][0].numel())
+        if self.compensation == "optimizer_lookahead":  # before _apply_due overwrites .grad with G_{t-s}
+            scale = 1.0 / done if self.time_budget else 1.0  # time budget sums microbatches: make it a mean
+            self.in_flight[-1].local_grads = [own_gradient(p, scale) for p in self.params]
         applied = self._apply_due()
         self.step += 1
         if applied.grad_step is None:  # warm-up: nothing reduced yet; report this rank's own loss
             return torch.tensor(loss_sum / done)
         return torch.tensor(applied.loss)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return [p for p in self.parameters() if p.requires_grad]
+
+    @contextlib.contextmanager
+    def _at_predicted_weights(self):
+        """Swap the predicted weights in for forward/backward, then restore w_t exactly (a saved copy)."""
+        predicted = self._predicted_weights()
+        if predicted is None:
+            yield
+            return
+        params = self.params
+        saved = [local(p).detach().clone() for p in params]
+        with torch.no_grad():
+            for p, w in zip(params, predicted, strict=True):
+                local(p).copy_(w)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for p, w in zip(params, saved, strict=True):
+                    local(p).copy_(w)
+            if self.compensation == "weight_prediction":
+                self.prev_weights = saved
+
+    def _predicted_weights(self) -> list[torch.Tensor] | None:
+        """Local shards of the weights this step's gradient is computed at; None = at w_t."""
+        if self.compensation == "weight_prediction":
+            if self.prev_weights is None:  # first step: no update seen yet; remember w_0
+                self.prev_weights = [local(p).detach().clone() for p in self.params]
+                return None
+            return extrapolate(self.params, self.prev_weights, self.max_staleness)
+        if self.compensation == "optimizer_lookahead" and self.in_flight:
+            if self.optimizer is None:
+                raise RuntimeError("staleness.compensation='optimizer_lookahead' needs the optimizer: call "
+                                   "runner.attach_optimizer(optimizer) after building it (train() does)")
+            pending = [item.local_grads for item in self.in_flight]
+            coefs = [self._clip_coef(grads) for grads in pending]
+            return adamw_lookahead(self.optimizer, self.params, pending, coefs)
+        return None
+
+    def _clip_coef(self, grads: list[torch.Tensor]) -> float:
+        """The clipping coefficient clip_grad_norm_ would apply to these gradients (1 without clipping)."""
+        if self.grad_clip <= 0:
+            return 1.0
+        return min(self.grad_clip / (global_grad_norm(grads) + 1e-6), 1.0)
 
     def _accumulate(self, chunks, t0: float) -> tuple[float, int]:
         """Forward/backward over the microbatches (all, or as many as the time budget allows; at least one)."""
@@ -288,6 +368,60 @@ class StaleDataParallelRunner(ParallelRunner):
         hosts: list = [None] * self.dp_size
         dist.all_gather_object(hosts, host, group=self.group)
         return hosts
+
+
+def check_lookahead_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """optimizer_lookahead replays AdamW's update; refuse anything it would replay wrongly."""
+    ok = type(optimizer) is torch.optim.AdamW and not any(
+        g.get("amsgrad") or g.get("maximize") or isinstance(g["lr"], torch.Tensor) for g in optimizer.param_groups)
+    if not ok:
+        raise ValueError(f"staleness.compensation='optimizer_lookahead' replays torch.optim.AdamW (no amsgrad/"
+                         f"maximize, float lr); got {type(optimizer).__name__}; allowed: compensation="
+                         f"'weight_prediction' or 'none' for other optimizers")
+
+
+def own_gradient(p: nn.Parameter, scale: float) -> torch.Tensor:
+    """A copy of this rank's gradient of p (times scale), laid out as p: with tensor parallelism a gradient can be
+    placed differently from its parameter (e.g. partial sums), which the elementwise AdamW replay cannot mix."""
+    if p.grad is None:
+        return torch.zeros_like(p)
+    g = p.grad.detach()
+    if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
+        g = g.redistribute(p.device_mesh, p.placements)
+    return g.clone().mul_(scale)
+
+
+def extrapolate(params, prev_weights: list[torch.Tensor], s: int) -> list[torch.Tensor]:
+    """weight_prediction: w_t + s (w_t - w_{t-1}), the last update repeated s times (SpecTrain, Chen et al. 2018)."""
+    return [local(p).detach() + s * (local(p).detach() - prev) for p, prev in zip(params, prev_weights, strict=True)]
+
+
+def adamw_lookahead(optimizer: torch.optim.Optimizer, params, pending: list[list[torch.Tensor]],
+                    coefs: list[float]) -> list[torch.Tensor]:
+    """Local shards of the weights after AdamW steps with `pending` gradients (oldest first, each scaled by its
+    clipping coefficient), from the optimizer's current state, on scratch copies; the optimizer is untouched.
+    Same arithmetic as torch's single-tensor AdamW; every step uses the current learning rate (the schedule's
+    next values are not known here; they change little over s steps)."""
+    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    predicted = []
+    for i, p in enumerate(params):
+        group, state = group_of[id(p)], optimizer.state.get(p, {})
+        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        beta1, beta2 = group["betas"]
+        w = local(p).detach().clone()
+        m = local(state["exp_avg"]).clone() if state else torch.zeros_like(w)
+        v = local(state["exp_avg_sq"]).clone() if state else torch.zeros_like(w)
+        k = float(state["step"]) if state else 0.0
+        for grads, coef in zip(pending, coefs, strict=True):
+            g = local(grads[i]) * coef
+            k += 1
+            w.mul_(1 - lr * wd)
+            m.lerp_(g, 1 - beta1)
+            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+            denom = (v.sqrt() / math.sqrt(1 - beta2 ** k)).add_(eps)
+            w.addcdiv_(m, denom, value=-lr / (1 - beta1 ** k))
+        predicted.append(w)
+    return predicted
 
 
 def build_stale_runner(model: nn.Module, cfg: TrainConfig, mesh, env, degrees: dict[str, int]):
