@@ -240,7 +240,7 @@ def _compensated_reference(cfg, steps, s, dp, compensation):
     optimizer = build_optimizer(runner, cfg.optim)
     params = list(model.parameters())
     per_rank = cfg.train.global_batch // dp
-    pending, losses, prev = [], [], [p.detach().clone() for p in params]
+    pending, losses, prev, coef = [], [], [p.detach().clone() for p in params], 1.0
     for step in range(steps):
         inputs, targets = global_batch(cfg, step)
         now = [p.detach().clone() for p in params]
@@ -256,10 +256,9 @@ def _compensated_reference(cfg, steps, s, dp, compensation):
                     # load_state_dict keeps the state's tensors (no copy): deep-copy, or the probe's steps
                     # would update the real optimizer's moments in place
                     probe_opt.load_state_dict(copy.deepcopy(optimizer.state_dict()))
-                    for grads_by_rank, _ in pending:
+                    for grads_by_rank, _ in pending:  # scaled by the last real update's clipping coefficient
                         for q, g in zip(probe.parameters(), grads_by_rank[r], strict=True):
-                            q.grad = g.clone()
-                        torch.nn.utils.clip_grad_norm_(list(probe.parameters()), cfg.optim.grad_clip)
+                            q.grad = g * coef
                         probe_opt.step()
                         probe_opt.zero_grad(set_to_none=True)
             rank_runner = Runner(probe, cfg.train.microbatch, torch.device("cpu"))
@@ -272,7 +271,8 @@ def _compensated_reference(cfg, steps, s, dp, compensation):
         if step >= s:
             for p, g in zip(params, pending.pop(0)[1], strict=True):
                 p.grad = g
-            runner.clip_grad_norm_(cfg.optim.grad_clip)
+            norm = runner.clip_grad_norm_(cfg.optim.grad_clip)
+            coef = min(cfg.optim.grad_clip / (norm + 1e-6), 1.0)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
     return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
@@ -311,11 +311,12 @@ def test_compensated_update_matches_single_process_reference(dist_run, compensat
 
 @pytest.mark.parametrize("s", [1, 2])
 def test_lookahead_with_one_rank_computes_at_the_weights_it_is_applied_to(s):
-    """One process, constant lr: the prediction is exact, so the weights step t's forward ran at equal the weights
-    after optimizer step t + s - 1, to which its gradient is applied (fp32 rounding: the runner's AdamW
-    arithmetic against torch's foreach AdamW)."""
+    """One process, constant lr, no clipping: the prediction is exact, so the weights step t's forward ran at equal
+    the weights after optimizer step t + s - 1, to which its gradient is applied (fp32 rounding: the runner's
+    AdamW arithmetic against torch's foreach AdamW)."""
     steps = 6
-    cfg = make_config([*STALE, f"staleness.max_staleness={s}", 'staleness.compensation="optimizer_lookahead"'])
+    cfg = make_config([*STALE, f"staleness.max_staleness={s}", 'staleness.compensation="optimizer_lookahead"',
+                       "optim.grad_clip=0"])
     runner = build_runner(cfg, _single_env())
     optimizer = build_optimizer(runner, cfg.optim)
     runner.attach_optimizer(optimizer)
