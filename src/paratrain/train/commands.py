@@ -74,13 +74,17 @@ def run_prepare(args) -> int:
 
 
 def run_train(args) -> int:
+    import torch.distributed as dist
+
     from paratrain.config import load_config
     from paratrain.parallel.mesh import shutdown_distributed
     from paratrain.train.loop import train
 
     cfg = load_config(args.config, args.set)  # fails here, before any process group or data work
+    joined_here = not dist.is_initialized()  # a caller that set up the process group keeps it
     summary = train(cfg, resume_from=args.resume_from)
-    shutdown_distributed()  # torchrun's ranks exit together, with no gloo thread left running
+    if joined_here:
+        shutdown_distributed()  # torchrun's ranks exit together, with no gloo thread left running
     if summary["rank"] == 0:
         print_summary(summary)
         if args.summary_json:
