@@ -220,29 +220,37 @@ def print_throughput(world: int, result: dict) -> None:
 # -- convergence ---------------------------------------------------------------------------------------------
 
 
-def convergence_runs(compensations: list[str]) -> dict[str, list[str]]:
-    """Row name -> overrides: sync, s = 1 and 2 with each delay compensation, the time budget."""
-    runs = {"sync": POLICIES["sync"]}
+EXACT_ROW = "s=1 lookahead, 1 rank (exact)"
+
+
+def convergence_runs(compensations: list[str], exact_row: bool = False) -> dict[str, tuple[int, list[str]]]:
+    """Row name -> (ranks, overrides): sync, s = 1 and 2 with each delay compensation, the time budget; optionally
+    s = 1 with optimizer_lookahead on one rank (same global batch), where the prediction is exact up to clipping:
+    what a perfect delay compensation would give, i.e. how far apart two equivalent runs land (the noise floor)."""
+    runs = {"sync": (2, POLICIES["sync"])}
     for comp in compensations:
         for s in ("s=1", "s=2"):
-            runs[f"{s} {comp}"] = POLICIES[s] + [f'staleness.compensation="{comp}"']
-    runs["budget (rank 1 2x slow)"] = POLICIES["budget"] + ['staleness.test_fault_injection="slowdown=2.0,rank=1"']
+            runs[f"{s} {comp}"] = (2, POLICIES[s] + [f'staleness.compensation="{comp}"'])
+    runs["budget (rank 1 2x slow)"] = (2, POLICIES["budget"]
+                                       + ['staleness.test_fault_injection="slowdown=2.0,rank=1"'])
+    if exact_row:
+        runs[EXACT_ROW] = (1, POLICIES["s=1"] + ['staleness.compensation="optimizer_lookahead"'])
     return runs
 
 
 def convergence(steps: int, seeds: list[int], compensations: list[str], workdir: Path, progress,
-                extra: list[str] = ()) -> dict:
+                extra: list[str] = (), exact_row: bool = False) -> dict:
     """Final validation loss after `steps` steps (same tokens offered) per policy, dp 2, over seeds. The time
     budget runs with rank 1 at 2x slowdown, so it really skips samples; staleness math does not depend on timing.
     `extra`: overrides added to every run (e.g. another learning rate, an extra row of the table)."""
-    runs = convergence_runs(compensations)
+    runs = convergence_runs(compensations, exact_row)
     out: dict = {name: {"val_loss": [], "tokens": [], "wall_s": []} for name in runs}
     for seed in seeds:
-        for name, policy in runs.items():
+        for name, (ranks, policy) in runs.items():
             run_dir = workdir / f"conv-{len(list(workdir.glob('conv-*')))}"  # a fresh directory per run
-            overrides = base_overrides(run_dir, steps, seed, 2) + policy + [f"train.eval_every={steps}",
-                                                                             "train.eval_batches=8", *extra]
-            res = run_training(2, overrides)
+            overrides = base_overrides(run_dir, steps, seed, ranks) + policy + [f"train.eval_every={steps}",
+                                                                                 "train.eval_batches=8", *extra]
+            res = run_training(ranks, overrides)
             val = [m["val_loss"] for m in read_metrics(run_dir) if "val_loss" in m][-1]
             out[name]["val_loss"].append(val)
             out[name]["tokens"].append(res["tokens"])
@@ -279,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", choices=["throughput", "convergence"], help="skip one part")
     ap.add_argument("--compensation", nargs="+", default=list(COMPENSATIONS), choices=COMPENSATIONS,
                     help="staleness.compensation values for the s = 1, 2 convergence rows (default: all)")
+    ap.add_argument("--exact-row", action="store_true",
+                    help="add a convergence row: s = 1 with optimizer_lookahead on 1 rank, where the prediction is "
+                         "exact (the noise floor: how far two equivalent runs land apart)")
     ap.add_argument("--extra-lr", type=float, nargs="*", default=[],
                     help="also run the convergence table at these learning rates (extra information; the "
                          "main table keeps the default optim.lr)")
@@ -300,12 +311,13 @@ def main(argv: list[str] | None = None) -> int:
                 report["throughput"][world] = throughput(world, args.steps, args.repeats, args.base_s, work, progress)
                 print_throughput(world, report["throughput"][world])
         if args.skip != "convergence":
-            report["convergence"] = convergence(args.conv_steps, args.seeds, args.compensation, work, progress)
+            report["convergence"] = convergence(args.conv_steps, args.seeds, args.compensation, work, progress,
+                                                exact_row=args.exact_row)
             print_convergence(report["convergence"], args.conv_steps, args.seeds)
             for lr in args.extra_lr:
                 key = f"convergence_lr_{lr:g}"
                 report[key] = convergence(args.conv_steps, args.seeds, args.compensation, work, progress,
-                                          [f"optim.lr={lr}", f"optim.min_lr={lr / 10}"])
+                                          [f"optim.lr={lr}", f"optim.min_lr={lr / 10}"], args.exact_row)
                 print_convergence(report[key], args.conv_steps, args.seeds, f", lr {lr:g} (min_lr {lr / 10:g})")
     report["load_average_end"] = os.getloadavg()
     print(f"\n(total {time.perf_counter() - t0:.0f} s on {os.cpu_count()} CPUs, load average "

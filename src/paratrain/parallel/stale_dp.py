@@ -25,8 +25,8 @@ predicted weights instead of w_t, so it is computed near the weights it will be 
   at steps t - s .. t - 1 (those still in flight: their reduced versions are what the next s updates apply),
   scaled by the last applied gradient's clipping coefficient, at the current learning rate: w_hat ~ w_{t+s}. With
   one rank and no clipping the prediction is exact, so s = 1 computes at exactly the weights it will be applied
-  to; with dp ranks it misses by the difference
-  between the rank's own gradient and the dp mean, damped by (1 - beta1). It is the weight prediction of XPipe
+  to; with dp ranks it misses by the difference between the rank's own gradient and the dp mean, damped by
+  (1 - beta1). It is the weight prediction of XPipe
   (Guan et al. 2019, "XPipe: Efficient Pipeline Model Parallelism for Multi-GPU DNN Training", Adam's update
   direction) and SpecTrain (Chen et al. 2018, "Efficient and Robust Parallel DNN Training through Model
   Parallelism on Multi-GPU Platform"), using the rank's own pending gradients for the unknown next updates.
@@ -146,7 +146,6 @@ class StaleDataParallelRunner(ParallelRunner):
         self.step = 0
         # Delay compensation needs something to compensate: s = 0 computes at w_t (bitwise synchronous DDP).
         self.compensation = st.compensation if self.max_staleness > 0 else "none"
-        self.grad_clip = cfg.optim.grad_clip
         self.optimizer: torch.optim.Optimizer | None = None  # attach_optimizer (optimizer_lookahead)
         self.prev_weights: list[torch.Tensor] | None = None  # weight_prediction: w_{t-1} (local shards)
         self.last_clip_coef = 1.0  # clipping coefficient of the last applied gradient (optimizer_lookahead)
@@ -220,9 +219,9 @@ class StaleDataParallelRunner(ParallelRunner):
             pending = [item.local_grads for item in self.in_flight]
             # Scaled by the clipping coefficient of the last applied (dp-mean) gradient, not clipped by their own
             # norm: a rank's gradient is noisier than the mean, so its norm is larger and self-clipping would
-            # shrink it below the scale of the gradients in the optimizer's moments (measured: +4.8% vs +6.7%
-            # final loss over sync, 6 seeds, docs/benchmarks/staleness.md). Before any update the coefficient is
-            # 1: Adam's first steps do not depend on a common scale of their gradients.
+            # shrink it below the scale of the gradients in the optimizer's moments (measured in a simulation of
+            # dp 2: +4.8% vs +6.7% final loss over sync, 6 seeds; docs/staleness.md). Before any update the
+            # coefficient is 1: Adam's first steps do not depend on a common scale of their gradients.
             return adamw_lookahead(self.optimizer, self.params, pending, [self.last_clip_coef] * len(pending))
         return None
 
