@@ -70,3 +70,24 @@ def test_pipeline_breakdown_has_the_point_to_point_waits(dist_run, tmp):
     records = _records(tmp / "pp2")
     kinds = {k for k in records[2] if k.startswith("comm_")}
     assert kinds & {"comm_p2p_s", "comm_wait_s"}, records[2]
+
+
+def test_run_prints_the_planners_prediction_beside_the_measurement(tmp, capsys):
+    """plan -> train -> measure: with metrics.hardware naming a hardware file, the run's summary holds the
+    planner's prediction for this very layout and software (eager kernels, DDP buckets), printed with the
+    measured step time and breakdown."""
+    from paratrain.calibrate.probe import ProbeResult, hardware_toml
+    from paratrain.train.commands import print_summary
+
+    probe = ProbeResult(device="cpu", threads_per_rank=1, matmul_tflops_by_size={128: 0.02, 1024: 0.05},
+                        memory_bw_gbytes_per_s=5.0, cores=2,
+                        link_fit={"latency_us": 100.0, "bw_gbytes_per_s": 1.0, "timeshare_step_us": 200.0})
+    hw = tmp / "local.toml"
+    hw.write_text(hardware_toml(probe, "local"))
+    summary = _train(settings(tmp, "predicted", f'metrics.hardware="{hw}"'))
+    pred = summary["predicted"]
+    assert pred["system"] == "local" and pred["step_time_s"] > 0 and pred["breakdown_s"]["compute"] > 0
+    assert summary["planner_options"] == {"bucket_bytes": 25 * 2**20, "eager": True, "p2p_scatter_gather": False}
+    print_summary(summary)
+    out = capsys.readouterr().out
+    assert "planner predicted" in out and "predicted     compute" in out and "measured      " in out

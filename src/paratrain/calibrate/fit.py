@@ -57,6 +57,7 @@ class Measurement:
     world_size: int
     step_time_s: float
     name: str = ""
+    options: dict = dataclasses.field(default_factory=dict)  # planner Options fields of the run (bucket, eager)
 
     @classmethod
     def from_summary(cls, data: dict, name: str = "") -> Measurement:
@@ -66,7 +67,7 @@ class Measurement:
                                  f"--summary-json)")
         return cls(model=ModelConfig(**data["model_shape"]), seq=data["seq_len"], global_batch=data["global_batch"],
                    layout=data["planner_layout"], world_size=data["world_size"],
-                   step_time_s=data["step_time_s_median"], name=name)
+                   step_time_s=data["step_time_s_median"], name=name, options=data.get("planner_options", {}))
 
 
 def load_measurements(paths: list[str | Path]) -> list[Measurement]:
@@ -118,9 +119,11 @@ def sized_for(system: System, world_size: int) -> System:
 
 def predict(system: System, m: Measurement):
     from paratrain.plan.api import Layout, estimate
+    from paratrain.plan.model import Options
 
     layout = Layout(**{k: v for k, v in m.layout.items() if k in Layout.__dataclass_fields__})
-    return estimate(m.model, sized_for(system, m.world_size), 1, m.seq, m.global_batch, layout)
+    sized = sized_for(system, m.world_size)
+    return estimate(m.model, sized, 1, m.seq, m.global_batch, layout, Options.for_system(sized, **m.options))
 
 
 def _to_unit(params: dict[str, float]) -> np.ndarray:

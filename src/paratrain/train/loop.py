@@ -225,6 +225,14 @@ def planner_layout(cfg: TrainConfig, degrees: dict) -> dict:
             "virtual_stages": p.virtual_stages, "dp_kind": kind, "zero_stage": 3 if kind != "ddp" else 0}
 
 
+def planner_options(cfg: TrainConfig) -> dict:
+    """The software choices of this run that the planner models (paratrain.plan.model.Options fields): DDP's
+    bucket size, whether kernels run eagerly (train.compile fuses the blocks' elementwise ops), and pipeline
+    sends of the whole activation (no Megatron scatter/gather)."""
+    return {"bucket_bytes": cfg.parallel.ddp_bucket_mb * 2**20, "eager": not cfg.train.compile,
+            "p2p_scatter_gather": False}
+
+
 def measured_for_planner(cfg: TrainConfig, model_cfg, degrees: dict, breakdowns: list[dict]) -> dict:
     """Steady-state step time and breakdown (medians, first steps dropped as warm-up), with what the planner
     needs to predict the same run: `paratrain calibrate` reads these fields from the summary."""
@@ -234,6 +242,7 @@ def measured_for_planner(cfg: TrainConfig, model_cfg, degrees: dict, breakdowns:
     median = {k: statistics.median([b[k] for b in steady if k in b]) for k in keys} if steady else {}
     return {"model_shape": model_cfg.model_dump(), "seq_len": cfg.train.seq_len,
             "global_batch": cfg.train.global_batch, "planner_layout": planner_layout(cfg, degrees),
+            "planner_options": planner_options(cfg),
             "step_time_s_median": median.pop("step_time_s", float("nan")), "breakdown_median_s": median}
 
 
@@ -241,6 +250,7 @@ def planner_prediction(cfg: TrainConfig, model_cfg, degrees: dict, world_size: i
     """What the planner predicts for this very run on `metrics.hardware` (the plan -> train -> measure loop)."""
     from paratrain.hardware.catalog import resolve_system
     from paratrain.plan.api import Layout, estimate
+    from paratrain.plan.model import Options
 
     system = resolve_system(cfg.metrics.hardware)
     nodes = max(world_size // system.devices_per_node, 1)
@@ -249,7 +259,7 @@ def planner_prediction(cfg: TrainConfig, model_cfg, degrees: dict, world_size: i
 
         system = sized_for(system, world_size)
     est = estimate(model_cfg, system, nodes, cfg.train.seq_len, cfg.train.global_batch,
-                   Layout(**planner_layout(cfg, degrees)))
+                   Layout(**planner_layout(cfg, degrees)), Options.for_system(system, **planner_options(cfg)))
     return {"system": system.name, "step_time_s": est.step_time_s, "breakdown_s": est.time_breakdown_s,
             "memory_per_device_bytes": est.memory_per_device_bytes}
 
