@@ -264,13 +264,13 @@ def print_convergence(result: dict, steps: int, seeds: list[int], label: str = "
     print(f"\n## convergence: tiny model, dp=2, {steps} steps x 16 x {SEQ_LEN} tokens offered, seeds {seeds}"
           f"{label}")
     print("vs sync: mean over seeds vs the mean of sync; paired: mean over seeds of the per-seed ratio")
-    print(f"{'policy':<32}{'val loss (mean)':>16}{'vs sync':>9}{'paired':>9}{'per seed':>24}{'tokens used':>13}"
-          f"{'wall s':>8}")
+    print(f"{'policy':<32}{'val loss (mean)':>16}{'vs sync':>9}{'paired':>9}  {'per seed':<{7 * len(seeds)}}"
+          f"{'tokens used':>13}{'wall s':>8}")
     for name, r in result.items():
         mean = statistics.mean(r["val_loss"])
         paired = statistics.mean(v / b - 1 for v, b in zip(r["val_loss"], result["sync"]["val_loss"], strict=True))
         per_seed = " ".join(f"{v:.3f}" for v in r["val_loss"])
-        print(f"{name:<32}{mean:>16.4f}{(mean / sync - 1):>+9.2%}{paired:>+9.2%}{per_seed:>24}"
+        print(f"{name:<32}{mean:>16.4f}{(mean / sync - 1):>+9.2%}{paired:>+9.2%}  {per_seed:<{7 * len(seeds)}}"
               f"{statistics.mean(r['tokens']):>13,.0f}{statistics.mean(r['wall_s']):>8.1f}")
 
 
