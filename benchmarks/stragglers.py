@@ -274,6 +274,36 @@ def print_convergence(result: dict, steps: int, seeds: list[int], label: str = "
               f"{statistics.mean(r['tokens']):>13,.0f}{statistics.mean(r['wall_s']):>8.1f}")
 
 
+def compensation_overhead(compensations: list[str], steps: int = 20, rounds: int = 3) -> dict:
+    """Step time of the stale runner in one process (no communication) per compensation and s: the cost of the
+    prediction itself (weight copies, the AdamW replay). Tiny model, seq 64, global batch 16; min over rounds."""
+    from paratrain.parallel.mesh import DistEnv
+    from paratrain.train.loop import build_optimizer, build_runner
+
+    env = DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    gen = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 4096, (steps + 5, 16, SEQ_LEN + 1), generator=gen)
+    times: dict = {}
+    for _ in range(rounds):
+        for comp in compensations:
+            for s in (1, 2):
+                cfg = load_config(None, ['staleness.policy="bounded_staleness"', f"staleness.max_staleness={s}",
+                                         f'staleness.compensation="{comp}"', f"train.seq_len={SEQ_LEN}",
+                                         "train.global_batch=16", "train.microbatch=2", 'train.device="cpu"'])
+                runner = build_runner(cfg, env)
+                optimizer = build_optimizer(runner, cfg.optim)
+                runner.attach_optimizer(optimizer)
+                for i, rows in enumerate(data):
+                    if i == 5:  # after warm-up (the delay pipeline is full)
+                        t0 = time.perf_counter()
+                    runner.forward_backward(rows[:, :-1], rows[:, 1:])
+                    runner.clip_grad_norm_(cfg.optim.grad_clip)
+                    optimizer.step()
+                    optimizer.zero_grad(set_to_none=True)
+                times.setdefault(f"{comp} s={s}", []).append((time.perf_counter() - t0) / steps)
+    return {k: min(v) for k, v in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--dp", type=int, nargs="+", default=[2, 4], help="data-parallel sizes (default 2 4)")
@@ -294,7 +324,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run the convergence table at these learning rates (extra information; the "
                          "main table keeps the default optim.lr)")
     ap.add_argument("--json", help="write all measurements to this file")
+    ap.add_argument("--overhead", action="store_true",
+                    help="only measure the step time each compensation costs (one process, tiny model) and exit")
     args = ap.parse_args(argv)
+    if args.overhead:
+        torch.set_num_threads(1)
+        times = compensation_overhead(list(COMPENSATIONS))
+        for name, t in times.items():
+            base = times[f"none s={name[-1]}"]
+            print(f"{name:<28}{t * 1e3:>8.1f} ms/step{t / base - 1:>+8.1%} vs none")
+        return 0
     if args.quick:
         args.steps, args.repeats, args.conv_steps, args.seeds = 30, 1, 100, args.seeds[:2]
     prepare(load_config(None, []).data)  # the default corpus, once, before forking
