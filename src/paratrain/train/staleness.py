@@ -7,9 +7,12 @@ module holds what the training loop and the tests need around it. See docs/stale
 Policies (`[staleness] policy`):
 - "sync": ordinary synchronous data parallelism (the runtime's DDP/FSDP paths; nothing here is involved).
 - "bounded_staleness": a fixed gradient delay of s = max_staleness steps. At optimizer step t every rank applies
-  the average over ranks of the gradients computed at step t - s (at the weights of step t - s). The all-reduce of
-  step t runs in the background while steps t+1 .. t+s compute. Steps t < s apply nothing. s = 0 is the
-  synchronous DDP path, bit for bit.
+  the average over ranks of the gradients computed at step t - s. The all-reduce of step t runs in the background
+  while steps t+1 .. t+s compute. Steps t < s apply nothing. s = 0 is the synchronous DDP path, bit for bit.
+  `compensation` (s > 0) chooses where step t's gradient is computed: "optimizer_lookahead" (default; AdamW
+  replayed on this rank's pending gradients, ~ the weights it will be applied to), "weight_prediction"
+  (w_t + s (w_t - w_{t-1})) or "none" (w_t, so a gradient computed at w_{t-s} is applied to w_t); see
+  parallel/stale_dp.py.
 - "time_budget": each rank processes as many of its microbatches as fit in the step's time budget (at least one);
   gradients are summed over ranks and divided by the number of microbatches processed in total, so the update is
   the mean over the tokens actually processed. Composes with max_staleness (default 0).
