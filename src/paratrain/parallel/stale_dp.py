@@ -3,9 +3,9 @@ steps compute, and is applied at step t + s (bounded staleness s), optionally wi
 
 Semantics (docs/staleness.md has the full story):
 - Every rank keeps identical weights: at optimizer step t every rank applies the same gradient, the average over
-  data-parallel ranks of the gradients of step t - s, computed at the weights of step t - s. Steps t < s apply no
-  update (the optimizer skips parameters without a gradient). This is async SGD with a fixed delay s and no delay
-  compensation (the weight-stashing-free variant of PipeDream-2BW's delay of 1).
+  data-parallel ranks of the gradients of step t - s. Steps t < s apply no update (the optimizer skips parameters
+  without a gradient). Without compensation those gradients were computed at w_{t-s}: async SGD with a fixed delay
+  s (the weight-stashing-free variant of PipeDream-2BW's delay of 1); with it, near w_t (below).
 - The bound is a guarantee: at step t a rank waits for the all-reduce of step t - s, which completes only when
   every rank has contributed step t - s. So no rank runs more than s steps ahead of the slowest.
 - s = 0 reduces exactly as the runtime's synchronous DDP path (`parallel.data.BucketedGradReducer`): the same
