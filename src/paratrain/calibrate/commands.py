@@ -132,10 +132,15 @@ def run_probe_cmd(args) -> int:
     if args.json:
         print(json.dumps({"matmul_tflops_by_size": res.matmul_tflops_by_size,
                           "memory_bw_gbytes_per_s": res.memory_bw_gbytes_per_s, "collective_fits": res.fits,
+                          "link_fit": res.link_fit,
                           "hardware_file": str(out)}, indent=2))
     else:
         print(f"peak matmul {res.peak_tflops * 1e3:,.1f} GFLOP/s per rank, memory {res.memory_bw_gbytes_per_s:.1f} GB/s")
         for kind, fit in res.fits.items():
             print(f"{kind:>15}: latency {fit['latency_us']:.0f} us, bandwidth {fit['bw_gbytes_per_s']:.2f} GB/s")
+        if (link := res.link_fit):
+            print(f"planner's link model (all collectives, {link['points']} points, MAPE {link['mape']:.0%}): "
+                  f"{link['latency_us']:.0f} us per ring step, +{link['timeshare_step_us']:.0f} us per step for "
+                  f"each further rank sharing a core ({link['cores']} cores), {link['bw_gbytes_per_s']:.2f} GB/s")
         print(f"wrote {out}")
     return 0
