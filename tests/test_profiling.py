@@ -72,19 +72,31 @@ def test_pipeline_breakdown_has_the_point_to_point_waits(dist_run, tmp):
     assert kinds & {"comm_p2p_s", "comm_wait_s"}, records[2]
 
 
+def _hardware_file(tmp: Path, cores: int = 2) -> Path:
+    from paratrain.calibrate.probe import ProbeResult, hardware_toml
+
+    probe = ProbeResult(device="cpu", threads_per_rank=1, matmul_tflops_by_size={128: 0.02, 1024: 0.05},
+                        memory_bw_gbytes_per_s=5.0, cores=cores,
+                        link_fit={"latency_us": 100.0, "bw_gbytes_per_s": 1.0, "timeshare_step_us": 200.0})
+    hw = tmp / f"local-{cores}.toml"
+    hw.write_text(hardware_toml(probe, "local"))
+    return hw
+
+
+def test_prediction_for_more_ranks_than_the_hardware_files_cores(dist_run, tmp):
+    """2 ranks on a host described with 1 core: the ranks share it (sized_for), one node."""
+    got = dist_run(2, _train, settings(tmp, "predicted-dp2", "parallel.dp=2", 'parallel.dp_kind="ddp"',
+                                       f'metrics.hardware="{_hardware_file(tmp, cores=1)}"'))
+    assert got[0]["predicted"]["step_time_s"] > 0 and got[0]["predicted"]["breakdown_s"]["dp_comm"] > 0
+
+
 def test_run_prints_the_planners_prediction_beside_the_measurement(tmp, capsys):
     """plan -> train -> measure: with metrics.hardware naming a hardware file, the run's summary holds the
     planner's prediction for this very layout and software (eager kernels, DDP buckets), printed with the
     measured step time and breakdown."""
-    from paratrain.calibrate.probe import ProbeResult, hardware_toml
     from paratrain.train.commands import print_summary
 
-    probe = ProbeResult(device="cpu", threads_per_rank=1, matmul_tflops_by_size={128: 0.02, 1024: 0.05},
-                        memory_bw_gbytes_per_s=5.0, cores=2,
-                        link_fit={"latency_us": 100.0, "bw_gbytes_per_s": 1.0, "timeshare_step_us": 200.0})
-    hw = tmp / "local.toml"
-    hw.write_text(hardware_toml(probe, "local"))
-    summary = _train(settings(tmp, "predicted", f'metrics.hardware="{hw}"'))
+    summary = _train(settings(tmp, "predicted", f'metrics.hardware="{_hardware_file(tmp)}"'))
     pred = summary["predicted"]
     assert pred["system"] == "local" and pred["step_time_s"] > 0 and pred["breakdown_s"]["compute"] > 0
     assert summary["planner_options"] == {"bucket_bytes": 25 * 2**20, "eager": True, "p2p_scatter_gather": False}

@@ -97,6 +97,8 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
     vocab = read_meta(cfg.data.prepared_dir)["vocab_size"]
     if vocab > model_cfg.vocab:
         raise ValueError(f"model vocab {model_cfg.vocab} < tokenizer vocab {vocab}: set model.vocab >= {vocab}")
+    # what the planner predicts for this run, computed before the model is built so that a layout it cannot model fails now
+    predicted = planner_prediction(cfg, model_cfg, degrees, env.world_size) if cfg.metrics.hardware else None
 
     runner = build_runner(cfg, env)
     optimizer = build_optimizer(runner, cfg.optim)
@@ -212,7 +214,7 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
         **measured_for_planner(cfg, model_cfg, degrees, breakdowns),
     }
     if cfg.metrics.hardware and env.is_main:
-        summary["predicted"] = planner_prediction(cfg, model_cfg, degrees, env.world_size)
+        summary["predicted"] = predicted
     return summary
 
 
@@ -253,11 +255,11 @@ def planner_prediction(cfg: TrainConfig, model_cfg, degrees: dict, world_size: i
     from paratrain.plan.model import Options
 
     system = resolve_system(cfg.metrics.hardware)
-    nodes = max(world_size // system.devices_per_node, 1)
     if world_size < system.devices_per_node or system.chip.vendor == "local":  # the ranks in use on one node
         from paratrain.calibrate.fit import sized_for
 
         system = sized_for(system, world_size)
+    nodes = max(world_size // system.devices_per_node, 1)
     est = estimate(model_cfg, system, nodes, cfg.train.seq_len, cfg.train.global_batch,
                    Layout(**planner_layout(cfg, degrees)), Options.for_system(system, **planner_options(cfg)))
     return {"system": system.name, "step_time_s": est.step_time_s, "breakdown_s": est.time_breakdown_s,
