@@ -416,20 +416,21 @@ def _drop_empty(table: dict) -> dict:
     return {k: v for k, v in table.items() if v is not None and v != {} and v != () and v != []}
 
 
-def chip_table(chip: Chip) -> dict:
-    data = asdict(chip)
+def _entry_table(entry: Chip | Interconnect) -> dict:
+    """A chip or link as its TOML table: every field but the name (the table's key) and origin (the file)."""
+    data = asdict(entry)
     for key in ("name", "origin"):
         data.pop(key)
-    data["conflicts"] = list(chip.conflicts)
+    data["conflicts"] = list(entry.conflicts)
     return _drop_empty(data)
+
+
+def chip_table(chip: Chip) -> dict:
+    return _entry_table(chip)
 
 
 def interconnect_table(link: Interconnect) -> dict:
-    data = asdict(link)
-    for key in ("name", "origin"):
-        data.pop(key)
-    data["conflicts"] = list(link.conflicts)
-    return _drop_empty(data)
+    return _entry_table(link)
 
 
 def system_table(system: System) -> dict:
