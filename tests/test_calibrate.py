@@ -23,12 +23,24 @@ def test_alpha_beta_fit_recovers_latency_and_bandwidth():
 
 @pytest.fixture
 def local_file(tmp_path):
-    res = ProbeResult(device="cpu", threads_per_rank=1, matmul_tflops_by_size={128: 0.05, 1024: 0.1},
-                      memory_bw_gbytes_per_s=10.0,
-                      fits={"all_reduce": {"latency_us": 100.0, "bw_gbytes_per_s": 1.0}})
     path = tmp_path / "local.toml"
-    path.write_text(hardware_toml(res, "local", ranks=8))
+    path.write_text(hardware_toml(_probe(cores=8), "local", ranks=8))
     return path
+
+
+def _probe(cores: int) -> ProbeResult:
+    return ProbeResult(device="cpu", threads_per_rank=1, matmul_tflops_by_size={128: 0.05, 1024: 0.1},
+                       memory_bw_gbytes_per_s=10.0, cores=cores,
+                       fits={"all_reduce": {"latency_us": 100.0, "bw_gbytes_per_s": 1.0}})
+
+
+def test_probe_file_for_more_ranks_than_cores_shares_them(tmp_path):
+    """`paratrain probe --ranks 4` on 2 cores: 2 chips (cores) of 2 ranks each, half a core's rate per rank."""
+    path = tmp_path / "shared.toml"
+    path.write_text(hardware_toml(_probe(cores=2), "local", ranks=4))
+    system = load_catalog([path]).system("local")
+    assert (system.chips_per_node, system.devices_per_chip, system.devices_per_node) == (2, 2, 4)
+    assert system.device_peak_flops == pytest.approx(0.05e12)
 
 
 def test_probe_file_loads_as_a_catalog_system(local_file):
@@ -161,3 +173,19 @@ def test_calibrate_command_refuses_bad_input(local_file, tmp_path, capsys):
     assert "missing 'model_shape'" in capsys.readouterr().err
     assert main(["calibrate", "--hardware", str(local_file), "--holdout", "1.5", str(broken)]) == 2
     assert "--holdout 1.5" in capsys.readouterr().err
+
+
+def test_plan_on_a_probed_file_writes_a_config_that_predicts_against_it(tmp_path):
+    """plan -> train: the written config names the hardware file itself (not just its system name, which only
+    resolves inside the catalog), so the run prints the prediction of the same entry."""
+    from paratrain.cli import main
+    from paratrain.config import load_config
+
+    hw = tmp_path / "shared.toml"
+    hw.write_text(hardware_toml(_probe(cores=2), "local", ranks=4))
+    out = tmp_path / "planned.toml"
+    assert main(["plan", "--model", "tiny", "--hardware", str(hw), "--nodes", "1", "--seq", "128",
+                 "--global-batch", "16", "--write-config", str(out)]) == 0
+    cfg = load_config(str(out), [])
+    assert cfg.metrics.hardware == str(hw.resolve())
+    assert cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.dp == 4  # the 4 ranks of the file

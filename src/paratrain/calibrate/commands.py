@@ -29,7 +29,8 @@ def register_probe(sub) -> None:
     p.add_argument("--out", default="runs/hardware/local.toml", help="hardware TOML to write")
     p.add_argument("--name", default="local", help="system name in the catalog (default: local)")
     p.add_argument("--ranks", type=int, default=None,
-                   help="devices per node in the system entry (default: this machine's cores on CPU)")
+                   help="ranks per node the entry describes (default: this machine's cores on CPU); more ranks "
+                        "than cores share them, each at its share of a core")
     p.add_argument("--groups", default="2,4", help="group sizes to time collectives on (comma list)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about 10 s)")

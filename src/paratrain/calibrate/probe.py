@@ -233,6 +233,9 @@ def hardware_toml(res: ProbeResult, name: str = "local", ranks: int | None = Non
     On a CPU the "chip" is one core running one rank's compute thread: a node has as many chips as the machine
     has cores (`ranks` overrides), and more ranks than cores share them (see calibrate.fit.sized_for)."""
     ranks = ranks or res.cores if res.device == "cpu" else ranks or 1
+    chips = min(ranks, res.cores) if res.device == "cpu" else ranks  # more ranks than cores share them
+    while ranks % chips:
+        chips -= 1
     import tomli_w
 
     link_fit = res.link_fit or res.fits.get("all_reduce", {})
@@ -266,8 +269,8 @@ def hardware_toml(res: ProbeResult, name: str = "local", ranks: int | None = Non
                              if res.link_fit else " (all-reduce alpha-beta fit)"),
         }},
         "systems": {name: {
-            "display_name": f"this machine ({platform.node()})", "chip": chip, "chips_per_node": ranks,
-            "devices_per_chip": 1, "device_unit": f"{res.device} rank",
+            "display_name": f"this machine ({platform.node()})", "chip": chip, "chips_per_node": chips,
+            "devices_per_chip": ranks // chips, "device_unit": f"{res.device} rank",
             "tiers": [{"name": "intra-node", "interconnect": link, "domain_devices": ranks},
                       {"name": "scale-out", "interconnect": link, "domain_devices": 0}],
             "source": src,

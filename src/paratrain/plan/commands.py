@@ -157,7 +157,7 @@ def cmd_plan(args) -> int:
 def _write(args, est, model, system) -> None:
     from paratrain.plan.config_writer import write_training_config
 
-    path = write_training_config(args.write_config, est, model, args.model, system.devices_per_node)
+    path = write_training_config(args.write_config, est, model, args.model, system.devices_per_node, args.hardware)
     if not args.json:
         print(f"wrote {path}")
 

@@ -25,7 +25,10 @@ def runtime_dp(dp_kind: str, zero_stage: int) -> tuple[str, int | None]:
     return dp_kind, 3
 
 
-def training_config(est: Estimate, model: ModelConfig, model_spec: str, devices_per_node: int) -> dict:
+def training_config(est: Estimate, model: ModelConfig, model_spec: str, devices_per_node: int,
+                    hardware_spec: str | None = None) -> dict:
+    """The trainer's config for a planned layout. `hardware_spec`: what the user passed to --hardware (a
+    catalog name or a TOML file), written as metrics.hardware so the run predicts against the same entry."""
     lay = est.layout
     if model_spec in PRESETS or Path(model_spec).is_file():
         model_section = {"preset": model_spec}
@@ -45,13 +48,19 @@ def training_config(est: Estimate, model: ModelConfig, model_spec: str, devices_
         "model": model_section,
         "parallel": parallel,
         "train": {"seq_len": est.seq, "global_batch": est.global_batch, "microbatch": lay.microbatch},
-        "metrics": {"hardware": est.system},
+        "metrics": {"hardware": _hardware_ref(hardware_spec, est.system)},
     }
 
 
+def _hardware_ref(spec: str | None, system_name: str) -> str:
+    if spec and Path(spec).is_file():  # a file (e.g. from `paratrain probe`): absolute, so the config travels
+        return str(Path(spec).resolve())
+    return system_name
+
+
 def write_training_config(path: str | Path, est: Estimate, model: ModelConfig, model_spec: str,
-                          devices_per_node: int) -> Path:
-    data = training_config(est, model, model_spec, devices_per_node)
+                          devices_per_node: int, hardware_spec: str | None = None) -> Path:
+    data = training_config(est, model, model_spec, devices_per_node, hardware_spec)
     header = (f"# Written by `paratrain plan/estimate`: {est.model} on {est.nodes} x {est.system}, predicted "
               f"{est.step_time_s:.3f} s/step, MFU {est.mfu:.1%}, {est.memory_per_device_bytes / 2**30:.1f} GiB/device.\n"
               f"# Planned data parallelism: {est.layout.dp_kind} ZeRO-{est.layout.zero_stage}"
