@@ -336,3 +336,13 @@ def test_zbv_with_zero3_and_sp_cp_shapes_are_refused(box):
                                                dp_kind="fsdp", zero_stage=3))
     with pytest.raises(ValueError, match="seq/cp = 6 must be divisible by tp = 4"):
         estimate(model, box, 1, 12, 16, Layout(tp=4, sp=True, cp=2, microbatch=1))
+
+
+def test_zero12_as_paratrain_runs_it(box):
+    """paratrain runs ZeRO-1/2 as FSDP without resharding: per microbatch one gather per unit (blocks + root),
+    one reduce-scatter per unit per step, nothing after the optimizer step."""
+    model, L, m = PRESETS["small"], PRESETS["small"].layers, 2
+    layout, opts = Layout(dp=8, microbatch=1, zero_stage=2), Options(zero12_as_fsdp=True)
+    base = estimate(model, box, 1, 256, 16, layout, opts).time_breakdown_s["dp_comm"]
+    paid = estimate(model, _with_call_cost(box, 1000.0), 1, 256, 16, layout, opts).time_breakdown_s["dp_comm"]
+    assert (paid - base) / 1e-3 == pytest.approx(m * (L + 1) + L + 1)

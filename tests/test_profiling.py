@@ -99,7 +99,8 @@ def test_run_prints_the_planners_prediction_beside_the_measurement(tmp, capsys):
     summary = _train(settings(tmp, "predicted", f'metrics.hardware="{_hardware_file(tmp)}"'))
     pred = summary["predicted"]
     assert pred["system"] == "local" and pred["step_time_s"] > 0 and pred["breakdown_s"]["compute"] > 0
-    assert summary["planner_options"] == {"bucket_bytes": 25 * 2**20, "eager": True, "p2p_scatter_gather": False}
+    assert summary["planner_options"] == {"bucket_bytes": 25 * 2**20, "eager": True, "p2p_scatter_gather": False,
+                                          "zero12_as_fsdp": True}
     print_summary(summary)
     out = capsys.readouterr().out
     assert "planner predicted" in out and "predicted     compute" in out and "measured      " in out

@@ -52,6 +52,10 @@ class Options:
     q/k/v and gate/up matmuls (7 instead of 4). Each launch pays the chip's kernel_overhead_s.
     p2p_scatter_gather: without SP, pipeline stages send 1/t of the activation per TP rank and all-gather it
     on arrival (Megatron, Narayanan et al. 2021); paratrain's runtime sends the whole replicated activation.
+    zero12_as_fsdp: ZeRO-1/2 run as FSDP without resharding after forward (paratrain has no separate ZeRO-1:
+    plan/config_writer.runtime_dp): per microbatch one all-gather per unit, one reduce-scatter per unit per
+    step, no post-step gather; otherwise Megatron's distributed optimizer (bucketed reduce-scatter, all-gather
+    after the step).
     """
 
     attention: str = "flash"
@@ -59,6 +63,7 @@ class Options:
     bucket_bytes: float | None = None
     eager: bool = False
     p2p_scatter_gather: bool = True
+    zero12_as_fsdp: bool = False
 
     @classmethod
     def for_system(cls, system: System, attention: str | None = None, **kw) -> Options:
@@ -68,6 +73,7 @@ class Options:
             kw.setdefault("bucket_bytes", RUNTIME_BUCKET_BYTES)
             kw.setdefault("eager", True)
             kw.setdefault("p2p_scatter_gather", False)
+            kw.setdefault("zero12_as_fsdp", True)
         return cls(attention=attention or default, **kw)
 
     def __post_init__(self) -> None:
@@ -427,10 +433,18 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     shard_ag = (_calls_s(system, "allgather", param_bytes, units, dp_shard, stride_dp)
                 + _calls_s(system, "allgather", param_bytes * block_share, stage_layers_dev, dp_shard, stride_dp))
     repl_ar = _calls_s(system, "allreduce", grad_bytes / dp_shard, units, dp / dp_shard, stride_dp * dp_shard)
-    gathers = np.select([kind == 1, kind == 2], [m * unit_ag, m * shard_ag], 0.0)
-    reduces = np.select([zero == 0, zero <= 2, kind == 1, kind == 2],
-                        [reduce_ar, reduce_rs, unit_rs, shard_rs + repl_ar])
-    post_step = np.where((zero >= 1) & (zero <= 2), post_gather, 0.0)
+    zero12 = (zero >= 1) & (zero <= 2)
+    if opts.zero12_as_fsdp:  # paratrain: FSDP without resharding, each unit gathered once per microbatch
+        fwd_ag = _calls_s(system, "allgather", param_bytes, units, dp, stride_dp)
+        gathers = np.select([zero12, kind == 1, kind == 2], [m * fwd_ag, m * unit_ag, m * shard_ag], 0.0)
+        reduces = np.select([zero == 0, zero12, kind == 1, kind == 2], [reduce_ar, unit_rs, unit_rs,
+                                                                        shard_rs + repl_ar])
+        post_step = 0.0
+    else:
+        gathers = np.select([kind == 1, kind == 2], [m * unit_ag, m * shard_ag], 0.0)
+        reduces = np.select([zero == 0, zero <= 2, kind == 1, kind == 2],
+                            [reduce_ar, reduce_rs, unit_rs, shard_rs + repl_ar])
+        post_step = np.where(zero12, post_gather, 0.0)
     overlap = system.efficiency.dp_overlap
     window_all = overlap * m * (stage_fwd + stage_bwd)
     window_last = overlap * stage_bwd
