@@ -394,6 +394,98 @@ def test_time_budget_update_is_the_mean_over_processed_microbatches(dist_run, fa
         _assert_same_updates(res["params"], ref_params, init)
 
 
+# -- lookahead_arrived: the reduced gradient where it already arrived -------------------------------------------
+
+ARRIVED = [*STALE, "staleness.max_staleness=1", 'staleness.compensation="optimizer_lookahead"',
+           "staleness.lookahead_arrived=true"]
+# fp32 tolerance of "the same weights as synchronous DDP": each tensor's distance to sync's, relative to sync's total
+# update, below 1e-4 (rounding: the runner's AdamW replay vs torch's foreach AdamW, the clip norm summed in another
+# order). The own-gradient prediction misses by far more (asserted below, so the check can fail).
+SYNC_EQUIVALENT_RTOL = 1e-4
+
+
+def _wait_then_arrived(item):
+    for work in item.works:
+        if work is not None:
+            work.wait()
+    return True
+
+
+def _arrival_runs(overrides, steps):
+    """Synchronous DDP for steps - 1 steps; s = 1 lookahead for `steps` steps with every reduction forced to have
+    arrived (waited for before predicting), forced never arrived, and the plain own-gradient lookahead."""
+    env = init_distributed("cpu")
+    sync_cfg = make_config([*overrides, 'parallel.dp_kind="ddp"'])
+    out = {"sync": _train(sync_cfg, build_runner(sync_cfg, env), steps - 1)}
+    own = [*STALE, "staleness.max_staleness=1", 'staleness.compensation="optimizer_lookahead"']
+    for name, extra, arrived in (("forced", ARRIVED, _wait_then_arrived), ("never", ARRIVED, lambda item: False),
+                                 ("own", own, None)):
+        cfg = make_config(overrides + extra)
+        runner = build_runner(cfg, env)
+        if arrived is not None:
+            runner.arrived = arrived
+        out[name] = _train(cfg, runner, steps)
+        out[name]["lookahead"] = [(a.lookahead_pending, a.lookahead_exact) for a in runner.history]
+    return out
+
+
+def _distance_to(params, ref_params, init):
+    return max(float((p - ref_params[n]).norm() / (ref_params[n] - init[n].detach()).norm())
+               for n, p in params.items())
+
+
+def test_lookahead_arrived_at_s1_computes_at_the_weights_it_is_applied_to(dist_run):
+    """dp 2, clipping on, constant lr: with every reduction in hand, step t's gradient is computed at exactly
+    w_{t+1}, so the run is synchronous DDP one step late: its weights after N + 1 steps equal sync's after N (fp32
+    rounding, SYNC_EQUIVALENT_RTOL), and each applied gradient's loss is sync's loss of that step. Never arrived:
+    bit for bit the own-gradient lookahead."""
+    steps = 6
+    results = dist_run(2, _arrival_runs, ["parallel.dp=2", "train.global_batch=16"], steps)
+    init = dict(_single_model(make_config(["train.global_batch=16"])).named_parameters())
+    for res in results:
+        forced, never, own, sync = res["forced"], res["never"], res["own"], res["sync"]
+        assert forced["lookahead"] == [(0, 0)] + [(1, 1)] * (steps - 1)
+        assert never["lookahead"] == [(0, 0)] + [(1, 0)] * (steps - 1)
+        for t, grad_step, loss, _ in forced["history"][1:]:
+            assert t - grad_step == 1
+            assert loss == pytest.approx(sync["losses"][grad_step], rel=1e-5)
+        exact_err = _distance_to(forced["params"], sync["params"], init)
+        own_err = _distance_to(own["params"], sync["params"], init)
+        assert exact_err < SYNC_EQUIVALENT_RTOL, f"{exact_err:.2e}"
+        assert own_err > 100 * exact_err, (own_err, exact_err)  # the own-gradient prediction is visibly off
+        for n, p in never["params"].items():
+            assert torch.equal(p, own["params"][n]), f"not arrived must be the plain lookahead: {n}"
+    for name, p in results[0]["forced"]["params"].items():
+        assert torch.equal(p, results[1]["forced"]["params"][name]), f"ranks disagree on {name}"
+
+
+def test_lookahead_arrived_config_errors_and_metrics():
+    for bad in (['staleness.compensation="none"', "staleness.max_staleness=1"],
+                ['staleness.compensation="weight_prediction"', "staleness.max_staleness=1"],
+                ["staleness.max_staleness=0"]):
+        with pytest.raises(ValueError, match="staleness.lookahead_arrived=true needs staleness.compensation="
+                                             "'optimizer_lookahead' and staleness.max_staleness > 0 .*allowed"):
+            load_config(None, [*STALE, *bad, "staleness.lookahead_arrived=true"])
+    with pytest.raises(ValueError, match="staleness.lookahead_arrived=true needs"):
+        load_config(None, ["staleness.lookahead_arrived=true"])  # policy sync
+    assert load_config(None, []).staleness.lookahead_arrived is False
+    with pytest.raises(ValueError, match="lookahead_arrived=true with parallel.tp=2 is not supported"):
+        check_staleness_layout(make_config(ARRIVED), {"pp": 1, "dp": 2, "cp": 1, "tp": 2})
+    # one process: no reduction to wait for, so every pending step is exact and the metrics say so
+    cfg = make_config([*ARRIVED, "staleness.max_staleness=2"])
+    runner = build_runner(cfg, _single_env())
+    optimizer = build_optimizer(runner, cfg.optim)
+    runner.attach_optimizer(optimizer)
+    for step in range(4):
+        runner.forward_backward(*global_batch(cfg, step))
+        runner.clip_grad_norm_(cfg.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert [(a.lookahead_pending, a.lookahead_exact) for a in runner.history] == [(0, 0), (1, 1), (2, 2), (2, 2)]
+    metrics = runner.staleness_metrics()
+    assert metrics["lookahead_pending"] == 2 and metrics["lookahead_exact"] == 2
+
+
 def _assert_same_updates(params, ref_params, init, rtol=1e-3):
     """Each tensor's total update (final - initial) within rtol of the reference's, in L2 norm. Elementwise checks
     fail on rounding alone: Adam divides by sqrt(v), amplifying it where a gradient is near zero."""

@@ -170,6 +170,9 @@ class StalenessSection(Section):
     # gradient is computed. "optimizer_lookahead" = at the weights AdamW will reach when the gradient is applied,
     # predicted from this rank's own pending gradients; "weight_prediction" = w_t + s (w_t - w_{t-1}).
     compensation: Literal["none", "weight_prediction", "optimizer_lookahead"] = "optimizer_lookahead"
+    # optimizer_lookahead only: replay pending steps whose all-reduce already completed with the reduced dp-mean
+    # gradient instead of this rank's own (exact where it arrived; depends on arrival timing; docs/staleness.md).
+    lookahead_arrived: bool = False
     step_budget_s: float = Field(default=0.0, ge=0)
     straggler_threshold: float = Field(default=1.5, gt=1.0)
     straggler_window: int = Field(default=10, gt=0)
@@ -189,6 +192,10 @@ class StalenessSection(Section):
             raise ValueError("staleness.test_fault_injection is honoured by the stale-gradient runner only; for a "
                              "synchronous baseline use policy='bounded_staleness' with max_staleness=0")
         FaultInjection.parse(self.test_fault_injection)
+        if self.lookahead_arrived and (self.compensation != "optimizer_lookahead" or self.max_staleness == 0):
+            raise ValueError(f"staleness.lookahead_arrived=true needs staleness.compensation='optimizer_lookahead' "
+                             f"and staleness.max_staleness > 0 (got compensation='{self.compensation}', "
+                             f"max_staleness={self.max_staleness}); allowed: lookahead_arrived=false, or those")
         return self
 
 
@@ -308,6 +315,8 @@ FIELD_HELP = {
     "staleness.compensation": "s > 0: compute step t's gradient at predicted weights (optimizer_lookahead: "
                               "AdamW applied to this rank's pending gradients; weight_prediction: w_t + s(w_t - "
                               "w_{t-1})) or at w_t (none)",
+    "staleness.lookahead_arrived": "optimizer_lookahead: replay pending steps whose all-reduce already arrived with "
+                                   "the dp-mean gradient (exact there; timing-dependent, not bitwise reproducible)",
     "staleness.step_budget_s": "time_budget: seconds per step each DP rank may spend on microbatches",
     "staleness.straggler_threshold": "flag a rank slower than this x the median step time",
     "staleness.straggler_window": "steps the straggler median is taken over",

@@ -93,6 +93,11 @@ def check_staleness_layout(cfg: TrainConfig, degrees: dict[str, int]) -> None:
         raise ValueError(f"{where} needs parallel.dp_kind='ddp' (got '{cfg.parallel.dp_kind}'): FSDP/HSDP shard "
                          f"the parameters and gather them every step, so a rank cannot run ahead on stale "
                          f"gradients; allowed: dp_kind='ddp', or staleness.policy='sync'")
+    if cfg.staleness.lookahead_arrived and degrees["tp"] > 1:
+        raise ValueError(f"staleness.lookahead_arrived=true with parallel.tp={degrees['tp']} is not supported (tp "
+                         f"peers would have to agree on which reductions arrived, and the reduced gradient's "
+                         f"placement differs from the parameter's); allowed: parallel.tp=1, or "
+                         f"staleness.lookahead_arrived=false")
     for dim in ("pp", "cp"):
         if degrees[dim] > 1:
             raise ValueError(f"{where} with parallel.{dim}={degrees[dim]} is not supported (stale gradients are "
@@ -122,6 +127,10 @@ class AppliedStep:
     wait_s: float = 0.0
     rank_step_s: list[float] = field(default_factory=list)
     applied_unix_s: float = 0.0  # when the reduced gradient was in hand (tests check the bound causally)
+    # lookahead_arrived: pending steps this step's gradient was predicted over, and how many of them entered the
+    # AdamW replay with their reduced dp-mean gradient (exact) rather than this rank's own
+    lookahead_pending: int = 0
+    lookahead_exact: int = 0
 
 
 class StaleDataParallelRunner(ParallelRunner):
@@ -149,6 +158,11 @@ class StaleDataParallelRunner(ParallelRunner):
         self.optimizer: torch.optim.Optimizer | None = None  # attach_optimizer (optimizer_lookahead)
         self.prev_weights: list[torch.Tensor] | None = None  # weight_prediction: w_{t-1} (local shards)
         self.last_clip_coef = 1.0  # clipping coefficient of the last applied gradient (optimizer_lookahead)
+        self.lookahead_arrived = st.lookahead_arrived and self.compensation == "optimizer_lookahead"
+        self.grad_clip = cfg.optim.grad_clip  # the exact clipping coefficient of an arrived gradient needs it
+        # Whether a pending step's reduction is in hand (never waits); tests replace it to force either case.
+        self.arrived = reduction_arrived
+        self.lookahead_counts = (0, 0)  # (pending, exact) of the current step's prediction
         self.hosts = self._gather_hosts()
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -175,6 +189,7 @@ class StaleDataParallelRunner(ParallelRunner):
             scale = 1.0 / done if self.time_budget else 1.0  # time budget sums microbatches: make it a mean
             self.in_flight[-1].local_grads = [own_gradient(p, scale) for p in self.params]
         applied = self._apply_due()
+        applied.lookahead_pending, applied.lookahead_exact = self.lookahead_counts
         self.step += 1
         if applied.grad_step is None:  # warm-up: nothing reduced yet; report this rank's own loss
             return torch.tensor(loss_sum / done)
@@ -187,6 +202,7 @@ class StaleDataParallelRunner(ParallelRunner):
     @contextlib.contextmanager
     def _at_predicted_weights(self):
         """Swap the predicted weights in for forward/backward, then restore w_t exactly (a saved copy)."""
+        self.lookahead_counts = (0, 0)
         predicted = self._predicted_weights()
         if predicted is None:
             yield
@@ -216,6 +232,8 @@ class StaleDataParallelRunner(ParallelRunner):
             if self.optimizer is None:
                 raise RuntimeError("staleness.compensation='optimizer_lookahead' needs the optimizer: call "
                                    "runner.attach_optimizer(optimizer) after building it (train() does)")
+            if self.lookahead_arrived:
+                return self._lookahead_with_arrived()
             pending = [item.local_grads for item in self.in_flight]
             # Scaled by the clipping coefficient of the last applied (dp-mean) gradient, not clipped by their own
             # norm: a rank's gradient is noisier than the mean, so its norm is larger and self-clipping would
@@ -224,6 +242,36 @@ class StaleDataParallelRunner(ParallelRunner):
             # coefficient is 1: Adam's first steps do not depend on a common scale of their gradients.
             return adamw_lookahead(self.optimizer, self.params, pending, [self.last_clip_coef] * len(pending))
         return None
+
+    def _lookahead_with_arrived(self) -> list[torch.Tensor]:
+        """optimizer_lookahead where every pending step whose reduction has already completed enters the replay
+        with the reduced dp-mean gradient, clipped by its own coefficient (what the optimizer will apply, up to
+        rounding); the others keep this rank's own gradient and the last applied clipping coefficient."""
+        pending, coefs, exact = [], [], 0
+        for item in self.in_flight:
+            if self.arrived(item):
+                grads = self._reduced_gradients(item)
+                pending.append(grads)
+                coefs.append(clip_coefficient(grads, self.grad_clip))
+                exact += 1
+            else:
+                pending.append(item.local_grads)
+                coefs.append(self.last_clip_coef)
+        self.lookahead_counts = (len(pending), exact)
+        return adamw_lookahead(self.optimizer, self.params, pending, coefs)
+
+    def _reduced_gradients(self, item: InFlightStep) -> list[torch.Tensor]:
+        """The reduced gradient of a completed in-flight step per parameter (self.params order), split from the flat
+        buckets as _apply_due does, as new tensors (the buckets stay untouched for _apply_due)."""
+        scale = 1.0 / int(item.meta[1].item()) if self.time_budget else 1.0
+        by_param = {}
+        for bucket, flat in zip(self.buckets, item.flats, strict=True):
+            offset = 0
+            for p in bucket:
+                shard = local(p)
+                by_param[id(p)] = flat[offset:offset + shard.numel()].view_as(shard) * scale
+                offset += shard.numel()
+        return [by_param[id(p)] for p in self.params]
 
     def _accumulate(self, chunks, t0: float) -> tuple[float, int]:
         """Forward/backward over the microbatches (all, or as many as the time budget allows; at least one)."""
@@ -359,6 +407,8 @@ class StaleDataParallelRunner(ParallelRunner):
         ratios = self.detector.window_ratios()
         if ratios:
             metrics["straggler_ratio"] = ratios
+        if self.lookahead_arrived:
+            metrics["lookahead_pending"], metrics["lookahead_exact"] = last.lookahead_pending, last.lookahead_exact
         return metrics
 
     def _gather_hosts(self) -> list[str]:
@@ -379,6 +429,20 @@ def check_lookahead_optimizer(optimizer: torch.optim.Optimizer) -> None:
         raise ValueError(f"staleness.compensation='optimizer_lookahead' replays torch.optim.AdamW (no amsgrad/"
                          f"maximize, float lr); got {type(optimizer).__name__}; allowed: compensation="
                          f"'weight_prediction' or 'none' for other optimizers")
+
+
+def reduction_arrived(item: InFlightStep) -> bool:
+    """Every all-reduce of the step (gradient buckets and metadata) has completed; asks, never waits. One process
+    (no group, no works): the local gradient is the reduced one."""
+    return all(work is None or work.is_completed() for work in item.works)
+
+
+def clip_coefficient(grads: list[torch.Tensor], max_norm: float) -> float:
+    """clip_grad_norm_'s coefficient for these (full, unsharded) gradients: min(max / (norm + 1e-6), 1)."""
+    if max_norm <= 0:
+        return 1.0
+    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
+    return min(max_norm / (norm + 1e-6), 1.0)
 
 
 def own_gradient(p: nn.Parameter, scale: float) -> torch.Tensor:
