@@ -24,6 +24,8 @@ budget, which processes fewer of that rank's samples.
     .venv/bin/python benchmarks/stragglers.py                 # throughput at dp 2 and 4, convergence
     .venv/bin/python benchmarks/stragglers.py --quick         # fewer steps, rounds and seeds
     .venv/bin/python benchmarks/stragglers.py --json out.json # also write every measurement
+    .venv/bin/python benchmarks/stragglers.py --skip throughput --lookahead-arrived --conv-fault jitter \
+        --rows sync "s=1 optimizer_lookahead" "s=1 lookahead_arrived"   # the arrived-gradient lookahead, jittered
 """
 
 from __future__ import annotations
@@ -221,9 +223,20 @@ def print_throughput(world: int, result: dict) -> None:
 
 
 EXACT_ROW = "s=1 lookahead, 1 rank (exact)"
+ARRIVED_ROWS = {"s=1 lookahead_arrived": "s=1", "s=2 lookahead_arrived": "s=2"}
 
 
-def convergence_runs(compensations: list[str], exact_row: bool = False) -> dict[str, tuple[int, list[str]]]:
+def conv_fault_spec(fault: str, sleep_s: float) -> str:
+    """The convergence runs' injected delay: none, or the jitter scenario (every rank independently sleeps sleep_s
+    before a step with probability SLEEP_PROBABILITY). Only timing-dependent rows (lookahead_arrived) can change
+    their numbers under it; the others compute the same losses, only slower."""
+    if fault == "none":
+        return ""
+    return f"sleep_s={sleep_s},probability={SLEEP_PROBABILITY},rank=-1,seed=1"
+
+
+def convergence_runs(compensations: list[str], exact_row: bool = False, arrived_rows: bool = False,
+                     fault_spec: str = "", rows: list[str] | None = None) -> dict[str, tuple[int, list[str]]]:
     """Row name -> (ranks, overrides): sync, s = 1 and 2 with each delay compensation, the time budget; optionally
     s = 1 with optimizer_lookahead on one rank (same global batch), where the prediction is exact up to clipping:
     what a perfect delay compensation would give, i.e. how far apart two equivalent runs land (the noise floor)."""
@@ -235,24 +248,42 @@ def convergence_runs(compensations: list[str], exact_row: bool = False) -> dict[
                                        + ['staleness.test_fault_injection="slowdown=2.0,rank=1"'])
     if exact_row:
         runs[EXACT_ROW] = (1, POLICIES["s=1"] + ['staleness.compensation="optimizer_lookahead"'])
+    if arrived_rows:  # opt-in: pending steps whose reduction already arrived replay the dp-mean gradient
+        for name, s in ARRIVED_ROWS.items():
+            runs[name] = (2, POLICIES[s] + ['staleness.compensation="optimizer_lookahead"',
+                                            "staleness.lookahead_arrived=true"])
+    if fault_spec:  # every row but the time budget's (which keeps its own slow rank) runs jittered
+        runs = {name: (ranks, policy if name.startswith("budget") else
+                       policy + [f'staleness.test_fault_injection="{fault_spec}"'])
+                for name, (ranks, policy) in runs.items()}
+    if rows:
+        unknown = sorted(set(rows) - set(runs))
+        if unknown:
+            raise SystemExit(f"--rows: unknown row(s) {unknown}; allowed: {sorted(runs)}")
+        runs = {name: run for name, run in runs.items() if name == "sync" or name in rows}
     return runs
 
 
 def convergence(steps: int, seeds: list[int], compensations: list[str], workdir: Path, progress,
-                extra: list[str] = (), exact_row: bool = False) -> dict:
+                extra: list[str] = (), exact_row: bool = False, **row_options) -> dict:
     """Final validation loss after `steps` steps (same tokens offered) per policy, dp 2, over seeds. The time
     budget runs with rank 1 at 2x slowdown, so it really skips samples; staleness math does not depend on timing.
     `extra`: overrides added to every run (e.g. another learning rate, an extra row of the table)."""
-    runs = convergence_runs(compensations, exact_row)
-    out: dict = {name: {"val_loss": [], "tokens": [], "wall_s": []} for name in runs}
+    runs = convergence_runs(compensations, exact_row, **row_options)
+    out: dict = {name: {"val_loss": [], "tokens": [], "wall_s": [], "lookahead_exact": [], "lookahead_pending": []}
+                 for name in runs}
     for seed in seeds:
         for name, (ranks, policy) in runs.items():
             run_dir = workdir / f"conv-{len(list(workdir.glob('conv-*')))}"  # a fresh directory per run
             overrides = base_overrides(run_dir, steps, seed, ranks) + policy + [f"train.eval_every={steps}",
                                                                                  "train.eval_batches=8", *extra]
             res = run_training(ranks, overrides)
-            val = [m["val_loss"] for m in read_metrics(run_dir) if "val_loss" in m][-1]
+            metrics = read_metrics(run_dir)
+            val = [m["val_loss"] for m in metrics if "val_loss" in m][-1]
             out[name]["val_loss"].append(val)
+            # rank 0's record of how many pending steps its predictions replayed with the arrived dp mean
+            out[name]["lookahead_exact"].append(sum(m.get("lookahead_exact", 0) for m in metrics))
+            out[name]["lookahead_pending"].append(sum(m.get("lookahead_pending", 0) for m in metrics))
             out[name]["tokens"].append(res["tokens"])
             out[name]["wall_s"].append(res["wall_s"])
             progress(f"convergence seed {seed} {name:<24} val_loss {val:.4f} tokens {res['tokens']:,}")
@@ -265,13 +296,19 @@ def print_convergence(result: dict, steps: int, seeds: list[int], label: str = "
           f"{label}")
     print("vs sync: mean over seeds vs the mean of sync; paired: mean over seeds of the per-seed ratio")
     print(f"{'policy':<32}{'val loss (mean)':>16}{'vs sync':>9}{'paired':>9}  {'per seed':<{7 * len(seeds)}}"
-          f"{'tokens used':>13}{'wall s':>8}")
+          f"{'tokens used':>13}{'wall s':>8}{'exact':>8}")
     for name, r in result.items():
         mean = statistics.mean(r["val_loss"])
         paired = statistics.mean(v / b - 1 for v, b in zip(r["val_loss"], result["sync"]["val_loss"], strict=True))
         per_seed = " ".join(f"{v:.3f}" for v in r["val_loss"])
         print(f"{name:<32}{mean:>16.4f}{(mean / sync - 1):>+9.2%}{paired:>+9.2%}  {per_seed:<{7 * len(seeds)}}"
-              f"{statistics.mean(r['tokens']):>13,.0f}{statistics.mean(r['wall_s']):>8.1f}")
+              f"{statistics.mean(r['tokens']):>13,.0f}{statistics.mean(r['wall_s']):>8.1f}{exact_share(r):>8}")
+
+
+def exact_share(row: dict) -> str:
+    """Share of pending steps (rank 0, all seeds) replayed with the arrived dp-mean gradient; '' for other rows."""
+    pending = sum(row.get("lookahead_pending", []))
+    return f"{sum(row['lookahead_exact']) / pending:.0%}" if pending else ""
 
 
 def compensation_overhead(compensations: list[str], steps: int = 20, rounds: int = 3) -> dict:
@@ -323,6 +360,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-lr", type=float, nargs="*", default=[],
                     help="also run the convergence table at these learning rates (extra information; the "
                          "main table keeps the default optim.lr)")
+    ap.add_argument("--lookahead-arrived", action="store_true",
+                    help="add convergence rows s = 1, 2 with optimizer_lookahead and staleness.lookahead_arrived "
+                         "(pending steps whose all-reduce already completed replay the dp-mean gradient); the "
+                         "'exact' column is the share of pending steps that did")
+    ap.add_argument("--conv-fault", choices=["none", "jitter"], default="none",
+                    help="delay injected into the convergence runs (default none): jitter = every rank sleeps "
+                         "--conv-sleep-s before a step with probability 0.25 (the time budget row keeps its own)")
+    ap.add_argument("--conv-sleep-s", type=float, default=MIN_SLEEP_S,
+                    help=f"jitter sleep of the convergence runs (default {MIN_SLEEP_S})")
+    ap.add_argument("--rows", nargs="+",
+                    help="run only these convergence rows (plus sync), e.g. \"s=1 lookahead_arrived\"")
     ap.add_argument("--json", help="write all measurements to this file")
     ap.add_argument("--overhead", action="store_true",
                     help="only measure the step time each compensation costs (one process, tiny model) and exit")
@@ -350,13 +398,16 @@ def main(argv: list[str] | None = None) -> int:
                 report["throughput"][world] = throughput(world, args.steps, args.repeats, args.base_s, work, progress)
                 print_throughput(world, report["throughput"][world])
         if args.skip != "convergence":
+            row_options = {"arrived_rows": args.lookahead_arrived, "rows": args.rows,
+                           "fault_spec": conv_fault_spec(args.conv_fault, args.conv_sleep_s)}
             report["convergence"] = convergence(args.conv_steps, args.seeds, args.compensation, work, progress,
-                                                exact_row=args.exact_row)
+                                                exact_row=args.exact_row, **row_options)
             print_convergence(report["convergence"], args.conv_steps, args.seeds)
             for lr in args.extra_lr:
                 key = f"convergence_lr_{lr:g}"
                 report[key] = convergence(args.conv_steps, args.seeds, args.compensation, work, progress,
-                                          [f"optim.lr={lr}", f"optim.min_lr={lr / 10}"], args.exact_row)
+                                          [f"optim.lr={lr}", f"optim.min_lr={lr / 10}"], args.exact_row,
+                                          **row_options)
                 print_convergence(report[key], args.conv_steps, args.seeds, f", lr {lr:g} (min_lr {lr / 10:g})")
     report["load_average_end"] = os.getloadavg()
     print(f"\n(total {time.perf_counter() - t0:.0f} s on {os.cpu_count()} CPUs, load average "

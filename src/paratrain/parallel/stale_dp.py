@@ -30,6 +30,13 @@ predicted weights instead of w_t, so it is computed near the weights it will be 
   (Guan et al. 2019, "XPipe: Efficient Pipeline Model Parallelism for Multi-GPU DNN Training", Adam's update
   direction) and SpecTrain (Chen et al. 2018, "Efficient and Robust Parallel DNN Training through Model
   Parallelism on Multi-GPU Platform"), using the rank's own pending gradients for the unknown next updates.
+  Opt-in `staleness.lookahead_arrived`: a pending step whose all-reduce has already completed (asked with
+  work.is_completed(), never waited for) enters the replay with its reduced dp-mean gradient and that gradient's
+  own clipping coefficient, i.e. exactly what the optimizer will apply; the others keep the own gradient. With
+  every reduction in time, s = 1 computes at exactly the weights its gradient is applied to (synchronous DDP one
+  step late, up to fp32 rounding and a changing lr); under stragglers it degrades to the own-gradient prediction.
+  Where a gradient is computed then depends on arrival timing: runs are not bitwise reproducible run to run (ranks
+  still hold identical weights: only the mean is applied). Data parallelism without tensor parallelism only.
 - "weight_prediction": linear extrapolation of the last update, w_hat = w_t + s (w_t - w_{t-1}) (SpecTrain's
   "smoothed gradient" prediction in its optimizer-agnostic form).
 The weights the optimizer steps are restored bit for bit after backward, so every rank still holds identical
