@@ -7,6 +7,9 @@
 - delay compensation: optimizer_lookahead computes step t's gradient at the weights AdamW reaches with this rank's
   pending gradients (with one rank: exactly the weights it is applied to), weight_prediction at w_t + s(w_t -
   w_{t-1}); both checked against single-process references (torch's own AdamW on copies for the lookahead).
+- lookahead_arrived: with every reduction forced to have arrived, s = 1 at dp 2 computes each gradient at the
+  weights it is applied to (weights after N + 1 steps = synchronous DDP's after N, fp32 rounding); forced never
+  arrived it is bit for bit the own-gradient lookahead; config errors and the per-step exact counts.
 - time budget: the update is the mean over the microbatches each rank actually processed (checked against a
   single-process reference built from the processed counts each rank reports, so no timing assumption).
 - end to end through `train()`: metrics carry staleness and stragglers; a rank slowed 4x is flagged and, with
