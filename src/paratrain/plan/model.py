@@ -32,6 +32,10 @@ ADAM_STEP_BYTES = 32  # per parameter per step: read p, g, m, v (fp32), write p,
 EAGER_ELEMENTWISE_KERNELS = 32
 EAGER_EXTRA_MATMULS = 3  # q, k, v and gate, up as separate matmuls (the model counts qkv and gate+up fused)
 RUNTIME_BUCKET_BYTES = 25 * 2**20  # paratrain.parallel.data.DEFAULT_BUCKET_BYTES (torch DDP's bucket_cap_mb)
+# How paratrain's own runtime runs (Options fields): the defaults on `paratrain probe` hosts, and what a
+# training run records for the planner (train.loop.planner_options overrides bucket and eager from its config).
+PARATRAIN_RUNTIME = {"bucket_bytes": RUNTIME_BUCKET_BYTES, "eager": True, "p2p_scatter_gather": False,
+                     "zero12_as_fsdp": True}
 
 
 @dataclass(frozen=True)
@@ -70,10 +74,7 @@ class Options:
         """Defaults of the system's usual training stack (e.g. NxD on Trn1 runs unfused attention)."""
         default = system.stack.attention if system.stack is not None else "flash"
         if system.chip.vendor == "local":  # measured by `paratrain probe`: paratrain's runtime runs here
-            kw.setdefault("bucket_bytes", RUNTIME_BUCKET_BYTES)
-            kw.setdefault("eager", True)
-            kw.setdefault("p2p_scatter_gather", False)
-            kw.setdefault("zero12_as_fsdp", True)
+            kw = {**PARATRAIN_RUNTIME, **kw}
         return cls(attention=attention or default, **kw)
 
     def __post_init__(self) -> None:
@@ -144,8 +145,9 @@ def p2p_time_s(system: System, nbytes, stride):
     for tier in reversed(system.tiers):
         bw = tier.per_device_bw_bytes_per_s(system)
         link = tier.interconnect
-        t = nbytes * timesharing_ranks(system) / bw + (link.latency_us + (timesharing_ranks(system) - 1) * link.timeshare_step_us
-                           + link.collective_overhead_us) * 1e-6
+        share = timesharing_ranks(system)
+        t = (nbytes * share / bw
+             + (link.latency_us + (share - 1) * link.timeshare_step_us + link.collective_overhead_us) * 1e-6)
         time = t if time is None else np.where(stride < tier.domain_devices, t, time)
     return time
 

@@ -228,11 +228,12 @@ def planner_layout(cfg: TrainConfig, degrees: dict) -> dict:
 
 
 def planner_options(cfg: TrainConfig) -> dict:
-    """The software choices of this run that the planner models (paratrain.plan.model.Options fields): DDP's
-    bucket size, whether kernels run eagerly (train.compile fuses the blocks' elementwise ops), pipeline sends
-    of the whole activation (no Megatron scatter/gather), ZeRO-1/2 as FSDP without resharding."""
-    return {"bucket_bytes": cfg.parallel.ddp_bucket_mb * 2**20, "eager": not cfg.train.compile,
-            "p2p_scatter_gather": False, "zero12_as_fsdp": True}
+    """The software choices of this run that the planner models (paratrain.plan.model.Options fields):
+    paratrain's runtime (PARATRAIN_RUNTIME) with this config's DDP bucket size, and eager kernels unless
+    train.compile fuses the blocks' elementwise ops."""
+    from paratrain.plan.model import PARATRAIN_RUNTIME
+
+    return {**PARATRAIN_RUNTIME, "bucket_bytes": cfg.parallel.ddp_bucket_mb * 2**20, "eager": not cfg.train.compile}
 
 
 def measured_for_planner(cfg: TrainConfig, model_cfg, degrees: dict, breakdowns: list[dict]) -> dict:
