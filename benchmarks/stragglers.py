@@ -236,7 +236,8 @@ def conv_fault_spec(fault: str, sleep_s: float) -> str:
 
 
 def convergence_runs(compensations: list[str], exact_row: bool = False, arrived_rows: bool = False,
-                     fault_spec: str = "", rows: list[str] | None = None) -> dict[str, tuple[int, list[str]]]:
+                     fault_spec: str = "", rows: list[str] | None = None,
+                     arrival_grace: float = 0.0) -> dict[str, tuple[int, list[str]]]:
     """Row name -> (ranks, overrides): sync, s = 1 and 2 with each delay compensation, the time budget; optionally
     s = 1 with optimizer_lookahead on one rank (same global batch), where the prediction is exact up to clipping:
     what a perfect delay compensation would give, i.e. how far apart two equivalent runs land (the noise floor)."""
@@ -252,6 +253,11 @@ def convergence_runs(compensations: list[str], exact_row: bool = False, arrived_
         for name, s in ARRIVED_ROWS.items():
             runs[name] = (2, POLICIES[s] + ['staleness.compensation="optimizer_lookahead"',
                                             "staleness.lookahead_arrived=true"])
+    if arrival_grace > 0:  # the arrived rows again, waiting up to the grace for the pending reductions
+        for name, s in ARRIVED_ROWS.items():
+            runs[f"{name}, grace {arrival_grace:g}"] = (2, POLICIES[s] + [
+                'staleness.compensation="optimizer_lookahead"', "staleness.lookahead_arrived=true",
+                f"staleness.arrival_grace={arrival_grace}"])
     if fault_spec:  # every row but the time budget's (which keeps its own slow rank) runs jittered
         runs = {name: (ranks, policy if name.startswith("budget") else
                        policy + [f'staleness.test_fault_injection="{fault_spec}"'])
@@ -270,8 +276,8 @@ def convergence(steps: int, seeds: list[int], compensations: list[str], workdir:
     budget runs with rank 1 at 2x slowdown, so it really skips samples; staleness math does not depend on timing.
     `extra`: overrides added to every run (e.g. another learning rate, an extra row of the table)."""
     runs = convergence_runs(compensations, exact_row, **row_options)
-    out: dict = {name: {"val_loss": [], "tokens": [], "wall_s": [], "lookahead_exact": [], "lookahead_pending": []}
-                 for name in runs}
+    out: dict = {name: {"val_loss": [], "tokens": [], "wall_s": [], "lookahead_exact": [], "lookahead_pending": [],
+                        "arrival_wait_s": []} for name in runs}
     for seed in seeds:
         for name, (ranks, policy) in runs.items():
             run_dir = workdir / f"conv-{len(list(workdir.glob('conv-*')))}"  # a fresh directory per run
@@ -284,6 +290,7 @@ def convergence(steps: int, seeds: list[int], compensations: list[str], workdir:
             # rank 0's record of how many pending steps its predictions replayed with the arrived dp mean
             out[name]["lookahead_exact"].append(sum(m.get("lookahead_exact", 0) for m in metrics))
             out[name]["lookahead_pending"].append(sum(m.get("lookahead_pending", 0) for m in metrics))
+            out[name]["arrival_wait_s"].append(sum(m.get("arrival_wait_s", 0.0) for m in metrics))
             out[name]["tokens"].append(res["tokens"])
             out[name]["wall_s"].append(res["wall_s"])
             progress(f"convergence seed {seed} {name:<24} val_loss {val:.4f} tokens {res['tokens']:,}")
@@ -296,19 +303,26 @@ def print_convergence(result: dict, steps: int, seeds: list[int], label: str = "
           f"{label}")
     print("vs sync: mean over seeds vs the mean of sync; paired: mean over seeds of the per-seed ratio")
     print(f"{'policy':<32}{'val loss (mean)':>16}{'vs sync':>9}{'paired':>9}  {'per seed':<{7 * len(seeds)}}"
-          f"{'tokens used':>13}{'wall s':>8}{'exact':>8}")
+          f"{'tokens used':>13}{'wall s':>8}{'exact':>8}{'wait ms':>9}")
     for name, r in result.items():
         mean = statistics.mean(r["val_loss"])
         paired = statistics.mean(v / b - 1 for v, b in zip(r["val_loss"], result["sync"]["val_loss"], strict=True))
         per_seed = " ".join(f"{v:.3f}" for v in r["val_loss"])
         print(f"{name:<32}{mean:>16.4f}{(mean / sync - 1):>+9.2%}{paired:>+9.2%}  {per_seed:<{7 * len(seeds)}}"
-              f"{statistics.mean(r['tokens']):>13,.0f}{statistics.mean(r['wall_s']):>8.1f}{exact_share(r):>8}")
+              f"{statistics.mean(r['tokens']):>13,.0f}{statistics.mean(r['wall_s']):>8.1f}{exact_share(r):>8}"
+              f"{wait_per_step_ms(r, steps):>9}")
 
 
 def exact_share(row: dict) -> str:
     """Share of pending steps (rank 0, all seeds) replayed with the arrived dp-mean gradient; '' for other rows."""
     pending = sum(row.get("lookahead_pending", []))
     return f"{sum(row['lookahead_exact']) / pending:.0%}" if pending else ""
+
+
+def wait_per_step_ms(row: dict, steps: int) -> str:
+    """Mean time per step rank 0 spent in the arrival grace; '' for rows without lookahead_arrived."""
+    waits = row.get("arrival_wait_s", [])
+    return f"{1e3 * sum(waits) / (steps * len(waits)):.1f}" if any(waits) else ""
 
 
 def compensation_overhead(compensations: list[str], steps: int = 20, rounds: int = 3) -> dict:
@@ -364,6 +378,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="add convergence rows s = 1, 2 with optimizer_lookahead and staleness.lookahead_arrived "
                          "(pending steps whose all-reduce already completed replay the dp-mean gradient); the "
                          "'exact' column is the share of pending steps that did")
+    ap.add_argument("--arrival-grace", type=float, default=0.0,
+                    help="also run the lookahead_arrived rows with staleness.arrival_grace = this fraction of the "
+                         "healthy step time (wait up to it for the pending reductions before predicting)")
     ap.add_argument("--conv-fault", choices=["none", "jitter"], default="none",
                     help="delay injected into the convergence runs (default none): jitter = every rank sleeps "
                          "--conv-sleep-s before a step with probability 0.25 (the time budget row keeps its own)")
@@ -398,7 +415,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["throughput"][world] = throughput(world, args.steps, args.repeats, args.base_s, work, progress)
                 print_throughput(world, report["throughput"][world])
         if args.skip != "convergence":
-            row_options = {"arrived_rows": args.lookahead_arrived, "rows": args.rows,
+            row_options = {"arrived_rows": args.lookahead_arrived, "rows": args.rows, "arrival_grace": args.arrival_grace,
                            "fault_spec": conv_fault_spec(args.conv_fault, args.conv_sleep_s)}
             report["convergence"] = convergence(args.conv_steps, args.seeds, args.compensation, work, progress,
                                                 exact_row=args.exact_row, **row_options)

@@ -489,6 +489,48 @@ def test_lookahead_arrived_config_errors_and_metrics():
     assert metrics["lookahead_pending"] == 2 and metrics["lookahead_exact"] == 2
 
 
+def _grace_run(grace, arrived, steps=4):
+    """One process, s = 1, lookahead_arrived with arrival_grace = grace and a replaced arrival test."""
+    cfg = make_config([*ARRIVED, f"staleness.arrival_grace={grace}"] if grace else ARRIVED)
+    runner = build_runner(cfg, _single_env())
+    runner.arrived = arrived
+    return _train(cfg, runner, steps), runner.history
+
+
+def test_arrival_grace_waits_until_arrival_or_the_deadline():
+    """A reduction that never arrives is waited for exactly the grace (arrival_grace x the healthy step time, known
+    from the first reduced step on), then the step predicts with the own gradient: bit for bit the run without a
+    grace. One that arrives during the wait ends it early and replays the reduced gradient."""
+    never = lambda item: False  # noqa: E731
+    base, base_history = _grace_run(0.0, never)
+    waited, history = _grace_run(0.5, never)
+    assert [a.arrival_grace_s for a in base_history] == [0.0] * 4
+    assert history[0].arrival_grace_s == 0.0 and history[1].arrival_grace_s == 0.0  # no step time known yet
+    for a in history[2:]:
+        assert a.arrival_grace_s > 0 and a.arrival_wait_s >= a.arrival_grace_s
+        assert (a.lookahead_pending, a.lookahead_exact) == (1, 0)
+    for name, p in waited["params"].items():
+        assert torch.equal(p, base["params"][name]), f"a wait that ends in nothing must change nothing: {name}"
+    polls = []
+
+    def arrives_on_third_poll(item):  # monotonic, as work.is_completed(): once completed, always completed
+        polls.append(item.step)
+        return polls.count(item.step) >= 3
+    _, history = _grace_run(1.0, arrives_on_third_poll)
+    for a in history[2:]:
+        assert (a.lookahead_pending, a.lookahead_exact) == (1, 1)
+        assert a.arrival_wait_s < a.arrival_grace_s
+
+
+def test_arrival_grace_config_errors():
+    with pytest.raises(ValueError, match=r"staleness.arrival_grace=0.2 waits for reductions .*allowed: "
+                                         r"arrival_grace=0, or lookahead_arrived=true"):
+        load_config(None, [*STALE, "staleness.max_staleness=1", "staleness.arrival_grace=0.2"])
+    with pytest.raises(ValueError, match="arrival_grace"):
+        load_config(None, [*ARRIVED, "staleness.arrival_grace=1.5"])  # a fraction of the step time: at most 1
+    assert load_config(None, [*ARRIVED, "staleness.arrival_grace=0.2"]).staleness.arrival_grace == 0.2
+
+
 def _assert_same_updates(params, ref_params, init, rtol=1e-3):
     """Each tensor's total update (final - initial) within rtol of the reference's, in L2 norm. Elementwise checks
     fail on rounding alone: Adam divides by sqrt(v), amplifying it where a gradient is near zero."""

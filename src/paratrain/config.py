@@ -43,6 +43,9 @@ class ModelSection(Section):
         else:
             raise ValueError(f"model.preset='{self.preset}': allowed: {', '.join(PRESETS)} or a model TOML file")
         overrides = {k: v for k, v in self.model_dump(exclude={"preset", "hf_path"}).items() if v is not None}
+        if self.hf_path and (fixed := sorted(set(overrides) - {"max_seq"})):  # the weights fix these
+            raise ValueError(f"model.{fixed[0]}={overrides[fixed[0]]!r} with model.hf_path='{self.hf_path}': the "
+                             f"checkpoint's weights fix the shape; allowed with hf_path: max_seq only")
         return ModelConfig(**{**base.model_dump(), **overrides}) if overrides else base
 
 
@@ -173,6 +176,9 @@ class StalenessSection(Section):
     # optimizer_lookahead only: replay pending steps whose all-reduce already completed with the reduced dp-mean
     # gradient instead of this rank's own (exact where it arrived; depends on arrival timing; docs/staleness.md).
     lookahead_arrived: bool = False
+    # lookahead_arrived only: before predicting, wait up to this fraction of the healthy ranks' step time for the
+    # pending reductions to arrive (0 = never wait). A reduction held up by a straggler is not waited for beyond it.
+    arrival_grace: float = Field(default=0.0, ge=0.0, le=1.0)
     step_budget_s: float = Field(default=0.0, ge=0)
     straggler_threshold: float = Field(default=1.5, gt=1.0)
     straggler_window: int = Field(default=10, gt=0)
@@ -196,6 +202,10 @@ class StalenessSection(Section):
             raise ValueError(f"staleness.lookahead_arrived=true needs staleness.compensation='optimizer_lookahead' "
                              f"and staleness.max_staleness > 0 (got compensation='{self.compensation}', "
                              f"max_staleness={self.max_staleness}); allowed: lookahead_arrived=false, or those")
+        if self.arrival_grace and not self.lookahead_arrived:
+            raise ValueError(f"staleness.arrival_grace={self.arrival_grace} waits for reductions that "
+                             f"staleness.lookahead_arrived replays; allowed: arrival_grace=0, or "
+                             f"lookahead_arrived=true")
         return self
 
 

@@ -69,6 +69,7 @@ from paratrain.train.staleness import AUTO_BUDGET_SLACK, FaultInjection, Straggl
 # Same as the runtime's DDP reducer (parallel/data.py, torch DDP's default), so s = 0 reduces identical buckets.
 DEFAULT_BUCKET_BYTES = 25 * 2**20
 META_FIELDS = 2  # [sum of microbatch losses, microbatches processed], then one work time per dp rank
+ARRIVAL_POLL_S = 2e-4  # how often the arrival grace asks whether the pending reductions completed
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -138,6 +139,8 @@ class AppliedStep:
     # AdamW replay with their reduced dp-mean gradient (exact) rather than this rank's own
     lookahead_pending: int = 0
     lookahead_exact: int = 0
+    arrival_grace_s: float = 0.0  # how long the arrival grace could wait before predicting this step
+    arrival_wait_s: float = 0.0  # how long it did
 
 
 class StaleDataParallelRunner(ParallelRunner):
@@ -170,6 +173,8 @@ class StaleDataParallelRunner(ParallelRunner):
         # Whether a pending step's reduction is in hand (never waits); tests replace it to force either case.
         self.arrived = reduction_arrived
         self.lookahead_counts = (0, 0)  # (pending, exact) of the current step's prediction
+        self.arrival_grace = st.arrival_grace if self.lookahead_arrived else 0.0
+        self.arrival_grace_s = self.arrival_wait_s = 0.0  # of the current step
         self.hosts = self._gather_hosts()
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -197,6 +202,7 @@ class StaleDataParallelRunner(ParallelRunner):
             self.in_flight[-1].local_grads = [own_gradient(p, scale) for p in self.params]
         applied = self._apply_due()
         applied.lookahead_pending, applied.lookahead_exact = self.lookahead_counts
+        applied.arrival_grace_s, applied.arrival_wait_s = self.arrival_grace_s, self.arrival_wait_s
         self.step += 1
         if applied.grad_step is None:  # warm-up: nothing reduced yet; report this rank's own loss
             return torch.tensor(loss_sum / done)
@@ -209,7 +215,7 @@ class StaleDataParallelRunner(ParallelRunner):
     @contextlib.contextmanager
     def _at_predicted_weights(self):
         """Swap the predicted weights in for forward/backward, then restore w_t exactly (a saved copy)."""
-        self.lookahead_counts = (0, 0)
+        self.lookahead_counts, self.arrival_grace_s, self.arrival_wait_s = (0, 0), 0.0, 0.0
         predicted = self._predicted_weights()
         if predicted is None:
             yield
@@ -254,6 +260,7 @@ class StaleDataParallelRunner(ParallelRunner):
         """optimizer_lookahead where every pending step whose reduction has already completed enters the replay
         with the reduced dp-mean gradient, clipped by its own coefficient (what the optimizer will apply, up to
         rounding); the others keep this rank's own gradient and the last applied clipping coefficient."""
+        self._await_arrival()
         pending, coefs, exact = [], [], 0
         for item in self.in_flight:
             if self.arrived(item):
@@ -266,6 +273,20 @@ class StaleDataParallelRunner(ParallelRunner):
                 coefs.append(self.last_clip_coef)
         self.lookahead_counts = (len(pending), exact)
         return adamw_lookahead(self.optimizer, self.params, pending, coefs)
+
+    def _await_arrival(self) -> None:
+        """The arrival grace: wait up to arrival_grace x the healthy ranks' step time (lower median of the last
+        reduced step's work times) for every pending reduction. On time they replay exactly; a straggler's is
+        given up on at the deadline, so a slow rank costs the others at most the grace per step. No wait before
+        the first reduction has told the step times."""
+        if self.arrival_grace <= 0 or not self.detector.history:
+            return
+        self.arrival_grace_s = self.arrival_grace * lower_median(self.detector.history[-1])
+        t0 = time.perf_counter()
+        deadline = t0 + self.arrival_grace_s
+        while not all(self.arrived(item) for item in self.in_flight) and time.perf_counter() < deadline:
+            time.sleep(ARRIVAL_POLL_S)
+        self.arrival_wait_s = time.perf_counter() - t0
 
     def _reduced_gradients(self, item: InFlightStep) -> list[torch.Tensor]:
         """The reduced gradient of a completed in-flight step per parameter (self.params order), split from the flat
@@ -416,6 +437,7 @@ class StaleDataParallelRunner(ParallelRunner):
             metrics["straggler_ratio"] = ratios
         if self.lookahead_arrived:
             metrics["lookahead_pending"], metrics["lookahead_exact"] = last.lookahead_pending, last.lookahead_exact
+            metrics["arrival_wait_s"] = last.arrival_wait_s
         return metrics
 
     def _gather_hosts(self) -> list[str]:
