@@ -25,7 +25,13 @@ from paratrain.sim.failures import (
 )
 from paratrain.sim.results import summarize, t_quantile_975
 from paratrain.sim.stragglers import simulate_stragglers
-from paratrain.sim.sweeps import daly_case_config, exponential_failure_model, simulated_optimum
+from paratrain.sim.sweeps import (
+    daly_case_config,
+    exponential_failure_model,
+    interval_grid,
+    simulated_optimum,
+    sweep_interval,
+)
 
 REFERENCE_CSV = Path("/work/shared/reference/llama3_table5_interruptions.csv")
 MIN = 60.0
@@ -87,6 +93,18 @@ def test_simulated_optimum_interval_agrees_with_daly(mtbf_s, replicas):
     assert cfg.work_s == 500 * HOUR_S
     simulated, _ = simulated_optimum(cfg)
     assert simulated == pytest.approx(daly_interval(5 * MIN, mtbf_s), rel=0.10)
+
+
+@pytest.mark.parametrize("mtbf_s, replicas", [(24 * HOUR_S, 200), (6 * HOUR_S, 50), (15 * MIN, 10)])
+@pytest.mark.parametrize("grid_center", [0.5, 2.0])
+def test_simulated_optimum_does_not_depend_on_where_the_grid_is_centred(mtbf_s, replicas, grid_center):
+    # The default sweep is centred on Daly's interval; centred at half or twice it instead (Daly's optimum near
+    # one end of the grid), the simulation must still find the same optimum.
+    cfg = daly_case_config(mtbf_s, 5 * MIN, restart_s=10 * MIN, samples=replicas)
+    daly = daly_interval(5 * MIN, mtbf_s)
+    grid = interval_grid(grid_center * daly, 0.4, 2.5, 25, cfg.step_time_s)
+    simulated, _ = simulated_optimum(cfg, sweep_interval(cfg, grid))
+    assert simulated == pytest.approx(daly, rel=0.10)
 
 
 @pytest.mark.parametrize("mtbf_s, restart_s", [(6 * HOUR_S, 10 * MIN), (30 * MIN, 5 * MIN)])

@@ -57,11 +57,21 @@ def test_plots_are_written(tmp_path, capsys):
     assert 1024 in sizes and max(sizes) >= 1_000_000
 
 
-def test_daly_check_prints_the_three_cases(capsys):
+def test_daly_check_reproduces_the_published_examples(capsys):
+    """The numbers --daly-check computes (not the published ones it prints beside them): Daly's formula within
+    rounding of his published optima, the simulated optimum within 10% of Daly, the simulated goodput at that
+    interval within its CI of Daly's model."""
+    rows = run_json(capsys, ["simulate", "--daly-check"])
+    assert [round(r["mtbf_s"] / 60) for r in rows] == [24 * 60, 6 * 60, 15]
+    for row, published_min, rounding_min in zip(rows, (117, 57, 9.1), (0.5, 0.5, 0.05), strict=True):
+        assert row["daly_s"] / 60 == pytest.approx(published_min, abs=rounding_min)
+        assert abs(row["simulated_s"] / row["daly_s"] - 1) <= 0.10
+        assert row["simulated_vs_daly"] == pytest.approx(row["simulated_s"] / row["daly_s"] - 1)
+        lo, hi = row["simulated_goodput_near_optimum"]["ci95"]
+        assert lo - 0.01 <= row["daly_goodput_near_optimum"] <= hi + 0.01
     assert main(["simulate", "--daly-check", "--samples", "10"]) == 0
     out = capsys.readouterr().out
-    for published in ("117.0m", "57.0m", "9.1m"):
-        assert published in out
+    assert "117.0m" in out and "sim/Daly" in out
 
 
 def test_text_report(capsys):
