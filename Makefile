@@ -19,7 +19,7 @@ install: $(BIN)/paratrain
 
 demo: install
 	rm -rf runs/demo  # the demo is a fresh run each time (training resumes automatically otherwise)
-	OMP_NUM_THREADS=2 $(BIN)/paratrain data prepare --config configs/tiny.toml >/dev/null
+	OMP_NUM_THREADS=2 $(BIN)/paratrain data prepare --config configs/tiny.toml
 	OMP_NUM_THREADS=2 $(BIN)/paratrain train --config configs/tiny.toml --set train.progress=true
 
 test: install

@@ -105,4 +105,8 @@ def assert_cases_match(ref: dict, cases: list[list[str]], per_rank_results: list
                 assert_matches_reference(ref, got, rtol, atol, grad_rtol)
             except AssertionError as exc:
                 failures.append(f"{' '.join(overrides)} (rank {rank}): {exc}")
+    for i, overrides in enumerate(cases):  # every parameter's gradient is compared on some rank
+        seen = set().union(*(results[i]["grads"] for results in per_rank_results))
+        if missing := sorted(set(ref["grads"]) - seen):
+            failures.append(f"{' '.join(overrides)}: no rank returned the gradient of {missing}")
     assert not failures, "\n".join(failures)

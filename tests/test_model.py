@@ -56,13 +56,11 @@ def test_same_seed_same_weights_and_loss():
     assert abs(losses[0] - torch.log(torch.tensor(float(cfg.vocab))).item()) < 0.5  # near-uniform at init
 
 
-@pytest.mark.parametrize("tie, kv_heads", [(False, 2), (True, 4)])
-def test_logits_equal_huggingface_llama(tmp_path, tie, kv_heads):
+def _save_random_hf_llama(folder, tie: bool = False, kv_heads: int = 2, vocab: int = 300):
+    """A small random Hugging Face LlamaForCausalLM, built locally (no download), saved as safetensors."""
     transformers = pytest.importorskip("transformers")
-    from paratrain.model.hf import load_hf_llama
-
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=300, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=kv_heads, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
         tie_word_embeddings=tie, attention_bias=False, mlp_bias=False,
     )
@@ -72,11 +70,60 @@ def test_logits_equal_huggingface_llama(tmp_path, tie, kv_heads):
         for name, p in hf_model.named_parameters():
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
-    hf_model.save_pretrained(tmp_path, safe_serialization=True)
+    hf_model.save_pretrained(folder, safe_serialization=True)
+    return hf_model
 
+
+@pytest.mark.parametrize("tie, kv_heads", [(False, 2), (True, 4)])
+def test_logits_equal_huggingface_llama(tmp_path, tie, kv_heads):
+    from paratrain.model.hf import load_hf_llama
+
+    hf_model = _save_random_hf_llama(tmp_path, tie, kv_heads)
     ours = load_hf_llama(tmp_path).eval()
     tokens = torch.randint(0, 300, (2, 40))
     with torch.no_grad():
         ref = hf_model(tokens).logits
         got = ours(tokens)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_train_from_huggingface_folder(tmp_path):
+    """model.hf_path is a user feature: `paratrain train` starts from the folder's weights, so its first loss
+    is Hugging Face's own cross-entropy on the same first batch."""
+    import json
+
+    import torch.nn.functional as F
+
+    from paratrain.cli import main
+    from paratrain.config import load_config
+    from paratrain.train.data import GlobalSampler, TokenWindows
+
+    hf_model = _save_random_hf_llama(tmp_path / "hf", vocab=512)
+    sets = [f'model.hf_path="{tmp_path / "hf"}"', f'data.prepared_dir="{tmp_path / "data"}"',
+            "data.max_source_bytes=200000", "data.vocab_size=400", "train.steps=2", "train.seq_len=32",
+            "train.global_batch=4", "train.microbatch=4", "train.eval_every=0", "train.progress=false",
+            "metrics.tensorboard=false", f'metrics.run_dir="{tmp_path / "run"}"', "checkpoint.save_final=false",
+            'train.device="cpu"']
+    args = ["train", *[a for s in sets for a in ("--set", s)], "--summary-json", str(tmp_path / "s.json")]
+    assert main(args) == 0
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert summary["model_shape"]["vocab"] == 512 and summary["model_shape"]["layers"] == 2
+
+    cfg = load_config(None, sets)
+    windows = TokenWindows(cfg.data.prepared_dir, "train", cfg.train.seq_len)
+    x, y = windows.batch(GlobalSampler(windows.num_samples, 4, cfg.train.seed).global_indices(0))
+    with torch.no_grad():
+        expected = F.cross_entropy(hf_model(x).logits.flatten(0, 1), y.flatten()).item()
+    assert summary["first_loss"] == pytest.approx(expected, rel=1e-5)
+
+
+def test_huggingface_folder_refuses_shape_overrides(tmp_path):
+    from paratrain.config import load_config
+
+    _save_random_hf_llama(tmp_path)
+    with pytest.raises(ValueError, match=r"model.layers=3 with model.hf_path=.*allowed with hf_path: max_seq"):
+        load_config(None, [f'model.hf_path="{tmp_path}"', "model.layers=3"])
+    cfg = load_config(None, [f'model.hf_path="{tmp_path}"', "model.max_seq=64", "train.seq_len=64"])
+    assert cfg.model_shape().max_seq == 64 and cfg.model_shape().hidden == 64
+    with pytest.raises(ValueError, match=r"model.hf_path=.*no config.json"):
+        load_config(None, [f'model.hf_path="{tmp_path / "nowhere"}"'])

@@ -84,10 +84,14 @@ def hf_state_dict_to_paratrain(sd: dict[str, torch.Tensor], cfg: ModelConfig) ->
     return out
 
 
-def load_hf_llama(folder: str | Path) -> Llama:
-    """Build paratrain's Llama from a Hugging Face folder with the same weights."""
+def load_hf_llama(folder: str | Path, cfg: ModelConfig | None = None) -> Llama:
+    """Build paratrain's Llama from a Hugging Face folder with the same weights.
+
+    `cfg` (default: read from config.json) may differ from the folder's only where no weight depends on it
+    (name, max_seq: the RoPE table length); `paratrain.config` refuses shape overrides with model.hf_path.
+    """
     folder = Path(folder)
-    cfg = config_from_hf(folder)
+    cfg = cfg or config_from_hf(folder)
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise ValueError(f"model.hf_path='{folder}': no *.safetensors files there")

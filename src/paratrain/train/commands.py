@@ -11,10 +11,33 @@ Train a Llama-style model from a TOML config (see configs/ and docs/config.md).
 One process:          paratrain train --config configs/tiny.toml
 Parallel (8 ranks):   torchrun --nproc-per-node 8 -m paratrain train --config configs/tiny.toml \\
                           --set parallel.tp=2 --set parallel.pp=2
-Override any key:     --set optim.lr=1e-3 --set train.steps=50
+TP2 x DP2 with SP:    torchrun --nproc-per-node 4 -m paratrain train --config configs/tiny.toml \\
+                          --set parallel.tp=2 --set parallel.sp=true --set parallel.dp_kind=ddp
+Override any key:     --set optim.lr=1e-3 --set train.steps=50 --set parallel.recompute=selective
+Start from Hugging Face weights:  --set model.hf_path=path/to/llama   (config.json + *.safetensors)
+Check a config only:  paratrain config --config my.toml --set parallel.tp=4
 
+The layout (tp, sp, pp, cp, dp, dp_kind, recompute) is checked against the model and the number of ranks
+before any work; a bad one is one line naming the key, its value and what is allowed.
 Resumes automatically from the newest complete checkpoint in checkpoint.dir (checkpoint.resume="auto").
-Metrics: <metrics.run_dir>/metrics.jsonl and TensorBoard logs in <metrics.run_dir>/tensorboard.
+Metrics: <metrics.run_dir>/metrics.jsonl (loss, lr, grad_norm, tokens_per_s, mfu, memory_bytes per step) and
+TensorBoard logs in <metrics.run_dir>/tensorboard. MFU is against metrics.hardware's catalog peak, or else
+against a matmul probe of this machine (the summary says which).
+"""
+
+
+PREPARE_HELP = """\
+Tokenize text into packed, memory-mapped token files: <data.prepared_dir>/{train,val}.bin (uint16, or uint32
+for vocabularies over 65,536), tokenizer.json and meta.json. `paratrain train` prepares the data itself when
+needed; run this first to see the corpus, or before torchrun so ranks never wait for it.
+
+Default source 'stdlib': this Python's standard library source (nothing downloaded), tokenized with a
+byte-level BPE tokenizer trained locally (data.vocab_size tokens).
+
+  paratrain data prepare                                           # the embedded default
+  paratrain data prepare --set data.source=my_texts/ --set data.prepared_dir=data/mine
+  paratrain data prepare --set data.tokenizer=path/tokenizer.json  # an existing tokenizer
+(--set values are TOML; a value that is not valid TOML, like a bare path, is taken as a string.)
 """
 
 
@@ -30,17 +53,18 @@ def register(sub) -> None:
     _add_config_args(p)
     p.add_argument("--resume-from", help="checkpoint folder to resume from (default: newest complete one)")
     p.add_argument("--summary-json", help="write the run summary as JSON to this file (main rank)")
+    p.add_argument("--json", action="store_true",
+                   help="print the run summary as JSON on stdout instead of the text summary (main rank)")
     p.set_defaults(func=run_train)
 
     d = sub.add_parser("data", help="prepare training data (tokenize into a memory-mapped token file)")
     dsub = d.add_subparsers(dest="data_command", metavar="ACTION")
     prep = dsub.add_parser("prepare", help="tokenize data.source into data.prepared_dir",
-                           description="Train (or load) a tokenizer and write packed uint16/uint32 token files.\n"
-                                       "Default source 'stdlib': this Python's standard library, nothing "
-                                       "downloaded.\nExample: paratrain data prepare --set data.source=my_texts/",
+                           description=PREPARE_HELP,
                            formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_args(prep)
     prep.add_argument("--force", action="store_true", help="re-tokenize even if already prepared")
+    prep.add_argument("--json", action="store_true", help="print the prepared data's meta.json on stdout")
     prep.set_defaults(func=run_prepare)
     d.set_defaults(func=lambda args: d.print_help() or 0)
 
@@ -68,8 +92,13 @@ def run_prepare(args) -> int:
     from paratrain.train.data import prepare, read_meta
 
     cfg = load_config(args.config, args.set)
-    out = prepare(cfg.data, force=args.force)
-    print(json.dumps(read_meta(out), indent=2))
+    out = prepare(cfg.data, force=args.force, log=lambda *_: None)
+    meta = read_meta(out)
+    if args.json:
+        print(json.dumps(meta, indent=2))
+    else:
+        print(f"{out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens from "
+              f"{meta['documents']:,} documents of {meta['source']}, vocab {meta['vocab_size']:,} ({meta['dtype']})")
     return 0
 
 
@@ -86,11 +115,24 @@ def run_train(args) -> int:
     if joined_here:
         shutdown_distributed()  # torchrun's ranks exit together, with no gloo thread left running
     if summary["rank"] == 0:
-        print_summary(summary)
+        if args.json:
+            print(json.dumps(summary))
+        else:
+            print_summary(summary)
         if args.summary_json:
             with open(args.summary_json, "w") as fh:
                 json.dump(summary, fh, indent=2)
     return 0
+
+
+def run_mfu(s: dict) -> float | None:
+    """Model FLOPs utilisation of the whole run: train FLOPs per token x tokens/s over (ranks x peak)."""
+    if not s.get("model_shape") or not s.get("peak_flops"):
+        return None
+    from paratrain.model.config import ModelConfig
+
+    flops_per_token = ModelConfig(**s["model_shape"]).train_flops_per_token(s["seq_len"])
+    return flops_per_token * s["tokens_per_s"] / (s["peak_flops"] * s["world_size"])
 
 
 def print_summary(s: dict) -> None:
@@ -104,6 +146,8 @@ def print_summary(s: dict) -> None:
     print(f"steps           {s['steps']} ({s['tokens']:,} tokens) in {s['wall_s']:.1f} s")
     print(f"loss            {s['first_loss']:.4f} -> {s['last_loss']:.4f} ({drop:.1%} lower)")
     print(f"throughput      {s['tokens_per_s']:,.0f} tokens/s")
+    if (mfu := run_mfu(s)) is not None:
+        print(f"MFU             {mfu:.1%} (of the {s['peak_label']}: {s['peak_flops'] / 1e12:,.2f} TFLOP/s per rank)")
     print(f"metrics         {s['run_dir']}/metrics.jsonl, TensorBoard: {s['run_dir']}/tensorboard")
     print(f"checkpoint      {s['checkpoint'] or '(none saved)'}")
     if s.get("predicted"):

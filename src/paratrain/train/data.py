@@ -59,7 +59,7 @@ def build_tokenizer(cfg: DataSection, docs: list[str]):
     if cfg.tokenizer != "train":
         path = Path(cfg.tokenizer)
         if not path.is_file():
-            raise ValueError(f"data.tokenizer='{cfg.tokenizer}': allowed: 'train' or a tokenizer.json path")
+            raise ValueError(f"data.tokenizer='{cfg.tokenizer}': no such file; allowed: 'train' or a tokenizer.json path")
         return Tokenizer.from_file(str(path))
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -81,6 +81,8 @@ def prepare(cfg: DataSection, force: bool = False, log=print) -> Path:
     fp = _fingerprint(cfg)
     if not force and meta_path.is_file() and json.loads(meta_path.read_text()).get("fingerprint") == fp:
         return out
+    if cfg.tokenizer != "train" and not Path(cfg.tokenizer).is_file():  # before reading the corpus
+        raise ValueError(f"data.tokenizer='{cfg.tokenizer}': no such file; allowed: 'train' or a tokenizer.json path")
     out.mkdir(parents=True, exist_ok=True)
     docs = read_documents(cfg.source, cfg.max_source_bytes)
     tok = build_tokenizer(cfg, docs)

@@ -277,7 +277,7 @@ def _build_model(cfg: TrainConfig, model_cfg) -> Llama:
     if cfg.model.hf_path:
         from paratrain.model.hf import load_hf_llama
 
-        return load_hf_llama(cfg.model.hf_path)
+        return load_hf_llama(cfg.model.hf_path, model_cfg)
     model = Llama(model_cfg)
     model.init_weights(cfg.train.seed)  # same weights on every rank, whatever the layout
     return model
