@@ -13,9 +13,15 @@ failures and checkpoints from the simulator (or Daly's formula with --failures d
       --targets trn1.32xlarge:16,p4d.24xlarge:16 --report runs/compare
   paratrain compare --model llama3-70b --tokens 15e12 --targets p5.48xlarge:128,trn2-ultraserver:32 \\
       --price trn2-ultraserver=180 --json
+  paratrain compare --model llama3-8b --steps 20000 --seq 8192 --global-batch 512 \\
+      --targets p5.48xlarge:16,p6-b200.48xlarge:8 --failures daly
 
-Cost per million tokens, energy (accelerators + host share, x PUE) and tokens per MWh are reported; every
-assumption is printed with the table.
+The run length is --tokens or --steps (tokens = steps x seq x global batch). Per target: the planner's best
+layout, MFU, days to train including failures, restarts and checkpoints (`overhead` = the share they add),
+accelerator-hours (chips x wall hours), on-demand and reserved cost (3-year RI, else 1-year, else capacity
+block, as the catalog publishes), price per chip-hour and per peak BF16 PFLOP-hour, cost per million tokens,
+energy (accelerators + host share, x PUE) and tokens per MWh. Every assumption is printed with the table;
+--json has every field, --report DIR an HTML page with plots.
 """
 
 RECOMMEND_HELP = """\
@@ -48,7 +54,9 @@ def register(sub) -> None:
     c = sub.add_parser("compare", help="time, cost and energy to train a workload across clusters",
                        description=COMPARE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     c.add_argument("--model", required=True, help="preset name or model TOML file")
-    c.add_argument("--tokens", type=float, required=True, help="tokens to train, e.g. 1e12")
+    length = c.add_mutually_exclusive_group(required=True)
+    length.add_argument("--tokens", type=float, help="tokens to train, e.g. 1e12")
+    length.add_argument("--steps", type=int, help="optimizer steps to train (tokens = steps x seq x global batch)")
     c.add_argument("--targets", required=True, help="SYSTEM:NODES,... e.g. trn1.32xlarge:16,p4d.24xlarge:16")
     c.add_argument("--report", metavar="DIR", help="write an HTML report with plots to DIR")
     _add_common(c)
@@ -59,14 +67,20 @@ def register(sub) -> None:
     r.add_argument("kind", help="pretrain, finetune, research, experiment, multicloud or onprem")
     r.add_argument("--model", help="preset or model TOML (default: per kind)")
     r.add_argument("--tokens", type=float, help="tokens to train (default: per kind)")
-    r.add_argument("--nodes", type=int, help="nodes of each candidate system (default: per kind)")
+    size = r.add_mutually_exclusive_group()
+    size.add_argument("--chips", type=int,
+                      help="accelerator chips per candidate cluster, the same for every system (default: per kind; "
+                           "nodes = chips / chips per node, rounded up)")
+    size.add_argument("--nodes", type=int, help="one node count for every candidate system instead of --chips")
     r.add_argument("--max-days", type=float, help="deadline: drop candidates slower than this")
-    r.add_argument("--current-stack", default="cuda", help="the team's stack today: cuda or neuron")
+    r.add_argument("--current-stack", default="cuda", help="the team's stack today: cuda (default) or neuron; "
+                   "the other stack costs --porting-days")
     r.add_argument("--porting-days", type=float, default=20.0,
                    help="engineer-days to move the code base to the other stack (default 20, assumption)")
     r.add_argument("--engineer-usd-per-day", type=float, default=1200.0,
                    help="loaded cost of an engineer-day (default 1200, assumption)")
-    r.add_argument("--systems", help="comma list of candidate systems (default: every priced system)")
+    r.add_argument("--systems", help="comma list of candidate systems (default: every catalog system; those "
+                   "without a price get a break-even price instead of a rank)")
     _add_common(r)
     r.set_defaults(func=run_recommend)
 
@@ -96,6 +110,12 @@ def _assumptions(args):
     return Assumptions(pue=args.pue, failures=args.failures, prices=_prices(args.price))
 
 
+def _check_shape(args) -> None:
+    for flag, value in (("--seq", args.seq), ("--global-batch", args.global_batch)):
+        if value < 1:
+            raise ValueError(f"{flag} {value}: must be >= 1")
+
+
 def _progress(total: int, quiet: bool):
     if quiet:
         return None
@@ -108,13 +128,21 @@ def _progress(total: int, quiet: bool):
 def run_compare(args) -> int:
     from paratrain.cost.compare import Workload, compare, parse_targets
 
-    if args.tokens <= 0:
+    if args.tokens is not None and not args.tokens > 0:
         raise ValueError(f"--tokens {args.tokens}: must be > 0")
+    if args.steps is not None and args.steps < 1:
+        raise ValueError(f"--steps {args.steps}: must be >= 1")
+    _check_shape(args)
     targets = parse_targets(args.targets)
     assumptions = _assumptions(args)
-    workload = Workload(args.model, args.tokens, args.seq, args.global_batch)
+    if args.steps is not None:
+        workload = Workload.from_steps(args.model, args.steps, args.seq, args.global_batch)
+    else:
+        workload = Workload(args.model, args.tokens, args.seq, args.global_batch)
+    workload.model_config()  # an unknown model fails here, before any search
     rows = compare(workload, targets, assumptions, progress=_progress(len(targets), args.json))
-    out = {"workload": {"model": workload.model_config().name, "train_tokens": args.tokens, "seq": args.seq,
+    out = {"workload": {"model": workload.model_config().name, "train_tokens": workload.train_tokens,
+                        "seq": args.seq,
                         "global_batch": args.global_batch, "steps": workload.steps},
            "assumptions": assumptions.describe(), "rows": [r.to_dict() for r in rows]}
     if args.report:
@@ -135,36 +163,54 @@ def print_table(rows) -> None:
     def f(v, spec):
         return "n/a" if v is None else format(v, spec)
 
-    print(f"{'system':<18}{'nodes':>6}{'layout':>22}{'MFU':>7}{'days':>8}{'goodput':>9}{'on-demand $':>14}"
-          f"{'$/chip-h':>10}{'$/PF-h':>8}{'$/Mtok':>9}{'MWh':>9}{'Mtok/MWh':>10}")
+    # days = wall time with failures; overhead = the share failures, restarts and checkpoints add to it
+    print(f"{'system':<18}{'nodes':>6}{'layout':>22}{'MFU':>7}{'days':>8}{'overhead':>9}{'accel-h':>11}"
+          f"{'on-demand $':>14}{'reserved $':>13}{'$/chip-h':>9}{'$/PF-h':>8}{'$/Mtok':>9}{'MWh':>9}{'Mtok/MWh':>9}")
     for r in rows:
         lay = r.layout
         layout = f"TP{lay['tp']}PP{lay['pp']}DP{lay['dp']}{'+SP' if lay['sp'] else ''}/{lay['recompute'][:3]}"
-        print(f"{r.system:<18}{r.nodes:>6}{layout:>22}{r.mfu:>7.1%}{r.wall_hours / 24:>8.1f}{r.goodput:>9.1%}"
-              f"{f(r.cost_on_demand_usd, ',.0f'):>14}{f(r.price_per_chip_hour_usd, '.2f'):>10}"
+        print(f"{r.system:<18}{r.nodes:>6}{layout:>22}{r.mfu:>7.1%}{r.wall_hours / 24:>8.1f}"
+              f"{1 / r.goodput - 1:>9.1%}{r.accelerator_hours:>11,.0f}"
+              f"{f(r.cost_on_demand_usd, ',.0f'):>14}{f(r.cost_reserved_usd, ',.0f'):>13}"
+              f"{f(r.price_per_chip_hour_usd, '.2f'):>9}"
               f"{f(r.price_per_peak_bf16_pflop_hour_usd, '.2f'):>8}{f(r.cost_usd_per_million_tokens, '.3f'):>9}"
-              f"{f(r.energy_mwh, ',.1f'):>9}{f(None if r.tokens_per_mwh is None else r.tokens_per_mwh / 1e6, ',.0f'):>10}")
+              f"{f(r.energy_mwh, ',.1f'):>9}{f(None if r.tokens_per_mwh is None else r.tokens_per_mwh / 1e6, ',.0f'):>9}")
+    reserved = sorted({f"{r.system}: {r.reserved_kind}" for r in rows})
+    print("reserved $ = " + "; ".join(reserved))
 
 
 def run_recommend(args) -> int:
     from paratrain.cost.recommend import Request, recommend
+    from paratrain.hardware.catalog import get_catalog
 
-    systems = [s.strip() for s in args.systems.split(",")] if args.systems else None
-    req = Request(kind=args.kind, model=args.model, train_tokens=args.tokens, nodes=args.nodes, seq=args.seq,
+    systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
+    _check_shape(args)
+    req = Request(kind=args.kind, model=args.model, train_tokens=args.tokens, nodes=args.nodes, chips=args.chips,
+                  seq=args.seq,
                   global_batch=args.global_batch, current_stack=args.current_stack,
                   porting_engineer_days=args.porting_days, engineer_usd_per_day=args.engineer_usd_per_day,
                   max_days=args.max_days, systems=systems, assumptions=_assumptions(args))
-    rec = recommend(req, progress=_progress(len(systems or []) or 8, args.json))
+    rec = recommend(req, progress=_progress(len(systems or get_catalog().systems), args.json))
     if args.json:
         print(json.dumps(rec.__dict__, indent=2, default=str))
         return 0
-    print(f"workload: {args.kind} ({req.model}, {req.train_tokens:.3g} tokens, {req.nodes} nodes)")
+    print(f"workload: {args.kind} ({req.model}, {req.train_tokens:.3g} tokens)")
     print(f"recommendation: {rec.choice or 'none'}")
     print("rules:\n  " + "\n  ".join(rec.rules))
     print("reasons:\n  " + "\n  ".join(rec.reasons))
-    print("candidates (total = compute + porting):")
-    for c in rec.candidates:
-        print(f"  {c['system']:<18} {c['wall_days']:>7.1f} days  compute ${c['compute_usd']:>12,.0f}  porting "
-              f"${c['porting_usd']:>8,.0f}  total ${c['total_usd']:>12,.0f}")
+    print_candidates(rec.candidates)
     print("assumptions:\n  " + "\n  ".join(rec.assumptions))
     return 0
+
+
+def print_candidates(candidates: list[dict]) -> None:
+    def usd(v, width):
+        return f"{'n/a':>{width}}" if v is None else f"${v:>{width - 1},.0f}"
+
+    print("candidates (total = compute + porting; break-even = the price per node-hour at which it would tie "
+          "the choice):")
+    for c in candidates:
+        even = c.get("break_even_usd_per_node_hour")
+        print(f"  {c['system']:<18} {c['nodes']:>5} nodes {c['wall_days']:>7.1f} days  compute "
+              f"{usd(c['compute_usd'], 13)}  porting {usd(c['porting_usd'], 9)}  total {usd(c['total_usd'], 13)}"
+              + ("" if even is None else f"  break-even ${even:,.2f}/h"))

@@ -26,6 +26,21 @@ class Workload:
     seq: int = 4096
     global_batch: int = 1024  # sequences per step
 
+    def __post_init__(self) -> None:
+        if not self.train_tokens > 0:
+            raise ValueError(f"train_tokens = {self.train_tokens!r}: must be > 0")
+        for name in ("seq", "global_batch"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} = {value!r}: must be an integer >= 1")
+
+    @classmethod
+    def from_steps(cls, model: str | ModelConfig, steps: int, seq: int = 4096, global_batch: int = 1024) -> Workload:
+        """A run given as optimizer steps instead of tokens (steps x seq x global batch tokens)."""
+        if not isinstance(steps, int) or steps < 1:
+            raise ValueError(f"steps = {steps!r}: must be an integer >= 1")
+        return cls(model, float(steps) * seq * global_batch, seq, global_batch)
+
     def model_config(self) -> ModelConfig:
         return self.model if isinstance(self.model, ModelConfig) else load_model_config(self.model)
 
@@ -85,6 +100,7 @@ class Row:
     price_per_chip_hour_usd: float | None
     price_per_peak_bf16_pflop_hour_usd: float | None
     notes: list[str] = field(default_factory=list)
+    global_batch: int | None = None  # sequences per step the row was planned with
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -133,16 +149,44 @@ def failure_goodput(system: System, nodes: int, step_time_s: float, steps: int, 
     return report["metrics"]["goodput"]["mean"], f"simulated, {cfg.samples} Monte-Carlo samples"
 
 
+def nearby_global_batch(devices: int, global_batch: int, tolerance: float) -> int | None:
+    """The global batch within `tolerance` (relative) of the given one that shares the device count's odd
+    factor, with as many factors of two as possible: every data-parallel degree must divide the global batch,
+    and a cluster of 2,304 devices (4 Trn3 UltraServers) has no layout at all for a power-of-two batch with
+    power-of-two heads and layers (1152 = 9 x 128 works where 1024 cannot)."""
+    odd = devices
+    while odd % 2 == 0:
+        odd //= 2
+    if odd == 1:
+        return None  # the batch's factors of two are not what is missing
+    for twos in range(int(math.log2(max(global_batch, 1))) + 1, -1, -1):
+        step = odd * 2**twos
+        nearest = round(global_batch / step) * step
+        if nearest > 0 and abs(nearest - global_batch) <= tolerance * global_batch:
+            return nearest
+    return None
+
+
 def evaluate_target(workload: Workload, system_name: str, nodes: int, assumptions: Assumptions,
-                    search_kw: dict | None = None) -> Row:
+                    search_kw: dict | None = None, batch_tolerance: float = 0.0) -> Row:
+    """The planner's best layout on `nodes` x the system, and what the run costs with it. batch_tolerance > 0:
+    where no layout exists at the workload's global batch, use the nearest one within that relative distance
+    that the device count admits (same tokens to train; noted in the row)."""
     from paratrain.plan.api import search
 
     system = resolve_system(system_name)
     model = workload.model_config()
     result = search(model, system, nodes, workload.seq, workload.global_batch, top=1, **(search_kw or {}))
     if not result.candidates:
-        raise ValueError(f"{model.name} does not fit on {nodes} x {system.name} with any layout "
-                         f"(seq {workload.seq}, global batch {workload.global_batch})")
+        devices = nodes * system.devices_per_node
+        other = nearby_global_batch(devices, workload.global_batch, batch_tolerance) if result.valid == 0 else None
+        if other is None:
+            raise ValueError(no_layout_reason(model, system, nodes, workload, result.valid))
+        adjusted = Workload(workload.model, workload.train_tokens, workload.seq, other)
+        row = evaluate_target(adjusted, system_name, nodes, assumptions, search_kw)
+        row.notes.insert(0, f"global batch {other} instead of {workload.global_batch}: no layout of {devices} "
+                            f"devices divides {workload.global_batch} (same tokens to train)")
+        return row
     est = result.candidates[0]
     compute_s = workload.steps * est.step_time_s
     goodput, how = failure_goodput(system, nodes, est.step_time_s, workload.steps, model, assumptions)
@@ -169,11 +213,22 @@ def evaluate_target(workload: Workload, system_name: str, nodes: int, assumption
         energy_mwh=energy_mwh, tokens_per_mwh=None if not energy_mwh else tokens / energy_mwh,
         price_per_chip_hour_usd=None if price is None else price / system.chips_per_node,
         price_per_peak_bf16_pflop_hour_usd=None if price is None else price / peak_pflops_node,
-        notes=[f"goodput {goodput:.1%} ({how})"] + list(est.notes),
+        notes=[f"goodput {goodput:.1%} ({how})"] + list(est.notes), global_batch=workload.global_batch,
     )
     if system.chip.power_w is None:
         row.notes.append(f"no chip power for {system.chip.name} in the catalog: energy unknown")
     return row
+
+
+def no_layout_reason(model: ModelConfig, system: System, nodes: int, workload: Workload, valid: int) -> str:
+    """Why the planner found nothing: no layout divides the devices and the batch, or none fits in memory."""
+    devices = nodes * system.devices_per_node
+    where = f"{model.name} on {nodes} x {system.name} ({devices} {system.device_unit})"
+    if valid == 0:
+        return (f"no valid layout for {where} at global batch {workload.global_batch}: tp x pp x dp must equal "
+                f"{devices} with dp x microbatch dividing the global batch and tp, pp dividing the model's heads "
+                f"and layers; try a global batch sharing more factors with {devices}")
+    return f"none of the {valid} valid layouts for {where} fits in memory (seq {workload.seq}); try more nodes"
 
 
 def compare(workload: Workload, targets: list[tuple[str, int]], assumptions: Assumptions | None = None,

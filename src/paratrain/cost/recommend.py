@@ -12,16 +12,21 @@ multi-cloud or on-premises -> NVIDIA). Here the answer is derived, not asserted:
    engineer-days, an explicit assumption). That one number is what makes short experiments stay on the stack
    the team has and long pre-training runs move to the cheapest hardware per token.
 3. A deadline (max days) removes targets too slow for it.
+4. Every candidate gets a cluster of the same number of accelerator chips (or the same node count with
+   `nodes`). Systems without a public price are planned too but not ranked: instead the price per node-hour
+   at which each would tie the choice (its break-even) is reported, which is what a quote must beat; the
+   same break-even is given for every losing candidate.
 
 Changing a number that matters (a price, the porting cost, the tokens to train) changes the answer.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from paratrain.cost.compare import Assumptions, Row, Workload, evaluate_target
-from paratrain.hardware.catalog import get_catalog
+from paratrain.hardware.catalog import System, get_catalog
 
 KINDS = {
     "pretrain": "pre-training a model from scratch (weeks or more)",
@@ -33,14 +38,23 @@ KINDS = {
 }
 
 # Default workloads per kind, when the user gives only the kind (shapes of the source documents' examples).
+# Cluster size is a number of accelerator chips, the same for every candidate (nodes = chips / chips per node,
+# rounded up): 512 chips is 64 p5.48xlarge, 32 trn1.32xlarge or 4 Trn3 UltraServers. --nodes overrides it
+# with one node count for all.
 DEFAULTS = {
-    "pretrain": {"model": "llama2-70b", "train_tokens": 2e12, "nodes": 64},
-    "finetune": {"model": "llama3-8b", "train_tokens": 5e9, "nodes": 4},
-    "research": {"model": "llama3-8b", "train_tokens": 2e9, "nodes": 2},
-    "experiment": {"model": "llama3-8b", "train_tokens": 3e8, "nodes": 1},
-    "multicloud": {"model": "llama3-8b", "train_tokens": 1e11, "nodes": 16},
-    "onprem": {"model": "llama3-8b", "train_tokens": 1e11, "nodes": 16},
+    "pretrain": {"model": "llama2-70b", "train_tokens": 2e12, "chips": 512},
+    "finetune": {"model": "llama3-70b", "train_tokens": 2e10, "chips": 128},
+    "research": {"model": "llama3-8b", "train_tokens": 2e9, "chips": 16},
+    "experiment": {"model": "llama3-8b", "train_tokens": 3e8, "chips": 8},
+    "multicloud": {"model": "llama3-8b", "train_tokens": 1e11, "chips": 128},
+    "onprem": {"model": "llama3-8b", "train_tokens": 1e11, "chips": 128},
 }
+
+
+# A candidate whose device count admits no layout at the requested global batch (e.g. 144-chip Trn3
+# UltraServers with a power-of-two batch) is planned at the nearest batch within 15% that it admits, with the
+# same tokens to train: a recommendation compares hardware, and teams size the batch to the cluster.
+BATCH_TOLERANCE = 0.15
 
 
 @dataclass
@@ -48,14 +62,15 @@ class Request:
     kind: str
     model: str | None = None
     train_tokens: float | None = None
-    nodes: int | None = None
+    nodes: int | None = None  # one node count for every candidate (overrides chips)
+    chips: int | None = None  # accelerator chips per candidate cluster (default: per kind)
     seq: int = 4096
     global_batch: int = 1024
     current_stack: str = "cuda"  # what the team's code runs on today: "cuda" or "neuron"
     porting_engineer_days: float = 20.0  # assumption: moving a training code base to the other stack
     engineer_usd_per_day: float = 1200.0  # assumption: loaded cost of an ML engineer-day
     max_days: float | None = None
-    systems: list[str] | None = None  # candidates; default: every catalog system with a price
+    systems: list[str] | None = None  # candidates; default: every catalog system
     assumptions: Assumptions = field(default_factory=Assumptions)
 
     def __post_init__(self) -> None:
@@ -64,9 +79,26 @@ class Request:
         if self.current_stack not in ("cuda", "neuron"):
             raise ValueError(f"current_stack='{self.current_stack}': allowed: cuda, neuron")
         d = DEFAULTS[self.kind]
-        self.model = self.model or d["model"]
-        self.train_tokens = self.train_tokens or d["train_tokens"]
-        self.nodes = self.nodes or d["nodes"]
+        self.model = d["model"] if self.model is None else self.model
+        self.train_tokens = d["train_tokens"] if self.train_tokens is None else self.train_tokens
+        if self.nodes is None and self.chips is None:
+            self.chips = d["chips"]
+        checks = [("train_tokens", self.train_tokens, self.train_tokens > 0, "> 0"),
+                  ("nodes", self.nodes, self.nodes is None or self.nodes >= 1, ">= 1"),
+                  ("chips", self.chips, self.chips is None or self.chips >= 1, ">= 1"),
+                  ("porting_engineer_days", self.porting_engineer_days, self.porting_engineer_days >= 0, ">= 0"),
+                  ("engineer_usd_per_day", self.engineer_usd_per_day, self.engineer_usd_per_day >= 0, ">= 0"),
+                  ("max_days", self.max_days, self.max_days is None or self.max_days > 0, "> 0")]
+        for name, value, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"{name} = {value!r}: allowed: {allowed}")
+        for name in self.systems or []:
+            get_catalog().system(name)  # unknown names fail here, before any work
+
+    def nodes_for(self, system: System) -> int:
+        if self.nodes is not None:
+            return self.nodes
+        return max(1, math.ceil(self.chips / system.chips_per_node))
 
 
 @dataclass
@@ -97,20 +129,19 @@ def hard_rules(req: Request, systems: list[str]) -> tuple[list[str], list[str]]:
         rules.append(f"{where}: Trainium is available only inside AWS; NVIDIA GPUs are sold by every cloud and "
                      f"for own data centres -> Trainium excluded")
     if not rules:
-        rules.append("no hard constraint: the cost model decides among all priced systems")
+        rules.append("no hard constraint: the cost model decides among all systems with a price")
     return kept, rules
 
 
 def recommend(req: Request, progress=None) -> Recommendation:
-    catalog = get_catalog()
-    names = req.systems or [n for n, s in catalog.systems.items()
-                            if s.prices.on_demand_usd_per_hour is not None or n in req.assumptions.prices]
+    names = req.systems or list(get_catalog().systems)
     allowed, rules = hard_rules(req, names)
     wl = Workload(req.model, req.train_tokens, req.seq, req.global_batch)
     scored, skipped = [], []
     for name in allowed:
         try:
-            row = evaluate_target(wl, name, req.nodes, req.assumptions)
+            row = evaluate_target(wl, name, req.nodes_for(get_catalog().system(name)), req.assumptions,
+                                  batch_tolerance=BATCH_TOLERANCE)
         except ValueError as exc:
             skipped.append(f"{name}: {exc}")
             continue
@@ -121,42 +152,84 @@ def recommend(req: Request, progress=None) -> Recommendation:
     if req.max_days is not None:
         slow = [c for c in scored if c["wall_days"] > req.max_days]
         if slow:
-            rules.append(f"deadline {req.max_days:g} days: excluded {', '.join(c['system'] for c in slow)}")
+            rules.append(f"deadline {req.max_days:g} days: excluded "
+                         + ", ".join(f"{c['system']} ({c['wall_days']:.1f} days)" for c in slow))
         scored = [c for c in scored if c["wall_days"] <= req.max_days]
-    scored.sort(key=lambda c: c["total_usd"])
+    priced = sorted((c for c in scored if c["total_usd"] is not None), key=lambda c: c["total_usd"])
+    unpriced = [c for c in scored if c["total_usd"] is None]
+    if priced:
+        _break_even(priced[0], priced[1:] + unpriced)
+    reasons = _reasons(req, priced, unpriced, skipped)
+    choice = priced[0]["system"] if priced else None
+    return Recommendation(req.kind, choice, rules, priced + unpriced, reasons, _assumption_lines(req))
+
+
+def _break_even(best: dict, others: list[dict]) -> None:
+    """The price per node-hour at which each other candidate would cost as much in total as the best one:
+    what a quote must beat. None where even a free cluster would not (its porting cost alone is higher)."""
+    for c in others:
+        budget = best["total_usd"] - c["porting_usd"]
+        c["break_even_usd_per_node_hour"] = budget / (c["nodes"] * c["wall_days"] * 24) if budget > 0 else None
+
+
+def _reasons(req: Request, priced: list[dict], unpriced: list[dict], skipped: list[str]) -> list[str]:
     reasons = []
-    choice = scored[0]["system"] if scored else None
-    if scored:
-        best = scored[0]
-        reasons.append(f"{best['system']} x {req.nodes} nodes: {best['wall_days']:.1f} days, compute "
-                       f"${best['compute_usd']:,.0f} + porting ${best['porting_usd']:,.0f} = ${best['total_usd']:,.0f}")
-        if len(scored) > 1:
-            nxt = scored[1]
+    if priced:
+        best = priced[0]
+        reasons.append(f"{best['system']} x {best['nodes']} nodes ({best['chips']} chips): {best['wall_days']:.1f} "
+                       f"days, compute ${best['compute_usd']:,.0f} + porting ${best['porting_usd']:,.0f} = "
+                       f"${best['total_usd']:,.0f}, ${best['cost_usd_per_million_tokens']:.3f} per million tokens")
+        if len(priced) > 1:
+            nxt = priced[1]
             reasons.append(f"next: {nxt['system']} at ${nxt['total_usd']:,.0f} "
                            f"({nxt['total_usd'] / best['total_usd'] - 1:+.0%}); compute alone "
-                           f"${nxt['compute_usd']:,.0f}")
+                           f"${nxt['compute_usd']:,.0f}; " + _would_win(nxt))
         if best["porting_usd"] == 0 and any(c["porting_usd"] > 0 and c["compute_usd"] < best["compute_usd"]
-                                            for c in scored):
+                                            for c in priced):
             reasons.append("a cheaper-to-run system exists on the other software stack, but the workload is too "
                            "small for the compute saving to pay for porting the code")
         if best["porting_usd"] > 0:
             reasons.append("the compute saving over the team's current stack outweighs the one-off porting cost")
     else:
-        reasons.append("no candidate can run this workload under the rules above: " + "; ".join(skipped))
-    reasons += [f"skipped {s}" for s in skipped]
-    assumptions = req.assumptions.describe() + [
+        reasons.append("no priced candidate can run this workload under the rules above"
+                       + (": " + "; ".join(skipped) if skipped else ""))
+    for c in unpriced:
+        reasons.append(f"{c['system']} has no public price: {c['wall_days']:.1f} days on {c['nodes']} nodes; "
+                       f"{_would_win(c)} (give a quote with --price {c['system']}=USD)")
+    reasons += [f"{c['system']}: {c['notes'][0]}" for c in priced + unpriced
+                if c["global_batch"] != req.global_batch]
+    return reasons + [f"skipped {s}" for s in skipped]
+
+
+def _would_win(candidate: dict) -> str:
+    value = candidate.get("break_even_usd_per_node_hour")
+    if value is None:
+        return "it cannot win at any price: porting alone costs more than the choice's total"
+    return f"it would win below ${value:,.2f} per node-hour"
+
+
+
+def _assumption_lines(req: Request) -> list[str]:
+    size = (f"{req.nodes} nodes of each system" if req.nodes is not None
+            else f"{req.chips} accelerator chips per system (nodes rounded up)")
+    lines = req.assumptions.describe() + [
         f"porting to the other software stack: {req.porting_engineer_days:g} engineer-days x "
         f"${req.engineer_usd_per_day:,.0f}/day (assumption); team's current stack: {req.current_stack}",
         f"workload: {req.model}, {req.train_tokens:.3g} tokens, seq {req.seq}, global batch {req.global_batch}, "
-        f"{req.nodes} nodes",
-        "candidates without a public price are left out unless --price gives one",
+        f"{size}",
+        "systems without a public price are ranked only with --price; otherwise their break-even price is shown",
     ]
-    return Recommendation(req.kind, choice, rules, scored, reasons, assumptions)
+    if req.kind == "finetune":
+        lines.append("fine-tuning counts training tokens only: RLHF rollouts (generation) are not modelled; add "
+                     "their tokens to --tokens as a rough equivalent")
+    return lines
 
 
 def _score(req: Request, row: Row) -> dict:
     porting = 0.0 if stack_of(row.system) == req.current_stack else req.porting_engineer_days * req.engineer_usd_per_day
     compute = row.cost_on_demand_usd
-    return {"system": row.system, "nodes": row.nodes, "wall_days": row.wall_hours / 24, "compute_usd": compute,
-            "porting_usd": porting, "total_usd": compute + porting, "mfu": row.mfu, "goodput": row.goodput,
-            "cost_usd_per_million_tokens": row.cost_usd_per_million_tokens, "layout": row.layout}
+    return {"system": row.system, "nodes": row.nodes, "chips": row.chips, "wall_days": row.wall_hours / 24,
+            "compute_usd": compute, "porting_usd": porting, "total_usd": None if compute is None else compute + porting,
+            "mfu": row.mfu, "goodput": row.goodput, "cost_usd_per_million_tokens": row.cost_usd_per_million_tokens,
+            "break_even_usd_per_node_hour": None, "layout": row.layout, "global_batch": row.global_batch,
+            "notes": row.notes}
