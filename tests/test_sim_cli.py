@@ -117,3 +117,21 @@ def test_catalog_and_planner_fill_the_inputs(capsys):
                                "--steps", "1000", "--samples", "4", "--price", "1.0"])
     assert report["inputs"]["price_per_device_hour_usd"] == 1.0
     assert report["inputs"]["step_time_s"] == 2.0
+
+
+def test_ultraservers_from_the_catalog_are_replaced_as_a_whole(capsys):
+    """A Trn2 UltraServer (4 trn2.48xlarge joined by NeuronLink) is 4 hosts of 16 chips replaced as one unit;
+    a Trn3 Gen2 UltraServer (no instance tier in the catalog) is one 144-chip unit."""
+    pytest.importorskip("paratrain.hardware.catalog")
+    base = ["--step-time", "6s", "--duration", "10d", "--samples", "4"]
+    trn2 = run_json(capsys, ["simulate", "--hardware", "trn2-ultraserver", "--devices", "4096", *base])["inputs"]
+    assert (trn2["devices_per_node"], trn2["nodes_per_domain"], trn2["nodes"]) == (16, 4, 256)
+    assert trn2["spare_nodes"] == 4  # 1% of 64 UltraServers, rounded up to one whole UltraServer
+    assert any("replacement unit" in note and "4 instances" in note for note in trn2["notes"])
+    trn3 = run_json(capsys, ["simulate", "--hardware", "trn3-ultraserver", "--devices", "14400", *base])["inputs"]
+    assert (trn3["devices_per_node"], trn3["nodes_per_domain"], trn3["nodes"]) == (144, 1, 100)
+    p5 = run_json(capsys, ["simulate", "--hardware", "p5.48xlarge", "--devices", "64", *base])["inputs"]
+    assert (p5["devices_per_node"], p5["nodes_per_domain"]) == (8, 1)
+    assert main(["simulate", "--hardware", "trn2-ultraserver", "--devices", "4080", *base]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--devices=4080" in err and "multiple of 64" in err and "\n" not in err

@@ -25,8 +25,12 @@ def fill_from_catalog(*, hardware: str | None, model: str | None, devices: int |
         raise ValueError("--model needs --hardware (the planner estimates the step time on a catalog system)")
     system = _system(hardware)
     chips_per_node = system.chips_per_node
-    out: dict = {"devices_per_node": chips_per_node, "nodes_per_domain": 1}
-    notes = [f"devices are {system.chip.name} chips; {chips_per_node} per node ({system.name}: {system.source})"]
+    chips_per_host, hosts_per_unit = hosts_of(system)
+    out: dict = {"devices_per_node": chips_per_host, "nodes_per_domain": hosts_per_unit}
+    notes = [f"devices are {system.chip.name} chips ({system.name}: {system.source})", _unit_note(system)]
+    if devices is not None and devices % chips_per_node:
+        raise ValueError(f"--devices={devices} is not a whole number of {system.name} units of {chips_per_node} "
+                         f"chips: allowed: a multiple of {chips_per_node}")
     price = system.prices.on_demand_usd_per_hour
     if price is not None:
         out["price_per_device_hour_usd"] = price / chips_per_node
@@ -38,6 +42,36 @@ def fill_from_catalog(*, hardware: str | None, model: str | None, devices: int |
                                  notes))
     out["notes"] = tuple(notes)
     return out
+
+
+# The tier that marks a catalog "node" made of several instances (hosts): a Trn2 UltraServer is 4 trn2.48xlarge
+# instances joined by NeuronLink, described by the catalog as one 64-chip system with an "intra-instance" tier.
+INSTANCE_TIER = "intra-instance"
+
+
+def hosts_of(system) -> tuple[int, int]:
+    """(chips per host, hosts per replacement unit) of a catalog system.
+
+    A catalog node is the unit that is rented. When it is an UltraServer of several instances, the simulator's
+    node is the instance (a host fails as a unit: its power supply, NIC, host memory) and the replacement unit
+    is the whole UltraServer: the job's layout spans its NeuronLink domain, so a failed host is replaced by a
+    spare UltraServer (or waits for its repair), not by a lone instance outside the domain."""
+    instance = next((t for t in system.tiers if t.name == INSTANCE_TIER), None)
+    if instance is None or not 0 < instance.domain_devices < system.devices_per_node:
+        return system.chips_per_node, 1
+    if system.devices_per_node % instance.domain_devices or instance.domain_devices % system.devices_per_chip:
+        raise ValueError(f"{system.name}: tier {INSTANCE_TIER!r} of {instance.domain_devices} devices does not "
+                         f"divide the node's {system.devices_per_node} devices into whole chips")
+    return instance.domain_devices // system.devices_per_chip, system.devices_per_node // instance.domain_devices
+
+
+def _unit_note(system) -> str:
+    chips_per_host, hosts = hosts_of(system)
+    if hosts > 1:
+        return (f"node = one instance of {chips_per_host} chips; replacement unit = one {system.display_name}, "
+                f"{hosts} instances ({system.chips_per_node} chips): a failed host takes its NeuronLink domain "
+                "out, so a spare is a whole unit")
+    return f"node = one {system.display_name}: {system.chips_per_node} chips, replaced as a unit"
 
 
 def _system(name: str | None):
