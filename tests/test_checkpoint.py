@@ -245,6 +245,22 @@ def test_bad_checkpoint_dir_and_fault_spec_are_clear_errors(monkeypatch):
     monkeypatch.setenv("PARATRAIN_FAULT_KILL", "after_stp:3")
     with pytest.raises(ValueError, match="PARATRAIN_FAULT_KILL='after_stp:3'"):
         fault_point("after_step", 1, 0)
+    monkeypatch.setenv("PARATRAIN_FAULT_KILL", "after_step:3,save_shards:x")
+    with pytest.raises(ValueError, match=r"'after_step:3,save_shards:x': step, rank and attempt must be integers"):
+        fault_point("after_step", 1, 0)
+
+
+def test_fault_kills_select_point_step_rank_and_torchrun_attempt():
+    from paratrain.train.faults import Kill, parse_kills
+
+    kills = parse_kills("after_step:3:1, save_shards:4:1:1,save_written:6")
+    assert kills == [Kill("after_step", 3, 1, 0), Kill("save_shards", 4, 1, 1), Kill("save_written", 6, None, 0)]
+    first, second, every_rank = kills
+    assert first.matches("after_step", 3, 1, attempt=0)
+    assert not first.matches("after_step", 3, 1, attempt=1)  # the restarted job gets past it
+    assert not first.matches("after_step", 3, 0, attempt=0) and not first.matches("after_step", 4, 1, attempt=0)
+    assert second.matches("save_shards", 4, 1, attempt=1) and not second.matches("save_shards", 4, 1, attempt=0)
+    assert every_rank.matches("save_written", 6, 5, attempt=0) and not every_rank.matches("save_shards", 6, 5, 0)
 
 
 # ---- real SIGKILLs in subprocesses ------------------------------------------------------------------------

@@ -125,10 +125,13 @@ def run_in_own_session(cmd: list[str], env: dict, log_path: Path, timeout_s: flo
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_torchrun_restarts_after_a_rank_is_killed_during_a_save_and_finishes_like_uninterrupted(dist_run, tmp):
-    """Rank 1 is SIGKILLed while saving step 4 (its shards written but not reported; rank 0 waits for it).
-    torchrun restarts both ranks; the partial step 4 is discarded, training resumes from step 2 and ends with
-    exactly the uninterrupted losses."""
+def test_torchrun_restarts_after_rank_kills_mid_run_and_during_a_save_and_finishes_like_uninterrupted(dist_run, tmp):
+    """One torchrun job (DP2 FSDP, checkpoints every 2 of 6 steps, --max-restarts 2) loses rank 1 twice:
+      attempt 0: SIGKILL right after step 3 (mid-run: rank 0 is already inside step 4's collectives);
+      attempt 1: resumed from step 2, SIGKILL while saving step 4 (its shards written, not yet reported; rank 0
+                 waits for it in the commit);
+      attempt 2: the partial step 4 is discarded, training resumes from step 2 and ends with exactly the
+                 uninterrupted run's losses (same layout: bitwise), final loss included."""
     reference = dist_run(2, _train, settings(tmp, "elastic-ref", 6, 2, *FSDP2))[0]["losses"]
     sets = settings(tmp, "elastic", 6, 2, *FSDP2)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
@@ -137,17 +140,19 @@ def test_torchrun_restarts_after_a_rank_is_killed_during_a_save_and_finishes_lik
     # torch 2.13's torchrun shares its rendezvous TCPStore with the workers by default; after a restart the new
     # workers can read the previous attempt's gloo addresses from it and fail with "Connection refused"
     # (pytorch/pytorch#135712; seen here under load). A fresh store per round avoids it.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARATRAIN_FAULT_KILL": "save_shards:4:1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARATRAIN_FAULT_KILL": "after_step:3:1,save_shards:4:1:1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     returncode, log = run_in_own_session(cmd, env, tmp / "elastic.log", timeout_s=420)
     assert returncode == 0, log[-4000:]
-    assert "Signals.SIGKILL" in log or "exitcode: -9" in log  # rank 1 really died
-    summary = json.loads((tmp / "elastic.json").read_text())
+    assert log.count("Signals.SIGKILL") + log.count("exitcode: -9") >= 2, log[-4000:]  # rank 1 died twice
+    step2 = tmp / "elastic" / "checkpoints" / step_name(2)
     partial = tmp / "elastic" / "checkpoints" / step_name(4)
-    assert f"removing interrupted checkpoint {partial}" in log
-    assert summary["resumed_from"].endswith(step_name(2))  # the newest complete checkpoint
+    assert log.count(f"resumed from {step2} at step 2") == 2  # both restarts: the newest complete checkpoint
+    assert log.count(f"removing interrupted checkpoint {partial}") == 1  # only the save killed in attempt 1
+    summary = json.loads((tmp / "elastic.json").read_text())
+    assert summary["resumed_from"] == str(step2)
     assert summary["losses"] == reference[2:] and summary["last_loss"] == reference[-1]
-    assert (partial / "MANIFEST.json").is_file()  # step 4 saved again, completely, after the restart
+    assert (partial / "MANIFEST.json").is_file()  # step 4 saved again, completely, after the second restart
 
 
 # ---- failures seen by one rank only: every rank must agree -------------------------------------------------

@@ -1,12 +1,14 @@
 """Test-only fault injection. Inert unless PARATRAIN_FAULT_KILL is set or a test registers a hook.
 
-PARATRAIN_FAULT_KILL="<point>:<step>[:<rank>]" sends SIGKILL to this process (no cleanup, no flush, exactly what
-a lost node looks like) when it reaches <point> at <step>, on <rank> only if given. Points:
+PARATRAIN_FAULT_KILL="<point>:<step>[:<rank>[:<attempt>]][,<point>:<step>...]" sends SIGKILL to this process
+(no cleanup, no flush, exactly what a lost node looks like) when it reaches <point> at <step>, on <rank> only
+if given, in torchrun attempt <attempt> only (default 0, the first: TORCHELASTIC_RESTART_COUNT unset or 0), so
+that the restarted job gets past the point. Several comma-separated kills make one job fail several times,
+e.g. "after_step:3:1,save_shards:4:1:1": rank 1 dies after step 3, then (first restart) while saving step 4.
+Points:
   after_step        after the optimizer step <step> (before a checkpoint of that step)
   save_shards       inside the save of <step>: this rank's files written, not yet reported to the others
   save_written      inside the save of <step>: every rank's files written and checksummed, manifest not yet
-It fires only in the first attempt of a torchrun job (TORCHELASTIC_RESTART_COUNT unset or 0), so the restarted
-job gets past the point.
 
 HOOKS: in-process callbacks for tests, `HOOKS[point].append(fn)`; fn(step, rank) runs at the point.
 Extra points for hooks: save_begin (before any byte of <step> is written).
@@ -18,22 +20,49 @@ import os
 import signal
 from collections import defaultdict
 from collections.abc import Callable
+from dataclasses import dataclass
 
 ENV_KILL = "PARATRAIN_FAULT_KILL"
 POINTS = ("after_step", "save_begin", "save_shards", "save_written")
 HOOKS: dict[str, list[Callable[[int, int], None]]] = defaultdict(list)
 
 
+@dataclass(frozen=True)
+class Kill:
+    point: str
+    step: int
+    rank: int | None = None  # None: every rank
+    attempt: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT when it fires
+
+    def matches(self, point: str, step: int, rank: int, attempt: int) -> bool:
+        return ((self.point, self.step, self.attempt) == (point, step, attempt)
+                and self.rank in (None, rank))
+
+
+def parse_kills(spec: str) -> list[Kill]:
+    """The kills of a PARATRAIN_FAULT_KILL value, or one ValueError naming the variable, the value and the form."""
+    allowed = f"expected <point>:<step>[:<rank>[:<attempt>]], comma-separated, with point one of {POINTS}"
+    kills = []
+    for item in spec.split(","):
+        fields = item.strip().split(":")
+        if not 2 <= len(fields) <= 4 or fields[0] not in POINTS:
+            raise ValueError(f"{ENV_KILL}={spec!r}: {allowed}")
+        try:
+            numbers = [int(f) for f in fields[1:]]
+        except ValueError:
+            raise ValueError(f"{ENV_KILL}={spec!r}: step, rank and attempt must be integers; {allowed}") from None
+        rank = numbers[1] if len(numbers) > 1 else None
+        attempt = numbers[2] if len(numbers) > 2 else 0
+        kills.append(Kill(fields[0], numbers[0], rank, attempt))
+    return kills
+
+
 def fault_point(point: str, step: int, rank: int) -> None:
     for fn in HOOKS.get(point, ()):
         fn(step, rank)
     spec = os.environ.get(ENV_KILL)
-    if spec and _matches(spec, point, step, rank) and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    if not spec:
+        return
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if any(k.matches(point, step, rank, attempt) for k in parse_kills(spec)):
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def _matches(spec: str, point: str, step: int, rank: int) -> bool:
-    fields = spec.split(":")
-    if len(fields) not in (2, 3) or fields[0] not in POINTS:
-        raise ValueError(f"{ENV_KILL}={spec!r}: expected <point>:<step>[:<rank>] with point one of {POINTS}")
-    return fields[0] == point and int(fields[1]) == step and (len(fields) == 2 or int(fields[2]) == rank)
