@@ -148,7 +148,7 @@ def run_compare(args) -> int:
     if args.report:
         from paratrain.cost.report import write_report
 
-        out["report"] = str(write_report(args.report, workload, rows, targets, assumptions.describe()))
+        out["report"] = str(write_report(args.report, workload, rows, targets, assumptions))
     if args.json:
         print(json.dumps(out, indent=2))
         return 0

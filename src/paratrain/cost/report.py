@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from paratrain.cost.compare import Row, Workload, pareto_front
+from paratrain.cost.compare import Assumptions, Row, Workload, evaluate_target, pareto_front
 
 
 def _plt():
@@ -21,26 +21,38 @@ def _label(r: Row) -> str:
     return f"{r.system} x{r.nodes}"
 
 
-def plot_pareto(rows: list[Row], path: Path) -> None:
+def plot_pareto(rows: list[Row], path: Path, sizes: list[Row] = ()) -> list[Row]:
+    """Cost vs time to train: the compared clusters (large markers, labelled) and the same systems at other
+    sizes (small markers, one colour per system); the Pareto front over all of them (no other point is both
+    faster and cheaper) is drawn as a line and its points ringed. Returns the front."""
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    priced = [r for r in rows if r.cost_on_demand_usd is not None]
-    for r in priced:
-        ax.scatter(r.wall_hours / 24, r.cost_on_demand_usd / 1e3, s=40)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colours = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(r.system for r in [*rows, *sizes]))}
+    for r in sizes:
+        if r.cost_on_demand_usd is not None:
+            ax.scatter(r.wall_hours / 24, r.cost_on_demand_usd / 1e3, s=14, color=colours[r.system], alpha=0.6)
+    for r in rows:
+        if r.cost_on_demand_usd is None:
+            continue
+        ax.scatter(r.wall_hours / 24, r.cost_on_demand_usd / 1e3, s=60, color=colours[r.system], label=_label(r))
         ax.annotate(_label(r), (r.wall_hours / 24, r.cost_on_demand_usd / 1e3), textcoords="offset points",
                     xytext=(5, 4), fontsize=8)
-    front = pareto_front(rows)
-    if len(front) > 1:
-        ax.plot([r.wall_hours / 24 for r in front], [r.cost_on_demand_usd / 1e3 for r in front], "k--", lw=1,
-                label="Pareto front")
-        ax.legend()
-    ax.set_xlabel("time to train (days, with failures and checkpoints)")
+    front = pareto_front([*rows, *sizes])
+    if front:
+        days = [r.wall_hours / 24 for r in front]
+        cost = [r.cost_on_demand_usd / 1e3 for r in front]
+        ax.plot(days, cost, "k--", lw=1, label="Pareto front")
+        ax.scatter(days, cost, s=140, facecolors="none", edgecolors="k", lw=1)
+    ax.set_xscale("log")
+    ax.set_xlabel("time to train (days, with failures and checkpoints; log scale)")
     ax.set_ylabel("on-demand cost (thousand USD)")
-    ax.set_title("Cost vs time to train")
-    ax.grid(alpha=0.3)
+    ax.set_title("Cost vs time to train (small markers: the same systems at other cluster sizes)")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3, which="both")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+    return front
 
 
 def _stacked(rows: list[Row], parts: dict[str, list[float]], ylabel: str, title: str, path: Path) -> None:
@@ -76,27 +88,27 @@ def plot_step_time(rows: list[Row], path: Path) -> None:
     _stacked(rows, parts, "seconds per step", "Step time breakdown (best layout)", path)
 
 
-def plot_scaling(workload: Workload, systems: list[tuple[str, int]], path: Path) -> list[dict]:
-    """Throughput and MFU of the best layout vs cluster size, per system."""
-    from paratrain.plan.api import search
+def size_rows(workload: Workload, targets: list[tuple[str, int]], assumptions: Assumptions) -> list[Row]:
+    """The same workload on each target system at 1/4, 1/2, 2 and 4 times its node count (what fits)."""
+    out = []
+    for name, nodes in targets:
+        for n in sorted({max(1, nodes // 4), max(1, nodes // 2), nodes * 2, nodes * 4} - {nodes}):
+            try:
+                out.append(evaluate_target(workload, name, n, assumptions))
+            except ValueError:  # too small to fit, or no layout divides the batch: no point
+                continue
+    return out
 
+
+def plot_scaling(workload: Workload, rows: list[Row], path: Path) -> None:
+    """Throughput and MFU of the best layout vs cluster size, per system."""
     plt = _plt()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    points = []
-    for name, nodes in systems:
-        counts = sorted({max(1, nodes // 4), max(1, nodes // 2), nodes, nodes * 2, nodes * 4})
-        xs, tps, mfus = [], [], []
-        for n in counts:
-            res = search(workload.model_config(), name, n, workload.seq, workload.global_batch, top=1)
-            if not res.candidates:
-                continue
-            e = res.candidates[0]
-            xs.append(e.devices)
-            tps.append(e.tokens_per_s)
-            mfus.append(e.mfu)
-            points.append({"system": name, "nodes": n, "tokens_per_s": e.tokens_per_s, "mfu": e.mfu})
-        ax1.plot(xs, tps, "o-", label=name)
-        ax2.plot(xs, mfus, "o-", label=name)
+    for name in dict.fromkeys(r.system for r in rows):
+        mine = sorted((r for r in rows if r.system == name), key=lambda r: r.devices)
+        xs = [r.devices for r in mine]
+        ax1.plot(xs, [r.tokens_per_s for r in mine], "o-", label=name)
+        ax2.plot(xs, [r.mfu for r in mine], "o-", label=name)
     for ax, label in ((ax1, "tokens / s"), (ax2, "MFU")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("devices")
@@ -108,19 +120,22 @@ def plot_scaling(workload: Workload, systems: list[tuple[str, int]], path: Path)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-    return points
 
 
 def write_report(out_dir: str | Path, workload: Workload, rows: list[Row], targets: list[tuple[str, int]],
-                 assumptions: list[str]) -> Path:
+                 assumptions: Assumptions) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     images = {"pareto.png": "Cost vs time to train", "memory.png": "Memory per device",
               "step_time.png": "Step time breakdown", "scaling.png": "Scaling"}
-    plot_pareto(rows, out / "pareto.png")
+    sizes = size_rows(workload, targets, assumptions)
+    front = plot_pareto(rows, out / "pareto.png", sizes)
     plot_memory(rows, out / "memory.png")
     plot_step_time(rows, out / "step_time.png")
-    plot_scaling(workload, targets, out / "scaling.png")
+    plot_scaling(workload, [*rows, *sizes], out / "scaling.png")
+    front_text = ", ".join(f"{r.system} x{r.nodes} ({r.wall_hours / 24:.1f} days, ${r.cost_on_demand_usd:,.0f})"
+                           for r in front)
+    assumptions = assumptions.describe()
     head = ["system", "nodes", "layout", "MFU", "days", "goodput", "on-demand $", "reserved $", "$/M tokens", "MWh",
             "M tokens/MWh"]
 
@@ -145,6 +160,8 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}img{{max-width:10
 <p>sequence {workload.seq}, global batch {workload.global_batch} sequences, {workload.steps:,} steps;
 each cluster with the planner's best layout.</p>
 {table}
+<p>Pareto front (no other cluster, at the compared or other sizes, is both faster and cheaper):
+{html.escape(front_text or "none (no priced system)")}.</p>
 <h2>Assumptions</h2><ul>{''.join(f'<li>{html.escape(a)}</li>' for a in assumptions)}</ul>
 {''.join(f'<h2>{t}</h2><img src="{f}" alt="{t}">' for f, t in images.items())}
 </body></html>"""
