@@ -12,7 +12,7 @@ from test_checkpoint import EVERY, run_train
 
 from paratrain.train import faults
 from paratrain.train.checkpoint import MANIFEST, step_name
-from paratrain.train.storage import Storage
+from paratrain.train.storage import RetryPolicy, Storage
 
 moto_server = pytest.importorskip("moto.server")
 BUCKET = "paratrain-ckpt"
@@ -93,6 +93,34 @@ def test_s3_outage_during_saves_fails_loudly_and_training_continues(s3, referenc
     # Step 4's shards were written without a commit; pruned once step 6 committed. Only step 6 is a checkpoint.
     assert sorted(st.listdir(url)) == [step_name(6)]
     assert got["checkpoint"] == f"{url}/{step_name(6)}"
+
+
+def test_s3_server_lost_mid_save_and_back_during_the_backoff_commits_after_retries(s3, reference, tmp_path,
+                                                                                caplog, monkeypatch):
+    """The server stops while step 2 is being saved (the shards are written, this rank's checksums not yet read
+    back) and comes back during the first backoff wait: the retried storage operations succeed against the real
+    endpoint, step 2 commits, nothing failed, and it resumes bitwise."""
+    url = f"s3://{BUCKET}/flaky"
+    monkeypatch.setitem(faults.HOOKS, "save_shards", [lambda step, rank: step == 2 and s3.stop()])
+    real_delay, restarts = RetryPolicy.delay_s, []
+
+    def back_during_backoff(self, attempt):
+        if not restarts:  # the first backoff after the outage: storage comes back while we wait
+            restarts.append(attempt)
+            s3.start()
+        return real_delay(self, attempt)
+
+    monkeypatch.setattr(RetryPolicy, "delay_s", back_during_backoff)
+    got = run_train(tmp_path, reference["data"], "f", f'checkpoint.dir="{url}"', "checkpoint.interval=2",
+                    "checkpoint.retries=3", "checkpoint.retry_base_s=0.05")
+    assert restarts == [0]  # the outage was seen and retried
+    assert "EndpointConnectionError" in caplog.text and "retry 1/2 in" in caplog.text
+    assert got["failed_checkpoint_saves"] == 0 and got["losses"] == reference["summary"]["losses"]
+    st = Storage(url)
+    assert sorted(st.listdir(url)) == [step_name(2), step_name(4), step_name(6)]
+    monkeypatch.setitem(faults.HOOKS, "save_shards", [])
+    resumed = run_train(tmp_path, reference["data"], "g", resume_from=f"{url}/{step_name(2)}")
+    assert resumed["losses"] == reference["summary"]["losses"][2:]
 
 
 def _rank_main(env: dict, args: list[str]) -> int:
