@@ -5,7 +5,14 @@ import json
 import pytest
 
 from paratrain.cli import main
-from paratrain.cost.compare import Assumptions, Workload, compare, nearby_global_batch, pareto_front
+from paratrain.cost.compare import (
+    Assumptions,
+    Workload,
+    compare,
+    nearby_global_batch,
+    pareto_front,
+    ratios_to_first,
+)
 from paratrain.cost.recommend import KINDS, Request, recommend
 from paratrain.hardware.catalog import get_catalog
 
@@ -24,6 +31,14 @@ def test_price_per_accelerator_and_per_pflop_come_from_the_catalog():
         assert row.price_per_peak_bf16_pflop_hour_usd == pytest.approx(s.prices.on_demand_usd_per_hour / peak_pf)
     # the source documents' figures: ~$21.50/h for 16 Trainium vs $21.96/h for 8 A100
     assert trn.price_per_chip_hour_usd / p4d.price_per_chip_hour_usd == pytest.approx((21.50 / 16) / (21.96 / 8), rel=0.01)
+    (ratio,) = ratios_to_first(rows)
+    assert ratio["first"] == "trn1.32xlarge x16" and ratio["other"] == "p4d.24xlarge x16"
+    assert ratio["price_per_chip_hour_usd"] == pytest.approx(trn.price_per_chip_hour_usd / p4d.price_per_chip_hour_usd)
+    assert ratio["cost_usd_per_million_tokens"] == pytest.approx(
+        trn.cost_usd_per_million_tokens / p4d.cost_usd_per_million_tokens)
+    # cost per token = price / throughput / goodput: the ratio follows from the planner, not from the prices alone
+    expect = (21.50 / (trn.tokens_per_s * trn.goodput)) / (21.957642 / (p4d.tokens_per_s * p4d.goodput))
+    assert ratio["cost_usd_per_million_tokens"] == pytest.approx(expect, rel=1e-6)
 
 
 def test_cost_per_million_tokens_follows_from_throughput_goodput_and_price():

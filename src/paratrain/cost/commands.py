@@ -126,7 +126,7 @@ def _progress(total: int, quiet: bool):
 
 
 def run_compare(args) -> int:
-    from paratrain.cost.compare import Workload, compare, parse_targets
+    from paratrain.cost.compare import Workload, compare, parse_targets, ratios_to_first
 
     if args.tokens is not None and not args.tokens > 0:
         raise ValueError(f"--tokens {args.tokens}: must be > 0")
@@ -144,7 +144,8 @@ def run_compare(args) -> int:
     out = {"workload": {"model": workload.model_config().name, "train_tokens": workload.train_tokens,
                         "seq": args.seq,
                         "global_batch": args.global_batch, "steps": workload.steps},
-           "assumptions": assumptions.describe(), "rows": [r.to_dict() for r in rows]}
+           "assumptions": assumptions.describe(), "rows": [r.to_dict() for r in rows],
+           "ratios_to_first": ratios_to_first(rows)}
     if args.report:
         from paratrain.cost.report import write_report
 
@@ -153,6 +154,7 @@ def run_compare(args) -> int:
         print(json.dumps(out, indent=2))
         return 0
     print_table(rows)
+    print_ratios(out["ratios_to_first"])
     print("\nassumptions:\n  " + "\n  ".join(assumptions.describe()))
     if args.report:
         print(f"report: {out['report']}")
@@ -177,6 +179,15 @@ def print_table(rows) -> None:
               f"{f(r.energy_mwh, ',.1f'):>9}{f(None if r.tokens_per_mwh is None else r.tokens_per_mwh / 1e6, ',.0f'):>9}")
     reserved = sorted({f"{r.system}: {r.reserved_kind}" for r in rows})
     print("reserved $ = " + "; ".join(reserved))
+
+
+def print_ratios(ratios: list[dict]) -> None:
+    labels = {"price_usd_per_node_hour": "$/node-h", "price_per_chip_hour_usd": "$/chip-h",
+              "price_per_peak_bf16_pflop_hour_usd": "$/peak-PF-h", "cost_usd_per_million_tokens": "$/Mtok",
+              "wall_hours": "days", "energy_mwh": "MWh"}
+    for r in ratios:
+        parts = [f"{label} {'n/a' if r[key] is None else format(r[key], '.2f')}" for key, label in labels.items()]
+        print(f"{r['first']} / {r['other']}: " + "  ".join(parts))
 
 
 def run_recommend(args) -> int:

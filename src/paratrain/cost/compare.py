@@ -271,3 +271,22 @@ def pareto_front(rows: list[Row]) -> list[Row]:
         if not dominated:
             front.append(r)
     return sorted(front, key=lambda r: r.wall_hours)
+
+
+RATIO_FIELDS = ("price_usd_per_node_hour", "price_per_chip_hour_usd", "price_per_peak_bf16_pflop_hour_usd",
+                "cost_usd_per_million_tokens", "wall_hours", "energy_mwh")
+
+
+def ratios_to_first(rows: list[Row]) -> list[dict]:
+    """The first target divided by each other one, field by field (None where either side is unknown):
+    e.g. trn1.32xlarge / p4d.24xlarge price per chip-hour, per peak PFLOP-hour and per million tokens."""
+    first = rows[0]
+    out = []
+    for row in rows[1:]:
+        ratio = {"first": f"{first.system} x{first.nodes}", "other": f"{row.system} x{row.nodes}"}
+        for name in RATIO_FIELDS:
+            a, b = getattr(first, name), getattr(row, name)
+            ratio[name] = None if a is None or not b else a / b
+        out.append(ratio)
+    return out
+
