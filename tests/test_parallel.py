@@ -254,3 +254,79 @@ def test_recompute_on_one_device_matches(ref, mode):
     target = block if mode == "full" else block.attention.core
     assert getattr(target, "_paratrain_recompute", False)
     assert_matches_reference(ref, run_steps(cfg, runner), LOSS_RTOL, LOSS_ATOL, GRAD_RTOL)
+
+
+def _mesh_groups(overrides):
+    from paratrain.parallel.mesh import build_mesh, init_distributed
+
+    mesh = build_mesh(make_config(overrides).parallel, init_distributed("cpu"))
+    return {dim: dist.get_process_group_ranks(mesh[dim].get_group()) for dim in mesh.mesh_dim_names
+            if mesh[dim].size() > 1}
+
+
+def test_mesh_puts_tp_innermost(dist_run):
+    """Consecutive ranks form a TP group (the fastest links: one NeuronLink ring / NVLink island); dp and pp
+    stride over them. The mesh comes from the config's degrees."""
+    tp_dp = dist_run(4, _mesh_groups, ["parallel.tp=2", "parallel.dp=2"])
+    assert [r["tp"] for r in tp_dp] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["dp"] for r in tp_dp] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    pp_tp = dist_run(4, _mesh_groups, ["parallel.tp=2", "parallel.pp=2", "model.layers=4"])
+    assert [r["tp"] for r in pp_tp] == [[0, 1], [0, 1], [2, 3], [2, 3]] and pp_tp[0]["pp"] == [0, 2]
+
+
+def _head_and_loss(overrides):
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    from paratrain.parallel.mesh import init_distributed
+    from paratrain.train.loop import build_runner
+
+    cfg = make_config(SHAPE + overrides)
+    runner = build_runner(cfg, init_distributed("cpu"))
+    x, y = global_batch(cfg, 0)
+    with runner.step_context(), CommDebugMode() as comm:
+        logits = runner.model(x[:2])
+        runner.loss_fn(logits, y[:2]).backward()
+    counts = {str(op).split(".")[-1]: n for op, n in comm.get_comm_counts().items()}
+    return str(logits.placements), tuple(logits.to_local().shape), counts
+
+
+def test_loss_parallel_never_gathers_logits(dist_run):
+    """The head's logits stay sharded on the vocabulary (local (b, s, vocab/t)) through the cross-entropy and
+    its backward: without SP no all-gather runs at all in the step (only all-reduces)."""
+    for rank_out in dist_run(2, _head_and_loss, ["parallel.tp=2"]):
+        placements, local_shape, counts = rank_out
+        assert placements == "(Shard(dim=2),)" and local_shape == (2, 32, 128)  # vocab 256 / tp 2
+        assert set(counts) == {"all_reduce"}, counts
+    placements, local_shape, _ = dist_run(2, _head_and_loss, ["parallel.tp=2", "parallel.sp=true"])[0]
+    assert placements == "(Shard(dim=2),)" and local_shape == (2, 32, 128)
+
+
+def _worst_errors(ref: dict, per_rank: list[dict]) -> tuple[float, float]:
+    """Worst relative error over ranks: of the 3 losses, and of any parameter's gradient (L2, as asserted)."""
+    loss = max(abs(g - r) / abs(r) for got in per_rank for g, r in zip(got["losses"], ref["losses"], strict=True))
+    grad = max(float((g - ref["grads"][n]).norm() / ref["grads"][n].norm()) for got in per_rank
+               for n, g in got["grads"].items())
+    return loss, grad
+
+
+if __name__ == "__main__":  # print the table of docs/parallelism.md: .venv/bin/python tests/test_parallel.py
+    import os
+    import sys
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    sys.path.insert(0, os.path.dirname(__file__))
+    import dist_pool
+
+    try:
+        reference_run = reference(make_config(SHAPE))
+        print("| layout | worst loss rel. error (3 steps) | worst gradient rel. error |\n|---|---:|---:|")
+        for world, layouts in LAYOUTS.items():
+            for recompute in ("none", "selective", "full"):
+                cases = [layout + [f"parallel.recompute=\"{recompute}\""] for layout in layouts]
+                per_rank = dist_pool.get_pool(world).run(_run_cases, cases)
+                for i, overrides in enumerate(cases):
+                    loss_err, grad_err = _worst_errors(reference_run, [r[i] for r in per_rank])
+                    name = " ".join(o.removeprefix("parallel.") for o in overrides)
+                    print(f"| {name} | {loss_err:.1e} | {grad_err:.1e} |", flush=True)
+    finally:
+        dist_pool.close_all()
