@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -126,6 +127,21 @@ def test_resume_from_a_damaged_checkpoint_is_one_clear_error(reference, tmp_path
     assert main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"cannot resume from {bad}: {bad}/.metadata:" in err[0]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--resume-from", "{tmp}/no/such/step_00000003"], "--resume-from='{tmp}/no/such/step_00000003': no such folder; "
+                                                       "allowed: a checkpoint folder"),
+    (["--set", 'checkpoint.resume="atuo"'], "checkpoint.resume='atuo': no such folder; allowed: .* or \"auto\""),
+    (["--resume-from", "gs://bucket/run"], "--resume-from='gs://bucket/run': unsupported URL scheme"),
+])
+def test_a_resume_source_that_cannot_exist_fails_before_any_work(tmp_path, capsys, extra, message):
+    data = tmp_path / "data"  # never prepared: the error comes first
+    args = train_args(tmp_path, data, "r") + [e.format(tmp=tmp_path) for e in extra]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and re.search(message.format(tmp=tmp_path), err[0]), err
+    assert not data.exists() and not (tmp_path / "r").exists()
 
 
 # ---- the manager on a small module: fast cases ---------------------------------------------------------------

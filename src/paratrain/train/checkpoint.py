@@ -28,6 +28,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -110,6 +111,27 @@ def stage_to_cpu(state: dict) -> dict:
 
     cpu = _create_cpu_state_dict(state, pin_memory=torch.cuda.is_available())
     return _copy_state_dict(state, cpu)
+
+
+def check_resume_source(resume: str, resume_from: str | None) -> None:
+    """Fail before any work when the checkpoint to resume from cannot exist: `--resume-from` (or a path in
+    checkpoint.resume) on a local or shared filesystem that is missing, or a URL scheme we cannot read.
+    An s3:// source is checked when it is read (its listing needs the network and retries)."""
+    name, value = ("--resume-from", resume_from) if resume_from else ("checkpoint.resume", resume)
+    if value in ("auto", "none") and name == "checkpoint.resume":
+        return
+    allowed = ('allowed: a checkpoint folder (.../step_00000100) or a checkpoint directory (its newest complete '
+               'checkpoint), a local or shared filesystem path or s3://bucket/prefix'
+               + ('; or "auto" (newest in checkpoint.dir) or "none" (start fresh)' if name == "checkpoint.resume"
+                  else ""))
+    if "://" in value and not value.startswith(("s3://", "file://")):
+        raise ValueError(f"{name}={value!r}: unsupported URL scheme; {allowed}")
+    if value.startswith("s3://"):
+        return
+    local = Path(value.removeprefix("file://"))
+    if not local.is_dir():
+        what = "not a folder" if local.exists() else "no such folder"
+        raise ValueError(f"{name}={value!r}: {what}; {allowed}")
 
 
 @dataclass

@@ -51,7 +51,10 @@ def register(sub) -> None:
     p = sub.add_parser("train", help="train a model (single process or under torchrun)", description=TRAIN_HELP,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     _add_config_args(p)
-    p.add_argument("--resume-from", help="checkpoint folder to resume from (default: newest complete one)")
+    p.add_argument("--resume-from", metavar="PATH",
+                   help="resume from this checkpoint folder (.../step_00000100) or checkpoint directory (its newest "
+                        "complete one); local, shared filesystem or s3://bucket/prefix. Default: checkpoint.resume "
+                        "(\"auto\": the newest complete one in checkpoint.dir)")
     p.add_argument("--summary-json", help="write the run summary as JSON to this file (main rank)")
     p.add_argument("--json", action="store_true",
                    help="print the run summary as JSON on stdout instead of the text summary (main rank)")

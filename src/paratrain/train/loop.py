@@ -19,7 +19,7 @@ from paratrain.model.llama import Llama
 from paratrain.parallel import parallelize
 from paratrain.parallel.mesh import build_mesh, init_distributed, resolve_degrees
 from paratrain.train import staleness  # straggler metrics, eviction request, draining
-from paratrain.train.checkpoint import CheckpointManager
+from paratrain.train.checkpoint import CheckpointManager, check_resume_source
 from paratrain.train.data import GlobalSampler, TokenWindows, prepare, read_meta
 from paratrain.train.faults import fault_point
 from paratrain.train.metrics import MetricsLogger, measure_peak_flops, peak_memory_bytes
@@ -87,6 +87,7 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
         torch.set_num_threads(1)  # one compute thread per rank: ranks share the cores
     degrees = resolve_degrees(cfg.parallel, env.world_size)  # validates before any work
     check_batch_layout(cfg, degrees["dp"])
+    check_resume_source(cfg.checkpoint.resume, resume_from)  # a mistyped checkpoint path fails before any work
     seed_everything(cfg.train.seed, cfg.train.deterministic)
 
     if env.is_main:
