@@ -85,9 +85,23 @@ def test_model_toml_file(tmp_path, capsys):
     (["--tp", "8", "--microbatch", "3"], "microbatch = 3: global_batch = 1024 must be divisible"),
     (["--tp", "1", "--sp"], "sp = true needs tp > 1"),
     (["--tp", "8", "--pp", "2", "--schedule", "zbv", "--virtual-stages", "4"], "schedule = zbv: needs pp > 1 and virtual_stages = 2"),
+    (["--tp", "8", "--virtual-stages", "0"], "virtual_stages = 0: must be >= 1"),
+    (["--tp", "8", "--train-tokens", "-3"], "--train-tokens = -3.0: must be > 0"),
 ])
 def test_bad_layouts_fail_with_one_line(capsys, argv, expect):
     assert main(["estimate", *SEVEN_B, *argv]) == 2
+    err = capsys.readouterr().err
+    assert expect in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--top", "0"], "--top = 0: must be >= 1"),
+    (["--max-microbatch", "0"], "--max-microbatch = 0: must be >= 1"),
+    (["--train-tokens", "2e12", "--max-days", "-1"], "--max-days = -1.0: must be > 0"),
+    (["--max-days", "30"], "--max-days needs --train-tokens"),
+])
+def test_bad_plan_flags_fail_with_one_line(capsys, argv, expect):
+    assert main(["plan", *SEVEN_B, *argv]) == 2
     err = capsys.readouterr().err
     assert expect in err and err.count("\n") == 1
 

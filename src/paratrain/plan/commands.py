@@ -95,6 +95,8 @@ def _load(args):
     for name in ("nodes", "seq", "global_batch"):
         if getattr(args, name) < 1:
             raise UserError(f"--{name.replace('_', '-')} = {getattr(args, name)}: must be >= 1")
+    if args.train_tokens is not None and not args.train_tokens > 0:
+        raise UserError(f"--train-tokens = {args.train_tokens}: must be > 0")
     return load_model_config(args.model), resolve_system(args.hardware)
 
 
@@ -104,7 +106,7 @@ def cmd_estimate(args) -> int:
     model, system = _load(args)
     dp_kind = args.dp_kind
     zero = args.zero_stage if args.zero_stage is not None else (1 if dp_kind == "ddp" else 3)
-    v = args.virtual_stages or (2 if args.schedule == "zbv" else 1)
+    v = args.virtual_stages if args.virtual_stages is not None else (2 if args.schedule == "zbv" else 1)
     layout = Layout(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, sp=args.sp, microbatch=args.microbatch,
                     recompute=args.recompute, schedule=args.schedule, virtual_stages=v, zero_stage=zero,
                     dp_kind=dp_kind)
@@ -126,6 +128,11 @@ def cmd_plan(args) -> int:
     model, system = _load(args)
     if args.top < 1:
         raise UserError(f"--top = {args.top}: must be >= 1")
+    if args.max_microbatch < 1:
+        raise UserError(f"--max-microbatch = {args.max_microbatch}: must be >= 1")
+    if args.max_days is not None and not args.max_days > 0:
+        raise UserError(f"--max-days = {args.max_days}: must be > 0")
+
     if args.max_days is not None and not args.train_tokens:
         raise UserError("--max-days needs --train-tokens (how many tokens the run trains)")
     result = search(model, system, args.nodes, args.seq, args.global_batch, top=args.top,
