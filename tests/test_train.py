@@ -128,6 +128,11 @@ def test_data_prepare_cli_and_existing_tokenizer(tmp_path, capsys):
     assert len(one) > 100 and (one == two).all()
     assert main(["data", "prepare", "--set", f"data.tokenizer={tmp_path / 'missing.json'}"]) == 2
     assert "data.tokenizer=" in capsys.readouterr().err
+    too_small = ["train", *first[2:], "--set", "model.vocab=128", "--set", "train.seq_len=32",
+                 "--set", f"metrics.run_dir={tmp_path / 'run'}"]
+    assert main(too_small) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"model.vocab=128 is smaller than the tokenizer's {meta['vocab_size']} tokens" in err[0]
 
 
 def test_compiled_blocks_match_eager():

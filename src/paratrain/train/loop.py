@@ -97,7 +97,9 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
     model_cfg = cfg.model_shape()
     vocab = read_meta(cfg.data.prepared_dir)["vocab_size"]
     if vocab > model_cfg.vocab:
-        raise ValueError(f"model vocab {model_cfg.vocab} < tokenizer vocab {vocab}: set model.vocab >= {vocab}")
+        raise ValueError(f"model.vocab={model_cfg.vocab} is smaller than the tokenizer's {vocab} tokens "
+                         f"(data.prepared_dir='{cfg.data.prepared_dir}'); allowed: model.vocab >= {vocab}, or a "
+                         f"smaller data.vocab_size")
     # what the planner predicts for this run, computed before the model is built so that a layout it cannot model fails now
     predicted = planner_prediction(cfg, model_cfg, degrees, env.world_size) if cfg.metrics.hardware else None
 
