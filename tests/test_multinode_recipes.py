@@ -4,6 +4,13 @@ matter, and every recipe's command run through `paratrain launch --dry-run` (wha
 sbatch --test-only and a Kubernetes API server are not available here; the sbatch script runs with stub
 `scontrol`/`srun` commands that print what Slurm would provide, and the manifests' commands get the environment
 the Kubeflow training operator sets (PET_*).
+
+Two schema layers: every built-in Kubernetes object (ConfigMap, Service, Job, and the PyTorchJob's pod templates)
+is validated against the Kubernetes API's own OpenAPI schema in strict mode (no unknown fields), as bundled by
+`kubernetes-validate`, for the oldest and the newest release it ships from 1.30 on; the PyTorchJob custom resource,
+which has no schema there, against the fields of the training operator's Go types (below), also closed to
+unknown fields. The hand-written schemas add what the recipes rely on (kind, apiVersion, a headless Service, an
+Indexed Job, an elastic policy, a `paratrain launch` command).
 """
 
 from __future__ import annotations
@@ -39,6 +46,14 @@ POD_TEMPLATE = {"type": "object", "required": ["spec"], "properties": {"spec": {
 METADATA = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string",
                                                                             "pattern": "^[a-z0-9-]+$"}}}
 
+# PyTorchJob (kubeflow.org/v1) as the training operator defines it: kubeflow/training-operator
+# pkg/apis/kubeflow.org/v1/pytorch_types.go (PyTorchJobSpec, ElasticPolicy) and common_types.go (ReplicaSpec,
+# RestartPolicy). Closed to unknown fields, so a misspelt key fails here as the API server would reject it.
+PYTORCHJOB_SPEC_FIELDS = ("runPolicy", "elasticPolicy", "pytorchReplicaSpecs", "nprocPerNode")
+ELASTIC_POLICY_FIELDS = ("minReplicas", "maxReplicas", "rdzvBackend", "rdzvPort", "rdzvHost", "rdzvId", "rdzvConf",
+                         "standalone", "nProcPerNode", "maxRestarts", "metrics")
+REPLICA_SPEC_FIELDS = ("replicas", "template", "restartPolicy")
+
 SCHEMAS = {
     "ConfigMap": {"type": "object", "required": ["apiVersion", "kind", "metadata", "data"],
                   "properties": {"apiVersion": {"const": "v1"}, "metadata": METADATA,
@@ -61,10 +76,12 @@ SCHEMAS = {
     "PyTorchJob": {"type": "object", "required": ["apiVersion", "kind", "metadata", "spec"],
                    "properties": {"apiVersion": {"const": "kubeflow.org/v1"}, "metadata": METADATA, "spec": {
                        "type": "object", "required": ["pytorchReplicaSpecs"],
+                       "propertyNames": {"enum": list(PYTORCHJOB_SPEC_FIELDS)},
                        "properties": {
                            "nprocPerNode": {"type": "string"},
                            "elasticPolicy": {"type": "object",
                                              "required": ["rdzvBackend", "minReplicas", "maxReplicas"],
+                                             "propertyNames": {"enum": list(ELASTIC_POLICY_FIELDS)},
                                              "properties": {"rdzvBackend": {"enum": ["c10d", "etcd", "etcd-v2"]},
                                                             "minReplicas": {"type": "integer", "minimum": 1},
                                                             "maxReplicas": {"type": "integer", "minimum": 1},
@@ -72,6 +89,7 @@ SCHEMAS = {
                            "pytorchReplicaSpecs": {
                                "type": "object", "required": ["Worker"], "additionalProperties": False,
                                "properties": {r: {"type": "object", "required": ["replicas", "template"],
+                                                  "propertyNames": {"enum": list(REPLICA_SPEC_FIELDS)},
                                                   "properties": {"replicas": {"type": "integer", "minimum": 1},
                                                                  "restartPolicy": {"enum": ["Always", "OnFailure",
                                                                                             "Never",
@@ -89,6 +107,63 @@ def manifest(name: str) -> dict[str, dict]:
     kinds = [d["kind"] for d in docs]
     assert len(set(kinds)) == len(kinds), f"{name}: one document per kind expected, got {kinds}"
     return {d["kind"]: d for d in docs}
+
+
+def official_schema_versions(kv) -> list[str]:
+    """The oldest (from 1.30: Indexed Jobs with backoffLimitPerIndex) and the newest Kubernetes release whose
+    API schema kubernetes-validate bundles."""
+    from packaging.version import Version
+
+    versions = sorted((v for v in kv.utils.all_versions() if Version(v) >= Version("1.30")), key=Version)
+    assert versions, f"kubernetes-validate {kv.__version__} bundles no schema from 1.30 on"
+    return sorted({versions[0], versions[-1]}, key=Version)
+
+
+def builtin_objects(name: str) -> list[dict]:
+    """The built-in Kubernetes objects of a recipe: its documents, and each PyTorchJob replica's pod template
+    wrapped as a v1 PodTemplate (the operator turns it into pods unchanged)."""
+    out = []
+    for doc in yaml.safe_load_all((RECIPES / "kubernetes" / name).read_text()):
+        if doc["kind"] != "PyTorchJob":
+            out.append(doc)
+            continue
+        for replica, spec in doc["spec"]["pytorchReplicaSpecs"].items():
+            out.append({"apiVersion": "v1", "kind": "PodTemplate",
+                        "metadata": {"name": f"{doc['metadata']['name']}-{replica.lower()}"},
+                        "template": spec["template"]})
+    return out
+
+
+@pytest.mark.parametrize("name", ["indexed-job.yaml", "pytorchjob.yaml"])
+def test_manifests_pass_the_official_kubernetes_schema_strictly(name):
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (dev extras) is not installed")
+    objects = builtin_objects(name)
+    assert {o["kind"] for o in objects} >= {"ConfigMap"} and len(objects) >= 2
+    for version in official_schema_versions(kv):
+        for obj in objects:
+            kv.validate(obj, version, strict=True)  # raises ValidationError naming the bad field
+
+
+def test_official_and_crd_schemas_reject_a_misspelt_field():
+    """The schemas above can fail: one wrong key in each kind of document is caught."""
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate (dev extras) is not installed")
+    version = official_schema_versions(kv)[-1]
+    service, job = [o for o in builtin_objects("indexed-job.yaml") if o["kind"] in ("Service", "Job")]
+    job["spec"]["completionsMode"] = job["spec"].pop("completionMode")
+    with pytest.raises(kv.ValidationError, match="completionsMode"):
+        kv.validate(job, version, strict=True)
+    service["spec"]["publishNotReadyAdresses"] = service["spec"].pop("publishNotReadyAddresses")
+    with pytest.raises(kv.ValidationError, match="publishNotReadyAdresses"):
+        kv.validate(service, version, strict=True)
+    template = [o for o in builtin_objects("pytorchjob.yaml") if o["kind"] == "PodTemplate"][0]
+    template["template"]["spec"]["containers"][0]["volumeMount"] = [{"name": "fsx", "mountPath": "/fsx"}]
+    with pytest.raises(kv.ValidationError, match="volumeMount"):
+        kv.validate(template, version, strict=True)
+    crd = next(d for d in yaml.safe_load_all((RECIPES / "kubernetes" / "pytorchjob.yaml").read_text())
+               if d["kind"] == "PyTorchJob")
+    crd["spec"]["elasticPolicy"]["maxRestart"] = crd["spec"]["elasticPolicy"].pop("maxRestarts")
+    with pytest.raises(jsonschema.ValidationError, match="maxRestart"):
+        jsonschema.validate(crd, SCHEMAS["PyTorchJob"])
 
 
 def launch_dry_run(capsys, command: list[str], config_file: Path, config_in_pod: str) -> dict:
