@@ -74,6 +74,15 @@ def test_builtin_catalog_has_required_entries_with_sources():
     assert cat.chip("trainium4").status == "announced"
 
 
+def test_every_link_parameter_names_its_source():
+    """The link's `source` covers its bandwidth; the planner parameters beside it (per-step latency, achieved
+    fraction of bandwidth, per-call overhead) each need their own line: measured, calibrated or an assumption."""
+    for link in load_catalog().interconnects.values():
+        needed = ["latency_us", "bw_eff"] + (["collective_overhead_us"] if link.collective_overhead_us else [])
+        for key in needed:
+            assert link.sources.get(key, "").strip(), f"{link.name}.{key}"
+
+
 def test_published_numbers_are_the_catalog_numbers():
     cat = load_catalog()
     trn1 = cat.system("trn1.32xlarge")
