@@ -33,9 +33,18 @@ Recommend an infrastructure for a workload, with every rule and number that deci
   multicloud  must run on several clouds
   onprem      must also run on-premises
 
-  paratrain recommend pretrain --model llama2-70b --tokens 2e12 --nodes 64
+How it decides (all printed): rules first (custom CUDA kernels, multi-cloud and on-premises need NVIDIA);
+then, among what remains, the lowest total of compute (planner's best layout x simulator's goodput x on-demand
+price) plus porting the code to the other software stack (--porting-days x --engineer-usd-per-day, paid only
+by systems on the stack the team does not use, --current-stack). Every candidate gets the same number of
+accelerator chips (--chips; --nodes for equal node counts). Systems without a public price (Trn2, Trn2/Trn3
+UltraServers) are planned but not ranked: their break-even price per node-hour is shown, as for every losing
+candidate; --price SYSTEM=USD ranks them.
+
+  paratrain recommend pretrain --model llama2-70b --tokens 2e12 --chips 512 --max-days 60
   paratrain recommend experiment
-  paratrain recommend pretrain --price trn2-ultraserver=150 --porting-days 30
+  paratrain recommend finetune --current-stack neuron
+  paratrain recommend pretrain --price trn3-ultraserver=500 --porting-days 30 --json
 """
 
 
