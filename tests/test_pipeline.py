@@ -198,16 +198,17 @@ def test_stage_keeps_global_layer_names_and_only_its_parts():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel.pp=8"], r"8 pipeline stages .* but the model has 4 layers"),
+    (["parallel.pp=8"], r"parallel.pp=8 x 1 chunk\(s\) per rank = 8 pipeline stages, but the model has 4 layers"),
     (["parallel.pp=2", "model.layers=4", *sched("interleaved_1f1b", "parallel.virtual_stages=4")],
-     r"8 pipeline stages"),
+     r"parallel.pp=2 x 4 chunk\(s\) per rank = 8 pipeline stages"),
     (["parallel.pp=4", "train.global_batch=4", "train.microbatch=2", *sched("1f1b")],
      r"1f1b needs microbatches >= pp=4"),
     (["parallel.pp=4", "train.global_batch=4", "train.microbatch=2", *sched("interleaved_1f1b",
                                                                               "parallel.virtual_stages=1")],
      r"virtual_stages=1 .* interleaving needs several chunks"),
     (["parallel.pp=2", "train.global_batch=2", "train.microbatch=2",
-      *sched("interleaved_1f1b", "parallel.virtual_stages=2")], r"interleaved_1f1b needs microbatches >= pp=2"),
+      *sched("interleaved_1f1b", "parallel.virtual_stages=2")],
+     r"interleaved_1f1b needs microbatches >= pp=2; allowed: a larger global_batch"),
     (["parallel.pp=2", "train.global_batch=10", "train.microbatch=2",
       *sched("interleaved_1f1b", "parallel.virtual_stages=2")], r"rounds of m // pp = 2; allowed: .* divisible by 2"),
     (["parallel.pp=2", "train.global_batch=6", "train.microbatch=2", *sched("zbv")],
@@ -217,7 +218,7 @@ def test_stage_keeps_global_layer_names_and_only_its_parts():
     (["parallel.pp=2", *sched("zbv", "parallel.virtual_stages=3")], r"exactly 2 chunks per rank"),
     (["parallel.pp=2", *sched("gpipe", "parallel.virtual_stages=2")], r"'gpipe' runs one stage per rank"),
     (["parallel.pp=2", "parallel.pp_layers=[1, 2, 1]"], r"pp_layers=\[1, 2, 1\]: 3 entries .* 2 \(virtual\)"),
-    (["parallel.pp=2", "parallel.pp_layers=[1, 2]"], r"sums to 3 but the model has 4 layers"),
+    (["parallel.pp=2", "parallel.pp_layers=[1, 2]"], r"sums to 3 but the model has 4 layers; allowed: .* to 4"),
     (["parallel.pp=4", "parallel.pp_layers=[2, 0, 1, 1]"], r"stage\(s\) \[1\] would hold no work"),
     (["parallel.pp=2", "model.tie_embeddings=true"], r"tie_embeddings=true with parallel.pp > 1"),
 ])
@@ -233,6 +234,21 @@ def test_refused_by_the_batch_check_that_runs_before_any_work():
     cfg = make_config(["parallel.pp=2", 'parallel.pp_schedule="1f1b"', "train.global_batch=2"])
     with pytest.raises(ValueError, match=r"train.global_batch=2 .*1f1b needs microbatches >= pp=2"):
         check_batch_layout(cfg, 1)
+
+
+def test_paratrain_config_checks_the_pipeline_layout(capsys):
+    """`paratrain config` (check a config only) refuses what train would refuse: the stage checks always, the
+    microbatch checks when parallel.dp is given (with dp=-1 they wait for the number of ranks)."""
+    from paratrain.cli import main
+
+    assert main(["config", "--set", "parallel.pp=8", "--set", "model.layers=4"]) == 2
+    assert "parallel.pp=8 x 1 chunk(s) per rank = 8 pipeline stages" in capsys.readouterr().err
+    pp4 = ["--set", "parallel.pp=4", "--set", "train.global_batch=8", "--set", "train.microbatch=2"]
+    assert main(["config", *pp4, "--set", "parallel.dp=2"]) == 2  # m = 8 / (2 x 2) = 2 < pp
+    assert "with 2 microbatches (train.global_batch=8 / (dp=2 x train.microbatch=2)): 1f1b needs microbatches " \
+           ">= pp=4" in capsys.readouterr().err
+    assert main(["config", *pp4, "--set", "parallel.dp=1"]) == 0  # m = 4
+    assert main(["config", *pp4]) == 0  # dp=-1: inferred from the number of ranks, checked at launch
 
 
 def test_pp_layers_with_pp1_and_zero_edge_stages():

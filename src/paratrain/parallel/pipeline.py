@@ -115,7 +115,8 @@ def _check_microbatches(schedule: str, m: int, pp: int, stages: int, where: str)
                          f"smaller microbatch, or pp_schedule='gpipe'")
     if schedule == "interleaved_1f1b":
         if m < pp:
-            raise ValueError(f"{where}: interleaved_1f1b needs microbatches >= pp={pp}")
+            raise ValueError(f"{where}: interleaved_1f1b needs microbatches >= pp={pp}; allowed: a larger "
+                             f"global_batch or a smaller microbatch, or pp_schedule='gpipe'")
         rounds = m // pp
         if m % rounds:
             raise ValueError(f"{where}: interleaved_1f1b runs microbatches in rounds of m // pp = {rounds}; "
@@ -129,14 +130,16 @@ def _stage_layer_counts(cfg: TrainConfig, num_layers: int, stages: int) -> list[
     given = cfg.parallel.pp_layers
     if given is None:
         if stages > num_layers:
-            raise ValueError(f"parallel: {stages} pipeline stages (pp={cfg.parallel.pp} x {stages // cfg.parallel.pp}"
-                             f" chunks per rank) but the model has {num_layers} layers; allowed: stages <= layers")
+            raise ValueError(f"parallel.pp={cfg.parallel.pp} x {stages // cfg.parallel.pp} chunk(s) per rank = "
+                             f"{stages} pipeline stages, but the model has {num_layers} layers; allowed: stages <= "
+                             f"model.layers (a smaller pp or virtual_stages)")
         return balanced_layers(num_layers, stages)
     if len(given) != stages:
         raise ValueError(f"parallel.pp_layers={given}: {len(given)} entries but the layout has {stages} (virtual) "
                          f"stages; allowed: one layer count per stage, in stage order")
     if sum(given) != num_layers:
-        raise ValueError(f"parallel.pp_layers={given}: sums to {sum(given)} but the model has {num_layers} layers")
+        raise ValueError(f"parallel.pp_layers={given}: sums to {sum(given)} but the model has {num_layers} layers; "
+                         f"allowed: layer counts summing to {num_layers}")
     inner_empty = [i for i, n in enumerate(given) if n < 0 or (n == 0 and 0 < i < stages - 1)]
     if inner_empty:
         raise ValueError(f"parallel.pp_layers={given}: stage(s) {inner_empty} would hold no work; allowed: >= 1 "
@@ -144,16 +147,23 @@ def _stage_layer_counts(cfg: TrainConfig, num_layers: int, stages: int) -> list[
     return list(given)
 
 
-def plan_pipeline(cfg: TrainConfig, dp: int) -> PipelineLayout:
-    """The pipeline layout for cfg at data-parallel size dp, or one clear ValueError naming the field."""
+def check_stages(cfg: TrainConfig) -> tuple[int, list[int]]:
+    """(chunks per rank, layers per stage): the part of the layout that does not depend on the data-parallel
+    size, so `paratrain config` can check it before the number of ranks is known."""
     p = cfg.parallel
     model = cfg.model_shape()
     chunks = _chunks_per_rank(p.pp_schedule, p.virtual_stages)
-    stages = p.pp * chunks
     if model.tie_embeddings and p.pp > 1:
         raise ValueError("model.tie_embeddings=true with parallel.pp > 1: the embedding and the output head sit "
                          "on different stages; allowed: tie_embeddings=false for pipeline parallelism")
-    counts = _stage_layer_counts(cfg, model.layers, stages)
+    return chunks, _stage_layer_counts(cfg, model.layers, p.pp * chunks)
+
+
+def plan_pipeline(cfg: TrainConfig, dp: int) -> PipelineLayout:
+    """The pipeline layout for cfg at data-parallel size dp, or one clear ValueError naming the field."""
+    p = cfg.parallel
+    chunks, counts = check_stages(cfg)
+    stages = p.pp * chunks
     per_rank = cfg.train.global_batch // dp
     if per_rank % cfg.train.microbatch:
         raise ValueError(f"train.microbatch={cfg.train.microbatch} must divide the per-rank batch "
@@ -191,8 +201,9 @@ def stage_reshard_after_forward(pcfg) -> bool:
     return False
 
 
-def check_pipeline_layout(cfg: TrainConfig, dp: int) -> PipelineLayout | None:
-    """Validate the pipeline part of cfg at data-parallel size dp (call before any work); None when pp == 1."""
+def check_pipeline_layout(cfg: TrainConfig, dp: int | None) -> PipelineLayout | None:
+    """Validate the pipeline part of cfg at data-parallel size dp (call before any work); None when pp == 1.
+    dp=None (the number of ranks not known yet): everything but the microbatch counts, which depend on dp."""
     if cfg.parallel.pp == 1:
         if cfg.parallel.pp_layers is not None:
             raise ValueError(f"parallel.pp_layers={cfg.parallel.pp_layers} needs parallel.pp > 1")
@@ -201,6 +212,9 @@ def check_pipeline_layout(cfg: TrainConfig, dp: int) -> PipelineLayout | None:
         raise ValueError(f"staleness.policy='{cfg.staleness.policy}' with parallel.pp={cfg.parallel.pp} is not "
                          f"supported; allowed: staleness.policy='sync' with pipeline parallelism")
     stage_reshard_after_forward(cfg.parallel)
+    if dp is None:
+        check_stages(cfg)
+        return None
     return plan_pipeline(cfg, dp)
 
 
@@ -526,5 +540,5 @@ def parallelize_pipeline(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, e
 
 
 __all__ = ["PipelineLayout", "PipelineRunner", "apply_stage_techniques", "balanced_layers", "carve_stage",
-           "check_pipeline_layout", "ideal_idle_fraction", "parallelize_pipeline", "plan_pipeline",
+           "check_pipeline_layout", "check_stages", "ideal_idle_fraction", "parallelize_pipeline", "plan_pipeline",
            "schedule_action_lists", "split_model", "theory_idle_fraction"]

@@ -84,6 +84,10 @@ def run_config(args) -> int:
         print(reference_markdown())
         return 0
     cfg = load_config(args.config, args.set)
+    if cfg.parallel.pp > 1 or cfg.parallel.pp_layers is not None:  # stages vs layers, schedule, microbatches
+        from paratrain.parallel.pipeline import check_pipeline_layout
+
+        check_pipeline_layout(cfg, cfg.parallel.dp if cfg.parallel.dp > 0 else None)  # dp=-1: known at launch
     print(dump_config(cfg), end="")
     shape = cfg.model_shape()
     print(f"# model: {shape.name}, {shape.num_params() / 1e6:,.2f}M parameters")
