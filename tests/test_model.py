@@ -56,13 +56,23 @@ def test_same_seed_same_weights_and_loss():
     assert abs(losses[0] - torch.log(torch.tensor(float(cfg.vocab))).item()) < 0.5  # near-uniform at init
 
 
-def _save_random_hf_llama(folder, tie: bool = False, kv_heads: int = 2, vocab: int = 300):
-    """A small random Hugging Face LlamaForCausalLM, built locally (no download), saved as safetensors."""
+LLAMA3_SCALING = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                  "original_max_position_embeddings": 32}  # short, so the 40-token test sequence spans all bands
+
+
+def _save_random_hf_llama(folder, tie: bool = False, kv_heads: int = 2, vocab: int = 300, theta: float = 10000.0,
+                          scaling: dict | None = None, legacy_keys: bool = False):
+    """A small random Hugging Face LlamaForCausalLM, built locally (no download), saved as safetensors.
+
+    legacy_keys: rewrite config.json as transformers 4.x writes it (top-level rope_theta / rope_scaling, what
+    Meta's released checkpoints carry) instead of 5.x's rope_parameters."""
+    import json
+
     transformers = pytest.importorskip("transformers")
     hf_cfg = transformers.LlamaConfig(
         vocab_size=vocab, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=kv_heads, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=10000.0,
-        tie_word_embeddings=tie, attention_bias=False, mlp_bias=False,
+        num_key_value_heads=kv_heads, max_position_embeddings=128, rms_norm_eps=1e-5, rope_theta=theta,
+        rope_scaling=scaling, tie_word_embeddings=tie, attention_bias=False, mlp_bias=False,
     )
     torch.manual_seed(0)
     hf_model = transformers.LlamaForCausalLM(hf_cfg).eval()
@@ -71,20 +81,50 @@ def _save_random_hf_llama(folder, tie: bool = False, kv_heads: int = 2, vocab: i
             if "norm" in name:
                 p.add_(torch.randn_like(p) * 0.1)
     hf_model.save_pretrained(folder, safe_serialization=True)
+    if legacy_keys:
+        path = folder / "config.json"
+        data = json.loads(path.read_text())
+        rope = data.pop("rope_parameters")
+        data["rope_theta"] = rope.pop("rope_theta")
+        data["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
+        path.write_text(json.dumps(data))
     return hf_model
 
 
-@pytest.mark.parametrize("tie, kv_heads", [(False, 2), (True, 4)])
-def test_logits_equal_huggingface_llama(tmp_path, tie, kv_heads):
+@pytest.mark.parametrize("tie, kv_heads, theta, scaling, legacy_keys", [
+    (False, 2, 10000.0, None, False),
+    (True, 4, 10000.0, None, False),
+    (False, 2, 500000.0, None, True),  # Llama 3's theta, config.json as Meta's checkpoints have it
+    (False, 2, 500000.0, LLAMA3_SCALING, False),  # Llama 3.1's long-context frequency scaling
+    (False, 2, 500000.0, LLAMA3_SCALING, True),
+])
+def test_logits_equal_huggingface_llama(tmp_path, tie, kv_heads, theta, scaling, legacy_keys):
     from paratrain.model.hf import load_hf_llama
 
-    hf_model = _save_random_hf_llama(tmp_path, tie, kv_heads)
+    hf_model = _save_random_hf_llama(tmp_path, tie, kv_heads, theta=theta, scaling=scaling, legacy_keys=legacy_keys)
     ours = load_hf_llama(tmp_path).eval()
+    assert ours.cfg.rope_theta == theta and (ours.cfg.rope_scaling is None) == (scaling is None)
     tokens = torch.randint(0, 300, (2, 40))
     with torch.no_grad():
         ref = hf_model(tokens).logits
         got = ours(tokens)
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("key, value", [("attention_bias", True), ("hidden_act", "gelu"), ("head_dim", 32),
+                                        ("rope_scaling", {"rope_type": "yarn", "factor": 4.0})])
+def test_huggingface_config_we_cannot_reproduce_is_refused(tmp_path, key, value):
+    import json
+
+    from paratrain.model.hf import config_from_hf
+
+    _save_random_hf_llama(tmp_path, legacy_keys=True)
+    data = json.loads((tmp_path / "config.json").read_text())
+    data[key] = value
+    (tmp_path / "config.json").write_text(json.dumps(data))
+    shown = "rope_type='yarn'" if key == "rope_scaling" else f"{key}={value!r}"
+    with pytest.raises(ValueError, match=f"config.json {shown} is not supported; allowed: "):
+        config_from_hf(tmp_path)
 
 
 def test_train_from_huggingface_folder(tmp_path):

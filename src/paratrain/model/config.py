@@ -13,6 +13,27 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
+class RopeScaling(BaseModel):
+    """Llama 3.1's RoPE frequency scaling ("rope_type": "llama3" in Hugging Face configs): wavelengths longer
+    than original_max_seq / low_freq_factor are stretched by `factor`, shorter than original_max_seq /
+    high_freq_factor kept, and those between interpolated smoothly. Source: Meta's llama-models
+    reference (`apply_scaling` in llama3.1's model.py) and the released Llama 3.1 config.json files."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    factor: float = Field(gt=0)
+    low_freq_factor: float = Field(default=1.0, gt=0)
+    high_freq_factor: float = Field(default=4.0, gt=0)
+    original_max_seq: int = Field(default=8192, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> RopeScaling:
+        if self.high_freq_factor <= self.low_freq_factor:
+            raise ValueError(f"rope_scaling.high_freq_factor={self.high_freq_factor} must exceed "
+                             f"low_freq_factor={self.low_freq_factor}")
+        return self
+
+
 class ModelConfig(BaseModel):
     """Shape of a decoder-only transformer.
 
@@ -35,6 +56,7 @@ class ModelConfig(BaseModel):
     rope_theta: float = Field(default=10000.0, gt=0)
     norm_eps: float = Field(default=1e-5, gt=0)
     tie_embeddings: bool = False
+    rope_scaling: RopeScaling | None = None  # Llama 3.1-style long-context frequency scaling; None = plain RoPE
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:
@@ -112,7 +134,8 @@ def _llama_ffn(hidden: int, multiple_of: int = 256) -> int:
 
 
 # Published shapes. Sources: Touvron et al. 2023 "Llama 2" Table 1 and the released config.json files;
-# Dubey et al. 2024 "The Llama 3 Herd of Models" Table 3 and config.json (ffn, vocab 128256, rope 500000).
+# Dubey et al. 2024 "The Llama 3 Herd of Models" Table 3 and config.json (ffn, vocab 128256, rope 500000;
+# Llama 3.1: rope_scaling factor 8, low/high_freq_factor 1/4, original_max_position_embeddings 8192).
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(name="tiny", layers=4, hidden=128, heads=4, kv_heads=2, ffn_hidden=352,
                         vocab=4096, max_seq=512),
@@ -129,7 +152,8 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3-70b": ModelConfig(name="llama3-70b", layers=80, hidden=8192, heads=64, kv_heads=8,
                               ffn_hidden=28672, vocab=128256, max_seq=8192, rope_theta=500000.0),
     "llama3.1-405b": ModelConfig(name="llama3.1-405b", layers=126, hidden=16384, heads=128, kv_heads=8,
-                                 ffn_hidden=53248, vocab=128256, max_seq=131072, rope_theta=500000.0),
+                                 ffn_hidden=53248, vocab=128256, max_seq=131072, rope_theta=500000.0,
+                                 rope_scaling=RopeScaling(factor=8.0)),
 }
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paratrain.model.config import ModelConfig
+from paratrain.model.config import ModelConfig, RopeScaling
 
 
 class RMSNorm(nn.Module):
@@ -30,9 +30,25 @@ class RMSNorm(nn.Module):
         return out.type_as(x) * self.weight
 
 
-def rope_tables(head_dim: int, max_seq: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_frequencies(inv_freq: torch.Tensor, scaling: RopeScaling) -> torch.Tensor:
+    """Llama 3.1's long-context scaling of RoPE frequencies (Meta's `apply_scaling`): low frequencies (long
+    wavelengths) divided by `factor`, high ones kept, a smooth interpolation between."""
+    wavelen = 2 * math.pi / inv_freq
+    low_freq_wavelen = scaling.original_max_seq / scaling.low_freq_factor
+    high_freq_wavelen = scaling.original_max_seq / scaling.high_freq_factor
+    smooth = (scaling.original_max_seq / wavelen - scaling.low_freq_factor) / (
+        scaling.high_freq_factor - scaling.low_freq_factor)
+    interpolated = (1 - smooth) * inv_freq / scaling.factor + smooth * inv_freq
+    out = torch.where(wavelen > low_freq_wavelen, inv_freq / scaling.factor, inv_freq)
+    return torch.where((wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen), interpolated, out)
+
+
+def rope_tables(head_dim: int, max_seq: int, theta: float,
+                scaling: RopeScaling | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables, (max_seq, head_dim/2). Real tables, not complex: DTensor and bf16 handle them."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    if scaling is not None:
+        inv_freq = scale_frequencies(inv_freq, scaling)
     angles = torch.outer(torch.arange(max_seq, dtype=torch.float64), inv_freq)
     return angles.cos().float(), angles.sin().float()
 
@@ -117,7 +133,7 @@ class Llama(nn.Module):
         self.output = nn.Linear(cfg.hidden, cfg.vocab, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq, cfg.rope_theta)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq, cfg.rope_theta, cfg.rope_scaling)
         # Non-persistent: derived from the config, so checkpoints and HF loading never carry them.
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
