@@ -82,6 +82,26 @@ def test_reshard_tp2_pp2_dp2_to_tp4_dp2_and_one_process(dist_run, tmp):
     assert _close(single["losses"], losses[2:]), (single["losses"], losses[2:])
 
 
+PP2_ZBV_DP2 = ["parallel.pp=2", 'parallel.pp_schedule="zbv"', "parallel.dp=2", 'parallel.dp_kind="ddp"',
+               "train.microbatch=1"]
+PP4_INTERLEAVED = ["model.layers=8", "parallel.pp=4", 'parallel.pp_schedule="interleaved_1f1b"',
+                   "parallel.virtual_stages=2", "train.microbatch=1"]
+
+
+def test_reshard_pipeline_v_schedule_dp2_to_pp4_interleaved(dist_run, tmp):
+    """Pipeline degree and stage placement change: saved under PP2 (ZB-V: rank 0 holds the first and the last
+    stage) x DDP2, resumed under PP4 interleaved 1F1B with 2 chunks per rank (8 stages of 1 layer). The model
+    has 8 layers in both runs."""
+    eight = ["model.layers=8"]
+    full = dist_run(4, _train, settings(tmp, "pp2zbv", 4, 2, *eight, *PP2_ZBV_DP2))
+    losses = full[0]["losses"]
+    assert all(r["losses"] == losses for r in full) and len(losses) == 4
+    step2 = str(tmp / "pp2zbv" / "checkpoints" / step_name(2))
+    pp4 = dist_run(4, _train, settings(tmp, "pp4int", 4, 2, *PP4_INTERLEAVED), step2)
+    assert pp4[0]["layout"] == {"pp": 4, "dp": 1, "cp": 1, "tp": 1}
+    assert all(_close(r["losses"], losses[2:]) for r in pp4), ([r["losses"] for r in pp4], losses[2:])
+
+
 # ---- the RNG rule ------------------------------------------------------------------------------------------
 def _save_rng_per_rank(directory: str) -> list[float]:
     rank = torch.distributed.get_rank()
