@@ -21,7 +21,8 @@ from paratrain.sim.engine import simulate
 from paratrain.sim.failures import llama3_causes, scale_rates
 from paratrain.sim.results import summarize
 
-# Llama 3 405B scale checkpoint: 405e9 params * 16 bytes of mixed-precision Adam state ~ 6.5 TB; Meta's
+# Llama 3 405B scale checkpoint: 405e9 params * 16 bytes (ZeRO's mixed-precision Adam state, 2 + 2 + 12 bytes per
+# parameter, Rajbhandari et al. 2020; an upper figure: without bf16 gradients 14 bytes) ~ 6.5 TB; Meta's
 # Tectonic storage sustained 2 TB/s (Llama 3 paper, infrastructure section). Step time is an assumption.
 COMMON = dict(step_time_s=10.0, checkpoint_bytes=6.5e12, write_bytes_per_s=2e12, read_bytes_per_s=2e12)
 
