@@ -152,10 +152,21 @@ def test_trn3_ultraserver_is_planned_at_the_nearest_batch_it_admits():
         compare(Workload("llama2-70b", 1e11, 4096, 1024), [("trn3-ultraserver", 4)], FAST)
 
 
+def test_constraints_apply_to_any_kind():
+    rec = _rec("pretrain", constraints=["multicloud"], assumptions=Assumptions(failures="daly",
+                                                                               prices={"trn1.32xlarge": 4.0}))
+    assert rec.choice != "trn1.32xlarge"  # cheap, but a multi-cloud pre-training run cannot use it
+    assert all(c["system"] != "trn1.32xlarge" for c in rec.candidates)
+    assert any("several clouds" in r for r in rec.rules)
+    # the research kind implies the CUDA-kernel rule; naming it again does not repeat it
+    assert len(_rec("research", constraints=["cuda-kernels"]).rules) == 1
+
+
 def test_bad_request_values_are_refused():
     for kw, field_name in (({"nodes": 0}, "nodes = 0"), ({"chips": -1}, "chips = -1"),
                            ({"train_tokens": -5.0}, "train_tokens = -5.0"), ({"max_days": 0}, "max_days = 0"),
-                           ({"systems": ["trn9"]}, "hardware 'trn9': unknown system")):
+                           ({"systems": ["trn9"]}, "hardware 'trn9': unknown system"),
+                           ({"constraints": ["tpu"]}, "constraints = \\['tpu'\\]: allowed: cuda-kernels")):
         with pytest.raises(ValueError, match=field_name):
             Request(kind="pretrain", **kw)
 

@@ -44,6 +44,7 @@ candidate; --price SYSTEM=USD ranks them.
   paratrain recommend pretrain --model llama2-70b --tokens 2e12 --chips 512 --max-days 60
   paratrain recommend experiment
   paratrain recommend finetune --current-stack neuron
+  paratrain recommend pretrain --constraint multicloud
   paratrain recommend pretrain --price trn3-ultraserver=500 --porting-days 30 --json
 """
 
@@ -88,6 +89,9 @@ def register(sub) -> None:
                    help="engineer-days to move the code base to the other stack (default 20, assumption)")
     r.add_argument("--engineer-usd-per-day", type=float, default=1200.0,
                    help="loaded cost of an engineer-day (default 1200, assumption)")
+    r.add_argument("--constraint", action="append", default=[], metavar="NAME",
+                   help="a hard constraint on top of the kind's own: cuda-kernels, multicloud or onprem "
+                        "(repeatable), e.g. pretrain --constraint multicloud")
     r.add_argument("--systems", help="comma list of candidate systems (default: every catalog system; those "
                    "without a price get a break-even price instead of a rank)")
     _add_common(r)
@@ -209,7 +213,8 @@ def run_recommend(args) -> int:
                   seq=args.seq,
                   global_batch=args.global_batch, current_stack=args.current_stack,
                   porting_engineer_days=args.porting_days, engineer_usd_per_day=args.engineer_usd_per_day,
-                  max_days=args.max_days, systems=systems, assumptions=_assumptions(args))
+                  max_days=args.max_days, systems=systems, constraints=args.constraint,
+                  assumptions=_assumptions(args))
     rec = recommend(req, progress=_progress(len(systems or get_catalog().systems), args.json))
     if args.json:
         print(json.dumps(rec.__dict__, indent=2, default=str))

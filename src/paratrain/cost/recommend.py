@@ -71,6 +71,7 @@ class Request:
     engineer_usd_per_day: float = 1200.0  # assumption: loaded cost of an ML engineer-day
     max_days: float | None = None
     systems: list[str] | None = None  # candidates; default: every catalog system
+    constraints: list[str] = field(default_factory=list)  # from CONSTRAINTS, on top of the kind's own
     assumptions: Assumptions = field(default_factory=Assumptions)
 
     def __post_init__(self) -> None:
@@ -89,6 +90,9 @@ class Request:
                   ("porting_engineer_days", self.porting_engineer_days, self.porting_engineer_days >= 0, ">= 0"),
                   ("engineer_usd_per_day", self.engineer_usd_per_day, self.engineer_usd_per_day >= 0, ">= 0"),
                   ("max_days", self.max_days, self.max_days is None or self.max_days > 0, "> 0")]
+        unknown = [c for c in self.constraints if c not in CONSTRAINTS]
+        if unknown:
+            raise ValueError(f"constraints = {unknown}: allowed: {', '.join(CONSTRAINTS)}")
         for name, value, ok, allowed in checks:
             if not ok:
                 raise ValueError(f"{name} = {value!r}: allowed: {allowed}")
@@ -116,18 +120,28 @@ def stack_of(system_name: str) -> str:
     return "neuron" if chip.vendor == "aws" else "cuda"
 
 
+CONSTRAINTS = {
+    "cuda-kernels": "custom CUDA kernels: only NVIDIA GPUs run them (Trainium kernels are written in NKI, a "
+                    "rewrite) -> Trainium excluded",
+    "multicloud": "several clouds: Trainium is available only inside AWS; NVIDIA GPUs are sold by every cloud "
+                  "-> Trainium excluded",
+    "onprem": "on-premises: Trainium is available only inside AWS; NVIDIA GPUs are sold for own data centres "
+              "-> Trainium excluded",
+}
+# The constraint each workload kind implies (the source documents' rows); --constraint adds more to any kind.
+KIND_CONSTRAINTS = {"research": "cuda-kernels", "multicloud": "multicloud", "onprem": "onprem"}
+
+
+def active_constraints(req: Request) -> list[str]:
+    implied = [KIND_CONSTRAINTS[req.kind]] if req.kind in KIND_CONSTRAINTS else []
+    return list(dict.fromkeys(implied + list(req.constraints)))
+
+
 def hard_rules(req: Request, systems: list[str]) -> tuple[list[str], list[str]]:
-    """Systems that can run the workload at all, and the rules applied (with their reasons)."""
-    rules, kept = [], list(systems)
-    if req.kind == "research":
-        kept = [s for s in kept if stack_of(s) == "cuda"]
-        rules.append("custom CUDA kernels: only NVIDIA GPUs run them (Trainium kernels are written in NKI, a "
-                     "rewrite) -> Trainium excluded")
-    if req.kind in ("multicloud", "onprem"):
-        kept = [s for s in kept if stack_of(s) == "cuda"]
-        where = "several clouds" if req.kind == "multicloud" else "on-premises"
-        rules.append(f"{where}: Trainium is available only inside AWS; NVIDIA GPUs are sold by every cloud and "
-                     f"for own data centres -> Trainium excluded")
+    """Systems that can run the workload at all, and the rules applied (with their reasons). Every
+    constraint so far rules out the Neuron stack; each is printed."""
+    rules = [CONSTRAINTS[c] for c in active_constraints(req)]
+    kept = [s for s in systems if stack_of(s) == "cuda"] if rules else list(systems)
     if not rules:
         rules.append("no hard constraint: the cost model decides among all systems with a price")
     return kept, rules
