@@ -327,6 +327,8 @@ FIELD_HELP = {
                               "w_{t-1})) or at w_t (none)",
     "staleness.lookahead_arrived": "optimizer_lookahead: replay pending steps whose all-reduce already arrived with "
                                    "the dp-mean gradient (exact there; timing-dependent, not bitwise reproducible)",
+    "staleness.arrival_grace": "lookahead_arrived: before predicting, wait up to this fraction of the healthy step "
+                               "time for pending reductions (0 = never wait)",
     "staleness.step_budget_s": "time_budget: seconds per step each DP rank may spend on microbatches",
     "staleness.straggler_threshold": "flag a rank slower than this x the median step time",
     "staleness.straggler_window": "steps the straggler median is taken over",
