@@ -208,6 +208,8 @@ def test_compare_table_shows_accelerator_hours_reserved_cost_and_overhead(capsys
     (row,) = compare(Workload("llama2-7b", 1e11, 4096, 1024), [("trn1.32xlarge", 16)], FAST)
     assert f"{row.accelerator_hours:,.0f}" in out and f"{row.cost_reserved_usd:,.0f}" in out
     assert row.reserved_kind == "3-year reserved" and "trn1.32xlarge: 3-year reserved" in out
+    # Trainium1's power is a placeholder (no public TDP): the energy figure says so
+    assert "energy uses 275 W per trainium1: estimate" in out
 
 
 def test_bad_kind_and_price_are_refused(capsys):

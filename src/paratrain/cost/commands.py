@@ -192,6 +192,9 @@ def print_table(rows) -> None:
               f"{f(r.energy_mwh, ',.1f'):>9}{f(None if r.tokens_per_mwh is None else r.tokens_per_mwh / 1e6, ',.0f'):>9}")
     reserved = sorted({f"{r.system}: {r.reserved_kind}" for r in rows})
     print("reserved $ = " + "; ".join(reserved))
+    for r in rows:
+        for note in r.notes:
+            print(f"note ({r.system} x{r.nodes}): {note}")
 
 
 def print_ratios(ratios: list[dict]) -> None:

@@ -217,6 +217,9 @@ def evaluate_target(workload: Workload, system_name: str, nodes: int, assumption
     )
     if system.chip.power_w is None:
         row.notes.append(f"no chip power for {system.chip.name} in the catalog: energy unknown")
+    elif "power_w" in system.chip.sources:  # not from the chip's main (vendor) source: say how weak it is
+        row.notes.append(f"energy uses {system.chip.power_w:g} W per {system.chip.name}: "
+                         f"{system.chip.sources['power_w']}")
     return row
 
 
