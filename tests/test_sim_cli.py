@@ -89,6 +89,13 @@ def test_text_report(capsys):
     (["simulate", "--devices", "64", "--step-time", "1s", "--steps", "10", "--async-fraction", "1.5"], "async_fraction"),
     (["simulate", "--devices", "64", "--step-time", "1s", "--steps", "10", "--failures", "/nonexistent.toml"],
      "does not exist"),
+    # the flag the user typed is named, beside the field name a TOML config uses
+    (["simulate", "--devices", "64", "--step-time", "0", "--steps", "10"], "step_time_s=0.0 is not allowed: must be > 0 (flag --step-time)"),
+    (["simulate", "--devices", "64", "--step-time", "1s", "--steps", "10", "--straggler-slowdown", "0.5"],
+     "straggler_slowdown_median=0.5 is not allowed: must be > 1 (a factor) (flag --straggler-slowdown)"),
+    (["simulate", "--devices", "64", "--step-time", "1s", "--steps", "10", "--straggler-duration", "xx"],
+     "--straggler-duration='xx' is not a duration"),
+    (["simulate", "--devices", "64", "--step-time", "1s", "--steps", "10", "--repair", "1x"], "--repair='1x'"),
 ])
 def test_bad_input_is_one_line_naming_the_field(argv, message, capsys):
     assert main(argv) == 2

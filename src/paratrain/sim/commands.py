@@ -164,7 +164,7 @@ def config_from_args(args) -> SimConfig:
     for name, text in (("step_time_s", args.step_time), ("duration_s", args.duration), ("detect_s", args.detect),
                        ("restart_s", args.restart), ("swap_s", args.swap), ("repair_mean_s", args.repair)):
         if text is not None:
-            flags[name] = parse_duration_s(text, "--" + name.removesuffix("_s").replace("_", "-"))
+            flags[name] = parse_duration_s(text, FLAG_OF_FIELD[name])
     for name, gb in (("checkpoint_bytes", args.checkpoint_gb), ("write_bytes_per_s", args.write_gbps),
                      ("read_bytes_per_s", args.read_gbps)):
         if gb is not None:
@@ -188,12 +188,39 @@ def config_from_args(args) -> SimConfig:
         "slowdown_sigma": args.straggler_sigma, "policy": args.straggler_policy,
         "staleness_steps": args.staleness_steps,
     }
-    for name, text in (("mean_duration_s", args.straggler_duration), ("evict_after_s", args.evict_after)):
+    for name, flag, text in (("mean_duration_s", "--straggler-duration", args.straggler_duration),
+                             ("evict_after_s", "--evict-after", args.evict_after)):
         if text is not None:
-            straggler_flags[name] = parse_duration_s(text, "--" + name)
+            straggler_flags[name] = parse_duration_s(text, flag)
     straggler.update({k: v for k, v in straggler_flags.items() if v is not None})
-    kwargs["stragglers"] = StragglerConfig(**straggler)
-    return SimConfig(**kwargs)
+    try:
+        kwargs["stragglers"] = StragglerConfig(**straggler)
+        return SimConfig(**kwargs)
+    except ValueError as exc:
+        raise ValueError(with_flag(str(exc))) from None
+
+
+# The flag that sets each field named in SimConfig's and StragglerConfig's errors (TOML uses the field names).
+FLAG_OF_FIELD = {
+    "devices": "--devices", "devices_per_node": "--devices-per-node", "nodes_per_domain": "--nodes-per-domain",
+    "step_time_s": "--step-time", "steps": "--steps", "duration_s": "--duration",
+    "checkpoint_bytes": "--checkpoint-gb", "write_bytes_per_s": "--write-gbps", "read_bytes_per_s": "--read-gbps",
+    "async_fraction": "--async-fraction", "checkpoint_interval": "--interval", "detect_s": "--detect",
+    "restart_s": "--restart", "swap_s": "--swap", "spare_nodes": "--spare-nodes", "repair_mean_s": "--repair",
+    "repair_distribution": "--repair-dist", "repair_sigma": None, "price_per_device_hour_usd": "--price",
+    "samples": "--samples", "straggler_rate_per_device_hour": "--straggler-rate",
+    "straggler_mean_duration_s": "--straggler-duration", "straggler_slowdown_median": "--straggler-slowdown",
+    "straggler_slowdown_sigma": "--straggler-sigma", "straggler_policy": "--straggler-policy",
+    "staleness_steps": "--staleness-steps", "evict_after_s": "--evict-after",
+}
+
+
+def with_flag(message: str) -> str:
+    """'step_time_s=0.0 is not allowed: ...' -> the same, then '(flag --step-time)': the user may have typed either
+    the flag or the TOML field."""
+    field = message.split("=", 1)[0]
+    flag = FLAG_OF_FIELD.get(field)
+    return f"{message} (flag {flag})" if flag and "=" in message else message
 
 
 def _require_inputs(kwargs: dict) -> None:
