@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import tomllib
 
 import pytest
 
 from paratrain.cli import main
+from paratrain.hardware.catalog import resolve_system
 from paratrain.plan.api import Layout, estimate, search
 
 SEVEN_B = ["--model", "llama2-7b", "--hardware", "trn1.32xlarge", "--nodes", "128", "--seq", "4096",
@@ -34,6 +36,16 @@ def test_trn1_7b_result_holds_across_global_batches():
     for gbs in (512, 2048, 4096):
         best = search("llama2-7b", "trn1.32xlarge", 128, 4096, gbs, top=1).candidates[0].layout
         assert (best.tp, best.pp, best.sp) == (8, 1, True), gbs
+
+
+@pytest.mark.parametrize("usable", [0.5, 0.6, 0.7, 0.8])
+def test_trn1_7b_result_is_not_tuned_to_the_memory_fraction(usable):
+    """The headline does not hinge on Trn1's usable-memory fraction (0.5, an inference from one NxDT config):
+    anywhere from 0.5 to 0.8 the planner still ranks TP 8, PP 1, SP, DP 512 first."""
+    base = resolve_system("trn1.32xlarge")
+    system = dataclasses.replace(base, efficiency=dataclasses.replace(base.efficiency, memory_usable_fraction=usable))
+    best = search("llama2-7b", system, 128, 4096, 1024, top=1).candidates[0].layout
+    assert (best.tp, best.pp, best.sp, best.dp) == (8, 1, True, 512)
 
 
 def test_estimate_json_fields(capsys):
