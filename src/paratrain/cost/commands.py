@@ -162,7 +162,9 @@ def run_compare(args) -> int:
     if args.report:
         from paratrain.cost.report import write_report
 
-        out["report"] = str(write_report(args.report, workload, rows, targets, assumptions))
+        # the report plans each system at 1/4 to 4x its size too (Pareto and scaling plots)
+        bar = _progress(4 * len(targets), args.json)
+        out["report"] = str(write_report(args.report, workload, rows, targets, assumptions, progress=bar))
     if args.json:
         print(json.dumps(out, indent=2))
         return 0

@@ -88,7 +88,8 @@ def plot_step_time(rows: list[Row], path: Path) -> None:
     _stacked(rows, parts, "seconds per step", "Step time breakdown (best layout)", path)
 
 
-def size_rows(workload: Workload, targets: list[tuple[str, int]], assumptions: Assumptions) -> list[Row]:
+def size_rows(workload: Workload, targets: list[tuple[str, int]], assumptions: Assumptions,
+              progress=None) -> list[Row]:
     """The same workload on each target system at 1/4, 1/2, 2 and 4 times its node count (what fits)."""
     out = []
     for name, nodes in targets:
@@ -96,7 +97,9 @@ def size_rows(workload: Workload, targets: list[tuple[str, int]], assumptions: A
             try:
                 out.append(evaluate_target(workload, name, n, assumptions))
             except ValueError:  # too small to fit, or no layout divides the batch: no point
-                continue
+                pass
+            if progress:
+                progress(1)
     return out
 
 
@@ -123,12 +126,12 @@ def plot_scaling(workload: Workload, rows: list[Row], path: Path) -> None:
 
 
 def write_report(out_dir: str | Path, workload: Workload, rows: list[Row], targets: list[tuple[str, int]],
-                 assumptions: Assumptions) -> Path:
+                 assumptions: Assumptions, progress=None) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     images = {"pareto.png": "Cost vs time to train", "memory.png": "Memory per device",
               "step_time.png": "Step time breakdown", "scaling.png": "Scaling"}
-    sizes = size_rows(workload, targets, assumptions)
+    sizes = size_rows(workload, targets, assumptions, progress)
     front = plot_pareto(rows, out / "pareto.png", sizes)
     plot_memory(rows, out / "memory.png")
     plot_step_time(rows, out / "step_time.png")
