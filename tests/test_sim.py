@@ -2,6 +2,7 @@
 
 import csv
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -270,6 +271,31 @@ def test_toml_config_with_custom_causes(tmp_path):
     path.write_text('devices = 1024\nstep_time = 3.0\n')
     with pytest.raises(ValueError, match="step_time"):
         load_sim_toml(path)
+
+
+@pytest.mark.parametrize("body, message", [
+    ('checkpoint_bytes = "1TB"', "checkpoint_bytes='1TB' is not allowed: must be a number >= 0"),
+    ('async_fraction = "half"', "async_fraction='half' is not allowed: must be a number in [0, 1)"),
+    ('rate_scale = "x"', "rate_scale='x' is not allowed"),
+    ('[stragglers]\nrate_per_device_hour = "often"', "straggler_rate_per_device_hour='often'"),
+    ('[stragglers]\nstaleness_steps = 2.5', "staleness_steps=2.5 is not allowed: must be an integer >= 0"),
+    ('[[cause]]\nname = "GPU"\nrate_per_device_hour = "high"', "rate_per_device_hour='high' is not allowed"),
+    ('[[cause]]\nname = "GPU"\nrate_per_device_hour = 1e-6\nreplaces_node = "yes"', "replaces_node='yes'"),
+    ("samples = ", "is not valid TOML"),
+])
+def test_bad_toml_values_are_one_clear_error(tmp_path, body, message):
+    # Wrong types used to escape as TypeError tracebacks (a str compared with a number).
+    path = tmp_path / "sim.toml"
+    path.write_text(f"devices = 64\nstep_time_s = 1.0\nsteps = 10\n{body}\n")
+    with pytest.raises(ValueError, match=re.escape(message)):
+        SimConfig(**load_sim_toml(path))
+
+
+def test_toml_durations_may_be_strings(tmp_path):
+    path = tmp_path / "sim.toml"
+    path.write_text('devices = 64\nstep_time_s = "2s"\nduration_s = "1d"\n[stragglers]\nmean_duration_s = "20m"\n')
+    cfg = SimConfig(**load_sim_toml(path))
+    assert (cfg.step_time_s, cfg.duration_s, cfg.stragglers.mean_duration_s) == (2.0, DAY_S, 1200.0)
 
 
 def test_exponential_failure_model_gives_the_requested_mtbf():

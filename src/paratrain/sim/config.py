@@ -51,13 +51,19 @@ class StragglerConfig:
     evict_after_s: float = 300.0
 
     def validate(self) -> None:
-        _require(self.rate_per_device_hour >= 0, "straggler_rate_per_device_hour", self.rate_per_device_hour, ">= 0")
-        _require(self.mean_duration_s > 0, "straggler_mean_duration_s", self.mean_duration_s, "> 0")
-        _require(self.slowdown_median > 1, "straggler_slowdown_median", self.slowdown_median, "> 1 (a factor)")
-        _require(self.slowdown_sigma >= 0, "straggler_slowdown_sigma", self.slowdown_sigma, ">= 0")
+        _require(_finite(self.rate_per_device_hour) and self.rate_per_device_hour >= 0,
+                 "straggler_rate_per_device_hour", self.rate_per_device_hour, ">= 0")
+        _require(_finite(self.mean_duration_s) and self.mean_duration_s > 0, "straggler_mean_duration_s",
+                 self.mean_duration_s, "> 0")
+        _require(_finite(self.slowdown_median) and self.slowdown_median > 1, "straggler_slowdown_median",
+                 self.slowdown_median, "> 1 (a factor)")
+        _require(_finite(self.slowdown_sigma) and self.slowdown_sigma >= 0, "straggler_slowdown_sigma",
+                 self.slowdown_sigma, ">= 0")
         _require(self.policy in STRAGGLER_POLICIES, "straggler_policy", self.policy, f"one of {STRAGGLER_POLICIES}")
-        _require(self.staleness_steps >= 0, "staleness_steps", self.staleness_steps, ">= 0")
-        _require(self.evict_after_s >= 0, "evict_after_s", self.evict_after_s, ">= 0")
+        _require(_is_int(self.staleness_steps) and self.staleness_steps >= 0, "staleness_steps",
+                 self.staleness_steps, "an integer >= 0")
+        _require(_finite(self.evict_after_s) and self.evict_after_s >= 0, "evict_after_s", self.evict_after_s,
+                 ">= 0")
 
 
 @dataclass(frozen=True)
@@ -115,24 +121,24 @@ class SimConfig:
             _require(_is_int(self.steps) and self.steps >= 1, "steps", self.steps, "an integer >= 1")
         if self.duration_s is not None:
             _require(_finite(self.duration_s) and self.duration_s > 0, "duration_s", self.duration_s, "> 0")
-        _require(self.checkpoint_bytes >= 0, "checkpoint_bytes", self.checkpoint_bytes, ">= 0")
-        _require(self.write_bytes_per_s > 0, "write_bytes_per_s", self.write_bytes_per_s, "> 0")
-        _require(self.read_bytes_per_s > 0, "read_bytes_per_s", self.read_bytes_per_s, "> 0")
-        _require(0 <= self.async_fraction < 1, "async_fraction", self.async_fraction, "in [0, 1)")
+        _require(_finite(self.checkpoint_bytes) and self.checkpoint_bytes >= 0, "checkpoint_bytes", self.checkpoint_bytes, ">= 0")
+        _require(_finite(self.write_bytes_per_s) and self.write_bytes_per_s > 0, "write_bytes_per_s", self.write_bytes_per_s, "> 0")
+        _require(_finite(self.read_bytes_per_s) and self.read_bytes_per_s > 0, "read_bytes_per_s", self.read_bytes_per_s, "> 0")
+        _require(_finite(self.async_fraction) and 0 <= self.async_fraction < 1, "async_fraction", self.async_fraction, "in [0, 1)")
         self._validate_interval()
         for name in ("detect_s", "restart_s", "swap_s"):
-            _require(getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
+            _require(_finite(getattr(self, name)) and getattr(self, name) >= 0, name, getattr(self, name), ">= 0")
         if self.spare_nodes is not None:
             _require(_is_int(self.spare_nodes) and self.spare_nodes >= 0, "spare_nodes", self.spare_nodes,
                      "an integer >= 0")
-        _require(self.repair_mean_s > 0, "repair_mean_s", self.repair_mean_s, "> 0")
+        _require(_finite(self.repair_mean_s) and self.repair_mean_s > 0, "repair_mean_s", self.repair_mean_s, "> 0")
         _require(self.repair_distribution in REPAIR_DISTRIBUTIONS, "repair_distribution",
                  self.repair_distribution, f"one of {REPAIR_DISTRIBUTIONS}")
-        _require(self.repair_sigma >= 0, "repair_sigma", self.repair_sigma, ">= 0")
+        _require(_finite(self.repair_sigma) and self.repair_sigma >= 0, "repair_sigma", self.repair_sigma, ">= 0")
         _require(len(self.causes) > 0, "causes", "()", "at least one failure cause")
         self.stragglers.validate()
         if self.price_per_device_hour_usd is not None:
-            _require(self.price_per_device_hour_usd >= 0, "price_per_device_hour_usd",
+            _require(_finite(self.price_per_device_hour_usd) and self.price_per_device_hour_usd >= 0, "price_per_device_hour_usd",
                      self.price_per_device_hour_usd, ">= 0")
         _require(_is_int(self.samples) and self.samples >= 2, "samples", self.samples, "an integer >= 2")
 
@@ -195,6 +201,8 @@ class SimConfig:
 
 
 def _require(ok: bool, name: str, value, allowed: str) -> None:
+    if not ok and isinstance(value, str) and allowed.startswith((">", "in [")):
+        allowed = "a number " + allowed  # e.g. checkpoint_bytes = "1TB" in a TOML file
     if not ok:
         raise ValueError(f"{name}={value!r} is not allowed: must be {allowed}")
 
@@ -204,7 +212,7 @@ def _is_int(value) -> bool:
 
 
 def _finite(value) -> bool:
-    return isinstance(value, int | float) and math.isfinite(value)
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 # ---- parsing of human-friendly values (CLI and TOML) ----------------------------------------------------
@@ -245,6 +253,17 @@ def parse_interval(text: str | float, step_time_s: float) -> str | float:
 
 # ---- TOML -------------------------------------------------------------------------------------------------
 _TOML_FIELDS = {f.name for f in fields(SimConfig)} - {"causes", "stragglers", "notes"}
+# Fields in seconds that a TOML file may also give as a duration string ("10s", "54d").
+_DURATION_FIELDS = ("step_time_s", "duration_s", "repair_mean_s", "detect_s", "restart_s", "swap_s")
+
+
+def read_toml(path: Path, what: str) -> dict:
+    """A TOML file as a dict; a syntax error names the file (tomllib's message has only line and column)."""
+    try:
+        with path.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{what} {str(path)!r} is not valid TOML: {exc}") from None
 _STRAGGLER_FIELDS = {f.name for f in fields(StragglerConfig)}
 
 
@@ -257,24 +276,27 @@ def load_sim_toml(path: str | Path) -> dict:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"simulation config {str(path)!r} does not exist")
-    with path.open("rb") as fh:
-        data = tomllib.load(fh)
+    data = read_toml(path, "simulation config")
     kwargs: dict = {}
     stragglers = data.pop("stragglers", None)
     failures = data.pop("failures", None)
     cause_tables = data.pop("cause", None)
-    rate_scale = float(data.pop("rate_scale", 1.0))
+    rate_scale = data.pop("rate_scale", 1.0)
+    if not _finite(rate_scale):
+        raise ValueError(f"{str(path)!r}: rate_scale={rate_scale!r} is not allowed: must be a number >= 0")
     unknown = set(data) - _TOML_FIELDS
     if unknown:
         raise ValueError(f"{str(path)!r}: unknown field(s) {sorted(unknown)}; allowed: {sorted(_TOML_FIELDS)}")
     for key, value in data.items():
-        if key in ("duration_s", "repair_mean_s", "detect_s", "restart_s", "swap_s") and isinstance(value, str):
-            value = parse_duration_s(value, key)
-        kwargs[key] = value
+        kwargs[key] = parse_duration_s(value, key) if key in _DURATION_FIELDS and isinstance(value, str) else value
     if stragglers is not None:
+        if not isinstance(stragglers, dict):
+            raise ValueError(f"{str(path)!r}: stragglers must be a [stragglers] table")
         bad = set(stragglers) - _STRAGGLER_FIELDS
         if bad:
             raise ValueError(f"{str(path)!r} [stragglers]: unknown field(s) {sorted(bad)}; allowed: {sorted(_STRAGGLER_FIELDS)}")
+        stragglers = {k: parse_duration_s(v, k) if k.endswith("_s") and isinstance(v, str) else v
+                      for k, v in stragglers.items()}
         kwargs["stragglers"] = StragglerConfig(**stragglers)
     causes = _causes_from_toml_parts(path, failures, cause_tables)
     kwargs["causes"] = scale_rates(causes, rate_scale)

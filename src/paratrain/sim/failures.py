@@ -126,8 +126,11 @@ def load_causes_toml(path: str | Path) -> tuple[FailureCause, ...]:
     path = Path(path)
     if not path.exists():
         raise ValueError(f"failure model file {str(path)!r} does not exist")
-    with path.open("rb") as fh:
-        data = tomllib.load(fh)
+    try:
+        with path.open("rb") as fh:
+            data = tomllib.load(fh)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"failure model {str(path)!r} is not valid TOML: {exc}") from None
     entries = data.get("cause")
     if not isinstance(entries, list) or not entries:
         raise ValueError(f"failure model {str(path)!r}: needs at least one [[cause]] table")
@@ -143,6 +146,13 @@ def _cause_from_table(entry: dict, path: Path) -> FailureCause:
     if not isinstance(name, str) or not name:
         raise ValueError(f"failure model {str(path)!r}: every [[cause]] needs a name")
     category = str(entry.get("category", "Unknown"))
+    for key in ("rate_per_device_hour", "count", "device_hours", "detect_s"):
+        value = entry.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)):
+            raise ValueError(f"failure cause {name!r}: {key}={value!r} is not allowed: must be a number")
+    if "replaces_node" in entry and not isinstance(entry["replaces_node"], bool):
+        raise ValueError(f"failure cause {name!r}: replaces_node={entry['replaces_node']!r} is not allowed: "
+                         "must be true or false")
     if "rate_per_device_hour" in entry:
         rate = float(entry["rate_per_device_hour"])
     elif "count" in entry and "device_hours" in entry:
@@ -153,6 +163,6 @@ def _cause_from_table(entry: dict, path: Path) -> FailureCause:
         raise ValueError(
             f"failure cause {name!r}: give rate_per_device_hour, or count and device_hours"
         )
-    replaces = bool(entry.get("replaces_node", category in HARDWARE_CATEGORIES))
+    replaces = entry.get("replaces_node", category in HARDWARE_CATEGORIES)
     detect = entry.get("detect_s")
     return FailureCause(name, category, rate, replaces, None if detect is None else float(detect))
