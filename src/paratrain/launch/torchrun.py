@@ -94,6 +94,8 @@ def validate_spec(spec: LaunchSpec) -> None:
         raise ValueError(f"--nproc-per-node={spec.nproc_per_node}: allowed: >= 1")
     if spec.max_restarts < 0:
         raise ValueError(f"--max-restarts={spec.max_restarts}: allowed: >= 0")
+    if spec.monitor_interval_s is not None and not spec.monitor_interval_s > 0:
+        raise ValueError(f"--monitor-interval={spec.monitor_interval_s}: allowed: seconds > 0")
     if spec.node_rank is not None:
         if spec.nnodes.elastic:
             raise ValueError(f"--node-rank with --nnodes={spec.nnodes}: a fixed node rank needs a fixed node "
