@@ -152,6 +152,25 @@ def test_trn3_ultraserver_is_planned_at_the_nearest_batch_it_admits():
         compare(Workload("llama2-70b", 1e11, 4096, 1024), [("trn3-ultraserver", 4)], FAST)
 
 
+def test_deadline_and_budget_exclude_candidates_and_say_so():
+    base = _rec("pretrain")
+    totals = {c["system"]: c["total_usd"] for c in base.candidates}
+    days = {c["system"]: c["wall_days"] for c in base.candidates}
+    # a deadline between p5's and the slower systems' days leaves p5 only
+    rec = _rec("pretrain", max_days=days["p5.48xlarge"] * 1.01)
+    assert [c["system"] for c in rec.candidates] == ["p5.48xlarge"] and any("deadline" in r for r in rec.rules)
+    # a budget under the cheapest total leaves nothing, and the output says why
+    rec = _rec("pretrain", max_usd=min(totals.values()) * 0.99)
+    assert rec.choice is None and any("budget" in r for r in rec.rules)
+    assert "no priced candidate" in rec.reasons[0]
+    # an unpriced system's break-even is then the price that fits the budget
+    rec = _rec("pretrain", systems=["trn2.48xlarge", "p5.48xlarge"], max_usd=1e6)
+    trn2 = rec.candidates[0]
+    assert rec.choice is None and trn2["system"] == "trn2.48xlarge"
+    hours = trn2["wall_days"] * 24
+    assert trn2["break_even_usd_per_node_hour"] == pytest.approx((1e6 - trn2["porting_usd"]) / (trn2["nodes"] * hours))
+
+
 def test_constraints_apply_to_any_kind():
     rec = _rec("pretrain", constraints=["multicloud"], assumptions=Assumptions(failures="daly",
                                                                                prices={"trn1.32xlarge": 4.0}))
@@ -164,7 +183,7 @@ def test_constraints_apply_to_any_kind():
 
 def test_bad_request_values_are_refused():
     for kw, field_name in (({"nodes": 0}, "nodes = 0"), ({"chips": -1}, "chips = -1"),
-                           ({"train_tokens": -5.0}, "train_tokens = -5.0"), ({"max_days": 0}, "max_days = 0"),
+                           ({"train_tokens": -5.0}, "train_tokens = -5.0"), ({"max_days": 0}, "max_days = 0"), ({"max_usd": -1.0}, "max_usd = -1.0"),
                            ({"systems": ["trn9"]}, "hardware 'trn9': unknown system"),
                            ({"constraints": ["tpu"]}, "constraints = \\['tpu'\\]: allowed: cuda-kernels")):
         with pytest.raises(ValueError, match=field_name):

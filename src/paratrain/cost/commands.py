@@ -83,6 +83,7 @@ def register(sub) -> None:
                            "nodes = chips / chips per node, rounded up)")
     size.add_argument("--nodes", type=int, help="one node count for every candidate system instead of --chips")
     r.add_argument("--max-days", type=float, help="deadline: drop candidates slower than this")
+    r.add_argument("--max-usd", type=float, help="budget: drop candidates whose total (compute + porting) is higher")
     r.add_argument("--current-stack", default="cuda", help="the team's stack today: cuda (default) or neuron; "
                    "the other stack costs --porting-days")
     r.add_argument("--porting-days", type=float, default=20.0,
@@ -218,7 +219,7 @@ def run_recommend(args) -> int:
                   seq=args.seq,
                   global_batch=args.global_batch, current_stack=args.current_stack,
                   porting_engineer_days=args.porting_days, engineer_usd_per_day=args.engineer_usd_per_day,
-                  max_days=args.max_days, systems=systems, constraints=args.constraint,
+                  max_days=args.max_days, max_usd=args.max_usd, systems=systems, constraints=args.constraint,
                   assumptions=_assumptions(args))
     rec = recommend(req, progress=_progress(len(systems or get_catalog().systems), args.json))
     if args.json:

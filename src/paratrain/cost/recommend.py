@@ -70,6 +70,7 @@ class Request:
     porting_engineer_days: float = 20.0  # assumption: moving a training code base to the other stack
     engineer_usd_per_day: float = 1200.0  # assumption: loaded cost of an ML engineer-day
     max_days: float | None = None
+    max_usd: float | None = None  # budget: candidates whose total (compute + porting) exceeds it are excluded
     systems: list[str] | None = None  # candidates; default: every catalog system
     constraints: list[str] = field(default_factory=list)  # from CONSTRAINTS, on top of the kind's own
     assumptions: Assumptions = field(default_factory=Assumptions)
@@ -89,7 +90,8 @@ class Request:
                   ("chips", self.chips, self.chips is None or self.chips >= 1, ">= 1"),
                   ("porting_engineer_days", self.porting_engineer_days, self.porting_engineer_days >= 0, ">= 0"),
                   ("engineer_usd_per_day", self.engineer_usd_per_day, self.engineer_usd_per_day >= 0, ">= 0"),
-                  ("max_days", self.max_days, self.max_days is None or self.max_days > 0, "> 0")]
+                  ("max_days", self.max_days, self.max_days is None or self.max_days > 0, "> 0"),
+                  ("max_usd", self.max_usd, self.max_usd is None or self.max_usd > 0, "> 0")]
         unknown = [c for c in self.constraints if c not in CONSTRAINTS]
         if unknown:
             raise ValueError(f"constraints = {unknown}: allowed: {', '.join(CONSTRAINTS)}")
@@ -169,20 +171,29 @@ def recommend(req: Request, progress=None) -> Recommendation:
             rules.append(f"deadline {req.max_days:g} days: excluded "
                          + ", ".join(f"{c['system']} ({c['wall_days']:.1f} days)" for c in slow))
         scored = [c for c in scored if c["wall_days"] <= req.max_days]
+    if req.max_usd is not None:
+        costly = [c for c in scored if c["total_usd"] is not None and c["total_usd"] > req.max_usd]
+        if costly:
+            rules.append(f"budget ${req.max_usd:,.0f}: excluded "
+                         + ", ".join(f"{c['system']} (${c['total_usd']:,.0f})" for c in costly))
+        scored = [c for c in scored if c not in costly]
     priced = sorted((c for c in scored if c["total_usd"] is not None), key=lambda c: c["total_usd"])
     unpriced = [c for c in scored if c["total_usd"] is None]
     if priced:
-        _break_even(priced[0], priced[1:] + unpriced)
+        _break_even(priced[0]["total_usd"], priced[1:] + unpriced)
+    elif req.max_usd is not None:  # nothing priced within budget: what an unpriced system must cost to fit it
+        _break_even(req.max_usd, unpriced)
     reasons = _reasons(req, priced, unpriced, skipped)
     choice = priced[0]["system"] if priced else None
     return Recommendation(req.kind, choice, rules, priced + unpriced, reasons, _assumption_lines(req))
 
 
-def _break_even(best: dict, others: list[dict]) -> None:
-    """The price per node-hour at which each other candidate would cost as much in total as the best one:
-    what a quote must beat. None where even a free cluster would not (its porting cost alone is higher)."""
+def _break_even(total_usd: float, others: list[dict]) -> None:
+    """The price per node-hour at which each other candidate would cost `total_usd` in total (the best one's
+    total, or the budget): what a quote must beat. None where even a free cluster would not (its porting cost
+    alone is higher)."""
     for c in others:
-        budget = best["total_usd"] - c["porting_usd"]
+        budget = total_usd - c["porting_usd"]
         c["break_even_usd_per_node_hour"] = budget / (c["nodes"] * c["wall_days"] * 24) if budget > 0 else None
 
 
@@ -205,8 +216,8 @@ def _reasons(req: Request, priced: list[dict], unpriced: list[dict], skipped: li
         if best["porting_usd"] > 0:
             reasons.append("the compute saving over the team's current stack outweighs the one-off porting cost")
     else:
-        reasons.append("no priced candidate can run this workload under the rules above"
-                       + (": " + "; ".join(skipped) if skipped else ""))
+        reasons.append("no priced candidate can run this workload under the rules above (constraints, deadline, "
+                       "budget)" + (": " + "; ".join(skipped) if skipped else ""))
     for c in unpriced:
         reasons.append(f"{c['system']} has no public price: {c['wall_days']:.1f} days on {c['nodes']} nodes; "
                        f"{_would_win(c)} (give a quote with --price {c['system']}=USD)")
