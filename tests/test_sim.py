@@ -162,6 +162,13 @@ def test_same_seed_same_result_and_common_random_numbers_across_intervals():
     assert np.array_equal(a.totals.wall_s, b.totals.wall_s)
     other_seed = simulate(cfg.with_updates(seed=8))
     assert not np.array_equal(a.totals.wall_s, other_seed.totals.wall_s)
+    # Common random numbers: in a fixed window with enough spares (no idle time) every interval sees exactly
+    # the same failures, so each replica's interruption count per cause is identical across intervals.
+    window = SimConfig(devices=8192, step_time_s=4.0, duration_s=10 * DAY_S, spare_nodes=64, samples=10, seed=7)
+    short, long = simulate(window, interval_s=120.0), simulate(window, interval_s=1800.0)
+    assert short.totals.spare_wait_s.sum() == 0 == long.totals.spare_wait_s.sum()
+    assert np.array_equal(short.totals.interruptions, long.totals.interruptions)
+    assert not np.array_equal(short.totals.work_s, long.totals.work_s)  # the interval did change the run
 
 
 # ---- spares ---------------------------------------------------------------------------------------------------
