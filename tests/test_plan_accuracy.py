@@ -24,9 +24,13 @@ def _bench():
     spec = importlib.util.spec_from_file_location("planner_accuracy", BENCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    if not module.REF.is_dir():
-        pytest.skip(f"reference data {module.REF} not on this machine")
     return module
+
+
+def _needs_reference(bench) -> None:
+    """The published tables live in the shared reference folder (the held-out set is in the repository)."""
+    if not bench.REF.is_dir():
+        pytest.skip(f"reference data {bench.REF} not on this machine")
 
 
 def _errors(rows):
@@ -42,6 +46,7 @@ def bench():
 
 
 def test_narayanan_and_korthikanti_under_10_percent(bench):
+    _needs_reference(bench)
     dgx = get_catalog().system("dgx-a100-80gb")
     for name, rows, count in (("narayanan", bench.narayanan(dgx), 10), ("korthikanti", bench.korthikanti(dgx), 8)):
         pred, meas = _errors(rows)
@@ -50,6 +55,7 @@ def test_narayanan_and_korthikanti_under_10_percent(bench):
 
 
 def test_vtrain_single_node_under_15_percent_and_ranked(bench):
+    _needs_reference(bench)
     pred, meas = _errors(bench.vtrain(get_catalog().system("p4d.24xlarge")))
     assert len(pred) == 1440
     assert bench.mape(pred, meas) < 15.0
