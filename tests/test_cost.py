@@ -250,6 +250,8 @@ def test_report_renders_with_non_empty_pngs(tmp_path, capsys):
     images = re.findall(r'<img src="([^"]+)"', page)
     assert len(images) == 4
     assert "Pareto front (no other cluster" in page and "p4d.24xlarge x" in page
+    assert "trn1.32xlarge x16 / p4d.24xlarge x16: $/node-hour 0.98, $/chip-hour 0.49" in page
+    assert "accelerator-hours" in page and "(3-year reserved)" in page
     for name in images:
         blob = (out / name).read_bytes()
         assert blob[:8] == b"\x89PNG\r\n\x1a\n" and len(blob) > 5000

@@ -5,7 +5,11 @@ from __future__ import annotations
 import html
 from pathlib import Path
 
-from paratrain.cost.compare import Assumptions, Row, Workload, evaluate_target, pareto_front
+from paratrain.cost.compare import Assumptions, Row, Workload, evaluate_target, pareto_front, ratios_to_first
+
+RATIO_LABELS = {"price_usd_per_node_hour": "$/node-hour", "price_per_chip_hour_usd": "$/chip-hour",
+                "price_per_peak_bf16_pflop_hour_usd": "$/peak PFLOP-hour",
+                "cost_usd_per_million_tokens": "$/M tokens", "wall_hours": "days", "energy_mwh": "MWh"}
 
 
 def _plt():
@@ -139,8 +143,8 @@ def write_report(out_dir: str | Path, workload: Workload, rows: list[Row], targe
     front_text = ", ".join(f"{r.system} x{r.nodes} ({r.wall_hours / 24:.1f} days, ${r.cost_on_demand_usd:,.0f})"
                            for r in front)
     assumptions = assumptions.describe()
-    head = ["system", "nodes", "layout", "MFU", "days", "goodput", "on-demand $", "reserved $", "$/M tokens", "MWh",
-            "M tokens/MWh"]
+    head = ["system", "nodes", "layout", "MFU", "days", "goodput", "accelerator-hours", "on-demand $",
+            "reserved $", "$/chip-hour", "$/peak PFLOP-hour", "$/M tokens", "MWh", "M tokens/MWh"]
 
     def fmt(v, spec):
         return "n/a" if v is None else format(v, spec)
@@ -150,11 +154,18 @@ def write_report(out_dir: str | Path, workload: Workload, rows: list[Row], targe
         lay = r.layout
         layout = f"TP{lay['tp']} PP{lay['pp']} DP{lay['dp']}{' SP' if lay['sp'] else ''} mb{lay['microbatch']} {lay['recompute']}"
         body.append([r.system, r.nodes, layout, f"{r.mfu:.1%}", f"{r.wall_hours / 24:.1f}", f"{r.goodput:.1%}",
-                     fmt(r.cost_on_demand_usd, ",.0f"), fmt(r.cost_reserved_usd, ",.0f"),
+                     f"{r.accelerator_hours:,.0f}", fmt(r.cost_on_demand_usd, ",.0f"),
+                     f"{fmt(r.cost_reserved_usd, ',.0f')} ({r.reserved_kind})",
+                     fmt(r.price_per_chip_hour_usd, ".2f"), fmt(r.price_per_peak_bf16_pflop_hour_usd, ".2f"),
                      fmt(r.cost_usd_per_million_tokens, ".3f"), fmt(r.energy_mwh, ",.1f"),
                      fmt(None if r.tokens_per_mwh is None else r.tokens_per_mwh / 1e6, ",.1f")])
     table = "<table><tr>" + "".join(f"<th>{h}</th>" for h in head) + "</tr>" + "".join(
         "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in body) + "</table>"
+    ratios = "".join(
+        f"<li>{html.escape(r['first'])} / {html.escape(r['other'])}: "
+        + ", ".join(f"{name} {'n/a' if r[key] is None else format(r[key], '.2f')}" for key, name in RATIO_LABELS.items())
+        + "</li>" for r in ratios_to_first(rows))
+    notes = "".join(f"<li>{html.escape(f'{r.system} x{r.nodes}: {n}')}</li>" for r in rows for n in r.notes)
     model = workload.model_config()
     page = f"""<!doctype html><html><head><meta charset="utf-8"><title>paratrain compare</title>
 <style>body{{font-family:sans-serif;max-width:1100px;margin:2em auto}}table{{border-collapse:collapse}}
@@ -163,6 +174,8 @@ td,th{{border:1px solid #ccc;padding:4px 8px;text-align:right}}img{{max-width:10
 <p>sequence {workload.seq}, global batch {workload.global_batch} sequences, {workload.steps:,} steps;
 each cluster with the planner's best layout.</p>
 {table}
+<h2>Ratios</h2><ul>{ratios or '<li>one target: no ratios</li>'}</ul>
+<h2>Notes</h2><ul>{notes}</ul>
 <p>Pareto front (no other cluster, at the compared or other sizes, is both faster and cheaper):
 {html.escape(front_text or "none (no priced system)")}.</p>
 <h2>Assumptions</h2><ul>{''.join(f'<li>{html.escape(a)}</li>' for a in assumptions)}</ul>
