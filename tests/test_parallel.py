@@ -301,6 +301,25 @@ def test_loss_parallel_never_gathers_logits(dist_run):
     assert placements == "(Shard(dim=2),)" and local_shape == (2, 32, 128)
 
 
+def _block_weight_after_forward(reshard: str):
+    from paratrain.parallel.mesh import init_distributed
+    from paratrain.train.loop import build_runner
+
+    cfg = make_config(SHAPE + ["parallel.dp=2", "parallel.dp_kind=\"fsdp\"", f"parallel.reshard_after_forward={reshard}"])
+    runner = build_runner(cfg, init_distributed("cpu"))
+    x, _ = global_batch(cfg, 0)
+    runner.model(x[:2])  # forward only: what stays in memory until backward
+    weight = runner.model.layers["0"].attention.wq.weight
+    return type(weight).__name__, tuple(getattr(weight, "_local_tensor", weight).shape)
+
+
+def test_zero2_like_keeps_block_parameters_gathered_until_backward(dist_run):
+    """reshard_after_forward=true (ZeRO-3): after a block's forward its parameters are sharded again (a local
+    half at DP2); false (ZeRO-2-like): they stay gathered, whole, until backward (no second all-gather)."""
+    assert dist_run(2, _block_weight_after_forward, "true")[0] == ("DTensor", (64, 128))
+    assert dist_run(2, _block_weight_after_forward, "false")[0] == ("Parameter", (128, 128))
+
+
 def _worst_errors(ref: dict, per_rank: list[dict]) -> tuple[float, float]:
     """Worst relative error over ranks: of the 3 losses, and of any parameter's gradient (L2, as asserted)."""
     loss = max(abs(g - r) / abs(r) for got in per_rank for g, r in zip(got["losses"], ref["losses"], strict=True))
