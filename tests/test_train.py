@@ -160,3 +160,23 @@ def test_config_reference_doc_is_current():
 
     doc = Path(__file__).resolve().parents[1] / "docs" / "config.md"
     assert doc.read_text().strip() == reference_markdown().strip()
+
+
+def test_existing_tokenizer_separates_documents_with_its_own_eos(tmp_path):
+    """A Llama-2-style tokenizer.json (end of document '</s>'): documents are joined with its id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(["hello world"] * 50, trainer=trainers.BpeTrainer(
+        vocab_size=300, special_tokens=["</s>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "src").mkdir()
+    for name in ("a.txt", "b.txt"):
+        (tmp_path / "src" / name).write_text("hello world " * 400)
+    cfg = load_config(None, [f"data.source={tmp_path / 'src'}", f"data.prepared_dir={tmp_path / 'out'}",
+                             f"data.tokenizer={tmp_path / 'tokenizer.json'}", "data.val_fraction=0.01"]).data
+    meta = json.loads((prepare(cfg, log=lambda *_: None) / "meta.json").read_text())
+    assert meta["eos_id"] == tok.token_to_id("</s>") and meta["documents"] == 2
+    tokens = np.fromfile(tmp_path / "out" / "train.bin", dtype=meta["dtype"])
+    assert (tokens == meta["eos_id"]).sum() == 1  # between the two documents (the second one's is in val)

@@ -19,6 +19,8 @@ import torch
 from paratrain.config import DataSection
 
 EOS = "<|endoftext|>"
+# End-of-document tokens of common tokenizer.json files (ours/GPT-2, Llama 3, Llama 2/SentencePiece, Gemma).
+EOS_NAMES = (EOS, "<|end_of_text|>", "</s>", "<eos>")
 TEXT_SUFFIXES = (".py", ".txt", ".md", ".rst", ".json", ".jsonl")
 
 
@@ -87,7 +89,7 @@ def prepare(cfg: DataSection, force: bool = False, log=print) -> Path:
     docs = read_documents(cfg.source, cfg.max_source_bytes)
     tok = build_tokenizer(cfg, docs)
     vocab = tok.get_vocab_size()
-    eos_id = tok.token_to_id(EOS)
+    eos_id = next((i for i in map(tok.token_to_id, EOS_NAMES) if i is not None), None)
     ids: list[int] = []
     for enc in tok.encode_batch(docs):
         ids.extend(enc.ids)
