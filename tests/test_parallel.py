@@ -101,6 +101,20 @@ def test_cli_rejects_bad_layout_in_one_line(capsys):
     assert len(err) == 1 and "parallel.tp=3 must divide model.heads=4" in err[0]
 
 
+@pytest.mark.parametrize("world, overrides, message", [
+    ("3", ["parallel.tp=2"], "parallel: world size 3 != pp*dp*cp*tp = 1*-1*1*2"),
+    ("4", ["train.global_batch=6"], "train.global_batch=6 must be divisible by the data-parallel size 4"),
+])
+def test_each_torchrun_rank_refuses_a_bad_layout_before_joining(monkeypatch, capsys, world, overrides, message):
+    """Under torchrun (WORLD_SIZE set, no rendezvous reachable here) the layout is refused before the rank
+    joins a process group: one line, exit code 2."""
+    monkeypatch.setenv("WORLD_SIZE", world)
+    monkeypatch.setenv("RANK", "0")
+    assert main(["train", *[a for o in overrides for a in ("--set", o)]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
 def test_valid_gqa_replication_layout_accepted():
     cfg = load_config(None, ["parallel.tp=4"])  # tiny: kv_heads=2 < tp=4, replicated kv heads
     assert check_layout(cfg, 8) == {"pp": 1, "dp": 2, "cp": 1, "tp": 4}

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 
 TRAIN_HELP = """\
 Train a Llama-style model from a TOML config (see configs/ and docs/config.md).
@@ -117,6 +118,7 @@ def run_train(args) -> int:
     from paratrain.train.loop import train
 
     cfg = load_config(args.config, args.set)  # fails here, before any process group or data work
+    check_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     joined_here = not dist.is_initialized()  # a caller that set up the process group keeps it
     summary = train(cfg, resume_from=args.resume_from)
     if joined_here:
@@ -140,6 +142,15 @@ def run_mfu(s: dict) -> float | None:
 
     flops_per_token = ModelConfig(**s["model_shape"]).train_flops_per_token(s["seq_len"])
     return flops_per_token * s["tokens_per_s"] / (s["peak_flops"] * s["world_size"])
+
+
+def check_launch(cfg, world_size: int) -> None:
+    """The checks that need the number of ranks (degrees vs world size, batch vs dp), before this rank joins
+    a process group: under torchrun every rank refuses a bad layout at once, with one line."""
+    from paratrain.config import resolve_degrees
+    from paratrain.train.loop import check_batch_layout
+
+    check_batch_layout(cfg, resolve_degrees(cfg.parallel, world_size)["dp"])
 
 
 def print_summary(s: dict) -> None:
