@@ -170,10 +170,11 @@ def apply_dp(parts: list[nn.Module], dp_mesh: DeviceMesh, kind: str, reshard_aft
 def _check_replicas_equal(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
     """Every replica must start from the same weights (all ranks build the model from the same seed); a
     one-number checksum catches a layout bug or a nondeterministic init before training diverges silently."""
-    total = torch.zeros(1, dtype=torch.float64)
+    device = local(params[0]).device if params else torch.device("cpu")  # NCCL reduces device tensors only
+    total = torch.zeros(1, dtype=torch.float64, device=device)
     for p in params:
         total += local(p).double().sum()
-    gathered = torch.zeros(dist.get_world_size(group), dtype=torch.float64)
+    gathered = torch.zeros(dist.get_world_size(group), dtype=torch.float64, device=device)
     dist.all_gather_into_tensor(gathered, total, group=group)
     if not torch.allclose(gathered, gathered[0].expand_as(gathered), rtol=0, atol=0):
         raise RuntimeError(f"ddp: parameter checksums differ across data-parallel ranks: {gathered.tolist()}")

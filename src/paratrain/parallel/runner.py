@@ -168,7 +168,8 @@ def global_grad_norm(grads: list[torch.Tensor], extra_groups: tuple = ()) -> flo
             g = g.to_local()
         sq = g.detach().double().pow(2).sum()
         sums[groups] = sums[groups] + sq if groups in sums else sq
-    total = torch.zeros((), dtype=torch.float64)
+    device = next(iter(sums.values())).device if sums else torch.device("cpu")  # NCCL: device tensors only
+    total = torch.zeros((), dtype=torch.float64, device=device)
     for groups, sq in sums.items():
         for group in groups:
             dist.all_reduce(sq, group=group)
