@@ -57,6 +57,11 @@ class Host:
         self.procs.append(proc)
         return proc
 
+    def addresses(self) -> set[str]:
+        """Every IPv4 address configured in this host's namespace (to check it has only its own)."""
+        out = _ip("-n", self.netns, "-o", "-4", "addr", "show", check=False).stdout.split()
+        return {out[i + 1].split("/")[0] for i, word in enumerate(out) if word == "inet"}
+
     def pids(self) -> list[int]:
         """Every process living in this host's namespace (agents and the workers they spawned)."""
         out = _ip("netns", "pids", self.netns, check=False).stdout.split()

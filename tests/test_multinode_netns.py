@@ -66,6 +66,8 @@ def hosts():
     if reason:
         pytest.skip(reason)
     made = netns.TwoHosts.create()
+    for host in made.hosts:  # isolation: a process in a host reaches its loopback and the veth link, nothing else
+        assert host.addresses() == {"127.0.0.1", host.addr}, host.addresses()
     yield made.hosts
     made.destroy()
     assert not any(netns.TwoHosts.exists(h) for h in made.hosts), "namespaces left behind"
