@@ -101,6 +101,11 @@ def test_bad_flags_one_line_error(capsys, argv, expected):
     assert expected in cli_error(capsys, *argv)
 
 
+def test_json_without_dry_run_is_refused_before_anything_starts(capsys):
+    assert main(["launch", "--json", "--nproc-per-node", "1"]) == 2
+    assert "--json: allowed only with --dry-run" in capsys.readouterr().err
+
+
 def test_placement_tp_inside_node_dp_and_pp_across():
     cfg = load_config(None, ["parallel.tp=2", "train.global_batch=8", "train.microbatch=1"])
     assert placement(cfg, nnodes=2, nproc_per_node=4) == {"dp": "across nodes", "tp": "intra-node"}

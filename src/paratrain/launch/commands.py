@@ -175,6 +175,8 @@ def warnings_for(cfg, spec: LaunchSpec) -> list[str]:
 
 
 def run_launch(args) -> int:
+    if args.json and not args.dry_run:
+        raise ValueError("--json: allowed only with --dry-run (a real launch hands the terminal to torchrun)")
     merge_extra(args)
     if args.rdzv_conf is None:  # argparse appends to a list default, so the env default is applied here
         args.rdzv_conf = [c for c in pet("RDZV_CONF", "").split(",") if c]
