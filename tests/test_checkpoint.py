@@ -199,6 +199,31 @@ def test_refused_checkpoint_falls_back_and_restores_previous_state(tmp_path):
     assert (tmp_path / step_name(2) / REFUSED).is_file() and mgr.latest().endswith(step_name(1))
 
 
+def test_format_1_checkpoints_still_load_and_unknown_formats_are_refused(tmp_path, monkeypatch):
+    """Format 2 flattens the optimizer state per parameter name; checkpoints of format 1 (nested param_groups)
+    written before keep loading."""
+    import paratrain.train.checkpoint as ckpt_module
+
+    model, opt = _model_and_optimizer(4)
+    monkeypatch.setattr(ckpt_module, "FORMAT_VERSION", 1)
+    _manager(tmp_path)[0].save(1, [model], opt, {"step": 1})
+    monkeypatch.undo()
+    assert json.loads((tmp_path / step_name(1) / MANIFEST).read_text())["format"] == 1
+    fresh, fresh_opt = _model_and_optimizer(5)
+    assert _manager(tmp_path)[0].resume([fresh], fresh_opt).step == 1
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values(),
+                                                 strict=True))
+    assert fresh_opt.state_dict()["param_groups"] == opt.state_dict()["param_groups"]
+    for a, b in zip(opt.state_dict()["state"].values(), fresh_opt.state_dict()["state"].values(), strict=True):
+        assert all(torch.equal(a[k], b[k]) for k in ("exp_avg", "exp_avg_sq", "step"))
+
+    manifest_path = tmp_path / step_name(1) / MANIFEST
+    manifest = json.loads(manifest_path.read_text())
+    manifest_path.write_text(json.dumps({**manifest, "format": 99}))
+    with pytest.raises(CheckpointError, match=r"checkpoint format 99; this paratrain reads formats \(1, 2\)"):
+        _manager(tmp_path)[0].load(str(tmp_path / step_name(1)), [fresh], fresh_opt)
+
+
 def test_missing_file_and_every_checkpoint_refused_is_an_error(tmp_path):
     mgr, _ = _manager(tmp_path)
     model, opt = _model_and_optimizer(2)

@@ -82,6 +82,22 @@ def test_reshard_tp2_pp2_dp2_to_tp4_dp2_and_one_process(dist_run, tmp):
     assert _close(single["losses"], losses[2:]), (single["losses"], losses[2:])
 
 
+PP2_FSDP2 = ["parallel.pp=2", 'parallel.pp_schedule="1f1b"', "parallel.dp=2", 'parallel.dp_kind="fsdp"']
+
+
+def test_pipeline_resume_under_the_same_layout_is_bitwise(dist_run, tmp):
+    """PP2 x FSDP2 with asynchronous saves, resumed under the same layout (what a torchrun restart does).
+    Regression: in checkpoint format 1 the optimizer's param_groups (one list per rank) were one duplicated DCP
+    key, stored from one rank only, so the other pipeline rank loaded no hyperparameters and failed at its first
+    step (KeyError 'betas'); format 2 stores them per parameter name."""
+    full = dist_run(4, _train, settings(tmp, "pp2dp2", 4, 2, *PP2_FSDP2, "checkpoint.async_save=true"))
+    losses = full[0]["losses"]
+    assert all(r["losses"] == losses for r in full) and len(losses) == 4
+    step2 = str(tmp / "pp2dp2" / "checkpoints" / step_name(2))
+    again = dist_run(4, _train, settings(tmp, "pp2dp2-again", 4, 2, *PP2_FSDP2), step2)
+    assert [r["losses"] for r in again] == [losses[2:]] * 4  # same layout: bitwise on every rank
+
+
 PP2_ZBV_DP2 = ["parallel.pp=2", 'parallel.pp_schedule="zbv"', "parallel.dp=2", 'parallel.dp_kind="ddp"',
                "train.microbatch=1"]
 PP4_INTERLEAVED = ["model.layers=8", "parallel.pp=4", 'parallel.pp_schedule="interleaved_1f1b"',

@@ -36,14 +36,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from paratrain.train.faults import fault_point
 from paratrain.train.storage import RetryPolicy, Storage, StorageError, is_transient, short
 
 MANIFEST = "MANIFEST.json"
 REFUSED = "REFUSED.json"
-FORMAT_VERSION = 1
+# Format 2: optimizer state flattened per parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"), which
+# DCP's state-dict helpers provide for pipeline parallelism. Format 1 kept torch's nested `param_groups` list,
+# one per rank; DCP stores one rank's copy of such a duplicated key, so a pipeline rank whose parameters were not
+# in that copy lost its hyperparameters on load (KeyError 'betas' at the first step after resuming under PP).
+FORMAT_VERSION = 2
+READABLE_FORMATS = (1, 2)
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 VERIFY_MODES = ("checksum", "size", "none")
 # DCP warns on every single-process save/load; one process without a process group is a supported case here.
@@ -66,6 +71,11 @@ def extra_name(rank: int) -> str:
 def format_layout(layout: dict, world_size: int) -> str:
     dims = " x ".join(f"{k}{v}" for k, v in layout.items() if v != 1) or "single device"
     return f"{dims} on {world_size} rank(s)"
+
+
+def state_dict_options(format_version: int) -> StateDictOptions:
+    """How model + optimizer state is laid out in a checkpoint of this format (see FORMAT_VERSION)."""
+    return StateDictOptions(flatten_optimizer_state_dict=format_version >= 2)
 
 
 def state_module(parts: list[nn.Module]) -> nn.Module:
@@ -235,7 +245,7 @@ class CheckpointManager:
         `failed_saves`; training goes on and the previous complete checkpoint stays the latest."""
         self.wait()  # one save in flight: the previous one is committed (or has failed) before the next starts
         path = self.storage.join(step_name(step))
-        model_sd, optim_sd = get_state_dict(state_module(parts), optimizer)
+        model_sd, optim_sd = get_state_dict(state_module(parts), optimizer, options=state_dict_options(FORMAT_VERSION))
         state = {"model": model_sd, "optim": optim_sd}
         extra = {"rng": rng_state(), **copy.deepcopy(train_state)}
         fault_point("save_begin", step, self.rank)
@@ -361,9 +371,12 @@ class CheckpointManager:
             raise CheckpointError(f"{path}: no {MANIFEST}: an interrupted save, not a complete checkpoint")
         try:
             manifest = json.loads(st.read_bytes(f"{path}/{MANIFEST}"))
-            assert manifest["format"] == FORMAT_VERSION and isinstance(manifest["files"], dict)
+            assert isinstance(manifest["files"], dict)
         except (ValueError, KeyError, AssertionError) as exc:
             raise CheckpointError(f"{path}/{MANIFEST}: unreadable manifest ({exc})") from exc
+        if manifest.get("format") not in READABLE_FORMATS:
+            raise CheckpointError(f"{path}/{MANIFEST}: checkpoint format {manifest.get('format')!r}; this paratrain "
+                                  f"reads formats {READABLE_FORMATS}")
         return manifest
 
     @staticmethod
@@ -433,10 +446,12 @@ class CheckpointManager:
         st = storage or self.storage
         manifest = self._read_manifest(st, path)
         module = state_module(parts)
-        model_sd, optim_sd = get_state_dict(module, optimizer)
+        options = state_dict_options(manifest["format"])
+        model_sd, optim_sd = get_state_dict(module, optimizer, options=options)
         state = {"model": model_sd, "optim": optim_sd}
         dcp.load(state, storage_reader=st.reader(path), process_group=self.group, no_dist=self.group is None)
-        set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=options)
         same = manifest["world_size"] == self.world_size and manifest["layout"] == self.layout
         extra = torch.load(io.BytesIO(st.read_bytes(f"{path}/{extra_name(self.rank if same else 0)}")),
                            weights_only=False)
