@@ -12,3 +12,39 @@ def test_torchrun_tp2_dp2_sp_matches_single_process(tmp_path):
                                      parallel__dp_kind='"fsdp"', parallel__recompute='"selective"'))
     assert got["layout"] == {"pp": 1, "dp": 2, "cp": 1, "tp": 2} and got["world_size"] == 4
     assert_losses_close(got["losses"], ref["losses"])
+
+
+def _train_cli(args_per_layout):
+    """`paratrain train` (the CLI entry point) on every rank of the pool, one layout after another."""
+    import json
+    from pathlib import Path
+
+    import torch.distributed as dist
+
+    from paratrain.cli import main
+
+    for args in args_per_layout:
+        assert main(args) == 0
+    if dist.get_rank() != 0:
+        return None
+    return [json.loads(Path(a[a.index("--summary-json") + 1]).read_text()) for a in args_per_layout]
+
+
+def test_cli_runs_each_layout_kind_like_single_process(tmp_path, dist_run):
+    """The same config under other layouts of issue 3 (TP4+SP with full recompute and replicated kv heads,
+    TP2 x DP2 with DDP, HSDP 2 x 2), through `paratrain train` on 4 ranks (the persistent pool instead of
+    torchrun, to stay fast): every step's loss equals the single-process run's within 1e-5."""
+    ref = run_single(train_args(tmp_path, "single"))
+    layouts = {
+        "tp4sp": dict(parallel__tp=4, parallel__sp="true", parallel__recompute='"full"'),
+        "tp2dp2ddp": dict(parallel__tp=2, parallel__dp=2, parallel__dp_kind='"ddp"'),
+        "hsdp": dict(parallel__dp=4, parallel__dp_kind='"hsdp"', parallel__dp_replicate=2,
+                     parallel__recompute='"selective"'),
+    }
+    args = [train_args(tmp_path, tag, **overrides) for tag, overrides in layouts.items()]
+    summaries = dist_run(4, _train_cli, args)[0]
+    expected = {"tp4sp": {"tp": 4, "dp": 1}, "tp2dp2ddp": {"tp": 2, "dp": 2}, "hsdp": {"tp": 1, "dp": 4}}
+    for (tag, _), got in zip(layouts.items(), summaries, strict=True):
+        assert got["world_size"] == 4 and got["layout"] == {"pp": 1, "cp": 1, **expected[tag]}, tag
+        assert got["planner_layout"]["dp_kind"] == {"tp4sp": "ddp", "tp2dp2ddp": "ddp", "hsdp": "hsdp"}[tag]
+        assert_losses_close(got["losses"], ref["losses"])
