@@ -98,6 +98,27 @@ def test_pipeline_resume_under_the_same_layout_is_bitwise(dist_run, tmp):
     assert [r["losses"] for r in again] == [losses[2:]] * 4  # same layout: bitwise on every rank
 
 
+def _train_saving_format_1(sets: list[str]) -> dict:
+    import paratrain.train.checkpoint as ckpt_module
+
+    ckpt_module.FORMAT_VERSION = 1
+    try:
+        return _train(sets)
+    finally:
+        ckpt_module.FORMAT_VERSION = 2
+
+
+def test_format_1_pipeline_checkpoint_resumes_under_pipeline_bitwise(dist_run, tmp):
+    """A format-1 checkpoint written under PP2 (one rank's param_groups stored) resumes under PP2: the missing
+    hyperparameters are restored from the saved group of the same index, and the losses continue bitwise."""
+    sets = ["parallel.pp=2", 'parallel.pp_schedule="gpipe"']
+    full = dist_run(2, _train_saving_format_1, settings(tmp, "pp2-format1", 4, 2, *sets))
+    step2 = tmp / "pp2-format1" / "checkpoints" / step_name(2)
+    assert json.loads((step2 / "MANIFEST.json").read_text())["format"] == 1
+    again = dist_run(2, _train, settings(tmp, "pp2-format1-again", 4, 2, *sets), str(step2))
+    assert [r["losses"] for r in again] == [full[0]["losses"][2:]] * 2
+
+
 PP2_ZBV_DP2 = ["parallel.pp=2", 'parallel.pp_schedule="zbv"', "parallel.dp=2", 'parallel.dp_kind="ddp"',
                "train.microbatch=1"]
 PP4_INTERLEAVED = ["model.layers=8", "parallel.pp=4", 'parallel.pp_schedule="interleaved_1f1b"',

@@ -435,6 +435,21 @@ class CheckpointManager:
     def _mark_refused(self, path: str, why: str) -> None:
         self.storage.write_bytes(f"{path}/{REFUSED}", json.dumps({"reason": why, "time_unix_s": time.time()}).encode())
 
+    def _restore_format1_hyperparameters(self, optimizer, saved_groups: list[dict], path: str) -> None:
+        """Format 1 stored one rank's nested param_groups; a pipeline rank whose parameters are not in that copy
+        loads none of its groups' hyperparameters. Every rank builds the same groups in the same order from the
+        same config (build_optimizer: decay, no decay), so group i's hyperparameters are those of saved group i."""
+        missing = [i for i, group in enumerate(optimizer.param_groups) if "lr" not in group]
+        if missing and len(saved_groups) != len(optimizer.param_groups):
+            raise CheckpointError(f"{path}: a format-1 checkpoint without this rank's optimizer hyperparameters, "
+                                  f"and {len(saved_groups)} saved groups for {len(optimizer.param_groups)}: "
+                                  "resume it in one process (pp=1) once to rewrite it")
+        for i in missing:
+            optimizer.param_groups[i].update({k: v for k, v in saved_groups[i].items() if k != "params"})
+        if missing:
+            self.log(f"rank {self.rank}: format-1 checkpoint {path}: optimizer hyperparameters of group(s) "
+                     f"{missing} taken from the saved groups of the same index")
+
     def load(self, path: str, parts, optimizer, storage: Storage | None = None) -> Resumed:
         """Load model + optimizer (resharded to this layout by DCP) and this rank's extra state.
 
@@ -452,6 +467,8 @@ class CheckpointManager:
         dcp.load(state, storage_reader=st.reader(path), process_group=self.group, no_dist=self.group is None)
         set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                        options=options)
+        if manifest["format"] == 1:
+            self._restore_format1_hyperparameters(optimizer, state["optim"]["param_groups"], path)
         same = manifest["world_size"] == self.world_size and manifest["layout"] == self.layout
         extra = torch.load(io.BytesIO(st.read_bytes(f"{path}/{extra_name(self.rank if same else 0)}")),
                            weights_only=False)
