@@ -103,7 +103,10 @@ def test_cli_rejects_bad_layout_in_one_line(capsys):
 
 @pytest.mark.parametrize("world, overrides, message", [
     ("3", ["parallel.tp=2"], "parallel: world size 3 != pp*dp*cp*tp = 1*-1*1*2"),
-    ("4", ["train.global_batch=6"], "train.global_batch=6 must be divisible by the data-parallel size 4"),
+    ("4", ["train.global_batch=6"], "train.global_batch=6 must be divisible by the data-parallel size 4; "
+                                    "allowed: a multiple of 4"),
+    ("2", ["train.global_batch=16", "train.microbatch=16"],  # the demo config's batch on 2 data-parallel ranks
+     "train.microbatch=16 must divide the per-rank batch global_batch/dp = 8; allowed: 1, 2, 4, 8"),
 ])
 def test_each_torchrun_rank_refuses_a_bad_layout_before_joining(monkeypatch, capsys, world, overrides, message):
     """Under torchrun (WORLD_SIZE set, no rendezvous reachable here) the layout is refused before the rank

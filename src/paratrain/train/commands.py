@@ -10,17 +10,21 @@ TRAIN_HELP = """\
 Train a Llama-style model from a TOML config (see configs/ and docs/config.md).
 
 One process:          paratrain train --config configs/tiny.toml
-Parallel (8 ranks):   torchrun --nproc-per-node 8 -m paratrain train --config configs/tiny.toml \\
-                          --set parallel.tp=2 --set parallel.pp=2
 TP2 x DP2 with SP:    torchrun --nproc-per-node 4 -m paratrain train --config configs/tiny.toml \\
-                          --set parallel.tp=2 --set parallel.sp=true --set parallel.dp_kind=ddp
+                          --set parallel.tp=2 --set parallel.sp=true --set parallel.dp_kind=ddp \\
+                          --set train.microbatch=8 --set metrics.run_dir=runs/tp2dp2
+PP2 x TP2 x DP2:      torchrun --nproc-per-node 8 -m paratrain train --config configs/tiny.toml \\
+                          --set parallel.tp=2 --set parallel.pp=2 --set train.microbatch=4 \\
+                          --set metrics.run_dir=runs/3d
 Override any key:     --set optim.lr=1e-3 --set train.steps=50 --set parallel.recompute=selective
 Start from Hugging Face weights:  --set model.hf_path=path/to/llama   (config.json + *.safetensors)
 Check a config only:  paratrain config --config my.toml --set parallel.tp=4
 
 The layout (tp, sp, pp, cp, dp, dp_kind, recompute) is checked against the model and the number of ranks
 before any work; a bad one is one line naming the key, its value and what is allowed.
-Resumes automatically from the newest complete checkpoint in checkpoint.dir (checkpoint.resume="auto").
+Resumes automatically from the newest complete checkpoint in checkpoint.dir (checkpoint.resume="auto"; by
+default <metrics.run_dir>/checkpoints, so a new experiment wants a new metrics.run_dir). train.microbatch
+must divide the per-rank batch train.global_batch / dp.
 Metrics: <metrics.run_dir>/metrics.jsonl (loss, lr, grad_norm, tokens_per_s, mfu, memory_bytes per step) and
 TensorBoard logs in <metrics.run_dir>/tensorboard. MFU is against metrics.hardware's catalog peak, or else
 against a matmul probe of this machine (the summary says which).

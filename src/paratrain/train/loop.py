@@ -64,10 +64,13 @@ class StepStats:
 def check_batch_layout(cfg: TrainConfig, dp: int) -> None:
     t = cfg.train
     if t.global_batch % dp:
-        raise ValueError(f"train.global_batch={t.global_batch} must be divisible by the data-parallel size {dp}")
-    if (t.global_batch // dp) % t.microbatch:
+        raise ValueError(f"train.global_batch={t.global_batch} must be divisible by the data-parallel size {dp}; "
+                         f"allowed: a multiple of {dp}")
+    per_rank = t.global_batch // dp
+    if per_rank % t.microbatch:
+        divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
         raise ValueError(f"train.microbatch={t.microbatch} must divide the per-rank batch "
-                         f"global_batch/dp = {t.global_batch // dp}")
+                         f"global_batch/dp = {per_rank}; allowed: {', '.join(map(str, divisors))}")
     if cfg.parallel.pp > 1 or cfg.parallel.pp_layers is not None:  # stages, schedule, microbatches
         from paratrain.parallel.pipeline import check_pipeline_layout
 
