@@ -144,6 +144,18 @@ def test_a_resume_source_that_cannot_exist_fails_before_any_work(tmp_path, capsy
     assert not data.exists() and not (tmp_path / "r").exists()
 
 
+def test_a_checkpoint_dir_that_cannot_be_written_fails_before_any_work(tmp_path, capsys):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    data = tmp_path / "data"
+    args = train_args(tmp_path, data, "w", f'checkpoint.dir="{blocker}/ckpt"', "checkpoint.retries=1")
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"checkpoint.dir='{blocker}/ckpt': cannot write there (write {blocker}/ckpt/" in err[0]
+    assert "NotADirectoryError" in err[0] and "allowed: a writable" in err[0]
+    assert not data.exists()  # refused before data preparation
+
+
 # ---- the manager on a small module: fast cases ---------------------------------------------------------------
 class Tiny(nn.Module):
     def __init__(self):

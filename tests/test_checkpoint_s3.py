@@ -123,6 +123,16 @@ def test_s3_server_lost_mid_save_and_back_during_the_backoff_commits_after_retri
     assert resumed["losses"] == reference["summary"]["losses"][2:]
 
 
+def test_s3_missing_bucket_is_one_clear_error_before_training(s3, reference, tmp_path, capsys):
+    from test_checkpoint import main, train_args
+
+    url = "s3://no-such-bucket/run"
+    assert main(train_args(tmp_path, reference["data"], "nb", f'checkpoint.dir="{url}"')) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and f"checkpoint.dir='{url}': cannot write there" in err[0], err
+    assert not (tmp_path / "nb").exists()  # nothing trained, no run folder
+
+
 def _rank_main(env: dict, args: list[str]) -> int:
     import os
 

@@ -144,6 +144,31 @@ def check_resume_source(resume: str, resume_from: str | None) -> None:
         raise ValueError(f"{name}={value!r}: {what}; {allowed}")
 
 
+def check_checkpoint_dir(directory: str, rank: int, policy: RetryPolicy | None = None) -> None:
+    """Fail before any work when checkpoints could never be written to `directory` (a missing bucket, no write
+    permission, a path through a file), instead of training for hours with every save failing. Rank 0 writes and
+    removes a small probe (retried like any storage operation); every rank gets the same answer."""
+    error = None
+    if rank == 0:
+        try:
+            storage = Storage(directory, policy)
+            probe = storage.join(".paratrain-write-probe")
+            storage.write_bytes(probe, b"paratrain")
+            storage.remove_tree(probe)
+        except ValueError as exc:  # a URL scheme we cannot write: Storage's message names the field
+            error = str(exc)
+        except StorageError as exc:
+            error = (f"checkpoint.dir={directory!r}: cannot write there ({exc}); allowed: a writable local or "
+                     "shared filesystem path or s3://bucket/prefix with write access (or save nothing: "
+                     "checkpoint.interval=0 and checkpoint.save_final=false)")
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error:
+        raise ValueError(error)
+
+
 @dataclass
 class Resumed:
     path: str

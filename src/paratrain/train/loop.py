@@ -19,7 +19,7 @@ from paratrain.model.llama import Llama
 from paratrain.parallel import parallelize
 from paratrain.parallel.mesh import build_mesh, init_distributed, resolve_degrees
 from paratrain.train import staleness  # straggler metrics, eviction request, draining
-from paratrain.train.checkpoint import CheckpointManager, check_resume_source
+from paratrain.train.checkpoint import CheckpointManager, check_checkpoint_dir, check_resume_source
 from paratrain.train.data import GlobalSampler, TokenWindows, prepare, read_meta
 from paratrain.train.faults import fault_point
 from paratrain.train.metrics import MetricsLogger, measure_peak_flops, peak_memory_bytes
@@ -91,6 +91,9 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
     degrees = resolve_degrees(cfg.parallel, env.world_size)  # validates before any work
     check_batch_layout(cfg, degrees["dp"])
     check_resume_source(cfg.checkpoint.resume, resume_from)  # a mistyped checkpoint path fails before any work
+    if cfg.checkpoint.interval or cfg.checkpoint.save_final:  # a checkpoint.dir nothing can be written to, too
+        check_checkpoint_dir(cfg.checkpoint.dir or str(Path(cfg.metrics.run_dir) / "checkpoints"), env.rank,
+                             RetryPolicy(cfg.checkpoint.retries, cfg.checkpoint.retry_base_s))
     seed_everything(cfg.train.seed, cfg.train.deterministic)
 
     if env.is_main:
