@@ -277,7 +277,8 @@ def convergence(steps: int, seeds: list[int], compensations: list[str], workdir:
     `extra`: overrides added to every run (e.g. another learning rate, an extra row of the table)."""
     runs = convergence_runs(compensations, exact_row, **row_options)
     out: dict = {name: {"val_loss": [], "tokens": [], "wall_s": [], "lookahead_exact": [], "lookahead_pending": [],
-                        "arrival_wait_s": []} for name in runs}
+                        "arrival_wait_s": [], "exact_microbatches": [], "predicted_microbatches": []}
+                 for name in runs}
     for seed in seeds:
         for name, (ranks, policy) in runs.items():
             run_dir = workdir / f"conv-{len(list(workdir.glob('conv-*')))}"  # a fresh directory per run
@@ -291,6 +292,10 @@ def convergence(steps: int, seeds: list[int], compensations: list[str], workdir:
             out[name]["lookahead_exact"].append(sum(m.get("lookahead_exact", 0) for m in metrics))
             out[name]["lookahead_pending"].append(sum(m.get("lookahead_pending", 0) for m in metrics))
             out[name]["arrival_wait_s"].append(sum(m.get("arrival_wait_s", 0.0) for m in metrics))
+            per_rank_mb = 16 // (ranks * 2)  # global batch 16, microbatch 2
+            out[name]["exact_microbatches"].append(sum(m.get("exact_microbatches", 0) for m in metrics))
+            out[name]["predicted_microbatches"].append(
+                per_rank_mb * sum(1 for m in metrics if m.get("lookahead_pending", 0) > 0))
             out[name]["tokens"].append(res["tokens"])
             out[name]["wall_s"].append(res["wall_s"])
             progress(f"convergence seed {seed} {name:<24} val_loss {val:.4f} tokens {res['tokens']:,}")
@@ -303,20 +308,27 @@ def print_convergence(result: dict, steps: int, seeds: list[int], label: str = "
           f"{label}")
     print("vs sync: mean over seeds vs the mean of sync; paired: mean over seeds of the per-seed ratio")
     print(f"{'policy':<32}{'val loss (mean)':>16}{'vs sync':>9}{'paired':>9}  {'per seed':<{7 * len(seeds)}}"
-          f"{'tokens used':>13}{'wall s':>8}{'exact':>8}{'wait ms':>9}")
+          f"{'tokens used':>13}{'wall s':>8}{'exact':>8}{'exact mb':>9}{'wait ms':>9}")
     for name, r in result.items():
         mean = statistics.mean(r["val_loss"])
         paired = statistics.mean(v / b - 1 for v, b in zip(r["val_loss"], result["sync"]["val_loss"], strict=True))
         per_seed = " ".join(f"{v:.3f}" for v in r["val_loss"])
         print(f"{name:<32}{mean:>16.4f}{(mean / sync - 1):>+9.2%}{paired:>+9.2%}  {per_seed:<{7 * len(seeds)}}"
               f"{statistics.mean(r['tokens']):>13,.0f}{statistics.mean(r['wall_s']):>8.1f}{exact_share(r):>8}"
-              f"{wait_per_step_ms(r, steps):>9}")
+              f"{exact_microbatch_share(r):>9}{wait_per_step_ms(r, steps):>9}")
 
 
 def exact_share(row: dict) -> str:
     """Share of pending steps (rank 0, all seeds) replayed with the arrived dp-mean gradient; '' for other rows."""
     pending = sum(row.get("lookahead_pending", []))
     return f"{sum(row['lookahead_exact']) / pending:.0%}" if pending else ""
+
+
+def exact_microbatch_share(row: dict) -> str:
+    """Share of rank 0's microbatches (of steps with a pending prediction) computed with every pending step exact,
+    counting reductions taken between microbatches; '' for other rows."""
+    total = sum(row.get("predicted_microbatches", []))
+    return f"{sum(row['exact_microbatches']) / total:.0%}" if total and any(row["exact_microbatches"]) else ""
 
 
 def wait_per_step_ms(row: dict, steps: int) -> str:

@@ -522,6 +522,57 @@ def test_arrival_grace_waits_until_arrival_or_the_deadline():
         assert a.arrival_wait_s < a.arrival_grace_s
 
 
+def _arrives_from_second_ask():
+    """Arrival test that says no at a step's prediction and yes from then on (between microbatches)."""
+    asked: dict[int, int] = {}
+
+    def arrived(item):
+        asked[item.step] = asked.get(item.step, 0) + 1
+        return asked[item.step] >= 2 and _wait_then_arrived(item)  # "arrived" means completed: wait for it here
+    return arrived
+
+
+def _weights_per_microbatch(overrides, steps):
+    """dp 2, s = 1, lookahead_arrived, 4 microbatches per rank: the weights every microbatch's forward saw (a flat
+    copy, via a forward pre-hook) and the exact-microbatch counts, for three arrival tests: never, always, and
+    from the second ask on (a reduction arriving during the step)."""
+    env = init_distributed("cpu")
+    out = {}
+    for name, arrived in (("never", lambda item: False), ("forced", _wait_then_arrived),
+                          ("during", _arrives_from_second_ask())):
+        cfg = make_config(overrides + ARRIVED)
+        runner = build_runner(cfg, env)
+        runner.arrived = arrived
+        seen = []
+        runner.model.register_forward_pre_hook(
+            lambda mod, args, seen=seen, runner=runner:
+            seen.append(torch.cat([full_tensor(p.detach()).reshape(-1) for p in runner.params])))
+        out[name] = _train(cfg, runner, steps)
+        out[name]["seen"] = seen
+        out[name]["exact_mb"] = [a.exact_microbatches for a in runner.history]
+        out[name]["lookahead"] = [(a.lookahead_pending, a.lookahead_exact) for a in runner.history]
+    return out
+
+
+def test_reduction_arriving_during_a_step_is_taken_between_microbatches(dist_run):
+    """A reduction that arrives after the prediction: the step's first microbatch runs at the own-gradient
+    prediction (the same weights, bit for bit, as a run where it never arrives), the remaining three at the exact
+    prediction (the same weights as a run where it had arrived in time)."""
+    mb = 4
+    results = dist_run(2, _weights_per_microbatch, ["parallel.dp=2", "train.global_batch=16"], 3)
+    for res in results:
+        never, forced, during = res["never"], res["forced"], res["during"]
+        assert during["exact_mb"] == [0] + [mb - 1] * 2 and forced["exact_mb"] == [0] + [mb] * 2
+        assert never["exact_mb"] == [0, 0, 0] and during["lookahead"][1:] == [(1, 1)] * 2
+        # step 1 (the first with a pending step) starts from the same state in all three runs
+        step1 = slice(mb, 2 * mb)
+        seen_never, seen_forced, seen_during = (r["seen"][step1] for r in (never, forced, during))
+        assert torch.equal(seen_during[0], seen_never[0])
+        assert not torch.equal(seen_never[0], seen_forced[0])  # the check can fail: the two predictions differ
+        for w in seen_during[1:]:
+            assert torch.equal(w, seen_forced[0])
+
+
 def test_arrival_grace_config_errors():
     with pytest.raises(ValueError, match=r"staleness.arrival_grace=0.2 waits for reductions .*allowed: "
                                          r"arrival_grace=0, or lookahead_arrived=true"):

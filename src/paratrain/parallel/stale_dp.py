@@ -141,6 +141,9 @@ class AppliedStep:
     lookahead_exact: int = 0
     arrival_grace_s: float = 0.0  # how long the arrival grace could wait before predicting this step
     arrival_wait_s: float = 0.0  # how long it did
+    # microbatches of this step computed with every pending step exact (a reduction that arrives during the step
+    # is taken in between microbatches)
+    exact_microbatches: int = 0
 
 
 class StaleDataParallelRunner(ParallelRunner):
@@ -175,6 +178,8 @@ class StaleDataParallelRunner(ParallelRunner):
         self.lookahead_counts = (0, 0)  # (pending, exact) of the current step's prediction
         self.arrival_grace = st.arrival_grace if self.lookahead_arrived else 0.0
         self.arrival_grace_s = self.arrival_wait_s = 0.0  # of the current step
+        self.exact_microbatches = 0  # of the current step
+        self.step_weights: list[torch.Tensor] = []  # w_t while a prediction is swapped in (local shards)
         self.hosts = self._gather_hosts()
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -203,6 +208,7 @@ class StaleDataParallelRunner(ParallelRunner):
         applied = self._apply_due()
         applied.lookahead_pending, applied.lookahead_exact = self.lookahead_counts
         applied.arrival_grace_s, applied.arrival_wait_s = self.arrival_grace_s, self.arrival_wait_s
+        applied.exact_microbatches = self.exact_microbatches
         self.step += 1
         if applied.grad_step is None:  # warm-up: nothing reduced yet; report this rank's own loss
             return torch.tensor(loss_sum / done)
@@ -216,12 +222,14 @@ class StaleDataParallelRunner(ParallelRunner):
     def _at_predicted_weights(self):
         """Swap the predicted weights in for forward/backward, then restore w_t exactly (a saved copy)."""
         self.lookahead_counts, self.arrival_grace_s, self.arrival_wait_s = (0, 0), 0.0, 0.0
+        self.exact_microbatches = 0
         predicted = self._predicted_weights()
         if predicted is None:
             yield
             return
         params = self.params
         saved = [local(p).detach().clone() for p in params]
+        self.step_weights = saved  # w_t, for a prediction made again between microbatches
         with torch.no_grad():
             for p, w in zip(params, predicted, strict=True):
                 local(p).copy_(w)
@@ -256,11 +264,24 @@ class StaleDataParallelRunner(ParallelRunner):
             return adamw_lookahead(self.optimizer, self.params, pending, [self.last_clip_coef] * len(pending))
         return None
 
-    def _lookahead_with_arrived(self) -> list[torch.Tensor]:
+    def _refresh_prediction(self) -> None:
+        """lookahead_arrived, between microbatches: when a pending reduction has arrived since the prediction,
+        predict again with it and compute the step's remaining microbatches there (their gradients are summed with
+        the earlier ones, computed a little off: still closer than all of them at the own-gradient prediction)."""
+        pending, exact = self.lookahead_counts
+        if exact == pending or sum(map(self.arrived, self.in_flight)) == exact:  # arrival is monotonic
+            return
+        predicted = self._lookahead_with_arrived(wait=False, base=self.step_weights)
+        with torch.no_grad():
+            for p, w in zip(self.params, predicted, strict=True):
+                local(p).copy_(w)
+
+    def _lookahead_with_arrived(self, wait: bool = True, base: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """optimizer_lookahead where every pending step whose reduction has already completed enters the replay
         with the reduced dp-mean gradient, clipped by its own coefficient (what the optimizer will apply, up to
         rounding); the others keep this rank's own gradient and the last applied clipping coefficient."""
-        self._await_arrival()
+        if wait:
+            self._await_arrival()
         pending, coefs, exact = [], [], 0
         for item in self.in_flight:
             if self.arrived(item):
@@ -272,7 +293,7 @@ class StaleDataParallelRunner(ParallelRunner):
                 pending.append(item.local_grads)
                 coefs.append(self.last_clip_coef)
         self.lookahead_counts = (len(pending), exact)
-        return adamw_lookahead(self.optimizer, self.params, pending, coefs)
+        return adamw_lookahead(self.optimizer, self.params, pending, coefs, base)
 
     def _await_arrival(self) -> None:
         """The arrival grace: wait up to arrival_grace x the healthy ranks' step time (lower median of the last
@@ -308,6 +329,11 @@ class StaleDataParallelRunner(ParallelRunner):
         loss_sum, done = 0.0, 0
         for x, y in chunks:
             mb_t0 = time.perf_counter()
+            if self.lookahead_arrived:
+                if done:
+                    self._refresh_prediction()
+                pending, exact = self.lookahead_counts
+                self.exact_microbatches += pending > 0 and exact == pending
             with self.autocast():
                 raw = self.loss_fn(self.model(x), y)
                 # Bounded staleness divides exactly as the synchronous Runner does (bitwise at s = 0); the time
@@ -438,6 +464,7 @@ class StaleDataParallelRunner(ParallelRunner):
         if self.lookahead_arrived:
             metrics["lookahead_pending"], metrics["lookahead_exact"] = last.lookahead_pending, last.lookahead_exact
             metrics["arrival_wait_s"] = last.arrival_wait_s
+            metrics["exact_microbatches"] = last.exact_microbatches
         return metrics
 
     def _gather_hosts(self) -> list[str]:
@@ -491,9 +518,10 @@ def extrapolate(params, prev_weights: list[torch.Tensor], s: int) -> list[torch.
 
 
 def adamw_lookahead(optimizer: torch.optim.Optimizer, params, pending: list[list[torch.Tensor]],
-                    coefs: list[float]) -> list[torch.Tensor]:
+                    coefs: list[float], base: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Local shards of the weights after AdamW steps with `pending` gradients (oldest first, each scaled by its
-    clipping coefficient), from the optimizer's current state, on scratch copies; the optimizer is untouched.
+    clipping coefficient), from the optimizer's current state and from `base` (default: the parameters' values),
+    on scratch copies; the optimizer is untouched.
     Same arithmetic as torch's single-tensor AdamW; every step uses the current learning rate (the schedule's
     next values are not known here; they change little over s steps)."""
     group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
@@ -502,7 +530,7 @@ def adamw_lookahead(optimizer: torch.optim.Optimizer, params, pending: list[list
         group, state = group_of[id(p)], optimizer.state.get(p, {})
         lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
-        w = local(p).detach().clone()
+        w = (base[i] if base is not None else local(p).detach()).clone()  # base: w_t when p holds a prediction
         m = local(state["exp_avg"]).clone() if state else torch.zeros_like(w)
         v = local(state["exp_avg_sq"]).clone() if state else torch.zeros_like(w)
         k = float(state["step"]) if state else 0.0
