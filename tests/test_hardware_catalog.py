@@ -191,3 +191,21 @@ def test_write_back_rejects_invalid_values(tmp_path):
     with pytest.raises(CatalogError, match="matmul_eff_max = 1.7"):
         write_catalog_file(tmp_path / "bad.toml", chips=[bad])
     assert not list(tmp_path.iterdir())
+
+
+def test_output_into_a_closed_pipe_ends_quietly():
+    """`paratrain hardware list | head -0`: the reader is gone before the first write; the command stops with
+    128 + SIGPIPE and no traceback, as Unix tools do."""
+    import os
+    import subprocess
+    import sys
+
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # no reader from the start: the first write fails, deterministically
+    try:
+        proc = subprocess.run([sys.executable, "-m", "paratrain", "hardware", "list"], stdout=write_end,
+                              stderr=subprocess.PIPE, timeout=120)
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141, proc.stderr.decode()
+    assert b"Traceback" not in proc.stderr

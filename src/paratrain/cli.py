@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 # (module, one-line summary shown by `paratrain --help`). Order = order in the help text.
@@ -70,6 +71,11 @@ def main(argv: list[str] | None = None) -> int:
         # ValueError covers pydantic's ValidationError and our own config checks: bad input, not a bug.
         print(f"paratrain {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # The reader went away (`paratrain ... | head`): stop quietly, as Unix tools do. Point stdout at devnull so
+        # the interpreter's final flush does not raise again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, what a shell reports for a tool killed by a closed pipe
 
 
 if __name__ == "__main__":
