@@ -2,6 +2,9 @@
 
 Prints tokens/s of both and the ratio (goal >= 0.97: the framework costs under 3%). The two are run
 alternately, several rounds, in one process, and the medians compared, since this machine is noisy.
+Both run in torch's default mode (train.deterministic=false: the bare loop does not switch on
+torch.use_deterministic_algorithms either); paratrain's side is the real `train()` with JSONL and TensorBoard
+metrics, per-step timers and its data pipeline, the bare side a plain loop over the same batches.
 
     .venv/bin/python benchmarks/single_device.py [--steps 40] [--rounds 3] [--preset tiny]
 """
