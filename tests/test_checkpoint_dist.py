@@ -85,16 +85,20 @@ def test_reshard_tp2_pp2_dp2_to_tp4_dp2_and_one_process(dist_run, tmp):
 PP2_FSDP2 = ["parallel.pp=2", 'parallel.pp_schedule="1f1b"', "parallel.dp=2", 'parallel.dp_kind="fsdp"']
 
 
-def test_pipeline_resume_under_the_same_layout_is_bitwise(dist_run, tmp):
-    """PP2 x FSDP2 with asynchronous saves, resumed under the same layout (what a torchrun restart does).
+@pytest.mark.parametrize("name, layout", [
+    ("pp2-fsdp2-async", [*PP2_FSDP2, "checkpoint.async_save=true"]),
+    ("tp2-pp2-no-sp", ["parallel.tp=2", "parallel.pp=2"]),  # TP without SP: DTensor and plain parameters mixed
+])
+def test_pipeline_resume_under_the_same_layout_is_bitwise(dist_run, tmp, name, layout):
+    """Pipeline layouts resumed under the same layout (what a torchrun restart does), on 4 ranks.
     Regression: in checkpoint format 1 the optimizer's param_groups (one list per rank) were one duplicated DCP
     key, stored from one rank only, so the other pipeline rank loaded no hyperparameters and failed at its first
     step (KeyError 'betas'); format 2 stores them per parameter name."""
-    full = dist_run(4, _train, settings(tmp, "pp2dp2", 4, 2, *PP2_FSDP2, "checkpoint.async_save=true"))
+    full = dist_run(4, _train, settings(tmp, name, 4, 2, *layout))
     losses = full[0]["losses"]
     assert all(r["losses"] == losses for r in full) and len(losses) == 4
-    step2 = str(tmp / "pp2dp2" / "checkpoints" / step_name(2))
-    again = dist_run(4, _train, settings(tmp, "pp2dp2-again", 4, 2, *PP2_FSDP2), step2)
+    step2 = str(tmp / name / "checkpoints" / step_name(2))
+    again = dist_run(4, _train, settings(tmp, f"{name}-again", 4, 2, *layout), step2)
     assert [r["losses"] for r in again] == [losses[2:]] * 4  # same layout: bitwise on every rank
 
 
