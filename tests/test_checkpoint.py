@@ -352,6 +352,7 @@ def test_checkpoint_list_and_verify_commands(reference, tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)
     assert [(r["step"], r["status"]) for r in rows] == [(3, "complete"), (6, "complete"), (7, "interrupted")]
     assert rows[0]["layout"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 1} and rows[0]["bytes"] > 1e6
+    assert rows[0]["format"] == 2
     assert main(["checkpoint", "verify", str(ckpt)]) == 0
     assert capsys.readouterr().out.startswith(f"{ckpt / step_name(6)}: OK")
     _damage(ckpt / step_name(3) / "extra_rank0.pt", "corrupt")

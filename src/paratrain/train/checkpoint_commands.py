@@ -45,7 +45,7 @@ def describe_dir(directory: str) -> list[dict]:
         if MANIFEST in files:
             manifest = json.loads(mgr.storage.read_bytes(f"{path}/{MANIFEST}"))
             row.update(world_size=manifest["world_size"], layout=manifest["layout"],
-                       created_unix_s=manifest["created_unix_s"])
+                       created_unix_s=manifest["created_unix_s"], format=manifest.get("format"))
         if REFUSED in files:
             row["refused_because"] = json.loads(mgr.storage.read_bytes(f"{path}/{REFUSED}"))["reason"]
         rows.append(row)
