@@ -12,7 +12,7 @@ from test_checkpoint import EVERY, run_train
 
 from paratrain.train import faults
 from paratrain.train.checkpoint import MANIFEST, step_name
-from paratrain.train.storage import RetryPolicy, Storage
+from paratrain.train.storage import RetryPolicy, Storage, StorageError
 
 moto_server = pytest.importorskip("moto.server")
 BUCKET = "paratrain-ckpt"
@@ -131,6 +131,48 @@ def test_s3_missing_bucket_is_one_clear_error_before_training(s3, reference, tmp
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"checkpoint.dir='{url}': cannot write there" in err[0], err
     assert not (tmp_path / "nb").exists()  # nothing trained, no run folder
+
+
+def test_s3_options_follow_the_aws_precedence(monkeypatch):
+    from paratrain.train.storage import s3_options
+
+    for key in ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL", "AWS_REGION", "AWS_DEFAULT_REGION", "AWS_PROFILE"):
+        monkeypatch.delenv(key, raising=False)
+    assert s3_options()["client_kwargs"] == {} and "profile" not in s3_options()  # AWS S3, botocore's defaults
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://generic:1")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "eu-west-1")
+    assert s3_options()["client_kwargs"] == {"endpoint_url": "http://generic:1", "region_name": "eu-west-1"}
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", "http://s3-only:2")  # the service-specific variable wins
+    monkeypatch.setenv("AWS_REGION", "us-west-2")
+    monkeypatch.setenv("AWS_PROFILE", "training")
+    opts = s3_options()
+    assert opts["client_kwargs"] == {"endpoint_url": "http://s3-only:2", "region_name": "us-west-2"}
+    assert opts["profile"] == "training" and opts["use_listings_cache"] is False
+
+
+def test_s3_credentials_from_a_profile_file(s3, tmp_path, monkeypatch):
+    """No key in the environment: botocore must find the credentials through AWS_PROFILE in a shared credentials
+    file (it raises NoCredentialsError otherwise), the endpoint through AWS_ENDPOINT_URL_S3 and the region
+    through the profile's config."""
+    for key in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_ENDPOINT_URL", "AWS_REGION"):
+        monkeypatch.delenv(key, raising=False)
+    (tmp_path / "credentials").write_text("[ci]\naws_access_key_id = from-file\naws_secret_access_key = x\n")
+    (tmp_path / "config").write_text("[profile ci]\nregion = us-east-1\n")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "credentials"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "config"))
+    monkeypatch.setenv("AWS_PROFILE", "ci")
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", s3.url)
+    st = Storage(f"s3://{BUCKET}/profile")
+    st.write_bytes(st.join("hello.txt"), b"hi")
+    assert st.listdir(st.root) == {"hello.txt": 2} and st.read_bytes(st.join("hello.txt")) == b"hi"
+    st.remove_tree(st.root)
+
+    # No credentials anywhere: a configuration error, reported at once (no retries, no backoff).
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-role lookup on this machine
+    monkeypatch.delenv("AWS_PROFILE")
+    with pytest.raises(StorageError, match=r"^write s3://\S+/hello.txt: NoCredentialsError"):
+        Storage(f"s3://{BUCKET}/profile", RetryPolicy(attempts=4, base_s=30.0)).write_bytes(st.join("hello.txt"), b"")
 
 
 def _rank_main(env: dict, args: list[str]) -> int:

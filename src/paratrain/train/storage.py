@@ -35,10 +35,18 @@ class StorageError(RuntimeError):
     """A storage operation failed after all retries (or with an error no retry can fix)."""
 
 
+# botocore's configuration errors (by name: botocore is only imported with s3fs): missing or partial
+# credentials, an unknown profile, no region. Waiting does not fix them.
+PERMANENT_BOTOCORE_ERRORS = {"NoCredentialsError", "PartialCredentialsError", "ProfileNotFound", "NoRegionError",
+                             "UnknownCredentialError", "InvalidConfigError", "ParamValidationError"}
+
+
 def is_transient(exc: BaseException) -> bool:
     if isinstance(exc, CheckpointException):  # DCP gathers every rank's failure: transient only if all are
         inner = [getattr(f, "exception", f) for f in exc.failures.values()]
         return bool(inner) and all(is_transient(e) for e in inner)
+    if type(exc).__name__ in PERMANENT_BOTOCORE_ERRORS:
+        return False
     return isinstance(exc, Exception) and not isinstance(exc, PERMANENT_ERRORS)
 
 
