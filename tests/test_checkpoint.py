@@ -236,6 +236,18 @@ def test_format_1_checkpoints_still_load_and_unknown_formats_are_refused(tmp_pat
         _manager(tmp_path)[0].load(str(tmp_path / step_name(1)), [fresh], fresh_opt)
 
 
+def test_truncated_manifest_is_refused_and_previous_used(tmp_path):
+    mgr, logs = _manager(tmp_path)
+    model, opt = _model_and_optimizer(6)
+    mgr.save(1, [model], opt, {"step": 1})
+    mgr.save(2, [model], opt, {"step": 2})
+    manifest = tmp_path / step_name(2) / MANIFEST
+    manifest.write_bytes(manifest.read_bytes()[:40])
+    assert mgr.resume([model], opt).step == 1
+    assert any(f"checkpoint {manifest.parent} refused: {manifest}: unreadable manifest" in m for m in logs), logs
+    assert (manifest.parent / REFUSED).is_file()
+
+
 def test_missing_file_and_every_checkpoint_refused_is_an_error(tmp_path):
     mgr, _ = _manager(tmp_path)
     model, opt = _model_and_optimizer(2)
