@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -187,31 +188,34 @@ def run_in_own_session(cmd: list[str], env: dict, log_path: Path, timeout_s: flo
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_torchrun_restarts_after_rank_kills_mid_run_and_during_a_save_and_finishes_like_uninterrupted(dist_run, tmp):
-    """One torchrun job (DP2 FSDP, checkpoints every 2 of 6 steps, --max-restarts 2) loses rank 1 twice:
-      attempt 0: SIGKILL right after step 3 (mid-run: rank 0 is already inside step 4's collectives);
-      attempt 1: resumed from step 2, SIGKILL while saving step 4 (its shards written, not yet reported; rank 0
-                 waits for it in the commit);
+    """One torchrun job on 4 ranks (PP2 1F1B x DP2 FSDP, checkpoints every 2 of 6 steps, --max-restarts 2) loses a
+    rank twice:
+      attempt 0: rank 3 (last stage, second replica) SIGKILLed right after step 3: mid-run, the other ranks go on
+                 into step 4's pipeline sends and FSDP collectives;
+      attempt 1: resumed from step 2; rank 1 SIGKILLed while saving step 4 (its shards written, not yet reported;
+                 the others wait for it in the commit);
       attempt 2: the partial step 4 is discarded, training resumes from step 2 and ends with exactly the
                  uninterrupted run's losses (same layout: bitwise), final loss included."""
-    reference = dist_run(2, _train, settings(tmp, "elastic-ref", 6, 2, *FSDP2))[0]["losses"]
-    sets = settings(tmp, "elastic", 6, 2, *FSDP2)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
+    reference = dist_run(4, _train, settings(tmp, "elastic-ref", 6, 2, *PP2_FSDP2))[0]["losses"]
+    sets = settings(tmp, "elastic", 6, 2, *PP2_FSDP2)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "--standalone",
            "--max-restarts", "2", "-m", "paratrain", "train", *[a for s in sets for a in ("--set", s)],
            "--summary-json", str(tmp / "elastic.json")]
     # torch 2.13's torchrun shares its rendezvous TCPStore with the workers by default; after a restart the new
     # workers can read the previous attempt's gloo addresses from it and fail with "Connection refused"
     # (pytorch/pytorch#135712; seen here under load). A fresh store per round avoids it.
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARATRAIN_FAULT_KILL": "after_step:3:1,save_shards:4:1:1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PARATRAIN_FAULT_KILL": "after_step:3:3,save_shards:4:1:1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     returncode, log = run_in_own_session(cmd, env, tmp / "elastic.log", timeout_s=420)
     assert returncode == 0, log[-4000:]
-    assert log.count("Signals.SIGKILL") + log.count("exitcode: -9") >= 2, log[-4000:]  # rank 1 died twice
+    killed = re.findall(r"failed \(exitcode: -9\) local_rank: (\d)", log)
+    assert killed == ["3", "1"], log[-4000:]  # the two SIGKILLs, in order
     step2 = tmp / "elastic" / "checkpoints" / step_name(2)
     partial = tmp / "elastic" / "checkpoints" / step_name(4)
     assert log.count(f"resumed from {step2} at step 2") == 2  # both restarts: the newest complete checkpoint
     assert log.count(f"removing interrupted checkpoint {partial}") == 1  # only the save killed in attempt 1
     summary = json.loads((tmp / "elastic.json").read_text())
-    assert summary["resumed_from"] == str(step2)
+    assert summary["resumed_from"] == str(step2) and summary["layout"] == {"pp": 2, "dp": 2, "cp": 1, "tp": 1}
     assert summary["losses"] == reference[2:] and summary["last_loss"] == reference[-1]
     assert (partial / "MANIFEST.json").is_file()  # step 4 saved again, completely, after the second restart
 
