@@ -117,12 +117,14 @@ def _single_env():
 # -- distributed runs (persistent gloo pool) ---------------------------------------------------------------------
 
 
-def _train(cfg, runner, steps):
+def _train(cfg, runner, steps, schedule=None):
     """`steps` AdamW steps on the parity batches; per-rank slice of each global batch. Returns losses, the full
-    parameters at the end, the applied-step history and the processed microbatches per step."""
+    parameters at the end, the applied-step history and the processed microbatches per step. `schedule`: a
+    learning-rate multiplier per step (LambdaLR, given to the stale runner as the training loop does)."""
     optimizer = build_optimizer(runner, cfg.optim)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if schedule else None
     if hasattr(runner, "attach_optimizer"):
-        runner.attach_optimizer(optimizer)
+        runner.attach_optimizer(optimizer, scheduler)
     per_rank = cfg.train.global_batch // runner.dp_size
     losses, in_flight = [], []
     for step in range(steps):
@@ -132,6 +134,8 @@ def _train(cfg, runner, steps):
         in_flight.append(len(getattr(runner, "in_flight", [])))
         runner.clip_grad_norm_(cfg.optim.grad_clip)
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss))
     if hasattr(runner, "finish"):
@@ -460,6 +464,64 @@ def test_lookahead_arrived_at_s1_computes_at_the_weights_it_is_applied_to(dist_r
             assert torch.equal(p, own["params"][n]), f"not arrived must be the plain lookahead: {n}"
     for name, p in results[0]["forced"]["params"].items():
         assert torch.equal(p, results[1]["forced"]["params"][name]), f"ranks disagree on {name}"
+
+
+def _warmup(step):
+    return min((step + 1) / 4, 1.0)  # a learning rate that changes every step at first
+
+
+def _schedule_runs(overrides, steps):
+    """s = 2 lookahead with every reduction forced to have arrived, under a warm-up schedule: replayed at the
+    schedule's future learning rates (the scheduler attached) and at the current one (not attached); and
+    synchronous DDP with the schedule two steps ahead, f(n + 2), which is what s = 2 applies at step n + 2.
+    (At s = 1 the current rate is the right one: the one pending step is applied by the step about to run.)"""
+    env = init_distributed("cpu")
+    sync_cfg = make_config([*overrides, 'parallel.dp_kind="ddp"'])
+    out = {"sync": _train(sync_cfg, build_runner(sync_cfg, env), steps - 2, lambda n: _warmup(n + 2))}
+    cfg = make_config([*overrides, *ARRIVED, "staleness.max_staleness=2"])
+    for name, schedule in (("future_lrs", _warmup), ("current_lr", None)):
+        runner = build_runner(cfg, env)
+        runner.arrived = _wait_then_arrived
+        if schedule is None:  # the same schedule applied by hand: the runner does not know the future rates
+            out[name] = _train_current_lr(cfg, runner, steps)
+        else:
+            out[name] = _train(cfg, runner, steps, schedule)
+    return out
+
+
+def _train_current_lr(cfg, runner, steps):
+    """_train with the warm-up schedule set on the optimizer by hand, so the runner sees only the current lr."""
+    optimizer = build_optimizer(runner, cfg.optim)
+    runner.attach_optimizer(optimizer)
+    base = [g["lr"] for g in optimizer.param_groups]
+    per_rank = cfg.train.global_batch // runner.dp_size
+    for step in range(steps):
+        for g, lr in zip(optimizer.param_groups, base, strict=True):
+            g["lr"] = lr * _warmup(step)
+        inputs, targets = global_batch(cfg, step)
+        sl = slice(runner.dp_rank * per_rank, (runner.dp_rank + 1) * per_rank)
+        runner.forward_backward(inputs[sl], targets[sl])
+        runner.clip_grad_norm_(cfg.optim.grad_clip)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    runner.finish()
+    return {"params": {clean_name(n): full_tensor(p.detach()).clone()
+                       for n, p in state_module(runner.parts).named_parameters()}}
+
+
+def test_lookahead_replays_the_learning_rates_of_the_steps_that_apply_it(dist_run):
+    """Under a changing learning rate, s = 2 with every reduction in hand is synchronous DDP two steps late with
+    the schedule two steps ahead, if the replay uses the rate of the step that applies each pending gradient
+    (the scheduler attached, as the training loop does): weights within SYNC_EQUIVALENT_RTOL. Replaying at the
+    current rate misses by far more (so the check can fail)."""
+    steps = 6
+    results = dist_run(2, _schedule_runs, ["parallel.dp=2", "train.global_batch=16"], steps)
+    init = dict(_single_model(make_config(["train.global_batch=16"])).named_parameters())
+    for res in results:
+        exact_err = _distance_to(res["future_lrs"]["params"], res["sync"]["params"], init)
+        current_err = _distance_to(res["current_lr"]["params"], res["sync"]["params"], init)
+        assert exact_err < SYNC_EQUIVALENT_RTOL, f"{exact_err:.2e}"
+        assert current_err > 10 * exact_err, (current_err, exact_err)
 
 
 def test_lookahead_arrived_config_errors_and_metrics():

@@ -169,6 +169,7 @@ class StaleDataParallelRunner(ParallelRunner):
         # Delay compensation needs something to compensate: s = 0 computes at w_t (bitwise synchronous DDP).
         self.compensation = st.compensation if self.max_staleness > 0 else "none"
         self.optimizer: torch.optim.Optimizer | None = None  # attach_optimizer (optimizer_lookahead)
+        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None  # attach_optimizer: future learning rates
         self.prev_weights: list[torch.Tensor] | None = None  # weight_prediction: w_{t-1} (local shards)
         self.last_clip_coef = 1.0  # clipping coefficient of the last applied gradient (optimizer_lookahead)
         self.lookahead_arrived = st.lookahead_arrived and self.compensation == "optimizer_lookahead"
@@ -182,12 +183,24 @@ class StaleDataParallelRunner(ParallelRunner):
         self.step_weights: list[torch.Tensor] = []  # w_t while a prediction is swapped in (local shards)
         self.hosts = self._gather_hosts()
 
-    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer, scheduler=None) -> None:
         """The optimizer whose state and hyperparameters optimizer_lookahead replays (the training loop calls
-        this right after building it). Only plain AdamW is replayed."""
+        this right after building it). Only plain AdamW is replayed. With its LambdaLR scheduler, each pending
+        step replays at the learning rate of the step it will be applied at; without, at the current one."""
         if self.compensation == "optimizer_lookahead":
             check_lookahead_optimizer(optimizer)
         self.optimizer = optimizer
+        self.scheduler = scheduler if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) else None
+
+    def _replay_lrs(self) -> list[list[float]] | None:
+        """Per pending step (oldest first) and parameter group: the learning rate of the optimizer step that will
+        apply it. Data step d is applied at runner step d + s, i.e. (d + s - self.step) scheduler steps from now;
+        the scheduler's last_epoch is the index of the optimizer step about to run (the loop steps it after)."""
+        if self.scheduler is None:
+            return None
+        sched = self.scheduler
+        return [[base * fn(sched.last_epoch + item.step + self.max_staleness - self.step)
+                 for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)] for item in self.in_flight]
 
     # -- the step -------------------------------------------------------------------------------------------
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -261,7 +274,8 @@ class StaleDataParallelRunner(ParallelRunner):
             # shrink it below the scale of the gradients in the optimizer's moments (measured in a simulation of
             # dp 2: +4.8% vs +6.7% final loss over sync, 6 seeds; docs/staleness.md). Before any update the
             # coefficient is 1: Adam's first steps do not depend on a common scale of their gradients.
-            return adamw_lookahead(self.optimizer, self.params, pending, [self.last_clip_coef] * len(pending))
+            return adamw_lookahead(self.optimizer, self.params, pending, [self.last_clip_coef] * len(pending),
+                                   lrs=self._replay_lrs())
         return None
 
     def _refresh_prediction(self) -> None:
@@ -293,7 +307,7 @@ class StaleDataParallelRunner(ParallelRunner):
                 pending.append(item.local_grads)
                 coefs.append(self.last_clip_coef)
         self.lookahead_counts = (len(pending), exact)
-        return adamw_lookahead(self.optimizer, self.params, pending, coefs, base)
+        return adamw_lookahead(self.optimizer, self.params, pending, coefs, base, self._replay_lrs())
 
     def _await_arrival(self) -> None:
         """The arrival grace: wait up to arrival_grace x the healthy ranks' step time (lower median of the last
@@ -363,7 +377,7 @@ class StaleDataParallelRunner(ParallelRunner):
         stop = elapsed_s + elapsed_s / done > budget_s
         if self.tp_group is None:
             return stop
-        flag = torch.tensor([float(stop)])
+        flag = torch.tensor([float(stop)], device=self.device)  # NCCL: device tensors only
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.tp_group)
         return bool(flag.item())
 
@@ -377,10 +391,10 @@ class StaleDataParallelRunner(ParallelRunner):
             flats.append(flat)
             works.append(self._all_reduce(flat))
         if self.tp_group is not None:  # tp peers report the same work time, so every rank flags the same ranks
-            t = torch.tensor([work_s], dtype=torch.float64)
+            t = torch.tensor([work_s], dtype=torch.float64, device=self.device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_group)
             work_s = float(t.item())
-        meta = torch.zeros(META_FIELDS + self.dp_size, dtype=torch.float64)
+        meta = torch.zeros(META_FIELDS + self.dp_size, dtype=torch.float64, device=self.device)
         meta[0], meta[1], meta[META_FIELDS + self.dp_rank] = loss_sum, done, work_s
         self.launch_unix_s.append(time.time())
         works.append(self._all_reduce(meta))
@@ -518,23 +532,25 @@ def extrapolate(params, prev_weights: list[torch.Tensor], s: int) -> list[torch.
 
 
 def adamw_lookahead(optimizer: torch.optim.Optimizer, params, pending: list[list[torch.Tensor]],
-                    coefs: list[float], base: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
+                    coefs: list[float], base: list[torch.Tensor] | None = None,
+                    lrs: list[list[float]] | None = None) -> list[torch.Tensor]:
     """Local shards of the weights after AdamW steps with `pending` gradients (oldest first, each scaled by its
     clipping coefficient), from the optimizer's current state and from `base` (default: the parameters' values),
     on scratch copies; the optimizer is untouched.
-    Same arithmetic as torch's single-tensor AdamW; every step uses the current learning rate (the schedule's
-    next values are not known here; they change little over s steps)."""
-    group_of = {id(p): g for g in optimizer.param_groups for p in g["params"]}
+    Same arithmetic as torch's single-tensor AdamW. `lrs[j][g]`: the learning rate of pending step j in parameter
+    group g (the schedule's values at the steps that will apply them); None = every step at the current one."""
+    group_of = {id(p): (gi, g) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
     predicted = []
     for i, p in enumerate(params):
-        group, state = group_of[id(p)], optimizer.state.get(p, {})
-        lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+        (gi, group), state = group_of[id(p)], optimizer.state.get(p, {})
+        wd, eps = group["weight_decay"], group["eps"]
         beta1, beta2 = group["betas"]
         w = (base[i] if base is not None else local(p).detach()).clone()  # base: w_t when p holds a prediction
         m = local(state["exp_avg"]).clone() if state else torch.zeros_like(w)
         v = local(state["exp_avg_sq"]).clone() if state else torch.zeros_like(w)
         k = float(state["step"]) if state else 0.0
-        for grads, coef in zip(pending, coefs, strict=True):
+        for j, (grads, coef) in enumerate(zip(pending, coefs, strict=True)):
+            lr = group["lr"] if lrs is None else lrs[j][gi]
             g = local(grads[i]) * coef
             k += 1
             w.mul_(1 - lr * wd)

@@ -111,9 +111,9 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
 
     runner = build_runner(cfg, env)
     optimizer = build_optimizer(runner, cfg.optim)
-    if hasattr(runner, "attach_optimizer"):  # stale gradients: delay compensation replays the optimizer
-        runner.attach_optimizer(optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.train.steps))
+    if hasattr(runner, "attach_optimizer"):  # stale gradients: delay compensation replays optimizer and schedule
+        runner.attach_optimizer(optimizer, scheduler)
 
     train_data = TokenWindows(cfg.data.prepared_dir, "train", cfg.train.seq_len)
     val_data = TokenWindows(cfg.data.prepared_dir, "val", cfg.train.seq_len)
