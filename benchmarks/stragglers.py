@@ -25,7 +25,7 @@ budget, which processes fewer of that rank's samples.
     .venv/bin/python benchmarks/stragglers.py --quick         # fewer steps, rounds and seeds
     .venv/bin/python benchmarks/stragglers.py --json out.json # also write every measurement
     .venv/bin/python benchmarks/stragglers.py --skip throughput --lookahead-arrived --conv-fault jitter \
-        --rows sync "s=1 optimizer_lookahead" "s=1 lookahead_arrived"   # the arrived-gradient lookahead, jittered
+        --rows sync "s=1 lookahead_own" "s=1 optimizer_lookahead"   # own-gradient vs default lookahead, jittered
 """
 
 from __future__ import annotations
@@ -223,21 +223,27 @@ def print_throughput(world: int, result: dict) -> None:
 
 
 EXACT_ROW = "s=1 lookahead, 1 rank (exact)"
-ARRIVED_ROWS = {"s=1 lookahead_arrived": "s=1", "s=2 lookahead_arrived": "s=2"}
+# optimizer_lookahead predicts with the reductions that arrived (waiting up to staleness.arrival_grace), the
+# config's default; these rows predict with the rank's own gradients only (lookahead_arrived = false)
+OWN_ROWS = {"s=1 lookahead_own": "s=1", "s=2 lookahead_own": "s=2"}
 
 
 def conv_fault_spec(fault: str, sleep_s: float) -> str:
     """The convergence runs' injected delay: none, or the jitter scenario (every rank independently sleeps sleep_s
-    before a step with probability SLEEP_PROBABILITY). Only timing-dependent rows (lookahead_arrived) can change
+    before a step with probability SLEEP_PROBABILITY). Only timing-dependent rows (optimizer_lookahead with arrived reductions, the default) can change
     their numbers under it; the others compute the same losses, only slower."""
     if fault == "none":
         return ""
     return f"sleep_s={sleep_s},probability={SLEEP_PROBABILITY},rank=-1,seed=1"
 
 
-def convergence_runs(compensations: list[str], exact_row: bool = False, arrived_rows: bool = False,
+BUDGET_ROW = "budget (rank 1 2x slow)"
+BUDGET_SAME_TOKENS_ROW = "budget, same tokens (rank 1 2x slow)"
+
+
+def convergence_runs(compensations: list[str], exact_row: bool = False, own_rows: bool = False,
                      fault_spec: str = "", rows: list[str] | None = None,
-                     arrival_grace: float = 0.0) -> dict[str, tuple[int, list[str]]]:
+                     arrival_grace: float | None = None) -> dict[str, tuple[int, list[str]]]:
     """Row name -> (ranks, overrides): sync, s = 1 and 2 with each delay compensation, the time budget; optionally
     s = 1 with optimizer_lookahead on one rank (same global batch), where the prediction is exact up to clipping:
     what a perfect delay compensation would give, i.e. how far apart two equivalent runs land (the noise floor)."""
@@ -245,19 +251,20 @@ def convergence_runs(compensations: list[str], exact_row: bool = False, arrived_
     for comp in compensations:
         for s in ("s=1", "s=2"):
             runs[f"{s} {comp}"] = (2, POLICIES[s] + [f'staleness.compensation="{comp}"'])
-    runs["budget (rank 1 2x slow)"] = (2, POLICIES["budget"]
-                                       + ['staleness.test_fault_injection="slowdown=2.0,rank=1"'])
+    runs[BUDGET_ROW] = (2, POLICIES["budget"] + ['staleness.test_fault_injection="slowdown=2.0,rank=1"'])
+    # the time budget again, with more steps so that it processes as many tokens as sync (the step count comes
+    # from the same seed's budget row: steps x sync tokens / budget tokens)
+    runs[BUDGET_SAME_TOKENS_ROW] = runs[BUDGET_ROW]
     if exact_row:
         runs[EXACT_ROW] = (1, POLICIES["s=1"] + ['staleness.compensation="optimizer_lookahead"'])
-    if arrived_rows:  # opt-in: pending steps whose reduction already arrived replay the dp-mean gradient
-        for name, s in ARRIVED_ROWS.items():
+    if own_rows:  # the reproducible own-gradient prediction
+        for name, s in OWN_ROWS.items():
             runs[name] = (2, POLICIES[s] + ['staleness.compensation="optimizer_lookahead"',
-                                            "staleness.lookahead_arrived=true"])
-    if arrival_grace > 0:  # the arrived rows again, waiting up to the grace for the pending reductions
-        for name, s in ARRIVED_ROWS.items():
-            runs[f"{name}, grace {arrival_grace:g}"] = (2, POLICIES[s] + [
-                'staleness.compensation="optimizer_lookahead"', "staleness.lookahead_arrived=true",
-                f"staleness.arrival_grace={arrival_grace}"])
+                                            "staleness.lookahead_arrived=false"])
+    if arrival_grace is not None:  # another grace for the rows that predict with arrived reductions
+        runs = {name: (ranks, policy + [f"staleness.arrival_grace={arrival_grace}"]
+                       if name.endswith("optimizer_lookahead") else policy)
+                for name, (ranks, policy) in runs.items()}
     if fault_spec:  # every row but the time budget's (which keeps its own slow rank) runs jittered
         runs = {name: (ranks, policy if name.startswith("budget") else
                        policy + [f'staleness.test_fault_injection="{fault_spec}"'])
@@ -282,8 +289,13 @@ def convergence(steps: int, seeds: list[int], compensations: list[str], workdir:
     for seed in seeds:
         for name, (ranks, policy) in runs.items():
             run_dir = workdir / f"conv-{len(list(workdir.glob('conv-*')))}"  # a fresh directory per run
-            overrides = base_overrides(run_dir, steps, seed, ranks) + policy + [f"train.eval_every={steps}",
-                                                                                 "train.eval_batches=8", *extra]
+            run_steps = steps
+            if name == BUDGET_SAME_TOKENS_ROW:
+                if BUDGET_ROW not in out or len(out[BUDGET_ROW]["tokens"]) < len(out["sync"]["tokens"]):
+                    continue  # --rows left out the budget row it is sized from
+                run_steps = round(steps * out["sync"]["tokens"][-1] / out[BUDGET_ROW]["tokens"][-1])
+            overrides = base_overrides(run_dir, run_steps, seed, ranks) + policy + [
+                f"train.eval_every={run_steps}", "train.eval_batches=8", *extra]
             res = run_training(ranks, overrides)
             metrics = read_metrics(run_dir)
             val = [m["val_loss"] for m in metrics if "val_loss" in m][-1]
@@ -299,7 +311,7 @@ def convergence(steps: int, seeds: list[int], compensations: list[str], workdir:
             out[name]["tokens"].append(res["tokens"])
             out[name]["wall_s"].append(res["wall_s"])
             progress(f"convergence seed {seed} {name:<24} val_loss {val:.4f} tokens {res['tokens']:,}")
-    return out
+    return {name: row for name, row in out.items() if row["val_loss"]}
 
 
 def print_convergence(result: dict, steps: int, seeds: list[int], label: str = "") -> None:
@@ -386,20 +398,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--extra-lr", type=float, nargs="*", default=[],
                     help="also run the convergence table at these learning rates (extra information; the "
                          "main table keeps the default optim.lr)")
-    ap.add_argument("--lookahead-arrived", action="store_true",
-                    help="add convergence rows s = 1, 2 with optimizer_lookahead and staleness.lookahead_arrived "
-                         "(pending steps whose all-reduce already completed replay the dp-mean gradient); the "
-                         "'exact' column is the share of pending steps that did")
-    ap.add_argument("--arrival-grace", type=float, default=0.0,
-                    help="also run the lookahead_arrived rows with staleness.arrival_grace = this fraction of the "
-                         "healthy step time (wait up to it for the pending reductions before predicting)")
+    ap.add_argument("--own-rows", action="store_true",
+                    help="add convergence rows s = 1, 2 with optimizer_lookahead and staleness.lookahead_arrived = "
+                         "false (each rank predicts with its own pending gradients: reproducible)")
+    ap.add_argument("--arrival-grace", type=float,
+                    help="staleness.arrival_grace of the optimizer_lookahead rows (default: the config's): the "
+                         "fraction of the healthy step time a rank waits for pending reductions before predicting; "
+                         "the 'exact' column is the share of pending steps replayed with the arrived dp mean")
     ap.add_argument("--conv-fault", choices=["none", "jitter"], default="none",
                     help="delay injected into the convergence runs (default none): jitter = every rank sleeps "
                          "--conv-sleep-s before a step with probability 0.25 (the time budget row keeps its own)")
     ap.add_argument("--conv-sleep-s", type=float, default=MIN_SLEEP_S,
                     help=f"jitter sleep of the convergence runs (default {MIN_SLEEP_S})")
     ap.add_argument("--rows", nargs="+",
-                    help="run only these convergence rows (plus sync), e.g. \"s=1 lookahead_arrived\"")
+                    help="run only these convergence rows (plus sync), e.g. \"s=1 optimizer_lookahead\"")
     ap.add_argument("--json", help="write all measurements to this file")
     ap.add_argument("--overhead", action="store_true",
                     help="only measure the step time each compensation costs (one process, tiny model) and exit")
@@ -427,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["throughput"][world] = throughput(world, args.steps, args.repeats, args.base_s, work, progress)
                 print_throughput(world, report["throughput"][world])
         if args.skip != "convergence":
-            row_options = {"arrived_rows": args.lookahead_arrived, "rows": args.rows, "arrival_grace": args.arrival_grace,
+            row_options = {"own_rows": args.own_rows, "rows": args.rows, "arrival_grace": args.arrival_grace,
                            "fault_spec": conv_fault_spec(args.conv_fault, args.conv_sleep_s)}
             report["convergence"] = convergence(args.conv_steps, args.seeds, args.compensation, work, progress,
                                                 exact_row=args.exact_row, **row_options)

@@ -37,6 +37,7 @@ from paratrain.train.staleness import (
 
 STALE = ['staleness.policy="bounded_staleness"', 'parallel.dp_kind="ddp"']
 NO_COMP = ['staleness.compensation="none"']
+OWN = ["staleness.lookahead_arrived=false"]  # the own-gradient prediction: deterministic, whatever the timing
 
 
 # -- configuration and pure logic -----------------------------------------------------------------------------
@@ -297,6 +298,8 @@ def test_compensated_update_matches_single_process_reference(dist_run, compensat
     steps = 6
     overrides = [*layout, "train.global_batch=16", *STALE, f"staleness.max_staleness={s}",
                  f'staleness.compensation="{compensation}"']
+    if compensation == "optimizer_lookahead" and "parallel.tp=2" not in layout:
+        overrides += OWN  # with tp the automatic default is the own gradient: the reference checks that too
     results = dist_run(world, _stale_run, overrides, steps)
     cfg = make_config(overrides)
     ref_losses, ref_params = _compensated_reference(cfg, steps, s, 2, compensation)
@@ -404,7 +407,7 @@ def test_time_budget_update_is_the_mean_over_processed_microbatches(dist_run, fa
 # -- lookahead_arrived: the reduced gradient where it already arrived -------------------------------------------
 
 ARRIVED = [*STALE, "staleness.max_staleness=1", 'staleness.compensation="optimizer_lookahead"',
-           "staleness.lookahead_arrived=true"]
+           "staleness.lookahead_arrived=true", "staleness.arrival_grace=0"]  # tests that set a grace say so
 # fp32 tolerance of "the same weights as synchronous DDP": each tensor's distance to sync's, relative to sync's total
 # update, below 1e-4 (rounding: the runner's AdamW replay vs torch's foreach AdamW, the clip norm summed in another
 # order). The own-gradient prediction misses by far more (asserted below, so the check can fail).
@@ -424,7 +427,7 @@ def _arrival_runs(overrides, steps):
     env = init_distributed("cpu")
     sync_cfg = make_config([*overrides, 'parallel.dp_kind="ddp"'])
     out = {"sync": _train(sync_cfg, build_runner(sync_cfg, env), steps - 1)}
-    own = [*STALE, "staleness.max_staleness=1", 'staleness.compensation="optimizer_lookahead"']
+    own = [*STALE, "staleness.max_staleness=1", 'staleness.compensation="optimizer_lookahead"', *OWN]
     for name, extra, arrived in (("forced", ARRIVED, _wait_then_arrived), ("never", ARRIVED, lambda item: False),
                                  ("own", own, None)):
         cfg = make_config(overrides + extra)
@@ -533,7 +536,10 @@ def test_lookahead_arrived_config_errors_and_metrics():
             load_config(None, [*STALE, *bad, "staleness.lookahead_arrived=true"])
     with pytest.raises(ValueError, match="staleness.lookahead_arrived=true needs"):
         load_config(None, ["staleness.lookahead_arrived=true"])  # policy sync
-    assert load_config(None, []).staleness.lookahead_arrived is False
+    assert load_config(None, []).staleness.lookahead_arrived is None  # automatic
+    auto = build_runner(make_config([*STALE, "staleness.max_staleness=1"]), _single_env())
+    assert auto.lookahead_arrived and auto.arrival_grace == 0.25  # on where supported (tp = 1)
+    assert not build_runner(make_config([*STALE, "staleness.max_staleness=1", *OWN]), _single_env()).lookahead_arrived
     with pytest.raises(ValueError, match="lookahead_arrived=true with parallel.tp=2 is not supported"):
         check_staleness_layout(make_config(ARRIVED), {"pp": 1, "dp": 2, "cp": 1, "tp": 2})
     # one process: no reduction to wait for, so every pending step is exact and the metrics say so
@@ -638,7 +644,7 @@ def test_reduction_arriving_during_a_step_is_taken_between_microbatches(dist_run
 def test_arrival_grace_config_errors():
     with pytest.raises(ValueError, match=r"staleness.arrival_grace=0.2 waits for reductions .*allowed: "
                                          r"arrival_grace=0, or lookahead_arrived=true"):
-        load_config(None, [*STALE, "staleness.max_staleness=1", "staleness.arrival_grace=0.2"])
+        load_config(None, [*STALE, "staleness.max_staleness=1", *OWN, "staleness.arrival_grace=0.2"])
     with pytest.raises(ValueError, match="arrival_grace"):
         load_config(None, [*ARRIVED, "staleness.arrival_grace=1.5"])  # a fraction of the step time: at most 1
     assert load_config(None, [*ARRIVED, "staleness.arrival_grace=0.2"]).staleness.arrival_grace == 0.2

@@ -175,10 +175,11 @@ class StalenessSection(Section):
     compensation: Literal["none", "weight_prediction", "optimizer_lookahead"] = "optimizer_lookahead"
     # optimizer_lookahead only: replay pending steps whose all-reduce already completed with the reduced dp-mean
     # gradient instead of this rank's own (exact where it arrived; depends on arrival timing; docs/staleness.md).
-    lookahead_arrived: bool = False
+    # None = automatic: on where supported (optimizer_lookahead, s > 0, no tensor parallelism), else off.
+    lookahead_arrived: bool | None = None
     # lookahead_arrived only: before predicting, wait up to this fraction of the healthy ranks' step time for the
     # pending reductions to arrive (0 = never wait). A reduction held up by a straggler is not waited for beyond it.
-    arrival_grace: float = Field(default=0.0, ge=0.0, le=1.0)
+    arrival_grace: float = Field(default=0.25, ge=0.0, le=1.0)
     step_budget_s: float = Field(default=0.0, ge=0)
     straggler_threshold: float = Field(default=1.5, gt=1.0)
     straggler_window: int = Field(default=10, gt=0)
@@ -202,7 +203,7 @@ class StalenessSection(Section):
             raise ValueError(f"staleness.lookahead_arrived=true needs staleness.compensation='optimizer_lookahead' "
                              f"and staleness.max_staleness > 0 (got compensation='{self.compensation}', "
                              f"max_staleness={self.max_staleness}); allowed: lookahead_arrived=false, or those")
-        if self.arrival_grace and not self.lookahead_arrived:
+        if self.lookahead_arrived is False and "arrival_grace" in self.model_fields_set and self.arrival_grace:
             raise ValueError(f"staleness.arrival_grace={self.arrival_grace} waits for reductions that "
                              f"staleness.lookahead_arrived replays; allowed: arrival_grace=0, or "
                              f"lookahead_arrived=true")
@@ -325,8 +326,10 @@ FIELD_HELP = {
     "staleness.compensation": "s > 0: compute step t's gradient at predicted weights (optimizer_lookahead: "
                               "AdamW applied to this rank's pending gradients; weight_prediction: w_t + s(w_t - "
                               "w_{t-1})) or at w_t (none)",
-    "staleness.lookahead_arrived": "optimizer_lookahead: replay pending steps whose all-reduce already arrived with "
-                                   "the dp-mean gradient (exact there; timing-dependent, not bitwise reproducible)",
+    "staleness.lookahead_arrived": "optimizer_lookahead: replay pending steps whose all-reduce already arrived with the "
+                                   "dp mean (exact there; timing-dependent, not bitwise reproducible); unset = on "
+                                   "where supported (no tensor parallelism), false = the rank's own gradients "
+                                   "(reproducible)",
     "staleness.arrival_grace": "lookahead_arrived: before predicting, wait up to this fraction of the healthy step "
                                "time for pending reductions (0 = never wait)",
     "staleness.step_budget_s": "time_budget: seconds per step each DP rank may spend on microbatches",

@@ -30,13 +30,16 @@ predicted weights instead of w_t, so it is computed near the weights it will be 
   (Guan et al. 2019, "XPipe: Efficient Pipeline Model Parallelism for Multi-GPU DNN Training", Adam's update
   direction) and SpecTrain (Chen et al. 2018, "Efficient and Robust Parallel DNN Training through Model
   Parallelism on Multi-GPU Platform"), using the rank's own pending gradients for the unknown next updates.
-  Opt-in `staleness.lookahead_arrived`: a pending step whose all-reduce has already completed (asked with
-  work.is_completed(), never waited for) enters the replay with its reduced dp-mean gradient and that gradient's
-  own clipping coefficient, i.e. exactly what the optimizer will apply; the others keep the own gradient. With
-  every reduction in time, s = 1 computes at exactly the weights its gradient is applied to (synchronous DDP one
-  step late, up to fp32 rounding and a changing lr); under stragglers it degrades to the own-gradient prediction.
-  Where a gradient is computed then depends on arrival timing: runs are not bitwise reproducible run to run (ranks
-  still hold identical weights: only the mean is applied). Data parallelism without tensor parallelism only.
+  `staleness.lookahead_arrived` (on by default without tensor parallelism): a pending step whose all-reduce has
+  completed enters the replay with its reduced dp-mean gradient and that gradient's own clipping coefficient, i.e.
+  exactly what the optimizer will apply; the others keep the own gradient. Before predicting, a rank waits up to
+  `arrival_grace` x the healthy step time for the pending reductions (a straggler's is given up on at the deadline),
+  and one that arrives later is taken between microbatches. Each pending step replays at the learning rate of the
+  step that applies it (the loop attaches its LambdaLR). With every reduction in time, s computes at exactly the
+  weights its gradient is applied to (synchronous DDP s steps late, up to fp32 rounding); under stragglers it
+  degrades to the own-gradient prediction. Where a gradient is computed then depends on arrival timing: runs are
+  not bitwise reproducible run to run (ranks still hold identical weights: only the mean is applied); set
+  lookahead_arrived = false for the reproducible own-gradient prediction.
 - "weight_prediction": linear extrapolation of the last update, w_hat = w_t + s (w_t - w_{t-1}) (SpecTrain's
   "smoothed gradient" prediction in its optimizer-agnostic form).
 The weights the optimizer steps are restored bit for bit after backward, so every rank still holds identical
@@ -172,7 +175,9 @@ class StaleDataParallelRunner(ParallelRunner):
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None  # attach_optimizer: future learning rates
         self.prev_weights: list[torch.Tensor] | None = None  # weight_prediction: w_{t-1} (local shards)
         self.last_clip_coef = 1.0  # clipping coefficient of the last applied gradient (optimizer_lookahead)
-        self.lookahead_arrived = st.lookahead_arrived and self.compensation == "optimizer_lookahead"
+        # unset = automatic: on where supported (check_staleness_layout refuses an explicit true with tp > 1)
+        arrived = st.lookahead_arrived if st.lookahead_arrived is not None else tp_group is None
+        self.lookahead_arrived = arrived and self.compensation == "optimizer_lookahead"
         self.grad_clip = cfg.optim.grad_clip  # the exact clipping coefficient of an arrived gradient needs it
         # Whether a pending step's reduction is in hand (never waits); tests replace it to force either case.
         self.arrived = reduction_arrived
