@@ -135,7 +135,7 @@ def _train(cfg, runner, steps, schedule=None):
         in_flight.append(len(getattr(runner, "in_flight", [])))
         runner.clip_grad_norm_(cfg.optim.grad_clip)
         optimizer.step()
-        if scheduler is not None:
+        if scheduler is not None and getattr(runner, "applied_update", True):  # as the training loop does
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss))
@@ -474,13 +474,14 @@ def _warmup(step):
 
 
 def _schedule_runs(overrides, steps):
-    """s = 2 lookahead with every reduction forced to have arrived, under a warm-up schedule: replayed at the
-    schedule's future learning rates (the scheduler attached) and at the current one (not attached); and
-    synchronous DDP with the schedule two steps ahead, f(n + 2), which is what s = 2 applies at step n + 2.
-    (At s = 1 the current rate is the right one: the one pending step is applied by the step about to run.)"""
+    """s = 2 lookahead with every reduction forced to have arrived, under a warm-up schedule that advances with
+    each applied update (as the training loop does): replayed at the schedule's future learning rates (the
+    scheduler attached) and at the current one (not attached); and synchronous DDP with the same schedule, which
+    s = 2 then reproduces two steps late. (At s = 1 the current rate is the right one: the one pending step is
+    applied by the step about to run.)"""
     env = init_distributed("cpu")
     sync_cfg = make_config([*overrides, 'parallel.dp_kind="ddp"'])
-    out = {"sync": _train(sync_cfg, build_runner(sync_cfg, env), steps - 2, lambda n: _warmup(n + 2))}
+    out = {"sync": _train(sync_cfg, build_runner(sync_cfg, env), steps - 2, _warmup)}
     cfg = make_config([*overrides, *ARRIVED, "staleness.max_staleness=2"])
     for name, schedule in (("future_lrs", _warmup), ("current_lr", None)):
         runner = build_runner(cfg, env)
@@ -493,14 +494,15 @@ def _schedule_runs(overrides, steps):
 
 
 def _train_current_lr(cfg, runner, steps):
-    """_train with the warm-up schedule set on the optimizer by hand, so the runner sees only the current lr."""
+    """_train with the warm-up schedule set on the optimizer by hand (indexed by applied updates, s = 2), so the
+    runner sees only the current lr."""
     optimizer = build_optimizer(runner, cfg.optim)
     runner.attach_optimizer(optimizer)
     base = [g["lr"] for g in optimizer.param_groups]
     per_rank = cfg.train.global_batch // runner.dp_size
     for step in range(steps):
         for g, lr in zip(optimizer.param_groups, base, strict=True):
-            g["lr"] = lr * _warmup(step)
+            g["lr"] = lr * _warmup(max(0, step - 2))
         inputs, targets = global_batch(cfg, step)
         sl = slice(runner.dp_rank * per_rank, (runner.dp_rank + 1) * per_rank)
         runner.forward_backward(inputs[sl], targets[sl])
@@ -513,8 +515,8 @@ def _train_current_lr(cfg, runner, steps):
 
 
 def test_lookahead_replays_the_learning_rates_of_the_steps_that_apply_it(dist_run):
-    """Under a changing learning rate, s = 2 with every reduction in hand is synchronous DDP two steps late with
-    the schedule two steps ahead, if the replay uses the rate of the step that applies each pending gradient
+    """Under a changing learning rate, s = 2 with every reduction in hand is synchronous DDP two steps late (the
+    schedule counts applied updates), if the replay uses the rate of the update that applies each pending gradient
     (the scheduler attached, as the training loop does): weights within SYNC_EQUIVALENT_RTOL. Replaying at the
     current rate misses by far more (so the check can fail)."""
     steps = 6

@@ -197,15 +197,24 @@ class StaleDataParallelRunner(ParallelRunner):
         self.optimizer = optimizer
         self.scheduler = scheduler if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) else None
 
+    @property
+    def applied_update(self) -> bool:
+        """Whether this step applied a gradient (not a warm-up step): the loop advances the learning-rate schedule
+        only then, so the schedule counts updates and the first update runs at its first value, as in sync."""
+        return bool(self.history) and self.history[-1].grad_step is not None
+
     def _replay_lrs(self) -> list[list[float]] | None:
-        """Per pending step (oldest first) and parameter group: the learning rate of the optimizer step that will
-        apply it. Data step d is applied at runner step d + s, i.e. (d + s - self.step) scheduler steps from now;
-        the scheduler's last_epoch is the index of the optimizer step about to run (the loop steps it after)."""
+        """Per pending step (oldest first) and parameter group: the learning rate of the update that will apply it.
+        The schedule advances once per applied update (`applied_update`), and data step d of this runner is its
+        d-th update: schedule index = (updates before this runner started) + d, where updates before = the
+        scheduler's last_epoch minus this runner's updates so far (max(0, step - s); a resumed run restarts the
+        warm-up)."""
         if self.scheduler is None:
             return None
         sched = self.scheduler
-        return [[base * fn(sched.last_epoch + item.step + self.max_staleness - self.step)
-                 for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)] for item in self.in_flight]
+        first = sched.last_epoch - max(0, self.step - self.max_staleness)
+        return [[base * fn(first + item.step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
+                for item in self.in_flight]
 
     # -- the step -------------------------------------------------------------------------------------------
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -162,7 +162,8 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
             with timer.phase("optimizer"):
                 grad_norm = runner.clip_grad_norm_(cfg.optim.grad_clip)
                 optimizer.step()
-                scheduler.step()
+                if getattr(runner, "applied_update", True):  # stale warm-up steps apply nothing: no lr consumed
+                    scheduler.step()
                 optimizer.zero_grad(set_to_none=True)
         fault_point("after_step", step + 1, env.rank)
         loss_value = float(loss)
