@@ -540,7 +540,7 @@ def test_lookahead_arrived_config_errors_and_metrics():
         load_config(None, ["staleness.lookahead_arrived=true"])  # policy sync
     assert load_config(None, []).staleness.lookahead_arrived is None  # automatic
     auto = build_runner(make_config([*STALE, "staleness.max_staleness=1"]), _single_env())
-    assert auto.lookahead_arrived and auto.arrival_grace == 0.25  # on where supported (tp = 1)
+    assert auto.lookahead_arrived and auto.arrival_grace == 0.1  # on where supported (tp = 1)
     assert not build_runner(make_config([*STALE, "staleness.max_staleness=1", *OWN]), _single_env()).lookahead_arrived
     with pytest.raises(ValueError, match="lookahead_arrived=true with parallel.tp=2 is not supported"):
         check_staleness_layout(make_config(ARRIVED), {"pp": 1, "dp": 2, "cp": 1, "tp": 2})

@@ -179,7 +179,7 @@ class StalenessSection(Section):
     lookahead_arrived: bool | None = None
     # lookahead_arrived only: before predicting, wait up to this fraction of the healthy ranks' step time for the
     # pending reductions to arrive (0 = never wait). A reduction held up by a straggler is not waited for beyond it.
-    arrival_grace: float = Field(default=0.25, ge=0.0, le=1.0)
+    arrival_grace: float = Field(default=0.1, ge=0.0, le=1.0)
     step_budget_s: float = Field(default=0.0, ge=0)
     straggler_threshold: float = Field(default=1.5, gt=1.0)
     straggler_window: int = Field(default=10, gt=0)

@@ -124,6 +124,7 @@ class InFlightStep:
     meta: torch.Tensor
     tokens_per_microbatch: int
     local_grads: list[torch.Tensor] | None = None  # this rank's own mean gradient (optimizer_lookahead only)
+    grace_used: bool = False  # the arrival grace waited for it once already
 
 
 @dataclass
@@ -325,17 +326,21 @@ class StaleDataParallelRunner(ParallelRunner):
 
     def _await_arrival(self) -> None:
         """The arrival grace: wait up to arrival_grace x the healthy ranks' step time (lower median of the last
-        reduced step's work times) for every pending reduction. On time they replay exactly; a straggler's is
-        given up on at the deadline, so a slow rank costs the others at most the grace per step. No wait before
-        the first reduction has told the step times."""
-        if self.arrival_grace <= 0 or not self.detector.history:
+        reduced step's work times) for the pending reductions not waited for before. On time they replay exactly; a
+        straggler's is given up on at the deadline and never waited for again (it may still be taken between
+        microbatches), so each reduction costs at most one grace, and a late one does not make every later step
+        wait. No wait before the first reduction has told the step times."""
+        fresh = [item for item in self.in_flight if not item.grace_used]
+        if self.arrival_grace <= 0 or not self.detector.history or not fresh:
             return
         self.arrival_grace_s = self.arrival_grace * lower_median(self.detector.history[-1])
         t0 = time.perf_counter()
         deadline = t0 + self.arrival_grace_s
-        while not all(self.arrived(item) for item in self.in_flight) and time.perf_counter() < deadline:
+        while not all(self.arrived(item) for item in fresh) and time.perf_counter() < deadline:
             time.sleep(ARRIVAL_POLL_S)
         self.arrival_wait_s = time.perf_counter() - t0
+        for item in fresh:
+            item.grace_used = True
 
     def _reduced_gradients(self, item: InFlightStep) -> list[torch.Tensor]:
         """The reduced gradient of a completed in-flight step per parameter (self.params order), split from the flat
