@@ -6,20 +6,34 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
 
 from paratrain.hardware.catalog import System, resolve_system
 from paratrain.model.config import ModelConfig, load_model_config
-from paratrain.plan.model import DP_KINDS, RECOMPUTE, SCHEDULES, Options, evaluate
+from paratrain.plan.model import DP_KINDS, RECOMPUTE, SCHEDULES, STAGE_SPLITS, Options, evaluate
+from paratrain.plan.stages import (
+    Loads,
+    balanced_layers,
+    check_pp_layers,
+    describe,
+    is_balanced,
+    rank_loads,
+    stage_split,
+)
 
 
 @dataclass(frozen=True)
 class Layout:
     """A parallel layout. dp=None means 'all remaining devices'. zero_stage 0-2 go with dp_kind "ddp"
     (ZeRO-1/2 = distributed optimizer), 3 with "fsdp" (fully sharded) or "hsdp" (sharded inside a node,
-    replicated across nodes)."""
+    replicated across nodes).
+
+    pp_layers: layers per (virtual) pipeline stage, in stage order (pp x virtual_stages entries, the runtime's
+    parallel.pp_layers); None or "balanced": the runtime's default, equal counts; "auto": the planner chooses
+    the split that minimises the slowest stage (fewer layers where the output head or embedding sits). An
+    Estimate's layout always holds the concrete split used (None when pp = 1)."""
 
     tp: int = 1
     pp: int = 1
@@ -32,9 +46,17 @@ class Layout:
     virtual_stages: int = 1
     zero_stage: int = 1
     dp_kind: str = "ddp"
+    pp_layers: tuple[int, ...] | str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.pp_layers, list):  # from JSON / TOML: keep the layout hashable
+            object.__setattr__(self, "pp_layers", tuple(self.pp_layers))
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        data = asdict(self)
+        if isinstance(self.pp_layers, tuple):  # JSON/TOML-friendly, as the runtime's config spells it
+            data["pp_layers"] = list(self.pp_layers)
+        return data
 
 
 @dataclass
@@ -66,6 +88,8 @@ class Estimate:
     cost_usd_per_run: float | None = None
     energy_kwh_per_run: float | None = None
     notes: list[str] = field(default_factory=list)
+    # step time with the runtime's balanced split, when the layout's split is not balanced (for comparison)
+    balanced_step_time_s: float | None = None
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -123,6 +147,12 @@ def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, glob
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    if isinstance(lay.pp_layers, str):
+        if lay.pp_layers not in STAGE_SPLITS:
+            raise ValueError(f"pp_layers = {lay.pp_layers!r}: allowed: {', '.join(STAGE_SPLITS)}, or one layer "
+                             f"count per stage")
+    elif lay.pp_layers is not None:
+        check_pp_layers(lay.pp_layers, model.layers, lay.pp, lay.virtual_stages)
     microbatches = global_batch // (dp * lay.microbatch)
     if lay.schedule in ("interleaved_1f1b", "zbv") and microbatches < lay.pp:
         raise ValueError(f"schedule = {lay.schedule}: needs microbatches per replica ({microbatches}) >= pp ({lay.pp})")
@@ -142,13 +172,44 @@ def estimate(model: ModelConfig | str, system: System | str, nodes: int, seq: in
     _check_scalars(nodes, seq, global_batch)
     layout = _check_layout(model, system, nodes, seq, global_batch, layout)
     opts = options or Options.for_system(system)
+    res = _evaluate_one(model, system, nodes, seq, global_batch, layout, opts, **_split_args(model, layout))
+    split = _concrete_split(model, layout, res)
+    balanced = None
+    if split is not None and not is_balanced(split, model.layers):  # what the runtime's default would give
+        balanced = _evaluate_one(model, system, nodes, seq, global_batch, layout, opts)["step_time_s"]
+    return _to_estimate(model, system, nodes, seq, global_batch, replace(layout, pp_layers=split), res,
+                        train_tokens, balanced)
+
+
+def _evaluate_one(model, system, nodes, seq, global_batch, layout: Layout, opts, **split) -> dict:
     res = evaluate(model, system, seq, global_batch, nodes=nodes, tp=layout.tp, pp=layout.pp, dp=layout.dp,
                    cp=layout.cp, microbatch=layout.microbatch, sp=layout.sp,
                    recompute=RECOMPUTE.index(layout.recompute), schedule=SCHEDULES.index(layout.schedule),
                    virtual_stages=layout.virtual_stages, zero_stage=layout.zero_stage,
-                   dp_kind=DP_KINDS.index(layout.dp_kind), opts=opts)
-    return _to_estimate(model, system, nodes, seq, global_batch, layout, {k: np.asarray(v).item() for k, v in res.items()},
-                        train_tokens)
+                   dp_kind=DP_KINDS.index(layout.dp_kind), opts=opts, **split)
+    return {k: np.asarray(v).item() for k, v in res.items()}
+
+
+def _split_args(model: ModelConfig, layout: Layout) -> dict:
+    """evaluate's stage arguments for the layout's pp_layers: a given split as layers per rank, else the mode."""
+    if layout.pp_layers is None or isinstance(layout.pp_layers, str):
+        return {"split": layout.pp_layers or "balanced"}
+    first, last, inner = rank_loads(layout.pp_layers, layout.pp, layout.schedule == "zbv")
+    balanced = is_balanced(layout.pp_layers, model.layers)
+    return {"stage_loads": Loads(*(np.array(float(n)) for n in (first, last, inner)), np.array(balanced))}
+
+
+def _concrete_split(model: ModelConfig, layout: Layout, row: dict) -> tuple[int, ...] | None:
+    """The per-stage layer counts evaluate used for this layout (row: its results)."""
+    if layout.pp == 1:
+        return None
+    if isinstance(layout.pp_layers, tuple):
+        return layout.pp_layers
+    stages = layout.pp * layout.virtual_stages
+    if row["stage_balanced"]:
+        return tuple(balanced_layers(model.layers, stages))
+    return stage_split(model.layers, layout.pp, layout.virtual_stages, layout.schedule == "zbv",
+                       int(round(row["stage_layers_first"])), int(round(row["stage_layers_last"])))
 
 
 def _check_scalars(nodes: int, seq: int, global_batch: int) -> None:
@@ -157,7 +218,8 @@ def _check_scalars(nodes: int, seq: int, global_batch: int) -> None:
             raise ValueError(f"{name} = {value!r}: must be an integer >= 1")
 
 
-def _to_estimate(model, system, nodes, seq, global_batch, layout, r: dict, train_tokens) -> Estimate:
+def _to_estimate(model, system, nodes, seq, global_batch, layout, r: dict, train_tokens,
+                 balanced_step_time_s: float | None = None) -> Estimate:
     price = r["cost_usd_per_hour"]
     price = None if price is None or math.isnan(price) else float(price)
     per_m = None if price is None else price / 3600.0 / r["tokens_per_s"] * 1e6
@@ -174,6 +236,7 @@ def _to_estimate(model, system, nodes, seq, global_batch, layout, r: dict, train
         time_breakdown_s={k[len("time_"):-len("_s")]: r[k] for k in r if k.startswith("time_")},
         comm_bytes_per_device={k[len("comm_"):-len("_bytes")]: r[k] for k in r if k.startswith("comm_")},
         bubble_fraction=r["bubble_fraction"], cost_usd_per_hour=price, cost_usd_per_million_tokens=per_m,
+        balanced_step_time_s=balanced_step_time_s,
     )
     if train_tokens:
         est.time_to_train_s = train_tokens / est.tokens_per_s
@@ -185,7 +248,12 @@ def _to_estimate(model, system, nodes, seq, global_batch, layout, r: dict, train
         est.notes.append(f"does not fit: {est.memory_per_device_bytes / 2**30:.1f} GiB needed per device, "
                          f"{est.memory_capacity_bytes / 2**30:.1f} GiB usable")
     stack = system.stack
-    if est.layout.pp > 1 and model.layers % (layout.pp * layout.virtual_stages):
+    if balanced_step_time_s is not None:
+        change = est.step_time_s / balanced_step_time_s - 1  # negative: this split is faster
+        est.notes.append(f"pipeline stages {describe(layout.pp_layers)} layers: step time {change:+.1%} vs the "
+                         f"balanced {describe(balanced_layers(model.layers, len(layout.pp_layers)))} "
+                         f"({balanced_step_time_s:.4f} s)")
+    elif est.layout.pp > 1 and model.layers % (layout.pp * layout.virtual_stages):
         est.notes.append(f"{model.layers} layers do not split evenly over pp*virtual_stages = "
                          f"{layout.pp * layout.virtual_stages}: the busiest stage sets the pace")
     if stack is not None and (layout.dp_kind not in stack.dp_kinds or layout.zero_stage not in stack.zero_stages
@@ -303,7 +371,7 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
         grid["nodes"] = np.full(grid["tp"].shape, n)
         grids.append(grid)
     grid = {k: np.concatenate([g[k] for g in grids]) for k in grids[0]}
-    res = evaluate(model, system, seq, global_batch, opts=opts, **grid)
+    res = evaluate(model, system, seq, global_batch, opts=opts, split="auto", **grid)
     fits = res["fits"]
     score = res["step_time_s"] if objective == "time" else res["cost_usd_per_hour"] / res["tokens_per_s"]
     allowed = fits
@@ -315,15 +383,20 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
     order = np.argsort(score, kind="stable")[:top]
     order = order[np.isfinite(score[order])]
     elapsed = time.perf_counter() - start
+    # the ranked layouts again with the runtime's balanced split, to report what the chosen split gains
+    balanced = evaluate(model, system, seq, global_batch, opts=opts,
+                        **{k: v[order] for k, v in grid.items()}) if order.size else {}
     candidates = []
-    for i in order:
+    for rank, i in enumerate(order):
         layout = Layout(tp=int(grid["tp"][i]), pp=int(grid["pp"][i]), dp=int(grid["dp"][i]), cp=int(grid["cp"][i]),
                         sp=bool(grid["sp"][i]), microbatch=int(grid["microbatch"][i]),
                         recompute=RECOMPUTE[grid["recompute"][i]], schedule=SCHEDULES[grid["schedule"][i]],
                         virtual_stages=int(grid["virtual_stages"][i]), zero_stage=int(grid["zero_stage"][i]),
-                        dp_kind=DP_KINDS[grid["dp_kind"][i]])
+                        dp_kind=DP_KINDS[grid["dp_kind"][i]], pp_layers="auto")
         row = {k: float(np.asarray(v)[i]) if np.ndim(v) else float(v) for k, v in res.items()}
+        layout = replace(layout, pp_layers=_concrete_split(model, layout, row))
+        even = layout.pp_layers is None or is_balanced(layout.pp_layers, model.layers)
         candidates.append(_to_estimate(model, system, int(grid["nodes"][i]), seq, global_batch, layout, row,
-                                       train_tokens))
+                                       train_tokens, None if even else float(balanced["step_time_s"][rank])))
     return SearchResult(candidates=candidates, combinations=combinations, valid=int(grid["tp"].size),
                         fitting=int(fits.sum()), seconds=elapsed)

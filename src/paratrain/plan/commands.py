@@ -20,6 +20,10 @@ examples:
       --tp 8 --pp 1 --sp --recompute selective
   paratrain estimate --model llama3-70b --hardware p5.48xlarge --nodes 64 --seq 8192 --global-batch 512 \\
       --tp 8 --pp 4 --sp --schedule interleaved_1f1b --virtual-stages 5 --json
+
+With pp > 1 the planner also picks the layers per pipeline stage (--pp-layers auto, the default): fewer on the
+stage that runs the output head (or embedding) when that makes the slowest stage faster; --pp-layers balanced
+is the runtime's default split, --pp-layers 8,9,8,7 a split of your own (one count per (virtual) stage).
 """
 
 PLAN_HELP = """\
@@ -34,6 +38,9 @@ examples:
   paratrain plan --model llama2-7b --hardware p4d.24xlarge --nodes 64 --seq 4096 --global-batch 1024 \\
       --objective cost --train-tokens 2e12 --max-days 30
   paratrain plan ... --write-config configs/planned.toml   # then: paratrain train --config configs/planned.toml
+
+Each pipelined layout is ranked with its best layers-per-stage split (parallel.pp_layers, written by
+--write-config when it is not the balanced default); see docs/planner.md "Pipeline stage sizes".
 """
 
 
@@ -67,6 +74,9 @@ def register(subparsers) -> None:
     est.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
                      help="0 plain DDP, 1/2 distributed optimizer, 3 fully sharded (default 1, or 3 with fsdp/hsdp)")
     est.add_argument("--dp-kind", choices=["ddp", "fsdp", "hsdp"], default="ddp")
+    est.add_argument("--pp-layers", default="auto",
+                     help="layers per pipeline stage: auto (the planner's choice, default), balanced (the "
+                          "runtime's default), or one count per (virtual) stage, e.g. 8,9,8,7")
     est.set_defaults(func=cmd_estimate)
 
     plan = subparsers.add_parser("plan", help="search all layouts, rank by time or cost",
@@ -109,7 +119,7 @@ def cmd_estimate(args) -> int:
     v = args.virtual_stages if args.virtual_stages is not None else (2 if args.schedule == "zbv" else 1)
     layout = Layout(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, sp=args.sp, microbatch=args.microbatch,
                     recompute=args.recompute, schedule=args.schedule, virtual_stages=v, zero_stage=zero,
-                    dp_kind=dp_kind)
+                    dp_kind=dp_kind, pp_layers=_pp_layers(args.pp_layers))
     est = estimate(model, system, args.nodes, args.seq, args.global_batch, layout, _options(args, system),
                    train_tokens=args.train_tokens)
     if args.write_config:
@@ -119,6 +129,19 @@ def cmd_estimate(args) -> int:
     else:
         _print_estimate(est)
     return 0
+
+
+def _pp_layers(text: str) -> str | tuple[int, ...]:
+    """--pp-layers: 'auto', 'balanced', or comma-separated counts ('8,9,8,7' or '[8, 9, 8, 7]')."""
+    from paratrain.cli import UserError
+
+    if text in ("auto", "balanced"):
+        return text
+    try:
+        return tuple(int(n) for n in text.strip("[] ").split(","))
+    except ValueError:
+        raise UserError(f"--pp-layers = {text!r}: allowed: auto, balanced, or layer counts per stage such as "
+                        f"8,9,8,7") from None
 
 
 def cmd_plan(args) -> int:
@@ -185,12 +208,18 @@ def _gib(x: float) -> str:
 
 
 def _print_estimate(est) -> None:
+    from paratrain.plan.stages import describe
+
     lay = est.layout
     print(f"{est.model} on {est.nodes} x {est.system} ({est.devices} devices), seq {est.seq}, "
           f"global batch {est.global_batch}")
     print(f"layout: tp {lay.tp}  pp {lay.pp}  dp {lay.dp}  cp {lay.cp}  sp {'on' if lay.sp else 'off'}  "
           f"microbatch {lay.microbatch} ({est.microbatches} per step)  recompute {lay.recompute}  "
           f"schedule {lay.schedule} (v={lay.virtual_stages})  {lay.dp_kind} zero-{lay.zero_stage}")
+    if lay.pp > 1:
+        kind = "balanced" if est.balanced_step_time_s is None else \
+            f"uneven; balanced would take {est.balanced_step_time_s:.4f} s"
+        print(f"layers per stage {describe(lay.pp_layers)} ({kind})")
     print(f"step time        {est.step_time_s:.4f} s    tokens/s {est.tokens_per_s:,.0f}")
     print(f"MFU {est.mfu:.1%}   HFU {est.hfu:.1%}   bubble {est.bubble_fraction:.1%}")
     print(f"memory/device    {_gib(est.memory_per_device_bytes)} of {_gib(est.memory_capacity_bytes)} usable "

@@ -1,7 +1,8 @@
 """Write a planned layout as a paratrain training config (TOML: [model], [parallel], [train], [metrics]).
 
 The keys are those of `paratrain.config` (the trainer's schema): parallel.{dp,tp,pp,cp,sp,dp_kind,zero_stage,
-recompute,pp_schedule,virtual_stages,dp_replicate}, train.{seq_len,global_batch,microbatch}, model.preset.
+recompute,pp_schedule,virtual_stages,dp_replicate,pp_layers}, train.{seq_len,global_batch,microbatch}, model.preset.
+parallel.pp_layers is written only when the planned split differs from the runtime's balanced default.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import tomli_w
 
 from paratrain.model.config import PRESETS, ModelConfig
 from paratrain.plan.api import Estimate
+from paratrain.plan.stages import is_balanced
 
 
 def runtime_dp(dp_kind: str, zero_stage: int) -> tuple[str, int | None]:
@@ -41,6 +43,8 @@ def training_config(est: Estimate, model: ModelConfig, model_spec: str, devices_
                 "recompute": lay.recompute, "pp_schedule": lay.schedule, "virtual_stages": lay.virtual_stages}
     if zero is not None:
         parallel["zero_stage"] = zero
+    if isinstance(lay.pp_layers, tuple) and not is_balanced(lay.pp_layers, model.layers):
+        parallel["pp_layers"] = list(lay.pp_layers)  # the planner's uneven split; balanced is the default
     if lay.dp_kind == "hsdp":
         shard = max(1, min(lay.dp, devices_per_node // (lay.tp * lay.cp)))
         parallel["dp_replicate"] = lay.dp // shard
@@ -58,6 +62,13 @@ def _hardware_ref(spec: str | None, system_name: str) -> str:
     return system_name
 
 
+def _split_comment(est: Estimate) -> str:
+    if est.balanced_step_time_s is None:
+        return ""
+    return (f"# Pipeline stages: pp_layers = {list(est.layout.pp_layers)} (the balanced split would take "
+            f"{est.balanced_step_time_s:.3f} s/step).\n")
+
+
 def write_training_config(path: str | Path, est: Estimate, model: ModelConfig, model_spec: str,
                           devices_per_node: int, hardware_spec: str | None = None) -> Path:
     data = training_config(est, model, model_spec, devices_per_node, hardware_spec)
@@ -65,7 +76,8 @@ def write_training_config(path: str | Path, est: Estimate, model: ModelConfig, m
               f"{est.step_time_s:.3f} s/step, MFU {est.mfu:.1%}, {est.memory_per_device_bytes / 2**30:.1f} GiB/device.\n"
               f"# Planned data parallelism: {est.layout.dp_kind} ZeRO-{est.layout.zero_stage}"
               f" (written as the runtime's {data['parallel']['dp_kind']}"
-              f"{'' if 'zero_stage' not in data['parallel'] else ' zero_stage ' + str(data['parallel']['zero_stage'])}).\n")
+              f"{'' if 'zero_stage' not in data['parallel'] else ' zero_stage ' + str(data['parallel']['zero_stage'])}).\n"
+              + _split_comment(est))
     path = Path(path)
     path.write_text(header + tomli_w.dumps(data))
     return path

@@ -17,8 +17,10 @@ import numpy as np
 
 from paratrain.hardware.catalog import System
 from paratrain.model.config import ModelConfig
+from paratrain.plan.stages import Loads, balanced_loads, best_loads, rank_times, same_rank
 
 RECOMPUTE = ("none", "selective", "full")
+STAGE_SPLITS = ("balanced", "auto")  # the runtime's default split, or the one that minimises the slowest stage
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
 DP_KINDS = ("ddp", "fsdp", "hsdp")
 ATTENTION = ("flash", "unfused")
@@ -268,9 +270,17 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp):
 
 
 def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *, nodes, tp, pp, dp, cp,
-             microbatch, sp, recompute, schedule, virtual_stages, zero_stage, dp_kind, opts: Options) -> dict:
+             microbatch, sp, recompute, schedule, virtual_stages, zero_stage, dp_kind, opts: Options,
+             split: str = "balanced", stage_loads: Loads | None = None) -> dict:
     """Evaluate layouts (numpy arrays of equal length, or scalars). Integer codes index RECOMPUTE, SCHEDULES
-    and DP_KINDS. Returns a dict of arrays (times in s, bytes, FLOPs); no validity filtering here."""
+    and DP_KINDS. Returns a dict of arrays (times in s, bytes, FLOPs); no validity filtering here.
+
+    Pipeline stage sizes (plan/stages.py): split "balanced" is the runtime's default (equal layer counts),
+    "auto" the split that minimises the slowest rank's time (kept balanced where the faster split would not
+    fit in memory and the balanced one does); stage_loads (layers per rank of an explicit split) overrides
+    both. The loads used come back as stage_layers_{first,last,inner} and stage_balanced."""
+    if split not in STAGE_SPLITS:
+        raise ValueError(f"split = {split!r}: allowed: {', '.join(STAGE_SPLITS)}")
     f64 = lambda x: np.asarray(x, dtype=float)  # noqa: E731
     nodes, tp, pp, dp, cp, b, v = map(f64, (nodes, tp, pp, dp, cp, microbatch, virtual_stages))
     sp = np.asarray(sp, dtype=bool) & (tp > 1)
@@ -283,7 +293,6 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     devices = nodes * system.devices_per_node
     m = global_batch / (dp * b)  # microbatches per replica per step
     T = b * seq / cp  # tokens of one microbatch on one device
-    layers_per_stage = stage_layers(L, pp, v)
 
     # -- compute per layer, forward; backward = 2x matmuls and attention, 2x elementwise traffic --
     mm, core, elem = _per_layer_compute(model, system, seq, opts, T, tp, sp, cp)
@@ -336,9 +345,34 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     chunks = np.where((sched == 2) | (sched == 3), v, 1.0)
     p2p_per_mb = 2 * chunks * p2p  # forward send + backward send per chunk
 
-    stage_fwd = layers_per_stage * layer_fwd + np.where(pp > 1, head_fwd, head_fwd + embed)
-    stage_bwd = layers_per_stage * layer_bwd + head_bwd
-    stage_mb = stage_fwd + stage_bwd + p2p_per_mb  # the slowest (last) stage per microbatch
+    # -- pipeline stages: layers per rank, and the slowest rank, which sets the pipeline's pace --
+    v_shape = sched == 3
+    # Gradients reduce (and FSDP shards) over dp x cp ranks: cp ranks hold gradients of different tokens of
+    # the same sequences. Ranks are numbered tp fastest, then cp, so that group starts at stride tp.
+    dp_group = dp * cp
+    dp_shard = np.where(kind == 2, np.maximum(1.0, np.minimum(dp_group, system.devices_per_node / tp)), dp_group)
+
+    def memory_of(loads):
+        return memory_per_device(model, system, seq, opts, T=T, tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, rc=rc,
+                                 sched=sched, v=v, m=m, zero=zero, dp_shard=dp_shard, loads=loads)
+
+    balanced = balanced_loads(L, pp, v, v_shape)
+    memory = None
+    if stage_loads is None and split == "auto":
+        chosen = best_loads(L, pp, v, v_shape, layer_fwd + layer_bwd, embed, head_fwd + head_bwd, balanced)
+        # a faster split whose fuller ranks no longer fit in memory is no use where the balanced one fits
+        mem_chosen, mem_balanced = memory_of(chosen), memory_of(balanced)
+        keep = ~mem_chosen["fits"] & mem_balanced["fits"]
+        stage_loads = Loads(*(np.where(keep, b, c) for b, c in
+                              ((balanced.first, chosen.first), (balanced.last, chosen.last),
+                               (balanced.inner, chosen.inner), (balanced.balanced, chosen.balanced))))
+        memory = {k: np.where(keep, mem_balanced[k], mem_chosen[k]) for k in mem_chosen}
+    loads = stage_loads or balanced
+    layers_per_stage, embed_on, head_on = _slowest_rank(loads, pp, v_shape, layer_fwd + layer_bwd, embed,
+                                                        head_fwd + head_bwd)
+    stage_fwd = layers_per_stage * layer_fwd + embed_on * embed + head_on * head_fwd
+    stage_bwd = layers_per_stage * layer_bwd + head_on * head_bwd
+    stage_mb = stage_fwd + stage_bwd + p2p_per_mb  # the slowest stage per microbatch
 
     # zero-bubble split of backward: W (weight gradients) = half of the backward matmuls
     stage_w = layers_per_stage * mm
@@ -346,14 +380,11 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     pipeline = m * stage_mb + bubble
 
     # -- data parallel: gradient reduce (and parameter gather for ZeRO-1/2/3) --
-    params_dev = _params_per_stage(model, pp, v) / tp
-    # Gradients reduce (and FSDP shards) over dp x cp ranks: cp ranks hold gradients of different tokens of
-    # the same sequences. Ranks are numbered tp fastest, then cp, so that group starts at stride tp.
-    dp_group = dp * cp
-    dp_shard = np.where(kind == 2, np.maximum(1.0, np.minimum(dp_group, system.devices_per_node / tp)), dp_group)
+    params_rank, layers_rank = _largest_rank(model, loads, pp, v_shape)
+    params_dev = params_rank / tp
     dp_time, dp_exposed = _data_parallel_s(system, opts, params_dev, dp_group, dp_shard, tp, zero, kind, m,
-                                           stage_fwd, stage_bwd, layers_per_stage,
-                                           layers_per_stage * model.params_per_layer() / tp / params_dev)
+                                           stage_fwd, stage_bwd, layers_rank,
+                                           layers_rank * model.params_per_layer() / tp / params_dev)
 
     # -- optimizer step: memory-bound Adam over this device's share of the parameters --
     opt_share = np.where(zero >= 1, params_dev / dp_shard, params_dev)
@@ -373,8 +404,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     hfu = hardware_flops / (step * peak)
 
     # -- memory per device (the worst stage) --
-    memory = memory_per_device(model, system, seq, opts, T=T, tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, rc=rc,
-                               sched=sched, v=v, m=m, zero=zero, dp_shard=dp_shard)
+    memory = memory or memory_of(loads)
+    ones = np.ones_like(step)
     price = system.prices.on_demand_usd_per_hour
     cost_per_hour = nodes * price if price is not None else np.full_like(step, np.nan)
     return {
@@ -382,11 +413,11 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         "model_flops_per_step": model_flops * np.ones_like(step), "hardware_flops_per_step": hardware_flops,
         "microbatches": m, "devices": devices,
         "time_compute_s": m * (layers_per_stage * (fwd_compute + bwd_compute)),
-        "time_tp_comm_s": m * (layers_per_stage * (tp_fwd + tp_bwd) + tp_head_fwd + tp_head_bwd
-                               + np.where(pp > 1, 0.0, tp_embed)),
+        "time_tp_comm_s": m * (layers_per_stage * (tp_fwd + tp_bwd) + head_on * (tp_head_fwd + tp_head_bwd)
+                               + embed_on * tp_embed),
         "time_cp_comm_s": m * layers_per_stage * (cp_fwd + cp_bwd),
         "time_pp_comm_s": m * p2p_per_mb,
-        "time_head_s": m * (head_fwd + head_bwd - tp_head_fwd - tp_head_bwd),
+        "time_head_s": m * head_on * (head_fwd + head_bwd - tp_head_fwd - tp_head_bwd),
         "time_bubble_s": bubble, "time_dp_comm_s": dp_time, "time_dp_exposed_s": dp_exposed,
         "time_optimizer_s": optimizer, "bubble_fraction": bubble / step,
         # buffer bytes handed to collectives per device per step, by kind (for the simulator/cost model)
@@ -395,6 +426,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         "comm_dp_bytes": np.where(dp * cp > 1, params_dev * (opts.grad_bytes + WEIGHT_BYTES * np.where(
             kind >= 1, 2 * m, np.where(zero >= 1, 1.0, 0.0))), 0.0),
         "cost_usd_per_hour": cost_per_hour,
+        "stage_layers_first": loads.first * ones, "stage_layers_last": loads.last * ones,
+        "stage_layers_inner": loads.inner * ones, "stage_balanced": loads.balanced & (ones > 0),
         **memory,
     }
 
@@ -402,7 +435,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
 def _calls_s(system, kind, total_bytes, calls, degree, stride):
     """`calls` collectives of equal size sharing `total_bytes`: the volume is paid once, the latency and
     per-call overhead `calls` times (what makes many small collectives slower than one large one)."""
-    return calls * collective_time_s(system, kind, total_bytes / calls, degree, stride)
+    return calls * collective_time_s(system, kind, total_bytes / np.maximum(calls, 1), degree, stride)  # 0 calls: 0
 
 
 def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, kind, m, stage_fwd, stage_bwd,
@@ -468,20 +501,36 @@ def pipeline_bubble_s(sched, pp, v, m, fwd, bwd_input, bwd_weight):
     return np.where(pp > 1, (pp - 1) * per, 0.0)
 
 
-def stage_layers(layers, pp, v=1.0):
-    """Layers on the most loaded device: ceil(L / (p v)) per chunk times v chunks (= L/p when it divides;
-    uneven splits, like Llama 3 405B's 126 layers on 16 stages, put the extra layer on some stages)."""
-    return np.ceil(layers / (pp * v) - 1e-9) * v
+def _slowest_rank(loads: Loads, pp, v_shape, per_layer, embed, head):
+    """(layers, embedding there 0/1, head there 0/1) of the rank with the longest time per microbatch.
+    Ties go to the head's rank, then the embedding's (a balanced split's last stage, as before)."""
+    first, last, inner = rank_times(loads, pp, v_shape, per_layer, embed, head)
+    one = same_rank(pp, v_shape)
+    is_last = last >= np.maximum(first, inner)
+    is_first = ~is_last & (first >= inner)
+    layers = np.select([is_last, is_first], [loads.last, loads.first], loads.inner)
+    embed_on = np.where(is_first | (is_last & one), 1.0, 0.0)
+    head_on = np.where(is_last | (is_first & one), 1.0, 0.0)
+    return layers, embed_on, head_on
 
 
-def _params_per_stage(model: ModelConfig, pp, v=1.0):
-    """Parameters held by the largest pipeline stage: its layers plus the embedding (first stage) and the head
-    (last stage); with one stage, both."""
+def _rank_params(model: ModelConfig, loads: Loads, pp, v_shape):
+    """Parameters of the (first, last, inner) ranks: their layers plus the embedding on the first and the head
+    (final norm + output projection) on the last; both on one rank under a V schedule or pp = 1."""
     per_layer = model.params_per_layer()
-    layers = stage_layers(model.layers, pp, v)
-    first = layers * per_layer + model.embedding_params()
-    last = layers * per_layer + model.head_params()
-    return np.where(pp > 1, np.maximum(first, last), model.layers * per_layer + model.embedding_params() + model.head_params())
+    one = same_rank(pp, v_shape)
+    first = loads.first * per_layer + model.embedding_params() + np.where(one, model.head_params(), 0.0)
+    last = np.where(one, first, loads.last * per_layer + model.head_params())
+    return first, last, loads.inner * per_layer
+
+
+def _largest_rank(model: ModelConfig, loads: Loads, pp, v_shape):
+    """(parameters, layers) of the rank holding the most parameters (its data-parallel traffic and optimizer
+    step are the slowest)."""
+    first, last, inner = _rank_params(model, loads, pp, v_shape)
+    params = np.maximum.reduce([first, last, inner])
+    layers = np.select([params == last, params == first], [loads.last, loads.first], loads.inner)
+    return params, layers
 
 
 def inflight_microbatches(sched, pp, v, m):
@@ -492,11 +541,13 @@ def inflight_microbatches(sched, pp, v, m):
     return np.select([sched == 0, sched == 2], [m, np.minimum(interleaved, m * v)], one_f_one_b)
 
 
-def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sched, v, m, zero, dp_shard):
-    params_dev = _params_per_stage(model, pp, v) / tp
-    weights = params_dev * WEIGHT_BYTES / np.where(zero == 3, dp_shard, 1.0)
-    grads = params_dev * opts.grad_bytes / np.where(zero >= 2, dp_shard, 1.0)
-    optimizer = params_dev * OPTIMIZER_BYTES / np.where(zero >= 1, dp_shard, 1.0)
+def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sched, v, m, zero, dp_shard,
+                      loads: Loads | None = None):
+    """Memory of the rank that needs the most (loads: layers per rank, default the balanced split). Every rank
+    is counted with the first stage's microbatches in flight (the most any stage holds: conservative for the
+    later stages); the head's rank also holds the logits."""
+    v_shape = np.asarray(sched) == 3
+    loads = loads or balanced_loads(model.layers, pp, v, v_shape)
 
     sp_part, tp_part, core = activation_bytes_per_token(model, seq / 1, opts.attention)
     if opts.attention == "unfused":
@@ -506,12 +557,22 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     layer_selective = T * (sp_part * sp_scale + tp_part / tp)
     layer_input = T * 2 * model.hidden * sp_scale
     per_layer = np.select([rc == 0, rc == 1], [layer_full, layer_selective], layer_input)
-    layers_stage = stage_layers(model.layers, pp, v)
     inflight = inflight_microbatches(sched, pp, v, m)
-    activations = per_layer * layers_stage * inflight
-    activations = activations + np.where(rc == 2, layer_full, 0.0)  # one layer rebuilt during backward
+    rebuilt = np.where(rc == 2, layer_full, 0.0)  # one layer rebuilt during backward
     logits = T * model.vocab / tp * (BF16_BYTES + 4)  # bf16 logits + fp32 loss buffer on the last stage
-    activations = activations + logits
+    one = same_rank(pp, v_shape)
+    ranks = []  # (weights, grads, optimizer, activations) of the first, last and inner ranks
+    for params, layers, head in zip(_rank_params(model, loads, pp, v_shape), (loads.first, loads.last, loads.inner),
+                                    (one, True, False), strict=True):
+        params_dev = params / tp
+        ranks.append((params_dev * WEIGHT_BYTES / np.where(zero == 3, dp_shard, 1.0),
+                      params_dev * opts.grad_bytes / np.where(zero >= 2, dp_shard, 1.0),
+                      params_dev * OPTIMIZER_BYTES / np.where(zero >= 1, dp_shard, 1.0),
+                      per_layer * layers * inflight + rebuilt + np.where(head, logits, 0.0)))
+    shape = np.broadcast_shapes(*(np.shape(x) for r in ranks for x in r))
+    parts = np.array([[np.broadcast_to(x, shape) for x in r] for r in ranks])  # rank, part, layouts...
+    worst = np.asarray(np.argmax(parts.sum(axis=1), axis=0))
+    weights, grads, optimizer, activations = np.take_along_axis(parts, worst[None, None], axis=0)[0]
     total = weights + grads + optimizer + activations
     capacity = system.device_memory_bytes * system.efficiency.memory_usable_fraction
     return {"memory_weights_bytes": weights, "memory_grads_bytes": grads, "memory_optimizer_bytes": optimizer,
