@@ -156,9 +156,10 @@ def injected_floor_s(spec: str, steps: int, world: int, step_s: float) -> float:
                    if random.Random(f"{fault.seed}/{r}/{t}").random() < fault.probability) for r in ranks)
 
 
-def throughput(world: int, steps: int, repeats: int, base_s: float, workdir: Path, progress) -> dict:
+def throughput(world: int, steps: int, repeats: int, base_s: float, workdir: Path, progress,
+               stale_set: list[str] = ()) -> dict:
     """Median wall time per (scenario, policy) over `repeats` rounds; each round runs every cell once, so slow
-    drifts in machine load hit every policy alike."""
+    drifts in machine load hit every policy alike. `stale_set`: overrides for the s = 1, 2 cells only."""
     healthy = fault_specs(0.0, base_s)["healthy"]
     emulate = [f'staleness.test_fault_injection="{healthy}"'] if healthy else []
     calib = run_training(world, base_overrides(workdir / f"dp{world}-calib", steps, 0, world) + THROUGHPUT_SHAPE
@@ -172,8 +173,9 @@ def throughput(world: int, steps: int, repeats: int, base_s: float, workdir: Pat
             run_dir = workdir / f"dp{world}-{scenario}-{name.replace(',', '_').replace('=', '')}-{rep}"
             spec = specs[scenario]
             fault = [f'staleness.test_fault_injection="{spec}"'] if spec else []
+            stale = list(stale_set) if name.startswith("s=") else []
             res = run_training(world, base_overrides(run_dir, steps, 0, world) + THROUGHPUT_SHAPE + POLICIES[name]
-                               + fault)
+                               + fault + stale)
             metrics = read_metrics(run_dir)
             samples[(scenario, name)].append({
                 "wall_s": res["wall_s"], "tokens": res["tokens"],
@@ -405,6 +407,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="staleness.arrival_grace of the optimizer_lookahead rows (default: the config's): the "
                          "fraction of the healthy step time a rank waits for pending reductions before predicting; "
                          "the 'exact' column is the share of pending steps replayed with the arrived dp mean")
+    ap.add_argument("--stale-set", nargs="+", default=[], metavar="KEY=VALUE",
+                    help="config overrides for the s = 1, 2 throughput cells, e.g. staleness.arrival_grace=0 or "
+                         "staleness.lookahead_arrived=false")
     ap.add_argument("--conv-fault", choices=["none", "jitter"], default="none",
                     help="delay injected into the convergence runs (default none): jitter = every rank sleeps "
                          "--conv-sleep-s before a step with probability 0.25 (the time budget row keeps its own)")
@@ -436,7 +441,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.skip != "throughput":
             report["throughput"] = {}
             for world in args.dp:
-                report["throughput"][world] = throughput(world, args.steps, args.repeats, args.base_s, work, progress)
+                report["throughput"][world] = throughput(world, args.steps, args.repeats, args.base_s, work, progress,
+                                                         args.stale_set)
                 print_throughput(world, report["throughput"][world])
         if args.skip != "convergence":
             row_options = {"own_rows": args.own_rows, "rows": args.rows, "arrival_grace": args.arrival_grace,

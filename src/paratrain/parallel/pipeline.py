@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from paratrain.config import TrainConfig
 from paratrain.parallel.mesh import DistEnv
 from paratrain.parallel.runner import ParallelRunner, plain
+from paratrain.plan.stages import balanced_layers, check_pp_layers
 
 SINGLE_STAGE_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble,
@@ -79,16 +80,6 @@ class PipelineLayout:
     def layer_ids(self, stage: int) -> list[int]:
         start = sum(self.layers_per_stage[:stage])
         return list(range(start, start + self.layers_per_stage[stage]))
-
-
-def balanced_layers(num_layers: int, num_stages: int) -> list[int]:
-    """Equal layer counts; the remainder goes to inner stages first (the first stage also runs the embedding,
-    the last one the norm, the output head and the loss), then to the first stage, then to the last."""
-    counts = [num_layers // num_stages] * num_stages
-    order = list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 1 else [0]
-    for i in range(num_layers % num_stages):
-        counts[order[i]] += 1
-    return counts
 
 
 def _chunks_per_rank(schedule: str, virtual_stages: int) -> int:
@@ -134,17 +125,8 @@ def _stage_layer_counts(cfg: TrainConfig, num_layers: int, stages: int) -> list[
                              f"{stages} pipeline stages, but the model has {num_layers} layers; allowed: stages <= "
                              f"model.layers (a smaller pp or virtual_stages)")
         return balanced_layers(num_layers, stages)
-    if len(given) != stages:
-        raise ValueError(f"parallel.pp_layers={given}: {len(given)} entries but the layout has {stages} (virtual) "
-                         f"stages; allowed: one layer count per stage, in stage order")
-    if sum(given) != num_layers:
-        raise ValueError(f"parallel.pp_layers={given}: sums to {sum(given)} but the model has {num_layers} layers; "
-                         f"allowed: layer counts summing to {num_layers}")
-    inner_empty = [i for i, n in enumerate(given) if n < 0 or (n == 0 and 0 < i < stages - 1)]
-    if inner_empty:
-        raise ValueError(f"parallel.pp_layers={given}: stage(s) {inner_empty} would hold no work; allowed: >= 1 "
-                         f"layer per inner stage (0 only for the first or last stage, which hold embedding/head)")
-    return list(given)
+    # the planner validates the splits it writes with the same function (plan/stages.py: torch-free)
+    return list(check_pp_layers(given, num_layers, cfg.parallel.pp, stages // cfg.parallel.pp, "parallel.pp_layers"))
 
 
 def check_stages(cfg: TrainConfig) -> tuple[int, list[int]]:

@@ -27,8 +27,9 @@ MIN_GAIN = 0.01
 
 
 def balanced_layers(num_layers: int, num_stages: int) -> list[int]:
-    """The runtime's default split (paratrain.parallel.pipeline.balanced_layers): equal counts, the remainder to
-    inner stages first, then the first stage, then the last (they also run the embedding / the head)."""
+    """The runtime's default split (parallel.pipeline imports it from here, so planner and runtime cannot drift):
+    equal counts, the remainder to inner stages first, then to the first stage, then to the last (the first also
+    runs the embedding, the last the norm, the output head and the loss)."""
     counts = [num_layers // num_stages] * num_stages
     order = list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 1 else [0]
     for i in range(num_layers % num_stages):
@@ -43,23 +44,24 @@ def stage_ranks(pp: int, v: int, v_shape: bool) -> list[int]:
     return [s % pp for s in range(pp * v)]
 
 
-def check_pp_layers(pp_layers, layers: int, pp: int, v: int) -> tuple[int, ...]:
-    """An explicit split, validated by the runtime's rules (parallel.pipeline._stage_layer_counts); one
-    ValueError naming the value and what is allowed."""
+def check_pp_layers(pp_layers, layers: int, pp: int, v: int, field: str = "pp_layers") -> tuple[int, ...]:
+    """An explicit split checked by the rules the runtime applies (parallel.pipeline calls this with
+    field="parallel.pp_layers"): one entry per (virtual) stage, summing to the layer count, every inner stage with
+    at least one layer. One ValueError naming the field, the value and what is allowed."""
     given = tuple(int(n) for n in pp_layers)
-    stages = pp * v
+    shown, stages = list(given), pp * v
     if pp == 1:
-        raise ValueError(f"pp_layers = {list(given)}: needs pp > 1")
+        raise ValueError(f"{field}={shown} needs parallel.pp > 1")
     if len(given) != stages:
-        raise ValueError(f"pp_layers = {list(given)}: {len(given)} entries but pp x virtual_stages = {stages} "
-                         f"stages; allowed: one layer count per stage, in stage order")
+        raise ValueError(f"{field}={shown}: {len(given)} entries but the layout has {stages} (virtual) stages "
+                         f"(pp x virtual_stages); allowed: one layer count per stage, in stage order")
     if sum(given) != layers:
-        raise ValueError(f"pp_layers = {list(given)}: sums to {sum(given)} but the model has {layers} layers; "
-                         f"allowed: layer counts summing to {layers}")
+        raise ValueError(f"{field}={shown}: sums to {sum(given)} but the model has {layers} layers; allowed: layer "
+                         f"counts summing to {layers}")
     empty = [i for i, n in enumerate(given) if n < 0 or (n == 0 and 0 < i < stages - 1)]
     if empty:
-        raise ValueError(f"pp_layers = {list(given)}: stage(s) {empty} would hold no work; allowed: >= 1 layer "
-                         f"per inner stage (0 only for the first or last stage, which hold embedding/head)")
+        raise ValueError(f"{field}={shown}: stage(s) {empty} would hold no work; allowed: >= 1 layer per inner "
+                         f"stage (0 only for the first or last stage, which hold embedding/head)")
     return given
 
 

@@ -234,7 +234,8 @@ def planner_layout(cfg: TrainConfig, degrees: dict) -> dict:
     kind = p.dp_kind if degrees["dp"] > 1 else "ddp"
     return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": degrees["dp"], "sp": p.sp, "microbatch": cfg.train.microbatch,
             "recompute": p.recompute, "schedule": p.pp_schedule if p.pp > 1 else "1f1b",
-            "virtual_stages": p.virtual_stages, "dp_kind": kind, "zero_stage": 3 if kind != "ddp" else 0}
+            "virtual_stages": p.virtual_stages, "dp_kind": kind, "zero_stage": 3 if kind != "ddp" else 0,
+            "pp_layers": tuple(p.pp_layers) if p.pp_layers else None}  # None: the balanced split the runtime uses
 
 
 def planner_options(cfg: TrainConfig) -> dict:
