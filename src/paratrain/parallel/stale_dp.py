@@ -308,7 +308,9 @@ class StaleDataParallelRunner(ParallelRunner):
     def _lookahead_with_arrived(self, wait: bool = True, base: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
         """optimizer_lookahead where every pending step whose reduction has already completed enters the replay
         with the reduced dp-mean gradient, clipped by its own coefficient (what the optimizer will apply, up to
-        rounding); the others keep this rank's own gradient and the last applied clipping coefficient."""
+        rounding); the others keep this rank's own gradient and the last applied clipping coefficient. `wait`:
+        spend the arrival grace first (not between microbatches); `base`: replay from these weights (w_t) instead of
+        the parameters' current values (a prediction is already swapped in)."""
         if wait:
             self._await_arrival()
         pending, coefs, exact = [], [], 0
