@@ -23,9 +23,10 @@ import torch
 from parity import clean_name, full_tensor, global_batch, make_config
 
 from paratrain.config import load_config
+from paratrain.parallel.data import bucket_params
 from paratrain.parallel.mesh import init_distributed
 from paratrain.parallel.runner import Runner
-from paratrain.parallel.stale_dp import bucket_params, check_staleness_layout
+from paratrain.parallel.stale_dp import check_staleness_layout
 from paratrain.train.checkpoint import state_module
 from paratrain.train.loop import build_optimizer, build_runner
 from paratrain.train.staleness import (
@@ -157,7 +158,7 @@ def _sync_and_stale0(overrides, steps):
         cfg = make_config(overrides + extra)
         runner = build_runner(cfg, env)
         if name == "sync":  # bitwise needs the DDP path's buckets: gloo's sum order depends on the layout
-            ours = [[id(p) for p in b] for b in bucket_params(runner.parameters())]
+            ours = [[id(p) for p in b] for b in bucket_params(runner.parameters(), cfg.parallel.ddp_bucket_bytes)]
             out["same_buckets"] = ours == [[id(p) for p in b] for b in runner.dp.reducer.buckets]
         out[name] = _train(cfg, runner, steps)
     return out
@@ -175,6 +176,17 @@ def test_s0_is_bitwise_identical_to_synchronous_ddp(dist_run, world, layout):
         assert not differ, f"rank {rank}: parameters differ from synchronous DDP: {differ[:5]}"
         assert [g for _, g, _, _ in stale["history"]] == [0, 1, 2, 3]  # applied at once
         torch.testing.assert_close(torch.tensor(stale["losses"]), torch.tensor(sync["losses"]), rtol=1e-6, atol=0)
+
+
+# dp 4: with two ranks a + b is the same sum in any order, so only three or more ranks can show a bucket mismatch
+@pytest.mark.parametrize("bucket_mb", [0.01, 1.0, 25.0])  # one parameter per bucket, a few, all in one
+def test_s0_is_bitwise_identical_to_synchronous_ddp_at_any_bucket_size(dist_run, bucket_mb):
+    overrides = ["parallel.dp=4", "train.global_batch=16", f"parallel.ddp_bucket_mb={bucket_mb}"]
+    for rank, res in enumerate(dist_run(4, _sync_and_stale0, overrides, 3)):
+        sync, stale = res["sync"], res["stale0"]
+        assert res["same_buckets"]
+        differ = [n for n, p in sync["params"].items() if not torch.equal(p, stale["params"][n])]
+        assert not differ, f"rank {rank}, {bucket_mb} MiB buckets: parameters differ from synchronous DDP: {differ[:5]}"
 
 
 def _stale_run(overrides, steps):

@@ -59,6 +59,9 @@ class DataSection(Section):
     val_fraction: float = Field(default=0.02, gt=0, lt=0.5)
 
 
+# torch DDP's bucket_cap_mb: the one default of the DDP reducer, the stale-gradient runner and the planner
+DEFAULT_DDP_BUCKET_MB = 25.0
+
 # Mesh dimensions, outermost to innermost: tp innermost = the fastest links (see parallel/mesh.py).
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 
@@ -76,7 +79,7 @@ class ParallelSection(Section):
     reshard_after_forward: bool = True  # False = keep params gathered between fwd and bwd (ZeRO-2-like)
     zero_stage: Literal[1, 2, 3] | None = None  # planner's view; maps onto dp_kind/reshard_after_forward
     recompute: Literal["none", "selective", "full"] = "none"
-    ddp_bucket_mb: float = Field(default=25.0, gt=0, description="ddp: gradient bucket size (MiB); smaller "
+    ddp_bucket_mb: float = Field(default=DEFAULT_DDP_BUCKET_MB, gt=0, description="ddp: gradient bucket size (MiB); smaller "
                                  "buckets start reducing earlier in backward")
     pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"] = "1f1b"
     virtual_stages: int = Field(default=1, ge=1)
@@ -94,6 +97,11 @@ class ParallelSection(Section):
 
     def non_dp_degree(self) -> int:
         return self.tp * self.pp * self.cp
+
+    @property
+    def ddp_bucket_bytes(self) -> int:
+        """ddp_bucket_mb in bytes: the one conversion used by the DDP reducer, the stale runner and the planner."""
+        return int(self.ddp_bucket_mb * 2**20)
 
 
 def resolve_degrees(pcfg: ParallelSection, world_size: int) -> dict[str, int]:

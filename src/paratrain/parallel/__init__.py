@@ -92,7 +92,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
         from paratrain.parallel.data import apply_dp
 
         kind, reshard = effective_dp(pcfg)
-        dp = apply_dp(parts, dp_mesh, kind, reshard, bucket_bytes=int(pcfg.ddp_bucket_mb * 2**20))
+        dp = apply_dp(parts, dp_mesh, kind, reshard, bucket_bytes=pcfg.ddp_bucket_bytes)
     runner_cls, runner_extra = ParallelRunner, {}
     if degrees["cp"] > 1:  # the runner shards each batch along the sequence (zig-zag)
         from paratrain.parallel.context import ContextParallelRunner

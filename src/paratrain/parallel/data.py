@@ -26,11 +26,29 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-DEFAULT_BUCKET_BYTES = 25 * 2**20  # torch DDP's default bucket cap
+from paratrain.config import DEFAULT_DDP_BUCKET_MB
+
+DEFAULT_BUCKET_BYTES = int(DEFAULT_DDP_BUCKET_MB * 2**20)
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
     return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def bucket_params(params: Iterable[nn.Parameter], bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[nn.Parameter]]:
+    """Gradient buckets: reverse registration order (about the order gradients become ready in backward), filled
+    greedily up to `bucket_bytes`. The one bucketing rule of the DDP reducer and the stale-gradient runner: gloo's
+    sum order depends on the bucket layout, so both must form identical buckets for s = 0 to be bitwise DDP."""
+    buckets: list[list[nn.Parameter]] = []
+    size = 0
+    for p in [p for p in params if p.requires_grad][::-1]:
+        nbytes = local(p).numel() * local(p).element_size()
+        if not buckets or size + nbytes > bucket_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
 
 
 class BucketedGradReducer:
@@ -40,24 +58,15 @@ class BucketedGradReducer:
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES):
         self.group = group
         self.world = dist.get_world_size(group)
-        # Reverse registration order approximates the order gradients become ready in backward.
-        ordered = [p for p in params if p.requires_grad][::-1]
-        self.buckets: list[list[nn.Parameter]] = []
-        size = 0
-        for p in ordered:
-            nbytes = local(p).numel() * local(p).element_size()
-            if not self.buckets or size + nbytes > bucket_bytes:
-                self.buckets.append([])
-                size = 0
-            self.buckets[-1].append(p)
-            size += nbytes
+        self.buckets = bucket_params(params, bucket_bytes)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
         self._pending: list[int] = []
         self._ready: list[int] = []
         self._work: list[tuple[dist.Work, torch.Tensor, int]] = []
         self.sync = True
-        for p in ordered:
-            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+        for bucket in self.buckets:
+            for p in bucket:
+                p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._reset()
 
     def _reset(self) -> None:

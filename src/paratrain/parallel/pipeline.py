@@ -257,7 +257,7 @@ def apply_stage_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: Devic
 
     kind, _ = effective_dp(pcfg)
     return apply_dp(parts, dp_mesh, kind, stage_reshard_after_forward(pcfg),
-                    bucket_bytes=int(pcfg.ddp_bucket_mb * 2**20))
+                    bucket_bytes=pcfg.ddp_bucket_bytes)
 
 
 # --------------------------------------------------------------------------------------------------------

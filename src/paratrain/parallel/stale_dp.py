@@ -66,32 +66,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paratrain.config import TrainConfig
+from paratrain.parallel.data import bucket_params, local
 from paratrain.parallel.runner import ParallelRunner, plain
 from paratrain.train.staleness import AUTO_BUDGET_SLACK, FaultInjection, StragglerDetector, lower_median
 
-# Same as the runtime's DDP reducer (parallel/data.py, torch DDP's default), so s = 0 reduces identical buckets.
-DEFAULT_BUCKET_BYTES = 25 * 2**20
 META_FIELDS = 2  # [sum of microbatch losses, microbatches processed], then one work time per dp rank
 ARRIVAL_POLL_S = 2e-4  # how often the arrival grace asks whether the pending reductions completed
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
-
-
-def bucket_params(params, bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[list[nn.Parameter]]:
-    """Buckets exactly as `BucketedGradReducer` forms them: reverse registration order, greedy up to the cap."""
-    ordered = [p for p in params if p.requires_grad][::-1]
-    buckets: list[list[nn.Parameter]] = []
-    size = 0
-    for p in ordered:
-        nbytes = local(p).numel() * local(p).element_size()
-        if not buckets or size + nbytes > bucket_bytes:
-            buckets.append([])
-            size = 0
-        buckets[-1].append(p)
-        size += nbytes
-    return buckets
 
 
 def check_staleness_layout(cfg: TrainConfig, degrees: dict[str, int]) -> None:
@@ -163,7 +143,8 @@ class StaleDataParallelRunner(ParallelRunner):
         self.fault = FaultInjection.parse(st.test_fault_injection)
         self.group, self.tp_group = group, tp_group
         self.is_main = is_main
-        self.buckets = bucket_params(self.parameters())
+        # the DDP path's buckets (same rule, same size): s = 0 is then bitwise synchronous DDP
+        self.buckets = bucket_params(self.parameters(), cfg.parallel.ddp_bucket_bytes)
         self.detector = StragglerDetector(dp_size, st.straggler_threshold, st.straggler_window)
         self.in_flight: deque[InFlightStep] = deque()
         self.history: list[AppliedStep] = []  # one per optimizer step: tests check staleness from it

@@ -244,7 +244,7 @@ def planner_options(cfg: TrainConfig) -> dict:
     train.compile fuses the blocks' elementwise ops."""
     from paratrain.plan.model import PARATRAIN_RUNTIME
 
-    return {**PARATRAIN_RUNTIME, "bucket_bytes": cfg.parallel.ddp_bucket_mb * 2**20, "eager": not cfg.train.compile}
+    return {**PARATRAIN_RUNTIME, "bucket_bytes": cfg.parallel.ddp_bucket_bytes, "eager": not cfg.train.compile}
 
 
 def measured_for_planner(cfg: TrainConfig, model_cfg, degrees: dict, breakdowns: list[dict]) -> dict:
