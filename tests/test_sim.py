@@ -35,7 +35,7 @@ from paratrain.sim.sweeps import (
     sweep_interval,
 )
 
-REFERENCE_CSV = Path("/work/shared/reference/llama3_table5_interruptions.csv")
+REFERENCE_CSV = Path(__file__).parent / "data" / "llama3_table5_interruptions.csv"  # source: tests/data/README.md
 MIN = 60.0
 
 
@@ -63,10 +63,9 @@ def test_student_t_quantile_matches_tables():
 # ---- failure model ------------------------------------------------------------------------------------------
 def test_llama3_table_matches_reference_csv_and_sums_to_419():
     assert sum(count for _, _, count in LLAMA3_TABLE5) == 419
-    if REFERENCE_CSV.exists():
-        with REFERENCE_CSV.open() as fh:
-            rows = [(r["component"], r["category"], int(r["count"])) for r in csv.DictReader(fh)]
-        assert tuple(rows) == LLAMA3_TABLE5
+    with REFERENCE_CSV.open() as fh:
+        rows = [(r["component"], r["category"], int(r["count"])) for r in csv.DictReader(fh)]
+    assert tuple(rows) == LLAMA3_TABLE5
     rate = total_rate_per_device_hour(llama3_causes())
     assert rate == pytest.approx(419 / (16384 * 54 * 24))
     assert LLAMA3_DEVICE_HOURS == 16384 * 54 * 24

@@ -104,8 +104,7 @@ def test_bad_input_is_one_line_naming_the_field(argv, message, capsys):
 
 
 def test_catalog_and_planner_fill_the_inputs(capsys):
-    catalog = pytest.importorskip("paratrain.hardware.catalog")
-    pytest.importorskip("paratrain.plan.api")
+    from paratrain.hardware import catalog
     from paratrain.model.config import PRESETS
     from paratrain.sim.catalog import CHECKPOINT_BYTES_PER_PARAM
 
@@ -129,7 +128,6 @@ def test_catalog_and_planner_fill_the_inputs(capsys):
 def test_ultraservers_from_the_catalog_are_replaced_as_a_whole(capsys):
     """A Trn2 UltraServer (4 trn2.48xlarge joined by NeuronLink) is 4 hosts of 16 chips replaced as one unit;
     a Trn3 Gen2 UltraServer (no instance tier in the catalog) is one 144-chip unit."""
-    pytest.importorskip("paratrain.hardware.catalog")
     base = ["--step-time", "6s", "--duration", "10d", "--samples", "4"]
     trn2 = run_json(capsys, ["simulate", "--hardware", "trn2-ultraserver", "--devices", "4096", *base])["inputs"]
     assert (trn2["devices_per_node"], trn2["nodes_per_domain"], trn2["nodes"]) == (16, 4, 256)

@@ -735,15 +735,6 @@ def test_single_process_bounded_staleness_is_the_delayed_update():
     _assert_same_updates(res["params"], ref_params, init)
 
 
-def test_every_runtime_policy_maps_to_a_simulator_policy():
-    from paratrain.config import StalenessSection
-    from paratrain.sim.config import STRAGGLER_POLICIES
-    from paratrain.train.staleness import SIM_POLICY
-
-    runtime = StalenessSection.model_fields["policy"].annotation.__args__
-    assert set(SIM_POLICY) == set(runtime) and set(SIM_POLICY.values()) <= set(STRAGGLER_POLICIES)
-
-
 @pytest.mark.slow
 def test_torchrun_eviction_request_and_exit_code(tmp_path):
     """As users run it: torchrun, 2 ranks, s = 1, rank 1 slowed 4x; the workers stop with exit code 75 after the

@@ -39,11 +39,6 @@ EVICTION_REQUEST_FILE = "eviction_request.json"
 # timing noise does not make a healthy rank drop its last microbatch.
 AUTO_BUDGET_SLACK = 0.10
 
-# The simulator (paratrain.sim) names policies by what the job does to a slow rank; the runtime by how the
-# gradient step works. Runtime policy -> simulator policy it is modelled by.
-SIM_POLICY = {"sync": "wait", "bounded_staleness": "bounded_staleness", "time_budget": "bounded_staleness"}
-
-
 class EvictionRequested(SystemExit):
     """Raised on every rank after a committed checkpoint when evict_stragglers found straggling ranks."""
 
