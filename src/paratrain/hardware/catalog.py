@@ -10,6 +10,7 @@ No torch here: the planner imports this at startup.
 
 from __future__ import annotations
 
+import functools
 import os
 import tomllib
 from dataclasses import asdict, dataclass, field
@@ -384,16 +385,17 @@ def load_catalog(extra: list[Path] | None = None) -> Catalog:
     return Catalog(chips, links, systems)
 
 
-_CACHE: dict[tuple, Catalog] = {}
-
-
 def get_catalog(extra: list[Path] | None = None) -> Catalog:
-    """The catalog, cached until a file is added, removed or changed."""
+    """The catalog, memoised on the files' names and modification times: a pure function of the files, so a
+    file added, removed or changed gives a new load (no cache the caller manages)."""
     files = catalog_files(extra)
-    key = tuple((str(p), p.stat().st_mtime_ns if p.exists() else 0) for p in files)
-    if key not in _CACHE:
-        _CACHE[key] = load_catalog(extra)
-    return _CACHE[key]
+    return _load_files(tuple((str(p), p.stat().st_mtime_ns if p.exists() else 0) for p in files),
+                       tuple(extra or ()))
+
+
+@functools.lru_cache(maxsize=16)
+def _load_files(files_and_mtimes: tuple, extra: tuple[Path, ...]) -> Catalog:
+    return load_catalog(list(extra) or None)
 
 
 def resolve_system(spec: str | System) -> System:

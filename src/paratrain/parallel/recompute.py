@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Callable
+from contextvars import ContextVar
 
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -23,7 +24,9 @@ from torch.utils.checkpoint import checkpoint
 from paratrain.model.llama import CoreAttention
 
 MODES = ("none", "selective", "full")
-_kept_observers: list[Callable] = []
+# Observers are scoped to a `with observe_kept_tensors(...)` block, like torch's own saved_tensors_hooks: a
+# context variable (an immutable tuple per context), not a module-level list that callers mutate.
+_KEPT_OBSERVERS: ContextVar[tuple[Callable, ...]] = ContextVar("paratrain_kept_observers", default=())
 
 
 @contextlib.contextmanager
@@ -32,15 +35,15 @@ def observe_kept_tensors(callback: Callable):
     saved-tensor hooks a caller may install: the inputs a checkpointed region keeps for its recompute, and
     what sequence parallelism keeps in place of gathered activations (its hooks are innermost, so an outer
     saved_tensors_hooks does not see those). Used by the activation-memory accounting."""
-    _kept_observers.append(callback)
+    token = _KEPT_OBSERVERS.set((*_KEPT_OBSERVERS.get(), callback))
     try:
         yield
     finally:
-        _kept_observers.remove(callback)
+        _KEPT_OBSERVERS.reset(token)
 
 
 def notify_kept(tensors) -> None:
-    for observe in _kept_observers:
+    for observe in _KEPT_OBSERVERS.get():
         observe(tensors)
 
 
