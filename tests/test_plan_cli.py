@@ -159,6 +159,7 @@ def test_plan_without_any_fitting_layout_says_why(capsys):
     assert main(["plan", "--model", "llama3.1-405b", "--hardware", "p4d.24xlarge", "--nodes", "1", "--seq", "8192",
                  "--global-batch", "8"]) == 2
     assert "fits in memory" in capsys.readouterr().err
-    assert main(["plan", "--model", "llama3-70b", "--hardware", "trn3-ultraserver", "--nodes", "8", "--seq", "8192",
-                 "--global-batch", "256"]) == 2
+    # 4,608 devices, at most tp 32 x pp 32 without data parallelism, and a global batch of 7 leaves dp 1 or 7
+    assert main(["plan", "--model", "llama2-7b", "--hardware", "trn3-ultraserver", "--nodes", "8", "--seq", "4096",
+                 "--global-batch", "7"]) == 2
     assert "no valid layout" in capsys.readouterr().err

@@ -45,10 +45,25 @@ def test_flops_match_narayanan_formula():
                    Options(attention="unfused"))
     hardware = 96 * B * s * layers * h * h * (1 + s / (6 * h) + V / (16 * layers * h))
     model_flops = 72 * B * s * layers * h * h * (1 + s / (6 * h) + V / (12 * layers * h))
-    # the formulas omit biases and LayerNorm weights (13h per layer, < 0.1% here)
-    assert est.hardware_flops_per_step == pytest.approx(hardware, rel=2e-3)
-    assert est.model_flops_per_step == pytest.approx(model_flops, rel=2e-3)
-    assert est.hfu / est.mfu == pytest.approx(hardware / model_flops, rel=2e-3)
+    # the formulas omit biases and LayerNorm weights (13h per layer, < 0.1% here); they count the full s x s
+    # attention square, reported beside the causal count the planner's MFU uses
+    assert est.model_flops_full_attention_per_step == pytest.approx(model_flops, rel=2e-3)
+    assert est.hfu_full_attention / est.mfu_full_attention == pytest.approx(hardware / model_flops, rel=2e-3)
+    # causal: the attention term (forward 4 l s h per token, x3 for training) counts half
+    causal = model_flops - 3 * 2 * layers * s * h * B * s
+    assert est.attention_flops_convention == "causal"
+    assert est.model_flops_per_step == pytest.approx(causal, rel=2e-3)
+    assert est.mfu / est.mfu_full_attention == pytest.approx(causal / model_flops, rel=2e-3)
+
+
+def test_mfu_and_hfu_never_above_one():
+    """Long sequences made the full-square MFU exceed what the chip could do (77% for matmuls at 64% of peak);
+    the causal count is what the timing model times, so MFU and HFU stay below the chip's matmul efficiency."""
+    est = estimate("llama3.1-405b", "trn2-ultraserver", 16, 131072, 64,
+                   Layout(tp=64, pp=4, cp=4, sp=True, recompute="full"))
+    eff = resolve_system("trn2-ultraserver").chip.efficiency.matmul_eff_max
+    assert 0 < est.mfu <= est.hfu <= eff
+    assert est.mfu_full_attention > est.mfu
 
 
 def test_selective_recompute_adds_only_attention_core_flops():
@@ -57,7 +72,7 @@ def test_selective_recompute_adds_only_attention_core_flops():
     none = estimate(model, "p5.48xlarge", 1, s, B, Layout(tp=8, sp=True))
     sel = estimate(model, "p5.48xlarge", 1, s, B, Layout(tp=8, sp=True, recompute="selective"))
     assert none.hardware_flops_per_step == none.model_flops_per_step
-    extra = 4 * model.layers * s * model.hidden * B * s  # QK^T and AV forward again
+    extra = 2 * model.layers * s * model.hidden * B * s  # QK^T and AV forward again (causal count)
     assert sel.hardware_flops_per_step - sel.model_flops_per_step == pytest.approx(extra)
 
 

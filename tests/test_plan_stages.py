@@ -273,3 +273,18 @@ def box_system(tmp_path):
     path = tmp_path / "box.toml"
     path.write_text(USER_SYSTEM)
     return resolve_system(str(path))
+
+
+def test_search_finds_pipeline_degrees_that_do_not_divide_the_layers():
+    """126 layers at PP 32 and a 70-layer model at PP 12 (uneven stages, as the runtime accepts them)."""
+    from paratrain.model.config import load_model_config
+    from paratrain.plan.api import search
+
+    res = search("llama3.1-405b", "p5.48xlarge", 128, 8192, 512, top=1, constraints={"pp": [32]})
+    assert res.candidates, "no 405B layout at PP 32"
+    best = res.candidates[0].layout
+    assert best.pp == 32 and sum(best.pp_layers) == 126 and len(set(best.pp_layers)) > 1
+    seventy = load_model_config("llama3-70b").model_copy(update={"layers": 70, "name": "llama-70-layers"})
+    res = search(seventy, "p5.48xlarge", 12, 8192, 96, top=1, constraints={"pp": [12]})
+    assert res.candidates and res.candidates[0].layout.pp == 12
+    assert sum(res.candidates[0].layout.pp_layers) == 70

@@ -90,6 +90,13 @@ class Estimate:
     notes: list[str] = field(default_factory=list)
     # step time with the runtime's balanced split, when the layout's split is not balanced (for comparison)
     balanced_step_time_s: float | None = None
+    # MFU/HFU count attention FLOPs causally (half the s x s square, what flash attention computes and what the
+    # timing model times); the *_full_attention fields count the full square (Narayanan et al. 2021, PaLM) for
+    # comparison with papers
+    attention_flops_convention: str = "causal"
+    mfu_full_attention: float | None = None
+    hfu_full_attention: float | None = None
+    model_flops_full_attention_per_step: float | None = None
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -236,7 +243,9 @@ def _to_estimate(model, system, nodes, seq, global_batch, layout, r: dict, train
         time_breakdown_s={k[len("time_"):-len("_s")]: r[k] for k in r if k.startswith("time_")},
         comm_bytes_per_device={k[len("comm_"):-len("_bytes")]: r[k] for k in r if k.startswith("comm_")},
         bubble_fraction=r["bubble_fraction"], cost_usd_per_hour=price, cost_usd_per_million_tokens=per_m,
-        balanced_step_time_s=balanced_step_time_s,
+        balanced_step_time_s=balanced_step_time_s, mfu_full_attention=r["mfu_full_attention"],
+        hfu_full_attention=r["hfu_full_attention"],
+        model_flops_full_attention_per_step=r["model_flops_full_attention_per_step"],
     )
     if train_tokens:
         est.time_to_train_s = train_tokens / est.tokens_per_s
@@ -296,16 +305,26 @@ def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch
     devices = nodes * system.devices_per_node
     tps = [t for t in _divisors(devices) if model.heads % t == 0 and model.ffn % t == 0
            and (model.n_kv_heads % t == 0 or t % model.n_kv_heads == 0)]
-    pps = [p for p in _divisors(model.layers) if devices % p == 0]
+    # any pipeline degree that divides the devices and leaves every stage a layer: uneven counts (126 layers on
+    # 32 stages) are split as the runtime splits them (plan/stages.py), and the slowest stage sets the pace
+    pps = [p for p in _divisors(devices) if p <= model.layers]
     cps = [c for c in cp_options if devices % c == 0 and seq % (2 * c) == 0 or c == 1]
     mbs = [b for b in _divisors(global_batch) if b <= max_microbatch]
     # (schedule, virtual stages) pairs
     sched_v = [(0, 1), (1, 1)] + [(2, v) for v in (2, 3, 4, 6, 8)] + [(3, 2)]
     # (zero stage, dp kind) pairs
     zero_kind = [(0, 0), (1, 0), (2, 0), (3, 1), (3, 2)]
-    axes = np.meshgrid(np.array(tps), np.array(pps), np.array(cps), np.array(mbs), np.array([0, 1]),
-                       np.arange(3), np.arange(len(sched_v)), np.arange(len(zero_kind)), indexing="ij")
-    tp, pp, cp, b, sp, rc, sv, zk = (a.ravel() for a in axes)
+    # (tp, pp, cp) triples that divide the devices and leave a data-parallel degree dividing the global batch,
+    # first: the rest of the grid is expanded only for those (uneven pipeline degrees make pp long)
+    t3, p3, c3 = (a.ravel() for a in np.meshgrid(np.array(tps), np.array(pps), np.array(cps), indexing="ij"))
+    par = t3 * p3 * c3
+    keep = (devices % par == 0) & (global_batch % np.maximum(devices // par, 1) == 0)
+    combinations = int(t3.size) * len(mbs) * 2 * 3 * len(sched_v) * len(zero_kind)
+    t3, p3, c3 = t3[keep], p3[keep], c3[keep]
+    axes = np.meshgrid(np.arange(t3.size), np.array(mbs), np.array([0, 1]), np.arange(3), np.arange(len(sched_v)),
+                       np.arange(len(zero_kind)), indexing="ij")
+    i3, b, sp, rc, sv, zk = (a.ravel() for a in axes)
+    tp, pp, cp = t3[i3], p3[i3], c3[i3]
     sv_arr, zk_arr = np.array(sched_v), np.array(zero_kind)
     sched, v = sv_arr[sv, 0], sv_arr[sv, 1]
     zero, kind = zk_arr[zk, 0], zk_arr[zk, 1]
@@ -315,7 +334,7 @@ def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch
     ok = (devices % model_par == 0) & (dp >= 1)
     ok &= global_batch % np.maximum(dp * b, 1) == 0
     ok &= (sp == 0) | (tp > 1)
-    ok &= (model.layers % (pp * v) == 0)
+    ok &= model.layers >= pp * v  # the runtime's rule: every (virtual) stage holds at least one layer
     ok &= np.where(pp == 1, sched == 1, True)  # one stage: no schedule to choose
     ok &= np.where(sched >= 2, m >= pp, True)
     ok &= (dp > 1) | (zk == 1) | (zk == 0)  # with one replica the ZeRO choices coincide: keep 0 and 1 only
@@ -337,7 +356,7 @@ def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch
     sel = np.nonzero(ok)[0]
     return {"tp": tp[sel], "pp": pp[sel], "cp": cp[sel], "dp": dp[sel], "microbatch": b[sel], "sp": sp[sel] == 1,
             "recompute": rc[sel], "schedule": sched[sel], "virtual_stages": v[sel], "zero_stage": zero[sel],
-            "dp_kind": kind[sel], "raw": np.int64(tp.size)}
+            "dp_kind": kind[sel], "raw": np.int64(combinations)}
 
 
 def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int, global_batch: int, *,

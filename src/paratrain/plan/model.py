@@ -23,6 +23,11 @@ RECOMPUTE = ("none", "selective", "full")
 STAGE_SPLITS = ("balanced", "auto")  # the runtime's default split, or the one that minimises the slowest stage
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
 DP_KINDS = ("ddp", "fsdp", "hsdp")
+# Attention FLOPs per token per layer per hidden unit, forward: QK^T and AV over the keys a query sees. Causal
+# (what is computed with flash attention and what MFU counts here): 2 x 2 x s/2 x h; the full square (Narayanan et
+# al. 2021, PaLM): 2 x 2 x s x h. Both MFUs are reported; only the causal one is bounded by the timing model.
+ATTENTION_CONVENTION = "causal"
+CAUSAL_ATTENTION_FLOPS = 2.0
 ATTENTION = ("flash", "unfused")
 
 BF16_BYTES = 2
@@ -392,13 +397,16 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
 
     step = pipeline + dp_exposed + optimizer
 
-    # -- FLOPs --
+    # -- FLOPs: one attention convention, causal, for counting and for timing (flash attention skips the masked
+    # half; the other convention, the full s x s square of Narayanan et al. 2021 / PaLM, is reported beside it) --
     tokens = global_batch * seq
-    model_flops = model.train_flops_per_token(seq) * tokens
-    attn_fwd_flops = 4.0 * L * seq * h
-    recompute_flops = np.where(rc == 2, model.forward_flops_per_token(seq) - 2.0 * V * h,
-                               np.where(rc == 1, attn_fwd_flops, 0.0)) * tokens
-    hardware_flops = model_flops + recompute_flops
+    flops = {}
+    for name, attn_per_token in (("causal", CAUSAL_ATTENTION_FLOPS), ("full", 4.0)):
+        attn_fwd = attn_per_token * L * seq * h  # forward attention FLOPs per token
+        fwd = 2.0 * model.num_matmul_params() + attn_fwd
+        recompute = np.where(rc == 2, fwd - 2.0 * V * h, np.where(rc == 1, attn_fwd, 0.0)) * tokens
+        flops[name] = (3.0 * fwd * tokens, 3.0 * fwd * tokens + recompute)
+    model_flops, hardware_flops = flops[ATTENTION_CONVENTION]
     peak = devices * system.device_peak_flops
     mfu = model_flops / (step * peak)
     hfu = hardware_flops / (step * peak)
@@ -411,6 +419,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     return {
         "step_time_s": step, "tokens_per_s": tokens / step, "mfu": mfu, "hfu": hfu,
         "model_flops_per_step": model_flops * np.ones_like(step), "hardware_flops_per_step": hardware_flops,
+        "model_flops_full_attention_per_step": flops["full"][0] * np.ones_like(step),
+        "mfu_full_attention": flops["full"][0] / (step * peak), "hfu_full_attention": flops["full"][1] / (step * peak),
         "microbatches": m, "devices": devices,
         "time_compute_s": m * (layers_per_stage * (fwd_compute + bwd_compute)),
         "time_tp_comm_s": m * (layers_per_stage * (tp_fwd + tp_bwd) + head_on * (tp_head_fwd + tp_head_bwd)
