@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import tomllib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -117,14 +118,66 @@ class Stack:
     attention: str = "flash"
 
 
+# How a node-hour is bought (prices.toml documents each). The order is the order tables and plots use.
+PURCHASE_OPTIONS = ("on-demand", "capacity-block", "savings-1y", "savings-3y", "spot")
+PURCHASE_LABELS = {"on-demand": "on demand", "capacity-block": "EC2 Capacity Block", "savings-1y": "1-year commitment",
+                   "savings-3y": "3-year commitment", "spot": "spot"}
+
+
+@dataclass(frozen=True)
+class PriceQuote:
+    """One published price of one node-hour: its purchase option, region, source and the date it was read or
+    published (YYYY-MM-DD or YYYY-MM)."""
+
+    purchase: str
+    usd_per_node_hour: float
+    region: str
+    source: str
+    date: str
+    note: str = ""
+
+    def label(self) -> str:
+        """'on-demand, us-east-1, 2026-11-30': what is printed beside every dollar figure made from it."""
+        return f"{self.purchase}, {self.region}, {self.date}"
+
+
 @dataclass(frozen=True)
 class Prices:
-    source: str
-    on_demand_usd_per_hour: float | None = None
-    reserved_1yr_usd_per_hour: float | None = None
-    reserved_3yr_usd_per_hour: float | None = None
-    capacity_block_usd_per_hour: float | None = None
+    """A system's prices by purchase option, or why it has none (`no_public_price`)."""
+
+    quotes: dict[str, PriceQuote] = field(default_factory=dict)
+    no_public_price: str = ""
     conflicts: tuple[str, ...] = ()
+
+    def quote(self, purchase: str) -> PriceQuote | None:
+        return self.quotes.get(purchase)
+
+    def _usd(self, purchase: str) -> float | None:
+        quote = self.quotes.get(purchase)
+        return None if quote is None else quote.usd_per_node_hour
+
+    @property
+    def on_demand_usd_per_hour(self) -> float | None:
+        return self._usd("on-demand")
+
+    @property
+    def reserved_1yr_usd_per_hour(self) -> float | None:
+        return self._usd("savings-1y")
+
+    @property
+    def reserved_3yr_usd_per_hour(self) -> float | None:
+        return self._usd("savings-3y")
+
+    @property
+    def capacity_block_usd_per_hour(self) -> float | None:
+        return self._usd("capacity-block")
+
+    @property
+    def source(self) -> str:
+        """Every quote's source in one line, or the reason there is none."""
+        if not self.quotes:
+            return self.no_public_price or "no public price"
+        return "; ".join(f"{q.purchase}: {q.source} ({q.date})" for q in self.quotes.values())
 
 
 @dataclass(frozen=True)
@@ -217,11 +270,20 @@ SYSTEM_EFF_FIELDS = {
     "dp_overlap": ("frac0", True), "tp_overlap": ("frac0", True), "memory_usable_fraction": ("frac", True),
     "source": ("str", True),
 }
+# The older form, a [systems.X.prices] table inside a system (still read from user files): each field becomes
+# one quote of the matching purchase option.
 PRICE_FIELDS = {
     "on_demand_usd_per_hour": ("pos", False), "reserved_1yr_usd_per_hour": ("pos", False),
     "reserved_3yr_usd_per_hour": ("pos", False), "capacity_block_usd_per_hour": ("pos", False),
-    "source": ("str", True), "conflicts": ("strlist", False),
+    "source": ("str", True), "conflicts": ("strlist", False), "region": ("str", False), "date": ("date", False),
 }
+LEGACY_PRICE_KEYS = {"on_demand_usd_per_hour": "on-demand", "reserved_1yr_usd_per_hour": "savings-1y",
+                     "reserved_3yr_usd_per_hour": "savings-3y", "capacity_block_usd_per_hour": "capacity-block"}
+# [prices.SYSTEM] (prices.toml): one table per purchase option, or no_public_price.
+PRICE_ENTRY_FIELDS = {**{option: ("table", False) for option in PURCHASE_OPTIONS},
+                      "no_public_price": ("str", False), "conflicts": ("strlist", False)}
+QUOTE_FIELDS = {"usd_per_node_hour": ("pos", True), "region": ("str", True), "source": ("str", True),
+                "date": ("date", True), "note": ("str", False)}
 TIER_FIELDS = {"name": ("str", True), "interconnect": ("str", True), "domain_devices": ("nonneg_int", True)}
 
 ALLOWED = {
@@ -231,6 +293,7 @@ ALLOWED = {
     "endpoint": f"one of {', '.join(ENDPOINTS)}", "tiers": "a non-empty list of tier tables",
     "table": "a table", "dp_kinds": "a list from ddp, fsdp, hsdp", "zero_stages": "a list from 0, 1, 2, 3",
     "schedules": "a list from gpipe, 1f1b, interleaved_1f1b, zbv", "attention": "one of flash, unfused",
+    "date": "a date YYYY-MM-DD or YYYY-MM (when the price was read or published), or 'not given'",
 }
 
 
@@ -253,6 +316,7 @@ def _valid(kind: str, value: Any) -> bool:
         "tiers": lambda v: isinstance(v, list) and len(v) > 0 and all(isinstance(x, dict) for x in v),
         "table": lambda v: isinstance(v, dict),
         "attention": lambda v: v in ("flash", "unfused"),
+        "date": lambda v: isinstance(v, str) and (v == "not given" or re.fullmatch(r"\d{4}-\d{2}(-\d{2})?", v) is not None),
         "dp_kinds": lambda v: isinstance(v, list) and v and all(x in ("ddp", "fsdp", "hsdp") for x in v),
         "zero_stages": lambda v: isinstance(v, list) and v and all(x in (0, 1, 2, 3) for x in v),
         "schedules": lambda v: isinstance(v, list) and v and all(
@@ -315,13 +379,55 @@ def _tiers(origin: str, where: str, raw: list, links: dict[str, Interconnect]) -
     return tuple(tiers)
 
 
-def _system(origin: str, name: str, raw: dict, chips: dict[str, Chip], links: dict[str, Interconnect]) -> System:
+def _legacy_quotes(origin: str, where: str, raw: dict) -> dict[str, PriceQuote]:
+    """A [systems.X.prices] table (the older form) as quotes; region and date 'not given' when absent."""
+    table = _check(origin, f"{where}.prices", raw, PRICE_FIELDS)
+    return {option: PriceQuote(option, table[key], table.get("region", "not given"), table["source"],
+                               table.get("date", "not given"))
+            for key, option in LEGACY_PRICE_KEYS.items() if key in table}
+
+
+def _price_quotes(origin: str, name: str, raw: dict) -> tuple[dict[str, PriceQuote], str, tuple[str, ...]]:
+    """One [prices.SYSTEM] table: its quotes by purchase option, the no-public-price reason, its conflicts."""
+    where = f"prices.{name}"
+    _check(origin, where, raw, PRICE_ENTRY_FIELDS)
+    quotes = {}
+    for option in PURCHASE_OPTIONS:
+        if option in raw:
+            q = _check(origin, f"{where}.{option}", raw[option], QUOTE_FIELDS)
+            quotes[option] = PriceQuote(option, q["usd_per_node_hour"], q["region"], q["source"], q["date"],
+                                        q.get("note", ""))
+    if quotes and "no_public_price" in raw:
+        raise CatalogError(f"{origin}: {where}: has both prices ({', '.join(quotes)}) and no_public_price; "
+                           "allowed: one or the other")
+    if not quotes and "no_public_price" not in raw:
+        raise CatalogError(f"{origin}: {where}: no price; allowed: at least one of {', '.join(PURCHASE_OPTIONS)}, "
+                           "or no_public_price = \"why\"")
+    return quotes, raw.get("no_public_price", ""), tuple(raw.get("conflicts", ()))
+
+
+def _system_prices(origin: str, name: str, raw: dict, price_entries: list[tuple[str, dict]]) -> Prices:
+    """Quotes from the system's own [systems.X.prices] table (older form), then every [prices.X] table in file
+    order, a later quote replacing an earlier one of the same purchase option."""
+    quotes = _legacy_quotes(origin, f"systems.{name}", raw["prices"]) if "prices" in raw else {}
+    conflicts = tuple(raw.get("prices", {}).get("conflicts", ()))
+    reason = ""
+    for entry_origin, entry in price_entries:
+        more, why, more_conflicts = _price_quotes(entry_origin, name, entry)
+        quotes.update(more)
+        reason = why or reason
+        conflicts += more_conflicts
+    return Prices(quotes=quotes, no_public_price="" if quotes else (reason or "no public price"), conflicts=conflicts)
+
+
+def _system(origin: str, name: str, raw: dict, chips: dict[str, Chip], links: dict[str, Interconnect],
+            price_entries: list[tuple[str, dict]] = ()) -> System:
     where = f"systems.{name}"
     _check(origin, where, raw, SYSTEM_FIELDS)
     if raw["chip"] not in chips:
         raise CatalogError(f"{origin}: {where}.chip = {raw['chip']!r}: unknown; allowed: {', '.join(sorted(chips))}")
     eff = _check(origin, f"{where}.efficiency", raw["efficiency"], SYSTEM_EFF_FIELDS)
-    prices = _check(origin, f"{where}.prices", raw.get("prices", {"source": "no public price"}), PRICE_FIELDS)
+    prices = _system_prices(origin, name, raw, list(price_entries))
     tiers = _tiers(origin, where, raw["tiers"], links)
     stack = None
     if "stack" in raw:
@@ -337,7 +443,7 @@ def _system(origin: str, name: str, raw: dict, chips: dict[str, Chip], links: di
         name=name, display_name=raw.get("display_name", name), chip=chips[raw["chip"]],
         chips_per_node=raw["chips_per_node"], devices_per_chip=raw["devices_per_chip"],
         device_unit=raw["device_unit"], tiers=tiers, efficiency=SystemEfficiency(**eff),
-        prices=Prices(**{**prices, "conflicts": tuple(prices.get("conflicts", ()))}), source=raw["source"], stack=stack, conflicts=tuple(raw.get("conflicts", ())), origin=origin,
+        prices=prices, source=raw["source"], stack=stack, conflicts=tuple(raw.get("conflicts", ())), origin=origin,
     )
 
 
@@ -351,8 +457,9 @@ def _read(path: Path) -> dict:
     except OSError as exc:
         raise CatalogError(f"{path}: cannot read: {exc.strerror}") from None
     for key in data:
-        if key not in ("chips", "interconnects", "systems"):
-            raise CatalogError(f"{path}: top-level table [{key}]: unknown; allowed: chips, interconnects, systems")
+        if key not in ("chips", "interconnects", "systems", "prices"):
+            raise CatalogError(f"{path}: top-level table [{key}]: unknown; allowed: chips, interconnects, systems, "
+                               "prices")
     return data
 
 
@@ -371,17 +478,27 @@ def load_catalog(extra: list[Path] | None = None) -> Catalog:
     raw_chips: dict[str, tuple[str, dict]] = {}
     raw_links: dict[str, tuple[str, dict]] = {}
     raw_systems: dict[str, tuple[str, dict]] = {}
+    raw_prices: dict[str, list[tuple[str, dict]]] = {}  # every file's entry, merged option by option
     for path in catalog_files(extra):
         data = _read(path)
-        for table, target in (("chips", raw_chips), ("interconnects", raw_links), ("systems", raw_systems)):
+        for table, target in (("chips", raw_chips), ("interconnects", raw_links), ("systems", raw_systems),
+                              ("prices", None)):
             entries = data.get(table, {})
             if not isinstance(entries, dict):
                 raise CatalogError(f"{path}: [{table}] must be a table of named entries")
             for name, entry in entries.items():
-                target[name] = (str(path), entry)
+                if target is None:
+                    raw_prices.setdefault(name, []).append((str(path), entry))
+                else:
+                    target[name] = (str(path), entry)
+    unknown = sorted(set(raw_prices) - set(raw_systems))
+    if unknown:
+        origin = raw_prices[unknown[0]][0][0]
+        raise CatalogError(f"{origin}: prices.{unknown[0]}: no such system; known: {', '.join(sorted(raw_systems))}")
     chips = {name: _chip(origin, name, raw) for name, (origin, raw) in raw_chips.items()}
     links = {name: _link(origin, name, raw) for name, (origin, raw) in raw_links.items()}
-    systems = {name: _system(origin, name, raw, chips, links) for name, (origin, raw) in raw_systems.items()}
+    systems = {name: _system(origin, name, raw, chips, links, raw_prices.get(name, []))
+               for name, (origin, raw) in raw_systems.items()}
     return Catalog(chips, links, systems)
 
 
@@ -442,13 +559,23 @@ def system_table(system: System) -> dict:
         "tiers": [{"name": t.name, "interconnect": t.interconnect.name, "domain_devices": t.domain_devices}
                   for t in system.tiers],
         "source": system.source, "conflicts": list(system.conflicts),
-        "prices": _drop_empty({**asdict(system.prices), "conflicts": list(system.prices.conflicts)}),
         "efficiency": asdict(system.efficiency),
     }
     if system.stack is not None:
         stack = asdict(system.stack)
         data["stack"] = {k: list(v) if isinstance(v, tuple) else v for k, v in stack.items()}
     return _drop_empty(data)
+
+
+def price_table(prices: Prices) -> dict:
+    """A system's prices as its [prices.X] table."""
+    table = {option: _drop_empty({k: v for k, v in asdict(q).items() if k != "purchase" and v != ""})
+             for option, q in prices.quotes.items()}
+    if not prices.quotes:
+        table["no_public_price"] = prices.no_public_price or "no public price"
+    if prices.conflicts:
+        table["conflicts"] = list(prices.conflicts)
+    return table
 
 
 def write_catalog_file(path: str | Path, chips: list[Chip] = (), interconnects: list[Interconnect] = (),
@@ -466,6 +593,7 @@ def write_catalog_file(path: str | Path, chips: list[Chip] = (), interconnects: 
         data["interconnects"] = {i.name: interconnect_table(i) for i in interconnects}
     if systems:
         data["systems"] = {s.name: system_table(s) for s in systems}
+        data["prices"] = {s.name: price_table(s.prices) for s in systems}
     path = Path(path)
     text = "# Written by paratrain (catalog entries; every number keeps its `source`).\n" + tomli_w.dumps(data)
     tmp = path.with_suffix(path.suffix + ".tmp")
