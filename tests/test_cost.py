@@ -26,6 +26,7 @@ def test_price_per_accelerator_and_per_pflop_come_from_the_catalog():
     cat = get_catalog()
     for row in rows:
         s = cat.system(row.system)
+        assert row.purchase == "on-demand" and row.price_label == "on-demand, us-east-1, 2026-11-30"
         assert row.price_per_chip_hour_usd == pytest.approx(s.prices.on_demand_usd_per_hour / s.chips_per_node)
         peak_pf = s.chip.bf16_tflops * s.chips_per_node / 1e3
         assert row.price_per_peak_bf16_pflop_hour_usd == pytest.approx(s.prices.on_demand_usd_per_hour / peak_pf)
@@ -59,7 +60,7 @@ def test_failures_make_runs_longer_and_more_expensive():
     (none,) = compare(wl, [("p5.48xlarge", 64)], Assumptions(failures="none"))
     (daly,) = compare(wl, [("p5.48xlarge", 64)], FAST)
     assert none.goodput == 1.0 and daly.wall_hours > none.wall_hours
-    assert daly.cost_on_demand_usd > none.cost_on_demand_usd
+    assert daly.cost_usd > none.cost_usd
 
 
 def test_pareto_front_keeps_only_undominated():
@@ -67,7 +68,7 @@ def test_pareto_front_keeps_only_undominated():
     front = pareto_front(rows)
     for r in rows:
         if r not in front:
-            assert any(f.wall_hours <= r.wall_hours and f.cost_on_demand_usd <= r.cost_on_demand_usd for f in front)
+            assert any(f.wall_hours <= r.wall_hours and f.cost_usd <= r.cost_usd for f in front)
 
 
 def _rec(kind, **kw):
@@ -121,7 +122,7 @@ def test_unpriced_systems_get_a_break_even_price_not_a_rank():
     assert rec.choice == "p5.48xlarge"
     trn2 = next(c for c in rec.candidates if c["system"] == "trn2.48xlarge")
     assert trn2["total_usd"] is None and trn2["break_even_usd_per_node_hour"] > 0
-    assert any("trn2.48xlarge has no public price" in r for r in rec.reasons)
+    assert any("trn2.48xlarge has no on-demand price (no on-demand price published)" in r for r in rec.reasons)
     # a quote under the break-even makes it the answer
     quote = Assumptions(failures="daly", prices={"trn2.48xlarge": trn2["break_even_usd_per_node_hour"] * 0.9})
     assert _rec("pretrain", systems=["trn2.48xlarge", "p5.48xlarge"], assumptions=quote).choice == "trn2.48xlarge"
@@ -218,15 +219,22 @@ def test_compare_takes_steps_or_tokens(capsys):
     assert "--steps 0: must be >= 1" in capsys.readouterr().err
 
 
-def test_compare_table_shows_accelerator_hours_reserved_cost_and_overhead(capsys):
+def test_compare_table_shows_price_option_region_and_date_beside_costs(capsys):
     assert main(["compare", "--model", "llama2-7b", "--tokens", "1e11", "--targets", "trn1.32xlarge:16",
                  "--failures", "daly"]) == 0
     out = capsys.readouterr().out
-    for column in ("accel-h", "reserved $", "overhead", "$/Mtok", "MWh", "Mtok/MWh"):
+    for column in ("accel-h", "cost $", "overhead", "$/Mtok", "MWh", "Mtok/MWh", "price (option, region, date)"):
         assert column in out, column
     (row,) = compare(Workload("llama2-7b", 1e11, 4096, 1024), [("trn1.32xlarge", 16)], FAST)
-    assert f"{row.accelerator_hours:,.0f}" in out and f"{row.cost_reserved_usd:,.0f}" in out
-    assert row.reserved_kind == "3-year reserved" and "trn1.32xlarge: 3-year reserved" in out
+    assert f"{row.accelerator_hours:,.0f}" in out and f"{row.cost_usd:,.0f}" in out
+    assert "$21.50/node-h (on-demand, us-east-1, 2026-11-30)" in out
+    # the sensitivity: every option the catalog prices trn1 at, each with its region and date
+    assert "sensitivity 1: $ per million tokens by purchase option" in out
+    for option, where in (("capacity-block", "ap-southeast-4, 2024-12"), ("savings-3y", "us-east-1, 2026-11-30"),
+                          ("spot", "us-east-1, 2026-11-30")):
+        usd = row.cost_by_purchase_usd[option] / row.tokens * 1e6
+        assert f"{usd:.3f} ({where})" in out, option
+    assert "sensitivity 2: rank at on-demand with only its own price scaled" in out
     # Trainium1's power is a placeholder (no public TDP): the energy figure says so
     assert "energy uses 275 W per trainium1: estimate" in out
 
@@ -234,8 +242,22 @@ def test_compare_table_shows_accelerator_hours_reserved_cost_and_overhead(capsys
 def test_bad_kind_and_price_are_refused(capsys):
     with pytest.raises(ValueError, match="kind='train'"):
         Request(kind="train")
-    assert main(["recommend", "pretrain", "--price", "trn1.32xlarge=cheap"]) == 2
-    assert "--price 'trn1.32xlarge=cheap'" in capsys.readouterr().err
+    assert main(["recommend", "pretrain", "--price-per-node-hour-usd", "trn1.32xlarge=cheap"]) == 2
+    assert "--price-per-node-hour-usd 'trn1.32xlarge=cheap': expected SYSTEM=USD" in capsys.readouterr().err
+    assert main(["recommend", "pretrain", "--price-per-node-hour-usd", "trn1.32xlarge=-3"]) == 2
+    assert "must be a number > 0" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="purchase = 'lease': allowed: on-demand, capacity-block"):
+        Assumptions(purchase="lease")
+
+
+def test_the_old_ambiguous_price_flag_is_refused_in_both_commands(capsys):
+    """--price meant USD per node-hour in compare and per device-hour in simulate: both refuse it now and name
+    the flag with the unit."""
+    assert main(["compare", "--model", "llama2-7b", "--tokens", "1e9", "--targets", "p5.48xlarge:1",
+                 "--price", "p5.48xlarge=40"]) == 2
+    assert "use --price-per-node-hour-usd SYSTEM=USD" in capsys.readouterr().err
+    assert main(["simulate", "--devices", "64", "--step-time", "1s", "--steps", "10", "--price", "2.5"]) == 2
+    assert "use --price-per-device-hour-usd USD" in capsys.readouterr().err
 
 
 def test_report_renders_with_non_empty_pngs(tmp_path, capsys):
@@ -248,10 +270,101 @@ def test_report_renders_with_non_empty_pngs(tmp_path, capsys):
     import re
 
     images = re.findall(r'<img src="([^"]+)"', page)
-    assert len(images) == 4
+    assert len(images) == 5 and "sensitivity.png" in images
     assert "Pareto front (no other cluster" in page and "p4d.24xlarge x" in page
     assert "trn1.32xlarge x16 / p4d.24xlarge x16: $/node-hour 0.98, $/chip-hour 0.49" in page
-    assert "accelerator-hours" in page and "(3-year reserved)" in page
+    assert "accelerator-hours" in page and "(on-demand, us-east-1, 2026-11-30)" in page
+    assert "sensitivity 2: rank at on-demand" in page
     for name in images:
         blob = (out / name).read_bytes()
         assert blob[:8] == b"\x89PNG\r\n\x1a\n" and len(blob) > 5000
+
+
+def test_every_system_has_a_dated_price_or_a_break_even_in_its_place():
+    """Walk the catalog: every system has at least one published price (purchase option, region, source, a real
+    date), or says "no public price" with why; for those, compare reports the break-even price per node-hour at
+    which it would tie a priced alternative, and it is exactly the price that gives the same cost per token."""
+    import re
+
+    from paratrain.hardware.catalog import PURCHASE_OPTIONS
+
+    unpriced = []
+    for system in get_catalog().systems.values():
+        prices = system.prices
+        if not prices.quotes:
+            assert prices.no_public_price.strip(), system.name
+            unpriced.append(system.name)
+            continue
+        for option, quote in prices.quotes.items():
+            assert option in PURCHASE_OPTIONS and quote.purchase == option
+            assert quote.usd_per_node_hour > 0 and quote.source.strip() and quote.region.strip(), system.name
+            assert re.fullmatch(r"\d{4}-\d{2}(-\d{2})?", quote.date), (system.name, option, quote.date)
+    assert {"trn2-ultraserver", "trn3-ultraserver"} <= set(unpriced)
+    wl = Workload("llama3-8b", 1e9, 2048, 1152)
+    rows = compare(wl, [("p5.48xlarge", 1)] + [(name, 1) for name in unpriced], Assumptions(failures="none"))
+    best = rows[0]
+    for row in rows[1:]:
+        assert row.cost_usd is None and row.price_label == "no public price"
+        even = row.break_even_usd_per_node_hour
+        assert even is not None and 0 < even < float("inf"), row.system
+        assert even * row.nodes * row.wall_hours / row.tokens * 1e6 == pytest.approx(
+            best.cost_usd_per_million_tokens, rel=1e-9)
+
+
+def test_purchase_option_picks_the_catalog_price_and_says_which():
+    wl = Workload("llama2-7b", 1e10, 4096, 1024)
+    (cb,) = compare(wl, [("p5.48xlarge", 4)], Assumptions(failures="none", purchase="capacity-block"))
+    (od,) = compare(wl, [("p5.48xlarge", 4)], Assumptions(failures="none"))
+    assert cb.price_usd_per_node_hour == 39.33 and cb.price_label == "capacity-block, us-east-1, 2024-12"
+    assert cb.cost_usd == pytest.approx(39.33 * 4 * cb.wall_hours)
+    assert cb.wall_hours == od.wall_hours  # the price does not change the plan
+    assert od.cost_by_purchase_usd["capacity-block"] == pytest.approx(cb.cost_usd)
+    assert od.cost_by_purchase_usd["savings-1y"] is None and od.price_label_by_purchase["savings-1y"] is None
+    # an option a system has no price for: no stand-in from another option, a break-even instead
+    rows = compare(wl, [("trn1.32xlarge", 8), ("p5.48xlarge", 4)], Assumptions(failures="none", purchase="savings-3y"))
+    trn, p5 = rows
+    assert trn.price_usd_per_node_hour == 8.20 and p5.cost_usd is None
+    assert p5.price_label == "no savings-3y price published"
+    assert p5.break_even_usd_per_node_hour == pytest.approx(
+        trn.cost_usd_per_million_tokens * p5.tokens / 1e6 / (p5.nodes * p5.wall_hours))
+    # a user price wins at every option
+    (given,) = compare(wl, [("p5.48xlarge", 4)], Assumptions(failures="none", purchase="spot",
+                                                             prices={"p5.48xlarge": 30.0}))
+    assert given.price_usd_per_node_hour == 30.0 and given.price_label == "given by the user"
+
+
+def test_sensitivity_ranks_by_option_and_by_own_price():
+    from paratrain.cost.sensitivity import Item, by_purchase, price_range
+
+    a = Item("a", 1e6, {"on-demand": 10.0, "spot": 2.0}, {"on-demand": "r, 2026-01", "spot": "r, 2026-01"})
+    b = Item("b", 1e6, {"on-demand": 8.0, "spot": None})
+    c = Item("c", 1e6, {"on-demand": 12.0, "spot": 3.0}, extra_usd=0.5)
+    table = {r["purchase"]: r for r in by_purchase([a, b, c])}
+    assert table["on-demand"]["ranking"] == ["b", "a", "c"]  # $/Mtok: 8, 10, 12.5
+    assert table["spot"]["ranking"] == ["a", "c"] and table["spot"]["usd_per_million_tokens"]["b"] is None
+    assert table["savings-1y"]["ranking"] == [] and table["savings-1y"]["cheapest"] is None
+    ranks = {r["label"]: r for r in price_range([a, b, c], "on-demand")}
+    # a at 0.7 x 10 = 7 beats b's 8; at 0.85 (8.5) it does not
+    assert ranks["a"]["ranks"] == {"0.70": 1, "0.85": 2, "1.00": 2, "1.15": 2, "1.30": 3}
+    assert ranks["a"]["ties_at"] == pytest.approx(0.8)
+    assert ranks["b"]["ties_at"] == pytest.approx(10 / 8)
+    # c's porting-like extra (0.5) does not scale: it ties b's 8 when its compute is 7.5, i.e. x 7.5/12
+    assert ranks["c"]["ties_at"] == pytest.approx(7.5 / 12)
+
+
+def test_cost_config_file_sets_purchase_and_prices(tmp_path, capsys):
+    conf = tmp_path / "cost.toml"
+    conf.write_text('[cost]\npurchase = "spot"\nfailures = "none"\n'
+                    'price_per_node_hour_usd = { trn3-ultraserver = 400.0 }\n')
+    base = ["compare", "--model", "llama3-8b", "--tokens", "1e9", "--seq", "2048", "--global-batch", "1152",
+            "--targets", "p5.48xlarge:1,trn3-ultraserver:1", "--json", "--config", str(conf)]
+    assert main(base) == 0
+    data = json.loads(capsys.readouterr().out)
+    p5, trn3 = data["rows"]
+    assert data["purchase"] == "spot" and p5["price_usd_per_node_hour"] == 23.45325
+    assert trn3["price_usd_per_node_hour"] == 400.0 and trn3["price_label"] == "given by the user"
+    assert main([*base, "--purchase", "on-demand"]) == 0  # the flag wins over the file
+    assert json.loads(capsys.readouterr().out)["rows"][0]["price_usd_per_node_hour"] == 55.04
+    conf.write_text('[cost]\npurchse = "spot"\n')
+    assert main(base) == 2
+    assert "cost.purchse: unknown key; allowed: purchase, pue, failures" in capsys.readouterr().err

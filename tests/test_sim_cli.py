@@ -16,7 +16,7 @@ def run_json(capsys, argv):
 
 
 def test_json_report_has_every_output_with_intervals(capsys):
-    report = run_json(capsys, LLAMA + ["--price", "2.5"])
+    report = run_json(capsys, LLAMA + ["--price-per-device-hour-usd", "2.5"])
     metrics = report["metrics"]
     for key in ("goodput", "effective_training_fraction", "wall_days", "lost_work_hours", "interruptions",
                 "cost_usd"):
@@ -120,7 +120,7 @@ def test_catalog_and_planner_fill_the_inputs(capsys):
     assert any("planner" in note for note in inputs["notes"])
     # Flags still win over the catalog.
     report = run_json(capsys, ["simulate", "--hardware", "p5.48xlarge", "--devices", "256", "--step-time", "2s",
-                               "--steps", "1000", "--samples", "4", "--price", "1.0"])
+                               "--steps", "1000", "--samples", "4", "--price-per-device-hour-usd", "1.0"])
     assert report["inputs"]["price_per_device_hour_usd"] == 1.0
     assert report["inputs"]["step_time_s"] == 2.0
 

@@ -1,8 +1,11 @@
 """Time, dollars and energy to train one workload on several clusters, each with the planner's best layout.
 
 For every (system, nodes) target: the planner searches the layouts the system's training stack supports and
-keeps the fastest that fits; from its step time follow time to train, accelerator-hours, on-demand and
-reserved cost, cost per million tokens, energy and tokens per MWh. Failures and checkpoints stretch the run:
+keeps the fastest that fits; from its step time follow time to train, accelerator-hours, the cost at the chosen
+purchase option (on-demand, capacity block, 1- or 3-year commitment, spot: `Assumptions.purchase`) and at every
+other option the catalog publishes, cost per million tokens, energy and tokens per MWh. A system without a
+price for the chosen option gets, in place of a cost, the break-even price per node-hour at which it would tie
+the cheapest priced target per token. Failures and checkpoints stretch the run:
 the simulator (Monte-Carlo, Llama 3 interruption rates per device-hour, Daly-optimal checkpoint interval)
 gives the goodput, and wall time, cost and energy are divided by it. Every assumption is in `Assumptions`,
 printed with the results.
@@ -13,7 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-from paratrain.hardware.catalog import System, resolve_system
+from paratrain.hardware.catalog import PURCHASE_OPTIONS, System, resolve_system
 from paratrain.model.config import ModelConfig, load_model_config
 
 HOUR_S = 3600.0
@@ -60,15 +63,28 @@ class Assumptions:
     failures: str = "simulate"  # "simulate" (Monte-Carlo), "daly" (closed form) or "none"
     sim_samples: int = 30
     prices: dict[str, float] = field(default_factory=dict)  # system -> USD per node-hour, overriding the catalog
+    purchase: str = "on-demand"  # which catalog price the cost is computed at (PURCHASE_OPTIONS)
+
+    def __post_init__(self) -> None:
+        if self.purchase not in PURCHASE_OPTIONS:
+            raise ValueError(f"purchase = {self.purchase!r}: allowed: {', '.join(PURCHASE_OPTIONS)}")
+        for name, value in self.prices.items():
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"price for {name} = {value!r} USD per node-hour: allowed: a number > 0")
 
     def describe(self) -> list[str]:
+        spot = (["spot: the cost assumes the nodes are not reclaimed; spot interruptions (two minutes' notice) "
+                 "are not in the failure model, so a many-node run on spot costs more than shown"]
+                if self.purchase == "spot" else [])
         return [
+            f"purchase option: {self.purchase} (catalog price per node-hour, region and date beside every figure)",
             f"PUE {self.pue} (assumption: typical large cloud data centre)",
             f"host power = {self.host_power_fraction:.0%} of accelerator power (assumption)",
             f"checkpoint = {self.checkpoint_bytes_per_param:g} bytes/parameter (weights + Adam state), written at "
             f"{self.checkpoint_write_gbytes_per_s_per_node:g} GB/s per node (assumption)",
             f"failures: {self.failures} (Llama 3 interruption rates per device-hour, Dubey et al. 2024 Table 5)",
-        ] + [f"price override: {k} = {v:.2f} USD/node-hour (given)" for k, v in self.prices.items()]
+        ] + spot + [f"price given: {k} = {v:.2f} USD per node-hour (user input, not a published price)"
+                    for k, v in self.prices.items()]
 
 
 @dataclass
@@ -89,11 +105,14 @@ class Row:
     goodput: float
     wall_hours: float  # with failures, restarts and checkpoints
     accelerator_hours: float  # chips x wall hours
+    purchase: str  # the purchase option every cost below is computed at (unless named otherwise)
     price_usd_per_node_hour: float | None
+    price_label: str  # "on-demand, us-east-1, 2026-11-30", "given by the user" or "no spot price published"
     price_source: str
+    cost_usd: float | None  # at `purchase`
     cost_on_demand_usd: float | None
-    cost_reserved_usd: float | None
-    reserved_kind: str
+    cost_by_purchase_usd: dict  # every purchase option the catalog prices (None where it publishes none)
+    price_label_by_purchase: dict  # purchase option -> "region, date" of its price ("given": a user price)
     cost_usd_per_million_tokens: float | None
     energy_mwh: float | None
     tokens_per_mwh: float | None
@@ -101,25 +120,26 @@ class Row:
     price_per_peak_bf16_pflop_hour_usd: float | None
     notes: list[str] = field(default_factory=list)
     global_batch: int | None = None  # sequences per step the row was planned with
+    tokens: float = 0.0  # trained tokens (steps x seq x global batch)
+    # the price per node-hour at which this row's cost per token ties the cheapest priced row (set by compare)
+    break_even_usd_per_node_hour: float | None = None
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-def _price(system: System, assumptions: Assumptions) -> tuple[float | None, str]:
+def price_for(system: System, purchase: str, assumptions: Assumptions) -> tuple[float | None, str, str]:
+    """(USD per node-hour, label, source) of one system at one purchase option: a user price wins over the
+    catalog; no published price gives None and says so (never a stand-in from another option)."""
     if system.name in assumptions.prices:
-        return assumptions.prices[system.name], "given by the user"
-    return system.prices.on_demand_usd_per_hour, system.prices.source
-
-
-def _reserved(system: System) -> tuple[float | None, str]:
-    p = system.prices
-    for value, kind in ((p.reserved_3yr_usd_per_hour, "3-year reserved"),
-                        (p.reserved_1yr_usd_per_hour, "1-year reserved"),
-                        (p.capacity_block_usd_per_hour, "capacity block")):
-        if value is not None:
-            return value, kind
-    return None, "none published"
+        return assumptions.prices[system.name], "given by the user", "user input (--price-per-node-hour-usd)"
+    quote = system.prices.quote(purchase)
+    if quote is not None:
+        return quote.usd_per_node_hour, quote.label(), quote.source
+    if system.prices.no_public_price:
+        return None, "no public price", system.prices.no_public_price
+    published = ", ".join(system.prices.quotes)
+    return None, f"no {purchase} price published", f"the catalog has {published} for {system.name}"
 
 
 def failure_goodput(system: System, nodes: int, step_time_s: float, steps: int, model: ModelConfig,
@@ -192,10 +212,14 @@ def evaluate_target(workload: Workload, system_name: str, nodes: int, assumption
     goodput, how = failure_goodput(system, nodes, est.step_time_s, workload.steps, model, assumptions)
     wall_h = compute_s / goodput / HOUR_S
     chips = nodes * system.chips_per_node
-    price, price_src = _price(system, assumptions)
-    reserved, reserved_kind = _reserved(system)
-    if system.name in assumptions.prices:
-        reserved, reserved_kind = None, "none (price given)"
+    price, price_label, price_src = price_for(system, assumptions.purchase, assumptions)
+    by_purchase, labels = {}, {}
+    for option in PURCHASE_OPTIONS:
+        usd, label, _ = price_for(system, option, assumptions)
+        by_purchase[option] = None if usd is None else usd * nodes * wall_h
+        labels[option] = None if usd is None else ("given" if system.name in assumptions.prices
+                                                   else label.split(", ", 1)[1])
+    on_demand = price_for(system, "on-demand", assumptions)[0]
     power_w = None if system.node_power_w is None else system.node_power_w * (1 + assumptions.host_power_fraction)
     energy_mwh = None if power_w is None else power_w * nodes * wall_h * assumptions.pue / 1e6
     peak_pflops_node = system.chip.bf16_tflops * system.chips_per_node / 1e3
@@ -206,14 +230,16 @@ def evaluate_target(workload: Workload, system_name: str, nodes: int, assumption
         memory_per_device_bytes=est.memory_per_device_bytes, memory_breakdown_bytes=est.memory_breakdown_bytes,
         time_breakdown_s=est.time_breakdown_s, bubble_fraction=est.bubble_fraction,
         compute_hours=compute_s / HOUR_S, goodput=goodput, wall_hours=wall_h, accelerator_hours=chips * wall_h,
-        price_usd_per_node_hour=price, price_source=price_src,
-        cost_on_demand_usd=None if price is None else price * nodes * wall_h,
-        cost_reserved_usd=None if reserved is None else reserved * nodes * wall_h, reserved_kind=reserved_kind,
+        purchase=assumptions.purchase, price_usd_per_node_hour=price, price_label=price_label,
+        price_source=price_src, cost_usd=None if price is None else price * nodes * wall_h,
+        cost_on_demand_usd=None if on_demand is None else on_demand * nodes * wall_h,
+        cost_by_purchase_usd=by_purchase, price_label_by_purchase=labels,
         cost_usd_per_million_tokens=None if price is None else price * nodes * wall_h / tokens * 1e6,
         energy_mwh=energy_mwh, tokens_per_mwh=None if not energy_mwh else tokens / energy_mwh,
         price_per_chip_hour_usd=None if price is None else price / system.chips_per_node,
         price_per_peak_bf16_pflop_hour_usd=None if price is None else price / peak_pflops_node,
         notes=[f"goodput {goodput:.1%} ({how})"] + list(est.notes), global_batch=workload.global_batch,
+        tokens=float(tokens),
     )
     if system.chip.power_w is None:
         row.notes.append(f"no chip power for {system.chip.name} in the catalog: energy unknown")
@@ -242,7 +268,29 @@ def compare(workload: Workload, targets: list[tuple[str, int]], assumptions: Ass
         rows.append(evaluate_target(workload, system, nodes, assumptions, search_kw))
         if progress:
             progress(1)
+    set_break_even(rows)
     return rows
+
+
+def break_even_price(row: Row, usd_per_million_tokens: float) -> float:
+    """The price per node-hour at which `row` costs `usd_per_million_tokens`: cost per token is price x nodes x
+    wall hours / tokens, so the price follows from the row's own time to train."""
+    return usd_per_million_tokens * row.tokens / 1e6 / (row.nodes * row.wall_hours)
+
+
+def cheapest(rows: list[Row]) -> Row | None:
+    priced = [r for r in rows if r.cost_usd_per_million_tokens is not None]
+    return min(priced, key=lambda r: r.cost_usd_per_million_tokens) if priced else None
+
+
+def set_break_even(rows: list[Row]) -> None:
+    """Every row but the cheapest priced one gets the price per node-hour at which it would tie it per token:
+    for a system without a published price this stands in place of its cost; for a priced one it is the cut
+    it would need."""
+    best = cheapest(rows)
+    for row in rows:
+        row.break_even_usd_per_node_hour = (None if best is None or row is best
+                                            else break_even_price(row, best.cost_usd_per_million_tokens))
 
 
 def parse_targets(text: str) -> list[tuple[str, int]]:
@@ -264,12 +312,12 @@ def parse_targets(text: str) -> list[tuple[str, int]]:
 
 
 def pareto_front(rows: list[Row]) -> list[Row]:
-    """Rows not beaten on both wall time and on-demand cost by another row."""
-    priced = [r for r in rows if r.cost_on_demand_usd is not None]
+    """Rows not beaten on both wall time and cost (at the chosen purchase option) by another row."""
+    priced = [r for r in rows if r.cost_usd is not None]
     front = []
     for r in priced:
-        dominated = any(o.wall_hours <= r.wall_hours and o.cost_on_demand_usd <= r.cost_on_demand_usd
-                        and (o.wall_hours < r.wall_hours or o.cost_on_demand_usd < r.cost_on_demand_usd)
+        dominated = any(o.wall_hours <= r.wall_hours and o.cost_usd <= r.cost_usd
+                        and (o.wall_hours < r.wall_hours or o.cost_usd < r.cost_usd)
                         for o in priced)
         if not dominated:
             front.append(r)
@@ -293,3 +341,10 @@ def ratios_to_first(rows: list[Row]) -> list[dict]:
         out.append(ratio)
     return out
 
+
+def to_item(row: Row, extra_usd: float = 0.0):
+    """The row as a sensitivity item (paratrain.cost.sensitivity)."""
+    from paratrain.cost.sensitivity import Item
+
+    return Item(label=f"{row.system} x{row.nodes}", tokens=row.tokens, cost_by_purchase_usd=row.cost_by_purchase_usd,
+                price_dates=row.price_label_by_purchase, extra_usd=extra_usd)

@@ -13,7 +13,8 @@ multi-cloud or on-premises -> NVIDIA). Here the answer is derived, not asserted:
    the team has and long pre-training runs move to the cheapest hardware per token.
 3. A deadline (max days) removes targets too slow for it.
 4. Every candidate gets a cluster of the same number of accelerator chips (or the same node count with
-   `nodes`). Systems without a public price are planned too but not ranked: instead the price per node-hour
+   `nodes`). Compute is priced at the chosen purchase option (`Assumptions.purchase`). Systems without a price
+   there are planned too but not ranked: instead the price per node-hour
    at which each would tie the choice (its break-even) is reported, which is what a quote must beat; the
    same break-even is given for every losing candidate.
 
@@ -25,7 +26,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from paratrain.cost.compare import Assumptions, Row, Workload, evaluate_target
+from paratrain.cost.compare import Assumptions, Row, Workload, evaluate_target, to_item
+from paratrain.cost.sensitivity import sensitivity
 from paratrain.hardware.catalog import System, get_catalog
 
 KINDS = {
@@ -115,6 +117,9 @@ class Recommendation:
     candidates: list[dict]
     reasons: list[str]
     assumptions: list[str]
+    purchase: str = "on-demand"
+    sensitivity: dict = field(default_factory=dict)  # ranking by purchase option and by +-30% price
+    items: list = field(default_factory=list)  # the candidates as sensitivity items (for the plot; not JSON)
 
 
 def stack_of(system_name: str) -> str:
@@ -153,7 +158,7 @@ def recommend(req: Request, progress=None) -> Recommendation:
     names = req.systems or list(get_catalog().systems)
     allowed, rules = hard_rules(req, names)
     wl = Workload(req.model, req.train_tokens, req.seq, req.global_batch)
-    scored, skipped = [], []
+    scored, skipped, items = [], [], {}
     for name in allowed:
         try:
             row = evaluate_target(wl, name, req.nodes_for(get_catalog().system(name)), req.assumptions,
@@ -165,6 +170,7 @@ def recommend(req: Request, progress=None) -> Recommendation:
             if progress:
                 progress(1)
         scored.append(_score(req, row))
+        items[name] = to_item(row, extra_usd=scored[-1]["porting_usd"])
     if req.max_days is not None:
         slow = [c for c in scored if c["wall_days"] > req.max_days]
         if slow:
@@ -185,7 +191,10 @@ def recommend(req: Request, progress=None) -> Recommendation:
         _break_even(req.max_usd, unpriced)
     reasons = _reasons(req, priced, unpriced, skipped)
     choice = priced[0]["system"] if priced else None
-    return Recommendation(req.kind, choice, rules, priced + unpriced, reasons, _assumption_lines(req))
+    ranked = [items[c["system"]] for c in priced + unpriced]
+    return Recommendation(req.kind, choice, rules, priced + unpriced, reasons, _assumption_lines(req),
+                          req.assumptions.purchase, sensitivity(ranked, req.assumptions.purchase) if ranked else {},
+                          ranked)
 
 
 def _break_even(total_usd: float, others: list[dict]) -> None:
@@ -202,11 +211,12 @@ def _reasons(req: Request, priced: list[dict], unpriced: list[dict], skipped: li
     if priced:
         best = priced[0]
         reasons.append(f"{best['system']} x {best['nodes']} nodes ({best['chips']} chips): {best['wall_days']:.1f} "
-                       f"days, compute ${best['compute_usd']:,.0f} + porting ${best['porting_usd']:,.0f} = "
-                       f"${best['total_usd']:,.0f}, ${best['cost_usd_per_million_tokens']:.3f} per million tokens")
+                       f"days, compute ${best['compute_usd']:,.0f} ({best['price_label']}) + porting "
+                       f"${best['porting_usd']:,.0f} = ${best['total_usd']:,.0f}, "
+                       f"${best['cost_usd_per_million_tokens']:.3f} per million tokens")
         if len(priced) > 1:
             nxt = priced[1]
-            reasons.append(f"next: {nxt['system']} at ${nxt['total_usd']:,.0f} "
+            reasons.append(f"next: {nxt['system']} at ${nxt['total_usd']:,.0f} ({nxt['price_label']}) "
                            f"({nxt['total_usd'] / best['total_usd'] - 1:+.0%}); compute alone "
                            f"${nxt['compute_usd']:,.0f}; " + _would_win(nxt))
         if best["porting_usd"] == 0 and any(c["porting_usd"] > 0 and c["compute_usd"] < best["compute_usd"]
@@ -219,8 +229,9 @@ def _reasons(req: Request, priced: list[dict], unpriced: list[dict], skipped: li
         reasons.append("no priced candidate can run this workload under the rules above (constraints, deadline, "
                        "budget)" + (": " + "; ".join(skipped) if skipped else ""))
     for c in unpriced:
-        reasons.append(f"{c['system']} has no public price: {c['wall_days']:.1f} days on {c['nodes']} nodes; "
-                       f"{_would_win(c)} (give a quote with --price {c['system']}=USD)")
+        reasons.append(f"{c['system']} has no {req.assumptions.purchase} price ({c['price_label']}): "
+                       f"{c['wall_days']:.1f} days on {c['nodes']} nodes; {_would_win(c)} (give a quote with "
+                       f"--price-per-node-hour-usd {c['system']}=USD)")
     reasons += [f"{c['system']}: {c['notes'][0]}" for c in priced + unpriced
                 if c["global_batch"] != req.global_batch]
     return reasons + [f"skipped {s}" for s in skipped]
@@ -242,7 +253,8 @@ def _assumption_lines(req: Request) -> list[str]:
         f"${req.engineer_usd_per_day:,.0f}/day (assumption); team's current stack: {req.current_stack}",
         f"workload: {req.model}, {req.train_tokens:.3g} tokens, seq {req.seq}, global batch {req.global_batch}, "
         f"{size}",
-        "systems without a public price are ranked only with --price; otherwise their break-even price is shown",
+        "systems without a price at the purchase option are ranked only with --price-per-node-hour-usd; "
+        "otherwise their break-even price is shown",
     ]
     if req.kind == "finetune":
         lines.append("fine-tuning counts training tokens only: RLHF rollouts (generation) are not modelled; add "
@@ -252,8 +264,10 @@ def _assumption_lines(req: Request) -> list[str]:
 
 def _score(req: Request, row: Row) -> dict:
     porting = 0.0 if stack_of(row.system) == req.current_stack else req.porting_engineer_days * req.engineer_usd_per_day
-    compute = row.cost_on_demand_usd
+    compute = row.cost_usd
     return {"system": row.system, "nodes": row.nodes, "chips": row.chips, "wall_days": row.wall_hours / 24,
+            "purchase": row.purchase, "price_usd_per_node_hour": row.price_usd_per_node_hour,
+            "price_label": row.price_label,
             "compute_usd": compute, "porting_usd": porting, "total_usd": None if compute is None else compute + porting,
             "mfu": row.mfu, "goodput": row.goodput, "cost_usd_per_million_tokens": row.cost_usd_per_million_tokens,
             "break_even_usd_per_node_hour": None, "layout": row.layout, "global_batch": row.global_batch,

@@ -33,23 +33,24 @@ def plot_pareto(rows: list[Row], path: Path, sizes: list[Row] = ()) -> list[Row]
     fig, ax = plt.subplots(figsize=(8, 5))
     colours = {name: f"C{i}" for i, name in enumerate(dict.fromkeys(r.system for r in [*rows, *sizes]))}
     for r in sizes:
-        if r.cost_on_demand_usd is not None:
-            ax.scatter(r.wall_hours / 24, r.cost_on_demand_usd / 1e3, s=14, color=colours[r.system], alpha=0.6)
+        if r.cost_usd is not None:
+            ax.scatter(r.wall_hours / 24, r.cost_usd / 1e3, s=14, color=colours[r.system], alpha=0.6)
     for r in rows:
-        if r.cost_on_demand_usd is None:
+        if r.cost_usd is None:
             continue
-        ax.scatter(r.wall_hours / 24, r.cost_on_demand_usd / 1e3, s=60, color=colours[r.system], label=_label(r))
-        ax.annotate(_label(r), (r.wall_hours / 24, r.cost_on_demand_usd / 1e3), textcoords="offset points",
+        ax.scatter(r.wall_hours / 24, r.cost_usd / 1e3, s=60, color=colours[r.system], label=_label(r))
+        ax.annotate(_label(r), (r.wall_hours / 24, r.cost_usd / 1e3), textcoords="offset points",
                     xytext=(5, 4), fontsize=8)
     front = pareto_front([*rows, *sizes])
     if front:
         days = [r.wall_hours / 24 for r in front]
-        cost = [r.cost_on_demand_usd / 1e3 for r in front]
+        cost = [r.cost_usd / 1e3 for r in front]
         ax.plot(days, cost, "k--", lw=1, label="Pareto front")
         ax.scatter(days, cost, s=140, facecolors="none", edgecolors="k", lw=1)
     ax.set_xscale("log")
     ax.set_xlabel("time to train (days, with failures and checkpoints; log scale)")
-    ax.set_ylabel("on-demand cost (thousand USD)")
+    purchase = rows[0].purchase if rows else "on-demand"
+    ax.set_ylabel(f"cost at the {purchase} price (thousand USD)")
     ax.set_title("Cost vs time to train (small markers: the same systems at other cluster sizes)")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3, which="both")
@@ -129,22 +130,39 @@ def plot_scaling(workload: Workload, rows: list[Row], path: Path) -> None:
     plt.close(fig)
 
 
+def _price_cell(r: Row) -> str:
+    if r.price_usd_per_node_hour is None:
+        even = r.break_even_usd_per_node_hour
+        return r.price_label + ("" if even is None else f"; break-even ${even:,.2f}/node-hour")
+    return f"${r.price_usd_per_node_hour:,.2f}/node-hour ({r.price_label})"
+
+
 def write_report(out_dir: str | Path, workload: Workload, rows: list[Row], targets: list[tuple[str, int]],
                  assumptions: Assumptions, progress=None) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     images = {"pareto.png": "Cost vs time to train", "memory.png": "Memory per device",
-              "step_time.png": "Step time breakdown", "scaling.png": "Scaling"}
+              "step_time.png": "Step time breakdown", "scaling.png": "Scaling",
+              "sensitivity.png": "$ per million tokens by system and purchase option (+-30% price range)"}
+    from paratrain.cost.compare import to_item
+    from paratrain.cost.sensitivity import format_tables, plot, sensitivity
+
+    items = [to_item(r) for r in rows]
+    unpriced = {it.label: f"no public price: break-even ${r.break_even_usd_per_node_hour:,.0f}/node-h"
+                for r, it in zip(rows, items, strict=True)
+                if all(v is None for v in r.cost_by_purchase_usd.values()) and r.break_even_usd_per_node_hour}
+    plot(items, out / "sensitivity.png", f"{workload.model_config().name}, {workload.train_tokens:.3g} tokens", unpriced)
+    sens_text = "\n".join(format_tables(sensitivity(items, rows[0].purchase)))
     sizes = size_rows(workload, targets, assumptions, progress)
     front = plot_pareto(rows, out / "pareto.png", sizes)
     plot_memory(rows, out / "memory.png")
     plot_step_time(rows, out / "step_time.png")
     plot_scaling(workload, [*rows, *sizes], out / "scaling.png")
-    front_text = ", ".join(f"{r.system} x{r.nodes} ({r.wall_hours / 24:.1f} days, ${r.cost_on_demand_usd:,.0f})"
+    front_text = ", ".join(f"{r.system} x{r.nodes} ({r.wall_hours / 24:.1f} days, ${r.cost_usd:,.0f})"
                            for r in front)
     assumptions = assumptions.describe()
-    head = ["system", "nodes", "layout", "MFU", "days", "goodput", "accelerator-hours", "on-demand $",
-            "reserved $", "$/chip-hour", "$/peak PFLOP-hour", "$/M tokens", "MWh", "M tokens/MWh"]
+    head = ["system", "nodes", "layout", "MFU", "days", "goodput", "accelerator-hours", f"cost $ ({rows[0].purchase})",
+            "price (option, region, date)", "$/chip-hour", "$/peak PFLOP-hour", "$/M tokens", "MWh", "M tokens/MWh"]
 
     def fmt(v, spec):
         return "n/a" if v is None else format(v, spec)
@@ -154,8 +172,8 @@ def write_report(out_dir: str | Path, workload: Workload, rows: list[Row], targe
         lay = r.layout
         layout = f"TP{lay['tp']} PP{lay['pp']} DP{lay['dp']}{' SP' if lay['sp'] else ''} mb{lay['microbatch']} {lay['recompute']}"
         body.append([r.system, r.nodes, layout, f"{r.mfu:.1%}", f"{r.wall_hours / 24:.1f}", f"{r.goodput:.1%}",
-                     f"{r.accelerator_hours:,.0f}", fmt(r.cost_on_demand_usd, ",.0f"),
-                     f"{fmt(r.cost_reserved_usd, ',.0f')} ({r.reserved_kind})",
+                     f"{r.accelerator_hours:,.0f}", fmt(r.cost_usd, ",.0f"),
+                     _price_cell(r),
                      fmt(r.price_per_chip_hour_usd, ".2f"), fmt(r.price_per_peak_bf16_pflop_hour_usd, ".2f"),
                      fmt(r.cost_usd_per_million_tokens, ".3f"), fmt(r.energy_mwh, ",.1f"),
                      fmt(None if r.tokens_per_mwh is None else r.tokens_per_mwh / 1e6, ",.1f")])
@@ -178,6 +196,7 @@ each cluster with the planner's best layout.</p>
 <h2>Notes</h2><ul>{notes}</ul>
 <p>Pareto front (no other cluster, at the compared or other sizes, is both faster and cheaper):
 {html.escape(front_text or "none (no priced system)")}.</p>
+<h2>Sensitivity</h2><pre>{html.escape(sens_text)}</pre>
 <h2>Assumptions</h2><ul>{''.join(f'<li>{html.escape(a)}</li>' for a in assumptions)}</ul>
 {''.join(f'<h2>{t}</h2><img src="{f}" alt="{t}">' for f, t in images.items())}
 </body></html>"""

@@ -47,6 +47,8 @@ def system_summary(system: System) -> dict:
         "hbm_bytes_per_device": system.device_memory_bytes,
         "scale_out_gbytes_per_s": system.tiers[-1].interconnect.bw_gbytes_per_s,
         "on_demand_usd_per_hour": system.prices.on_demand_usd_per_hour,
+        "prices_usd_per_node_hour": {k: q.usd_per_node_hour for k, q in system.prices.quotes.items()},
+        "no_public_price": system.prices.no_public_price or None,
         "chip_power_w": system.chip.power_w, "status": system.chip.status,
     }
 
@@ -61,12 +63,13 @@ def cmd_list(args) -> int:
         print(json.dumps({"systems": rows, "chips": chips}, indent=2))
         return 0
     print(f"{'system':<20} {'chip':<11} {'chips':>5} {'devices':>7} {'device':<30} {'BF16 TF/node':>12} "
-          f"{'GiB/dev':>7} {'scale-out GB/s':>14} {'$/h':>8}")
+          f"{'GiB/dev':>7} {'scale-out GB/s':>14}  $/node-hour by purchase option (`show` for region, source, date)")
     for r in rows:
-        price = "n/a" if r["on_demand_usd_per_hour"] is None else f"{r['on_demand_usd_per_hour']:.2f}"
+        quotes = r["prices_usd_per_node_hour"]
+        price = ", ".join(f"{k} {v:.2f}" for k, v in quotes.items()) if quotes else "no public price"
         print(f"{r['name']:<20} {r['chip']:<11} {r['chips_per_node']:>5} {r['devices_per_node']:>7} "
               f"{r['device_unit']:<30} {r['bf16_tflops_per_node']:>12,.0f} {r['hbm_bytes_per_device'] / 2**30:>7.1f} "
-              f"{r['scale_out_gbytes_per_s']:>14,.0f} {price:>8}")
+              f"{r['scale_out_gbytes_per_s']:>14,.0f}  {price}")
     print()
     print(f"{'chip':<12} {'BF16 TF':>8} {'FP8 TF':>8} {'HBM GiB':>8} {'HBM GB/s':>9} {'W':>6}  status")
     for c in chips:

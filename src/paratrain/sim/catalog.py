@@ -34,9 +34,12 @@ def fill_from_catalog(*, hardware: str | None, model: str | None, devices: int |
     price = system.prices.on_demand_usd_per_hour
     if price is not None:
         out["price_per_device_hour_usd"] = price / chips_per_node
-        notes.append(f"price {price:.2f} USD per node-hour on demand / {chips_per_node} chips ({system.prices.source})")
+        quote = system.prices.quote("on-demand")
+        notes.append(f"price {price:.2f} USD per node-hour on demand / {chips_per_node} chips ({quote.source}; "
+                     f"{quote.region}, {quote.date})")
     else:
-        notes.append(f"no public price for {system.name} in the catalog: give --price for cost outputs")
+        notes.append(f"no public on-demand price for {system.name} in the catalog: give --price-per-device-hour-usd "
+                     "for cost outputs")
     if model:
         out.update(_from_planner(system, model, devices, seq or DEFAULT_SEQ, global_batch or DEFAULT_GLOBAL_BATCH,
                                  notes))
@@ -81,7 +84,7 @@ def _system(name: str | None):
         hardware = import_module("paratrain.hardware.catalog")
     except ModuleNotFoundError:
         raise ValueError("--hardware needs paratrain.hardware, which is not installed; give --devices-per-node "
-                         "and --price instead") from None
+                         "and --price-per-device-hour-usd instead") from None
     return hardware.resolve_system(name)
 
 

@@ -36,7 +36,7 @@ examples:
   paratrain simulate --devices 16384 --step-time 10s --duration 54d --checkpoint-gb 6500 --write-gbps 2000
 
   # time and cost to train 1.2M steps on 65,536 chips, checkpoint interval from Daly, 2% spares
-  paratrain simulate --devices 65536 --step-time 6s --steps 1200000 --spare-nodes 160 --price 2.5 --json
+  paratrain simulate --devices 65536 --step-time 6s --steps 1200000 --spare-nodes 160 --price-per-device-hour-usd 2.5 --json
 
   # stragglers: 1e-4 episodes per device-hour, 30 min each, compare policies
   paratrain simulate --devices 16384 --step-time 10s --duration 30d --straggler-rate 1e-4 \\
@@ -104,7 +104,10 @@ def register(subparsers) -> None:
     g.add_argument("--staleness-steps", type=int, help="bounded_staleness tolerance in steps (default 4)")
     g.add_argument("--evict-after", help="evict_replace: persistence before eviction (default 5m)")
     g = p.add_argument_group("cost and Monte Carlo")
-    g.add_argument("--price", type=float, help="USD per device-hour (spares are paid for too)")
+    g.add_argument("--price-per-device-hour-usd", type=float, metavar="USD",
+                   help="USD per device-hour, a device being one GPU or Trainium chip (spares are paid for too)")
+    # The old flag: per device-hour here but per node-hour in `compare`. Refused with a pointer to the named one.
+    g.add_argument("--price", help=argparse.SUPPRESS)
     g.add_argument("--samples", type=int, help="Monte-Carlo replicas (default 100)")
     g.add_argument("--seed", type=int, help="random seed (default 0)")
     g = p.add_argument_group("output")
@@ -147,6 +150,9 @@ def config_from_args(args) -> SimConfig:
     from paratrain.sim.config import load_sim_toml, parse_duration_s, parse_interval
     from paratrain.sim.failures import llama3_causes, load_causes_toml, scale_rates
 
+    if args.price is not None:
+        raise ValueError(f"--price {args.price!r}: ambiguous (USD per device-hour here, per node-hour in `paratrain "
+                         "compare`); use --price-per-device-hour-usd USD")
     kwargs: dict = load_sim_toml(args.config) if args.config else {}
     if args.hardware or args.model:
         from paratrain.sim.catalog import fill_from_catalog
@@ -158,7 +164,7 @@ def config_from_args(args) -> SimConfig:
         "devices": args.devices, "devices_per_node": args.devices_per_node,
         "nodes_per_domain": args.nodes_per_domain, "steps": args.steps,
         "async_fraction": args.async_fraction, "spare_nodes": args.spare_nodes,
-        "repair_distribution": args.repair_dist, "price_per_device_hour_usd": args.price,
+        "repair_distribution": args.repair_dist, "price_per_device_hour_usd": args.price_per_device_hour_usd,
         "samples": args.samples, "seed": args.seed,
     }
     for name, text in (("step_time_s", args.step_time), ("duration_s", args.duration), ("detect_s", args.detect),
@@ -207,7 +213,8 @@ FLAG_OF_FIELD = {
     "checkpoint_bytes": "--checkpoint-gb", "write_bytes_per_s": "--write-gbps", "read_bytes_per_s": "--read-gbps",
     "async_fraction": "--async-fraction", "checkpoint_interval": "--interval", "detect_s": "--detect",
     "restart_s": "--restart", "swap_s": "--swap", "spare_nodes": "--spare-nodes", "repair_mean_s": "--repair",
-    "repair_distribution": "--repair-dist", "repair_sigma": None, "price_per_device_hour_usd": "--price",
+    "repair_distribution": "--repair-dist", "repair_sigma": None,
+    "price_per_device_hour_usd": "--price-per-device-hour-usd",
     "samples": "--samples", "straggler_rate_per_device_hour": "--straggler-rate",
     "straggler_mean_duration_s": "--straggler-duration", "straggler_slowdown_median": "--straggler-slowdown",
     "straggler_slowdown_sigma": "--straggler-sigma", "straggler_policy": "--straggler-policy",
