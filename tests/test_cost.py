@@ -136,9 +136,10 @@ def test_clusters_have_the_same_chips_unless_nodes_are_given():
     assert {c["nodes"] for c in rec.candidates} == {8}
 
 
-def test_trn3_ultraserver_is_planned_at_the_nearest_batch_it_admits():
-    """4 Trn3 UltraServers = 2,304 logical cores: no layout divides a global batch of 1024 (odd factor 9);
-    the recommendation plans it at 1152 (= 9 x 128, +12.5%) with the same tokens, and says so."""
+def test_trn3_ultraserver_batch_is_kept_when_a_layout_admits_it():
+    """4 Trn3 UltraServers = 2,304 logical cores (odd factor 9). nearby_global_batch finds the closest batch
+    sharing that factor; it is used only when no layout admits the user's batch. Since the planner searches
+    pipeline degrees that do not divide the layers (pp 9 for 80 layers), 1024 is admitted and kept."""
     assert nearby_global_batch(2304, 1024, 0.15) == 1152
     assert nearby_global_batch(2304, 1024, 0.10) == 1008  # 9 x 112: closer, fewer factors of two
     assert nearby_global_batch(2304, 1024, 0.01) == 1026  # 9 x 114
@@ -146,11 +147,9 @@ def test_trn3_ultraserver_is_planned_at_the_nearest_batch_it_admits():
     assert nearby_global_batch(4096, 1000, 0.15) is None  # a power-of-two cluster: nothing to fix this way
     rec = _rec("pretrain", systems=["trn3-ultraserver", "p5.48xlarge"])
     trn3 = next(c for c in rec.candidates if c["system"] == "trn3-ultraserver")
-    assert trn3["nodes"] == 4 and trn3["global_batch"] == 1152
-    assert any("trn3-ultraserver: global batch 1152 instead of 1024" in r for r in rec.reasons)
-    # compare keeps the user's batch and says why nothing runs
-    with pytest.raises(ValueError, match="no valid layout .* at global batch 1024"):
-        compare(Workload("llama2-70b", 1e11, 4096, 1024), [("trn3-ultraserver", 4)], FAST)
+    assert trn3["nodes"] == 4 and trn3["global_batch"] == 1024
+    assert trn3["layout"]["tp"] * trn3["layout"]["pp"] * trn3["layout"]["dp"] == 2304
+    assert not any("instead of 1024" in r for r in rec.reasons)
 
 
 def test_deadline_and_budget_exclude_candidates_and_say_so():
