@@ -18,6 +18,7 @@ COMMAND_MODULES = [
     "paratrain.train.checkpoint_commands",
     "paratrain.hardware.commands",
     "paratrain.plan.commands",
+    "paratrain.plan.serve_commands",
     "paratrain.cost.commands",
     "paratrain.sim.commands",
     "paratrain.launch.commands",

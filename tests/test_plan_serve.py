@@ -1,0 +1,179 @@
+"""The serving model (plan/serve.py), its cost (cost/serving.py), the `serve` CLI, and its accuracy against
+published serving measurements (benchmarks/serving_accuracy.py; docs/serving.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paratrain.cli import main
+from paratrain.cost.serving import recommend, serving_cost
+from paratrain.hardware.catalog import resolve_system
+from paratrain.model.config import PRESETS, ModelConfig
+from paratrain.plan.serve import (
+    PAGE_TOKENS,
+    Replica,
+    Target,
+    decode_step_s,
+    estimate,
+    inter_token_s,
+    kv_bytes_per_token,
+    max_sequences,
+    plan,
+    prefill_time_s,
+    serving_efficiency,
+    weight_bytes_per_device,
+)
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks" / "serving_accuracy.py"
+L70 = PRESETS["llama3-70b"]
+H100 = "p5.48xlarge"
+
+# Evaluation rows the model misses by more than 20%, and why (docs/serving.md "Where it misses"). The test
+# fails if one of them starts to pass (remove it here) or any other evaluation row misses.
+KNOWN_MISSES = {
+    # transformers-neuronx long-prompt prefill (4k-8k tokens) on trn1 runs 3-4x slower than its 2k-token
+    # prefill rate predicts (Llama-3 rows of Neuron 2.18.1 do not show it): software, not the chip's FLOPs
+    "neuron-trn1-llama-2-13b-ttft-8192-8192", "neuron-trn1-mistral-7b-ttft-8192-8192",
+    "neuron-trn1-codellama-13b-ttft-4096-4096", "neuron-trn1-codellama-13b-ttft-8192-8192",
+    # decode at 12k-token contexts: the Neuron decode attention slows more than the KV bytes say
+    "neuron-trn1-llama-2-13b-tpot-8192-8192", "neuron-trn1-mistral-7b-tpot-8192-8192",
+    "neuron-trn1-codellama-13b-tpot-8192-8192",
+    # 128-token prompts on trn1: fixed costs (~15 ms) the per-layer overhead fitted on 70B does not reach
+    "neuron-trn1-llama-3-8b-ttft-128-8064", "neuron-trn1-llama-3-8b-ttft-128-3968",
+    "neuron-trn1-llama-2-7b-ttft-128-8064",
+    # TensorRT-LLM v0.6.1 Llama-2-70B (GQA) static-batch throughput: measured decode slower than bytes
+    # and FLOPs allow (the pre-XQA decode kernel re-reads K/V per query head)
+    "trtllm-h100-70b-thr-128-128", "trtllm-h100-70b-thr-2048-2048",
+}
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("serving_accuracy", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_kv_cache_bytes_gqa_mqa_and_tp():
+    # Llama 3 70B: 80 layers x 8 kv heads x 128 x (K and V) x 2 bytes = 320 KiB per token
+    assert kv_bytes_per_token(L70, "bf16") == 80 * 8 * 128 * 2 * 2
+    assert kv_bytes_per_token(L70, "fp8") == kv_bytes_per_token(L70, "bf16") / 2
+    assert kv_bytes_per_token(L70, "bf16", tp=8) == kv_bytes_per_token(L70, "bf16") / 8
+    # tp 16 > 8 kv heads: each device keeps one kv head, so no further saving
+    assert kv_bytes_per_token(L70, "bf16", tp=16) == kv_bytes_per_token(L70, "bf16", tp=8)
+    mqa = ModelConfig(name="mqa", layers=4, hidden=512, heads=8, kv_heads=1, vocab=1000)
+    mha = ModelConfig(name="mha", layers=4, hidden=512, heads=8, vocab=1000)
+    assert kv_bytes_per_token(mha, "bf16") == 8 * kv_bytes_per_token(mqa, "bf16")
+    assert kv_bytes_per_token(L70, "bf16", pp=4) == kv_bytes_per_token(L70, "bf16") / 4
+
+
+def test_weights_and_capacity_follow_memory():
+    h100 = resolve_system(H100)
+    rep = Replica(tp=4)
+    assert weight_bytes_per_device(L70, Replica(tp=4, weights="fp8")) == pytest.approx(
+        weight_bytes_per_device(L70, rep) / 2)
+    seqs = max_sequences(L70, h100, rep, 2048)
+    more = max_sequences(L70, h100, Replica(tp=4, kv="fp8"), 2048)
+    assert 1.9 * seqs <= more <= 2.1 * seqs + 1  # half the bytes per token: about twice the sequences
+    # paged: a sequence of 17 tokens takes two 16-token pages, as many as 32 tokens
+    assert max_sequences(L70, h100, rep, PAGE_TOKENS + 1) == max_sequences(L70, h100, rep, 2 * PAGE_TOKENS)
+    assert max_sequences(L70, h100, Replica(tp=1), 2048) == 0  # 141 GB of weights on one 80 GB GPU
+
+
+def test_decode_is_bandwidth_bound_prefill_compute_bound():
+    h100 = resolve_system(H100)
+    rep = Replica(tp=4)
+    eff = serving_efficiency(h100)
+    one = float(decode_step_s(L70, h100, rep, 1, 1024))
+    weights_s = weight_bytes_per_device(L70, rep) / (h100.device_hbm_bw_bytes_per_s * eff.decode_bw_eff)
+    # a lone sequence: the weight read plus fixed costs (per layer, and two latency-bound all-reduces per
+    # layer of at most 100 us each)
+    assert weights_s < one < weights_s + L70.layers * (eff.layer_overhead_s + 2 * 100e-6)
+    # more sequences cost little until compute or KV reads take over; longer contexts cost KV reads
+    assert float(decode_step_s(L70, h100, rep, 8, 1024)) < 1.1 * one
+    extra_kv_s = 64 * 7168 * kv_bytes_per_token(L70, "bf16", tp=4) / (h100.device_hbm_bw_bytes_per_s * eff.kv_bw_eff)
+    grown = float(decode_step_s(L70, h100, rep, 64, 8192)) - float(decode_step_s(L70, h100, rep, 64, 1024))
+    assert 0.8 * extra_kv_s < grown <= 1.0001 * extra_kv_s
+    saved = one - float(decode_step_s(L70, h100, Replica(tp=4, weights="fp8"), 1, 1024))
+    assert saved == pytest.approx(weights_s / 2, rel=0.1)  # fp8 halves the bytes streamed
+    # prefill: time grows with tokens (compute), fp8 doubles the H100 peak
+    p2k, p8k = (float(prefill_time_s(L70, h100, rep, s)) for s in (2048, 8192))
+    assert 3.8 * p2k < p8k < 6 * p2k  # linear matmuls plus the quadratic attention
+    assert float(prefill_time_s(L70, h100, Replica(tp=4, weights="fp8"), 8192)) < 0.65 * p8k
+
+
+def test_speculative_decoding_helps_only_when_drafts_are_accepted():
+    h100 = resolve_system(H100)
+    base = float(inter_token_s(L70, h100, Replica(tp=4), 1, 1024))
+    good = float(inter_token_s(L70, h100, Replica(tp=4, spec_tokens=4, spec_accept=0.8, draft="llama3-8b"), 1, 1024))
+    bad = float(inter_token_s(L70, h100, Replica(tp=4, spec_tokens=4, spec_accept=0.0, draft="llama3-8b"), 1, 1024))
+    assert good < 0.75 * base and bad > base
+
+
+def test_bad_replica_and_target_fail_clearly():
+    with pytest.raises(ValueError, match="weights = 'fp4'"):
+        Replica(weights="fp4")
+    with pytest.raises(ValueError, match="tp = 3: must divide heads = 64"):
+        estimate(L70, H100, Replica(tp=3), 1, 128, 128)
+    with pytest.raises(ValueError, match="rate = 0"):
+        Target(rate=0, prompt=1, output=1)
+    with pytest.raises(ValueError, match="spec_tokens > 0 needs a draft"):
+        Replica(spec_tokens=2)
+
+
+def test_plan_meets_the_target_and_scales_with_rate():
+    target = Target(rate=10, prompt=1024, output=256, ttft_s=1.0, itl_s=0.05)
+    plans = plan(L70, H100, target, weights=("bf16", "fp8"))
+    assert plans
+    best = plans[0]
+    assert best.estimate.itl_s <= 0.05 and best.estimate.ttft_s <= 1.0
+    assert best.utilization <= target.max_utilization + 1e-9
+    assert best.replicas * best.estimate.requests_per_s >= target.rate / target.max_utilization - 1e-9
+    double = plan(L70, H100, Target(rate=40, prompt=1024, output=256, ttft_s=1.0, itl_s=0.05), weights=("bf16", "fp8"))
+    assert double[0].devices > best.devices
+    cost = serving_cost(best, resolve_system(H100), target)
+    assert cost.usd_per_hour == pytest.approx(55.04 * best.nodes)
+    total = cost.usd_per_million_output_tokens * 256 + cost.usd_per_million_input_tokens * 1024
+    assert total == pytest.approx(cost.usd_per_hour / (10 * 3600) * 1e6, rel=1e-9)  # every dollar attributed
+
+
+def test_recommend_ranks_priced_systems_and_prices_the_rest():
+    target, cands = recommend("chat", "llama3-8b", 5.0, systems=("p5.48xlarge", "p4de.24xlarge", "trn2.48xlarge"))
+    priced = [c for c in cands if c.cost and c.cost.usd_per_million_tokens is not None]
+    assert [c.cost.usd_per_million_tokens for c in priced] == sorted(c.cost.usd_per_million_tokens for c in priced)
+    assert "lowest cost per token" in priced[0].reasons[0]
+    trn2 = next(c for c in cands if c.system == "trn2.48xlarge")
+    assert trn2.cost is not None and "no public price" in trn2.reasons[0]
+
+
+def test_serve_cli_json_and_errors(capsys):
+    assert main(["serve", "estimate", "--model", "llama3-8b", "--hardware", H100, "--batch", "8", "--prompt", "512",
+                 "--output", "128", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] and data["ttft_s"] > data["prefill_s"] > 0
+    assert main(["serve", "plan", "--model", "llama3-8b", "--hardware", H100, "--rate", "5", "--prompt", "512",
+                 "--output", "128", "--weights", "bf16,fp4"]) == 2
+    assert "--weights = 'bf16,fp4'" in capsys.readouterr().err
+
+
+def test_evaluation_rows_within_20_percent():
+    bench = _bench()
+    rows = bench.load_rows()
+    assert len(rows) >= 15 and all(r["source"] and r["split"] in ("calibration", "evaluation") for r in rows)
+    evaluation = [r for r in rows if r["split"] == "evaluation"]
+    errs = bench.errors(evaluation)
+    misses = {r["id"] for r, e in zip(evaluation, errs, strict=True) if abs(e) > 0.20}
+    assert misses - KNOWN_MISSES == set(), f"new misses: {sorted(misses - KNOWN_MISSES)}"
+    assert KNOWN_MISSES - misses == set(), f"now within 20%, drop from KNOWN_MISSES: {sorted(KNOWN_MISSES - misses)}"
+    within = [r for r in evaluation if r["id"] not in misses]
+    assert len(within) >= 8 and {r["kind"] for r in within} >= {"ttft", "tpot", "static_throughput"}
+    assert {r["system"].chip.vendor for r in within} == {"aws", "nvidia"}
+    # the efficiency tables say they came from the calibration rows
+    for system in ("p5.48xlarge", "trn1.32xlarge"):
+        assert "calibration rows" in serving_efficiency(resolve_system(system)).source
+    assert np.isfinite(errs).all()
