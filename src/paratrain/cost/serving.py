@@ -11,11 +11,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from paratrain.hardware.catalog import System, resolve_system
+from paratrain.hardware.catalog import PURCHASE_OPTIONS, System, resolve_system
 from paratrain.model.config import ModelConfig, load_model_config
 from paratrain.plan.serve import ServePlan, Target, plan
-
-PRICE_OPTIONS = ("on_demand", "reserved_1yr", "reserved_3yr", "capacity_block")
 
 # Serving workloads when the user names only the kind. Assumptions (stated, not measured): a chat turn of
 # ~1k tokens of history and a ~250-token answer streamed faster than reading speed; RAG prompts of 8k
@@ -32,11 +30,15 @@ DEFAULT_SYSTEMS = ("trn2.48xlarge", "trn3-ultraserver", "inf2.48xlarge", "p4de.2
                    "p5en.48xlarge", "p6-b200.48xlarge")
 
 
-def node_price_usd_per_hour(system: System, option: str = "on_demand") -> float | None:
-    """The catalog's price of one node-hour for a purchase option (None: no public price)."""
-    if option not in PRICE_OPTIONS:
-        raise ValueError(f"price option = {option!r}: allowed: {', '.join(PRICE_OPTIONS)}")
-    return getattr(system.prices, f"{option}_usd_per_hour", None)
+def node_price(system: System, purchase: str = "on-demand") -> tuple[float | None, str]:
+    """The catalog's price of one node-hour for a purchase option and what it is ('on-demand, us-east-1,
+    2026-11-30: source'), or None and why there is none."""
+    if purchase not in PURCHASE_OPTIONS:
+        raise ValueError(f"purchase = {purchase!r}: allowed: {', '.join(PURCHASE_OPTIONS)}")
+    quote = system.prices.quote(purchase)
+    if quote is None:
+        return None, f"no {purchase} price for {system.name}: {system.prices.source}"
+    return quote.usd_per_node_hour, f"{quote.label()}: {quote.source}"
 
 
 @dataclass
@@ -57,10 +59,11 @@ class ServingCost:
 
 
 def serving_cost(deployment: ServePlan, system: System, target: Target, node_usd_per_hour: float | None = None,
-                 option: str = "on_demand") -> ServingCost:
+                 purchase: str = "on-demand") -> ServingCost:
     """Cost of a deployment at the target's request rate (node_usd_per_hour overrides the catalog)."""
-    price = node_usd_per_hour if node_usd_per_hour is not None else node_price_usd_per_hour(system, option)
-    source = "given on the command line" if node_usd_per_hour is not None else system.prices.source
+    price, source = node_price(system, purchase)
+    if node_usd_per_hour is not None:
+        price, source = node_usd_per_hour, "given by the user"
     nodes = deployment.nodes
     per_hour = None if price is None else price * nodes
     out_per_h = target.rate * target.output * 3600
@@ -101,7 +104,7 @@ class Candidate:
 
 def recommend(kind: str, model: ModelConfig | str, rate: float, systems: tuple[str, ...] = DEFAULT_SYSTEMS,
               weights: tuple[str, ...] = ("bf16",), prices: dict[str, float] | None = None,
-              option: str = "on_demand", **overrides) -> tuple[Target, list[Candidate]]:
+              purchase: str = "on-demand", **overrides) -> tuple[Target, list[Candidate]]:
     """Every system's cheapest deployment for the workload, ranked by $/M tokens; systems without a price are
     planned but not ranked (their break-even node price against the winner is given instead)."""
     model = model if isinstance(model, ModelConfig) else load_model_config(model)
@@ -119,7 +122,7 @@ def recommend(kind: str, model: ModelConfig | str, rate: float, systems: tuple[s
                                                       "target is below what one replica reaches)"]))
             continue
         best = plans[0]
-        cost = serving_cost(best, system, target, prices.get(name), option)
+        cost = serving_cost(best, system, target, prices.get(name), purchase)
         cands.append(Candidate(name, best, cost, _reasons(best, cost, system)))
     priced = sorted((c for c in cands if c.cost and c.cost.usd_per_million_tokens is not None),
                     key=lambda c: c.cost.usd_per_million_tokens)

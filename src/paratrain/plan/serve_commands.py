@@ -13,7 +13,7 @@ accuracy against published vLLM / TensorRT-LLM / Neuron measurements: docs/servi
 
   paratrain serve estimate --model llama3-70b --hardware p5.48xlarge --tp 4 --batch 32 --prompt 1024 --output 256
   paratrain serve plan --model llama3-70b --hardware trn2.48xlarge --rate 20 --prompt 1024 --output 256 \\
-      --ttft 1.0 --itl 0.05 --weights bf16,fp8 --price 40
+      --ttft 1.0 --itl 0.05 --weights bf16,fp8 --price-per-node-hour-usd 40
   paratrain serve recommend chat --model llama3-70b --rate 50
   paratrain serve simulate --model llama3-8b --hardware p5.48xlarge --tp 1 --rate 5:60:20 --prompt 512 --output 128
 """
@@ -60,7 +60,9 @@ def register(subparsers) -> None:
     pl.add_argument("--weights", default="bf16", help="weight precisions to search, comma-separated (bf16,fp8,int8,int4)")
     pl.add_argument("--kv", default="bf16", help="KV-cache precisions to search, comma-separated")
     pl.add_argument("--top", type=int, default=5, help="how many deployments to show")
-    pl.add_argument("--price", type=float, default=None, help="USD per node-hour (overrides the catalog)")
+    pl.add_argument("--price-per-node-hour-usd", type=float, default=None, dest="price",
+                    help="USD per node-hour (overrides the catalog; needed where it has no price)")
+    _purchase_arg(pl)
     pl.set_defaults(func=cmd_plan)
 
     rec = sub.add_parser("recommend", help="which hardware serves a workload (chat, rag, batch) cheapest, with reasons")
@@ -72,8 +74,9 @@ def register(subparsers) -> None:
     rec.add_argument("--itl", type=float, default=None, help="inter-token latency target, s (default per workload)")
     rec.add_argument("--systems", default=None, help="comma-separated systems (default: trn2, trn3, inf2 and GPUs)")
     rec.add_argument("--weights", default="bf16", help="weight precisions allowed, comma-separated")
-    rec.add_argument("--price", action="append", default=[], metavar="SYSTEM=USD_PER_NODE_HOUR",
-                     help="a node-hour price (needed to rank systems without a public price)")
+    rec.add_argument("--price-per-node-hour-usd", action="append", default=[], dest="price",
+                     metavar="SYSTEM=USD", help="a node-hour price (needed to rank systems without a public price)")
+    _purchase_arg(rec)
     rec.set_defaults(func=cmd_recommend)
 
     sim = sub.add_parser("simulate", help="request-level simulation: p50/p90/p99 TTFT and ITL, goodput, over rates")
@@ -89,6 +92,13 @@ def register(subparsers) -> None:
     sim.add_argument("--seed", type=int, default=0)
     sim.set_defaults(func=cmd_simulate)
     serve.set_defaults(func=lambda args: serve.print_help() or 0)
+
+
+def _purchase_arg(p: argparse.ArgumentParser) -> None:
+    from paratrain.hardware.catalog import PURCHASE_OPTIONS
+
+    p.add_argument("--purchase", choices=PURCHASE_OPTIONS, default="on-demand",
+                   help="which catalog price to use (default on-demand)")
 
 
 def _target_args(p: argparse.ArgumentParser) -> None:
@@ -179,7 +189,9 @@ def cmd_plan(args) -> int:
         raise UserError(f"no replica layout of {model.name} on {system.name} meets the target (the weights do not "
                         "fit, or one replica cannot reach the TTFT/ITL target): try a looser target, fp8/int4 "
                         "weights, or another system")
-    costs = [serving_cost(p, system, target, args.price) for p in plans]
+    if args.price is not None and not args.price > 0:
+        raise UserError(f"--price-per-node-hour-usd = {args.price}: must be > 0")
+    costs = [serving_cost(p, system, target, args.price, args.purchase) for p in plans]
     if args.json:
         print(json.dumps(clean({"target": vars(target), "deployments": [
             {**p.to_dict(), "cost": c.to_dict()} for p, c in zip(plans, costs, strict=True)]}), indent=2))
@@ -200,7 +212,9 @@ def cmd_plan(args) -> int:
           + ("" if best.output_tokens_per_s_per_mw is None else
              f"; output tokens/s per MW of accelerators: {best.output_tokens_per_s_per_mw:,.0f}"))
     if best.usd_per_hour is None:
-        print(f"note: no public price for {system.name}: pass --price USD_PER_NODE_HOUR for costs")
+        print(f"note: {best.price_source}; pass --price-per-node-hour-usd for costs")
+    else:
+        print(f"price: {best.price_source}")
     return 0
 
 
@@ -212,6 +226,7 @@ def cmd_recommend(args) -> int:
     systems = DEFAULT_SYSTEMS if args.systems is None else tuple(s.strip() for s in args.systems.split(","))
     target, cands = recommend(args.workload, args.model, args.rate, systems,
                               weights=_list(args.weights, "weights", WEIGHT_PRECISIONS), prices=_prices(args.price),
+                              purchase=args.purchase,
                               prompt=args.prompt, output=args.output, ttft_s=args.ttft, itl_s=args.itl)
     if args.json:
         print(json.dumps(clean({"workload": args.workload, "target": vars(target),
