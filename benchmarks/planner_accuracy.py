@@ -71,7 +71,9 @@ def narayanan(system) -> list[tuple[str, float, float]]:
         model = gpt_config(f"gpt-{r['params_B']}B", layers, h, heads, VOCAB, s)
         res = search(model, system, gpus // 8, s, gbs, top=1, options=MEGATRON, max_microbatch=8, any_stack=True,
                      constraints={"tp": [tp], "pp": [pp], "recompute": ["full"], "dp_kind": ["ddp"],
-                                  "zero_stage": [0], "schedule": ["1f1b", "interleaved_1f1b"] if pp > 1 else ["1f1b"]})
+                                  "zero_stage": [0], "schedule": ["1f1b", "interleaved_1f1b"] if pp > 1 else ["1f1b"],
+                                  # Megatron-LM 2021 needed layers divisible by pp x v
+                                  "virtual_stages": [v for v in range(1, 9) if layers % (pp * v) == 0]})
         pred = res.candidates[0].step_time_s if res.candidates else float("nan")
         out.append((f"{r['params_B']}B tp{tp} pp{pp} {gpus}gpu", pred, measured))
     return out
@@ -158,24 +160,107 @@ def vtrain_multi(system) -> list[tuple[str, float, float]]:
     return out
 
 
-def trn1_sanity(catalog) -> list[tuple[str, float, float]]:
-    """Published Trn1 throughput (Neuron benchmarks, hardware-facts.md): seq/s -> step time for gbs 1024 (the
-    NxDT example configs' global batch; an assumption for the benchmark rows). Llama 3.1 shapes = Llama 3 presets."""
-    system = catalog.system("trn1.32xlarge")
-    cases = [("llama2-7b 16n TP8 DP64", "llama2-7b", 16, 4096, Layout(tp=8, sp=True, recompute="selective"), 95.14),
-             ("llama2-13b 32n TP8 PP8", "llama2-13b", 32, 4096,
-              Layout(tp=8, pp=8, sp=True, recompute="selective"), 80.33),
-             ("llama2-70b 32n TP32 PP8", "llama2-70b", 32, 4096,
-              Layout(tp=32, pp=8, sp=True, recompute="selective"), 14.44),
-             ("llama3.1-8b 32n TP32 seq8192", "llama3-8b", 32, 8192, Layout(tp=32, sp=True, recompute="selective"),
-              47.95),
-             ("llama3.1-70b 32n TP32 PP8 seq8192", "llama3-70b", 32, 8192,
-              Layout(tp=32, pp=8, sp=True, recompute="selective"), 7.94)]
-    out = []
-    for label, model, nodes, seq, lay, seqs_per_s in cases:
-        est = estimate(model, system, nodes, seq, 1024, lay)
-        out.append((label, est.step_time_s, 1024 / seqs_per_s))
-    return out
+def trn1_calibration(catalog) -> list[tuple[str, float, float]]:
+    """The one Trn1 row the Trainium efficiency was set from (hardware-facts.md, BEN: Neuron benchmarks):
+    Llama 2 7B on 16 trn1.32xlarge, TP 8 DP 64, 95.14 seq/s at global batch 1024 (the NxDT example's)."""
+    est = estimate("llama2-7b", catalog.system("trn1.32xlarge"), 16, 4096, 1024,
+                   Layout(tp=8, sp=True, recompute="selective"))
+    return [("llama2-7b 16n TP8 DP64 (SDK 2.19+)", est.step_time_s, 1024 / 95.14)]
+
+
+# ---- evaluation data (benchmarks/data/eval_runs.csv): never used to set a constant ------------------------
+EVAL_CSV = Path(__file__).parent / "data" / "eval_runs.csv"
+GPT3 = {"gpt3-175b": (96, 12288, 96)}  # layers, hidden, heads (Brown et al. 2020)
+# gradient precision each stack keeps and reduces: Megatron-Core DistributedDataParallelConfig.grad_reduce_in_fp32
+# defaults to False (bf16 gradient buffers); FSDP2 in torchtitan reduces in fp32 (mixed_precision_reduce); NxD's
+# mixed_precision keeps fp32 gradients for the fp32 optimizer
+STACK_GRAD_BYTES = {"megatron": 2, "fsdp2": 4, "nxd": 4}
+CHOICES = {"recompute": ["none", "selective", "full"], "schedule": ["1f1b", "interleaved_1f1b"],
+           "microbatch": [1, 2, 4, 8], "vp": [1, 2, 4, 8]}
+
+
+def _eval_model(name: str, seq: int):
+    if name in GPT3:
+        layers, hidden, heads = GPT3[name]
+        return gpt_config(name, layers, hidden, heads, VOCAB, seq)
+    return name
+
+
+def _eval_options(r: dict) -> Options:
+    """The software of the run: attention kernel, FP8, and eager PyTorch for torchtitan without torch.compile."""
+    return Options(attention=r["attention"], fp8=r["precision"] == "fp8",
+                   eager=r["stack"] == "fsdp2" and r["compile"] == "0", grad_bytes=STACK_GRAD_BYTES[r["stack"]],
+                   tp_comm_overlap=r["tp_overlap"] == "1")
+
+
+def _eval_row(catalog, r: dict):
+    """(label, predicted step time, measured step time, kind, system, model) of one published run."""
+    system = catalog.system(r["system"])
+    seq, gbs, nodes = int(r["seq"]), int(r["global_batch"]), int(r["nodes"])
+    model = _eval_model(r["model"], seq)
+    fsdp = r["dp_kind"] == "fsdp"
+    fixed = {"tp": int(r["tp"]), "pp": int(r["pp"]), "cp": int(r["cp"]), "sp": int(r["tp"]) > 1,
+             "dp_kind": r["dp_kind"], "zero_stage": 3 if fsdp else 1}
+    free = {k: r[k] for k in ("recompute", "schedule", "microbatch", "vp")}
+    opts = _eval_options(r)
+    if "best" in free.values():  # not published: the planner's best fitting choice for the published fields
+        constraints = {k: [v] for k, v in fixed.items() if k != "sp"} | {"sp": [fixed["sp"]]}
+        for key, value in free.items():
+            name = {"vp": "virtual_stages"}.get(key, key)
+            constraints[name] = CHOICES[key] if value == "best" else [int(value) if key in ("microbatch", "vp")
+                                                                     else value]
+        if fixed["pp"] == 1:
+            constraints["schedule"], constraints["virtual_stages"] = ["1f1b"], [1]
+        res = search(model, system, nodes, seq, gbs, top=1, options=opts, max_microbatch=8, any_stack=True,
+                     constraints=constraints, cp_options=[fixed["cp"]])
+        est = res.candidates[0] if res.candidates else None
+    else:
+        lay = Layout(**{k: v for k, v in fixed.items()}, microbatch=int(r["microbatch"]), recompute=r["recompute"],
+                     schedule=r["schedule"], virtual_stages=int(r["vp"]), pp_layers="balanced")
+        est = estimate(model, system, nodes, seq, gbs, lay, opts)
+    devices = nodes * system.devices_per_node
+    value = float(r["measured"])
+    if r["unit"] == "tokens_per_s_per_device":
+        measured = gbs * seq / (value * devices)
+    elif r["unit"] == "seq_per_s":
+        measured = gbs / value
+    else:  # model TFLOP/s per device, full-square attention count
+        measured = (est.model_flops_full_attention_per_step if est else float("nan")) / (value * 1e12 * devices)
+    kind = ("CP" if int(r["cp"]) > 1 else "FSDP/ZeRO-3" if fsdp and int(r["pp"]) == 1 and int(r["tp"]) == 1
+            else "3D" if int(r["pp"]) > 1 else "TP+FSDP" if fsdp else "TP-only")
+    size = (model.num_params() if not isinstance(model, str) else None)
+    label = f"{r['model']} {r['system']} {devices}dev tp{r['tp']} pp{r['pp']} cp{r['cp']} {r['dp_kind']} {r['precision']}"
+    return (label, est.step_time_s if est else float("nan"), measured, kind, r["system"], r["model"], size)
+
+
+def eval_sets(catalog) -> dict[str, list[tuple]]:
+    """The evaluation rows grouped by data set (the csv's `set` column)."""
+    with EVAL_CSV.open(encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    sets: dict[str, list[tuple]] = {}
+    for r in rows:
+        sets.setdefault(r["set"], []).append(_eval_row(catalog, r))
+    return sets
+
+
+def _size_bucket(model: str) -> str:
+    digits = "".join(c for c in model.split("-")[-1] if c.isdigit() or c == ".")
+    size = float(digits) if digits else 0.0
+    return "<= 13B" if size <= 13 else "70B" if size <= 80 else ">= 175B"
+
+
+def signed_error_table(sets: dict[str, list[tuple]]) -> None:
+    """Mean signed step-time error (predicted - measured) / measured by layout kind, system and model size."""
+    rows = [r for rs in sets.values() for r in rs if np.isfinite(r[1])]
+    for title, key in (("layout kind", lambda r: r[3]), ("system", lambda r: r[4]),
+                       ("model size", lambda r: _size_bucket(r[5]))):
+        groups: dict[str, list[float]] = {}
+        for r in rows:
+            groups.setdefault(key(r), []).append((r[1] - r[2]) / r[2] * 100)
+        print(f"\n   signed error by {title}:")
+        for name, errs in sorted(groups.items()):
+            print(f"     {name:<22} n={len(errs):>3}  mean {np.mean(errs):+6.1f}%  min {min(errs):+6.1f}%  "
+                  f"max {max(errs):+6.1f}%  MAPE {np.mean(np.abs(errs)):5.1f}%")
 
 
 # ---- calibration ----------------------------------------------------------------------------------------
@@ -246,8 +331,8 @@ def report(name: str, rows: list[tuple[str, float, float]], worst: int, with_ran
     ok = np.isfinite(pred)
     result = {"rows": len(rows), "predicted": int(ok.sum()), "mape_pct": mape(pred[ok], meas[ok])}
     if with_rank:
-        result["spearman"] = spearman(pred[ok], meas[ok])
-    extra = f"  Spearman {result['spearman']:.3f}" if with_rank else ""
+        result["spearman"] = spearman(pred[ok], meas[ok]) if ok.sum() > 2 else float("nan")
+    extra = f"  Spearman {result['spearman']:.3f}" if with_rank and ok.sum() > 2 else ""
     print(f"\n== {name}: {result['predicted']}/{len(rows)} rows, MAPE {result['mape_pct']:.1f}%{extra}")
     err = np.where(ok, (pred - meas) / meas * 100, np.nan)
     order = np.argsort(-np.abs(np.nan_to_num(err, nan=1e9)))
@@ -293,23 +378,39 @@ def main() -> int:
         calibrate(catalog)
         return 0
     start = time.perf_counter()
-    sets = {
-        "Narayanan et al. 2021 Table 1 (DGX A100, 32-3072 GPUs)": narayanan(catalog.system("dgx-a100-80gb")),
-        "Korthikanti et al. 2022 Table 5 (DGX A100, 8-512 GPUs)": korthikanti(catalog.system("dgx-a100-80gb")),
-        "vTrain single-node ground truth (A100, 2-8 GPUs)": vtrain(catalog.system("p4d.24xlarge")),
-        "vTrain multi-node ground truth, HELD OUT (A100, 64-512 GPUs)": vtrain_multi(vtrain_cluster(catalog)),
-        "Trn1 published throughput (Neuron benchmarks), sanity check": trn1_sanity(catalog),
+    calibration = {
+        "narayanan2021_table1": ("Narayanan et al. 2021 Table 1 (DGX A100, 32-3072 GPUs)",
+                                 narayanan(catalog.system("dgx-a100-80gb"))),
+        "korthikanti2022_table5": ("Korthikanti et al. 2022 Table 5 (DGX A100, 8-512 GPUs)",
+                                   korthikanti(catalog.system("dgx-a100-80gb"))),
+        "vtrain_single": ("vTrain single-node ground truth (A100, 2-8 GPUs)", vtrain(catalog.system("p4d.24xlarge"))),
+        "trn1_calibration": ("Trn1 Llama 2 7B row that set the Trainium efficiency", trn1_calibration(catalog)),
     }
-    keys = ["narayanan2021_table1", "korthikanti2022_table5", "vtrain_single", "vtrain_multi_heldout", "trn1_sanity"]
-    results = {key: report(name, rows, args.worst, key.startswith("vtrain"))
-               for key, (name, rows) in zip(keys, sets.items(), strict=True)}
+    evaluation = {"vtrain_multi_heldout": ("vTrain multi-node ground truth (A100, 64-512 GPUs)",
+                                           vtrain_multi(vtrain_cluster(catalog)))}
+    grouped = eval_sets(catalog)
+    titles = {"torchtitan_h100": "torchtitan FSDP2/TP/PP/CP on H100 (Grand Teton, 8-512 GPUs)",
+              "torchtitan_a100": "torchtitan FSDP2 on 64 A100",
+              "nemo_h100": "NeMo / Megatron-Bridge on DGX-H100 (FP8, 8-1024 GPUs)",
+              "llama3_paper": "Llama 3 405B pre-training (BF16, 8,192-16,384 H100)",
+              "neuron_trn1": "Neuron trn1 benchmarks, several SDKs (NxD, neuronx-nemo-megatron)"}
+    for key, rows in grouped.items():
+        evaluation[key] = (titles.get(key, key), [r[:3] for r in rows])
+    results = {}
+    print("#### CALIBRATION data (constants were fitted on these)")
+    for key, (name, rows) in calibration.items():
+        results[("calibration", key)] = report(name, rows, args.worst, True)
+    print("\n#### EVALUATION data (never used to set a constant)")
+    for key, (name, rows) in evaluation.items():
+        results[("evaluation", key)] = report(name, rows, args.worst, True)
+    signed_error_table(grouped)
     if args.plot:
-        plot(dict(zip(keys, sets.values(), strict=True)), args.plot)
+        plot({k: rows for k, (_, rows) in {**calibration, **evaluation}.items()}, args.plot)
     print(f"\nCalculon's published predictions on Korthikanti Table 5: MAPE {calculon_korthikanti():.1f}%")
     print(f"\nsummary ({time.perf_counter() - start:.1f} s):")
-    for name, r in results.items():
-        rank = f", Spearman {r['spearman']:.3f}" if "spearman" in r else ""
-        print(f"  {name:<24} MAPE {r['mape_pct']:5.1f}%{rank}  ({r['predicted']}/{r['rows']} rows)")
+    for (role, name), r in results.items():
+        rank = f", Spearman {r['spearman']:.3f}" if np.isfinite(r.get("spearman", np.nan)) else ""
+        print(f"  {role:<11} {name:<24} MAPE {r['mape_pct']:5.1f}%{rank}  ({r['predicted']}/{r['rows']} rows)")
     return 0
 
 

@@ -311,7 +311,7 @@ def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch
     cps = [c for c in cp_options if devices % c == 0 and seq % (2 * c) == 0 or c == 1]
     mbs = [b for b in _divisors(global_batch) if b <= max_microbatch]
     # (schedule, virtual stages) pairs
-    sched_v = [(0, 1), (1, 1)] + [(2, v) for v in (2, 3, 4, 6, 8)] + [(3, 2)]
+    sched_v = [(0, 1), (1, 1)] + [(2, v) for v in (2, 3, 4, 5, 6, 8)] + [(3, 2)]
     # (zero stage, dp kind) pairs
     zero_kind = [(0, 0), (1, 0), (2, 0), (3, 1), (3, 2)]
     # (tp, pp, cp) triples that divide the devices and leave a data-parallel degree dividing the global batch,

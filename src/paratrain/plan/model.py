@@ -31,6 +31,10 @@ CAUSAL_ATTENTION_FLOPS = 2.0
 ATTENTION = ("flash", "unfused")
 
 BF16_BYTES = 2
+FLASH_BWD_MATMULS = 5  # per attention block in FlashAttention-2's backward (forward: 2)
+FP8_BYTES = 1
+FP8_CAST_BYTES = 5  # per element scaled to FP8: amax read (2), cast read (2) + write (1)
+FP8_CAST_KERNELS = 8  # amax + cast for the input and the weight of each of the 4 layer matmuls
 WEIGHT_BYTES = 2
 OPTIMIZER_BYTES = 12  # fp32 master weights + Adam m + v
 ADAM_STEP_BYTES = 32  # per parameter per step: read p, g, m, v (fp32), write p, m, v, bf16 copy
@@ -63,6 +67,10 @@ class Options:
     q/k/v and gate/up matmuls (7 instead of 4). Each launch pays the chip's kernel_overhead_s.
     p2p_scatter_gather: without SP, pipeline stages send 1/t of the activation per TP rank and all-gather it
     on arrival (Megatron, Narayanan et al. 2021); paratrain's runtime sends the whole replicated activation.
+    fp8: the layer matmuls (QKV, output projection, MLP) run in FP8 at the chip's FP8 peak with per-tensor
+    scaling (Transformer Engine, torchao float8); attention core, norms, head and loss stay BF16.
+    tp_comm_overlap: tensor-parallel collectives (with SP) pipelined with the GEMMs next to them, as
+    Transformer Engine's userbuffer overlap (Megatron-Core/NeMo tp_comm_overlap) and torch's async TP do.
     zero12_as_fsdp: ZeRO-1/2 run as FSDP without resharding after forward (paratrain has no separate ZeRO-1:
     plan/config_writer.runtime_dp): per microbatch one all-gather per unit, one reduce-scatter per unit per
     step, no post-step gather; otherwise Megatron's distributed optimizer (bucketed reduce-scatter, all-gather
@@ -71,6 +79,8 @@ class Options:
 
     attention: str = "flash"
     grad_bytes: int = 4
+    fp8: bool = False
+    tp_comm_overlap: bool = False
     bucket_bytes: float | None = None
     eager: bool = False
     p2p_scatter_gather: bool = True
@@ -113,6 +123,7 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
     total = np.zeros(np.broadcast(nbytes, degree, stride).shape)
     inside_prev = np.ones_like(total)
     share = timesharing_ranks(system)
+    ring_only_gathers = system.chip.vendor == "nvidia"
     for tier in system.tiers:
         if tier.domain_devices:
             inside = np.clip(np.floor(tier.domain_devices / stride), 1.0, degree)
@@ -121,7 +132,11 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
         n = inside / inside_prev
         data = nbytes / inside_prev
         bw = tier.per_device_bw_bytes_per_s(system)
-        steps = ring_steps(n)
+        # all-reduce: NCCL and Neuron pick ring (n-1 steps per phase) or tree / recursive halving-doubling
+        # (log2 n) whichever is cheaper; all-gather and reduce-scatter: NCCL runs them as rings only (no tree:
+        # src/graph/tuning.cc counts nsteps = nRanks - 1), Neuron also has recursive doubling-halving for them
+        # (Neuron docs, "Inter-node Collectives": ring, mesh and RDH)
+        steps = ring_steps(n) if kind == "allreduce" or not ring_only_gathers else n - 1.0
         link = tier.interconnect
         step_s = (link.latency_us + (share - 1) * link.timeshare_step_us) * 1e-6
         level = factor * ((n - 1) / n * data * share / bw + steps * step_s) + link.collective_overhead_us * 1e-6
@@ -169,14 +184,16 @@ def layer_matmuls(model: ModelConfig, seq: int, attention: str):
     return [("qkv", h + 2 * kv, h, "n"), ("proj", h, h, "k"), ("mlp_in", mlp_in, h, "n"), ("mlp_out", h, f, "k")]
 
 
-def activation_bytes_per_token(model: ModelConfig, seq: int, attention: str):
+def activation_bytes_per_token(model: ModelConfig, seq: int, attention: str, fp8: bool = False):
     """Korthikanti et al. 2022 activation memory per token per layer, split by how it shards.
 
     Returns (sp_part, tp_part, core_part) in bytes: sp_part is replicated across TP ranks unless sequence
     parallelism shards it; tp_part is always split by TP; core_part (softmax/dropout of attention scores) is
     split by TP and dropped by selective recompute. GPT: 10h + 24h + 5as = 34h + 5as per token, the paper's
     s*b*h*(34 + 5as/h). Llama: no dropout, RMSNorm, SwiGLU (gate, up and their product kept: 6f), GQA (K,V
-    are 2kv each).
+    are 2kv each). fp8: the inputs of the FP8 matmuls are kept for backward in FP8, 1 byte (Transformer Engine
+    saves the cast input for the weight gradient): QKV and MLP inputs (h each), the output projection's input
+    (h) and the second MLP matmul's input (f).
     """
     h, f, kv, a = model.hidden, model.ffn, model.kv_dim, model.heads
     if model.arch == "gpt":
@@ -187,6 +204,8 @@ def activation_bytes_per_token(model: ModelConfig, seq: int, attention: str):
         sp_part = 4 * h + 2 * h + 2 * h  # 2 RMSNorm inputs, QKV input, MLP input
         tp_part = 2 * h + 2 * kv + 2 * kv + 2 * h + 6 * f  # Q, K, V, proj input, gate, up, gate*up
         core = 2 * a * seq if attention == "unfused" else 4 * a  # softmax output, or fp32 log-sum-exp (flash)
+    if fp8:  # QKV input, MLP input, projection input and second MLP input stored at 1 byte instead of 2
+        sp_part, tp_part = sp_part - 2 * h, tp_part - h - f
     return float(sp_part), float(tp_part), float(core)
 
 
@@ -225,16 +244,25 @@ def soft_roofline(compute_s, memory_s):
     return (compute_s**k + memory_s**k) ** (1.0 / k)
 
 
-def matmul_time_s(system: System, m, n, k):
+def matmul_time_s(system: System, m, n, k, fp8: bool = False):
     """One matmul: a soft roofline of compute (matmul_eff_max of peak) and operand traffic (memory_bw_eff of
     HBM bandwidth), plus the fixed per-kernel cost (launch, pipeline fill, tail wave; measured to fit better
-    added than as a floor, see docs/planner.md) that makes small matmuls inefficient."""
+    added than as a floor, see docs/planner.md) that makes small matmuls inefficient. fp8: the operands are
+    1-byte FP8 and the tensor cores run at the chip's FP8 peak (the output stays BF16)."""
     eff = system.chip.efficiency
     flops = 2.0 * m * n * k
-    traffic = BF16_BYTES * (m * k + k * n + m * n)
-    compute = flops / (system.device_peak_flops * eff.matmul_eff_max)
+    in_bytes = FP8_BYTES if fp8 else BF16_BYTES
+    traffic = in_bytes * (m * k + k * n) + BF16_BYTES * m * n
+    peak = device_fp8_flops(system) if fp8 else system.device_peak_flops
+    compute = flops / (peak * eff.matmul_eff_max)
     memory = traffic / (system.device_hbm_bw_bytes_per_s * eff.memory_bw_eff)
     return soft_roofline(compute, memory) + eff.kernel_overhead_s
+
+
+def device_fp8_flops(system: System) -> float:
+    """FP8 peak of one device (the BF16 peak where the chip lists no faster FP8 rate)."""
+    fp8 = system.chip.fp8_tflops
+    return max(system.device_peak_flops, (fp8 or 0.0) * 1e12 / system.devices_per_chip)
 
 
 def memory_time_s(system: System, nbytes, kernels):
@@ -245,12 +273,13 @@ def memory_time_s(system: System, nbytes, kernels):
 # ---- the whole step -------------------------------------------------------------------------------------
 def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp):
     """Forward compute time of one layer on one device, split into matmuls, attention core and elementwise."""
-    matmuls = 0.0
+    matmuls, cast_bytes = 0.0, 0.0
     for _name, n, k, shard in layer_matmuls(model, seq, opts.attention):
-        if shard == "n":
-            matmuls = matmuls + matmul_time_s(system, T, n / tp, k)
-        else:
-            matmuls = matmuls + matmul_time_s(system, T, n, k / tp)
+        n_dev, k_dev = (n / tp, k) if shard == "n" else (n, k / tp)
+        matmuls = matmuls + matmul_time_s(system, T, n_dev, k_dev, opts.fp8)
+        # FP8 (Transformer Engine / torchao current scaling): each matmul's input and weight are scaled (an amax
+        # read) and cast (read bf16, write fp8) before the GEMM: 2 + 2 + 1 bytes per element, memory-bound
+        cast_bytes = cast_bytes + (FP8_CAST_BYTES * (T * k_dev + n_dev * k_dev) if opts.fp8 else 0.0)
     heads = model.heads / tp
     s_local = seq / cp
     d = model.head_dim
@@ -269,8 +298,8 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp):
         kernels = EAGER_ELEMENTWISE_KERNELS
         matmuls = matmuls + EAGER_EXTRA_MATMULS * system.chip.efficiency.kernel_overhead_s
     sp_scale = np.where(sp, 1.0 / tp, 1.0)
-    elem_bytes = T * (sp_b * sp_scale + tp_b / tp + core_b * (seq / cp / seq) / tp)
-    elementwise = memory_time_s(system, elem_bytes, kernels)
+    elem_bytes = T * (sp_b * sp_scale + tp_b / tp + core_b * (seq / cp / seq) / tp) + cast_bytes
+    elementwise = memory_time_s(system, elem_bytes, kernels + (FP8_CAST_KERNELS if opts.fp8 else 0))
     return matmuls, core, elementwise
 
 
@@ -303,7 +332,10 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     mm, core, elem = _per_layer_compute(model, system, seq, opts, T, tp, sp, cp)
     fwd_compute = mm + core + elem
     recompute_fwd = np.where(rc == 2, fwd_compute, np.where(rc == 1, core, 0.0))
-    bwd_compute = 2 * mm + 2 * core + 2 * elem + recompute_fwd
+    # FlashAttention's backward recomputes the scores and probabilities and runs 5 matmuls to the forward's 2
+    # (Dao 2023, FlashAttention-2 sec. 3.2); unfused attention keeps P and runs 4 (dP, dV, dQ, dK)
+    core_bwd = FLASH_BWD_MATMULS / 2.0 if opts.attention == "flash" else 2.0
+    bwd_compute = 2 * mm + core_bwd * core + 2 * elem + recompute_fwd
 
     # -- tensor parallel, per layer: 2 all-reduces forward and 2 backward (Megatron's f/g), or with SP an
     # all-gather + reduce-scatter pair in place of each (same volume, twice the calls); full recompute
@@ -315,6 +347,15 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     tp_exposed = 1 - eff_sys.tp_overlap
     tp_fwd = np.where(tp > 1, 2 * np.where(sp, ag_rs, ar), 0.0) * tp_exposed
     tp_bwd = tp_fwd * np.where(rc == 2, 2.0, 1.0)
+    if opts.tp_comm_overlap:
+        # Transformer Engine / Megatron (tp_comm_overlap) and torch async TP: with SP each all-gather is split
+        # into tp chunks exchanged while the GEMM it feeds runs on the chunks already there, and each
+        # reduce-scatter likewise behind the GEMM that produces it. Exposed: what the layer's GEMMs cannot cover,
+        # plus the first chunk of each collective (nothing to compute on before it arrives).
+        comm = 2 * ag_rs
+        hidden = lambda c, gemm: np.maximum(0.0, c - gemm) + c / tp  # noqa: E731
+        tp_fwd = np.where((tp > 1) & sp, hidden(comm, mm), tp_fwd)
+        tp_bwd = np.where((tp > 1) & sp, hidden(comm, 2 * mm) * np.where(rc == 2, 2.0, 1.0), tp_bwd)
     # Embedding and head under TP: the vocabulary-parallel embedding's all-reduce (reduce-scatter with SP);
     # with SP the final norm's output is gathered for the head; vocabulary-parallel cross-entropy all-reduces
     # three [tokens] fp32 vectors (max logit, sum of exponentials, target logit); backward, the head's input
@@ -559,7 +600,7 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     v_shape = np.asarray(sched) == 3
     loads = loads or balanced_loads(model.layers, pp, v, v_shape)
 
-    sp_part, tp_part, core = activation_bytes_per_token(model, seq / 1, opts.attention)
+    sp_part, tp_part, core = activation_bytes_per_token(model, seq / 1, opts.attention, opts.fp8)
     if opts.attention == "unfused":
         core = core / cp  # scores over the local query rows only
     sp_scale = np.where(sp, 1.0 / tp, 1.0)
