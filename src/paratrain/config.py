@@ -10,8 +10,9 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from paratrain.device import check_device_name
 from paratrain.model.config import PRESETS, ModelConfig, load_model_config
 
 
@@ -137,7 +138,12 @@ class TrainSection(Section):
     microbatch: int = Field(default=4, gt=0, description="sequences per forward/backward on one DP rank")
     seed: int = 1234
     dtype: Literal["fp32", "bf16"] = "fp32"
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: str = "auto"
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, value: str) -> str:
+        return check_device_name(value)  # syntax here; availability when the run starts (paratrain.device)
     eval_every: int = Field(default=50, ge=0, description="0 disables eval")
     eval_batches: int = Field(default=4, gt=0)
     log_every: int = Field(default=10, gt=0)
@@ -321,7 +327,9 @@ FIELD_HELP = {
     "optim.weight_decay": "AdamW weight decay (matrices only)", "optim.beta1": "AdamW beta1",
     "optim.beta2": "AdamW beta2", "optim.eps": "AdamW epsilon",
     "train.steps": "optimizer steps", "train.seq_len": "tokens per sequence", "train.seed": "seed of weights and data order",
-    "train.dtype": "fp32, or bf16 autocast", "train.device": "auto (CUDA if present), cpu or cuda",
+    "train.dtype": "fp32, or bf16 autocast",
+    "train.device": "auto (the accelerator torch reports, else the host CPU), cpu, cuda, neuron "
+                    "(Trainium, TorchNeuron) or any other torch.accelerator type",
     "train.eval_batches": "batches per eval", "train.log_every": "console line every N steps (without progress bar)",
     "train.deterministic": "torch deterministic algorithms", "train.compile": "torch.compile attention and MLP blocks",
     "train.progress": "progress bar on the console",

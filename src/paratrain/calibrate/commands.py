@@ -6,6 +6,10 @@ import argparse
 import json
 from pathlib import Path
 
+from paratrain.device import CPU, CUDA, NEURON
+
+PROBE_DEVICES = (CPU, CUDA, NEURON)
+
 PROBE_HELP = """\
 Measure this machine the way training ranks use it and write a hardware file for the planner:
 matmul throughput by size, memory bandwidth, and gloo collectives (all-reduce, reduce-scatter, all-gather,
@@ -32,7 +36,8 @@ def register_probe(sub) -> None:
                    help="ranks per node the entry describes (default: this machine's cores on CPU); more ranks "
                         "than cores share them, each at its share of a core")
     p.add_argument("--groups", default="2,4", help="group sizes to time collectives on (comma list)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--device", choices=PROBE_DEVICES, default=PROBE_DEVICES[0],
+                   help="where to probe: the host, or an accelerator (bf16 matmuls; collectives on the host only)")
     p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about 10 s)")
     p.add_argument("--json", action="store_true", help="print the measurements as JSON")
     p.set_defaults(func=run_probe_cmd)

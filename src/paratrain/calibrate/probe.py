@@ -20,6 +20,8 @@ from datetime import timedelta
 
 import numpy as np
 
+from paratrain.device import CPU, HOST_BACKEND, backend_for, is_host, matmul_dtype, sync_fn
+
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "send_recv")
 
 
@@ -71,11 +73,11 @@ def _time_best(fn, repeats: int, sync=lambda: None) -> float:
     return best
 
 
-def probe_matmul(sizes: list[int], device: str = "cpu", repeats: int = 5) -> dict[int, float]:
+def probe_matmul(sizes: list[int], device: str = CPU, repeats: int = 5) -> dict[int, float]:
     import torch
 
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    dtype = matmul_dtype(torch.device(device))
+    sync = sync_fn(torch.device(device)) or (lambda: None)
     out = {}
     for n in sizes:
         a = torch.randn(n, n, device=device, dtype=dtype)
@@ -85,13 +87,13 @@ def probe_matmul(sizes: list[int], device: str = "cpu", repeats: int = 5) -> dic
     return out
 
 
-def probe_memory_bandwidth(device: str = "cpu", megabytes: int = 256, repeats: int = 5) -> float:
+def probe_memory_bandwidth(device: str = CPU, megabytes: int = 256, repeats: int = 5) -> float:
     import torch
 
     n = megabytes * 2**20 // 4
     src = torch.ones(n, device=device)
     dst = torch.empty_like(src)
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = sync_fn(torch.device(device)) or (lambda: None)
     t = _time_best(lambda: dst.copy_(src), repeats, sync)
     return 2 * src.numel() * 4 / t / 1e9  # read + write
 
@@ -105,7 +107,7 @@ def _collective_worker(rank, world, store_path, sizes, repeats, queue):
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     store = dist.FileStore(store_path, world)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
+    dist.init_process_group(HOST_BACKEND, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     rows = []
     for nbytes in sizes:
         numel = max(nbytes // 4, world)
@@ -206,11 +208,11 @@ def fit_link(rows: list[dict], cores: int) -> dict:
             "mape": float(np.mean(np.abs(pred / t - 1)))}
 
 
-def run_probe(device: str = "cpu", group_sizes=(2, 4), quick: bool = False, log=print) -> ProbeResult:
+def run_probe(device: str = CPU, group_sizes=(2, 4), quick: bool = False, log=print) -> ProbeResult:
     import torch
 
-    threads = 1 if device == "cpu" else torch.get_num_threads()
-    if device == "cpu":
+    threads = 1 if is_host(device) else torch.get_num_threads()
+    if is_host(device):
         torch.set_num_threads(1)  # as a training rank runs
     res = ProbeResult(device=device, threads_per_rank=threads, cores=os.cpu_count() or 1)
     sizes = [128, 256, 512, 1024] if quick else [128, 256, 512, 1024, 2048]
@@ -218,7 +220,7 @@ def run_probe(device: str = "cpu", group_sizes=(2, 4), quick: bool = False, log=
     res.matmul_tflops_by_size = probe_matmul(sizes, device)
     log("probing memory bandwidth ...")
     res.memory_bw_gbytes_per_s = probe_memory_bandwidth(device, 64 if quick else 256)
-    if device == "cpu" and group_sizes:
+    if is_host(device) and group_sizes:
         msg = [2**12, 2**16, 2**20, 2**22] if quick else [2**12, 2**14, 2**16, 2**18, 2**20, 2**22, 2**24]
         log(f"probing gloo collectives for groups {list(group_sizes)} ...")
         res.collectives = probe_collectives(list(group_sizes), msg, repeats=3 if quick else 5)
@@ -232,8 +234,9 @@ def hardware_toml(res: ProbeResult, name: str = "local", ranks: int | None = Non
 
     On a CPU the "chip" is one core running one rank's compute thread: a node has as many chips as the machine
     has cores (`ranks` overrides), and more ranks than cores share them (see calibrate.fit.sized_for)."""
-    ranks = ranks or res.cores if res.device == "cpu" else ranks or 1
-    chips = min(ranks, res.cores) if res.device == "cpu" else ranks  # more ranks than cores share them
+    on_host = is_host(res.device)
+    ranks = ranks or res.cores if on_host else ranks or 1
+    chips = min(ranks, res.cores) if on_host else ranks  # more ranks than cores share them
     while ranks % chips:
         chips -= 1
     import tomli_w
@@ -245,7 +248,7 @@ def hardware_toml(res: ProbeResult, name: str = "local", ranks: int | None = Non
     when = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     src = f"measured by `paratrain probe` on {platform.node()} ({platform.processor() or platform.machine()}), {when}"
     chip = f"{name}-{res.device}"
-    link = f"{name}-{'gloo' if res.device == 'cpu' else 'nccl'}"
+    link = f"{name}-{backend_for(res.device)}"
     peak = res.peak_tflops
     big = max(res.matmul_tflops_by_size)
     doc = {
@@ -262,7 +265,7 @@ def hardware_toml(res: ProbeResult, name: str = "local", ranks: int | None = Non
                            "source": src + " (initial values; `paratrain calibrate` refines them)"},
         }},
         "interconnects": {link: {
-            "display_name": f"{'gloo over shared memory / loopback' if res.device == 'cpu' else 'NCCL'} (measured)",
+            "display_name": f"{backend_for(res.device)}{' over shared memory / loopback' if on_host else ''} (measured)",
             "endpoint": "device", "bw_gbytes_per_s": round(bw, 4), "latency_us": round(lat, 2), "bw_eff": 1.0,
             "timeshare_step_us": round(timeshare, 2),
             "source": src + (" (the planner's ring model fitted to all collectives and group sizes, `fit_link`)"

@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from paratrain.device import CUDA
+
 COMPARE_HELP = """\
 Time, dollars and energy to train one workload on several clusters, each with the planner's best layout;
 failures and checkpoints from the simulator (or Daly's formula with --failures daly).
@@ -114,7 +116,7 @@ def register(sub) -> None:
     size.add_argument("--nodes", type=int, help="one node count for every candidate system instead of --chips")
     r.add_argument("--max-days", type=float, help="deadline: drop candidates slower than this")
     r.add_argument("--max-usd", type=float, help="budget: drop candidates whose total (compute + porting) is higher")
-    r.add_argument("--current-stack", default="cuda", help="the team's stack today: cuda (default) or neuron; "
+    r.add_argument("--current-stack", default=CUDA, help="the team's stack today: cuda (default) or neuron; "
                    "the other stack costs --porting-days")
     r.add_argument("--porting-days", type=float, default=20.0,
                    help="engineer-days to move the code base to the other stack (default 20, assumption)")

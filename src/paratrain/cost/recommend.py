@@ -28,7 +28,10 @@ from dataclasses import dataclass, field
 
 from paratrain.cost.compare import Assumptions, Row, Workload, evaluate_target, to_item
 from paratrain.cost.sensitivity import sensitivity
+from paratrain.device import CUDA, NEURON
 from paratrain.hardware.catalog import System, get_catalog
+
+STACKS = (CUDA, NEURON)  # software stacks: the device type the team's kernels target
 
 KINDS = {
     "pretrain": "pre-training a model from scratch (weeks or more)",
@@ -68,7 +71,7 @@ class Request:
     chips: int | None = None  # accelerator chips per candidate cluster (default: per kind)
     seq: int = 4096
     global_batch: int = 1024
-    current_stack: str = "cuda"  # what the team's code runs on today: "cuda" or "neuron"
+    current_stack: str = CUDA  # what the team's code runs on today: a device type, CUDA or NEURON
     porting_engineer_days: float = 20.0  # assumption: moving a training code base to the other stack
     engineer_usd_per_day: float = 1200.0  # assumption: loaded cost of an ML engineer-day
     max_days: float | None = None
@@ -80,8 +83,8 @@ class Request:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise ValueError(f"kind='{self.kind}': allowed: {', '.join(KINDS)}")
-        if self.current_stack not in ("cuda", "neuron"):
-            raise ValueError(f"current_stack='{self.current_stack}': allowed: cuda, neuron")
+        if self.current_stack not in STACKS:
+            raise ValueError(f"current_stack='{self.current_stack}': allowed: {', '.join(STACKS)}")
         d = DEFAULTS[self.kind]
         self.model = d["model"] if self.model is None else self.model
         self.train_tokens = d["train_tokens"] if self.train_tokens is None else self.train_tokens
@@ -124,7 +127,7 @@ class Recommendation:
 
 def stack_of(system_name: str) -> str:
     chip = get_catalog().system(system_name).chip
-    return "neuron" if chip.vendor == "aws" else "cuda"
+    return NEURON if chip.vendor == "aws" else CUDA
 
 
 CONSTRAINTS = {
@@ -148,7 +151,7 @@ def hard_rules(req: Request, systems: list[str]) -> tuple[list[str], list[str]]:
     """Systems that can run the workload at all, and the rules applied (with their reasons). Every
     constraint so far rules out the Neuron stack; each is printed."""
     rules = [CONSTRAINTS[c] for c in active_constraints(req)]
-    kept = [s for s in systems if stack_of(s) == "cuda"] if rules else list(systems)
+    kept = [s for s in systems if stack_of(s) == CUDA] if rules else list(systems)
     if not rules:
         rules.append("no hard constraint: the cost model decides among all systems with a price")
     return kept, rules

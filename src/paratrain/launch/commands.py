@@ -104,11 +104,11 @@ def resolve_nproc(text: str) -> int:
     if str(text).isdigit() and int(text) >= 1:
         return int(text)
     if text in ("auto", "gpu"):
-        import torch
+        from paratrain.device import accelerator_count
 
-        gpus = torch.cuda.device_count()
+        gpus = accelerator_count()  # cuda, neuron (logical NeuronCores) or any torch.accelerator
         if text == "gpu" and not gpus:
-            raise ValueError("--nproc-per-node=gpu: this torch build sees no CUDA device; give a number")
+            raise ValueError("--nproc-per-node=gpu: this torch build sees no accelerator device; give a number")
         return gpus or 1
     raise ValueError(f"--nproc-per-node='{text}': allowed: a number >= 1, 'gpu' or 'auto'")
 

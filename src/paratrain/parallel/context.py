@@ -67,6 +67,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.device import host, is_host
 from paratrain.model.llama import CoreAttention
 from paratrain.parallel.layout import check_cp_layout  # noqa: F401 - re-exported; torch-free for config loading
 from paratrain.parallel.runner import ParallelRunner
@@ -81,7 +82,7 @@ def zigzag_chunks(cp: int, rank: int) -> tuple[int, int]:
     return rank, 2 * cp - 1 - rank
 
 
-def zigzag_positions(seq_len: int, cp: int, rank: int, device: torch.device | str = "cpu") -> torch.Tensor:
+def zigzag_positions(seq_len: int, cp: int, rank: int, device: torch.device | str | None = None) -> torch.Tensor:
     """Global positions of the tokens cp rank `rank` holds, in local order: (seq_len / cp,) int64."""
     chunk = seq_len // (2 * cp)
     return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in zigzag_chunks(cp, rank)])
@@ -111,7 +112,7 @@ def _pick_impl(impl: str, device: torch.device) -> str:
     if impl not in IMPLS:
         raise ValueError(f"context-parallel attention impl='{impl}': allowed: {', '.join(IMPLS)}")
     if impl == "auto":
-        return "flash_cpu" if device.type == "cpu" else "math"
+        return "flash_cpu" if is_host(device) else "math"
     return impl
 
 
@@ -324,7 +325,7 @@ def apply_context_parallel(parts: Iterable[nn.Module], group: dist.ProcessGroup 
     or s/(cp*tp) with sequence parallelism; pass `sp_tp` = tp when SP is on so that its positions cover the
     cp-local sequence its attention sees (SP gathers it over tp)."""
     ring = Ring(group)
-    _pick_impl(impl, torch.device("cpu"))  # validate the name before touching the model
+    _pick_impl(impl, host())  # validate the name before touching the model
     for part in parts:
         for block in part.layers.values():
             if not isinstance(block.attention.core, CoreAttention):

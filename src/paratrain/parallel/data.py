@@ -27,6 +27,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from paratrain.config import DEFAULT_DDP_BUCKET_MB
+from paratrain.device import host
 
 DEFAULT_BUCKET_BYTES = int(DEFAULT_DDP_BUCKET_MB * 2**20)
 
@@ -179,7 +180,7 @@ def apply_dp(parts: list[nn.Module], dp_mesh: DeviceMesh, kind: str, reshard_aft
 def _check_replicas_equal(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
     """Every replica must start from the same weights (all ranks build the model from the same seed); a
     one-number checksum catches a layout bug or a nondeterministic init before training diverges silently."""
-    device = local(params[0]).device if params else torch.device("cpu")  # NCCL reduces device tensors only
+    device = local(params[0]).device if params else host()  # NCCL reduces device tensors only
     total = torch.zeros(1, dtype=torch.float64, device=device)
     for p in params:
         total += local(p).double().sum()

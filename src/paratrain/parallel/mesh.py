@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from paratrain.config import MESH_DIMS, ParallelSection, resolve_degrees  # noqa: F401 (re-exported)
+from paratrain.device import backend_for, pick_device  # noqa: F401 (pick_device re-exported)
 
 
 @dataclass(frozen=True)
@@ -30,15 +31,6 @@ class DistEnv:
         return self.rank == 0
 
 
-def pick_device(requested: str, local_rank: int) -> torch.device:
-    if requested == "cuda" or (requested == "auto" and torch.cuda.is_available()):
-        if not torch.cuda.is_available():
-            raise ValueError("train.device='cuda' but this torch build sees no CUDA device; allowed here: cpu, auto")
-        torch.cuda.set_device(local_rank)
-        return torch.device("cuda", local_rank)
-    return torch.device("cpu")
-
-
 def init_distributed(device_request: str = "auto", timeout_s: float = 600.0) -> DistEnv:
     """Join the process group torchrun describes in the environment (or run as a single process)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -46,8 +38,7 @@ def init_distributed(device_request: str = "auto", timeout_s: float = 600.0) -> 
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = pick_device(device_request, local_rank)
     if world > 1 and not dist.is_initialized():
-        backend = "nccl" if device.type == "cuda" else "gloo"
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+        dist.init_process_group(backend=backend_for(device.type), timeout=timedelta(seconds=timeout_s))
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, device=device)
 
 

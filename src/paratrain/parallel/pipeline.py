@@ -39,6 +39,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from paratrain.config import TrainConfig
+from paratrain.device import host
 from paratrain.parallel.mesh import DistEnv
 from paratrain.parallel.runner import ParallelRunner, plain
 from paratrain.plan.stages import balanced_layers, check_pp_layers
@@ -446,7 +447,7 @@ def schedule_action_lists(layout: PipelineLayout) -> dict[int, list]:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=p)
     try:
         ids = layout.stages_of_rank(0)
-        stages = [PipelineStage(nn.Linear(1, 1), s, layout.num_stages, torch.device("cpu")) for s in ids]
+        stages = [PipelineStage(nn.Linear(1, 1), s, layout.num_stages, host()) for s in ids]
         schedule = MULTI_STAGE_SCHEDULES[layout.schedule](stages, m, loss_fn=lambda out, _: out.sum())
         return {r: [a for a in acts if a is not None] for r, acts in schedule.pipeline_order.items()}
     finally:

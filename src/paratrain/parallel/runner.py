@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from paratrain.device import autocast, host
 from paratrain.model.llama import cross_entropy_loss
 
 
@@ -45,9 +46,7 @@ class Runner:
 
     # -- the step -------------------------------------------------------------------------------------
     def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+        return autocast(self.device, self.autocast_dtype)
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Accumulate gradients of the mean loss over this rank's local batch; return the global loss."""
@@ -168,7 +167,7 @@ def global_grad_norm(grads: list[torch.Tensor], extra_groups: tuple = ()) -> flo
             g = g.to_local()
         sq = g.detach().double().pow(2).sum()
         sums[groups] = sums[groups] + sq if groups in sums else sq
-    device = next(iter(sums.values())).device if sums else torch.device("cpu")  # NCCL: device tensors only
+    device = next(iter(sums.values())).device if sums else host()  # NCCL: device tensors only
     total = torch.zeros((), dtype=torch.float64, device=device)
     for groups, sq in sums.items():
         for group in groups:

@@ -38,6 +38,7 @@ from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from paratrain.device import HOST_BACKEND, accelerator_rng_state, pin_memory, set_accelerator_rng_state
 from paratrain.train.faults import fault_point
 from paratrain.train.storage import RetryPolicy, Storage, StorageError, is_transient, short
 
@@ -100,8 +101,7 @@ def state_module(parts: list[nn.Module]) -> nn.Module:
 
 def rng_state() -> dict:
     state = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
+    state.update(accelerator_rng_state())  # {device type: per-device states}, none on the host
     return state
 
 
@@ -111,15 +111,14 @@ def set_rng_state(state: dict) -> None:
         random.setstate(state["python"])
     if "numpy" in state:
         np.random.set_state(state["numpy"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    set_accelerator_rng_state(state)
 
 
 def stage_to_cpu(state: dict) -> dict:
     """A private CPU copy (DTensors stay DTensors) for an asynchronous write: training mutates the originals."""
     from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 
-    cpu = _create_cpu_state_dict(state, pin_memory=torch.cuda.is_available())
+    cpu = _create_cpu_state_dict(state, pin_memory=pin_memory())
     return _copy_state_dict(state, cpu)
 
 
@@ -207,7 +206,7 @@ class CheckpointManager:
         self.layout = dict(layout or {"dp": self.world_size})
         self.verify_mode = verify
         self.log = log or (lambda msg: print(msg, flush=True) if rank == 0 else None)
-        self.group = dist.new_group(backend="gloo", timeout=timedelta(minutes=30)) if self.world_size > 1 else None
+        self.group = dist.new_group(backend=HOST_BACKEND, timeout=timedelta(minutes=30)) if self.world_size > 1 else None
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="paratrain-ckpt") if async_save else None
         self._pending: Future | None = None
         self.failed_saves = 0

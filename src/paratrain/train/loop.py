@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.config import OptimSection, TrainConfig, dump_config
+from paratrain.device import is_host, sync_fn
 from paratrain.model.llama import Llama
 from paratrain.parallel import parallelize
 from paratrain.parallel.mesh import build_mesh, init_distributed, resolve_degrees
@@ -86,7 +87,7 @@ def seed_everything(seed: int, deterministic: bool) -> None:
 def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
     """Train per `cfg`; returns a summary (first/last loss, tokens/s, paths). Runs on every rank."""
     env = init_distributed(cfg.train.device)
-    if env.device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ and env.world_size > 1:
+    if is_host(env.device) and "OMP_NUM_THREADS" not in os.environ and env.world_size > 1:
         torch.set_num_threads(1)  # one compute thread per rank: ranks share the cores
     degrees = resolve_degrees(cfg.parallel, env.world_size)  # validates before any work
     check_batch_layout(cfg, degrees["dp"])
@@ -149,7 +150,7 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
     stats = StepStats()
     first_loss = last_loss = float("nan")
     t_start = time.perf_counter()
-    timer = StepTimer(sync=torch.cuda.synchronize if env.device.type == "cuda" else None)
+    timer = StepTimer(sync=sync_fn(env.device))
     breakdowns: list[dict] = []
     for step in range(start_step, cfg.train.steps):
         t0 = time.perf_counter()

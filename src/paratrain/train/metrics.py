@@ -3,38 +3,30 @@
 from __future__ import annotations
 
 import json
-import resource
 import sys
 import time
 from pathlib import Path
 
 import torch
 
+from paratrain.device import matmul_dtype, peak_memory_bytes, synchronize  # noqa: F401 (re-exported)
+
 
 def measure_peak_flops(device: torch.device, size: int = 1024, repeats: int = 8) -> float:
     """Achievable dense matmul FLOP/s of this process on `device` (a short probe, used when no catalog
-    entry names the peak). fp32 on CPU, bf16 on CUDA."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    entry names the peak). fp32 on the host, bf16 on an accelerator (paratrain.device.matmul_dtype)."""
+    dtype = matmul_dtype(device)
     a = torch.randn(size, size, device=device, dtype=dtype)
     b = torch.randn(size, size, device=device, dtype=dtype)
     a @ b  # warm-up
     best = float("inf")
     for _ in range(repeats):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         t0 = time.perf_counter()
         a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize()
+        synchronize(device)
         best = min(best, time.perf_counter() - t0)
     return 2 * size**3 / best
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    # ru_maxrss is KiB on Linux: the process's peak resident memory (weights, activations, allocator).
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class MetricsLogger:

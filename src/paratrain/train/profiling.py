@@ -14,6 +14,8 @@ import contextlib
 import time
 from collections import defaultdict
 
+from paratrain.device import BACKEND_NAMES
+
 # name fragment (lower case) -> kind; first match wins
 COMM_KINDS = (
     ("reduce_scatter", "reduce_scatter"), ("reducescatter", "reduce_scatter"),
@@ -26,7 +28,7 @@ COMM_KINDS = (
 
 def comm_kind(name: str) -> str | None:
     low = name.lower()
-    if not any(tag in low for tag in ("c10d", "gloo", "nccl", "wait", "fsdp::", "send", "recv")):
+    if not any(tag in low for tag in ("c10d", *BACKEND_NAMES, "wait", "fsdp::", "send", "recv")):
         return None
     for fragment, kind in COMM_KINDS:
         if fragment in low:

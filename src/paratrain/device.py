@@ -1,0 +1,248 @@
+"""The one module that decides devices and process-group backends.
+
+Every other module asks this one; none names a device type ("cpu", "cuda", "neuron") or a backend ("gloo",
+"nccl") itself (tests/test_device.py checks the source). Everything goes through `torch.accelerator` and the
+device-type-generic APIs (`torch.get_device_module`, `torch.autocast(device_type=...)`), so a new accelerator
+that registers itself with torch (TorchNeuron registers `neuron` through PrivateUse1, Intel `xpu`, ...) runs
+unchanged: `train.device = auto | cpu | <the accelerator type torch reports>`.
+
+What torch reports is passed in as an `Accelerator` value (detected by `Accelerator.detect()`), so the
+selection rules are plain functions that tests drive with a fake accelerator, without the hardware.
+
+Torch is imported inside functions: the config schema imports this module and stays torch-free.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+AUTO = "auto"
+CPU = "cpu"  # the host: also where checkpoints are staged and gloo side-groups run
+CUDA = "cuda"
+NEURON = "neuron"  # TorchNeuron (AWS, Trainium2/3): PrivateUse1 device and torch.distributed backend "neuron"
+NAMED_DEVICES = (AUTO, CPU, CUDA, NEURON)  # any other torch.accelerator type is accepted too
+
+HOST_BACKEND = "gloo"  # collectives on host tensors (checkpoint coordination, CPU training)
+# The backends we choose ourselves; any other device type takes torch's default map
+# (torch.distributed.Backend.default_device_backend_map: xpu -> xccl, mps -> gloo, registered backends).
+BACKENDS = {CPU: HOST_BACKEND, CUDA: "nccl", NEURON: "neuron"}
+BACKEND_NAMES = tuple(sorted(set(BACKENDS.values())))  # e.g. for recognising collectives in profiler traces
+
+_NAME = re.compile(r"[a-z][a-z0-9_]*")
+
+
+def check_device_name(value: str) -> str:
+    """The config-time check of `train.device` (torch-free): a device *type* name, no index (the rank's
+    LOCAL_RANK picks the index). Whether this machine has it is checked by `resolve_device_type`."""
+    if not isinstance(value, str) or not _NAME.fullmatch(value):
+        raise ValueError(f"train.device={value!r}: allowed: {', '.join(NAMED_DEVICES)} or another torch "
+                         f"accelerator type (a lower-case device type name without an index; LOCAL_RANK picks it)")
+    return value
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """What torch reports about this process's accelerator: its device type (None: none) and device count."""
+
+    type: str | None = None
+    count: int = 0
+
+    @classmethod
+    def detect(cls) -> Accelerator:
+        import torch
+
+        acc = torch.accelerator.current_accelerator(check_available=True)
+        return cls(acc.type, torch.accelerator.device_count()) if acc is not None else cls()
+
+    def describe(self) -> str:
+        return f"{self.count} {self.type} device(s)" if self.type and self.count else "no accelerator"
+
+
+def known_device_type(name: str) -> bool:
+    """Whether torch knows `name` as a device type at all (a typo like 'cdua' does not parse)."""
+    import torch
+
+    try:
+        torch.device(name)
+    except RuntimeError:
+        return False
+    return True
+
+
+def resolve_device_type(requested: str, acc: Accelerator, known: Callable[[str], bool] = known_device_type) -> str:
+    """The device type this process runs on: auto = the accelerator torch reports (else cpu); an explicit
+    type must be the one present. One error names the field, the value, why, and what is allowed here."""
+    check_device_name(requested)
+    present = acc.type if acc.type and acc.count > 0 else None
+    if requested == AUTO:
+        return present or CPU
+    if requested in (CPU, present):
+        return requested
+    allowed = ", ".join([AUTO, CPU] + ([present] if present else []))
+    if requested not in NAMED_DEVICES and not known(requested):
+        why = "not a device type this torch build knows"
+    else:
+        why = f"not available here (torch sees {acc.describe()})"
+        if requested == NEURON:
+            why += "; Trainium needs TorchNeuron (torch-neuronx) installed"
+    raise ValueError(f"train.device='{requested}': {why}; allowed here: {allowed}")
+
+
+def device_index(device_type: str, local_rank: int, acc: Accelerator) -> int | None:
+    """The accelerator index of this rank (one rank per device: torchrun's LOCAL_RANK), None on the host."""
+    if device_type == CPU:
+        return None
+    if not 0 <= local_rank < acc.count:
+        raise ValueError(f"LOCAL_RANK={local_rank} but torch sees {acc.describe()}; allowed: at most "
+                         f"{acc.count} ranks per node on {device_type} (--nproc-per-node)")
+    return local_rank
+
+
+def pick_device(requested: str, local_rank: int, acc: Accelerator | None = None) -> torch.device:
+    """Resolve `train.device` for this rank and make it the current device."""
+    import torch
+
+    acc = Accelerator.detect() if acc is None else acc
+    kind = resolve_device_type(requested, acc)
+    index = device_index(kind, local_rank, acc)
+    if index is None:
+        return torch.device(kind)
+    torch.accelerator.set_device_index(index)
+    return torch.device(kind, index)
+
+
+def backend_for(device_type: str, default_map: Mapping[str, str] | None = None) -> str:
+    """The process-group backend for ranks on `device_type`: ours for cpu/cuda/neuron, else torch's map."""
+    if device_type in BACKENDS:
+        return BACKENDS[device_type]
+    if default_map is None:
+        import torch.distributed as dist
+
+        default_map = dist.Backend.default_device_backend_map
+    if device_type in default_map:
+        return default_map[device_type]
+    raise ValueError(f"train.device='{device_type}': no torch.distributed backend is registered for it "
+                     f"(known: {', '.join(sorted({**default_map, **BACKENDS}))})")
+
+
+# -- host vs accelerator ------------------------------------------------------------------------------------
+def host() -> torch.device:
+    import torch
+
+    return torch.device(CPU)
+
+
+def is_host(device: torch.device | str) -> bool:
+    import torch
+
+    return torch.device(device).type == CPU
+
+
+def available_accelerator(acc: Accelerator | None = None) -> str | None:
+    """The accelerator type present on this machine, or None."""
+    acc = Accelerator.detect() if acc is None else acc
+    return acc.type if acc.type and acc.count > 0 else None
+
+
+def accelerator_count(acc: Accelerator | None = None) -> int:
+    acc = Accelerator.detect() if acc is None else acc
+    return acc.count if acc.type else 0
+
+
+def pin_memory() -> bool:
+    """Page-locked host staging buffers help only when an accelerator copies from them."""
+    import torch
+
+    return torch.accelerator.is_available()
+
+
+# -- synchronisation, memory, numerics ------------------------------------------------------------------------
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work (timing); a no-op on the host, where work is synchronous."""
+    import torch
+
+    if not is_host(device):
+        torch.accelerator.synchronize(device)
+
+
+def sync_fn(device: torch.device) -> Callable[[], None] | None:
+    """A zero-argument synchronise for timers, or None where nothing needs waiting for (the host)."""
+    return None if is_host(device) else (lambda: synchronize(device))
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory of this process: the allocator's peak on an accelerator, peak resident set on the host."""
+    if is_host(device):
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # ru_maxrss is KiB on Linux
+    import torch
+
+    return int(torch.accelerator.max_memory_allocated(device))
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    import torch
+
+    if not is_host(device):
+        torch.accelerator.reset_peak_memory_stats(device)
+
+
+def memory_stats(device: torch.device) -> dict:
+    """Allocated / reserved / peak bytes on an accelerator; peak RSS on the host."""
+    import torch
+
+    if is_host(device):
+        return {"peak_bytes": peak_memory_bytes(device)}
+    return {"allocated_bytes": int(torch.accelerator.memory_allocated(device)),
+            "reserved_bytes": int(torch.accelerator.memory_reserved(device)),
+            "peak_bytes": peak_memory_bytes(device)}
+
+
+def matmul_dtype(device: torch.device) -> torch.dtype:
+    """The dtype a peak-throughput probe multiplies in: bf16 on accelerators (their datasheet peak), fp32 on
+    the host (CPUs without bf16 matrix units run bf16 slower than fp32)."""
+    import torch
+
+    return torch.float32 if is_host(device) else torch.bfloat16
+
+
+def autocast(device: torch.device, dtype: torch.dtype | None):
+    """torch.autocast for this device type, or a null context for dtype None (fp32)."""
+    import torch
+
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=torch.device(device).type, dtype=dtype)
+
+
+# -- RNG ----------------------------------------------------------------------------------------------------
+def accelerator_rng_state(acc: Accelerator | None = None) -> dict:
+    """{device type: per-device RNG states} of the accelerator present (empty on a host-only machine)."""
+    kind = available_accelerator(acc)
+    if kind is None:
+        return {}
+    import torch
+
+    module = torch.get_device_module(kind)
+    getter = getattr(module, "get_rng_state_all", None)
+    return {kind: getter()} if getter is not None else {}
+
+
+def set_accelerator_rng_state(state: Mapping, acc: Accelerator | None = None) -> None:
+    """Restore what `accelerator_rng_state` saved, if it was saved on the same accelerator type."""
+    kind = available_accelerator(acc)
+    if kind is None or kind not in state:
+        return
+    import torch
+
+    setter = getattr(torch.get_device_module(kind), "set_rng_state_all", None)
+    if setter is not None:
+        setter(state[kind])
