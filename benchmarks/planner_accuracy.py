@@ -171,10 +171,6 @@ def trn1_calibration(catalog) -> list[tuple[str, float, float]]:
 # ---- evaluation data (benchmarks/data/eval_runs.csv): never used to set a constant ------------------------
 EVAL_CSV = Path(__file__).parent / "data" / "eval_runs.csv"
 GPT3 = {"gpt3-175b": (96, 12288, 96)}  # layers, hidden, heads (Brown et al. 2020)
-# gradient precision each stack keeps and reduces: Megatron-Core DistributedDataParallelConfig.grad_reduce_in_fp32
-# defaults to False (bf16 gradient buffers); FSDP2 in torchtitan reduces in fp32 (mixed_precision_reduce); NxD's
-# mixed_precision keeps fp32 gradients for the fp32 optimizer
-STACK_GRAD_BYTES = {"megatron": 2, "fsdp2": 4, "nxd": 4}
 CHOICES = {"recompute": ["none", "selective", "full"], "schedule": ["1f1b", "interleaved_1f1b"],
            "microbatch": [1, 2, 4, 8], "vp": [1, 2, 4, 8]}
 
@@ -186,11 +182,13 @@ def _eval_model(name: str, seq: int):
     return name
 
 
-def _eval_options(r: dict) -> Options:
-    """The software of the run: attention kernel, FP8, and eager PyTorch for torchtitan without torch.compile."""
-    return Options(attention=r["attention"], fp8=r["precision"] == "fp8",
-                   eager=r["stack"] == "fsdp2" and r["compile"] == "0", grad_bytes=STACK_GRAD_BYTES[r["stack"]],
-                   tp_comm_overlap=r["tp_overlap"] == "1")
+def _eval_options(system, r: dict) -> Options:
+    """The software of the run: its stack's defaults (plan.stacks, the same as `plan --stack`), attention
+    kernel, FP8, TP comm overlap where the run names it (async TP / TE), eager PyTorch for torchtitan without
+    torch.compile."""
+    return Options.for_system(system, attention=r["attention"], stack=r["stack"], fp8=r["precision"] == "fp8",
+                              eager=r["stack"] == "fsdp2" and r["compile"] == "0",
+                              tp_comm_overlap=r["tp_overlap"] == "1")
 
 
 def _eval_row(catalog, r: dict):
@@ -202,7 +200,7 @@ def _eval_row(catalog, r: dict):
     fixed = {"tp": int(r["tp"]), "pp": int(r["pp"]), "cp": int(r["cp"]), "sp": int(r["tp"]) > 1,
              "dp_kind": r["dp_kind"], "zero_stage": 3 if fsdp else 1}
     free = {k: r[k] for k in ("recompute", "schedule", "microbatch", "vp")}
-    opts = _eval_options(r)
+    opts = _eval_options(system, r)
     if "best" in free.values():  # not published: the planner's best fitting choice for the published fields
         constraints = {k: [v] for k, v in fixed.items() if k != "sp"} | {"sp": [fixed["sp"]]}
         for key, value in free.items():
@@ -233,9 +231,12 @@ def _eval_row(catalog, r: dict):
     return (label, est.step_time_s if est else float("nan"), measured, kind, r["system"], r["model"], size)
 
 
-def eval_sets(catalog) -> dict[str, list[tuple]]:
-    """The evaluation rows grouped by data set (the csv's `set` column)."""
-    with EVAL_CSV.open(encoding="utf-8") as fh:
+CAL_CSV = Path(__file__).parent / "data" / "calibration_runs.csv"
+
+
+def eval_sets(catalog, path: Path = EVAL_CSV) -> dict[str, list[tuple]]:
+    """The rows of a runs file grouped by data set (the csv's `set` column)."""
+    with path.open(encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
     sets: dict[str, list[tuple]] = {}
     for r in rows:
@@ -386,6 +387,9 @@ def main() -> int:
         "vtrain_single": ("vTrain single-node ground truth (A100, 2-8 GPUs)", vtrain(catalog.system("p4d.24xlarge"))),
         "trn1_calibration": ("Trn1 Llama 2 7B row that set the Trainium efficiency", trn1_calibration(catalog)),
     }
+    for key, rows in eval_sets(catalog, CAL_CSV).items():
+        calibration[key] = ("torchtitan FSDP on one Grand Teton node (set the 500 W H100's peak)",
+                            [r[:3] for r in rows])
     evaluation = {"vtrain_multi_heldout": ("vTrain multi-node ground truth (A100, 64-512 GPUs)",
                                            vtrain_multi(vtrain_cluster(catalog)))}
     grouped = eval_sets(catalog)

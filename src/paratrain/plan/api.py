@@ -299,7 +299,7 @@ class SearchResult:
 
 
 def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch: int,
-          max_microbatch: int, cp_options: list[int], any_stack: bool,
+          max_microbatch: int, cp_options: list[int], stack,
           constraints: dict | None = None) -> dict[str, np.ndarray]:
     """All combinations of the discrete choices that are structurally valid (divisibility), as arrays."""
     devices = nodes * system.devices_per_node
@@ -342,9 +342,9 @@ def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch
     ok &= (kind != 2) | ((local_dp >= 2) & (dp * cp > local_dp))
     ok &= (sp == 0) | (cp == 1) | ((seq // cp) % tp == 0)  # SP splits each cp rank's sequence over tp
     ok &= (sched != 3) | (zero < 3)  # ZB-V computes weight gradients after FSDP would reshard (runtime refuses)
-    if system.stack is not None and not any_stack:
-        ok &= np.isin(zero, system.stack.zero_stages) & np.isin(kind, [DP_KINDS.index(k) for k in system.stack.dp_kinds])
-        ok &= (pp == 1) | np.isin(sched, [SCHEDULES.index(k) for k in system.stack.schedules])
+    if stack is not None:
+        ok &= np.isin(zero, stack.zero_stages) & np.isin(kind, [DP_KINDS.index(k) for k in stack.dp_kinds])
+        ok &= (pp == 1) | np.isin(sched, [SCHEDULES.index(k) for k in stack.schedules])
     named = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "microbatch": b, "sp": sp, "recompute": rc, "schedule": sched,
              "virtual_stages": v, "zero_stage": zero, "dp_kind": kind}
     for key, allowed in (constraints or {}).items():
@@ -363,19 +363,27 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
            top: int = 10, objective: str = "time", options: Options | None = None, max_microbatch: int = 64,
            cp_options: list[int] | None = None, train_tokens: float | None = None,
            node_counts: list[int] | None = None, any_stack: bool = False,
-           constraints: dict[str, list] | None = None, max_time_s: float | None = None) -> SearchResult:
+           constraints: dict[str, list] | None = None, max_time_s: float | None = None,
+           stack: str | None = None) -> SearchResult:
     """Evaluate every valid layout that fits in memory and rank by step time (objective "time") or by cost per
     token (objective "cost"; node_counts, default the powers of two up to `nodes`, are then searched too,
     since on a fixed cluster cost per token ranks exactly like time). Only the choices the system's training
     stack supports are searched unless any_stack. constraints: {"tp": [8], "recompute": ["full"], ...} keeps
-    only layouts whose field is in the list. max_time_s (with train_tokens): drop layouts that would train longer."""
+    only layouts whose field is in the list. max_time_s (with train_tokens): drop layouts that would train longer.
+    stack (plan.stacks: nxd, megatron, fsdp2, deepspeed): search only what that stack supports, with its
+    Options defaults (instead of the system's own stack)."""
     model, system = _resolve(model, system)
     _check_scalars(nodes, seq, global_batch)
     if objective not in ("time", "cost"):
         raise ValueError(f"objective = {objective!r}: allowed: time, cost")
     if objective == "cost" and system.prices.on_demand_usd_per_hour is None:
         raise ValueError(f"objective = cost: system {system.name} has no public price in the catalog")
-    opts = options or Options.for_system(system)
+    from paratrain.plan.stacks import STACKS, check_stack
+
+    if stack is not None:
+        check_stack(stack)
+    opts = options or Options.for_system(system, stack=stack)
+    searched = STACKS[stack] if stack is not None else (None if any_stack else system.stack)
     if cp_options is None:
         cp_options = [1] if seq < 16384 else [1, 2, 4, 8, 16, 32]
     if node_counts is None:
@@ -385,7 +393,7 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
     start = time.perf_counter()
     grids, combinations = [], 0
     for n in node_counts:
-        grid = _grid(model, system, n, seq, global_batch, max_microbatch, cp_options, any_stack, constraints)
+        grid = _grid(model, system, n, seq, global_batch, max_microbatch, cp_options, searched, constraints)
         combinations += int(grid.pop("raw"))
         grid["nodes"] = np.full(grid["tp"].shape, n)
         grids.append(grid)

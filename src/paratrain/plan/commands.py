@@ -52,7 +52,13 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
     p.add_argument("--attention", choices=["flash", "unfused"], default=None,
                    help="attention kernel (default: the system's stack; flash on GPUs, unfused on NxD)")
-    p.add_argument("--grad-bytes", type=int, choices=[2, 4], default=4, help="gradient precision (fp32=4)")
+    p.add_argument("--grad-bytes", type=int, choices=[2, 4], default=None,
+                   help="gradient precision (fp32=4; default: the stack's, 4 unless --stack megatron)")
+    p.add_argument("--stack", choices=["nxd", "megatron", "fsdp2", "deepspeed"], default=None,
+                   help="training software: search only what it supports (plan) and time it as it runs "
+                        "(ZeRO-1 gather overlap, TP comm overlap, gradient precision); default: the system's")
+    p.add_argument("--fp8", action="store_true",
+                   help="layer matmuls in FP8 at the chip's FP8 peak (Transformer Engine / torchao float8)")
     p.add_argument("--train-tokens", type=float, default=None, help="tokens to train: adds run time and cost")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--write-config", metavar="FILE", help="write the (best) layout as a training config TOML")
@@ -94,7 +100,8 @@ def register(subparsers) -> None:
 def _options(args, system):
     from paratrain.plan.model import Options
 
-    return Options.for_system(system, attention=args.attention, grad_bytes=args.grad_bytes)
+    kw = {"fp8": args.fp8} | ({} if args.grad_bytes is None else {"grad_bytes": args.grad_bytes})
+    return Options.for_system(system, attention=args.attention, stack=args.stack, **kw)
 
 
 def _load(args):
@@ -160,7 +167,7 @@ def cmd_plan(args) -> int:
         raise UserError("--max-days needs --train-tokens (how many tokens the run trains)")
     result = search(model, system, args.nodes, args.seq, args.global_batch, top=args.top,
                     objective=args.objective, options=_options(args, system), max_microbatch=args.max_microbatch,
-                    train_tokens=args.train_tokens, any_stack=args.any_stack,
+                    train_tokens=args.train_tokens, any_stack=args.any_stack, stack=args.stack,
                     max_time_s=None if args.max_days is None else args.max_days * 86400)
     if not result.candidates:
         devices = args.nodes * system.devices_per_node

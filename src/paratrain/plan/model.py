@@ -71,6 +71,11 @@ class Options:
     scaling (Transformer Engine, torchao float8); attention core, norms, head and loss stay BF16.
     tp_comm_overlap: tensor-parallel collectives (with SP) pipelined with the GEMMs next to them, as
     Transformer Engine's userbuffer overlap (Megatron-Core/NeMo tp_comm_overlap) and torch's async TP do.
+    attention_eff: fraction of peak the attention kernel reaches where it is not the chip's matmul_eff_max
+    (FlashAttention-2, PyTorch SDPA's flash backend, on Hopper: see plan.stacks).
+    overlap_param_gather: the ZeRO-1/2 parameter all-gather after the optimizer step is overlapped with the
+    next step's forward (Megatron-Core's distributed optimizer with overlap_param_gather); otherwise (NxD
+    ZeRO-1) it is exposed.
     zero12_as_fsdp: ZeRO-1/2 run as FSDP without resharding after forward (paratrain has no separate ZeRO-1:
     plan/config_writer.runtime_dp): per microbatch one all-gather per unit, one reduce-scatter per unit per
     step, no post-step gather; otherwise Megatron's distributed optimizer (bucketed reduce-scatter, all-gather
@@ -81,15 +86,23 @@ class Options:
     grad_bytes: int = 4
     fp8: bool = False
     tp_comm_overlap: bool = False
+    overlap_param_gather: bool = False
+    attention_eff: float | None = None
     bucket_bytes: float | None = None
     eager: bool = False
     p2p_scatter_gather: bool = True
     zero12_as_fsdp: bool = False
 
     @classmethod
-    def for_system(cls, system: System, attention: str | None = None, **kw) -> Options:
-        """Defaults of the system's usual training stack (e.g. NxD on Trn1 runs unfused attention)."""
+    def for_system(cls, system: System, attention: str | None = None, stack: str | None = None, **kw) -> Options:
+        """Defaults of the system's usual training stack (e.g. NxD on Trn1 runs unfused attention), or of the
+        named stack (plan.stacks: nxd, megatron, fsdp2, deepspeed); explicit keywords win."""
+        from paratrain.plan.stacks import STACKS, stack_options
+
         default = system.stack.attention if system.stack is not None else "flash"
+        if stack is not None:
+            kw = {**stack_options(stack, system.chip), **kw}
+            default = STACKS[stack].attention
         if system.chip.vendor == "local":  # measured by `paratrain probe`: paratrain's runtime runs here
             kw = {**PARATRAIN_RUNTIME, **kw}
         return cls(attention=attention or default, **kw)
@@ -99,6 +112,8 @@ class Options:
             raise ValueError(f"attention = {self.attention!r}: allowed: {', '.join(ATTENTION)}")
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"grad_bytes = {self.grad_bytes}: allowed: 2, 4")
+        if self.attention_eff is not None and not 0 < self.attention_eff <= 1:
+            raise ValueError(f"attention_eff = {self.attention_eff}: allowed: a number in (0, 1]")
 
 
 # ---- collectives ----------------------------------------------------------------------------------------
@@ -291,7 +306,8 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp):
     core_traffic = BF16_BYTES * b_seqs * heads * (4 * s_local * d)
     if opts.attention == "unfused":
         core_traffic = core_traffic + 2 * BF16_BYTES * b_seqs * heads * s_local * keys  # scores written, read
-    core = soft_roofline(core_flops / (system.device_peak_flops * eff.matmul_eff_max),
+    attn_eff = opts.attention_eff if opts.attention_eff is not None else eff.matmul_eff_max
+    core = soft_roofline(core_flops / (system.device_peak_flops * attn_eff),
                          core_traffic / (system.device_hbm_bw_bytes_per_s * eff.memory_bw_eff)) + 2 * eff.kernel_overhead_s
     sp_b, tp_b, core_b, kernels = elementwise_bytes_per_token(model, seq, opts.attention)
     if opts.eager:
@@ -448,7 +464,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         recompute = np.where(rc == 2, fwd - 2.0 * V * h, np.where(rc == 1, attn_fwd, 0.0)) * tokens
         flops[name] = (3.0 * fwd * tokens, 3.0 * fwd * tokens + recompute)
     model_flops, hardware_flops = flops[ATTENTION_CONVENTION]
-    peak = devices * system.device_peak_flops
+    # with FP8 matmuls MFU is taken against the FP8 peak (the rate they run at), so it stays below 1
+    peak = devices * (device_fp8_flops(system) if opts.fp8 else system.device_peak_flops)
     mfu = model_flops / (step * peak)
     hfu = hardware_flops / (step * peak)
 
@@ -534,7 +551,24 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     overlap = system.efficiency.dp_overlap
     window_all = overlap * m * (stage_fwd + stage_bwd)
     window_last = overlap * stage_bwd
-    exposed = np.maximum(np.maximum(gathers + reduces - window_all, reduces - window_last), 0.0) + post_step
+    hidden_post = opts.overlap_param_gather  # Megatron overlap_param_gather: behind the next step's forward
+    exposed = np.maximum(np.maximum(gathers + reduces + np.where(hidden_post, post_step, 0.0) - window_all,
+                                    reduces - window_last), 0.0) + np.where(hidden_post, 0.0, post_step)
+    # FSDP/HSDP layer by layer: with prefetch (FSDP2 and DeepSpeed ZeRO-3 gather layer i+1 while layer i
+    # computes) a gather hides only behind one layer's compute, so when a layer's compute is short (small
+    # microbatch per device, many ranks) the rest is exposed, layer after layer; the first gather of every
+    # microbatch's forward has nothing before it. Backward: each layer's re-gather and (on the last
+    # microbatch) its gradient reduce-scatter behind that layer's backward; the last reduce-scatter after it.
+    layers = np.maximum(stage_layers_dev, 1.0)
+    c_f, c_b = overlap * stage_fwd / layers, overlap * stage_bwd / layers
+    group = np.where(kind == 2, dp_shard, dp)
+    ag1 = collective_time_s(system, "allgather", param_bytes * block_share / layers, group, stride_dp)
+    rs1 = collective_time_s(system, "reducescatter", grad_bytes * block_share / layers, group, stride_dp)
+    fwd = ag1 + (layers - 1) * np.maximum(0.0, ag1 - c_f)
+    bwd = layers * np.maximum(0.0, ag1 - c_b)
+    bwd_sync = layers * np.maximum(0.0, ag1 + rs1 - c_b) + rs1
+    per_layer = m * fwd + (m - 1) * bwd + bwd_sync + np.where(kind == 2, repl_ar, 0.0)
+    exposed = np.where(kind >= 1, np.maximum(exposed, per_layer), exposed)
     total = gathers + reduces + post_step
     return np.where(dp > 1, total, 0.0), np.where(dp > 1, exposed, 0.0)
 

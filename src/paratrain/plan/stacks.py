@@ -1,0 +1,68 @@
+"""Training stacks the planner can restrict its search to (`plan --stack NAME`), and how each runs.
+
+A stack is what the training software supports (data-parallel kinds, ZeRO stages, pipeline schedules: the
+search only looks at those) and how it runs what it supports (the `Options` defaults below). The system's own
+`[systems.X.stack]` (hardware catalog) is used when no stack is named. No torch here.
+"""
+
+from __future__ import annotations
+
+from paratrain.hardware.catalog import Stack
+
+STACKS: dict[str, Stack] = {
+    "nxd": Stack(
+        "NeuronX Distributed (NxD / NxDT)", ("ddp",), (0, 1), ("1f1b", "interleaved_1f1b"),
+        "aws-neuron neuronx-distributed docs: TP, SP, PP (1F1B, interleaved), ZeRO-1, CP; no FSDP "
+        "(hardware-facts.md Neuron facts); NxDT examples/conf/hf_llama3_*: zero1 True, flash_attention True",
+        "flash"),
+    "megatron": Stack(
+        "Megatron-Core / NeMo", ("ddp", "fsdp"), (0, 1, 3), ("1f1b", "interleaved_1f1b"),
+        "Megatron-Core: distributed optimizer (ZeRO-1 with bucketed reduce-scatter and overlap_param_gather), "
+        "Megatron FSDP (NeMo performance tables: FSDP column), 1F1B and interleaved pipelines", "flash"),
+    "fsdp2": Stack(
+        "torchtitan (FSDP2 + DTensor TP + torch.distributed.pipelining)", ("ddp", "fsdp", "hsdp"), (0, 3),
+        ("gpipe", "1f1b", "interleaved_1f1b", "zbv"),
+        "pytorch/torchtitan docs: FSDP/HSDP (fully_shard), TP/async TP, CP, PP schedules GPipe, 1F1B, "
+        "Interleaved1F1B, ZBVZeroBubble", "flash"),
+    "deepspeed": Stack(
+        "DeepSpeed (ZeRO-1/2/3, pipeline engine)", ("ddp", "fsdp"), (0, 1, 2, 3), ("1f1b",),
+        "deepspeed.ai docs: ZeRO stages 1-3 (stage 3 = parameter partitioning with prefetch), PipelineModule "
+        "runs a 1F1B schedule", "flash"),
+}
+
+# How each stack runs (plan.model.Options fields). grad_bytes: Megatron-Core keeps bf16 gradient buffers
+# (DistributedDataParallelConfig.grad_reduce_in_fp32 defaults to False); FSDP2 in torchtitan reduces in fp32
+# (training.mixed_precision_reduce = float32); NxD's mixed_precision and DeepSpeed's bf16 mode keep fp32
+# gradients for the fp32 optimizer. tp_comm_overlap: Transformer Engine's userbuffer overlap (NeMo's
+# performance recipes enable tp_comm_overlap on Hopper and later; NVIDIA GPUs only). overlap_param_gather:
+# Megatron's distributed optimizer hides the post-step parameter all-gather behind the next forward; NxD's
+# ZeRO-1 runs it after the optimizer step.
+STACK_OPTIONS: dict[str, dict] = {
+    "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
+    "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "overlap_param_gather": True},
+    "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
+    "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
+}
+GPU_ONLY = {"tp_comm_overlap"}  # needs NVIDIA userbuffers / symmetric memory
+# PyTorch SDPA's flash backend (what torchtitan runs) is FlashAttention-2, which reaches ~35% of peak on Hopper
+# (Shah et al. 2024, FlashAttention-3, abstract: "FlashAttention-2 achieving only 35% utilization on H100");
+# Megatron/NeMo run cuDNN fused attention (FlashAttention-3 class, up to 75%: close to the GEMMs' efficiency,
+# so the chip's matmul efficiency is used); on A100 FlashAttention-2 reaches 50-73% (Dao 2023) = its GEMMs'.
+FA2_HOPPER_EFF = 0.35
+HOPPER_CHIPS = {"h100", "h200", "h100-hbm2e-500w", "h100-pcie"}
+
+
+def check_stack(name: str) -> str:
+    if name not in STACKS:
+        raise ValueError(f"stack = {name!r}: allowed: {', '.join(STACKS)}")
+    return name
+
+
+def stack_options(name: str, chip) -> dict:
+    """Options defaults of a named stack on this chip (hardware.catalog.Chip)."""
+    opts = dict(STACK_OPTIONS[check_stack(name)])
+    if chip.vendor != "nvidia":
+        opts.update({k: False for k in GPU_ONLY})
+    if name == "fsdp2" and chip.name in HOPPER_CHIPS:
+        opts["attention_eff"] = FA2_HOPPER_EFF
+    return opts
