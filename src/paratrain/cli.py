@@ -19,6 +19,7 @@ COMMAND_MODULES = [
     "paratrain.hardware.commands",
     "paratrain.plan.commands",
     "paratrain.plan.serve_commands",
+    "paratrain.infer.commands",
     "paratrain.cost.commands",
     "paratrain.sim.commands",
     "paratrain.launch.commands",
