@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 from torch import nn
 
+from paratrain.device import synchronize as _sync
 from paratrain.infer.kv_cache import KVCache, attach
 
 
@@ -100,12 +101,6 @@ def _forward(model: nn.Module, tokens: torch.Tensor, valid: torch.Tensor, start:
         logits = model(tokens, positions=positions)
     cache.advance(tokens.shape[1])
     return logits[:, -1], cache
-
-
-def _sync(device: torch.device) -> None:
-    """Wait for queued device work before reading the clock (CPU: nothing queued)."""
-    if device.type != "cpu" and hasattr(torch, "accelerator"):
-        torch.accelerator.synchronize()
 
 
 @torch.no_grad()
