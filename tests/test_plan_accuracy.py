@@ -67,3 +67,28 @@ def test_held_out_multi_node_beats_vtrain(bench):
     assert len(pred) == 109
     assert bench.mape(pred, meas) < 14.7  # vTrain's own reported multi-node error
     assert bench.spearman(pred, meas) >= 0.8
+
+
+def test_evaluation_runs_are_sourced_and_apart_from_calibration(bench):
+    """Every published run names its source; no run is in both the calibration and the evaluation file."""
+    import csv
+
+    def rows(path):
+        with path.open(encoding="utf-8") as fh:
+            return list(csv.DictReader(fh))
+    ev, cal = rows(bench.EVAL_CSV), rows(bench.CAL_CSV)
+    assert len(ev) >= 40 and all(r["source"].strip() for r in ev + cal)
+    key = lambda r: tuple(r[k] for k in ("model", "system", "nodes", "seq", "global_batch", "tp", "pp", "cp",  # noqa: E731
+                                         "precision", "compile", "measured"))
+    assert not {key(r) for r in ev} & {key(r) for r in cal}
+    assert not {r["set"] for r in ev} & {r["set"] for r in cal}
+
+
+def test_evaluation_sets_stay_within_their_reported_error(bench):
+    """Regression guard on the evaluation sets (docs/planner.md's accuracy table; nothing was fitted on them)."""
+    sets = bench.eval_sets(get_catalog())
+    goals = {"nemo_h100": 10.0, "torchtitan_h100": 15.0, "torchtitan_a100": 12.0, "llama3_paper": 25.0,
+             "neuron_trn1": 35.0}
+    for name, goal in goals.items():
+        pred, meas = _errors([r[:3] for r in sets[name]])
+        assert bench.mape(pred, meas) < goal, name

@@ -180,6 +180,61 @@ def test_collective_latency_terms(box):
     assert float(collective_time_s(system, "allreduce", 1e6, 8, 1)) == pytest.approx(expect)
 
 
+def test_gathers_are_rings_on_nccl_and_log_steps_on_neuron(box):
+    """NCCL has no tree for all-gather / reduce-scatter (n - 1 ring steps, src/graph/tuning.cc); Neuron also runs
+    recursive doubling-halving; all-reduce takes the cheaper of ring and tree on both."""
+    import dataclasses
+
+    link = dataclasses.replace(box.tiers[1].interconnect, latency_us=10.0)
+    def on(vendor):
+        chip = dataclasses.replace(box.chip, vendor=vendor)
+        return dataclasses.replace(box, chip=chip, tiers=(box.tiers[0], dataclasses.replace(box.tiers[1],
+                                                                                            interconnect=link)))
+    nodes = 256  # ranks at stride 8: one per node, 256 nodes
+    bandwidth = 255 / 256 * 1e6 / (50e9 / 8)
+    ring = float(collective_time_s(on("nvidia"), "allgather", 1e6, nodes, 8))
+    rdh = float(collective_time_s(on("aws"), "allgather", 1e6, nodes, 8))
+    assert ring == pytest.approx(bandwidth + 255 * 10e-6)
+    assert rdh == pytest.approx(bandwidth + 2 * 8 * 10e-6)
+    assert float(collective_time_s(on("nvidia"), "allreduce", 1e6, nodes, 8)) == pytest.approx(
+        2 * bandwidth + 2 * 16 * 10e-6)
+
+
+def test_fsdp_exposed_time_grows_with_scale_at_small_microbatches():
+    """Per-layer gathers with one layer of prefetch: at microbatch 1 the 255-step rings of 2,048 GPUs no longer
+    hide behind a layer's compute; at microbatch 2 more of them do."""
+    def exposed(nodes, mb):
+        est = estimate("llama3-8b", "p5.48xlarge", nodes, 4096, nodes * 8 * mb,
+                       Layout(dp_kind="fsdp", zero_stage=3, microbatch=mb, recompute="selective"))
+        return est.time_breakdown_s["dp_exposed"] / est.step_time_s
+    assert exposed(16, 1) < exposed(64, 1) < exposed(256, 1)
+    assert exposed(256, 1) > 0.3 and exposed(256, 2) < exposed(256, 1)
+
+
+def test_fp8_matmuls_run_at_the_fp8_peak_and_keep_fewer_activation_bytes():
+    lay = Layout(tp=4, pp=2, sp=True, zero_stage=1)
+    bf16 = estimate("llama3-8b", "dgx-h100", 1, 8192, 64, lay, Options())
+    fp8 = estimate("llama3-8b", "dgx-h100", 1, 8192, 64, lay, Options(fp8=True))
+    assert fp8.time_breakdown_s["compute"] < 0.9 * bf16.time_breakdown_s["compute"]  # attention stays BF16
+    assert fp8.memory_breakdown_bytes["activations"] < bf16.memory_breakdown_bytes["activations"]
+    assert 0 < fp8.mfu <= fp8.hfu <= 1  # against the FP8 peak
+    # a chip without a faster FP8 rate (Trainium1: 190 = its BF16 rate) gains nothing but pays the casts
+    t_bf16 = estimate("llama2-7b", "trn1.32xlarge", 1, 4096, 32, Layout(tp=8, sp=True), Options())
+    t_fp8 = estimate("llama2-7b", "trn1.32xlarge", 1, 4096, 32, Layout(tp=8, sp=True), Options(fp8=True))
+    assert t_fp8.time_breakdown_s["compute"] > 0.9 * t_bf16.time_breakdown_s["compute"]
+
+
+def test_tp_comm_overlap_hides_behind_the_gemms_but_not_the_first_chunk():
+    lay = Layout(tp=8, sp=True, zero_stage=1)
+    plain = estimate("llama3-70b", "dgx-h100", 1, 8192, 8, lay, Options())
+    over = estimate("llama3-70b", "dgx-h100", 1, 8192, 8, lay, Options(tp_comm_overlap=True))
+    assert 0 < over.time_breakdown_s["tp_comm"] < plain.time_breakdown_s["tp_comm"] / 4
+    assert over.step_time_s < plain.step_time_s
+    no_sp = Layout(tp=8, zero_stage=1)  # overlap needs SP (TE userbuffers, async TP): all-reduces stay exposed
+    assert estimate("llama3-70b", "dgx-h100", 1, 8192, 8, no_sp, Options(tp_comm_overlap=True)).step_time_s == \
+        pytest.approx(estimate("llama3-70b", "dgx-h100", 1, 8192, 8, no_sp, Options()).step_time_s)
+
+
 def test_p2p_uses_the_innermost_shared_tier(box):
     assert float(p2p_time_s(box, 1e9, 1)) == pytest.approx(1e9 / 100e9)
     assert float(p2p_time_s(box, 1e9, 8)) == pytest.approx(1e9 / (50e9 / 8))
