@@ -367,3 +367,40 @@ def test_cost_config_file_sets_purchase_and_prices(tmp_path, capsys):
     conf.write_text('[cost]\npurchse = "spot"\n')
     assert main(base) == 2
     assert "cost.purchse: unknown key; allowed: purchase, pue, failures" in capsys.readouterr().err
+
+
+def test_claims_report_each_claim_with_the_seed_ours_why_and_a_command(capsys):
+    """`compare --claims`: five claims, each with the seed's number, ours (made from the rows, not typed in),
+    why they differ and the command that reproduces it; Trn3 (no public price) gets a break-even price."""
+    from paratrain.cost.claims import run_all
+
+    out = run_all(FAST)
+    rows, claims = out["_rows"], out["claims"]
+    assert len(claims) == 5 and all(c["seed"] and c["ours"] and c["why"] for c in claims)
+    trn, p4d = rows["7b"]
+    ratio = trn.cost_usd_per_million_tokens / p4d.cost_usd_per_million_tokens
+    assert f"trn1 / p4d = {ratio:.2f}" in " ".join(claims[0]["ours"])
+    assert claims[0]["ours"][0].startswith("$/node-hour 21.50 vs 21.96 (on-demand, us-east-1, 2026-11-30")
+    for claim, run in ((claims[1], "70b"), (claims[2], "405b")):
+        by = {r.system: r for r in rows[run]}
+        gpu = min((r for r in rows[run] if r.system.startswith("p")), key=lambda r: r.cost_usd_per_million_tokens)
+        trn3 = by["trn3-ultraserver"]
+        assert trn3.cost_usd is None and trn3.price_label == "no public price"
+        assert trn3.break_even_usd_per_node_hour * trn3.nodes * trn3.wall_hours / trn3.tokens * 1e6 == pytest.approx(
+            gpu.cost_usd_per_million_tokens)
+        text = " ".join(claim["ours"])
+        assert f"cheapest GPU: {gpu.system} x{gpu.nodes}" in text
+        assert f"ties the cheapest GPU at ${trn3.break_even_usd_per_node_hour:,.2f}/node-hour" in text
+        assert {r.chips for r in rows[run]} == {1152 if run == "70b" else 4608}  # equal chips per system
+    assert "follow-up" in claims[3]["ours"][0] or "not yet wired" in claims[3]["ours"][0]
+    by = {r.system: r for r in rows["70b"]}
+    gen = by["trn3-ultraserver"].tokens_per_mwh / by["trn2-ultraserver"].tokens_per_mwh
+    text = " ".join(claims[4]["ours"])
+    assert f"trn3-ultraserver / trn2-ultraserver: {gen:.2f}x tokens per MWh" in text
+    assert "trainium2 500 W (hardware-facts.md" in text and "trainium3 1000 W (press reports" in text
+    # the printed command reproduces the 7B rows
+    args = claims[0]["commands"][0].split()[1:]
+    assert main([*args, "--json"]) == 0
+    again = json.loads(capsys.readouterr().out)["rows"]
+    assert [r["cost_usd_per_million_tokens"] for r in again] == pytest.approx(
+        [trn.cost_usd_per_million_tokens, p4d.cost_usd_per_million_tokens])

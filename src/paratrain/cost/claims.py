@@ -1,0 +1,244 @@
+"""`paratrain compare --claims`: the source documents' cost claims, each beside paratrain's number and why they
+differ.
+
+The claims (seeds 000 and 003, /work/shared/seeds in the project's notes):
+1. trn1.32xlarge at about $21.50/h vs p4d.24xlarge at $21.96/h; Trainium's cost advantage comes from training
+   efficiency, i.e. fewer accelerator-hours for the same model (seed 000, for a 7B model on 2,048 Trainium).
+2. Trn3 UltraServers train (and serve) at up to 50% lower cost than GPUs at similar performance (AWS, quoted
+   by both seeds): checked on a 70B and a 405B pre-training run against H100, H200 and B200 instances.
+3. The same for serving: needs the serving model (plan/serve.py, cost/serving.py), a follow-up while it is
+   not on main.
+4. Trainium3 gives 5x more tokens per megawatt than the previous Trainium generation (seed 003, from The Next
+   Platform), and the Trn3 UltraServer 4x the energy efficiency of the Trn2 UltraServer (both seeds, AWS).
+
+Every run is a plain `compare` (the printed command reproduces it) at equal accelerator chips per system. A
+system without a price at the chosen purchase option gets the break-even price at which it would tie the
+cheapest priced GPU: for Trn3, which AWS publishes no price for, that is the honest form of the claim ("it
+is 50% cheaper if it costs less than $X per node-hour"), never a guessed price.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from paratrain.cost.compare import Assumptions, Row, Workload, compare, to_item
+from paratrain.cost.sensitivity import format_tables, sensitivity
+from paratrain.hardware.catalog import get_catalog
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    what: str
+    model: str
+    tokens: float
+    seq: int
+    global_batch: int
+    targets: tuple[tuple[str, int], ...]
+
+    def command(self, assumptions: Assumptions) -> str:
+        targets = ",".join(f"{s}:{n}" for s, n in self.targets)
+        prices = "".join(f" --price-per-node-hour-usd {k}={v:g}" for k, v in assumptions.prices.items())
+        return (f"paratrain compare --model {self.model} --tokens {self.tokens:g} --seq {self.seq} "
+                f"--global-batch {self.global_batch} --targets {targets} --purchase {assumptions.purchase}"
+                f" --failures {assumptions.failures}{prices}")
+
+
+# Equal accelerator chips per system: 2,048 Trainium is the seed's own 7B configuration (128 trn1.32xlarge,
+# TP8 x DP512 NeuronCores), and p4d gets the same 128 nodes because the seed compares node prices. 1,152 chips
+# (8 Trn3 UltraServers) for 70B, 4,608 (32) for 405B; Llama 3's sequence 8192 and a 8M / 16M-token batch.
+RUNS = (
+    Run("7b", "Llama 2 7B, 1T tokens, seq 4096: 128 trn1.32xlarge (2,048 Trainium, seed 000) vs 128 p4d.24xlarge",
+        "llama2-7b", 1e12, 4096, 1024, (("trn1.32xlarge", 128), ("p4d.24xlarge", 128))),
+    Run("70b", "Llama 3 70B, 2T tokens, seq 8192, 1,152 chips per system", "llama3-70b", 2e12, 8192, 1024,
+        (("p5.48xlarge", 144), ("p5en.48xlarge", 144), ("p6-b200.48xlarge", 144), ("trn1.32xlarge", 72),
+         ("trn2.48xlarge", 72), ("trn2-ultraserver", 18), ("trn3-ultraserver", 8))),
+    Run("405b", "Llama 3.1 405B, 15T tokens, seq 8192, 4,608 chips per system", "llama3.1-405b", 15e12, 8192, 2048,
+        (("p5.48xlarge", 576), ("p5en.48xlarge", 576), ("p6-b200.48xlarge", 576), ("trn2.48xlarge", 288),
+         ("trn2-ultraserver", 72), ("trn3-ultraserver", 32))),
+)
+
+
+def _is_gpu(row: Row) -> bool:
+    return get_catalog().system(row.system).chip.vendor != "aws"
+
+
+def _by_system(rows: list[Row]) -> dict[str, Row]:
+    return {r.system: r for r in rows}
+
+
+def claim_trn1_vs_p4d(rows: list[Row], run: Run, a: Assumptions) -> dict:
+    s = _by_system(rows)
+    trn, p4d = s["trn1.32xlarge"], s["p4d.24xlarge"]
+    ours = [f"$/node-hour {trn.price_usd_per_node_hour:.2f} vs {p4d.price_usd_per_node_hour:.2f} "
+            f"({trn.price_label}; {p4d.price_label})"] if trn.price_usd_per_node_hour and p4d.price_usd_per_node_hour \
+        else [f"no {a.purchase} price for one of them: {trn.price_label}; {p4d.price_label}"]
+    if trn.cost_usd_per_million_tokens and p4d.cost_usd_per_million_tokens:
+        ratio = trn.cost_usd_per_million_tokens / p4d.cost_usd_per_million_tokens
+        ours.append(f"$ per million tokens {trn.cost_usd_per_million_tokens:.3f} vs "
+                    f"{p4d.cost_usd_per_million_tokens:.3f}: trn1 / p4d = {ratio:.2f} ({'trn1' if ratio < 1 else 'p4d'} "
+                    f"cheaper by {abs(1 - ratio):.0%})")
+    ours.append(f"days {trn.wall_hours / 24:.1f} vs {p4d.wall_hours / 24:.1f}; accelerator-hours "
+                f"{trn.accelerator_hours:,.0f} vs {p4d.accelerator_hours:,.0f} (16 vs 8 chips per node); "
+                f"MFU {trn.mfu:.0%} vs {p4d.mfu:.0%}")
+    return {
+        "claim": "trn1.32xlarge vs p4d.24xlarge for a 7B model: similar hourly price, Trainium cheaper to train",
+        "source": "seed 000 (GPU comparison section)",
+        "seed": "trn1.32xlarge about $21.50/h (us-east-1), p4d.24xlarge $21.96/h on demand; the cost difference "
+                "comes from training efficiency (fewer total accelerator-hours), no throughput given",
+        "ours": ours,
+        "why": "the prices agree (the catalog's are the same SKY numbers); the seed gives no measured throughput. "
+               "The planner's Trainium1 efficiency reproduces AWS's published Trn1 Llama 2 7B row "
+               "(docs/planner.md), its A100's Megatron runs; per node-hour the prices are equal, so the cost per "
+               "token follows the time per token, and the planner predicts p4d's 8 A100 at least as fast as "
+               "trn1's 16 Trainium1 on this model",
+        "commands": [run.command(a)],
+    }
+
+
+def claim_half_cost(rows: list[Row], run: Run, a: Assumptions) -> dict:
+    gpus = [r for r in rows if _is_gpu(r) and r.cost_usd_per_million_tokens is not None]
+    best = min(gpus, key=lambda r: r.cost_usd_per_million_tokens) if gpus else None
+    trn = [r for r in rows if not _is_gpu(r)]
+    ours = []
+    if best is None:
+        ours.append(f"no GPU has a {a.purchase} price: nothing to compare against")
+    else:
+        ours.append(f"cheapest GPU: {best.system} x{best.nodes}, ${best.cost_usd_per_million_tokens:.3f} per million "
+                    f"tokens ({best.price_label}), {best.wall_hours / 24:.1f} days")
+        for r in trn:
+            even = r.break_even_usd_per_node_hour if r.system != best.system else None
+            speed = r.tokens_per_s / best.tokens_per_s
+            chips = get_catalog().system(r.system).chips_per_node
+            if r.cost_usd_per_million_tokens is not None:
+                ratio = r.cost_usd_per_million_tokens / best.cost_usd_per_million_tokens
+                verdict = f"{1 - ratio:.0%} cheaper" if ratio < 1 else f"{ratio - 1:.0%} dearer"
+                text = (f"{r.system} x{r.nodes}: ${r.cost_usd_per_million_tokens:.3f}/M tokens ({r.price_label}) = "
+                        f"{ratio:.2f} x the cheapest GPU ({verdict})")
+            else:
+                text = (f"{r.system} x{r.nodes}: {r.price_label}; ties the cheapest GPU at "
+                        f"${even:,.2f}/node-hour (${even / chips:.2f}/chip-hour); 50% cheaper below "
+                        f"${even / 2:,.2f}/node-hour")
+            ours.append(f"{text}; speed {speed:.2f} x the cheapest GPU's tokens/s at equal chips, "
+                        f"{r.wall_hours / 24:.1f} days")
+    return {
+        "claim": f"Trainium2/3 vs H100/H200/B200, {run.what}: Trn3 UltraServers up to 50% cheaper at similar "
+                 "performance",
+        "source": "seeds 000 and 003, quoting AWS (About Amazon, 'Trainium3 UltraServers now available', "
+                  "2025-12-02)",
+        "seed": "up to 50% lower training (and inference) cost than GPU alternatives at similar performance; "
+                "customers report 50% savings",
+        "ours": ours,
+        "why": "AWS publishes no Trn2/Trn3 UltraServer price (and no trn2.48xlarge on-demand price), so the claim "
+               "cannot be checked, only turned into the price that makes it true (break-even above; give a quote "
+               "with --price-per-node-hour-usd). The planner trains in BF16, where Trainium3's peak (671 TFLOPS) is "
+               "Trainium2's and below H100's 989 and B200's 2,250; its Trainium efficiency is the Trn1-calibrated "
+               "Neuron model carried over (not measured on Trn2/Trn3). AWS's gains are quoted at MXFP8/MXFP4 "
+               "(2,517 TFLOPS) and from customer workloads; this planner has no FP8 training model",
+        "commands": [run.command(a)],
+    }
+
+
+def claim_serving() -> dict:
+    try:
+        __import__("paratrain.cost.serving")
+        status = ("the serving cost model (paratrain.cost.serving) is on main but not yet wired into --claims: "
+                  "follow-up")
+    except ModuleNotFoundError:
+        status = ("follow-up: the serving model (plan/serve.py + cost/serving.py, issue #23) was not on main when "
+                  "this report was built; no number here")
+    return {
+        "claim": "Trn3 vs GPUs on a serving workload: up to 50% lower inference cost",
+        "source": "seeds 000 and 003, quoting AWS; Decart '4x faster inference at half the cost of GPUs' (seed 003)",
+        "seed": "up to 50% lower inference cost; Decart 4x faster at half the cost",
+        "ours": [status],
+        "why": "not computed: training throughput says nothing about decode, which is memory-bandwidth and "
+               "KV-cache bound",
+        "commands": [],
+    }
+
+
+def _power_note(system: str) -> str:
+    chip = get_catalog().system(system).chip
+    return f"{chip.name} {chip.power_w:g} W ({chip.source_of('power_w')})"
+
+
+def claim_tokens_per_mw(rows: list[Row], run: Run, a: Assumptions) -> dict:
+    s = _by_system(rows)
+    gens = [name for name in ("trn1.32xlarge", "trn2-ultraserver", "trn3-ultraserver") if name in s]
+    ours = [f"{name} x{s[name].nodes}: {s[name].tokens_per_mwh / 1e6:,.0f} M tokens per MWh (power x PUE "
+            f"{a.pue} x host share)" for name in gens if s[name].tokens_per_mwh]
+    for old, new in zip(gens, gens[1:], strict=False):
+        if s[old].tokens_per_mwh and s[new].tokens_per_mwh:
+            ours.append(f"{new} / {old}: {s[new].tokens_per_mwh / s[old].tokens_per_mwh:.2f}x tokens per MWh")
+    cat = get_catalog()
+    t2, t3 = cat.chip("trainium2"), cat.chip("trainium3")
+    ours.append(f"bound from the chips alone: peak FP8 TFLOPS per watt, Trainium3 {t3.fp8_tflops:g}/{t3.power_w:g} W "
+                f"vs Trainium2 {t2.fp8_tflops:g}/{t2.power_w:g} W = "
+                f"{(t3.fp8_tflops / t3.power_w) / (t2.fp8_tflops / t2.power_w):.2f}x; BF16 "
+                f"{(t3.bf16_tflops / t3.power_w) / (t2.bf16_tflops / t2.power_w):.2f}x")
+    ours.append("power figures used: " + "; ".join(_power_note(name) for name in gens))
+    return {
+        "claim": "tokens per megawatt across Trainium generations",
+        "source": "seed 003 (The Next Platform, 2025-12-03): 5x more tokens per megawatt than the previous "
+                  "generation; seeds 000/003 (AWS): Trn3 UltraServer 4x the energy efficiency of Trn2 UltraServer",
+        "seed": "Trainium3 5x tokens per MW vs the previous Trainium; Trn3 UltraServer 4x energy efficiency vs Trn2",
+        "ours": ours,
+        "why": "none of the Trainium power numbers is AWS's (Trn1 275 W a placeholder, Trn2 500 W from memory, Trn3 "
+               "1000 W from press reports): a factor of two in one of them moves the ratio by two. With them, even "
+               "the chips' peak FP8 per watt is about equal, and in BF16 training (what the planner models) "
+               "Trainium3's energy per token cannot beat Trainium2's by much; AWS's 4-5x is most likely at "
+               "MXFP8/MXFP4 and for serving, at a per-chip power AWS has not published",
+        "commands": [run.command(a)],
+    }
+
+
+def run_all(assumptions: Assumptions, progress=None) -> dict:
+    rows = {}
+    for run in RUNS:
+        rows[run.name] = compare(Workload(run.model, run.tokens, run.seq, run.global_batch), list(run.targets),
+                                 assumptions, progress=progress)
+    claims = [claim_trn1_vs_p4d(rows["7b"], RUNS[0], assumptions),
+              claim_half_cost(rows["70b"], RUNS[1], assumptions),
+              claim_half_cost(rows["405b"], RUNS[2], assumptions),
+              claim_serving(),
+              claim_tokens_per_mw(rows["70b"], RUNS[1], assumptions)]
+    return {"purchase": assumptions.purchase, "assumptions": assumptions.describe(), "claims": claims,
+            "runs": {run.name: {"what": run.what, "command": run.command(assumptions),
+                                "rows": [r.to_dict() for r in rows[run.name]],
+                                "sensitivity": sensitivity([to_item(r) for r in rows[run.name]], assumptions.purchase)}
+                     for run in RUNS},
+            "_rows": rows}
+
+
+def run_claims(args, assumptions: Assumptions, progress_factory) -> int:
+    from paratrain.cost.commands import write_sensitivity_plot
+
+    total = sum(len(run.targets) for run in RUNS)
+    out = run_all(assumptions, progress_factory(total, args.json))
+    rows = out.pop("_rows")
+    if args.sensitivity_plot:
+        stem = args.sensitivity_plot.removesuffix(".png")
+        out["sensitivity_plots"] = [
+            write_sensitivity_plot(f"{stem}-{run.name}.png", rows[run.name], [to_item(r) for r in rows[run.name]],
+                                   run.what) for run in RUNS]
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    for i, claim in enumerate(out["claims"], 1):
+        print(f"claim {i}: {claim['claim']}")
+        print(f"  seed ({claim['source']}): {claim['seed']}")
+        print("  ours: " + "\n        ".join(claim["ours"]))
+        print(f"  why they differ: {claim['why']}")
+        for command in claim["commands"]:
+            print(f"  reproduce: {command}")
+        print()
+    for run in RUNS:
+        print(f"sensitivity of {run.what}:")
+        print("\n".join(format_tables(out["runs"][run.name]["sensitivity"])))
+        print()
+    print("assumptions:\n  " + "\n  ".join(out["assumptions"]))
+    for path in out.get("sensitivity_plots", []):
+        print(f"sensitivity plot: {path}")
+    return 0
