@@ -122,7 +122,7 @@ def test_unpriced_systems_get_a_break_even_price_not_a_rank():
     assert rec.choice == "p5.48xlarge"
     trn2 = next(c for c in rec.candidates if c["system"] == "trn2.48xlarge")
     assert trn2["total_usd"] is None and trn2["break_even_usd_per_node_hour"] > 0
-    assert any("trn2.48xlarge has no on-demand price (no on-demand price published)" in r for r in rec.reasons)
+    assert any("trn2.48xlarge: no on-demand price published: " in r for r in rec.reasons)
     # a quote under the break-even makes it the answer
     quote = Assumptions(failures="daly", prices={"trn2.48xlarge": trn2["break_even_usd_per_node_hour"] * 0.9})
     assert _rec("pretrain", systems=["trn2.48xlarge", "p5.48xlarge"], assumptions=quote).choice == "trn2.48xlarge"

@@ -196,7 +196,7 @@ def recommend(req: Request, progress=None) -> Recommendation:
     choice = priced[0]["system"] if priced else None
     ranked = [items[c["system"]] for c in priced + unpriced]
     return Recommendation(req.kind, choice, rules, priced + unpriced, reasons, _assumption_lines(req),
-                          req.assumptions.purchase, sensitivity(ranked, req.assumptions.purchase) if ranked else {},
+                          req.assumptions.purchase, sensitivity(ranked, req.assumptions.purchase, "$ per million tokens (compute + porting)") if ranked else {},
                           ranked)
 
 
@@ -232,9 +232,8 @@ def _reasons(req: Request, priced: list[dict], unpriced: list[dict], skipped: li
         reasons.append("no priced candidate can run this workload under the rules above (constraints, deadline, "
                        "budget)" + (": " + "; ".join(skipped) if skipped else ""))
     for c in unpriced:
-        reasons.append(f"{c['system']} has no {req.assumptions.purchase} price ({c['price_label']}): "
-                       f"{c['wall_days']:.1f} days on {c['nodes']} nodes; {_would_win(c)} (give a quote with "
-                       f"--price-per-node-hour-usd {c['system']}=USD)")
+        reasons.append(f"{c['system']}: {c['price_label']}: {c['wall_days']:.1f} days on {c['nodes']} nodes; "
+                       f"{_would_win(c)} (give a quote with --price-per-node-hour-usd {c['system']}=USD)")
     reasons += [f"{c['system']}: {c['notes'][0]}" for c in priced + unpriced
                 if c["global_batch"] != req.global_batch]
     return reasons + [f"skipped {s}" for s in skipped]

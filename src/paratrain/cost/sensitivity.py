@@ -67,9 +67,9 @@ def price_range(items: list[Item], purchase: str, scales: tuple[float, ...] = SC
     return out
 
 
-def sensitivity(items: list[Item], purchase: str) -> dict:
+def sensitivity(items: list[Item], purchase: str, metric: str = "$ per million tokens") -> dict:
     """Both views, for the JSON output and the printed tables."""
-    return {"purchase": purchase, "scales": list(SCALES), "by_purchase": by_purchase(items),
+    return {"purchase": purchase, "metric": metric, "scales": list(SCALES), "by_purchase": by_purchase(items),
             "price_range": price_range(items, purchase)}
 
 
@@ -78,7 +78,8 @@ def format_tables(report: dict) -> list[str]:
     rows = report["by_purchase"]
     labels = list(rows[0]["usd_per_million_tokens"]) if rows else []
     width = max([len(x) for x in labels] + [12]) + 2
-    lines = ["sensitivity 1: $ per million tokens by purchase option (price region, date; '-' = none published)"]
+    lines = [f"sensitivity 1: {report.get('metric', '$ per million tokens')} by purchase option (price region, "
+             "date; '-' = none published)"]
     shown = [r for r in rows if r["ranking"]]
     for label in labels:
         cells = []
