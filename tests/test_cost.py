@@ -285,13 +285,13 @@ def test_every_system_has_a_dated_price_or_a_break_even_in_its_place():
     which it would tie a priced alternative, and it is exactly the price that gives the same cost per token."""
     import re
 
-    from paratrain.hardware.catalog import PURCHASE_OPTIONS
+    from paratrain.hardware.catalog import NO_PRICE_TABLE, PURCHASE_OPTIONS
 
     unpriced = []
     for system in get_catalog().systems.values():
         prices = system.prices
-        if not prices.quotes:
-            assert prices.no_public_price.strip(), system.name
+        if not prices.quotes:  # an explicit reason in a [prices.X] table, not the loader's default
+            assert prices.no_public_price.strip() and prices.no_public_price != NO_PRICE_TABLE, system.name
             unpriced.append(system.name)
             continue
         for option, quote in prices.quotes.items():
@@ -381,18 +381,30 @@ def test_claims_report_each_claim_with_the_seed_ours_why_and_a_command(capsys):
     ratio = trn.cost_usd_per_million_tokens / p4d.cost_usd_per_million_tokens
     assert f"trn1 / p4d = {ratio:.2f}" in " ".join(claims[0]["ours"])
     assert claims[0]["ours"][0].startswith("$/node-hour 21.50 vs 21.96 (on-demand, us-east-1, 2026-11-30")
-    for claim, run in ((claims[1], "70b"), (claims[2], "405b")):
-        by = {r.system: r for r in rows[run]}
-        gpu = min((r for r in rows[run] if r.system.startswith("p")), key=lambda r: r.cost_usd_per_million_tokens)
-        trn3 = by["trn3-ultraserver"]
-        assert trn3.cost_usd is None and trn3.price_label == "no public price"
-        assert trn3.break_even_usd_per_node_hour * trn3.nodes * trn3.wall_hours / trn3.tokens * 1e6 == pytest.approx(
-            gpu.cost_usd_per_million_tokens)
+    for claim, size in ((claims[1], "70b"), (claims[2], "405b")):
         text = " ".join(claim["ours"])
-        assert f"cheapest GPU: {gpu.system} x{gpu.nodes}" in text
-        assert f"ties the cheapest GPU at ${trn3.break_even_usd_per_node_hour:,.2f}/node-hour" in text
-        assert {r.chips for r in rows[run]} == {1152 if run == "70b" else 4608}  # equal chips per system
-    assert "follow-up" in claims[3]["ours"][0] or "not yet wired" in claims[3]["ours"][0]
+        for run, precision in ((size, "BF16"), (f"{size}-fp8", "FP8")):
+            by = {r.system: r for r in rows[run]}
+            gpu = min((r for r in rows[run] if r.system.startswith("p")), key=lambda r: r.cost_usd_per_million_tokens)
+            trn3 = by["trn3-ultraserver"]
+            assert trn3.cost_usd is None and trn3.price_label == "no public price"
+            assert trn3.break_even_usd_per_node_hour * trn3.nodes * trn3.wall_hours / trn3.tokens * 1e6 == (
+                pytest.approx(gpu.cost_usd_per_million_tokens))
+            assert f"{precision}: cheapest GPU {gpu.system} x{gpu.nodes}" in text
+            assert f"ties the cheapest GPU at ${trn3.break_even_usd_per_node_hour:,.2f}/node-hour" in text
+            assert {r.chips for r in rows[run]} == {1152 if size == "70b" else 4608}  # equal chips per system
+        assert "--fp8" in claim["commands"][1] and "--fp8" not in claim["commands"][0]
+    # serving (cost/serving.py): the cheapest GPU deployment, and the Trn3 break-even on its node count
+    from paratrain.cost.claims import serving_candidates
+
+    target, cands = serving_candidates(FAST)
+    gpu = min((c for c in cands if c.system.startswith("p") and c.cost.usd_per_million_tokens is not None),
+              key=lambda c: c.cost.usd_per_million_tokens)
+    trn3 = next(c for c in cands if c.system == "trn3-ultraserver")
+    even = gpu.cost.usd_per_million_tokens * target.rate * (target.prompt + target.output) * 3600 / 1e6 / trn3.cost.nodes
+    text = " ".join(claims[3]["ours"])
+    assert f"cheapest GPU {gpu.system}: ${gpu.cost.usd_per_million_tokens:.3f}" in text
+    assert f"trn3-ultraserver: no on-demand price; on {trn3.cost.nodes} nodes it ties the cheapest GPU at ${even:,.2f}" in text
     by = {r.system: r for r in rows["70b"]}
     gen = by["trn3-ultraserver"].tokens_per_mwh / by["trn2-ultraserver"].tokens_per_mwh
     text = " ".join(claims[4]["ours"])
@@ -404,3 +416,19 @@ def test_claims_report_each_claim_with_the_seed_ours_why_and_a_command(capsys):
     again = json.loads(capsys.readouterr().out)["rows"]
     assert [r["cost_usd_per_million_tokens"] for r in again] == pytest.approx(
         [trn.cost_usd_per_million_tokens, p4d.cost_usd_per_million_tokens])
+
+
+def test_fp8_workload_uses_the_planners_fp8_model(capsys):
+    wl = Workload("llama2-7b", 1e10, 4096, 1024)
+    fp8 = Workload("llama2-7b", 1e10, 4096, 1024, fp8=True)
+    (bf16_p5,) = compare(wl, [("p5.48xlarge", 4)], FAST)
+    (fp8_p5,) = compare(fp8, [("p5.48xlarge", 4)], FAST)
+    assert fp8_p5.tokens_per_s > bf16_p5.tokens_per_s  # H100: FP8 peak twice BF16
+    (bf16_trn1,) = compare(wl, [("trn1.32xlarge", 4)], FAST)
+    (fp8_trn1,) = compare(fp8, [("trn1.32xlarge", 4)], FAST)
+    assert fp8_trn1.tokens_per_s <= bf16_trn1.tokens_per_s  # Trainium1: FP8 at the BF16 rate, casts on top
+    assert main(["compare", "--model", "llama2-7b", "--tokens", "1e10", "--targets", "p5.48xlarge:4",
+                 "--failures", "daly", "--fp8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["workload"]["fp8"] is True
+    assert data["rows"][0]["tokens_per_s"] == pytest.approx(fp8_p5.tokens_per_s)

@@ -11,7 +11,8 @@ The claims (seeds 000 and 003, /work/shared/seeds in the project's notes):
 4. Trainium3 gives 5x more tokens per megawatt than the previous Trainium generation (seed 003, from The Next
    Platform), and the Trn3 UltraServer 4x the energy efficiency of the Trn2 UltraServer (both seeds, AWS).
 
-Every run is a plain `compare` (the printed command reproduces it) at equal accelerator chips per system. A
+Training runs are plain `compare` runs (the printed command reproduces each) at equal accelerator chips per
+system, in BF16 and with FP8 matmuls (`--fp8`); the serving claim is `serve recommend` (cost/serving.py). A
 system without a price at the chosen purchase option gets the break-even price at which it would tie the
 cheapest priced GPU: for Trn3, which AWS publishes no price for, that is the honest form of the claim ("it
 is 50% cheaper if it costs less than $X per node-hour"), never a guessed price.
@@ -36,28 +37,48 @@ class Run:
     seq: int
     global_batch: int
     targets: tuple[tuple[str, int], ...]
+    fp8: bool = False
 
     def command(self, assumptions: Assumptions) -> str:
         targets = ",".join(f"{s}:{n}" for s, n in self.targets)
-        prices = "".join(f" --price-per-node-hour-usd {k}={v:g}" for k, v in assumptions.prices.items())
         return (f"paratrain compare --model {self.model} --tokens {self.tokens:g} --seq {self.seq} "
-                f"--global-batch {self.global_batch} --targets {targets} --purchase {assumptions.purchase}"
-                f" --failures {assumptions.failures}{prices}")
+                f"--global-batch {self.global_batch} --targets {targets}{' --fp8' if self.fp8 else ''}"
+                + _price_flags(assumptions))
+
+    def workload(self) -> Workload:
+        return Workload(self.model, self.tokens, self.seq, self.global_batch, self.fp8)
+
+
+def _price_flags(a: Assumptions) -> str:
+    prices = "".join(f" --price-per-node-hour-usd {k}={v:g}" for k, v in a.prices.items())
+    return f" --purchase {a.purchase} --failures {a.failures}{prices}"
 
 
 # Equal accelerator chips per system: 2,048 Trainium is the seed's own 7B configuration (128 trn1.32xlarge,
 # TP8 x DP512 NeuronCores), and p4d gets the same 128 nodes because the seed compares node prices. 1,152 chips
 # (8 Trn3 UltraServers) for 70B, 4,608 (32) for 405B; Llama 3's sequence 8192 and a 8M / 16M-token batch.
+T70 = (("p5.48xlarge", 144), ("p5en.48xlarge", 144), ("p6-b200.48xlarge", 144), ("trn1.32xlarge", 72),
+       ("trn2.48xlarge", 72), ("trn2-ultraserver", 18), ("trn3-ultraserver", 8))
+T405 = (("p5.48xlarge", 576), ("p5en.48xlarge", 576), ("p6-b200.48xlarge", 576), ("trn2.48xlarge", 288),
+        ("trn2-ultraserver", 72), ("trn3-ultraserver", 32))
 RUNS = (
     Run("7b", "Llama 2 7B, 1T tokens, seq 4096: 128 trn1.32xlarge (2,048 Trainium, seed 000) vs 128 p4d.24xlarge",
         "llama2-7b", 1e12, 4096, 1024, (("trn1.32xlarge", 128), ("p4d.24xlarge", 128))),
-    Run("70b", "Llama 3 70B, 2T tokens, seq 8192, 1,152 chips per system", "llama3-70b", 2e12, 8192, 1024,
-        (("p5.48xlarge", 144), ("p5en.48xlarge", 144), ("p6-b200.48xlarge", 144), ("trn1.32xlarge", 72),
-         ("trn2.48xlarge", 72), ("trn2-ultraserver", 18), ("trn3-ultraserver", 8))),
-    Run("405b", "Llama 3.1 405B, 15T tokens, seq 8192, 4,608 chips per system", "llama3.1-405b", 15e12, 8192, 2048,
-        (("p5.48xlarge", 576), ("p5en.48xlarge", 576), ("p6-b200.48xlarge", 576), ("trn2.48xlarge", 288),
-         ("trn2-ultraserver", 72), ("trn3-ultraserver", 32))),
+    Run("70b", "Llama 3 70B, 2T tokens, seq 8192, BF16, 1,152 chips per system", "llama3-70b", 2e12, 8192, 1024,
+        T70),
+    Run("70b-fp8", "Llama 3 70B, 2T tokens, seq 8192, FP8 matmuls, 1,152 chips per system", "llama3-70b", 2e12,
+        8192, 1024, T70, fp8=True),
+    Run("405b", "Llama 3.1 405B, 15T tokens, seq 8192, BF16, 4,608 chips per system", "llama3.1-405b", 15e12,
+        8192, 2048, T405),
+    Run("405b-fp8", "Llama 3.1 405B, 15T tokens, seq 8192, FP8 matmuls, 4,608 chips per system", "llama3.1-405b",
+        15e12, 8192, 2048, T405, fp8=True),
 )
+RUN = {run.name: run for run in RUNS}
+# The serving claim: Llama 3 70B chat (1k-token prompts, 256-token answers, TTFT <= 1 s, ITL <= 50 ms:
+# cost/serving.py's "chat" workload) at 1,000 requests/s, BF16 or FP8 weights where the chip has FP8.
+SERVE = {"kind": "chat", "model": "llama3-70b", "rate": 1000.0, "weights": ("bf16", "fp8"),
+         "systems": ("p5.48xlarge", "p5en.48xlarge", "p6-b200.48xlarge", "inf2.48xlarge", "trn2.48xlarge",
+                     "trn2-ultraserver", "trn3-ultraserver")}
 
 
 def _is_gpu(row: Row) -> bool:
@@ -97,66 +118,114 @@ def claim_trn1_vs_p4d(rows: list[Row], run: Run, a: Assumptions) -> dict:
     }
 
 
-def claim_half_cost(rows: list[Row], run: Run, a: Assumptions) -> dict:
+def _half_cost_lines(rows: list[Row], precision: str) -> list[str]:
     gpus = [r for r in rows if _is_gpu(r) and r.cost_usd_per_million_tokens is not None]
-    best = min(gpus, key=lambda r: r.cost_usd_per_million_tokens) if gpus else None
-    trn = [r for r in rows if not _is_gpu(r)]
-    ours = []
-    if best is None:
-        ours.append(f"no GPU has a {a.purchase} price: nothing to compare against")
-    else:
-        ours.append(f"cheapest GPU: {best.system} x{best.nodes}, ${best.cost_usd_per_million_tokens:.3f} per million "
-                    f"tokens ({best.price_label}), {best.wall_hours / 24:.1f} days")
-        for r in trn:
-            even = r.break_even_usd_per_node_hour if r.system != best.system else None
-            speed = r.tokens_per_s / best.tokens_per_s
-            chips = get_catalog().system(r.system).chips_per_node
-            if r.cost_usd_per_million_tokens is not None:
-                ratio = r.cost_usd_per_million_tokens / best.cost_usd_per_million_tokens
-                verdict = f"{1 - ratio:.0%} cheaper" if ratio < 1 else f"{ratio - 1:.0%} dearer"
-                text = (f"{r.system} x{r.nodes}: ${r.cost_usd_per_million_tokens:.3f}/M tokens ({r.price_label}) = "
-                        f"{ratio:.2f} x the cheapest GPU ({verdict})")
-            else:
-                text = (f"{r.system} x{r.nodes}: {r.price_label}; ties the cheapest GPU at "
-                        f"${even:,.2f}/node-hour (${even / chips:.2f}/chip-hour); 50% cheaper below "
-                        f"${even / 2:,.2f}/node-hour")
-            ours.append(f"{text}; speed {speed:.2f} x the cheapest GPU's tokens/s at equal chips, "
-                        f"{r.wall_hours / 24:.1f} days")
+    if not gpus:
+        return [f"{precision}: no GPU has a price at this purchase option: nothing to compare against"]
+    best = min(gpus, key=lambda r: r.cost_usd_per_million_tokens)
+    out = [f"{precision}: cheapest GPU {best.system} x{best.nodes}, ${best.cost_usd_per_million_tokens:.3f} per "
+           f"million tokens ({best.price_label}), {best.wall_hours / 24:.1f} days"]
+    for r in rows:
+        if _is_gpu(r):
+            continue
+        speed = r.tokens_per_s / best.tokens_per_s
+        chips = get_catalog().system(r.system).chips_per_node
+        if r.cost_usd_per_million_tokens is not None:
+            ratio = r.cost_usd_per_million_tokens / best.cost_usd_per_million_tokens
+            verdict = f"{1 - ratio:.0%} cheaper" if ratio < 1 else f"{ratio - 1:.0%} dearer"
+            text = (f"{r.system} x{r.nodes}: ${r.cost_usd_per_million_tokens:.3f}/M tokens ({r.price_label}) = "
+                    f"{ratio:.2f} x the cheapest GPU ({verdict})")
+        else:
+            even = r.break_even_usd_per_node_hour
+            text = (f"{r.system} x{r.nodes}: {r.price_label}; ties the cheapest GPU at ${even:,.2f}/node-hour "
+                    f"(${even / chips:.2f}/chip-hour); 50% cheaper below ${even / 2:,.2f}/node-hour")
+        chip = get_catalog().system(r.system).chip
+        slow_fp8 = precision == "FP8" and not (chip.fp8_tflops or 0) > chip.bf16_tflops
+        out.append(f"  {text}; {speed:.2f} x its tokens/s at equal chips, {r.wall_hours / 24:.1f} days"
+                   + ("; no faster FP8 rate on this chip, so FP8 only adds the scaling casts" if slow_fp8 else ""))
+    return out
+
+
+def claim_half_cost(rows: dict[str, list[Row]], size: str, a: Assumptions) -> dict:
+    bf16, fp8 = RUN[size], RUN[f"{size}-fp8"]
     return {
-        "claim": f"Trainium2/3 vs H100/H200/B200, {run.what}: Trn3 UltraServers up to 50% cheaper at similar "
-                 "performance",
+        "claim": f"Trainium2/3 vs H100/H200/B200, {bf16.what.replace(', BF16', '')}: Trn3 UltraServers up to 50% "
+                 "cheaper at similar performance",
         "source": "seeds 000 and 003, quoting AWS (About Amazon, 'Trainium3 UltraServers now available', "
                   "2025-12-02)",
         "seed": "up to 50% lower training (and inference) cost than GPU alternatives at similar performance; "
                 "customers report 50% savings",
-        "ours": ours,
+        "ours": _half_cost_lines(rows[bf16.name], "BF16") + _half_cost_lines(rows[fp8.name], "FP8"),
         "why": "AWS publishes no Trn2/Trn3 UltraServer price (and no trn2.48xlarge on-demand price), so the claim "
-               "cannot be checked, only turned into the price that makes it true (break-even above; give a quote "
-               "with --price-per-node-hour-usd). The planner trains in BF16, where Trainium3's peak (671 TFLOPS) is "
-               "Trainium2's and below H100's 989 and B200's 2,250; its Trainium efficiency is the Trn1-calibrated "
-               "Neuron model carried over (not measured on Trn2/Trn3). AWS's gains are quoted at MXFP8/MXFP4 "
-               "(2,517 TFLOPS) and from customer workloads; this planner has no FP8 training model",
-        "commands": [run.command(a)],
+               "cannot be checked, only turned into the price that makes it true (the break-even above; a quote "
+               "goes in with --price-per-node-hour-usd). Per chip, Trainium3's BF16 peak (671 TFLOPS) is "
+               "Trainium2's and below H100's 989 and B200's 2,250; at FP8 (the planner's FP8 model: layer "
+               "matmuls at the chip's FP8 peak, Trainium3's being MXFP8, 2,517) it is above H100's 1,979 and below "
+               "B200's 4,500. The Trainium efficiency parameters are Trn1's, carried over (not measured on "
+               "Trn2/Trn3), and AWS's figure comes from customer workloads at unstated prices",
+        "commands": [bf16.command(a), fp8.command(a)],
     }
 
 
-def claim_serving() -> dict:
+def serving_candidates(a: Assumptions):
+    """The serving claim's deployments (cost/serving.py), or None when the serving model is not installed."""
     try:
-        __import__("paratrain.cost.serving")
-        status = ("the serving cost model (paratrain.cost.serving) is on main but not yet wired into --claims: "
-                  "follow-up")
+        from paratrain.cost.serving import recommend
     except ModuleNotFoundError:
-        status = ("follow-up: the serving model (plan/serve.py + cost/serving.py, issue #23) was not on main when "
-                  "this report was built; no number here")
-    return {
-        "claim": "Trn3 vs GPUs on a serving workload: up to 50% lower inference cost",
+        return None
+    return recommend(SERVE["kind"], SERVE["model"], SERVE["rate"], systems=SERVE["systems"],
+                     weights=SERVE["weights"], prices=a.prices, purchase=a.purchase)
+
+
+def serve_command(a: Assumptions) -> str:
+    prices = "".join(f" --price-per-node-hour-usd {k}={v:g}" for k, v in a.prices.items())
+    return (f"paratrain serve recommend {SERVE['kind']} --model {SERVE['model']} --rate {SERVE['rate']:g} "
+            f"--weights {','.join(SERVE['weights'])} --systems {','.join(SERVE['systems'])} "
+            f"--purchase {a.purchase}{prices}")
+
+
+def claim_serving(served, a: Assumptions) -> dict:
+    claim = {
+        "claim": "Trainium vs GPUs on a serving workload (Llama 3 70B chat at 1,000 requests/s): up to 50% lower "
+                 "inference cost",
         "source": "seeds 000 and 003, quoting AWS; Decart '4x faster inference at half the cost of GPUs' (seed 003)",
         "seed": "up to 50% lower inference cost; Decart 4x faster at half the cost",
-        "ours": [status],
-        "why": "not computed: training throughput says nothing about decode, which is memory-bandwidth and "
-               "KV-cache bound",
-        "commands": [],
     }
+    if served is None:
+        return {**claim, "ours": ["follow-up: the serving model (plan/serve.py + cost/serving.py) is not "
+                                  "installed; no number here"], "why": "not computed", "commands": []}
+    target, cands = served
+    tokens_per_h = target.rate * (target.prompt + target.output) * 3600
+    gpus = [c for c in cands if c.cost and c.cost.usd_per_million_tokens is not None
+            and get_catalog().system(c.system).chip.vendor != "aws"]
+    ours = []
+    if not gpus:
+        ours.append("no priced GPU deployment meets the target")
+    else:
+        best = min(gpus, key=lambda c: c.cost.usd_per_million_tokens)
+        usd = best.cost.usd_per_million_tokens
+        ours.append(f"cheapest GPU {best.system}: ${usd:.3f} per million tokens (input + output), {best.cost.nodes} "
+                    f"nodes; {best.reasons[1] if len(best.reasons) > 1 else ''}")
+        for c in cands:
+            if get_catalog().system(c.system).chip.vendor != "aws":
+                continue
+            if c.cost is None:
+                ours.append(f"  {c.system}: {c.reasons[0]}")
+            elif c.cost.usd_per_million_tokens is not None:
+                ratio = c.cost.usd_per_million_tokens / usd
+                ours.append(f"  {c.system}: ${c.cost.usd_per_million_tokens:.3f}/M tokens = {ratio:.2f} x the cheapest "
+                            f"GPU ({c.cost.price_source.split(':')[0]})")
+            else:
+                even = usd * tokens_per_h / 1e6 / c.cost.nodes
+                ours.append(f"  {c.system}: no {a.purchase} price; on {c.cost.nodes} nodes it ties the cheapest GPU "
+                            f"at ${even:,.2f}/node-hour; 50% cheaper below ${even / 2:,.2f}/node-hour")
+    return {**claim, "ours": ours,
+            "why": "as for training, there is no public Trn2/Trn3 UltraServer price to check the claim against, "
+                   "so the break-even price is what a quote must beat. Serving rents whole nodes: one 144-chip "
+                   "Trn3 UltraServer is a coarse unit, so at low request rates it pays for idle chips. Decode is "
+                   "bound by memory bandwidth and KV cache (plan/serve.py), where Trainium3's 4.9 TB/s per chip is "
+                   "above H100's 3.35 and below B200's 8",
+            "commands": [serve_command(a)]}
 
 
 def _power_note(system: str) -> str:
@@ -164,14 +233,29 @@ def _power_note(system: str) -> str:
     return f"{chip.name} {chip.power_w:g} W ({chip.source_of('power_w')})"
 
 
-def claim_tokens_per_mw(rows: list[Row], run: Run, a: Assumptions) -> dict:
+def _generations(rows: list[Row], precision: str, a: Assumptions) -> list[str]:
     s = _by_system(rows)
     gens = [name for name in ("trn1.32xlarge", "trn2-ultraserver", "trn3-ultraserver") if name in s]
-    ours = [f"{name} x{s[name].nodes}: {s[name].tokens_per_mwh / 1e6:,.0f} M tokens per MWh (power x PUE "
-            f"{a.pue} x host share)" for name in gens if s[name].tokens_per_mwh]
+    ours = [f"{precision} training: " + ", ".join(
+        f"{name} {s[name].tokens_per_mwh / 1e6:,.0f}" for name in gens if s[name].tokens_per_mwh)
+        + f" M tokens per MWh (chips + {a.host_power_fraction:.0%} host, x PUE {a.pue})"]
     for old, new in zip(gens, gens[1:], strict=False):
         if s[old].tokens_per_mwh and s[new].tokens_per_mwh:
-            ours.append(f"{new} / {old}: {s[new].tokens_per_mwh / s[old].tokens_per_mwh:.2f}x tokens per MWh")
+            ours.append(f"  {new} / {old}: {s[new].tokens_per_mwh / s[old].tokens_per_mwh:.2f}x tokens per MWh")
+    return ours
+
+
+def claim_tokens_per_mw(rows: dict[str, list[Row]], served, a: Assumptions) -> dict:
+    gens = [name for name in ("trn1.32xlarge", "trn2-ultraserver", "trn3-ultraserver")]
+    ours = _generations(rows["70b"], "BF16", a) + _generations(rows["70b-fp8"], "FP8", a)
+    if served is not None:
+        per_mw = {c.system: c.cost.output_tokens_per_s_per_mw for c in served[1]
+                  if c.cost is not None and c.cost.output_tokens_per_s_per_mw}
+        if "trn2-ultraserver" in per_mw and "trn3-ultraserver" in per_mw:
+            ours.append(f"serving (chat, chips only): trn3-ultraserver {per_mw['trn3-ultraserver']:,.0f} vs "
+                        f"trn2-ultraserver {per_mw['trn2-ultraserver']:,.0f} output tokens/s per MW = "
+                        f"{per_mw['trn3-ultraserver'] / per_mw['trn2-ultraserver']:.2f}x (whole nodes at the "
+                        "request rate, not each at full load)")
     cat = get_catalog()
     t2, t3 = cat.chip("trainium2"), cat.chip("trainium3")
     ours.append(f"bound from the chips alone: peak FP8 TFLOPS per watt, Trainium3 {t3.fp8_tflops:g}/{t3.power_w:g} W "
@@ -186,24 +270,24 @@ def claim_tokens_per_mw(rows: list[Row], run: Run, a: Assumptions) -> dict:
         "seed": "Trainium3 5x tokens per MW vs the previous Trainium; Trn3 UltraServer 4x energy efficiency vs Trn2",
         "ours": ours,
         "why": "none of the Trainium power numbers is AWS's (Trn1 275 W a placeholder, Trn2 500 W from memory, Trn3 "
-               "1000 W from press reports): a factor of two in one of them moves the ratio by two. With them, even "
-               "the chips' peak FP8 per watt is about equal, and in BF16 training (what the planner models) "
-               "Trainium3's energy per token cannot beat Trainium2's by much; AWS's 4-5x is most likely at "
-               "MXFP8/MXFP4 and for serving, at a per-chip power AWS has not published",
-        "commands": [run.command(a)],
+               "1000 W from press reports): a factor of two in one of them moves the ratio by two. With them, the "
+               "chips' peak FP8 per watt is about equal and their BF16 per watt halves, so no training precision "
+               "the planner models gives Trainium3 several times Trainium2's tokens per MWh; AWS's 4-5x would need "
+               "a Trainium3 power well under 1000 W, MXFP4, or a serving workload at full load",
+        "commands": [RUN["70b"].command(a), RUN["70b-fp8"].command(a)] + ([serve_command(a)] if served else []),
     }
 
 
 def run_all(assumptions: Assumptions, progress=None) -> dict:
     rows = {}
     for run in RUNS:
-        rows[run.name] = compare(Workload(run.model, run.tokens, run.seq, run.global_batch), list(run.targets),
-                                 assumptions, progress=progress)
-    claims = [claim_trn1_vs_p4d(rows["7b"], RUNS[0], assumptions),
-              claim_half_cost(rows["70b"], RUNS[1], assumptions),
-              claim_half_cost(rows["405b"], RUNS[2], assumptions),
-              claim_serving(),
-              claim_tokens_per_mw(rows["70b"], RUNS[1], assumptions)]
+        rows[run.name] = compare(run.workload(), list(run.targets), assumptions, progress=progress)
+    served = serving_candidates(assumptions)
+    claims = [claim_trn1_vs_p4d(rows["7b"], RUN["7b"], assumptions),
+              claim_half_cost(rows, "70b", assumptions),
+              claim_half_cost(rows, "405b", assumptions),
+              claim_serving(served, assumptions),
+              claim_tokens_per_mw(rows, served, assumptions)]
     return {"purchase": assumptions.purchase, "assumptions": assumptions.describe(), "claims": claims,
             "runs": {run.name: {"what": run.what, "command": run.command(assumptions),
                                 "rows": [r.to_dict() for r in rows[run.name]],

@@ -98,6 +98,8 @@ def register(sub) -> None:
     length.add_argument("--steps", type=int, help="optimizer steps to train (tokens = steps x seq x global batch)")
     c.add_argument("--targets", help="SYSTEM:NODES,... e.g. trn1.32xlarge:16,p4d.24xlarge:16")
     c.add_argument("--report", metavar="DIR", help="write an HTML report with plots to DIR")
+    c.add_argument("--fp8", action="store_true", help="layer matmuls in FP8 at each chip's FP8 peak (the planner's "
+                   "FP8 model; Trainium3's FP8 peak is MXFP8)")
     c.add_argument("--claims", action="store_true", help="run the source documents' cost claims (trn1 vs p4d on "
                    "7B; Trn2/Trn3 vs H100/H200/B200 on 70B and 405B; tokens per MWh across Trainium generations) "
                    "and print each claim, the seed's number, ours and why they differ")
@@ -235,15 +237,15 @@ def run_compare(args) -> int:
     targets = parse_targets(args.targets)
     assumptions = _assumptions(args)
     if args.steps is not None:
-        workload = Workload.from_steps(args.model, args.steps, args.seq, args.global_batch)
+        workload = Workload.from_steps(args.model, args.steps, args.seq, args.global_batch, args.fp8)
     else:
-        workload = Workload(args.model, args.tokens, args.seq, args.global_batch)
+        workload = Workload(args.model, args.tokens, args.seq, args.global_batch, args.fp8)
     workload.model_config()  # an unknown model fails here, before any search
     rows = compare(workload, targets, assumptions, progress=_progress(len(targets), args.json))
     items = [to_item(r) for r in rows]
     out = {"workload": {"model": workload.model_config().name, "train_tokens": workload.train_tokens,
                         "seq": args.seq,
-                        "global_batch": args.global_batch, "steps": workload.steps},
+                        "global_batch": args.global_batch, "steps": workload.steps, "fp8": workload.fp8},
            "purchase": assumptions.purchase, "assumptions": assumptions.describe(),
            "rows": [r.to_dict() for r in rows], "ratios_to_first": ratios_to_first(rows),
            "sensitivity": sensitivity(items, assumptions.purchase)}

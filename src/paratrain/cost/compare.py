@@ -28,6 +28,7 @@ class Workload:
     train_tokens: float
     seq: int = 4096
     global_batch: int = 1024  # sequences per step
+    fp8: bool = False  # layer matmuls in FP8 at the chip's FP8 peak (the planner's Options.fp8)
 
     def __post_init__(self) -> None:
         if not self.train_tokens > 0:
@@ -38,11 +39,12 @@ class Workload:
                 raise ValueError(f"{name} = {value!r}: must be an integer >= 1")
 
     @classmethod
-    def from_steps(cls, model: str | ModelConfig, steps: int, seq: int = 4096, global_batch: int = 1024) -> Workload:
+    def from_steps(cls, model: str | ModelConfig, steps: int, seq: int = 4096, global_batch: int = 1024,
+                   fp8: bool = False) -> Workload:
         """A run given as optimizer steps instead of tokens (steps x seq x global batch tokens)."""
         if not isinstance(steps, int) or steps < 1:
             raise ValueError(f"steps = {steps!r}: must be an integer >= 1")
-        return cls(model, float(steps) * seq * global_batch, seq, global_batch)
+        return cls(model, float(steps) * seq * global_batch, seq, global_batch, fp8)
 
     def model_config(self) -> ModelConfig:
         return self.model if isinstance(self.model, ModelConfig) else load_model_config(self.model)
@@ -196,13 +198,18 @@ def evaluate_target(workload: Workload, system_name: str, nodes: int, assumption
 
     system = resolve_system(system_name)
     model = workload.model_config()
-    result = search(model, system, nodes, workload.seq, workload.global_batch, top=1, **(search_kw or {}))
+    kw = dict(search_kw or {})
+    if workload.fp8 and "options" not in kw:
+        from paratrain.plan.model import Options
+
+        kw["options"] = Options.for_system(system, fp8=True)
+    result = search(model, system, nodes, workload.seq, workload.global_batch, top=1, **kw)
     if not result.candidates:
         devices = nodes * system.devices_per_node
         other = nearby_global_batch(devices, workload.global_batch, batch_tolerance) if result.valid == 0 else None
         if other is None:
             raise ValueError(no_layout_reason(model, system, nodes, workload, result.valid))
-        adjusted = Workload(workload.model, workload.train_tokens, workload.seq, other)
+        adjusted = Workload(workload.model, workload.train_tokens, workload.seq, other, workload.fp8)
         row = evaluate_target(adjusted, system_name, nodes, assumptions, search_kw)
         row.notes.insert(0, f"global batch {other} instead of {workload.global_batch}: no layout of {devices} "
                             f"devices divides {workload.global_batch} (same tokens to train)")

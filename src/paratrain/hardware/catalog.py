@@ -279,6 +279,8 @@ PRICE_FIELDS = {
 }
 LEGACY_PRICE_KEYS = {"on_demand_usd_per_hour": "on-demand", "reserved_1yr_usd_per_hour": "savings-1y",
                      "reserved_3yr_usd_per_hour": "savings-3y", "capacity_block_usd_per_hour": "capacity-block"}
+# What a system with no price table at all says (the built-in catalog has a [prices.X] table for every system).
+NO_PRICE_TABLE = "no public price (no [prices.X] table in the catalog)"
 # [prices.SYSTEM] (prices.toml): one table per purchase option, or no_public_price.
 PRICE_ENTRY_FIELDS = {**{option: ("table", False) for option in PURCHASE_OPTIONS},
                       "no_public_price": ("str", False), "conflicts": ("strlist", False)}
@@ -417,7 +419,7 @@ def _system_prices(origin: str, name: str, raw: dict, price_entries: list[tuple[
         quotes.update(more)
         reason = why or reason
         conflicts += more_conflicts
-    return Prices(quotes=quotes, no_public_price="" if quotes else (reason or "no public price"), conflicts=conflicts)
+    return Prices(quotes=quotes, no_public_price="" if quotes else (reason or NO_PRICE_TABLE), conflicts=conflicts)
 
 
 def _system(origin: str, name: str, raw: dict, chips: dict[str, Chip], links: dict[str, Interconnect],
