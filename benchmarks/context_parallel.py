@@ -19,6 +19,7 @@ step). The second is the work efficiency of the ring (1.0 = no extra work); it s
 fewer free cores than ranks, where the wall-clock ratio reflects how the OS shares the cores, not CP.
 
     .venv/bin/python benchmarks/context_parallel.py [--seq 8192] [--layers 2] [--steps 3] [--cp 1 2 4] [--json]
+        [--attention auto math]   # the fused block kernel vs plain matmuls: peak attention memory as a ratio
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ def _overrides(args) -> list[str]:
     return [f'model.preset="{args.preset}"', f"model.layers={args.layers}", f"model.max_seq={args.seq}",
             f"train.seq_len={args.seq}", "train.global_batch=1", "train.microbatch=1", "optim.warmup_steps=0",
             'optim.schedule="constant"', 'train.device="cpu"', f"parallel.cp={args.cp_degree}",
-            f'parallel.dp_kind="{args.dp_kind}"']
+            f'parallel.dp_kind="{args.dp_kind}"', f'parallel.cp_attention="{args.cp_attention}"']
 
 
 def attention_saved_bytes(runner, step) -> int:
@@ -138,7 +139,7 @@ def launch(args, cp: int, out: str) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cp), "--master-addr",
            "127.0.0.1", "--master-port", str(_free_port()), __file__, "--worker", "--cp-degree", str(cp),
            "--out", out, "--seq", str(args.seq), "--layers", str(args.layers), "--steps", str(args.steps),
-           "--preset", args.preset, "--dp-kind", args.dp_kind]
+           "--preset", args.preset, "--dp-kind", args.dp_kind, "--cp-attention", args.cp_attention]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode != 0:
         raise SystemExit(f"CP{cp} run failed:\n{proc.stderr[-3000:]}")
@@ -146,11 +147,11 @@ def launch(args, cp: int, out: str) -> list[dict]:
         return json.load(f)
 
 
-def summarize(cp: int, ranks: list[dict], seq: int) -> dict:
+def summarize(cp: int, ranks: list[dict], seq: int, attention: str = "auto") -> dict:
     step_s = max(r["step_s"] for r in ranks)  # the step ends when the slowest rank does
     peak_total = max(r["peak_bytes"]["Total".lower()] for r in ranks)
     cpu_s = sum(r["cpu_s"] for r in ranks)  # CPU time of all ranks for one step: the total work
-    return {"cp": cp, "step_s": step_s, "tokens_per_s": seq / step_s, "cpu_s_per_step": cpu_s,
+    return {"cp": cp, "attention": attention, "step_s": step_s, "tokens_per_s": seq / step_s, "cpu_s_per_step": cpu_s,
             "tokens_per_cpu_s": seq / cpu_s,
             # zig-zag balance: the busiest rank's CPU time over the least busy one's (1.0 = balanced)
             "rank_cpu_imbalance": max(r["cpu_s"] for r in ranks) / min(r["cpu_s"] for r in ranks),
@@ -170,7 +171,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="timed steps after one warm-up step")
     ap.add_argument("--cp", type=int, nargs="+", default=[1, 2, 4], help="CP degrees to compare (first = base)")
     ap.add_argument("--dp-kind", default="ddp", choices=["ddp", "fsdp"])
+    ap.add_argument("--attention", nargs="+", default=["auto"], choices=["auto", "flash_cpu", "efficient", "math"],
+                    help="cp block kernels to compare (parallel.cp_attention); e.g. auto math: the fused kernel "
+                         "vs plain matmuls, peak attention memory as a ratio")
     ap.add_argument("--json", action="store_true", help="print the results as JSON")
+    ap.add_argument("--cp-attention", default="auto", help=argparse.SUPPRESS)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--cp-degree", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--out", default="", help=argparse.SUPPRESS)
@@ -185,9 +190,13 @@ def main() -> None:
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for cp in args.cp:
-            print(f"CP{cp}: {cp} rank(s), seq {args.seq} ...", file=sys.stderr, flush=True)
-            rows.append(summarize(cp, launch(args, cp, os.path.join(tmp, f"cp{cp}.json")), args.seq))
+        for attention in args.attention:
+            for cp in args.cp:
+                print(f"CP{cp} ({attention}): {cp} rank(s), seq {args.seq} ...", file=sys.stderr, flush=True)
+                args.cp_attention = attention
+                out = os.path.join(tmp, f"cp{cp}_{attention}.json")
+                rows.append(summarize(cp, launch(args, cp, out), args.seq, attention))
+    kernels = _kernel_comparison(rows, args.attention)
     base = rows[0]
     for row in rows:
         row["throughput_ratio"] = row["tokens_per_s"] / base["tokens_per_s"]
@@ -196,20 +205,46 @@ def main() -> None:
             row[key.replace("_bytes_per_rank", "_reduction")] = base[key] / row[key]
     if args.json:
         print(json.dumps({"seq": args.seq, "layers": args.layers, "preset": args.preset, "dp_kind": args.dp_kind,
-                          "cores": os.cpu_count(), "rows": rows}, indent=2))
+                          "cores": os.cpu_count(), "rows": rows, "kernel_comparison": kernels}, indent=2))
         return
     mib = 2**20
     print(f"seq {args.seq}, preset {args.preset} x {args.layers} layers, fp32, {os.cpu_count()} cores, "
           f"grad reduction {args.dp_kind}")
-    print(f"{'CP':>3} {'tokens/s':>9} {'x CP1':>6} {'tok/cpu-s':>9} {'x CP1':>6} {'peak MiB/rank':>14} {'CP1/this':>9} {'act+tmp MiB':>12} "
+    print(f"{'CP':>3} {'kernel':>9} {'tokens/s':>9} {'x CP1':>6} {'tok/cpu-s':>9} {'x CP1':>6} {'peak MiB/rank':>14} {'CP1/this':>9} {'act+tmp MiB':>12} "
           f"{'CP1/this':>9} {'attn saved MiB':>15} {'CP1/this':>9} {'ring MiB/step':>13} {'ring wait':>9} {'imbalance':>9}")
     for r in rows:
-        print(f"{r['cp']:>3} {r['tokens_per_s']:>9.0f} {r['throughput_ratio']:>6.2f} "
+        print(f"{r['cp']:>3} {r['attention']:>9} {r['tokens_per_s']:>9.0f} {r['throughput_ratio']:>6.2f} "
               f"{r['tokens_per_cpu_s']:>9.0f} {r['work_efficiency']:>6.2f} "
               f"{r['peak_bytes_per_rank'] / mib:>14.1f} {r['peak_reduction']:>9.2f} "
               f"{r['peak_activation_bytes_per_rank'] / mib:>12.1f} {r['peak_activation_reduction']:>9.2f} "
               f"{r['attention_saved_bytes_per_rank'] / mib:>15.1f} {r['attention_saved_reduction']:>9.2f} "
               f"{r['ring_mib_sent_per_rank']:>13.1f} {r['ring_wait_fraction']:>9.1%} {r['rank_cpu_imbalance']:>9.2f}")
+    _print_kernels(kernels)
+
+
+def _kernel_comparison(rows: list[dict], attentions: list[str]) -> list[dict]:
+    """Per CP degree: the plain-matmul kernel's peak attention memory over the fused kernel's, same run."""
+    if "math" not in attentions or len(attentions) < 2:
+        return []
+    fused = next(a for a in attentions if a != "math")
+    by = {(r["cp"], r["attention"]): r for r in rows}
+    out = []
+    for cp in sorted({r["cp"] for r in rows}):
+        m, f = by[(cp, "math")], by[(cp, fused)]
+        out.append({"cp": cp, "fused": fused,
+                    "peak_activation_math_over_fused": m["peak_activation_bytes_per_rank"]
+                    / f["peak_activation_bytes_per_rank"],
+                    "attention_saved_math_over_fused": m["attention_saved_bytes_per_rank"]
+                    / f["attention_saved_bytes_per_rank"],
+                    "first_loss_diff": abs(m["first_loss"] - f["first_loss"])})
+    return out
+
+
+def _print_kernels(kernels: list[dict]) -> None:
+    for k in kernels:
+        print(f"CP{k['cp']}: math / {k['fused']}: peak activations+temporaries x{k['peak_activation_math_over_fused']:.2f}, "
+              f"attention saved for backward x{k['attention_saved_math_over_fused']:.2f}, "
+              f"first loss differs by {k['first_loss_diff']:.1e}")
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ Theory (p stages' worth of ranks, m microbatches):
     of it. Deferred W work fills the drain, so this fill is all that is left; replaying torch's ZBV and
     DualPipeV action lists (below) gives exactly this value.
 
-Run:  python benchmarks/pipeline_bubble.py [--tf-ms 50] [--steps 3] [--factors 1 2 4 8] [--json]
+Run:  python benchmarks/pipeline_bubble.py [--tf-ms 50] [--steps 3] [--factors 1 2 4 8] [--schedules ...] [--json]
           [--save rows.json] [--load rows.json] [--plot bubble.png]
 """
 
@@ -65,9 +65,9 @@ def ideal(schedule: str, p: int, m: int) -> tuple[float, float]:
     return theory_idle_fraction(layout), sim
 
 
-def cases(p: int, factors=MICROBATCH_FACTORS) -> list[tuple[str, int]]:
+def cases(p: int, factors=MICROBATCH_FACTORS, schedules=SCHEDULES) -> list[tuple[str, int]]:
     out = []
-    for schedule in SCHEDULES:
+    for schedule in schedules:
         for f in factors:
             m = f * p
             if schedule in ("zbv", "dualpipev") and m < 2 * p:
@@ -154,12 +154,13 @@ def measure(schedule_name: str, p: int, m: int, tf_s: float, steps: int) -> dict
     return {"idle": idle}
 
 
-def _worker(rank: int, world: int, store_path: str, tf_s: float, steps: int, factors, out_path: str) -> None:
+def _worker(rank: int, world: int, store_path: str, tf_s: float, steps: int, factors, out_path: str,
+            schedules=SCHEDULES) -> None:
     torch.set_num_threads(1)
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world), "LOCAL_RANK": str(rank)})
     dist.init_process_group("gloo", store=dist.FileStore(store_path, world), rank=rank, world_size=world)
     rows = []
-    for schedule, m in cases(world, factors):
+    for schedule, m in cases(world, factors, schedules):
         result = measure(schedule, world, m, tf_s, steps)
         per_rank = [None] * world
         dist.all_gather_object(per_rank, result["idle"])
@@ -174,10 +175,11 @@ def _worker(rank: int, world: int, store_path: str, tf_s: float, steps: int, fac
     dist.destroy_process_group()
 
 
-def run(p: int, tf_s: float, steps: int, factors=MICROBATCH_FACTORS) -> list[dict]:
+def run(p: int, tf_s: float, steps: int, factors=MICROBATCH_FACTORS, schedules=SCHEDULES) -> list[dict]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.json")
-        mp.spawn(_worker, args=(p, os.path.join(tmp, "store"), tf_s, steps, factors, out), nprocs=p, join=True)
+        mp.spawn(_worker, args=(p, os.path.join(tmp, "store"), tf_s, steps, factors, out, schedules), nprocs=p,
+                 join=True)
         with open(out) as f:
             return json.load(f)
 
@@ -213,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pp", type=int, nargs="+", default=[2, 4], help="pipeline sizes to measure")
     ap.add_argument("--factors", type=int, nargs="+", default=list(MICROBATCH_FACTORS),
                     help="microbatch counts to measure, as multiples of p (V schedules skip m < 2p)")
+    ap.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES,
+                    help="schedules to measure (default: all)")
     ap.add_argument("--json", action="store_true", help="print the rows as JSON instead of a table")
     ap.add_argument("--plot", help="write measured vs theory to this PNG")
     ap.add_argument("--save", help="write the rows (measurements + theory) to this JSON file")
@@ -224,9 +228,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         rows = []
         for p in args.pp:
-            n = len(cases(p, args.factors))
+            n = len(cases(p, args.factors, args.schedules))
             print(f"measuring p={p} ({n} cases, t_f={args.tf_ms} ms)...", file=sys.stderr, flush=True)
-            rows += run(p, args.tf_ms / 1000, args.steps, tuple(args.factors))
+            rows += run(p, args.tf_ms / 1000, args.steps, tuple(args.factors), tuple(args.schedules))
     for r in rows:
         r["theory_idle"], r["schedule_sim_idle"] = ideal(r["schedule"], r["p"], r["m"])
         r["ratio"] = r["measured_idle"] / r["theory_idle"]

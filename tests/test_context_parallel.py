@@ -86,6 +86,21 @@ def _sdpa(q, k, v, causal):
                                           is_causal=causal)
 
 
+def test_block_kernel_choice_follows_the_kernels_registered_for_the_device():
+    """auto = the first fused kernel (returns the lse, no s x s scores) that has a kernel for the device's
+    backend; math only where none has; a named kernel that is not there is refused naming what is."""
+    from paratrain.parallel.context import _pick_impl, fused_kernels_for
+
+    cpu = torch.device("cpu")
+    assert fused_kernels_for(cpu)[0] == "flash_cpu"
+    assert _pick_impl("auto", cpu) == "flash_cpu" and _pick_impl("math", cpu) == "math"
+    if "efficient" not in fused_kernels_for(cpu):  # this CPU build registers no efficient kernel for CPU
+        with pytest.raises(ValueError, match=r"cp_attention='efficient'.*allowed here: auto, flash_cpu, math"):
+            _pick_impl("efficient", cpu)
+    with pytest.raises(ValueError, match=r"cp_attention='flash'.*allowed: auto, flash_cpu, efficient, math"):
+        _pick_impl("flash", cpu)
+
+
 @pytest.mark.parametrize("impl", ["flash_cpu", "math"])
 @pytest.mark.parametrize("causal,sq", [(True, 12), (False, 12), (False, 6)])
 def test_block_kernels_match_sdpa(impl, causal, sq):

@@ -291,7 +291,7 @@ def _compensated_reference(cfg, steps, s, dp, compensation):
         if step >= s:
             for p, g in zip(params, pending.pop(0)[1], strict=True):
                 p.grad = g
-            norm = runner.clip_grad_norm_(cfg.optim.grad_clip)
+            norm = float(runner.clip_grad_norm_(cfg.optim.grad_clip))
             coef = min(cfg.optim.grad_clip / (norm + 1e-6), 1.0)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)

@@ -74,6 +74,9 @@ class ParallelSection(Section):
     tp: int = Field(default=1, ge=1)
     pp: int = Field(default=1, ge=1)
     cp: int = Field(default=1, ge=1)
+    cp_attention: Literal["auto", "flash_cpu", "efficient", "math"] = Field(
+        default="auto", description="cp block kernel: auto = the fused kernel (returns the log-sum-exp, no s x s "
+        "scores) registered for the device; math = plain matmuls (reference)")
     sp: bool = False
     dp_kind: Literal["ddp", "fsdp", "hsdp"] = "fsdp"
     dp_replicate: int = Field(default=1, ge=1, description="hsdp: replica groups (across nodes); shard within")

@@ -80,7 +80,8 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
     if degrees["cp"] > 1:  # 2. context parallelism: ring attention over the cp group
         from paratrain.parallel.context import apply_context_parallel
 
-        apply_context_parallel(parts, mesh["cp"].get_group())
+        apply_context_parallel(parts, mesh["cp"].get_group(), pcfg.cp_attention,
+                               device=env.device)
     for part in parts:  # 3. activation recomputation, then compilation of what runs
         apply_recompute(part, pcfg.recompute)
         apply_compile(part, cfg.train.compile)

@@ -32,9 +32,12 @@ Ring attention (written here in plain PyTorch)
   arrives back at the block's owner. Block gradients use the final out and lse (exact: P = exp(S - lse)).
   Saved for backward: q, k, v, out, lse of the local tokens only -- O(s/cp) per rank, no s x s term.
 
-  Block kernels: on CPU the fused flash kernel that SDPA itself uses (aten._scaled_dot_product_flash_attention_
-  for_cpu and its backward: returns the log-sum-exp, never materialises the s x s scores, handles GQA); on
-  other devices a reference implementation in matmuls ("math"; tested against the fused one).
+  Block kernels (`parallel.cp_attention`, default auto): a fused kernel that returns the log-sum-exp and never
+  materialises the s x s scores, picked by which aten op has a kernel for the device's backend: on CPU the
+  flash kernel SDPA itself uses (aten._scaled_dot_product_flash_attention_for_cpu, handles GQA); on CUDA (and
+  any backend registering it) the memory-efficient kernel (aten._scaled_dot_product_efficient_attention, fp32
+  and bf16; kv heads repeated for GQA). A reference in matmuls ("math", fp32 scores per block) remains only
+  for devices with neither, and as the reference the fused ones are tested against.
 
 Why a ring rather than all-gathering K/V (Llama 3's choice): the ring keeps one remote K/V block (plus one in
 flight) per rank instead of the whole sequence's K/V, and its transfers hide behind block compute; the
@@ -67,7 +70,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from paratrain.device import host, is_host
 from paratrain.model.llama import CoreAttention
 from paratrain.parallel.layout import check_cp_layout  # noqa: F401 - re-exported; torch-free for config loading
 from paratrain.parallel.runner import ParallelRunner
@@ -108,11 +110,31 @@ def zigzag_unshard(shards: list[torch.Tensor], dim: int = 1) -> torch.Tensor:
 
 
 # -- block kernels: out and log-sum-exp of one q block against one kv block ----------------------------------
+# Fused kernels that return the log-sum-exp the ring's merge needs, in order of preference, with the aten op
+# that must have a kernel for the device's dispatch key (so the choice needs no device names): the CPU flash
+# kernel SDPA itself uses; the memory-efficient kernel (CUDA and other backends that register it; fp32/bf16).
+# Neither materialises the s x s scores. "math" (plain matmuls, fp32 scores: O(s_q x s_k) per block) is kept
+# only for devices without any of these kernels, and as the reference the fused ones are tested against.
+FUSED = (("flash_cpu", "aten::_scaled_dot_product_flash_attention_for_cpu"),
+         ("efficient", "aten::_scaled_dot_product_efficient_attention"))
+IMPLS = ("auto", *(name for name, _ in FUSED), "math")
+
+
+def fused_kernels_for(device: torch.device) -> list[str]:
+    """The fused block kernels registered for this device's backend (dispatch key), in order of preference."""
+    key = torch._C._dispatch_key_for_device(device.type)
+    return [name for name, op in FUSED if torch._C._dispatch_has_kernel_for_dispatch_key(op, key)]
+
+
 def _pick_impl(impl: str, device: torch.device) -> str:
     if impl not in IMPLS:
-        raise ValueError(f"context-parallel attention impl='{impl}': allowed: {', '.join(IMPLS)}")
+        raise ValueError(f"parallel.cp_attention='{impl}': allowed: {', '.join(IMPLS)}")
+    available = fused_kernels_for(device)
     if impl == "auto":
-        return "flash_cpu" if is_host(device) else "math"
+        return available[0] if available else "math"
+    if impl != "math" and impl not in available:
+        raise ValueError(f"parallel.cp_attention='{impl}': no such kernel for device '{device}'; allowed here: "
+                         f"{', '.join(['auto', *available, 'math'])}")
     return impl
 
 
@@ -121,6 +143,10 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
     """(out in q's dtype, lse fp32 (b, heads, sq)). q: (b, heads, sq, d); k, v: (b, kv_heads, sk, d)."""
     if impl == "flash_cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal)
+    if impl == "efficient":  # no GQA in the kernel: kv heads repeated (a view-sized copy, not s x s)
+        out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(
+            q, _expand_kv(k, q), _expand_kv(v, q), None, True, 0.0, causal)
+        return out, lse[..., :q.shape[2]].float()  # CUDA pads the lse rows to a multiple of 32 (kAlignLSE)
     scores = _scores(q, k, causal)
     lse = torch.logsumexp(scores, dim=-1)
     probs = torch.exp(scores - lse.unsqueeze(-1))
@@ -129,10 +155,18 @@ def block_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
 
 def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
                    lse: torch.Tensor, causal: bool, impl: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of one block, given the *final* out and lse of these queries (so P is the global softmax)."""
+    """(dq, dk, dv) of one block, given the *final* out and lse of these queries (so P is the global softmax).
+    The efficient kernel's backward reads the lse in its forward's layout: rows padded to a multiple of 32
+    (`_padded_lse`; the padding rows are never read)."""
     if impl == "flash_cpu":
         return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             dout, q, k, v, out, lse, 0.0, causal)
+    if impl == "efficient":
+        seed = offset = torch.empty((), dtype=torch.int64, device=q.device)  # no dropout: never read
+        dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+            dout, q, _expand_kv(k, q), _expand_kv(v, q), None, out, _padded_lse(lse, q), seed, offset, 0.0,
+            [True, True, True, False], causal)
+        return dq, _reduce_kv(dk, k).to(k.dtype), _reduce_kv(dv, v).to(v.dtype)
     scale = q.shape[-1] ** -0.5
     probs = torch.exp(_scores(q, k, causal) - lse.unsqueeze(-1))
     dout32, k_exp, v_exp = dout.float(), _expand_kv(k, q).float(), _expand_kv(v, q).float()
@@ -143,6 +177,13 @@ def block_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
     dq = torch.matmul(dscores, k_exp)
     dk = torch.matmul(dscores.transpose(-1, -2), q.float())
     return dq.to(q.dtype), _reduce_kv(dk, k).to(k.dtype), _reduce_kv(dv, v).to(v.dtype)
+
+
+def _padded_lse(lse: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """The lse in the layout the CUDA efficient kernel writes and its backward reads: (b, heads, sq rounded up
+    to a multiple of 32), contiguous. GPU path reviewed against the kernel's source, not run here (no GPU)."""
+    pad = -q.shape[2] % 32
+    return torch.nn.functional.pad(lse, (0, pad)).contiguous() if pad else lse.contiguous()
 
 
 def _scores(q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
@@ -317,7 +358,7 @@ class RingAttention(nn.Module):
 
 # -- applying it to a model and driving it -------------------------------------------------------------------
 def apply_context_parallel(parts: Iterable[nn.Module], group: dist.ProcessGroup | None, impl: str = "auto",
-                           sp_tp: int = 1) -> None:
+                           sp_tp: int = 1, device: torch.device | None = None) -> None:
     """Replace every attention core with ring attention over `group`, and make each part take the global
     RoPE positions of its zig-zag slice. Apply after tensor parallelism, before recompute and data parallelism.
 
@@ -325,7 +366,10 @@ def apply_context_parallel(parts: Iterable[nn.Module], group: dist.ProcessGroup 
     or s/(cp*tp) with sequence parallelism; pass `sp_tp` = tp when SP is on so that its positions cover the
     cp-local sequence its attention sees (SP gathers it over tp)."""
     ring = Ring(group)
-    _pick_impl(impl, host())  # validate the name before touching the model
+    if device is not None:
+        _pick_impl(impl, device)  # validate the name (and that the kernel exists here) before touching the model
+    elif impl not in IMPLS:
+        raise ValueError(f"parallel.cp_attention='{impl}': allowed: {', '.join(IMPLS)}")
     for part in parts:
         for block in part.layers.values():
             if not isinstance(block.attention.core, CoreAttention):

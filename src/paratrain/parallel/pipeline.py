@@ -44,9 +44,29 @@ from paratrain.parallel.mesh import DistEnv
 from paratrain.parallel.runner import ParallelRunner, plain
 from paratrain.plan.stages import balanced_layers, check_pp_layers
 
+
+class ScheduleDualPipeVSplit(ScheduleDualPipeV):
+    """torch's DualPipeV with each paired forward+backward (OVERLAP_F_B) action split into its forward and its
+    backward. torch 2.13's runtime runs a pair as F then B and its lowering places F's send after the pair, so the
+    next stage waits a whole backward for its input (measured: DualPipeV's bubble 2.0-2.6x its theory, p = 2-4).
+    Split, the send of F's output is lowered right after F. The order of compute on every rank is unchanged (a pair
+    ran as F then B anyway), so the arithmetic is the same; only the messages leave earlier. On one device there is
+    no F/B overlap to lose: the pair is two kernels streams apart only with DualPipe's own overlapped kernels."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.pipeline_order = {rank: split_paired_actions(actions) for rank, actions in self.pipeline_order.items()}
+        self._prepare_schedule_with_comms(self.pipeline_order)
+
+
+def split_paired_actions(actions: list) -> list:
+    """Each action with sub-actions (OVERLAP_F_B) replaced by its sub-actions, in order; others unchanged."""
+    return [sub for a in actions for sub in ((a.sub_actions or (a,)) if a is not None else (a,))]
+
+
 SINGLE_STAGE_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble,
-                         "dualpipev": ScheduleDualPipeV}
+                         "dualpipev": ScheduleDualPipeVSplit}
 V_SCHEDULES = ("zbv", "dualpipev")
 
 
@@ -247,7 +267,8 @@ def apply_stage_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: Devic
     if mesh["cp"].size() > 1:  # ring attention over the stage's cp group; positions hook on every stage
         from paratrain.parallel.context import apply_context_parallel
 
-        apply_context_parallel(parts, mesh["cp"].get_group(), sp_tp=tp if pcfg.sp else 1)
+        apply_context_parallel(parts, mesh["cp"].get_group(), pcfg.cp_attention, sp_tp=tp if pcfg.sp else 1,
+                               device=torch.device(mesh.device_type))
     for part in parts:
         apply_recompute(part, pcfg.recompute)
         apply_compile(part, cfg.train.compile)
@@ -295,7 +316,19 @@ class PipelineRunner(ParallelRunner):
         self.cp_size, self.cp_rank = mesh["cp"].size(), mesh["cp"].get_local_rank()
         if self.cp_size > 1 and dp is None:
             raise ValueError("context parallelism needs gradient reduction over the (dp, cp) mesh")
+        self.norm_slots = self._norm_slots()
         self.schedule = self._build_schedule(stages)
+
+    def _norm_slots(self) -> tuple[list[int], int]:
+        """Each local parameter's index in the single-device model's order (stages hold contiguous ranges, in
+        stage order, names unchanged), and the model's parameter count: asked of the pp group once, at build."""
+        counts = {s: sum(1 for _ in part.parameters()) for s, part in zip(self.stage_ids, self.parts, strict=True)}
+        gathered: list[dict[int, int] | None] = [None] * dist.get_world_size(self.pp_group)
+        dist.all_gather_object(gathered, counts, group=self.pp_group)
+        every = {s: n for stage_counts in gathered for s, n in stage_counts.items()}
+        offsets = {s: sum(n for t, n in every.items() if t < s) for s in self.stage_ids}
+        slots = [offsets[s] + i for s in self.stage_ids for i in range(counts[s])]
+        return slots, sum(every.values())
 
     def _build_schedule(self, stages):
         pipe_stages = [PipelineStage(module, s, self.layout.num_stages, self.device, group=self.pp_group)
@@ -416,8 +449,9 @@ def _recv_activation(group_src: int, group, device: torch.device) -> torch.Tenso
 # --------------------------------------------------------------------------------------------------------
 # Schedule analysis: the bubble of the action lists the schedules execute, with fixed action costs
 # --------------------------------------------------------------------------------------------------------
-def schedule_action_lists(layout: PipelineLayout) -> dict[int, list]:
-    """pp rank -> the compute actions (torch `_Action`s) it executes, in order.
+def schedule_action_lists(layout: PipelineLayout, schedule_cls: type | None = None) -> dict[int, list]:
+    """pp rank -> the compute actions (torch `_Action`s) it executes, in order (`schedule_cls`: another
+    multi-stage schedule class than paratrain's for layout.schedule, to compare).
 
     Multi-stage schedules: torch's own `pipeline_order` (what their runtime executes), built in this process on
     a fake process group, so call it where no process group is initialised. GPipe and 1F1B: their step loops
@@ -448,7 +482,8 @@ def schedule_action_lists(layout: PipelineLayout) -> dict[int, list]:
     try:
         ids = layout.stages_of_rank(0)
         stages = [PipelineStage(nn.Linear(1, 1), s, layout.num_stages, host()) for s in ids]
-        schedule = MULTI_STAGE_SCHEDULES[layout.schedule](stages, m, loss_fn=lambda out, _: out.sum())
+        cls = schedule_cls or MULTI_STAGE_SCHEDULES[layout.schedule]
+        schedule = cls(stages, m, loss_fn=lambda out, _: out.sum())
         return {r: [a for a in acts if a is not None] for r, acts in schedule.pipeline_order.items()}
     finally:
         dist.destroy_process_group()
@@ -457,7 +492,9 @@ def schedule_action_lists(layout: PipelineLayout) -> dict[int, list]:
 def ideal_idle_fraction(lists: dict[int, list], num_stages: int, cost: dict[str, float]) -> float:
     """Mean idle fraction over ranks when each action takes `cost[type]` ("F", "B", "I", "W") and messages are
     free: every rank runs its list in order, an action starting once its inputs exist (F after the previous
-    stage's F; B/I after its own F and the next stage's B/I; W after its I). Raises on a deadlock."""
+    stage's F; B/I after its own F and the next stage's B/I; W after its I). A paired action (sub-actions, torch's
+    OVERLAP_F_B) is modelled as torch 2.13 runs it: its parts one after the other, and their results reach the
+    other stages only when the whole pair ends (the sends follow the pair). Raises on a deadlock."""
     from torch.distributed.pipelining.schedules import _ComputationType as Op
 
     kind = {Op.FORWARD: "F", Op.FULL_BACKWARD: "B", Op.BACKWARD_INPUT: "I", Op.BACKWARD_WEIGHT: "W"}
@@ -474,25 +511,34 @@ def ideal_idle_fraction(lists: dict[int, list], num_stages: int, cost: dict[str,
         k = kind[a.computation_type]
         return ("F" if k == "F" else "W" if k == "W" else "B", a.stage_index, a.microbatch_index)
 
-    flat = {r: [x for a in acts for x in (a.sub_actions or (a,)) if x.computation_type in kind]
-            for r, acts in lists.items()}
+    # per rank: groups of compute actions whose results are published together (a pair, or one action)
+    groups = {r: [[x for x in (a.sub_actions or (a,)) if x.computation_type in kind] for a in acts]
+              for r, acts in lists.items()}
+    groups = {r: [g for g in gs if g] for r, gs in groups.items()}
     finish: dict[tuple, float] = {}
-    clock = dict.fromkeys(flat, 0.0)
-    busy = dict.fromkeys(flat, 0.0)
-    pos = dict.fromkeys(flat, 0)
+    clock = dict.fromkeys(groups, 0.0)
+    busy = dict.fromkeys(groups, 0.0)
+    pos = dict.fromkeys(groups, 0)
+
+    def ready(group: list) -> bool:  # inputs from inside the same group are produced in it
+        inside = {done_key(x) for x in group}
+        return all(d in finish or d in inside for x in group for d in deps(x))
+
     progress = True
     while progress:
         progress = False
-        for r, acts in flat.items():
-            while pos[r] < len(acts) and all(d in finish for d in deps(acts[pos[r]])):
-                a = acts[pos[r]]
-                c = cost[kind[a.computation_type]]
-                clock[r] = max([clock[r]] + [finish[d] for d in deps(a)]) + c
-                busy[r] += c
-                finish[done_key(a)] = clock[r]
+        for r, gs in groups.items():
+            while pos[r] < len(gs) and ready(gs[pos[r]]):
+                local: dict[tuple, float] = {}
+                for a in gs[pos[r]]:
+                    c = cost[kind[a.computation_type]]
+                    clock[r] = max([clock[r]] + [local.get(d, finish.get(d, 0.0)) for d in deps(a)]) + c
+                    busy[r] += c
+                    local[done_key(a)] = clock[r]
+                finish.update(dict.fromkeys(local, clock[r]))  # published when the group ends
                 pos[r] += 1
                 progress = True
-    if any(pos[r] < len(acts) for r, acts in flat.items()):
+    if any(pos[r] < len(gs) for r, gs in groups.items()):
         raise RuntimeError("schedule deadlocks under the dependency model")
     makespan = max(clock.values())
     return sum(1 - b / makespan for b in busy.values()) / len(busy)
@@ -524,4 +570,4 @@ def parallelize_pipeline(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, e
 
 __all__ = ["PipelineLayout", "PipelineRunner", "apply_stage_techniques", "balanced_layers", "carve_stage",
            "check_pipeline_layout", "check_stages", "ideal_idle_fraction", "parallelize_pipeline", "plan_pipeline",
-           "schedule_action_lists", "split_model", "theory_idle_fraction"]
+           "schedule_action_lists", "split_model", "split_paired_actions", "theory_idle_fraction"]

@@ -13,8 +13,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from paratrain.device import autocast, host
+from paratrain.device import autocast
 from paratrain.model.llama import cross_entropy_loss
+from paratrain.parallel import grad_norm
 
 
 def plain(t: torch.Tensor) -> torch.Tensor:
@@ -74,13 +75,10 @@ class Runner:
         for part in self.parts:
             yield from part.parameters()
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip by the global gradient norm; returns the norm before clipping."""
-        params = [p for p in self.parameters() if p.grad is not None]
-        if max_norm <= 0:
-            norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(p.grad) for p in params]))
-            return float(norm)
-        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=False))
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global gradient norm (0 disables clipping); returns the norm before clipping as a 0-dim
+        device tensor (reading it is the caller's host synchronisation, when it logs)."""
+        return grad_norm.clip_grad_norm_([p.grad for p in self.parameters()], max_norm, self.device)
 
 
 class ParallelRunner(Runner):
@@ -101,6 +99,8 @@ class ParallelRunner(Runner):
         self.dp = dp
         self.loss_parallel = loss_parallel
         self.norm_groups = norm_groups  # extra groups whose ranks hold different parameters (pipeline stages)
+        # (slot of each parameter in the single-device order, number of slots); None = this rank holds them all
+        self.norm_slots: tuple = (None, None)
 
     @property
     def optimizer_foreach(self) -> bool:
@@ -138,41 +138,6 @@ class ParallelRunner(Runner):
         dist.all_reduce(loss, op=dist.ReduceOp.AVG, group=self.dp.group)
         return loss
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        norm = global_grad_norm(grads, self.norm_groups)
-        if max_norm > 0:
-            # Same arithmetic as torch.nn.utils.clip_grad_norm_ (always scale by the clamped coefficient).
-            coef = min(max_norm / (norm + 1e-6), 1.0)
-            for g in grads:
-                g.mul_(coef)
-        return norm
-
-
-def global_grad_norm(grads: list[torch.Tensor], extra_groups: tuple = ()) -> float:
-    """L2 norm of all gradients of the model across every rank, from local shards."""
-    import torch.distributed as dist
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    sums: dict[tuple, torch.Tensor] = {}
-    for g in grads:
-        groups: tuple = ()
-        if isinstance(g, DTensor):
-            if any(p.is_partial() for p in g.placements):  # unreduced (e.g. replicated kv heads): reduce first
-                g = g.redistribute(placements=[Replicate() if p.is_partial() else p for p in g.placements])
-            # FSDP over TP-sharded parameters places dp as _StridedShard, which is not is_shard() in torch 2.13.
-            groups = tuple(g.device_mesh.get_group(i) for i, p in enumerate(g.placements)
-                           if p.is_shard() or isinstance(p, _StridedShard))
-            g = g.to_local()
-        sq = g.detach().double().pow(2).sum()
-        sums[groups] = sums[groups] + sq if groups in sums else sq
-    device = next(iter(sums.values())).device if sums else host()  # NCCL: device tensors only
-    total = torch.zeros((), dtype=torch.float64, device=device)
-    for groups, sq in sums.items():
-        for group in groups:
-            dist.all_reduce(sq, group=group)
-        total += sq
-    for group in extra_groups:
-        dist.all_reduce(total, group=group)
-    return float(total.sqrt())
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        return grad_norm.clip_grad_norm_([p.grad for p in self.parameters()], max_norm, self.device,
+                                         self.norm_groups, *self.norm_slots)

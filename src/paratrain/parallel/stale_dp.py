@@ -67,6 +67,7 @@ from torch.distributed.tensor import DTensor
 
 from paratrain.config import TrainConfig
 from paratrain.parallel.data import bucket_params, local
+from paratrain.parallel.grad_norm import clip_coefficient, global_grad_norm
 from paratrain.parallel.runner import ParallelRunner, plain
 from paratrain.train.staleness import AUTO_BUDGET_SLACK, FaultInjection, StragglerDetector, lower_median
 
@@ -299,7 +300,8 @@ class StaleDataParallelRunner(ParallelRunner):
             if self.arrived(item):
                 grads = self._reduced_gradients(item)
                 pending.append(grads)
-                coefs.append(clip_coefficient(grads, self.grad_clip))
+                coefs.append(clip_coefficient(global_grad_norm(grads, self.device), self.grad_clip)
+                             if self.grad_clip > 0 else 1.0)
                 exact += 1
             else:
                 pending.append(item.local_grads)
@@ -440,11 +442,11 @@ class StaleDataParallelRunner(ParallelRunner):
         return applied
 
     # -- what the rest of the runtime asks ----------------------------------------------------------------------
-    def clip_grad_norm_(self, max_norm: float) -> float:
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         if all(p.grad is None for p in self.parameters()):  # warm-up step: nothing to clip, nothing applied
-            return 0.0
+            return torch.zeros((), device=self.device)
         norm = super().clip_grad_norm_(max_norm)
-        self.last_clip_coef = min(max_norm / (norm + 1e-6), 1.0) if max_norm > 0 else 1.0  # same as the clip
+        self.last_clip_coef = clip_coefficient(norm, max_norm) if max_norm > 0 else 1.0  # same as the clip
         return norm
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -507,14 +509,6 @@ def reduction_arrived(item: InFlightStep) -> bool:
     """Every all-reduce of the step (gradient buckets and metadata) has completed; asks, never waits. One process
     (no group, no works): the local gradient is the reduced one."""
     return all(work is None or work.is_completed() for work in item.works)
-
-
-def clip_coefficient(grads: list[torch.Tensor], max_norm: float) -> float:
-    """clip_grad_norm_'s coefficient for these (full, unsharded) gradients: min(max / (norm + 1e-6), 1)."""
-    if max_norm <= 0:
-        return 1.0
-    norm = float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads])))
-    return min(max_norm / (norm + 1e-6), 1.0)
 
 
 def own_gradient(p: nn.Parameter, scale: float) -> torch.Tensor:

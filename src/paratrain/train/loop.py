@@ -179,7 +179,7 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
         tokens_per_s = tokens / dt
         # MFU per device: model FLOPs of this step over (world size x peak of one device).
         mfu = flops_per_token * tokens / dt / (peak_flops * env.world_size)
-        record = {"loss": loss_value, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+        record = {"loss": loss_value, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
                   "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
                   "memory_bytes": peak_memory_bytes(env.device)}
         phases = timer.take()
