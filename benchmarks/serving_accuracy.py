@@ -137,11 +137,22 @@ def print_table(rows: list[dict], errs: np.ndarray) -> None:
               f"{row['value'] * (1 + err):>10.2f} {err:>+7.1%}  {row['unit']}")
 
 
+def print_markdown(rows: list[dict], errs: np.ndarray) -> None:
+    print("| row | split | kind | hardware | tp | w/kv | batch | in/out | measured | predicted | error | source |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row, err in zip(rows, errs, strict=True):
+        print(f"| {row['id']} | {row['split']} | {row['kind']} | {row['hardware']} | {row['tp']} | "
+              f"{row['weights']}/{row['kv']} | {row['batch']} | {row['prompt']}/{row['output']} | {row['value']:g} "
+              f"{row['unit'].replace('_', ' ')} | {row['value'] * (1 + err):.4g} | {err:+.1%} | {row['software']}; "
+              f"{row['source']} |")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--calibrate", action="store_true",
                         help="fit the efficiency tables on the calibration rows and rewrite serving_efficiency.toml")
     parser.add_argument("--split", choices=["all", "calibration", "evaluation"], default="all")
+    parser.add_argument("--markdown", action="store_true", help="the table as markdown, with sources (docs/serving.md)")
     args = parser.parse_args()
     rows = load_rows()
     if args.calibrate:
@@ -149,7 +160,7 @@ def main() -> int:
         rows = load_rows()
     shown = rows if args.split == "all" else [r for r in rows if r["split"] == args.split]
     errs = errors(shown)
-    print_table(shown, errs)
+    (print_markdown if args.markdown else print_table)(shown, errs)
     for split in ("calibration", "evaluation"):
         part = [i for i, r in enumerate(shown) if r["split"] == split]
         if part:

@@ -136,7 +136,7 @@ def recommend(kind: str, model: ModelConfig | str, rate: float, systems: tuple[s
         for c in rest:
             if c.cost is not None:
                 even = win.cost.usd_per_million_tokens * (target.rate * (target.prompt + target.output) * 3600) / 1e6
-                c.reasons.insert(0, f"no public price: it would tie {win.system} at "
+                c.reasons.insert(0, f"no {purchase} price in the catalog: it would tie {win.system} at "
                                     f"${even / c.cost.nodes:,.2f} per node-hour")
     return target, priced + rest
 
