@@ -20,6 +20,7 @@ a request is reserved for its whole output (vLLM allocates as it grows and preem
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -116,22 +117,37 @@ class _Tables:
     """Iteration time tables from the analytic model (one evaluation per run, then lookups)."""
 
     def __init__(self, model, system, rep, eff, max_seqs, max_context, budget):
-        self.batches = np.arange(1, max_seqs + 1, dtype=float)
-        self.contexts = np.unique(np.geomspace(1, max(2, max_context), 48).round())
-        self.decode = decode_step_s(model, system, rep, self.batches[:, None], self.contexts[None, :], eff)
+        batches = np.arange(1, max_seqs + 1, dtype=float)
+        contexts = np.unique(np.geomspace(1, max(2, max_context), 48).round())
+        decode = decode_step_s(model, system, rep, batches[:, None], contexts[None, :], eff)
         tokens = np.arange(0, budget + 1, dtype=float)
         full = prefill_time_s(model, system, rep, np.maximum(tokens, 1), 1, eff)
-        self.prefill_alone = full
-        self.prefill_extra = np.maximum(full - full[1], 0.0)
-        self.prefill_extra[0] = 0.0
+        extra = np.maximum(full - full[1], 0.0)
+        extra[0] = 0.0
+        # plain lists: the event loop looks up scalars, where numpy's per-call overhead dominates
+        self.contexts = contexts.tolist()
+        self.decode = decode.tolist()
+        self.prefill_alone = full.tolist()
+        self.prefill_extra = extra.tolist()
 
     def step(self, b: int, mean_context: float, chunks: list[int] = ()) -> float:
         """One iteration: b decoding sequences at their mean context plus prefill chunks (tokens each; each
         costed as its own prompt, so attention grows with the chunk, not with the whole budget)."""
-        extra = float(sum(self.prefill_extra[t] for t in chunks))
+        extra = sum(self.prefill_extra[t] for t in chunks)
         if b == 0:
-            return float(self.prefill_alone[chunks[0]]) + extra - float(self.prefill_extra[chunks[0]])
-        return float(np.interp(mean_context, self.contexts, self.decode[b - 1])) + extra
+            return self.prefill_alone[chunks[0]] + extra - self.prefill_extra[chunks[0]]
+        return self._lerp(self.decode[b - 1], mean_context) + extra
+
+    def _lerp(self, row: list[float], x: float) -> float:
+        """np.interp for one point (clamped at the ends)."""
+        xs = self.contexts
+        i = bisect.bisect_right(xs, x)
+        if i <= 0:
+            return row[0]
+        if i >= len(xs):
+            return row[-1]
+        x0, x1 = xs[i - 1], xs[i]
+        return row[i - 1] + (row[i] - row[i - 1]) * (x - x0) / (x1 - x0)
 
 
 def _percentiles(values: np.ndarray, weights: np.ndarray | None = None) -> dict[str, float]:
@@ -175,6 +191,7 @@ def simulate(model: ModelConfig, system: System, rep: Replica, requests: Request
     waiting: deque[int] = deque()
     prefill: deque[list[int]] = deque()  # [request, prompt tokens left]
     now, next_arrival, kv_used = 0.0, 0, 0
+    ctx_sum = 0  # sum of run_ctx, kept up to date (the mean is needed every event)
     iterations = events = 0
     batch_time = 0.0
 
@@ -195,7 +212,7 @@ def simulate(model: ModelConfig, system: System, rep: Replica, requests: Request
         if b == 0 and not prefill:
             now = arrival[next_arrival]  # idle until the next request
             continue
-        mean_ctx = float(run_ctx.mean()) if b else 0.0
+        mean_ctx = ctx_sum / b if b else 0.0
         budget = engine.token_budget - b
         chunks = []
         for item in prefill:
@@ -223,6 +240,7 @@ def simulate(model: ModelConfig, system: System, rep: Replica, requests: Request
             gaps_w.append(float(b * k))
             run_left -= k
             run_ctx += k
+            ctx_sum += b * k
         for item, take in chunks:
             item[1] -= take
         while prefill and prefill[0][1] == 0:
@@ -235,11 +253,13 @@ def simulate(model: ModelConfig, system: System, rep: Replica, requests: Request
                 run_idx = np.append(run_idx, r)
                 run_left = np.append(run_left, output[r] - 1)
                 run_ctx = np.append(run_ctx, prompt[r] + 1)
+                ctx_sum += int(prompt[r]) + 1
         finished = run_left <= 0
         if finished.any():
             for r in run_idx[finished]:
                 done[r] = now
                 kv_used -= int(need[r])
+            ctx_sum -= int(run_ctx[finished].sum())
             keep = ~finished
             run_idx, run_left, run_ctx = run_idx[keep], run_left[keep], run_ctx[keep]
 
