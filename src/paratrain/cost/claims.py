@@ -94,7 +94,7 @@ def claim_trn1_vs_p4d(rows: list[Row], run: Run, a: Assumptions) -> dict:
     trn, p4d = s["trn1.32xlarge"], s["p4d.24xlarge"]
     ours = [f"$/node-hour {trn.price_usd_per_node_hour:.2f} vs {p4d.price_usd_per_node_hour:.2f} "
             f"({trn.price_label}; {p4d.price_label})"] if trn.price_usd_per_node_hour and p4d.price_usd_per_node_hour \
-        else [f"no {a.purchase} price for one of them: {trn.price_label}; {p4d.price_label}"]
+        else [f"no {a.purchase} price for both: {trn.system}: {trn.price_label}; {p4d.system}: {p4d.price_label}"]
     if trn.cost_usd_per_million_tokens and p4d.cost_usd_per_million_tokens:
         ratio = trn.cost_usd_per_million_tokens / p4d.cost_usd_per_million_tokens
         ours.append(f"$ per million tokens {trn.cost_usd_per_million_tokens:.3f} vs "
