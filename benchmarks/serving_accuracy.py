@@ -4,7 +4,7 @@ Data: benchmarks/serving_measurements.csv, every row with its source and softwar
 name into `calibration` (the only rows `--calibrate` may fit the efficiency parameters on) and `evaluation`
 (never used to set anything; tests/test_plan_serve.py requires them within 20%).
 
-Row kinds and what is predicted:
+Row kinds and what is predicted (plan/serve_fit.py, which also holds the fit):
   ttft               prefill of `batch` prompts of `prompt` tokens (time to first token), ms
   tpot               one decode step at `batch` sequences holding prompt + output/2 tokens, ms
   static_throughput  output tokens/s per device of a static batch: batch x output / (prefill of the batch +
@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
-from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
@@ -33,19 +32,13 @@ from paratrain.model.config import load_model_config  # noqa: E402
 from paratrain.plan.serve import (  # noqa: E402
     EFFICIENCY_FIELDS,
     EFFICIENCY_FILE,
-    Replica,
-    ServingEfficiency,
     _efficiency_tables,
-    decode_step_s,
-    prefill_time_s,
     serving_efficiency,
 )
+from paratrain.plan.serve_fit import errors, fit, loss  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "serving_measurements.csv"
 INT_FIELDS = ("tp", "batch", "prompt", "output")
-# the search box of --calibrate: physical ranges, not free knobs
-BOUNDS = {"decode_bw_eff": (0.3, 0.9), "kv_bw_eff": (0.05, 0.9), "prefill_flops_eff": (0.1, 0.9),
-          "layer_overhead_s": (0.0, 400e-6), "collective_us": (0.0, 100.0)}
 
 
 def load_rows(path: Path = DATA) -> list[dict]:
@@ -61,49 +54,8 @@ def load_rows(path: Path = DATA) -> list[dict]:
     return rows
 
 
-def predict(row: dict, eff: ServingEfficiency | None = None) -> float:
-    """The model's value for a row, in the row's unit."""
-    model, system = row["model_config"], row["system"]
-    eff = eff or serving_efficiency(system)
-    rep = Replica(tp=row["tp"], weights=row["weights"], kv=row["kv"])
-    b, p, o = row["batch"], row["prompt"], row["output"]
-    if row["kind"] == "ttft":
-        return 1e3 * float(prefill_time_s(model, system, rep, p, b, eff))
-    if row["kind"] == "tpot":
-        return 1e3 * float(decode_step_s(model, system, rep, b, p + o / 2, eff))
-    if row["kind"] == "static_throughput":
-        total = prefill_time_s(model, system, rep, p, b, eff) + o * decode_step_s(model, system, rep, b, p + o / 2, eff)
-        return float(b * o / total / rep.tp)
-    raise ValueError(f"row {row['id']}: kind = {row['kind']!r}: allowed: ttft, tpot, static_throughput")
-
-
-def errors(rows: list[dict], eff: ServingEfficiency | None = None) -> np.ndarray:
-    """Signed relative error (prediction / measurement - 1) per row."""
-    return np.array([predict(r, eff) / r["value"] - 1 for r in rows])
-
-
 def family(row: dict) -> str:
     return row["system"].chip.vendor
-
-
-def _loss(rows, eff) -> float:
-    """Mean |log(pred/meas)|: symmetric in over- and under-prediction."""
-    return float(np.mean(np.abs(np.log1p(errors(rows, eff)))))
-
-
-def calibrate(rows: list[dict], start: ServingEfficiency, rounds: int = 4) -> ServingEfficiency:
-    """Coordinate descent over the five parameters within BOUNDS, on the given (calibration) rows only."""
-    start = replace(start, **{n: float(np.clip(getattr(start, n), *BOUNDS[n])) for n in EFFICIENCY_FIELDS})
-    best, best_loss = start, _loss(rows, start)
-    for _ in range(rounds):
-        for name in EFFICIENCY_FIELDS:
-            lo, hi = BOUNDS[name]
-            for value in np.linspace(lo if lo > 0 else hi / 200, hi, 41):
-                trial = replace(best, **{name: float(value)})
-                loss = _loss(rows, trial)
-                if loss < best_loss:
-                    best, best_loss = trial, loss
-    return best
 
 
 def write_tables(rows: list[dict]) -> None:
@@ -113,12 +65,12 @@ def write_tables(rows: list[dict]) -> None:
     tables = []
     for fam in sorted({family(r) for r in rows}):
         cal = [r for r in rows if family(r) == fam and r["split"] == "calibration"]
-        fitted = calibrate(cal, serving_efficiency(cal[0]["system"]))
+        fitted = fit(cal, serving_efficiency(cal[0]["system"]))
         software = sorted({r["software"].split(" (")[0] for r in cal})
         lines = [f"[{fam}]"] + [f"{n} = {float(f'{getattr(fitted, n):.3g}')!r}" for n in EFFICIENCY_FIELDS]
         lines.append(f'source = "fitted {date.today()} by benchmarks/serving_accuracy.py --calibrate on the {len(cal)} '
                      f'{fam} calibration rows of benchmarks/serving_measurements.csv ({", ".join(software)}); '
-                     f'mean |log error| {_loss(cal, fitted):.3f}"')
+                     f'mean |log error| {loss(cal, fitted):.3f}"')
         tables.append("\n".join(lines))
         print(f"[{fam}] fitted on {len(cal)} calibration rows: {fitted}")
     EFFICIENCY_FILE.write_text(header + "\n" + "\n\n".join(tables) + "\n")

@@ -179,3 +179,35 @@ def test_evaluation_rows_within_20_percent():
     for system in ("p5.48xlarge", "trn1.32xlarge"):
         assert "calibration rows" in serving_efficiency(resolve_system(system)).source
     assert np.isfinite(errs).all()
+
+
+def test_fit_recovers_known_efficiencies_and_reads_generate_summaries():
+    from dataclasses import replace
+
+    from paratrain.plan.serve import ServingEfficiency
+    from paratrain.plan.serve_fit import fit, loss, measurements_from_generate, predict
+
+    h100 = resolve_system(H100)
+    truth = ServingEfficiency(decode_bw_eff=0.72, kv_bw_eff=0.475, prefill_flops_eff=0.5,
+                              layer_overhead_s=41.8e-6, collective_us=15.425, source="test")
+    rows = []
+    for model, tp in ((PRESETS["llama3-8b"], 1), (PRESETS["llama3-8b"], 8), (L70, 4), (L70, 8)):
+        for kind, batch, prompt, output in (("tpot", 1, 128, 2), ("tpot", 64, 4096, 2048), ("ttft", 1, 4096, 1),
+                                            ("tpot", 8, 1024, 256)):
+            row = {"kind": kind, "model_config": model, "system": h100, "tp": tp, "weights": "bf16", "kv": "bf16",
+                   "batch": batch, "prompt": prompt, "output": output}
+            rows.append({**row, "value": predict({**row, "value": 1.0}, truth)})
+    start = replace(truth, decode_bw_eff=0.5, kv_bw_eff=0.8, prefill_flops_eff=0.3, layer_overhead_s=200e-6,
+                    collective_us=60.0)
+    got = fit(rows, start)
+    assert loss(rows, got) < 0.01 < loss(rows, start)
+    for name in ("decode_bw_eff", "kv_bw_eff", "prefill_flops_eff", "layer_overhead_s", "collective_us"):
+        assert getattr(got, name) == pytest.approx(getattr(truth, name), rel=0.15), name
+    summary = {"kind": "generate", "model_shape": PRESETS["tiny"].model_dump(), "tp": 1, "batch": 2,
+               "padded_prompt_tokens": 64, "prefill_s": 0.01, "decode_steps": 31, "decode_s_per_step": 0.002,
+               "use_cache": True, "dtype": "fp32"}
+    ttft, tpot = measurements_from_generate(summary, h100)
+    assert (ttft["kind"], ttft["value"], tpot["kind"], tpot["value"]) == ("ttft", 10.0, "tpot", 2.0)
+    assert tpot["weights"] == "fp32" and predict(tpot) > 0
+    with pytest.raises(ValueError, match="--no-cache"):
+        measurements_from_generate({**summary, "use_cache": False}, h100)

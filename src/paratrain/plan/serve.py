@@ -38,9 +38,10 @@ from paratrain.hardware.catalog import System, Tier, resolve_system
 from paratrain.model.config import ModelConfig, load_model_config
 from paratrain.plan.model import BF16_BYTES, collective_time_s, p2p_time_s, soft_roofline
 
-# bytes per weight element; int4 weight-only carries one fp16 scale per group of 128 (AWQ/GPTQ's default)
-WEIGHT_PRECISIONS = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0 + 2 / 128, "int4": 0.5 + 2 / 128}
-KV_PRECISIONS = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0}
+# bytes per weight element; int4 weight-only carries one fp16 scale per group of 128 (AWQ/GPTQ's default).
+# fp32: what paratrain's own runtime generates in on a CPU host (its peak is what `paratrain probe` measured).
+WEIGHT_PRECISIONS = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0 + 2 / 128, "int4": 0.5 + 2 / 128, "fp32": 4.0}
+KV_PRECISIONS = {"bf16": 2.0, "fp8": 1.0, "int8": 1.0, "fp32": 4.0}
 PAGE_TOKENS = 16  # vLLM's default KV block size (--block-size 16)
 MEMORY_UTILIZATION = 0.9  # share of device memory the engine takes (vLLM gpu_memory_utilization default)
 EFFICIENCY_FILE = Path(__file__).with_name("serving_efficiency.toml")

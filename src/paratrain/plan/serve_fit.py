@@ -1,0 +1,111 @@
+"""Fitting the serving model's efficiency parameters (plan/serving_efficiency.toml) to measurements.
+
+A measurement is a dict: kind ("ttft" ms, "tpot" ms, or "static_throughput" output tokens/s per device),
+value, model_config (ModelConfig), system (System), tp, weights, kv, batch, prompt, output. Published rows
+(benchmarks/serving_measurements.csv, benchmarks/serving_accuracy.py) and this machine's own runs
+(`paratrain generate --summary-json`, via measurements_from_generate) have the same form, so the same fit
+serves both: the one place calibration of the serving model lives. Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from paratrain.hardware.catalog import System
+from paratrain.model.config import ModelConfig
+from paratrain.plan.serve import (
+    EFFICIENCY_FIELDS,
+    WEIGHT_PRECISIONS,
+    Replica,
+    ServingEfficiency,
+    decode_step_s,
+    prefill_time_s,
+    serving_efficiency,
+)
+
+KINDS = ("ttft", "tpot", "static_throughput")
+# The search box of the fit: physical ranges, not free knobs (fractions of a peak, fixed costs in us).
+BOUNDS = {"decode_bw_eff": (0.3, 0.9), "kv_bw_eff": (0.05, 0.9), "prefill_flops_eff": (0.1, 0.9),
+          "layer_overhead_s": (0.0, 400e-6), "collective_us": (0.0, 100.0)}
+
+
+def predict(row: dict, eff: ServingEfficiency | None = None) -> float:
+    """The model's value for a measurement, in its unit."""
+    model, system = row["model_config"], row["system"]
+    eff = eff or serving_efficiency(system)
+    rep = Replica(tp=row["tp"], weights=row["weights"], kv=row["kv"])
+    b, p, o = row["batch"], row["prompt"], row["output"]
+    if row["kind"] == "ttft":
+        return 1e3 * float(prefill_time_s(model, system, rep, p, b, eff))
+    if row["kind"] == "tpot":
+        return 1e3 * float(decode_step_s(model, system, rep, b, p + o / 2, eff))
+    if row["kind"] == "static_throughput":
+        total = prefill_time_s(model, system, rep, p, b, eff) + o * decode_step_s(model, system, rep, b, p + o / 2, eff)
+        return float(b * o / total / rep.tp)
+    raise ValueError(f"measurement {row.get('id', '')}: kind = {row['kind']!r}: allowed: {', '.join(KINDS)}")
+
+
+def errors(rows: list[dict], eff: ServingEfficiency | None = None) -> np.ndarray:
+    """Signed relative error (prediction / measurement - 1) per measurement."""
+    return np.array([predict(r, eff) / r["value"] - 1 for r in rows])
+
+
+def loss(rows: list[dict], eff: ServingEfficiency) -> float:
+    """Mean |log(predicted / measured)|: symmetric in over- and under-prediction."""
+    return float(np.mean(np.abs(np.log1p(errors(rows, eff)))))
+
+
+def fit(rows: list[dict], start: ServingEfficiency, rounds: int = 2, points: int = 21) -> ServingEfficiency:
+    """Fit the five parameters within BOUNDS to the rows (give it calibration rows only): a coarse
+    coordinate search over the whole box (robust to a poor start), then bounded least squares on the log
+    errors (scipy's trust-region reflective: coupled parameters, such as a per-layer and a per-collective
+    cost, move together along the valley a coordinate search zig-zags in)."""
+    from scipy.optimize import least_squares
+
+    if not rows:
+        raise ValueError("fit: no measurements to fit")
+    lo = np.array([BOUNDS[n][0] for n in EFFICIENCY_FIELDS])
+    hi = np.array([BOUNDS[n][1] for n in EFFICIENCY_FIELDS])
+    best = replace(start, **{n: float(np.clip(getattr(start, n), *BOUNDS[n])) for n in EFFICIENCY_FIELDS})
+    best_loss = loss(rows, best)
+    for _ in range(rounds):
+        for name, a, b in zip(EFFICIENCY_FIELDS, lo, hi, strict=True):
+            for value in np.linspace(a if a > 0 else b / 200, b, points):
+                trial = replace(best, **{name: float(value)})
+                trial_loss = loss(rows, trial)
+                if trial_loss < best_loss:
+                    best, best_loss = trial, trial_loss
+
+    def at(x):  # x in [0, 1]^5 -> parameters
+        return replace(best, **{n: float(v) for n, v in zip(EFFICIENCY_FIELDS, lo + x * (hi - lo), strict=True)})
+
+    def residuals(x):
+        return np.log1p(errors(rows, at(x)))
+
+    x0 = np.clip((np.array([getattr(best, n) for n in EFFICIENCY_FIELDS]) - lo) / (hi - lo), 0.0, 1.0)
+    lower = np.where(np.isin(EFFICIENCY_FIELDS, ("layer_overhead_s", "collective_us")), 0.0, 1e-3)
+    solved = least_squares(residuals, np.maximum(x0, lower), bounds=(lower, np.ones(5)), x_scale=1.0)
+    refined = at(solved.x)
+    return refined if loss(rows, refined) <= best_loss else best
+
+
+def measurements_from_generate(summary: dict, system: System) -> list[dict]:
+    """The prefill (TTFT) and mean decode step (TPOT) of one `paratrain generate --summary-json` run, as
+    measurements on `system` (e.g. this machine as `paratrain probe` described it)."""
+    if summary.get("kind") != "generate":
+        raise ValueError(f"summary kind = {summary.get('kind')!r}: expected a `paratrain generate` summary")
+    if not summary.get("use_cache", True):
+        raise ValueError("summary of a --no-cache run: the serving model describes KV-cache decoding")
+    model = ModelConfig(**summary["model_shape"])
+    dtype = summary.get("dtype", "fp32")  # the precision the run held weights and KV cache in
+    if dtype not in WEIGHT_PRECISIONS:
+        raise ValueError(f"summary dtype = {dtype!r}: allowed: {', '.join(WEIGHT_PRECISIONS)}")
+    base = {"model_config": model, "system": system, "tp": summary["tp"], "weights": dtype, "kv": dtype,
+            "batch": summary["batch"], "prompt": summary["padded_prompt_tokens"]}
+    rows = [{**base, "id": "generate-prefill", "kind": "ttft", "output": 1, "value": 1e3 * summary["prefill_s"]}]
+    if summary["decode_steps"]:
+        rows.append({**base, "id": "generate-decode", "kind": "tpot", "output": summary["decode_steps"],
+                     "value": 1e3 * summary["decode_s_per_step"]})
+    return rows
