@@ -216,3 +216,14 @@ def test_stack_flag_restricts_the_search_and_sets_how_it_runs(capsys):
     assert exc.value.code == 2 and "nxd" in capsys.readouterr().err
     with pytest.raises(ValueError, match="stack = 'jax'"):
         search("llama2-7b", "p5.48xlarge", 4, 4096, 256, stack="jax")
+
+
+def test_usable_memory_is_hbm_less_runtime_reservations_times_the_usable_fraction():
+    """Neuron: 96 MiB microcode per physical NeuronCore (Neuron docs, device-memory.rst): one per trn1 rank, two
+    per trn2 rank (LNC=2); the usable fraction applies to the rest."""
+    for name, physical in (("trn1.32xlarge", 1), ("trn2.48xlarge", 2)):
+        system = resolve_system(name)
+        assert system.efficiency.runtime_reserved_bytes == physical * 96 * 2**20
+        est = estimate("llama2-7b", name, 1, 4096, 32, Layout(tp=8, sp=True))
+        expect = (system.device_memory_bytes - physical * 96 * 2**20) * system.efficiency.memory_usable_fraction
+        assert est.memory_capacity_bytes == pytest.approx(expect)

@@ -103,6 +103,9 @@ class SystemEfficiency:
     tp_overlap: float
     memory_usable_fraction: float
     source: str
+    # device memory the runtime holds before the training job allocates anything (Neuron: microcode per physical
+    # NeuronCore; GPUs: CUDA context, cuBLAS workspace, NCCL buffers); the usable fraction applies to the rest
+    runtime_reserved_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -268,7 +271,7 @@ STACK_FIELDS = {
 }
 SYSTEM_EFF_FIELDS = {
     "dp_overlap": ("frac0", True), "tp_overlap": ("frac0", True), "memory_usable_fraction": ("frac", True),
-    "source": ("str", True),
+    "source": ("str", True), "runtime_reserved_bytes": ("nonneg_int", False),
 }
 # The older form, a [systems.X.prices] table inside a system (still read from user files): each field becomes
 # one quote of the matching purchase option.

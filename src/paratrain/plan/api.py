@@ -407,7 +407,12 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
             raise ValueError("max_time_s needs train_tokens (the run length) to be set")
         allowed = allowed & (train_tokens / res["tokens_per_s"] <= max_time_s)
     score = np.where(allowed, score, np.inf)
-    order = np.argsort(score, kind="stable")[:top]
+    if score.size > top:  # the best `top` without sorting the whole grid, then those in order (stable)
+        cut = np.partition(score, top - 1)[top - 1]
+        head = np.nonzero(score <= cut)[0]
+        order = head[np.argsort(score[head], kind="stable")][:top]
+    else:
+        order = np.argsort(score, kind="stable")[:top]
     order = order[np.isfinite(score[order])]
     elapsed = time.perf_counter() - start
     # the ranked layouts again with the runtime's balanced split, to report what the chosen split gains

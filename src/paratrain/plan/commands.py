@@ -228,7 +228,8 @@ def _print_estimate(est) -> None:
             f"uneven; balanced would take {est.balanced_step_time_s:.4f} s"
         print(f"layers per stage {describe(lay.pp_layers)} ({kind})")
     print(f"step time        {est.step_time_s:.4f} s    tokens/s {est.tokens_per_s:,.0f}")
-    print(f"MFU {est.mfu:.1%}   HFU {est.hfu:.1%}   bubble {est.bubble_fraction:.1%}")
+    print(f"MFU {est.mfu:.1%}   HFU {est.hfu:.1%}   bubble {est.bubble_fraction:.1%}   (causal attention FLOPs; "
+          f"full-square convention of Narayanan/PaLM: MFU {est.mfu_full_attention:.1%})")
     print(f"memory/device    {_gib(est.memory_per_device_bytes)} of {_gib(est.memory_capacity_bytes)} usable "
           f"({'fits' if est.fits else 'DOES NOT FIT'})")
     print("  " + "  ".join(f"{k} {_gib(v)}" for k, v in est.memory_breakdown_bytes.items()))

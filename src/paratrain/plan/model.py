@@ -659,7 +659,8 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     worst = np.asarray(np.argmax(parts.sum(axis=1), axis=0))
     weights, grads, optimizer, activations = np.take_along_axis(parts, worst[None, None], axis=0)[0]
     total = weights + grads + optimizer + activations
-    capacity = system.device_memory_bytes * system.efficiency.memory_usable_fraction
+    eff = system.efficiency
+    capacity = (system.device_memory_bytes - eff.runtime_reserved_bytes) * eff.memory_usable_fraction
     return {"memory_weights_bytes": weights, "memory_grads_bytes": grads, "memory_optimizer_bytes": optimizer,
             "memory_activations_bytes": activations, "memory_per_device_bytes": total,
             "memory_capacity_bytes": capacity * np.ones_like(total), "fits": total <= capacity}
