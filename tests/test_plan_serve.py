@@ -161,6 +161,8 @@ def test_serve_cli_json_and_errors(capsys):
     assert main(["serve", "plan", "--model", "llama3-8b", "--hardware", H100, "--rate", "5", "--prompt", "512",
                  "--output", "128", "--weights", "bf16,fp4"]) == 2
     assert "--weights = 'bf16,fp4'" in capsys.readouterr().err
+    assert main(["recommend", "chat"]) == 2  # the training recommender points at `serve recommend`
+    assert "paratrain serve recommend chat" in capsys.readouterr().err
 
 
 def test_evaluation_rows_within_20_percent():

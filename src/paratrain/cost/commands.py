@@ -336,8 +336,12 @@ def print_ratios(ratios: list[dict]) -> None:
 
 def run_recommend(args) -> int:
     from paratrain.cost.recommend import Request, recommend
+    from paratrain.cost.serving import WORKLOADS  # serving workloads are planned by `serve recommend`
     from paratrain.hardware.catalog import get_catalog
 
+    if args.kind in WORKLOADS:
+        raise ValueError(f"recommend {args.kind}: a serving workload; run `paratrain serve recommend {args.kind} "
+                         "--model M --rate REQ_PER_S` (chips, latency and $/M tokens per system, docs/serving.md)")
     systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
     _check_shape(args)
     req = Request(kind=args.kind, model=args.model, train_tokens=args.tokens, nodes=args.nodes, chips=args.chips,
