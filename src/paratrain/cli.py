@@ -16,6 +16,7 @@ import sys
 COMMAND_MODULES = [
     "paratrain.train.commands",
     "paratrain.train.checkpoint_commands",
+    "paratrain.train.verify",
     "paratrain.hardware.commands",
     "paratrain.plan.commands",
     "paratrain.plan.serve_commands",

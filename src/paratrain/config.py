@@ -141,12 +141,20 @@ class TrainSection(Section):
     microbatch: int = Field(default=4, gt=0, description="sequences per forward/backward on one DP rank")
     seed: int = 1234
     dtype: Literal["fp32", "bf16"] = "fp32"
+    reduce_dtype: Literal["fp32", "bf16"] = "fp32"
     device: str = "auto"
 
     @field_validator("device")
     @classmethod
     def _check_device(cls, value: str) -> str:
         return check_device_name(value)  # syntax here; availability when the run starts (paratrain.device)
+
+    @model_validator(mode="after")
+    def _check_precision(self) -> TrainSection:
+        if self.reduce_dtype == "bf16" and self.dtype != "bf16":
+            raise ValueError(f"train.reduce_dtype='bf16' needs train.dtype='bf16' (got dtype='{self.dtype}'); "
+                             f"allowed with fp32 training: reduce_dtype='fp32'")
+        return self
     eval_every: int = Field(default=50, ge=0, description="0 disables eval")
     eval_batches: int = Field(default=4, gt=0)
     log_every: int = Field(default=10, gt=0)
@@ -245,10 +253,23 @@ class TrainConfig(Section):
         from paratrain.parallel.layout import check_parallel_config
 
         check_parallel_config(cfg, self.parallel, self.train.seq_len)  # tp vs heads/ffn/vocab, dp kinds, ...
+        if self.staleness.policy != "sync" and self.train.reduce_dtype != "fp32":
+            raise ValueError(f"train.reduce_dtype='{self.train.reduce_dtype}' with staleness.policy="
+                             f"'{self.staleness.policy}': the stale-gradient all-reduce runs in fp32; allowed: "
+                             f"reduce_dtype='fp32'")
         return self
 
     def model_shape(self) -> ModelConfig:
         return self.model.resolve()
+
+
+def precision_bytes(train: TrainSection) -> dict[str, int]:
+    """Bytes per element that data parallelism moves for this [train] section (torch-free): parameters
+    all-gathered by FSDP (param_bytes: 2 under bf16, whose MixedPrecisionPolicy gathers bf16 copies) and
+    gradients reduced (grad_bytes: train.reduce_dtype). The planner's Options read the same keys
+    (paratrain.plan.model.Options.param_bytes / grad_bytes), so a run's prediction uses the run's bytes."""
+    size = {"fp32": 4, "bf16": 2}
+    return {"param_bytes": size[train.dtype], "grad_bytes": size[train.reduce_dtype]}
 
 
 def format_validation_error(err: ValidationError) -> str:
@@ -330,7 +351,10 @@ FIELD_HELP = {
     "optim.weight_decay": "AdamW weight decay (matrices only)", "optim.beta1": "AdamW beta1",
     "optim.beta2": "AdamW beta2", "optim.eps": "AdamW epsilon",
     "train.steps": "optimizer steps", "train.seq_len": "tokens per sequence", "train.seed": "seed of weights and data order",
-    "train.dtype": "fp32, or bf16 autocast",
+    "train.dtype": "fp32, or bf16 mixed precision: fp32 master weights and optimizer state, bf16 compute "
+                   "(FSDP2 MixedPrecisionPolicy: bf16 gathers; autocast on the other paths); docs/devices.md",
+    "train.reduce_dtype": "dtype of the data-parallel gradient reduction under bf16: fp32 (torchtitan's and "
+                          "Megatron's default) or bf16 (half the traffic)",
     "train.device": "auto (the accelerator torch reports, else the host CPU), cpu, cuda, neuron "
                     "(Trainium, TorchNeuron) or any other torch.accelerator type",
     "train.eval_batches": "batches per eval", "train.log_every": "console line every N steps (without progress bar)",

@@ -21,6 +21,7 @@ from paratrain.config import TrainConfig
 from paratrain.parallel.compile import apply_compile
 from paratrain.parallel.layout import check_parallel_config, effective_dp
 from paratrain.parallel.mesh import DistEnv, resolve_degrees
+from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.runner import ParallelRunner, Runner
 
@@ -93,7 +94,8 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
         from paratrain.parallel.data import apply_dp
 
         kind, reshard = effective_dp(pcfg)
-        dp = apply_dp(parts, dp_mesh, kind, reshard, bucket_bytes=pcfg.ddp_bucket_bytes)
+        dp = apply_dp(parts, dp_mesh, kind, reshard, bucket_bytes=pcfg.ddp_bucket_bytes,
+                      precision=Precision.from_train(cfg.train))
     runner_cls, runner_extra = ParallelRunner, {}
     if degrees["cp"] > 1:  # the runner shards each batch along the sequence (zig-zag)
         from paratrain.parallel.context import ContextParallelRunner

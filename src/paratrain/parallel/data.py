@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor
 
 from paratrain.config import DEFAULT_DDP_BUCKET_MB
 from paratrain.device import host
+from paratrain.parallel.precision import FP32, Precision
 
 DEFAULT_BUCKET_BYTES = int(DEFAULT_DDP_BUCKET_MB * 2**20)
 
@@ -56,8 +57,9 @@ class BucketedGradReducer:
     """Average gradients over `group` in buckets, each launched as soon as all its gradients are final."""
 
     def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES):
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype | None = None):
         self.group = group
+        self.reduce_dtype = reduce_dtype  # None: the gradients' own dtype (fp32); see parallel/precision.py
         self.world = dist.get_world_size(group)
         self.buckets = bucket_params(params, bucket_bytes)
         self._bucket_of = {id(p): i for i, b in enumerate(self.buckets) for p in b}
@@ -85,7 +87,9 @@ class BucketedGradReducer:
     def _launch(self, i: int) -> None:
         grads = [local(p.grad) for p in self.buckets[i]]
         flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
-        flat.div_(self.world)
+        flat.div_(self.world)  # pre-divided in the gradients' dtype: a bf16 sum of n terms cannot overflow
+        if self.reduce_dtype is not None and flat.dtype != self.reduce_dtype:
+            flat = flat.to(self.reduce_dtype)
         self._work.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, i))
 
     def reduce_all_now(self) -> None:
@@ -112,7 +116,7 @@ class BucketedGradReducer:
             offset = 0
             for p in self.buckets[i]:
                 g = local(p.grad)
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))  # copy_ casts back to the grad's dtype
                 offset += g.numel()
         self._reset()
 
@@ -147,18 +151,21 @@ def dp_group(dp_mesh: DeviceMesh) -> dist.ProcessGroup:
     return dp_mesh._flatten().get_group()
 
 
-def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool) -> list[FSDPModule]:
-    """fully_shard each block, then the root (embedding, final norm, head): one all-gather unit per block."""
+def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool,
+               precision: Precision = FP32) -> list[FSDPModule]:
+    """fully_shard each block, then the root (embedding, final norm, head): one all-gather unit per block.
+    Under bf16 every unit gathers bf16 copies and reduces in precision.reduce (parallel/precision.py)."""
     units = []
+    mp = {"mp_policy": policy} if (policy := precision.fsdp_policy()) is not None else {}
     for block in model.layers.values():
-        units.append(fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward))
+        units.append(fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **mp))
     # The root's parameters are needed again first in backward (the head): resharding them buys nothing.
-    units.append(fully_shard(model, mesh=dp_mesh, reshard_after_forward=False))
+    units.append(fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **mp))
     return units
 
 
 def apply_dp(parts: list[nn.Module], dp_mesh: DeviceMesh, kind: str, reshard_after_forward: bool = True,
-             bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> DataParallel:
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision: Precision = FP32) -> DataParallel:
     """Apply data parallelism of `kind` ("ddp" | "fsdp" | "hsdp") over `dp_mesh` to every model part.
 
     For "hsdp" pass a 2-D mesh (replicate, shard); FSDP2 then shards over the inner and replicates over the
@@ -167,12 +174,13 @@ def apply_dp(parts: list[nn.Module], dp_mesh: DeviceMesh, kind: str, reshard_aft
     if kind in ("fsdp", "hsdp"):
         if kind == "hsdp" and dp_mesh.ndim != 2:
             raise ValueError("parallel.dp_kind='hsdp' needs a 2-D dp mesh (dp_replicate x dp_shard)")
-        units = [u for part in parts for u in apply_fsdp(part, dp_mesh, reshard_after_forward)]
+        units = [u for part in parts for u in apply_fsdp(part, dp_mesh, reshard_after_forward, precision)]
         return DataParallel(kind, group, fsdp_modules=units)
     if kind == "ddp":
         params = [p for part in parts for p in part.parameters()]
         _check_replicas_equal(params, group)
-        return DataParallel(kind, group, reducer=BucketedGradReducer(params, group, bucket_bytes))
+        reducer = BucketedGradReducer(params, group, bucket_bytes, reduce_dtype=precision.reduce)
+        return DataParallel(kind, group, reducer=reducer)
     raise ValueError(f"parallel.dp_kind='{kind}': allowed: ddp, fsdp, hsdp")
 
 

@@ -41,6 +41,7 @@ from torch.distributed.tensor import DTensor
 from paratrain.config import TrainConfig
 from paratrain.device import host
 from paratrain.parallel.mesh import DistEnv
+from paratrain.parallel.precision import Precision
 from paratrain.parallel.runner import ParallelRunner, plain
 from paratrain.plan.stages import balanced_layers, check_pp_layers
 
@@ -279,7 +280,7 @@ def apply_stage_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: Devic
 
     kind, _ = effective_dp(pcfg)
     return apply_dp(parts, dp_mesh, kind, stage_reshard_after_forward(pcfg),
-                    bucket_bytes=pcfg.ddp_bucket_bytes)
+                    bucket_bytes=pcfg.ddp_bucket_bytes, precision=Precision.from_train(cfg.train))
 
 
 # --------------------------------------------------------------------------------------------------------

@@ -56,6 +56,8 @@ class Options:
     attention: "flash" (fused, causal blocks skipped, no s^2 activations) or "unfused" (Megatron 2021-22:
     explicit scores, softmax and dropout kernels; what the published A100 measurements ran).
     grad_bytes: bytes per gradient element kept and reduced (4: fp32 main grads, Megatron's default).
+    param_bytes: bytes per parameter element FSDP/ZeRO all-gathers (2: bf16 copies; 4 for an fp32 run).
+    A training run passes both from its config (paratrain.config.precision_bytes: train.dtype, reduce_dtype).
     bucket_bytes: gradient bucket size of replicated data parallelism, one collective call per bucket. None:
     Megatron-core's default, max(40M, 1M x dp) parameters ("larger DP sizes need larger buckets to ensure
     collectives do not become latency-bound", DistributedDataParallelConfig.bucket_size). paratrain's own
@@ -84,6 +86,7 @@ class Options:
 
     attention: str = "flash"
     grad_bytes: int = 4
+    param_bytes: int = WEIGHT_BYTES
     fp8: bool = False
     tp_comm_overlap: bool = False
     overlap_param_gather: bool = False
@@ -114,6 +117,8 @@ class Options:
             raise ValueError(f"grad_bytes = {self.grad_bytes}: allowed: 2, 4")
         if self.attention_eff is not None and not 0 < self.attention_eff <= 1:
             raise ValueError(f"attention_eff = {self.attention_eff}: allowed: a number in (0, 1]")
+        if self.param_bytes not in (2, 4):
+            raise ValueError(f"param_bytes = {self.param_bytes}: allowed: 2, 4")
 
 
 # ---- collectives ----------------------------------------------------------------------------------------
@@ -491,7 +496,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         # buffer bytes handed to collectives per device per step, by kind (for the simulator/cost model)
         "comm_tp_bytes": np.where(tp > 1, m * layers_per_stage * act_bytes * np.where(rc == 2, 6.0, 4.0), 0.0),
         "comm_pp_bytes": np.where(pp > 1, m * 2 * chunks * p2p_bytes, 0.0),
-        "comm_dp_bytes": np.where(dp * cp > 1, params_dev * (opts.grad_bytes + WEIGHT_BYTES * np.where(
+        "comm_dp_bytes": np.where(dp * cp > 1, params_dev * (opts.grad_bytes + opts.param_bytes * np.where(
             kind >= 1, 2 * m, np.where(zero >= 1, 1.0, 0.0))), 0.0),
         "cost_usd_per_hour": cost_per_hour,
         "stage_layers_first": loads.first * ones, "stage_layers_last": loads.last * ones,
@@ -521,7 +526,7 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     post-step gather of ZeRO-1/2 has nothing to hide behind.
     """
     grad_bytes = params_dev * opts.grad_bytes
-    param_bytes = params_dev * WEIGHT_BYTES
+    param_bytes = params_dev * opts.param_bytes
     bucket = (np.maximum(40e6, 1e6 * dp) * opts.grad_bytes) if opts.bucket_bytes is None else opts.bucket_bytes
     buckets = np.maximum(1.0, np.ceil(grad_bytes / bucket))
     units = stage_layers_dev + 1.0  # block_share: the blocks' part of the parameters (backward re-gathers them)

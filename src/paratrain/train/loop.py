@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from paratrain.config import OptimSection, TrainConfig, dump_config
+from paratrain.config import OptimSection, TrainConfig, dump_config, precision_bytes
 from paratrain.device import is_host, sync_fn
 from paratrain.model.llama import Llama
 from paratrain.parallel import parallelize
@@ -84,8 +84,10 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
-    """Train per `cfg`; returns a summary (first/last loss, tokens/s, paths). Runs on every rank."""
+def train(cfg: TrainConfig, resume_from: str | None = None, observer=None) -> dict:
+    """Train per `cfg`; returns a summary (first/last loss, tokens/s, paths). Runs on every rank.
+    `observer(step, runner, record)`, if given, is called on every rank after each optimizer step
+    (`paratrain verify` records per-rank losses, gradient norms and parameter checksums with it)."""
     env = init_distributed(cfg.train.device)
     if is_host(env.device) and "OMP_NUM_THREADS" not in os.environ and env.world_size > 1:
         torch.set_num_threads(1)  # one compute thread per rank: ranks share the cores
@@ -168,6 +170,8 @@ def train(cfg: TrainConfig, resume_from: str | None = None) -> dict:
                 optimizer.zero_grad(set_to_none=True)
         fault_point("after_step", step + 1, env.rank)
         loss_value = float(loss)
+        if observer is not None:
+            observer(step + 1, runner, {"loss": loss_value, "grad_norm": grad_norm})
         dt = time.perf_counter() - t0
         tokens = staleness.step_tokens(runner, cfg.train.global_batch * cfg.train.seq_len)  # time budget: fewer
         stats.losses.append(loss_value)
@@ -242,10 +246,12 @@ def planner_layout(cfg: TrainConfig, degrees: dict) -> dict:
 def planner_options(cfg: TrainConfig) -> dict:
     """The software choices of this run that the planner models (paratrain.plan.model.Options fields):
     paratrain's runtime (PARATRAIN_RUNTIME) with this config's DDP bucket size, and eager kernels unless
-    train.compile fuses the blocks' elementwise ops."""
+    train.compile fuses the blocks' elementwise ops; the bytes gathered and reduced follow train.dtype and
+    train.reduce_dtype (precision_bytes)."""
     from paratrain.plan.model import PARATRAIN_RUNTIME
 
-    return {**PARATRAIN_RUNTIME, "bucket_bytes": cfg.parallel.ddp_bucket_bytes, "eager": not cfg.train.compile}
+    return {**PARATRAIN_RUNTIME, "bucket_bytes": cfg.parallel.ddp_bucket_bytes, "eager": not cfg.train.compile,
+            **precision_bytes(cfg.train)}
 
 
 def measured_for_planner(cfg: TrainConfig, model_cfg, degrees: dict, breakdowns: list[dict]) -> dict:
