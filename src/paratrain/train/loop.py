@@ -171,7 +171,7 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None) -> di
         fault_point("after_step", step + 1, env.rank)
         loss_value = float(loss)
         if observer is not None:
-            observer(step + 1, runner, {"loss": loss_value, "grad_norm": grad_norm})
+            observer(step + 1, runner, {"loss": loss_value, "grad_norm": float(grad_norm)})
         dt = time.perf_counter() - t0
         tokens = staleness.step_tokens(runner, cfg.train.global_batch * cfg.train.seq_len)  # time budget: fewer
         stats.losses.append(loss_value)

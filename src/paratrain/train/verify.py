@@ -70,14 +70,16 @@ def checksums(runner) -> dict[str, float]:
     import torch
     from torch.distributed.tensor import DTensor
 
-    from paratrain.parallel.runner import global_grad_norm
+    from paratrain.parallel.grad_norm import global_grad_norm
 
     params = [p.detach() for p in runner.parameters()]
     local = [p.to_local() if isinstance(p, DTensor) else p for p in params]
     local_sum = float(sum(t.double().sum() for t in local)) if local else 0.0
     local_norm = float(torch.stack([t.double().norm() for t in local]).norm()) if local else 0.0
-    return {"param_norm": global_grad_norm(params, getattr(runner, "norm_groups", ())),
-            "local_norm": local_norm, "local_sum": local_sum}
+    # the loop's own rule for a global norm from local shards (applied to the parameters instead of gradients)
+    norm = global_grad_norm(params, runner.device, getattr(runner, "norm_groups", ()),
+                            *getattr(runner, "norm_slots", (None, None)))
+    return {"param_norm": float(norm), "local_norm": local_norm, "local_sum": local_sum}
 
 
 def trace_run(cfg) -> dict:
