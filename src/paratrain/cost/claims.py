@@ -124,7 +124,7 @@ def _half_cost_lines(rows: list[Row], precision: str) -> list[str]:
         return [f"{precision}: no GPU has a price at this purchase option: nothing to compare against"]
     best = min(gpus, key=lambda r: r.cost_usd_per_million_tokens)
     out = [f"{precision}: cheapest GPU {best.system} x{best.nodes}, ${best.cost_usd_per_million_tokens:.3f} per "
-           f"million tokens ({best.price_label}), {best.wall_hours / 24:.1f} days"]
+           f"million tokens ({best.price_label}), {best.wall_hours / 24:.1f} days, goodput {best.goodput:.0%}"]
     for r in rows:
         if _is_gpu(r):
             continue
@@ -141,7 +141,8 @@ def _half_cost_lines(rows: list[Row], precision: str) -> list[str]:
                     f"(${even / chips:.2f}/chip-hour); 50% cheaper below ${even / 2:,.2f}/node-hour")
         chip = get_catalog().system(r.system).chip
         slow_fp8 = precision == "FP8" and not (chip.fp8_tflops or 0) > chip.bf16_tflops
-        out.append(f"  {text}; {speed:.2f} x its tokens/s at equal chips, {r.wall_hours / 24:.1f} days"
+        out.append(f"  {text}; {speed:.2f} x its tokens/s at equal chips, {r.wall_hours / 24:.1f} days, goodput "
+                   f"{r.goodput:.0%}"
                    + ("; no faster FP8 rate on this chip, so FP8 only adds the scaling casts" if slow_fp8 else ""))
     return out
 
@@ -162,7 +163,11 @@ def claim_half_cost(rows: dict[str, list[Row]], size: str, a: Assumptions) -> di
                "Trainium2's and below H100's 989 and B200's 2,250; at FP8 (the planner's FP8 model: layer "
                "matmuls at the chip's FP8 peak, Trainium3's being MXFP8, 2,517) it is above H100's 1,979 and below "
                "B200's 4,500. The Trainium efficiency parameters are Trn1's, carried over (not measured on "
-               "Trn2/Trn3), and AWS's figure comes from customer workloads at unstated prices",
+               "Trn2/Trn3), and AWS's figure comes from customer workloads at unstated prices. With the simulator's "
+               "failure model an UltraServer cluster loses about half its time: its single spare (1% of the "
+               "nodes, at least one) covers one failed UltraServer while a day's repair lasts, and 32-72 "
+               "UltraServers fail about every 11 hours (Llama 3 rates per chip); --failures daly (no repair "
+               "queue) shows the claim without that assumption",
         "commands": [bf16.command(a), fp8.command(a)],
     }
 

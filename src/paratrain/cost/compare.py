@@ -85,7 +85,10 @@ class Assumptions:
             f"checkpoint = {self.checkpoint_bytes_per_param:g} bytes/parameter (weights + Adam state), written at "
             f"{self.checkpoint_write_gbytes_per_s_per_node:g} GB/s per node (assumption)",
             f"failures: {self.failures} (Llama 3 interruption rates per device-hour, Dubey et al. 2024 Table 5)",
-        ] + spot + [f"price given: {k} = {v:.2f} USD per node-hour (user input, not a published price)"
+        ] + (["spares (simulate): 1% of the job's nodes, at least one, each failed node repaired in 24 h on average "
+              "(simulator defaults, assumptions); an UltraServer is one node, so a cluster of few large nodes waits "
+              "for repairs once its spare is in use (compare --failures daly, which has no repair queue)"]
+             if self.failures == "simulate" else []) + spot + [f"price given: {k} = {v:.2f} USD per node-hour (user input, not a published price)"
                     for k, v in self.prices.items()]
 
 
@@ -168,7 +171,10 @@ def failure_goodput(system: System, nodes: int, step_time_s: float, steps: int, 
     from paratrain.sim.results import summarize
 
     report = summarize(simulate(cfg))
-    return report["metrics"]["goodput"]["mean"], f"simulated, {cfg.samples} Monte-Carlo samples"
+    # the spares and repair time decide a cluster of few large nodes: say them with the goodput
+    spares = (f"{cfg.spare_node_count} spare node(s) of {system.chips_per_node} chips, mean repair "
+              f"{cfg.repair_mean_s / HOUR_S:g} h")
+    return report["metrics"]["goodput"]["mean"], f"simulated, {cfg.samples} Monte-Carlo samples; {spares}"
 
 
 def nearby_global_batch(devices: int, global_batch: int, tolerance: float) -> int | None:
