@@ -209,3 +209,43 @@ def test_output_into_a_closed_pipe_ends_quietly():
         os.close(write_end)
     assert proc.returncode == 141, proc.stderr.decode()
     assert b"Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("text,expect", [
+    ('[prices.nope.on-demand]\nusd_per_node_hour = 1.0\nregion = "r"\nsource = "s"\ndate = "2026-01-01"\n',
+     "prices.nope: no such system; known:"),
+    ('[prices.test-box.spot]\nusd_per_node_hour = 1.0\nregion = "r"\nsource = "s"\n',
+     "prices.test-box.spot.date: missing; must be a date YYYY-MM-DD or YYYY-MM"),
+    ('[prices.test-box.spot]\nusd_per_node_hour = 1.0\nregion = "r"\nsource = "s"\ndate = "last week"\n',
+     "prices.test-box.spot.date = 'last week': must be a date"),
+    ('[prices.test-box.spot]\nusd_per_node_hour = -1.0\nregion = "r"\nsource = "s"\ndate = "2026-01"\n',
+     "prices.test-box.spot.usd_per_node_hour = -1.0: must be a number > 0"),
+    ('[prices.test-box.lease]\nusd_per_node_hour = 1.0\n', "prices.test-box.lease: unknown field; allowed: on-demand"),
+    ('[prices.test-box]\nno_public_price = "none"\n[prices.test-box.spot]\nusd_per_node_hour = 1.0\nregion = "r"\n'
+     'source = "s"\ndate = "2026-01"\n', "prices.test-box: has both prices (spot) and no_public_price"),
+    ('[prices.test-box]\nconflicts = []\n', "prices.test-box: no price; allowed: at least one of on-demand"),
+])
+def test_malformed_price_table_gives_one_clear_error(tmp_path, text, expect):
+    path = tmp_path / "prices.toml"
+    path.write_text(USER_SYSTEM + "\n" + text)
+    with pytest.raises(CatalogError) as err:
+        load_catalog([path])
+    assert expect in str(err.value) and "\n" not in str(err.value)
+
+
+def test_price_tables_merge_option_by_option(tmp_path):
+    """A user file can add one purchase option to a system; the others stay; a later quote replaces one."""
+    path = tmp_path / "mine.toml"
+    path.write_text('[prices."p5.48xlarge".savings-1y]\nusd_per_node_hour = 40.0\nregion = "us-east-1"\n'
+                    'source = "my quote"\ndate = "2026-12-01"\n'
+                    '[prices."p5.48xlarge".spot]\nusd_per_node_hour = 20.0\nregion = "us-west-2"\n'
+                    'source = "my quote"\ndate = "2026-12-01"\n')
+    prices = load_catalog([path]).system("p5.48xlarge").prices
+    assert prices.quote("savings-1y").usd_per_node_hour == 40.0 and prices.reserved_1yr_usd_per_hour == 40.0
+    assert prices.quote("spot").region == "us-west-2"
+    assert prices.on_demand_usd_per_hour == pytest.approx(55.04)  # untouched
+    # the older [systems.X.prices] form still loads, its quotes marked as undated
+    box = tmp_path / "box.toml"
+    box.write_text(USER_SYSTEM)
+    quote = load_catalog([box]).system("test-box").prices.quote("on-demand")
+    assert quote.usd_per_node_hour == 10.0 and quote.date == "not given" and quote.source == "test"
