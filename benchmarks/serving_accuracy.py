@@ -9,6 +9,7 @@ Row kinds and what is predicted (plan/serve_fit.py, which also holds the fit):
   tpot               one decode step at `batch` sequences holding prompt + output/2 tokens, ms
   static_throughput  output tokens/s per device of a static batch: batch x output / (prefill of the batch +
                      output decode steps) / tp (TensorRT-LLM gptSessionBenchmark)
+  e2e                end-to-end latency of a static batch: prefill + (output - 1) decode steps, ms (vLLM)
 
     python benchmarks/serving_accuracy.py              # the table: every row, prediction, error
     python benchmarks/serving_accuracy.py --calibrate  # fit on calibration rows, rewrite serving_efficiency.toml
@@ -55,7 +56,8 @@ def load_rows(path: Path = DATA) -> list[dict]:
 
 
 def family(row: dict) -> str:
-    return row["system"].chip.vendor
+    """The serving stack a row ran under: its efficiency table."""
+    return row["stack"]
 
 
 def write_tables(rows: list[dict]) -> None:
@@ -65,7 +67,8 @@ def write_tables(rows: list[dict]) -> None:
     tables = []
     for fam in sorted({family(r) for r in rows}):
         cal = [r for r in rows if family(r) == fam and r["split"] == "calibration"]
-        fitted = fit(cal, serving_efficiency(cal[0]["system"]))
+        start = _efficiency_tables(str(EFFICIENCY_FILE)).get(fam) or serving_efficiency(cal[0]["system"])
+        fitted = fit(cal, start)
         software = sorted({r["software"].split(" (")[0] for r in cal})
         lines = [f"[{fam}]"] + [f"{n} = {float(f'{getattr(fitted, n):.3g}')!r}" for n in EFFICIENCY_FIELDS]
         lines.append(f'source = "fitted {date.today()} by benchmarks/serving_accuracy.py --calibrate on the {len(cal)} '
@@ -90,10 +93,10 @@ def print_table(rows: list[dict], errs: np.ndarray) -> None:
 
 
 def print_markdown(rows: list[dict], errs: np.ndarray) -> None:
-    print("| row | split | kind | hardware | tp | w/kv | batch | in/out | measured | predicted | error | source |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| row | split | stack | kind | hardware | tp | w/kv | batch | in/out | measured | predicted | error | source |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for row, err in zip(rows, errs, strict=True):
-        print(f"| {row['id']} | {row['split']} | {row['kind']} | {row['hardware']} | {row['tp']} | "
+        print(f"| {row['id']} | {row['split']} | {row['stack']} | {row['kind']} | {row['hardware']} | {row['tp']} | "
               f"{row['weights']}/{row['kv']} | {row['batch']} | {row['prompt']}/{row['output']} | {row['value']:g} "
               f"{row['unit'].replace('_', ' ')} | {row['value'] * (1 + err):.4g} | {err:+.1%} | {row['software']}; "
               f"{row['source']} |")

@@ -51,6 +51,9 @@ KNOWN_MISSES = {
     "trtllm-h100-70b-thr-128-128", "trtllm-h100-70b-thr-2048-2048",
     # NxD Inference's prefill kernels on trn2 run ~2x the prefill rate fitted on transformers-neuronx (trn1)
     "nxdi-trn2-llama-33-70b-ttft-10000-1500",
+    # vLLM's 2024 nightly latency test of an 8B model at batch 8: ~2 ms per step of host overhead that the
+    # `nvidia` table (fitted on NIM / vLLM 0.23 rows, near-zero fixed cost per layer) does not have
+    "vllm-h200-llama-31-8b-e2e-32-128",
 }
 
 
@@ -176,10 +179,10 @@ def test_evaluation_rows_within_20_percent():
     assert KNOWN_MISSES - misses == set(), f"now within 20%, drop from KNOWN_MISSES: {sorted(KNOWN_MISSES - misses)}"
     within = [r for r in evaluation if r["id"] not in misses]
     assert len(within) >= 8 and {r["kind"] for r in within} >= {"ttft", "tpot", "static_throughput"}
-    assert {r["system"].chip.vendor for r in within} == {"aws", "nvidia"}
     # the efficiency tables say they came from the calibration rows
     for system in ("p5.48xlarge", "trn1.32xlarge"):
         assert "calibration rows" in serving_efficiency(resolve_system(system)).source
+    assert {r["stack"] for r in within} == {"aws", "nvidia", "nvidia-trtllm-2023"}
     assert np.isfinite(errs).all()
 
 

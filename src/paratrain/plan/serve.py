@@ -20,8 +20,9 @@ of tp x pp devices (one pipeline stage per pp rank):
   tokens per target verification (Leviathan et al. 2023, eq. 1) for k draft steps plus one target step over
   k + 1 tokens.
 
-The efficiency parameters live in plan/serving_efficiency.toml per stack family (chip vendor), fitted on
-named calibration rows (benchmarks/serving_accuracy.py), never per workload.
+The efficiency parameters live in plan/serving_efficiency.toml per serving stack (by default the chip
+vendor's current engines), fitted on named calibration rows (benchmarks/serving_accuracy.py), never per
+workload.
 """
 
 from __future__ import annotations
@@ -75,10 +76,20 @@ def _efficiency_tables(path: str) -> dict[str, ServingEfficiency]:
     return {family: ServingEfficiency(**table) for family, table in raw.items()}
 
 
-def serving_efficiency(system: System, path: Path | None = None) -> ServingEfficiency:
-    """The serving stack's parameters for this system's chip vendor. Chips with no table (a probed local
-    host) fall back to their training efficiency: the same physics, uncalibrated for serving."""
+def serving_stacks(path: Path | None = None) -> tuple[str, ...]:
+    """The serving-stack tables there are (serving_efficiency.toml)."""
+    return tuple(_efficiency_tables(str(path or EFFICIENCY_FILE)))
+
+
+def serving_efficiency(system: System, stack: str | None = None, path: Path | None = None) -> ServingEfficiency:
+    """The parameters of a serving stack: `stack` names a table (serving_stacks()); by default the table
+    named after the chip's vendor (today's engines there). Chips with no table (a probed local host) fall
+    back to their training efficiency: the same physics, uncalibrated for serving."""
     tables = _efficiency_tables(str(path or EFFICIENCY_FILE))
+    if stack is not None:
+        if stack not in tables:
+            raise ValueError(f"stack = {stack!r}: allowed: {', '.join(tables)}")
+        return tables[stack]
     if system.chip.vendor in tables:
         return tables[system.chip.vendor]
     eff = system.chip.efficiency

@@ -26,6 +26,14 @@ def _model_hw(p: argparse.ArgumentParser, hardware: bool = True) -> None:
     p.add_argument("--json", action="store_true", help="print only JSON")
 
 
+def _stack_arg(p: argparse.ArgumentParser) -> None:
+    from paratrain.plan.serve import serving_stacks
+
+    p.add_argument("--stack", choices=serving_stacks(), default=None,
+                   help="serving-stack efficiency table (default: the chip vendor's current engines; "
+                        "plan/serving_efficiency.toml)")
+
+
 def _replica_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel degree of a replica")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel degree of a replica")
@@ -51,6 +59,7 @@ def register(subparsers) -> None:
     _replica_args(est)
     _mix_args(est)
     est.add_argument("--batch", type=int, default=1, help="concurrent sequences on the replica")
+    _stack_arg(est)
     est.set_defaults(func=cmd_estimate)
 
     pl = sub.add_parser("plan", help="the cheapest replica layout and count meeting a latency target at a rate")
@@ -63,6 +72,7 @@ def register(subparsers) -> None:
     pl.add_argument("--price-per-node-hour-usd", type=float, default=None, dest="price",
                     help="USD per node-hour (overrides the catalog; needed where it has no price)")
     _purchase_arg(pl)
+    _stack_arg(pl)
     pl.set_defaults(func=cmd_plan)
 
     rec = sub.add_parser("recommend", help="which hardware serves a workload (chat, rag, batch) cheapest, with reasons")
@@ -90,6 +100,7 @@ def register(subparsers) -> None:
     sim.add_argument("--ttft", type=float, default=None, help="SLO: time to first token, s (for goodput)")
     sim.add_argument("--itl", type=float, default=None, help="SLO: time per output token, s (for goodput)")
     sim.add_argument("--seed", type=int, default=0)
+    _stack_arg(sim)
     sim.set_defaults(func=cmd_simulate)
     serve.set_defaults(func=lambda args: serve.print_help() or 0)
 
@@ -145,10 +156,11 @@ def clean(obj):
 
 
 def cmd_estimate(args) -> int:
-    from paratrain.plan.serve import estimate
+    from paratrain.plan.serve import estimate, serving_efficiency
 
     model, system = _load(args)
-    est = estimate(model, system, _replica(args), args.batch, args.prompt, args.output)
+    est = estimate(model, system, _replica(args), args.batch, args.prompt, args.output,
+                   serving_efficiency(system, args.stack))
     if args.json:
         print(json.dumps(clean(est.to_dict()), indent=2))
         return 0
@@ -176,7 +188,7 @@ def _print_estimate(est) -> None:
 def cmd_plan(args) -> int:
     from paratrain.cli import UserError
     from paratrain.cost.serving import serving_cost
-    from paratrain.plan.serve import KV_PRECISIONS, WEIGHT_PRECISIONS, Target, plan
+    from paratrain.plan.serve import KV_PRECISIONS, WEIGHT_PRECISIONS, Target, plan, serving_efficiency
 
     model, system = _load(args)
     if args.top < 1:
@@ -184,7 +196,7 @@ def cmd_plan(args) -> int:
     target = Target(rate=args.rate, prompt=args.prompt, output=args.output, ttft_s=args.ttft, itl_s=args.itl,
                     max_utilization=args.max_utilization)
     plans = plan(model, system, target, weights=_list(args.weights, "weights", WEIGHT_PRECISIONS),
-                 kv=_list(args.kv, "kv", KV_PRECISIONS), top=args.top)
+                 kv=_list(args.kv, "kv", KV_PRECISIONS), top=args.top, eff=serving_efficiency(system, args.stack))
     if not plans:
         raise UserError(f"no replica layout of {model.name} on {system.name} meets the target (the weights do not "
                         "fit, or one replica cannot reach the TTFT/ITL target): try a looser target, fp8/int4 "
@@ -266,7 +278,7 @@ def _rates(text: str) -> list[float]:
 def cmd_simulate(args) -> int:
     import time
 
-    from paratrain.plan.serve import check_replica
+    from paratrain.plan.serve import check_replica, serving_efficiency
     from paratrain.sim.serving import Engine, Slo, sweep
 
     model, system = _load(args)
@@ -275,7 +287,8 @@ def cmd_simulate(args) -> int:
     rates = _rates(args.rate)
     start = time.perf_counter()
     results = sweep(model, system, rep, rates, args.requests, args.prompt, args.output,
-                    Engine(token_budget=args.token_budget, max_seqs=args.max_seqs), Slo(args.ttft, args.itl), args.seed)
+                    Engine(token_budget=args.token_budget, max_seqs=args.max_seqs), Slo(args.ttft, args.itl), args.seed,
+                    serving_efficiency(system, args.stack))
     seconds = time.perf_counter() - start
     if args.json:
         print(json.dumps(clean({"seconds": seconds, "results": [{"rate": r, **res.to_dict()} for r, res in results]}),

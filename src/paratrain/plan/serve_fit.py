@@ -1,6 +1,7 @@
 """Fitting the serving model's efficiency parameters (plan/serving_efficiency.toml) to measurements.
 
-A measurement is a dict: kind ("ttft" ms, "tpot" ms, or "static_throughput" output tokens/s per device),
+A measurement is a dict (stack: the serving_efficiency.toml table it ran under, default the vendor's): kind ("ttft" ms, "tpot" ms, "static_throughput" output tokens/s per device, or "e2e"
+ms: end-to-end latency of a static batch, prefill plus output - 1 decode steps),
 value, model_config (ModelConfig), system (System), tp, weights, kv, batch, prompt, output. Published rows
 (benchmarks/serving_measurements.csv, benchmarks/serving_accuracy.py) and this machine's own runs
 (`paratrain generate --summary-json`, via measurements_from_generate) have the same form, so the same fit
@@ -25,7 +26,7 @@ from paratrain.plan.serve import (
     serving_efficiency,
 )
 
-KINDS = ("ttft", "tpot", "static_throughput")
+KINDS = ("ttft", "tpot", "static_throughput", "e2e")
 # The search box of the fit: physical ranges, not free knobs (fractions of a peak, fixed costs in us).
 BOUNDS = {"decode_bw_eff": (0.3, 0.9), "kv_bw_eff": (0.05, 0.9), "prefill_flops_eff": (0.1, 0.9),
           "layer_overhead_s": (0.0, 400e-6), "collective_us": (0.0, 100.0)}
@@ -34,7 +35,7 @@ BOUNDS = {"decode_bw_eff": (0.3, 0.9), "kv_bw_eff": (0.05, 0.9), "prefill_flops_
 def predict(row: dict, eff: ServingEfficiency | None = None) -> float:
     """The model's value for a measurement, in its unit."""
     model, system = row["model_config"], row["system"]
-    eff = eff or serving_efficiency(system)
+    eff = eff or serving_efficiency(system, row.get("stack"))
     rep = Replica(tp=row["tp"], weights=row["weights"], kv=row["kv"])
     b, p, o = row["batch"], row["prompt"], row["output"]
     if row["kind"] == "ttft":
@@ -44,6 +45,9 @@ def predict(row: dict, eff: ServingEfficiency | None = None) -> float:
     if row["kind"] == "static_throughput":
         total = prefill_time_s(model, system, rep, p, b, eff) + o * decode_step_s(model, system, rep, b, p + o / 2, eff)
         return float(b * o / total / rep.tp)
+    if row["kind"] == "e2e":
+        steps = (o - 1) * decode_step_s(model, system, rep, b, p + o / 2, eff)
+        return 1e3 * float(prefill_time_s(model, system, rep, p, b, eff) + steps)
     raise ValueError(f"measurement {row.get('id', '')}: kind = {row['kind']!r}: allowed: {', '.join(KINDS)}")
 
 

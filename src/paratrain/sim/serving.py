@@ -280,7 +280,8 @@ def simulate(model: ModelConfig, system: System, rep: Replica, requests: Request
 
 
 def sweep(model: ModelConfig, system: System, rep: Replica, rates, requests: int, prompt, output,
-          engine: Engine | None = None, slo: Slo | None = None, seed: int = 0) -> list[tuple[float, SimResult]]:
+          engine: Engine | None = None, slo: Slo | None = None, seed: int = 0,
+          eff: ServingEfficiency | None = None) -> list[tuple[float, SimResult]]:
     """simulate() at each arrival rate (the same seed: common random numbers across rates)."""
     return [(float(r), simulate(model, system, rep, Requests.poisson(float(r), requests, prompt, output, seed),
-                                engine, slo)) for r in rates]
+                                engine, slo, eff)) for r in rates]
