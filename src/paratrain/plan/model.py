@@ -71,6 +71,9 @@ class Options:
     on arrival (Megatron, Narayanan et al. 2021); paratrain's runtime sends the whole replicated activation.
     fp8: the layer matmuls (QKV, output projection, MLP) run in FP8 at the chip's FP8 peak with per-tensor
     scaling (Transformer Engine, torchao float8); attention core, norms, head and loss stay BF16.
+    fp8_weight_cache: the FP8 copy of each weight (and its transpose) is made on the first microbatch of a step
+    and kept (Transformer Engine's is_first_microbatch, as Megatron-Core passes it): one cast per step, 2 bytes
+    per parameter more memory; otherwise (torchao float8) every forward and backward call casts the weight.
     tp_comm_overlap: tensor-parallel collectives (with SP) pipelined with the GEMMs next to them, as
     Transformer Engine's userbuffer overlap (Megatron-Core/NeMo tp_comm_overlap) and torch's async TP do.
     attention_eff: fraction of peak the attention kernel reaches where it is not the chip's matmul_eff_max
@@ -91,6 +94,7 @@ class Options:
     tp_comm_overlap: bool = False
     overlap_param_gather: bool = False
     attention_eff: float | None = None
+    fp8_weight_cache: bool = False
     bucket_bytes: float | None = None
     eager: bool = False
     p2p_scatter_gather: bool = True
@@ -291,15 +295,20 @@ def memory_time_s(system: System, nbytes, kernels):
 
 
 # ---- the whole step -------------------------------------------------------------------------------------
-def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp):
+def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     """Forward compute time of one layer on one device, split into matmuls, attention core and elementwise."""
     matmuls, cast_bytes = 0.0, 0.0
-    for _name, n, k, shard in layer_matmuls(model, seq, opts.attention):
+    for name, n, k, shard in layer_matmuls(model, seq, opts.attention):
         n_dev, k_dev = (n / tp, k) if shard == "n" else (n, k / tp)
+        if name == "qkv":  # GQA with tp > kv heads: each rank computes (a replica of) one K and one V head
+            n_dev = model.hidden / tp + 2 * model.kv_dim / np.minimum(tp, model.n_kv_heads)
         matmuls = matmuls + matmul_time_s(system, T, n_dev, k_dev, opts.fp8)
-        # FP8 (Transformer Engine / torchao current scaling): each matmul's input and weight are scaled (an amax
-        # read) and cast (read bf16, write fp8) before the GEMM: 2 + 2 + 1 bytes per element, memory-bound
-        cast_bytes = cast_bytes + (FP8_CAST_BYTES * (T * k_dev + n_dev * k_dev) if opts.fp8 else 0.0)
+        # FP8 (Transformer Engine / torchao current scaling): each matmul's input is scaled (an amax read) and
+        # cast (read bf16, write fp8) before the GEMM: 2 + 2 + 1 bytes per element, memory-bound. The weight too,
+        # at every call (torchao float8), unless the stack caches the cast weight across microbatches
+        # (Options.fp8_weight_cache: then once per step, in evaluate)
+        weight = np.where(opts.fp8_weight_cache & (zero < 3), 0.0, n_dev * k_dev)  # ZeRO-3 re-gathers: no cache
+        cast_bytes = cast_bytes + (FP8_CAST_BYTES * (T * k_dev + weight) if opts.fp8 else 0.0)
     heads = model.heads / tp
     s_local = seq / cp
     d = model.head_dim
@@ -350,7 +359,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     T = b * seq / cp  # tokens of one microbatch on one device
 
     # -- compute per layer, forward; backward = 2x matmuls and attention, 2x elementwise traffic --
-    mm, core, elem = _per_layer_compute(model, system, seq, opts, T, tp, sp, cp)
+    mm, core, elem = _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero)
     fwd_compute = mm + core + elem
     recompute_fwd = np.where(rc == 2, fwd_compute, np.where(rc == 1, core, 0.0))
     # FlashAttention's backward recomputes the scores and probabilities and runs 5 matmuls to the forward's 2
@@ -457,7 +466,11 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     opt_share = np.where(zero >= 1, params_dev / dp_shard, params_dev)
     optimizer = memory_time_s(system, opt_share * ADAM_STEP_BYTES, 4)
 
-    step = pipeline + dp_exposed + optimizer
+    # FP8 with a weight cache: each step casts the device's layer weights once (amax, cast) and keeps a transposed
+    # copy for backward
+    fp8_cast = np.where(opts.fp8 & opts.fp8_weight_cache & (zero < 3), memory_time_s(system, layers_rank * model.params_per_layer() / tp
+                                                * (FP8_CAST_BYTES + FP8_BYTES), 2 * FP8_CAST_KERNELS), 0.0)
+    step = pipeline + dp_exposed + optimizer + fp8_cast
 
     # -- FLOPs: one attention convention, causal, for counting and for timing (flash attention skips the masked
     # half; the other convention, the full s x s square of Narayanan et al. 2021 / PaLM, is reported beside it) --
@@ -492,7 +505,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         "time_pp_comm_s": m * p2p_per_mb,
         "time_head_s": m * head_on * (head_fwd + head_bwd - tp_head_fwd - tp_head_bwd),
         "time_bubble_s": bubble, "time_dp_comm_s": dp_time, "time_dp_exposed_s": dp_exposed,
-        "time_optimizer_s": optimizer, "bubble_fraction": bubble / step,
+        "time_optimizer_s": optimizer, "time_fp8_cast_s": fp8_cast * np.ones_like(step), "bubble_fraction": bubble / step,
         # buffer bytes handed to collectives per device per step, by kind (for the simulator/cost model)
         "comm_tp_bytes": np.where(tp > 1, m * layers_per_stage * act_bytes * np.where(rc == 2, 6.0, 4.0), 0.0),
         "comm_pp_bytes": np.where(pp > 1, m * 2 * chunks * p2p_bytes, 0.0),
@@ -655,7 +668,9 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     for params, layers, head in zip(_rank_params(model, loads, pp, v_shape), (loads.first, loads.last, loads.inner),
                                     (one, True, False), strict=True):
         params_dev = params / tp
-        ranks.append((params_dev * WEIGHT_BYTES / np.where(zero == 3, dp_shard, 1.0),
+        # FP8 with a weight cache keeps the cast weight and its transpose between microbatches (2 x 1 byte)
+        fp8_copies = np.where((zero < 3) & opts.fp8 & opts.fp8_weight_cache, 2 * FP8_BYTES, 0.0) * params_dev
+        ranks.append((params_dev * WEIGHT_BYTES / np.where(zero == 3, dp_shard, 1.0) + fp8_copies,
                       params_dev * opts.grad_bytes / np.where(zero >= 2, dp_shard, 1.0),
                       params_dev * OPTIMIZER_BYTES / np.where(zero >= 1, dp_shard, 1.0),
                       per_layer * layers * inflight + rebuilt + np.where(head, logits, 0.0)))

@@ -36,10 +36,11 @@ STACKS: dict[str, Stack] = {
 # gradients for the fp32 optimizer. tp_comm_overlap: Transformer Engine's userbuffer overlap (NeMo's
 # performance recipes enable tp_comm_overlap on Hopper and later; NVIDIA GPUs only). overlap_param_gather:
 # Megatron's distributed optimizer hides the post-step parameter all-gather behind the next forward; NxD's
-# ZeRO-1 runs it after the optimizer step.
+# ZeRO-1 runs it after the optimizer step. fp8_weight_cache: Megatron-Core passes Transformer Engine's
+# is_first_microbatch, so a step casts each weight to FP8 once and keeps it; torchao float8 casts at every call.
 STACK_OPTIONS: dict[str, dict] = {
     "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
-    "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "overlap_param_gather": True},
+    "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "overlap_param_gather": True, "fp8_weight_cache": True},
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
     "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
 }
