@@ -116,6 +116,7 @@ def test_catalog_and_planner_fill_the_inputs(capsys):
     assert inputs["price_per_device_hour_usd"] == pytest.approx(
         system.prices.on_demand_usd_per_hour / system.chips_per_node)
     assert inputs["checkpoint_bytes"] == PRESETS["llama3-8b"].num_params() * CHECKPOINT_BYTES_PER_PARAM
+    assert any("(on-demand, us-east-1, 2026-11-30)" in note for note in inputs["notes"])
     assert 0 < inputs["step_time_s"] < 60
     assert any("planner" in note for note in inputs["notes"])
     # Flags still win over the catalog.
@@ -140,3 +141,19 @@ def test_ultraservers_from_the_catalog_are_replaced_as_a_whole(capsys):
     assert main(["simulate", "--hardware", "trn2-ultraserver", "--devices", "4080", *base]) == 2
     err = capsys.readouterr().err.strip()
     assert "--devices=4080" in err and "multiple of 64" in err and "\n" not in err
+
+
+def test_hardware_price_follows_the_purchase_option(capsys):
+    from paratrain.hardware import catalog
+
+    base = ["simulate", "--devices", "256", "--step-time", "2s", "--steps", "100", "--samples", "2"]
+    report = run_json(capsys, [*base, "--hardware", "p5.48xlarge", "--purchase", "capacity-block"])
+    assert report["inputs"]["price_per_device_hour_usd"] == pytest.approx(39.33 / 8)
+    assert any("(capacity-block, us-east-1, 2024-12)" in note for note in report["inputs"]["notes"])
+    # trn2.48xlarge: only a spot price is published; on demand there is none, and the note says so
+    report = run_json(capsys, [*base, "--hardware", "trn2.48xlarge"])
+    assert report["inputs"]["price_per_device_hour_usd"] is None
+    assert any("no on-demand price for trn2.48xlarge" in note for note in report["inputs"]["notes"])
+    report = run_json(capsys, [*base, "--hardware", "trn2.48xlarge", "--purchase", "spot"])
+    spot = catalog.resolve_system("trn2.48xlarge").prices.quote("spot").usd_per_node_hour
+    assert report["inputs"]["price_per_device_hour_usd"] == pytest.approx(spot / 16)

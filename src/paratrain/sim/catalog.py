@@ -19,8 +19,9 @@ DEFAULT_GLOBAL_BATCH = 1024  # sequences: 4M tokens at seq 4096, Llama-3-like
 
 
 def fill_from_catalog(*, hardware: str | None, model: str | None, devices: int | None, seq: int | None = None,
-                      global_batch: int | None = None) -> dict:
-    """SimConfig keyword arguments (plus 'notes', naming each number's source) from the catalog and planner."""
+                      global_batch: int | None = None, purchase: str = "on-demand") -> dict:
+    """SimConfig keyword arguments (plus 'notes', naming each number's source) from the catalog and planner;
+    the price is the catalog's at `purchase` (on-demand, capacity-block, savings-1y, savings-3y, spot)."""
     if model and not hardware:
         raise ValueError("--model needs --hardware (the planner estimates the step time on a catalog system)")
     system = _system(hardware)
@@ -31,15 +32,14 @@ def fill_from_catalog(*, hardware: str | None, model: str | None, devices: int |
     if devices is not None and devices % chips_per_node:
         raise ValueError(f"--devices={devices} is not a whole number of {system.name} units of {chips_per_node} "
                          f"chips: allowed: a multiple of {chips_per_node}")
-    price = system.prices.on_demand_usd_per_hour
-    if price is not None:
-        out["price_per_device_hour_usd"] = price / chips_per_node
-        quote = system.prices.quote("on-demand")
-        notes.append(f"price {price:.2f} USD per node-hour on demand / {chips_per_node} chips ({quote.source}; "
-                     f"{quote.region}, {quote.date})")
+    quote = system.prices.quote(purchase)
+    if quote is not None:
+        out["price_per_device_hour_usd"] = quote.usd_per_node_hour / chips_per_node
+        notes.append(f"price {quote.usd_per_node_hour:.2f} USD per node-hour ({quote.label()}) / {chips_per_node} "
+                     f"chips ({quote.source})")
     else:
-        notes.append(f"no public on-demand price for {system.name} in the catalog: give --price-per-device-hour-usd "
-                     "for cost outputs")
+        notes.append(f"no {purchase} price for {system.name} in the catalog ({system.prices.source}): give "
+                     "--price-per-device-hour-usd for cost outputs")
     if model:
         out.update(_from_planner(system, model, devices, seq or DEFAULT_SEQ, global_batch or DEFAULT_GLOBAL_BATCH,
                                  notes))

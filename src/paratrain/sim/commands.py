@@ -72,6 +72,10 @@ def register(subparsers) -> None:
                    help="nodes replaced together, e.g. 4 for a Trn2 UltraServer (default 1)")
     g.add_argument("--hardware", help="catalog system (e.g. p5.48xlarge, trn2.48xlarge): fills chips per node and "
                    "the price per chip-hour")
+    from paratrain.hardware.catalog import PURCHASE_OPTIONS  # torch-free; only the flag's choices
+
+    g.add_argument("--purchase", choices=PURCHASE_OPTIONS, default="on-demand",
+                   help="which catalog price --hardware fills in (default on-demand)")
     g = p.add_argument_group("workload (give --steps, or --duration for a fixed window)")
     g.add_argument("--step-time", help="fault-free time of one training step, e.g. 8.5s")
     g.add_argument("--steps", type=int, help="steps to train: report time and cost to train")
@@ -158,7 +162,8 @@ def config_from_args(args) -> SimConfig:
         from paratrain.sim.catalog import fill_from_catalog
 
         kwargs.update(fill_from_catalog(hardware=args.hardware, model=args.model, devices=args.devices or
-                                        kwargs.get("devices"), seq=args.seq, global_batch=args.global_batch))
+                                        kwargs.get("devices"), seq=args.seq, global_batch=args.global_batch,
+                                        purchase=args.purchase))
     straggler = dict(vars(kwargs.pop("stragglers", StragglerConfig())))
     flags = {
         "devices": args.devices, "devices_per_node": args.devices_per_node,
