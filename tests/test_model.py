@@ -137,10 +137,14 @@ def test_train_from_huggingface_folder(tmp_path):
     from paratrain.cli import main
     from paratrain.config import load_config
     from paratrain.train.data import GlobalSampler, TokenWindows
+    from paratrain.train.data.tokenize import train_bpe
 
     hf_model = _save_random_hf_llama(tmp_path / "hf", vocab=512)
+    # the model folder's own tokenizer (data.tokenizer='auto' takes it): 512 tokens for the 512-row embedding
+    train_bpe(["def main():\n    return sum(range(10))\n" * 200, "hello world " * 300], 512).save(
+        str(tmp_path / "hf" / "tokenizer.json"))
     sets = [f'model.hf_path="{tmp_path / "hf"}"', f'data.prepared_dir="{tmp_path / "data"}"',
-            "data.max_source_bytes=200000", "data.vocab_size=400", "train.steps=2", "train.seq_len=32",
+            "data.max_source_bytes=200000", "train.steps=2", "train.seq_len=32",
             "train.global_batch=4", "train.microbatch=4", "train.eval_every=0", "train.progress=false",
             "metrics.tensorboard=false", f'metrics.run_dir="{tmp_path / "run"}"', "checkpoint.save_final=false",
             'train.device="cpu"']

@@ -8,7 +8,7 @@ from parity import assert_matches_reference, make_config, reference
 
 from paratrain.cli import main
 from paratrain.config import load_config
-from paratrain.train.data import GlobalSampler, TokenWindows, prepare
+from paratrain.train.data import GlobalSampler, TokenWindows, all_tokens, prepare
 from paratrain.train.loop import lr_lambda
 
 
@@ -62,9 +62,10 @@ def test_prepare_custom_text_and_windows(tmp_path):
     w = TokenWindows(out, "train", 16)
     x, y = w.batch(np.array([0, 1]))
     assert x.shape == (2, 16) and (x[:, 1:] == y[:, :-1]).all()
-    mtime = (out / "train.bin").stat().st_mtime_ns
-    prepare(cfg, log=lambda *_: None)  # idempotent: same settings, no rewrite
-    assert (out / "train.bin").stat().st_mtime_ns == mtime
+    shard = next(out.glob("src-*/shard-00000.bin"))
+    mtime = shard.stat().st_mtime_ns
+    prepare(cfg, log=lambda *_: None)  # idempotent: same content and settings, no rewrite
+    assert shard.stat().st_mtime_ns == mtime
 
 
 def test_lr_schedule_warmup_then_cosine_to_min():
@@ -123,8 +124,7 @@ def test_data_prepare_cli_and_existing_tokenizer(tmp_path, capsys):
               f"data.prepared_dir={tmp_path / 'two'}", "--set", f"data.tokenizer={tmp_path / 'one' / 'tokenizer.json'}"]
     assert main(second) == 0
     assert json.loads(capsys.readouterr().out)["vocab_size"] == meta["vocab_size"]
-    one = np.fromfile(tmp_path / "one" / "train.bin", dtype=np.uint16)
-    two = np.fromfile(tmp_path / "two" / "train.bin", dtype=np.uint16)
+    one, two = all_tokens(tmp_path / "one"), all_tokens(tmp_path / "two")
     assert len(one) > 100 and (one == two).all()
     assert main(["data", "prepare", "--set", f"data.tokenizer={tmp_path / 'missing.json'}"]) == 2
     assert "data.tokenizer=" in capsys.readouterr().err
@@ -178,5 +178,5 @@ def test_existing_tokenizer_separates_documents_with_its_own_eos(tmp_path):
                              f"data.tokenizer={tmp_path / 'tokenizer.json'}", "data.val_fraction=0.01"]).data
     meta = json.loads((prepare(cfg, log=lambda *_: None) / "meta.json").read_text())
     assert meta["eos_id"] == tok.token_to_id("</s>") and meta["documents"] == 2
-    tokens = np.fromfile(tmp_path / "out" / "train.bin", dtype=meta["dtype"])
-    assert (tokens == meta["eos_id"]).sum() == 1  # between the two documents (the second one's is in val)
+    tokens = all_tokens(tmp_path / "out")
+    assert (tokens == meta["eos_id"]).sum() == 2 and tokens[-1] == meta["eos_id"]  # after each document

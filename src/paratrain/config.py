@@ -50,14 +50,38 @@ class ModelSection(Section):
         return ModelConfig(**{**base.model_dump(), **overrides}) if overrides else base
 
 
+class MixSource(Section):
+    """One source of a weighted mixture (data.mix); unset fields take the [data] values."""
+
+    source: str
+    weight: float = Field(default=1.0, gt=0)
+    text_field: str | None = None
+    messages_field: str | None = None
+    split: str | None = None
+
+
 class DataSection(Section):
     # "stdlib" = the embedded default: this Python's standard library source (on every machine with Python).
     source: str = "stdlib"
+    mix: list[MixSource] | None = None
     prepared_dir: str = "data/stdlib"
-    tokenizer: str = "train"  # "train" = train a byte-level BPE locally, or a path to a tokenizer.json
+    tokenizer: str = "auto"  # auto: model.hf_path's tokenizer.json, else train one; "train"; a file or folder
     vocab_size: int = Field(default=4096, ge=256, le=2**31 - 1)
-    max_source_bytes: int = Field(default=8_000_000, gt=0)  # cap on corpus size read from `source`
+    text_field: str = "text"
+    messages_field: str = "messages"
+    split: str = "train"
+    max_source_bytes: int | None = Field(default=None, gt=0)
     val_fraction: float = Field(default=0.02, gt=0, lt=0.5)
+    workers: int = Field(default=0, ge=0)
+    shard_tokens: int = Field(default=2**27, ge=1)
+
+    @model_validator(mode="after")
+    def _check(self) -> DataSection:
+        if self.mix is not None and not self.mix:
+            raise ValueError("data.mix=[]: allowed: at least one {source, weight} entry, or no data.mix")
+        if self.mix and "source" in self.model_fields_set:
+            raise ValueError(f"data.source='{self.source}' and data.mix are both set; allowed: one of them")
+        return self
 
 
 # torch DDP's bucket_cap_mb: the one default of the DDP reducer, the stale-gradient runner and the planner
@@ -329,12 +353,21 @@ FIELD_HELP = {
     "model.ffn_hidden": "override: SwiGLU inner width", "model.vocab": "override: vocabulary size (>= tokenizer's)",
     "model.max_seq": "override: longest sequence (RoPE table length)",
     "model.tie_embeddings": "override: share the embedding and output matrices",
-    "data.source": "'stdlib' (this Python's standard library source, nothing downloaded), a text file or a folder",
-    "data.prepared_dir": "where the token files, tokenizer.json and meta.json go",
-    "data.tokenizer": "'train' (byte-level BPE trained on the source) or a tokenizer.json path",
+    "data.source": "'stdlib' (this Python's standard library source, nothing downloaded), or a file or folder: "
+                   "text, JSONL/JSON, Parquet, Arrow, a datasets save_to_disk folder, .npy tokens, Megatron .bin/.idx",
+    "data.mix": "weighted mixture instead of data.source: [{source=..., weight=...}, ...] (as Megatron's blend)",
+    "data.prepared_dir": "where the token shards, index, tokenizer.json and meta.json go",
+    "data.tokenizer": "auto (model.hf_path's tokenizer.json, else train one), train (byte-level BPE trained on "
+                      "the source), a tokenizer.json or a folder holding one",
     "data.vocab_size": "vocabulary of a trained tokenizer",
-    "data.max_source_bytes": "read at most this many characters of the source",
-    "data.val_fraction": "share of tokens held out for the eval loss",
+    "data.text_field": "JSONL/JSON/Parquet/Arrow/datasets records: the field holding the text",
+    "data.messages_field": "records without the text field: the field holding chat messages (tokenizer's chat template)",
+    "data.split": "split of a saved DatasetDict",
+    "data.max_source_bytes": "explicit cap: read at most this many bytes of text (or token data) per source; "
+                             "reported when it cuts; unset = all",
+    "data.val_fraction": "share of each source's tokens held out for the eval loss",
+    "data.workers": "tokenizer processes; 0 = auto (inline for a small corpus, else up to 8)",
+    "data.shard_tokens": "tokens per output shard (a resumed prepare restarts at the last complete shard)",
     "parallel.tp": "tensor-parallel degree (innermost mesh dimension: fastest links)",
     "parallel.pp": "pipeline stages (outermost mesh dimension)",
     "parallel.cp": "context-parallel degree (ring attention; sequence split zig-zag)",

@@ -73,6 +73,8 @@ def register(sub) -> None:
     _add_config_args(prep)
     prep.add_argument("--force", action="store_true", help="re-tokenize even if already prepared")
     prep.add_argument("--json", action="store_true", help="print the prepared data's meta.json on stdout")
+    prep.add_argument("--progress", choices=("on", "off"), help="progress bar with tokens/s on stderr "
+                      "(default: when stderr is a terminal)")
     prep.set_defaults(func=run_prepare)
     d.set_defaults(func=lambda args: d.print_help() or 0)
 
@@ -100,17 +102,20 @@ def run_config(args) -> int:
 
 
 def run_prepare(args) -> int:
+    import sys
+
     from paratrain.config import load_config
-    from paratrain.train.data import prepare, read_meta
+    from paratrain.train.data import prepare, read_meta, summary_line
+    from paratrain.train.data.tokenize import check_model_tokenizer
 
     cfg = load_config(args.config, args.set)
-    out = prepare(cfg.data, force=args.force, log=lambda *_: None)
+    if cfg.model.hf_path:
+        check_model_tokenizer(cfg.data, cfg.model.hf_path, cfg.model_shape().vocab)
+    progress = None if args.progress is None else args.progress == "on"
+    out = prepare(cfg.data, force=args.force, hf_path=cfg.model.hf_path, progress=progress,
+                  log=lambda msg: print(msg, file=sys.stderr) if not args.json else None)
     meta = read_meta(out)
-    if args.json:
-        print(json.dumps(meta, indent=2))
-    else:
-        print(f"{out}: {meta['train_tokens']:,} train + {meta['val_tokens']:,} val tokens from "
-              f"{meta['documents']:,} documents of {meta['source']}, vocab {meta['vocab_size']:,} ({meta['dtype']})")
+    print(json.dumps(meta, indent=2) if args.json else summary_line(out, meta))
     return 0
 
 

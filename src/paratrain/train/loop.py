@@ -21,7 +21,8 @@ from paratrain.parallel import parallelize
 from paratrain.parallel.mesh import build_mesh, init_distributed, resolve_degrees
 from paratrain.train import staleness  # straggler metrics, eviction request, draining
 from paratrain.train.checkpoint import CheckpointManager, check_checkpoint_dir, check_resume_source
-from paratrain.train.data import GlobalSampler, TokenWindows, prepare, read_meta
+from paratrain.train.data import make_sampler, open_windows, prepare, read_meta
+from paratrain.train.data.tokenize import check_model_tokenizer, check_vocab_fits
 from paratrain.train.faults import fault_point
 from paratrain.train.metrics import MetricsLogger, measure_peak_flops, peak_memory_bytes
 from paratrain.train.profiling import StepTimer
@@ -99,16 +100,14 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None) -> di
                              RetryPolicy(cfg.checkpoint.retries, cfg.checkpoint.retry_base_s))
     seed_everything(cfg.train.seed, cfg.train.deterministic)
 
+    model_cfg = cfg.model_shape()
+    check_model_tokenizer(cfg.data, cfg.model.hf_path, model_cfg.vocab)  # every rank, before the data work
     if env.is_main:
-        prepare(cfg.data)
+        prepare(cfg.data, hf_path=cfg.model.hf_path, log=print)
     if dist.is_initialized():
         dist.barrier()
-    model_cfg = cfg.model_shape()
-    vocab = read_meta(cfg.data.prepared_dir)["vocab_size"]
-    if vocab > model_cfg.vocab:
-        raise ValueError(f"model.vocab={model_cfg.vocab} is smaller than the tokenizer's {vocab} tokens "
-                         f"(data.prepared_dir='{cfg.data.prepared_dir}'); allowed: model.vocab >= {vocab}, or a "
-                         f"smaller data.vocab_size")
+    check_vocab_fits(read_meta(cfg.data.prepared_dir)["vocab_size"], model_cfg.vocab, cfg.model.hf_path,
+                     f"data.prepared_dir='{cfg.data.prepared_dir}'")
     # what the planner predicts for this run, computed before the model is built so that a layout it cannot model fails now
     predicted = planner_prediction(cfg, model_cfg, degrees, env.world_size) if cfg.metrics.hardware else None
 
@@ -118,9 +117,9 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None) -> di
     if hasattr(runner, "attach_optimizer"):  # stale gradients: delay compensation replays optimizer and schedule
         runner.attach_optimizer(optimizer, scheduler)
 
-    train_data = TokenWindows(cfg.data.prepared_dir, "train", cfg.train.seq_len)
-    val_data = TokenWindows(cfg.data.prepared_dir, "val", cfg.train.seq_len)
-    sampler = GlobalSampler(train_data.num_samples, cfg.train.global_batch, cfg.train.seed)
+    train_data = open_windows(cfg.data.prepared_dir, "train", cfg.train.seq_len)
+    val_data = open_windows(cfg.data.prepared_dir, "val", cfg.train.seq_len)
+    sampler = make_sampler(train_data, cfg.train.global_batch, cfg.train.seed)  # one source, or the mixture
 
     run_dir = Path(cfg.metrics.run_dir)
     ckpt_dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
@@ -132,6 +131,8 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None) -> di
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(dump_config(cfg))
+        if mixture := sampler.describe(cfg.train.steps):  # realised proportions of a data.mix
+            logger.write(mixture)
 
     start_step, resumed = 0, None
     source = resume_from or (ck.resume if ck.resume not in ("auto", "none") else None)
@@ -311,7 +312,7 @@ def _peak_flops(cfg: TrainConfig, env) -> tuple[float, str]:
     return measure_peak_flops(env.device), "peak measured by a matmul probe on this machine"
 
 
-def _evaluate(runner, data: TokenWindows, cfg: TrainConfig) -> float:
+def _evaluate(runner, data, cfg: TrainConfig) -> float:
     per_rank = max(cfg.train.global_batch // runner.dp_size, cfg.train.microbatch)
     losses = []
     for b in range(cfg.train.eval_batches):
