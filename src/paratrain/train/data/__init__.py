@@ -12,8 +12,15 @@ Importing this package does not import torch (the tokenizer worker processes imp
 
 from paratrain.train.data.pipeline import prepare, read_meta, source_specs, summary_line
 from paratrain.train.data.tokenize import EOS, EOS_NAMES
-from paratrain.train.data.windows import (BlendSampler, GlobalSampler, MixtureWindows, TokenWindows, all_tokens,
-                                          make_sampler, open_windows)
+from paratrain.train.data.windows import (
+    BlendSampler,
+    GlobalSampler,
+    MixtureWindows,
+    TokenWindows,
+    all_tokens,
+    make_sampler,
+    open_windows,
+)
 
 __all__ = ["EOS", "EOS_NAMES", "BlendSampler", "GlobalSampler", "MixtureWindows", "TokenWindows", "all_tokens",
            "make_sampler", "open_windows", "prepare", "read_meta", "source_specs", "summary_line"]

@@ -26,7 +26,7 @@ EOS = "<|endoftext|>"
 EOS_NAMES = (EOS, "<|end_of_text|>", "</s>", "<eos>")
 SEGMENT_CHARS = 1 << 20
 MAX_RUN = 256
-_LONG_RUN = re.compile(r"\S{%d,}|\s{%d,}" % (MAX_RUN + 1, MAX_RUN + 1))
+_LONG_RUN = re.compile(rf"\S{{{MAX_RUN + 1},}}|\s{{{MAX_RUN + 1},}}")
 # Safe cuts, best first: a lone newline between two non-space characters, then a letter followed by
 # punctuation other than an apostrophe ("self|.x", "foo|("): both pre-tokenizer regexes split there and
 # what precedes or follows the cut is matched the same with or without the rest of the text.
