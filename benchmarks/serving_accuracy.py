@@ -40,6 +40,10 @@ from paratrain.plan.serve_fit import errors, fit, loss  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "serving_measurements.csv"
 INT_FIELDS = ("tp", "batch", "prompt", "output")
+# A stack with too few calibration rows to pin five parameters fits only some and takes the rest from a parent
+# table: NxD Inference runs on the same chips and collectives library as transformers-neuronx but with fused
+# attention/MLP kernels, so its 2 trn2 rows refit the prefill rate only.
+INHERITS = {"aws": ("aws-tnx-2024", ("prefill_flops_eff",))}
 
 
 def load_rows(path: Path = DATA) -> list[dict]:
@@ -65,13 +69,18 @@ def write_tables(rows: list[dict]) -> None:
     text = EFFICIENCY_FILE.read_text()
     header = text[:text.index("\n[")] + "\n"
     tables = []
-    for fam in sorted({family(r) for r in rows}):
+    fitted_tables: dict = {}
+    for fam in sorted({family(r) for r in rows}, key=lambda f: f in INHERITS):  # parents first
         cal = [r for r in rows if family(r) == fam and r["split"] == "calibration"]
-        start = _efficiency_tables(str(EFFICIENCY_FILE)).get(fam) or serving_efficiency(cal[0]["system"])
-        fitted = fit(cal, start)
+        parent, free = INHERITS.get(fam, (None, EFFICIENCY_FIELDS))
+        start = (fitted_tables[parent] if parent else _efficiency_tables(str(EFFICIENCY_FILE)).get(fam)
+                 or serving_efficiency(cal[0]["system"]))
+        fitted = fit(cal, start, free=free)
+        fitted_tables[fam] = fitted
         software = sorted({r["software"].split(" (")[0] for r in cal})
+        fitted_what = "" if parent is None else f"{', '.join(free)} (the rest from [{parent}]) "
         lines = [f"[{fam}]"] + [f"{n} = {float(f'{getattr(fitted, n):.3g}')!r}" for n in EFFICIENCY_FIELDS]
-        lines.append(f'source = "fitted {date.today()} by benchmarks/serving_accuracy.py --calibrate on the {len(cal)} '
+        lines.append(f'source = "{fitted_what}fitted {date.today()} by benchmarks/serving_accuracy.py --calibrate on the {len(cal)} '
                      f'{fam} calibration rows of benchmarks/serving_measurements.csv ({", ".join(software)}); '
                      f'mean |log error| {loss(cal, fitted):.3f}"')
         tables.append("\n".join(lines))

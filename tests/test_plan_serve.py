@@ -49,8 +49,6 @@ KNOWN_MISSES = {
     # TensorRT-LLM v0.6.1 Llama-2-70B (GQA) static-batch throughput: measured decode slower than bytes
     # and FLOPs allow (the pre-XQA decode kernel re-reads K/V per query head)
     "trtllm-h100-70b-thr-128-128", "trtllm-h100-70b-thr-2048-2048",
-    # NxD Inference's prefill kernels on trn2 run ~2x the prefill rate fitted on transformers-neuronx (trn1)
-    "nxdi-trn2-llama-33-70b-ttft-10000-1500",
     # vLLM's 2024 nightly latency test of an 8B model at batch 8: ~2 ms per step of host overhead that the
     # `nvidia` table (fitted on NIM / vLLM 0.23 rows, near-zero fixed cost per layer) does not have
     "vllm-h200-llama-31-8b-e2e-32-128",
@@ -182,7 +180,7 @@ def test_evaluation_rows_within_20_percent():
     # the efficiency tables say they came from the calibration rows
     for system in ("p5.48xlarge", "trn1.32xlarge"):
         assert "calibration rows" in serving_efficiency(resolve_system(system)).source
-    assert {r["stack"] for r in within} == {"aws", "nvidia", "nvidia-trtllm-2023"}
+    assert {r["stack"] for r in within} == {"aws", "aws-tnx-2024", "nvidia", "nvidia-trtllm-2023"}
     assert np.isfinite(errs).all()
 
 

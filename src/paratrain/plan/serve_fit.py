@@ -61,36 +61,41 @@ def loss(rows: list[dict], eff: ServingEfficiency) -> float:
     return float(np.mean(np.abs(np.log1p(errors(rows, eff)))))
 
 
-def fit(rows: list[dict], start: ServingEfficiency, rounds: int = 2, points: int = 21) -> ServingEfficiency:
+def fit(rows: list[dict], start: ServingEfficiency, rounds: int = 2, points: int = 21,
+        free: tuple[str, ...] = EFFICIENCY_FIELDS) -> ServingEfficiency:
     """Fit the five parameters within BOUNDS to the rows (give it calibration rows only): a coarse
     coordinate search over the whole box (robust to a poor start), then bounded least squares on the log
     errors (scipy's trust-region reflective: coupled parameters, such as a per-layer and a per-collective
-    cost, move together along the valley a coordinate search zig-zags in)."""
+    cost, move together along the valley a coordinate search zig-zags in). `free`: the parameters to fit (the
+    rest keep start's values: for a stack with too few rows to pin all five)."""
     from scipy.optimize import least_squares
 
     if not rows:
         raise ValueError("fit: no measurements to fit")
-    lo = np.array([BOUNDS[n][0] for n in EFFICIENCY_FIELDS])
-    hi = np.array([BOUNDS[n][1] for n in EFFICIENCY_FIELDS])
-    best = replace(start, **{n: float(np.clip(getattr(start, n), *BOUNDS[n])) for n in EFFICIENCY_FIELDS})
+    unknown = [n for n in free if n not in EFFICIENCY_FIELDS]
+    if unknown or not free:
+        raise ValueError(f"free = {free!r}: allowed: a non-empty subset of {', '.join(EFFICIENCY_FIELDS)}")
+    lo = np.array([BOUNDS[n][0] for n in free])
+    hi = np.array([BOUNDS[n][1] for n in free])
+    best = replace(start, **{n: float(np.clip(getattr(start, n), *BOUNDS[n])) for n in free})
     best_loss = loss(rows, best)
     for _ in range(rounds):
-        for name, a, b in zip(EFFICIENCY_FIELDS, lo, hi, strict=True):
+        for name, a, b in zip(free, lo, hi, strict=True):
             for value in np.linspace(a if a > 0 else b / 200, b, points):
                 trial = replace(best, **{name: float(value)})
                 trial_loss = loss(rows, trial)
                 if trial_loss < best_loss:
                     best, best_loss = trial, trial_loss
 
-    def at(x):  # x in [0, 1]^5 -> parameters
-        return replace(best, **{n: float(v) for n, v in zip(EFFICIENCY_FIELDS, lo + x * (hi - lo), strict=True)})
+    def at(x):  # x in [0, 1]^len(free) -> parameters
+        return replace(best, **{n: float(v) for n, v in zip(free, lo + x * (hi - lo), strict=True)})
 
     def residuals(x):
         return np.log1p(errors(rows, at(x)))
 
-    x0 = np.clip((np.array([getattr(best, n) for n in EFFICIENCY_FIELDS]) - lo) / (hi - lo), 0.0, 1.0)
-    lower = np.where(np.isin(EFFICIENCY_FIELDS, ("layer_overhead_s", "collective_us")), 0.0, 1e-3)
-    solved = least_squares(residuals, np.maximum(x0, lower), bounds=(lower, np.ones(5)), x_scale=1.0)
+    x0 = np.clip((np.array([getattr(best, n) for n in free]) - lo) / (hi - lo), 0.0, 1.0)
+    lower = np.where(np.isin(free, ("layer_overhead_s", "collective_us")), 0.0, 1e-3)
+    solved = least_squares(residuals, np.maximum(x0, lower), bounds=(lower, np.ones(len(free))), x_scale=1.0)
     refined = at(solved.x)
     return refined if loss(rows, refined) <= best_loss else best
 
