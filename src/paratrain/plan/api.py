@@ -172,20 +172,24 @@ def _resolve(model, system) -> tuple[ModelConfig, System]:
 
 
 def estimate(model: ModelConfig | str, system: System | str, nodes: int, seq: int, global_batch: int,
-             layout: Layout, options: Options | None = None, train_tokens: float | None = None) -> Estimate:
+             layout: Layout, options: Options | None = None, train_tokens: float | None = None,
+             stack: str | None = None) -> Estimate:
     """Step time, MFU/HFU, memory and cost of one layout. Raises ValueError for an invalid layout; a layout that
-    does not fit in memory is still estimated (fits=False)."""
+    does not fit in memory is still estimated (fits=False). stack (plan.stacks): time it as that stack runs it
+    (when no options are given) and note a choice the stack does not support."""
     model, system = _resolve(model, system)
     _check_scalars(nodes, seq, global_batch)
     layout = _check_layout(model, system, nodes, seq, global_batch, layout)
-    opts = options or Options.for_system(system)
+    from paratrain.plan.stacks import STACKS, check_stack
+
+    opts = options or Options.for_system(system, stack=stack and check_stack(stack))
     res = _evaluate_one(model, system, nodes, seq, global_batch, layout, opts, **_split_args(model, layout))
     split = _concrete_split(model, layout, res)
     balanced = None
     if split is not None and not is_balanced(split, model.layers):  # what the runtime's default would give
         balanced = _evaluate_one(model, system, nodes, seq, global_batch, layout, opts)["step_time_s"]
     return _to_estimate(model, system, nodes, seq, global_batch, replace(layout, pp_layers=split), res,
-                        train_tokens, balanced)
+                        train_tokens, balanced, STACKS[stack] if stack else system.stack)
 
 
 def _evaluate_one(model, system, nodes, seq, global_batch, layout: Layout, opts, **split) -> dict:
@@ -226,7 +230,7 @@ def _check_scalars(nodes: int, seq: int, global_batch: int) -> None:
 
 
 def _to_estimate(model, system, nodes, seq, global_batch, layout, r: dict, train_tokens,
-                 balanced_step_time_s: float | None = None) -> Estimate:
+                 balanced_step_time_s: float | None = None, stack=None) -> Estimate:
     price = r["cost_usd_per_hour"]
     price = None if price is None or math.isnan(price) else float(price)
     per_m = None if price is None else price / 3600.0 / r["tokens_per_s"] * 1e6
@@ -256,7 +260,6 @@ def _to_estimate(model, system, nodes, seq, global_batch, layout, r: dict, train
     if not est.fits:
         est.notes.append(f"does not fit: {est.memory_per_device_bytes / 2**30:.1f} GiB needed per device, "
                          f"{est.memory_capacity_bytes / 2**30:.1f} GiB usable")
-    stack = system.stack
     if balanced_step_time_s is not None:
         change = est.step_time_s / balanced_step_time_s - 1  # negative: this split is faster
         est.notes.append(f"pipeline stages {describe(layout.pp_layers)} layers: step time {change:+.1%} vs the "
@@ -429,6 +432,7 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
         layout = replace(layout, pp_layers=_concrete_split(model, layout, row))
         even = layout.pp_layers is None or is_balanced(layout.pp_layers, model.layers)
         candidates.append(_to_estimate(model, system, int(grid["nodes"][i]), seq, global_batch, layout, row,
-                                       train_tokens, None if even else float(balanced["step_time_s"][rank])))
+                                       train_tokens, None if even else float(balanced["step_time_s"][rank]),
+                                       searched))
     return SearchResult(candidates=candidates, combinations=combinations, valid=int(grid["tp"].size),
                         fitting=int(fits.sum()), seconds=elapsed)

@@ -128,7 +128,7 @@ def cmd_estimate(args) -> int:
                     recompute=args.recompute, schedule=args.schedule, virtual_stages=v, zero_stage=zero,
                     dp_kind=dp_kind, pp_layers=_pp_layers(args.pp_layers))
     est = estimate(model, system, args.nodes, args.seq, args.global_batch, layout, _options(args, system),
-                   train_tokens=args.train_tokens)
+                   stack=args.stack, train_tokens=args.train_tokens)
     if args.write_config:
         _write(args, est, model, system)
     if args.json:
@@ -181,7 +181,9 @@ def cmd_plan(args) -> int:
     best = result.candidates[0]
     if args.write_config:
         _write(args, best, model, system)
-    search_info = {"combinations": result.combinations, "evaluated": result.valid, "fitting": result.fitting,
+    searched = args.stack or ("any" if args.any_stack or system.stack is None else system.stack.name)
+    search_info = {"stack": searched, "combinations": result.combinations, "evaluated": result.valid,
+                   "fitting": result.fitting,
                    "seconds": result.seconds, "configs_per_s": result.configs_per_s, "objective": args.objective}
     if args.json:
         print(json.dumps(_clean({"best": best.to_dict(), "candidates": [c.to_dict() for c in result.candidates],
@@ -246,7 +248,7 @@ def _print_estimate(est) -> None:
 
 def _print_plan(result, info) -> None:
     best = result.candidates[0]
-    print(f"{best.model} on {best.nodes} x {best.system}: {info['combinations']:,} combinations, "
+    print(f"{best.model} on {best.nodes} x {best.system} (stack: {info['stack']}): {info['combinations']:,} combinations, "
           f"{info['evaluated']:,} valid layouts evaluated, {info['fitting']:,} fit; {info['seconds'] * 1000:.0f} ms "
           f"({info['configs_per_s']:,.0f} layouts/s)")
     head = (f"{'#':>2} {'nodes':>5} {'tp':>3} {'pp':>3} {'dp':>6} {'cp':>2} {'sp':>3} {'mb':>3} {'recompute':>9} "
