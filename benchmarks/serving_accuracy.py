@@ -10,6 +10,7 @@ Row kinds and what is predicted (plan/serve_fit.py, which also holds the fit):
   static_throughput  output tokens/s per device of a static batch: batch x output / (prefill of the batch +
                      output decode steps) / tp (TensorRT-LLM gptSessionBenchmark)
   e2e                end-to-end latency of a static batch: prefill + (output - 1) decode steps, ms (vLLM)
+  itl_concurrency    mean ITL of `batch` concurrent requests in a closed loop (continuous batching), ms (NIM)
 
     python benchmarks/serving_accuracy.py              # the table: every row, prediction, error
     python benchmarks/serving_accuracy.py --calibrate  # fit on calibration rows, rewrite serving_efficiency.toml

@@ -1,7 +1,9 @@
 """Fitting the serving model's efficiency parameters (plan/serving_efficiency.toml) to measurements.
 
 A measurement is a dict (stack: the serving_efficiency.toml table it ran under, default the vendor's): kind ("ttft" ms, "tpot" ms, "static_throughput" output tokens/s per device, or "e2e"
-ms: end-to-end latency of a static batch, prefill plus output - 1 decode steps),
+ms: end-to-end latency of a static batch, prefill plus output - 1 decode steps, or "itl_concurrency" ms: mean
+inter-token latency of a closed loop of `batch` concurrent requests, continuous batching, prefill stalls
+included: plan.serve.operating_point's ITL),
 value, model_config (ModelConfig), system (System), tp, weights, kv, batch, prompt, output. Published rows
 (benchmarks/serving_measurements.csv, benchmarks/serving_accuracy.py) and this machine's own runs
 (`paratrain generate --summary-json`, via measurements_from_generate) have the same form, so the same fit
@@ -22,11 +24,12 @@ from paratrain.plan.serve import (
     Replica,
     ServingEfficiency,
     decode_step_s,
+    operating_point,
     prefill_time_s,
     serving_efficiency,
 )
 
-KINDS = ("ttft", "tpot", "static_throughput", "e2e")
+KINDS = ("ttft", "tpot", "static_throughput", "e2e", "itl_concurrency")
 # The search box of the fit: physical ranges, not free knobs (fractions of a peak, fixed costs in us).
 BOUNDS = {"decode_bw_eff": (0.3, 0.9), "kv_bw_eff": (0.05, 0.9), "prefill_flops_eff": (0.1, 0.9),
           "layer_overhead_s": (0.0, 400e-6), "collective_us": (0.0, 100.0)}
@@ -45,6 +48,8 @@ def predict(row: dict, eff: ServingEfficiency | None = None) -> float:
     if row["kind"] == "static_throughput":
         total = prefill_time_s(model, system, rep, p, b, eff) + o * decode_step_s(model, system, rep, b, p + o / 2, eff)
         return float(b * o / total / rep.tp)
+    if row["kind"] == "itl_concurrency":
+        return 1e3 * float(operating_point(model, system, rep, b, p, o, eff)["itl_s"])
     if row["kind"] == "e2e":
         steps = (o - 1) * decode_step_s(model, system, rep, b, p + o / 2, eff)
         return 1e3 * float(prefill_time_s(model, system, rep, p, b, eff) + steps)
