@@ -432,3 +432,18 @@ def test_fp8_workload_uses_the_planners_fp8_model(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["workload"]["fp8"] is True
     assert data["rows"][0]["tokens_per_s"] == pytest.approx(fp8_p5.tokens_per_s)
+
+
+def test_claim_break_even_is_against_the_cheapest_gpu_even_when_a_quoted_trainium_is_cheaper():
+    from paratrain.cost.claims import _half_cost_lines
+    from paratrain.cost.compare import break_even_price
+
+    quote = Assumptions(failures="none", prices={"trn3-ultraserver": 1.0})  # absurdly cheap: the cheapest row
+    rows = compare(Workload("llama3-8b", 1e9, 2048, 1152), [("p5.48xlarge", 1), ("trn3-ultraserver", 1),
+                                                           ("trn2-ultraserver", 1)], quote)
+    p5, trn3, trn2u = rows
+    assert trn3.cost_usd_per_million_tokens < p5.cost_usd_per_million_tokens
+    vs_gpu = break_even_price(trn2u, p5.cost_usd_per_million_tokens)
+    assert trn2u.break_even_usd_per_node_hour != pytest.approx(vs_gpu)  # the row's own is against trn3
+    text = " ".join(_half_cost_lines(rows, "BF16"))
+    assert f"trn2-ultraserver x1: no public price; ties the cheapest GPU at ${vs_gpu:,.2f}/node-hour" in text

@@ -6,8 +6,7 @@ The claims (seeds 000 and 003, /work/shared/seeds in the project's notes):
    efficiency, i.e. fewer accelerator-hours for the same model (seed 000, for a 7B model on 2,048 Trainium).
 2. Trn3 UltraServers train (and serve) at up to 50% lower cost than GPUs at similar performance (AWS, quoted
    by both seeds): checked on a 70B and a 405B pre-training run against H100, H200 and B200 instances.
-3. The same for serving: needs the serving model (plan/serve.py, cost/serving.py), a follow-up while it is
-   not on main.
+3. The same for serving: Llama 3 70B chat through the serving model (plan/serve.py, cost/serving.py).
 4. Trainium3 gives 5x more tokens per megawatt than the previous Trainium generation (seed 003, from The Next
    Platform), and the Trn3 UltraServer 4x the energy efficiency of the Trn2 UltraServer (both seeds, AWS).
 
@@ -23,7 +22,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
-from paratrain.cost.compare import Assumptions, Row, Workload, compare, to_item
+from paratrain.cost.compare import Assumptions, Row, Workload, break_even_price, compare, to_item
 from paratrain.cost.sensitivity import format_tables, sensitivity
 from paratrain.hardware.catalog import get_catalog
 
@@ -135,8 +134,8 @@ def _half_cost_lines(rows: list[Row], precision: str) -> list[str]:
             verdict = f"{1 - ratio:.0%} cheaper" if ratio < 1 else f"{ratio - 1:.0%} dearer"
             text = (f"{r.system} x{r.nodes}: ${r.cost_usd_per_million_tokens:.3f}/M tokens ({r.price_label}) = "
                     f"{ratio:.2f} x the cheapest GPU ({verdict})")
-        else:
-            even = r.break_even_usd_per_node_hour
+        else:  # against the cheapest GPU, which need not be the cheapest priced row (a quoted Trainium may be)
+            even = break_even_price(r, best.cost_usd_per_million_tokens)
             text = (f"{r.system} x{r.nodes}: {r.price_label}; ties the cheapest GPU at ${even:,.2f}/node-hour "
                     f"(${even / chips:.2f}/chip-hour); 50% cheaper below ${even / 2:,.2f}/node-hour")
         chip = get_catalog().system(r.system).chip
