@@ -104,3 +104,46 @@ def test_run_prints_the_planners_prediction_beside_the_measurement(tmp, capsys):
     print_summary(summary)
     out = capsys.readouterr().out
     assert "planner predicted" in out and "predicted     compute" in out and "measured      " in out
+
+
+class _KernelEvent:
+    """What torch's kineto results give per device kernel (name, device, start, duration)."""
+
+    def __init__(self, name, start_us, dur_us, device="CUDA", index=0):
+        from torch.autograd import DeviceType
+
+        self._name, self._start, self._dur = name, int(start_us * 1000), int(dur_us * 1000)
+        self._type, self._index = getattr(DeviceType, device), index
+
+    def name(self):
+        return self._name
+
+    def start_ns(self):
+        return self._start
+
+    def duration_ns(self):
+        return self._dur
+
+    def device_type(self):
+        return self._type
+
+    def device_index(self):
+        return self._index
+
+
+def test_device_comm_is_the_collective_time_not_hidden_by_compute_on_the_same_device():
+    """An all-reduce kernel of 100 us, 60 us of it under a compute kernel: 40 us exposed. Another device's compute
+    does not hide it; host events are ignored (they are what the host-timed measure reads)."""
+    from paratrain.train.profiling import device_comm_seconds
+
+    events = [
+        _KernelEvent("ncclDevKernel_AllReduce_Sum_f32_RING_LL", 0, 100),
+        _KernelEvent("ampere_sgemm_128x64_nn", 40, 60),  # hides 40..100
+        _KernelEvent("ampere_sgemm_128x64_nn", 50, 20),  # inside the previous one: not counted twice
+        _KernelEvent("ncclDevKernel_AllGather_RING_LL", 200, 50),  # nothing runs beside it: all exposed
+        _KernelEvent("ampere_sgemm_128x64_nn", 200, 50, index=1),  # another device's compute
+        _KernelEvent("c10d::allreduce_", 0, 300, device="CPU"),  # host side: not this measure's business
+    ]
+    got = device_comm_seconds(events)
+    assert got == pytest.approx({"all_reduce": 40e-6, "all_gather": 50e-6})
+    assert device_comm_seconds([_KernelEvent("aten::mm", 0, 10, device="CPU")]) == {}

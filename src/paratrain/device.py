@@ -168,6 +168,7 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (timing); a no-op on the host, where work is synchronous."""
     import torch
 
+    host_syncs_counted()  # visible to an active SyncCounter, on any device
     if not is_host(device):
         torch.accelerator.synchronize(device)
 
@@ -246,3 +247,115 @@ def set_accelerator_rng_state(state: Mapping, acc: Accelerator | None = None) ->
     setter = getattr(torch.get_device_module(kind), "set_rng_state_all", None)
     if setter is not None:
         setter(state[kind])
+
+
+# -- host reads without stalls, and a counter of the ones that stall ----------------------------------------
+class HostValues:
+    """Scalars of a step (loss, gradient norm, ...) copied to host memory without waiting for the device.
+
+    The copy is queued behind the step's work (non-blocking, into pinned memory on an accelerator) and an event
+    marks it; `read()` waits for that event only, so reading step N's values once step N+1 is queued does not
+    stall the device (the training loop logs each step one step late). On the host the copy is the value."""
+
+    def __init__(self, values: Mapping[str, torch.Tensor], device: torch.device):
+        import torch
+
+        self.keys = list(values)
+        stacked = torch.stack([v.detach().reshape(()).float() for v in values.values()])
+        on_host = is_host(device) or is_host(stacked.device)
+        self._host = torch.empty(stacked.shape, dtype=stacked.dtype, pin_memory=not on_host and pin_memory())
+        self._host.copy_(stacked, non_blocking=not on_host)
+        self._event = None
+        if not on_host:
+            self._event = torch.Event(device=stacked.device)
+            self._event.record(torch.accelerator.current_stream(stacked.device))
+
+    def read(self) -> dict[str, float]:
+        if self._event is not None:
+            self._event.synchronize()  # waits for this copy only, not for the work queued after it
+        return dict(zip(self.keys, self._host.tolist(), strict=True))  # tolist of host memory: no device read
+
+
+def read_after(works: list, tensor: torch.Tensor, device: torch.device) -> list[float]:
+    """The values of `tensor` once the collectives `works` (that write it) completed, without waiting for the
+    compute queued since: on an accelerator the wait and the copy to host run on a side stream and only that
+    copy's event is waited for; on the host the collectives are waited for and the tensor read."""
+    import torch
+
+    if is_host(device):
+        for work in works:
+            if work is not None:
+                work.wait()
+        return tensor.tolist()  # host memory: no device read
+    side, compute = torch.Stream(device=device), torch.accelerator.current_stream(device)
+    side.wait_stream(compute)  # the tensor was written by work queued on the compute stream
+    torch.accelerator.set_stream(side)
+    try:
+        for work in works:
+            if work is not None:
+                work.wait()  # NCCL: makes the current (side) stream wait, not the compute stream
+        staged = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin_memory())
+        staged.copy_(tensor, non_blocking=True)
+        tensor.record_stream(side)
+        event = side.record_event()
+    finally:
+        torch.accelerator.set_stream(compute)
+    event.synchronize()
+    return staged.tolist()
+
+
+def host_syncs_counted() -> None:
+    """Called by `synchronize`: counts an explicit synchronisation on the innermost active sync counter."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    for mode in reversed(_get_current_dispatch_mode_stack()):
+        if getattr(mode, "counts_host_syncs", False):
+            mode.record("synchronize")
+            return
+
+
+def sync_counter(host_state=()):
+    """A context manager (a torch dispatch mode) that counts what makes the host wait for a device, on any device
+    (CPU runs included, so the CPU test suite sees the waits an accelerator would have): reads of a value
+    (`.item()`, `float()`, `bool()`, `int()`: aten._local_scalar_dense), data-dependent output shapes (nonzero,
+    masked_select, unique), blocking copies between host and device, and explicit `synchronize` calls.
+    `.count` and `.ops` (what each was) after the block. `host_state`: tensors that live on the host on every
+    device by design, whose reads wait for nothing (torch's optimizers keep their `step` counters there unless
+    capturable); on a CPU run they look like any other tensor, so they are named. Defined in a function: this
+    module stays torch-free."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    reads = (aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
+             aten._unique2.default, aten.unique_consecutive.default)
+
+    ignored = {t.untyped_storage().data_ptr() for t in host_state}
+
+    class SyncCounter(TorchDispatchMode):
+        counts_host_syncs = True
+
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+            self.ops: list[str] = []
+
+        def record(self, what: str) -> None:
+            self.count += 1
+            self.ops.append(what)
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func in reads:
+                if args[0].untyped_storage().data_ptr() not in ignored:
+                    self.record(str(func))
+            elif func in (aten._to_copy.default, aten.copy_.default) and not kwargs.get("non_blocking", False):
+                if func == aten._to_copy.default:
+                    src, dst = args[0], kwargs.get("device")
+                else:
+                    src, dst = args[1], args[0].device
+                if isinstance(src, torch.Tensor) and dst is not None and is_host(src.device) != is_host(dst):
+                    self.record(f"blocking copy {src.device} -> {dst}")
+            return func(*args, **kwargs)
+
+    return SyncCounter()

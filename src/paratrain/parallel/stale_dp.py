@@ -66,6 +66,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paratrain.config import TrainConfig
+from paratrain.device import read_after
 from paratrain.parallel.data import bucket_params, local
 from paratrain.parallel.grad_norm import clip_coefficient, global_grad_norm
 from paratrain.parallel.runner import ParallelRunner, plain
@@ -221,7 +222,7 @@ class StaleDataParallelRunner(ParallelRunner):
         applied.exact_microbatches = self.exact_microbatches
         self.step += 1
         if applied.grad_step is None:  # warm-up: nothing reduced yet; report this rank's own loss
-            return torch.tensor(loss_sum / done)
+            return loss_sum / done
         return torch.tensor(applied.loss)
 
     @property
@@ -330,7 +331,7 @@ class StaleDataParallelRunner(ParallelRunner):
     def _reduced_gradients(self, item: InFlightStep) -> list[torch.Tensor]:
         """The reduced gradient of a completed in-flight step per parameter (self.params order), split from the flat
         buckets as _apply_due does, as new tensors (the buckets stay untouched for _apply_due)."""
-        scale = 1.0 / int(item.meta[1].item()) if self.time_budget else 1.0
+        scale = 1.0 / item.meta[1] if self.time_budget else 1.0  # a device scalar: no host read
         by_param = {}
         for bucket, flat in zip(self.buckets, item.flats, strict=True):
             offset = 0
@@ -340,11 +341,12 @@ class StaleDataParallelRunner(ParallelRunner):
                 offset += shard.numel()
         return [by_param[id(p)] for p in self.params]
 
-    def _accumulate(self, chunks, t0: float) -> tuple[float, int]:
-        """Forward/backward over the microbatches (all, or as many as the time budget allows; at least one)."""
+    def _accumulate(self, chunks, t0: float) -> tuple[torch.Tensor, int]:
+        """Forward/backward over the microbatches (all, or as many as the time budget allows; at least one).
+        The loss sum stays on the device: no host read per microbatch."""
         n = len(chunks)
         budget_s = self._budget_s(n) if self.time_budget else float("inf")
-        loss_sum, done = 0.0, 0
+        loss_sum, done = torch.zeros((), dtype=torch.float64, device=self.device), 0
         for x, y in chunks:
             mb_t0 = time.perf_counter()
             if self.lookahead_arrived:
@@ -358,7 +360,7 @@ class StaleDataParallelRunner(ParallelRunner):
                 # budget sums, and divides by the global microbatch count after the reduction.
                 loss = raw if self.time_budget else raw / n
             loss.backward()
-            loss_sum += float(plain(raw.detach()))
+            loss_sum += plain(raw.detach())
             done += 1
             if self.fault is not None:
                 self.fault.after_microbatch(self.dp_rank, time.perf_counter() - mb_t0)
@@ -385,7 +387,7 @@ class StaleDataParallelRunner(ParallelRunner):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.tp_group)
         return bool(flag.item())
 
-    def _launch(self, loss_sum: float, done: int, work_s: float, tokens_per_mb: int) -> None:
+    def _launch(self, loss_sum: torch.Tensor, done: int, work_s: float, tokens_per_mb: int) -> None:
         flats, works = [], []
         for bucket in self.buckets:
             grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket]
@@ -394,12 +396,11 @@ class StaleDataParallelRunner(ParallelRunner):
                 flat.div_(self.dp_size)
             flats.append(flat)
             works.append(self._all_reduce(flat))
-        if self.tp_group is not None:  # tp peers report the same work time, so every rank flags the same ranks
-            t = torch.tensor([work_s], dtype=torch.float64, device=self.device)
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.tp_group)
-            work_s = float(t.item())
         meta = torch.zeros(META_FIELDS + self.dp_size, dtype=torch.float64, device=self.device)
         meta[0], meta[1], meta[META_FIELDS + self.dp_rank] = loss_sum, done, work_s
+        if self.tp_group is not None:  # tp peers report the same work time, so every rank flags the same ranks
+            dist.all_reduce(meta[META_FIELDS + self.dp_rank:META_FIELDS + self.dp_rank + 1], op=dist.ReduceOp.MAX,
+                            group=self.tp_group)
         self.launch_unix_s.append(time.time())
         works.append(self._all_reduce(meta))
         self.in_flight.append(InFlightStep(self.step, flats, works, meta, tokens_per_mb))
@@ -421,11 +422,14 @@ class StaleDataParallelRunner(ParallelRunner):
         item = self.in_flight.popleft()
         assert item.step == due, f"in-flight step {item.step}, due {due}"  # one launch per step: never skipped
         t0 = time.perf_counter()
-        for work in item.works:
+        # the step's metadata, read as soon as its reduction completed (on an accelerator without waiting for the
+        # compute queued since); then the gradient buckets' reductions, waited for on the compute stream
+        meta = read_after(item.works[-1:], item.meta, self.device)
+        for work in item.works[:-1]:
             if work is not None:
                 work.wait()
         wait_s = time.perf_counter() - t0
-        microbatches = int(item.meta[1].item())
+        microbatches = int(meta[1])
         for bucket, flat in zip(self.buckets, item.flats, strict=True):
             if self.time_budget:
                 flat.div_(microbatches)
@@ -434,10 +438,10 @@ class StaleDataParallelRunner(ParallelRunner):
                 g = local(p.grad)
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
-        rank_step_s = item.meta[META_FIELDS:].tolist()
+        rank_step_s = meta[META_FIELDS:]
         self.detector.update(rank_step_s)
         applied = AppliedStep(self.step, item.step, microbatches, microbatches * item.tokens_per_microbatch,
-                              float(item.meta[0] / item.meta[1]), wait_s, rank_step_s, time.time())
+                              meta[0] / meta[1], wait_s, rank_step_s, time.time())
         self.history.append(applied)
         return applied
 

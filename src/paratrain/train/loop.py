@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from paratrain.config import OptimSection, TrainConfig, dump_config, precision_bytes
-from paratrain.device import is_host, sync_fn
+from paratrain.device import HostValues, is_host, sync_fn
 from paratrain.model.llama import Llama
 from paratrain.parallel import parallelize
 from paratrain.parallel.mesh import build_mesh, init_distributed, resolve_degrees
@@ -43,6 +43,21 @@ def lr_lambda(opt: OptimSection, total_steps: int):
         return floor + (1 - floor) * decay
 
     return fn
+
+
+def run_step(runner, optimizer, scheduler, inputs, targets, grad_clip: float, timer) -> dict:
+    """One optimizer step: forward/backward over the microbatches, clip, update, schedule. Returns the step's
+    device scalars (loss, grad norm) unread: a normal step makes the host wait for the device nowhere
+    (tests/test_host_syncs.py counts it for every layout)."""
+    with timer.phase("forward_backward"):
+        loss = runner.forward_backward(inputs, targets)
+    with timer.phase("optimizer"):
+        grad_norm = runner.clip_grad_norm_(grad_clip)
+        optimizer.step()
+        if getattr(runner, "applied_update", True):  # stale warm-up steps apply nothing: no lr consumed
+            scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss, "grad_norm": grad_norm}
 
 
 def build_optimizer(runner, opt: OptimSection) -> torch.optim.Optimizer:
@@ -155,37 +170,48 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None) -> di
     t_start = time.perf_counter()
     timer = StepTimer(sync=sync_fn(env.device))
     breakdowns: list[dict] = []
+    pending = None  # the last step's record, completed (read from the device) one step late
+
+    def finish_record() -> None:
+        """Complete the pending step's record with its device values and log it: read one step late, the
+        read waits only for that step's work (HostValues), so the device never idles for the logger."""
+        nonlocal pending, first_loss, last_loss
+        if pending is None:
+            return
+        done_step, record, values = pending
+        pending = None
+        record.update(values.read())
+        loss_value = record["loss"]
+        stats.losses.append(loss_value)
+        if done_step == start_step:
+            first_loss = loss_value
+        last_loss = loss_value
+        logger.log(done_step + 1, record)
+        logger.advance(1, {"loss": loss_value, "tok/s": record["tokens_per_s"], "mfu": record["mfu"]})
+        if (done_step + 1) % cfg.train.log_every == 0 and not cfg.train.progress:
+            logger.write(f"step {done_step + 1:>6} loss {loss_value:.4f} lr {record['lr']:.2e} "
+                         f"tok/s {record['tokens_per_s']:,.0f} mfu {record['mfu']:.1%} ({peak_label}) "
+                         f"mem {record['memory_bytes'] / 2**20:,.0f} MiB")
+
     for step in range(start_step, cfg.train.steps):
         t0 = time.perf_counter()
         profiled = bool(cfg.metrics.profile_every) and (step + 1) % cfg.metrics.profile_every == 0
         with timer.profile(profiled):
             with timer.phase("data"):
                 inputs, targets = train_data.batch(sampler.next_indices(runner.dp_rank, runner.dp_size))
-            with timer.phase("forward_backward"):
-                loss = runner.forward_backward(inputs, targets)
-            with timer.phase("optimizer"):
-                grad_norm = runner.clip_grad_norm_(cfg.optim.grad_clip)
-                optimizer.step()
-                if getattr(runner, "applied_update", True):  # stale warm-up steps apply nothing: no lr consumed
-                    scheduler.step()
-                optimizer.zero_grad(set_to_none=True)
+            values = HostValues(run_step(runner, optimizer, scheduler, inputs, targets, cfg.optim.grad_clip, timer),
+                                env.device)
         fault_point("after_step", step + 1, env.rank)
-        loss_value = float(loss)
-        if observer is not None:
-            observer(step + 1, runner, {"loss": loss_value, "grad_norm": float(grad_norm)})
-        dt = time.perf_counter() - t0
+        if observer is not None:  # paratrain verify: compares every step, so it reads them at once
+            observer(step + 1, runner, values.read())
+        dt = time.perf_counter() - t0  # host time; with the one-step-late read it tracks the device's step time
         tokens = staleness.step_tokens(runner, cfg.train.global_batch * cfg.train.seq_len)  # time budget: fewer
-        stats.losses.append(loss_value)
         stats.tokens += tokens
         stats.compute_s += dt
-        if step == start_step:
-            first_loss = loss_value
-        last_loss = loss_value
         tokens_per_s = tokens / dt
         # MFU per device: model FLOPs of this step over (world size x peak of one device).
         mfu = flops_per_token * tokens / dt / (peak_flops * env.world_size)
-        record = {"loss": loss_value, "lr": scheduler.get_last_lr()[0], "grad_norm": float(grad_norm),
-                  "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
+        record = {"lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
                   "memory_bytes": peak_memory_bytes(env.device)}
         phases = timer.take()
         if "backward" in phases:  # a profiled step: split forward from backward
@@ -193,19 +219,19 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None) -> di
         breakdowns.append({"step_time_s": dt, **phases})
         record.update({k if k.endswith("_s") else f"time_{k}_s": v for k, v in phases.items()})
         staleness.on_step(runner, record, logger)  # applied step, staleness, stragglers
-        logger.log(step + 1, record)
-        logger.advance(1, {"loss": loss_value, "tok/s": tokens_per_s, "mfu": mfu})
-        if (step + 1) % cfg.train.log_every == 0 and not cfg.train.progress:
-            logger.write(f"step {step + 1:>6} loss {loss_value:.4f} lr {record['lr']:.2e} "
-                         f"tok/s {tokens_per_s:,.0f} mfu {mfu:.1%} ({peak_label}) "
-                         f"mem {record['memory_bytes'] / 2**20:,.0f} MiB")
+        finish_record()  # the previous step's, now that this one is queued
+        pending = (step, record, values)
+        interval = cfg.checkpoint.interval
+        last = step + 1 == cfg.train.steps
+        checkpointing = (interval and (step + 1) % interval == 0) or (last and cfg.checkpoint.save_final)
+        evaluating = cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0
+        if last or checkpointing or evaluating or profiled:  # these steps wait for the device anyway
+            finish_record()
         if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
             val = _evaluate(runner, val_data, cfg)
             logger.log(step + 1, {"val_loss": val})
             logger.write(f"step {step + 1}: val_loss {val:.4f}")
-        interval = cfg.checkpoint.interval
-        last = step + 1 == cfg.train.steps
-        if (interval and (step + 1) % interval == 0) or (last and cfg.checkpoint.save_final):
+        if checkpointing:
             t_ckpt = time.perf_counter()
             saved = ckpt.save(step + 1, runner.parts, optimizer, {"step": step + 1,
                                                                   "scheduler": scheduler.state_dict(),
@@ -215,6 +241,7 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None) -> di
             # evict_stragglers stops every rank here (exit code 75) once the checkpoint committed
             staleness.after_checkpoint(runner, cfg.staleness.evict_stragglers and not last, run_dir, step + 1, str(saved),
                                        logger, ckpt.close)
+    finish_record()
     staleness.finish(runner)  # wait for stale reductions still in flight
     ckpt.close()  # an asynchronous save still in flight commits before the run reports done
     wall = time.perf_counter() - t_start

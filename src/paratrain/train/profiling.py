@@ -1,5 +1,9 @@
 """Per-step time breakdown: cheap timers every step, and the profiler on sampled steps for communication.
 
+On an accelerator the profiler records the device's activity too, and communication is measured on the device
+timeline (`device_comm_seconds`: collective kernels not overlapped by compute), so calibration reads real
+communication times on any accelerator; the host-thread measure below is what the CPU runs use.
+
 Timers split every step into data, forward+backward and optimizer time (and the loop times checkpoint saves).
 The rest needs the profiler: every `metrics.profile_every` steps one step runs under torch.profiler, and
 from the training thread's events come the exposed communication by kind (time inside or waiting for
@@ -60,6 +64,45 @@ def exposed_comm_seconds(events) -> dict[str, float]:
     return dict(out)
 
 
+def device_comm_seconds(events) -> dict[str, float]:
+    """Exposed communication on the accelerator's own timeline (kineto events of non-host devices): per kind, the
+    time collective kernels ran while no compute kernel ran on the same device. Host timers cannot see this:
+    with asynchronous collectives the host returns at once and waits read about zero. {} without device events."""
+    from torch.autograd import DeviceType
+
+    kernels = [e for e in events if e.device_type() != DeviceType.CPU]
+    comm: dict[tuple, list[tuple[int, int, str]]] = defaultdict(list)
+    compute: dict[tuple, list[tuple[int, int]]] = defaultdict(list)
+    for e in kernels:
+        where = (_device_type_name(e), e.device_index())
+        span = (e.start_ns(), e.start_ns() + e.duration_ns())
+        if (kind := comm_kind(e.name())) is not None:
+            comm[where].append((*span, kind))
+        else:
+            compute[where].append(span)
+    out: dict[str, float] = defaultdict(float)
+    for where, spans in comm.items():
+        busy = _merged(compute[where])
+        for start, end, kind in spans:
+            covered = sum(max(0, min(end, b) - max(start, a)) for a, b in busy)
+            out[kind] += (end - start - covered) / 1e9
+    return dict(out)
+
+
+def _device_type_name(event) -> str:
+    return str(event.device_type()).rsplit(".", 1)[-1].lower()  # DeviceType.CUDA -> "cuda" (a grouping key)
+
+
+def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[list[int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
 def backward_seconds(events) -> float:
     """Seconds the busiest (training) thread spent running the autograd engine's backward functions (on CPU
     the engine runs on the calling thread; the communication issued inside backward is included)."""
@@ -76,34 +119,49 @@ def backward_seconds(events) -> float:
 
 
 class StepTimer:
-    """Accumulates named phases of one step; `profile()` wraps a step in the profiler when asked."""
+    """Accumulates named phases of one step; `profile()` wraps a step in the profiler when asked.
+
+    On the host work is synchronous, so every step's phases are timed exactly with no waiting. On an accelerator
+    (`sync` given) a phase boundary needs the device to catch up, so phases are timed only on profiled steps
+    (where the profiler waits anyway); normal steps record none and wait for nothing."""
 
     def __init__(self, sync=None):
         self.phases: dict[str, float] = {}
-        self._sync = sync or (lambda: None)
+        self._sync = sync
+        self._profiling = False
         self._profiler = None
 
     @contextlib.contextmanager
     def phase(self, name: str):
-        self._sync()
+        timed = self._sync is None or self._profiling
+        if timed and self._sync is not None:
+            self._sync()
         t0 = time.perf_counter()
         try:
             yield
         finally:
-            self._sync()
-            self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
+            if timed:
+                if self._sync is not None:
+                    self._sync()
+                self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
 
     @contextlib.contextmanager
     def profile(self, enabled: bool):
         if not enabled:
             yield
             return
-        from torch.profiler import ProfilerActivity, profile
+        from torch.profiler import profile, supported_activities
 
-        with profile(activities=[ProfilerActivity.CPU]) as prof:
-            yield
+        self._profiling = True
+        try:  # the host's activity and the accelerator's (CUDA, XPU, PrivateUse1 = Neuron, ...) where present
+            with profile(activities=list(supported_activities())) as prof:
+                yield
+        finally:
+            self._profiling = False
         events = prof.events()
-        self.phases.update({f"comm_{k}_s": v for k, v in exposed_comm_seconds(events).items()})
+        on_device = device_comm_seconds(prof.profiler.kineto_results.events())
+        comm = on_device if on_device else exposed_comm_seconds(events)  # host-timed where no device timeline
+        self.phases.update({f"comm_{k}_s": v for k, v in comm.items()})
         if (backward := backward_seconds(events)) > 0:
             self.phases["backward"] = backward
 
