@@ -100,7 +100,7 @@ def test_run_prints_the_planners_prediction_beside_the_measurement(tmp, capsys):
     pred = summary["predicted"]
     assert pred["system"] == "local" and pred["step_time_s"] > 0 and pred["breakdown_s"]["compute"] > 0
     assert summary["planner_options"] == {"bucket_bytes": 25 * 2**20, "eager": True, "p2p_scatter_gather": False,
-                                          "zero12_as_fsdp": True}
+                                          "zero12_as_fsdp": True, "param_bytes": 4, "grad_bytes": 4}  # fp32
     print_summary(summary)
     out = capsys.readouterr().out
     assert "planner predicted" in out and "predicted     compute" in out and "measured      " in out
