@@ -23,6 +23,7 @@ from pathlib import Path
 
 RUNS = {
     "fp32": ([], 1),
+    "fp32 fsdp2 (control)": (['parallel.dp_kind="fsdp"'], 2),  # fp32 too: drift from reduction order alone
     "bf16": (['train.dtype="bf16"'], 1),
     "bf16 fsdp2 reduce fp32": (['train.dtype="bf16"', 'parallel.dp_kind="fsdp"'], 2),
     "bf16 fsdp2 reduce bf16": (['train.dtype="bf16"', 'train.reduce_dtype="bf16"', 'parallel.dp_kind="fsdp"'], 2),
@@ -53,11 +54,16 @@ def run(name: str, data: str, steps: int, work: Path) -> list[float]:
 
 def table(curves: dict[str, list[float]], at: list[int]) -> str:
     ref = curves["fp32"]
-    head = "| run | " + " | ".join(f"loss @ {s}" for s in at) + " | max rel. gap to fp32 |"
-    lines = [head, "|" + "---|" * (len(at) + 2)]
+    last = max(len(ref) // 6, 1)
+    head = ("| run | " + " | ".join(f"loss @ {s}" for s in at) + f" | mean of last {last} | max rel. gap to fp32 "
+            f"(any step) | rel. gap of the mean of the last {last} |")
+    lines = [head, "|" + "---|" * (len(at) + 4)]
+    ref_tail = sum(ref[-last:]) / last
     for name, c in curves.items():
         gap = max(abs(a - b) / b for a, b in zip(c, ref, strict=True))
-        lines.append(f"| {name} | " + " | ".join(f"{c[s - 1]:.4f}" for s in at) + f" | {gap:.2e} |")
+        tail = sum(c[-last:]) / last
+        lines.append(f"| {name} | " + " | ".join(f"{c[s - 1]:.4f}" for s in at)
+                     + f" | {tail:.4f} | {gap:.2e} | {abs(tail / ref_tail - 1):.2e} |")
     return "\n".join(lines)
 
 

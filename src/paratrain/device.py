@@ -36,6 +36,9 @@ BACKENDS = {CPU: HOST_BACKEND, CUDA: "nccl", NEURON: "neuron"}
 BACKEND_NAMES = tuple(sorted(set(BACKENDS.values())))  # e.g. for recognising collectives in profiler traces
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
+# Out-of-tree backends imported when named explicitly (PyTorch's device-backend autoload usually loads them:
+# this covers environments that turn autoload off). TorchNeuron's docs import torch_neuronx before init.
+EXTENSIONS = {NEURON: "torch_neuronx"}
 
 
 def check_device_name(value: str) -> str:
@@ -109,13 +112,27 @@ def pick_device(requested: str, local_rank: int, acc: Accelerator | None = None)
     """Resolve `train.device` for this rank and make it the current device."""
     import torch
 
-    acc = Accelerator.detect() if acc is None else acc
+    if acc is None:
+        load_extension(requested)
+        acc = Accelerator.detect()
     kind = resolve_device_type(requested, acc)
     index = device_index(kind, local_rank, acc)
     if index is None:
         return torch.device(kind)
     torch.accelerator.set_device_index(index)
     return torch.device(kind, index)
+
+
+def load_extension(device_type: str) -> None:
+    """Import the package that registers `device_type` with torch, if we know one and it is installed (when it
+    is not, `resolve_device_type` says the device is not available, naming the package)."""
+    import importlib
+
+    if (module := EXTENSIONS.get(device_type)) is not None:
+        try:
+            importlib.import_module(module)
+        except ImportError:
+            pass
 
 
 def backend_for(device_type: str, default_map: Mapping[str, str] | None = None) -> str:
