@@ -112,7 +112,7 @@ def report(args) -> str:
     flops_per_token = cfg.train_flops_per_token(args.seq)
     peak = resolve_system(args.hardware).device_peak_flops if args.hardware else None
     bare_tps = next((r["tokens_per_s"] for r in runs if r["run"].startswith("bare")), None)
-    lines = [f"model {cfg.num_params() / 1e9:.2f}B parameters, seq {args.seq}, "
+    lines = [f"model {cfg.num_params() / 1e6:,.1f}M parameters, seq {args.seq}, "
              f"MFU against {'the catalog peak of ' + args.hardware if peak else 'no catalog peak (unknown device)'}",
              f"{'run':<34} {'ranks':>5} {'tokens/s':>12} {'tok/s/rank':>11} {'MFU':>6} {'peak mem GiB':>12} "
              f"{'vs bare':>8}"]
