@@ -77,7 +77,7 @@ def test_evaluation_runs_are_sourced_and_apart_from_calibration(bench):
         with path.open(encoding="utf-8") as fh:
             return list(csv.DictReader(fh))
     ev, cal = rows(bench.EVAL_CSV), rows(bench.CAL_CSV)
-    assert len(ev) >= 40 and all(r["source"].strip() for r in ev + cal)
+    assert len(ev) >= 35 and len(cal) >= 5 and all(r["source"].strip() for r in ev + cal)
     key = lambda r: tuple(r[k] for k in ("model", "system", "nodes", "seq", "global_batch", "tp", "pp", "cp",  # noqa: E731
                                          "precision", "compile", "measured"))
     assert not {key(r) for r in ev} & {key(r) for r in cal}
