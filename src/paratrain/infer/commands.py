@@ -143,7 +143,8 @@ def run_generate(args) -> int:
     model.to(env.device)
     result = generate(model, prompts, args.max_new_tokens, sampling, eos_id=_eos_id(tok),
                       use_cache=not args.no_cache)
-    summary = generation_summary(cfg, result, world, env.device.type, sampling, next(model.parameters()).dtype)
+    summary = generation_summary(cfg.model_shape(), result, world, env.device.type, sampling,
+                                 next(model.parameters()).dtype)
     if world > 1:
         shutdown_distributed()
     if env.rank == 0:
@@ -161,10 +162,10 @@ def run_generate(args) -> int:
 DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16"}
 
 
-def generation_summary(cfg, result, tp: int, device: str, sampling, dtype) -> dict:
+def generation_summary(shape, result, tp: int, device: str, sampling, dtype) -> dict:
     """What a run records for calibration (as a training run's summary): shape, layout, device, the measured
-    prefill of the padded batch and the mean decode step at that batch and context."""
-    shape = cfg.model_shape()
+    prefill of the padded batch and the mean decode step at that batch and context
+    (plan.serve_fit.measurements_from_generate reads it)."""
     return {"kind": "generate", "model_shape": shape.model_dump(), "tp": tp, "world_size": tp, "device": device,
             "dtype": DTYPE_NAMES.get(str(dtype), str(dtype)),
             "batch": result.batch, "prompt_tokens": result.prompt_tokens,
