@@ -1,23 +1,25 @@
-"""Planner accuracy against published A100 measurements (and Trn1 sanity rows).
+"""Planner accuracy on published training runs: CALIBRATION sets (constants were fitted on them) and EVALUATION
+sets (never used to set a constant), reported apart, per set step-time MAPE and Spearman, and the signed errors
+of the evaluation runs by layout kind (3D, FSDP/ZeRO-3, TP+FSDP, TP-only, CP), system and model size.
 
-    .venv/bin/python benchmarks/planner_accuracy.py            # MAPE / Spearman per data set, worst rows
-    .venv/bin/python benchmarks/planner_accuracy.py --calibrate  # refit the A100 physical parameters
+    .venv/bin/python benchmarks/planner_accuracy.py                       # all sets, worst rows
+    .venv/bin/python benchmarks/planner_accuracy.py --calibrate           # refit the A100 physical parameters
+    .venv/bin/python benchmarks/planner_accuracy.py --calibrate-trainium  # refit Trainium1 on its NxD set
 
-Data (/work/shared/reference, see its README):
-  narayanan2021_table1.csv   GPT 1.7B-1T on Selene (DGX A100 80GB, 8x HDR IB): achieved TFLOP/s per GPU ->
-                             step time = 96 B s l h^2 (1 + s/6h + V/16lh) / (TFLOP/s * GPUs) (their FLOP count,
-                             which includes the recompute forward). Microbatch and schedule are not published:
-                             the planner picks its best among microbatch <= 8, 1F1B or interleaved, for the
-                             published tp/pp, full recompute, DDP.
-  korthikanti2022_table5.csv  22B-1T iteration times, full recompute and SP + selective, published tp/pp/mb/v.
-  vtrain_ground_truth_single.csv  1,440 single-node Megatron runs (vTrain configs: A100, full recompute
-                             "use_checkpoint": true, 1F1B, no gradient bucketing).
-Megatron-era software: unfused attention (no FlashAttention), fp16 gradient all-reduce, no overlap of the
-gradient all-reduce with backward (dp_overlap = 0 on these systems).
+Calibration data: /work/shared/reference (see its README): Narayanan et al. 2021 Table 1 (step time = 96 B s l
+h^2 (1 + s/6h + V/16lh) / (TFLOP/s x GPUs); microbatch and schedule not published: the planner's best for the
+published tp/pp), Korthikanti et al. 2022 Table 5, vTrain single-node (1,440 Megatron runs, full recompute,
+no bucketing; Megatron-era software: unfused attention, fp16 gradients, no DP overlap); and
+benchmarks/data/calibration_runs.csv: torchtitan on one Grand Teton node (the 500 W H100's peak), the public
+NeuronX Distributed figures (Trainium1).
 
-Calibration (--calibrate) fits four physical parameters of the A100 entry (matmul_eff_max, kernel_overhead_s,
-memory_bw_eff, NVLink bw_eff) by a coarse grid search minimising the mean of the three data sets' MAPE; the
-values found are written into hardware/catalog/*.toml by hand with this command as their source.
+Evaluation data: vTrain multi-node (benchmarks/planner_vtrain_multi.csv) and benchmarks/data/eval_runs.csv
+(torchtitan H100/A100, NeMo / Megatron-Bridge DGX-H100, Llama 3 paper, Neuron trn1), one row per published run
+with its source; fields marked "best" were not published and take the planner's best fitting choice. Each
+run's software is its stack's (plan.stacks, as `plan --stack`), plus its precision, torch.compile and TP
+overlap. A100 calibration (--calibrate): coordinate descent over five global A100 parameters minimising the
+mean MAPE of the three A100 sets; values are written into hardware/catalog/*.toml by hand with the command as
+their source.
 """
 
 from __future__ import annotations
