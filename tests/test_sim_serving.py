@@ -71,5 +71,7 @@ def test_length_distributions_and_bad_input():
     assert reqs.prompt.min() >= 100 and reqs.prompt.max() <= 900 and len(np.unique(reqs.output)) > 50
     res = simulate(MODEL, SYSTEM, REP, reqs, ENGINE)
     assert res.requests == 200 and np.isfinite(res.ttft_s["p99"])
+    with pytest.raises(ValueError, match="spec_tokens = 2"):
+        simulate(MODEL, SYSTEM, Replica(spec_tokens=2, draft="tiny"), reqs, ENGINE)
     with pytest.raises(ValueError, match="prompt = \\(5, 1\\)"):
         Requests.poisson(1.0, 10, (5, 1), 10)

@@ -58,7 +58,8 @@ def register(subparsers) -> None:
     _model_hw(est)
     _replica_args(est)
     _mix_args(est)
-    est.add_argument("--batch", type=int, default=1, help="concurrent sequences on the replica")
+    est.add_argument("--batch", default="1",
+                     help="concurrent sequences on the replica; a comma list (1,8,32,128) prints one row each")
     _stack_arg(est)
     est.set_defaults(func=cmd_estimate)
 
@@ -69,6 +70,9 @@ def register(subparsers) -> None:
     pl.add_argument("--weights", default="bf16", help="weight precisions to search, comma-separated (bf16,fp8,int8,int4)")
     pl.add_argument("--kv", default="bf16", help="KV-cache precisions to search, comma-separated")
     pl.add_argument("--top", type=int, default=5, help="how many deployments to show")
+    pl.add_argument("--simulate", type=int, default=0, metavar="REQUESTS",
+                    help="check the best deployment with the request-level simulator: one replica at its share of "
+                         "the rate, this many Poisson requests (p50/p99 TTFT and ITL, SLO attainment)")
     pl.add_argument("--price-per-node-hour-usd", type=float, default=None, dest="price",
                     help="USD per node-hour (overrides the catalog; needed where it has no price)")
     _purchase_arg(pl)
@@ -159,13 +163,34 @@ def cmd_estimate(args) -> int:
     from paratrain.plan.serve import estimate, serving_efficiency
 
     model, system = _load(args)
-    est = estimate(model, system, _replica(args), args.batch, args.prompt, args.output,
-                   serving_efficiency(system, args.stack))
+    eff = serving_efficiency(system, args.stack)
+    ests = [estimate(model, system, _replica(args), b, args.prompt, args.output, eff) for b in _batches(args.batch)]
     if args.json:
-        print(json.dumps(clean(est.to_dict()), indent=2))
+        out = [clean(e.to_dict()) for e in ests]
+        print(json.dumps(out[0] if len(out) == 1 else out, indent=2))
         return 0
-    _print_estimate(est)
+    if len(ests) == 1:
+        _print_estimate(ests[0])
+        return 0
+    print(f"{'batch':>6} {'TTFT ms':>8} {'ITL ms':>7} {'step ms':>8} {'req/s':>7} {'out tok/s':>10} {'KV GiB/dev':>10} fits")
+    for e in ests:
+        print(f"{e.batch:>6} {e.ttft_s * 1e3:>8.1f} {e.itl_s * 1e3:>7.2f} {e.decode_step_s * 1e3:>8.2f} "
+              f"{e.requests_per_s:>7.2f} {e.output_tokens_per_s:>10,.0f} {e.kv_bytes_per_device / 2**30:>10.2f} "
+              f"{'yes' if e.fits else 'NO'}")
+    print(f"at most {ests[0].max_sequences} sequences of {args.prompt + args.output} tokens fit per replica")
     return 0
+
+
+def _batches(text: str) -> list[int]:
+    from paratrain.cli import UserError
+
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise UserError(f"--batch = {text!r}: allowed: an integer >= 1 or a comma list of them (1,8,32)")
+    return values
 
 
 def _print_estimate(est) -> None:
@@ -204,9 +229,14 @@ def cmd_plan(args) -> int:
     if args.price is not None and not args.price > 0:
         raise UserError(f"--price-per-node-hour-usd = {args.price}: must be > 0")
     costs = [serving_cost(p, system, target, args.price, args.purchase) for p in plans]
+    if args.simulate < 0:
+        raise UserError(f"--simulate = {args.simulate}: must be >= 0 requests")
+    check = _simulate_best(model, system, plans[0], target, args.simulate, serving_efficiency(system, args.stack)) \
+        if args.simulate else None
     if args.json:
         print(json.dumps(clean({"target": vars(target), "deployments": [
-            {**p.to_dict(), "cost": c.to_dict()} for p, c in zip(plans, costs, strict=True)]}), indent=2))
+            {**p.to_dict(), "cost": c.to_dict()} for p, c in zip(plans, costs, strict=True)],
+            "simulated": None if check is None else check.to_dict()}), indent=2))
         return 0
     print(f"{model.name} on {system.name}: {target.rate:g} req/s of {target.prompt}+{target.output} tokens, "
           f"TTFT <= {target.ttft_s or '-'} s, ITL <= {target.itl_s or '-'} s, planned at <= {target.max_utilization:.0%} load")
@@ -223,11 +253,27 @@ def cmd_plan(args) -> int:
     print(f"chips per 1,000 req/s: {best.chips_per_1000_rps:,.0f}"
           + ("" if best.output_tokens_per_s_per_mw is None else
              f"; output tokens/s per MW of accelerators: {best.output_tokens_per_s_per_mw:,.0f}"))
+    if check is not None:
+        print(f"simulated (one replica at {target.rate / plans[0].replicas:.2f} req/s, {check.requests} requests): "
+              f"TTFT p50 {check.ttft_s['p50'] * 1e3:.0f} ms p99 {check.ttft_s['p99'] * 1e3:.0f} ms; ITL p50 "
+              f"{check.itl_s['p50'] * 1e3:.1f} ms p99 {check.itl_s['p99'] * 1e3:.1f} ms; TPOT mean "
+              f"{check.tpot_s['mean'] * 1e3:.1f} ms; SLO met by {check.slo_attainment:.1%} of requests")
     if best.usd_per_hour is None:
         print(f"note: {best.price_source}; pass --price-per-node-hour-usd for costs")
     else:
         print(f"price: {best.price_source}")
     return 0
+
+
+def _simulate_best(model, system, deployment, target, requests: int, eff):
+    """The request-level simulator on one replica of the deployment at its share of the rate, with the
+    deployment's batch as the running-sequence limit."""
+    from paratrain.sim.serving import Engine, Requests, Slo, simulate
+
+    rep = deployment.estimate.replica
+    reqs = Requests.poisson(target.rate / deployment.replicas, requests, target.prompt, target.output)
+    return simulate(model, system, rep, reqs, Engine(max_seqs=deployment.estimate.batch),
+                    Slo(target.ttft_s, target.itl_s), eff)
 
 
 def cmd_recommend(args) -> int:

@@ -165,6 +165,9 @@ def _percentiles(values: np.ndarray, weights: np.ndarray | None = None) -> dict[
 def simulate(model: ModelConfig, system: System, rep: Replica, requests: Requests, engine: Engine | None = None,
              slo: Slo | None = None, eff: ServingEfficiency | None = None) -> SimResult:
     """Run the requests through one replica; latency percentiles, throughput and goodput under the SLO."""
+    if rep.spec_tokens:
+        raise ValueError(f"spec_tokens = {rep.spec_tokens}: the serving simulator does not model speculative "
+                         "decoding; allowed: 0 (use `serve estimate` for its analytic effect)")
     engine = engine or Engine()
     slo = slo or Slo()
     eff = eff or serving_efficiency(system)
