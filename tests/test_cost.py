@@ -410,6 +410,11 @@ def test_claims_report_each_claim_with_the_seed_ours_why_and_a_command(capsys):
     text = " ".join(claims[4]["ours"])
     assert f"trn3-ultraserver / trn2-ultraserver: {gen:.2f}x tokens per MWh" in text
     assert "trainium2 500 W (hardware-facts.md" in text and "trainium3 1000 W (press reports" in text
+    # the Markdown table docs/cost.md pastes: one row per claim, then every command once
+    from paratrain.cost.claims import markdown
+
+    table = markdown(out)
+    assert table.count("\n| ") == 5 and all(c["commands"][0] in table for c in claims if c["commands"])
     # the printed command reproduces the 7B rows
     args = claims[0]["commands"][0].split()[1:]
     assert main([*args, "--json"]) == 0

@@ -300,6 +300,24 @@ def run_all(assumptions: Assumptions, progress=None) -> dict:
             "_rows": rows}
 
 
+def markdown(out: dict) -> str:
+    """The claims as the Markdown table docs/cost.md shows (one row per claim; `ours` one line per cell line)."""
+    def cell(text: str) -> str:
+        return text.replace("|", "\\|").strip()
+
+    lines = ["| claim (source) | the seed's number | ours | why they differ |", "|---|---|---|---|"]
+    for c in out["claims"]:
+        ours = "<br>".join(cell(x) for x in c["ours"])
+        lines.append(f"| {cell(c['claim'])} ({cell(c['source'])}) | {cell(c['seed'])} | {ours} | {cell(c['why'])} |")
+    lines.append("")
+    lines.append("Commands (each reproduces its rows):")
+    lines.append("")
+    lines.append("```")
+    lines += list(dict.fromkeys(cmd for c in out["claims"] for cmd in c["commands"]))
+    lines.append("```")
+    return "\n".join(lines)
+
+
 def run_claims(args, assumptions: Assumptions, progress_factory) -> int:
     from paratrain.cost.commands import write_sensitivity_plot
 
@@ -313,6 +331,9 @@ def run_claims(args, assumptions: Assumptions, progress_factory) -> int:
                                    run.what) for run in RUNS]
     if args.json:
         print(json.dumps(out, indent=2))
+        return 0
+    if getattr(args, "markdown", False):
+        print(markdown(out))
         return 0
     for i, claim in enumerate(out["claims"], 1):
         print(f"claim {i}: {claim['claim']}")

@@ -103,6 +103,8 @@ def register(sub) -> None:
     c.add_argument("--claims", action="store_true", help="run the source documents' cost claims (trn1 vs p4d on "
                    "7B; Trn2/Trn3 vs H100/H200/B200 on 70B and 405B; tokens per MWh across Trainium generations) "
                    "and print each claim, the seed's number, ours and why they differ")
+    c.add_argument("--markdown", action="store_true", help="with --claims: print the claims as the Markdown table "
+                   "of docs/cost.md")
     _add_common(c)
     c.set_defaults(func=run_compare)
 
