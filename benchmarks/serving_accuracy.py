@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 
@@ -45,6 +46,10 @@ INT_FIELDS = ("tp", "batch", "prompt", "output")
 # table: NxD Inference runs on the same chips and collectives library as transformers-neuronx but with fused
 # attention/MLP kernels, so its 2 trn2 rows refit the prefill rate only.
 INHERITS = {"aws": ("aws-tnx-2024", ("prefill_flops_eff",))}
+# Each stack's prefill attention kernel (a software fact, not fitted): NxD Inference runs its fused attention
+# kernel (--attn-kernel-enabled in the tutorials' configs), TensorRT-LLM and vLLM fused (flash) attention;
+# transformers-neuronx as the Neuron training stack, unfused (catalog stack of trn1).
+ATTENTION = {"nvidia": "flash", "nvidia-trtllm-2023": "flash", "aws": "flash", "aws-tnx-2024": "unfused"}
 
 
 def load_rows(path: Path = DATA) -> list[dict]:
@@ -68,7 +73,7 @@ def family(row: dict) -> str:
 def write_tables(rows: list[dict]) -> None:
     """Fit each stack family on its calibration rows and rewrite serving_efficiency.toml (header kept)."""
     text = EFFICIENCY_FILE.read_text()
-    header = text[:text.index("\n[")] + "\n"
+    header = text[:text.index("\n[")].rstrip("\n") + "\n"
     tables = []
     fitted_tables: dict = {}
     for fam in sorted({family(r) for r in rows}, key=lambda f: f in INHERITS):  # parents first
@@ -76,11 +81,13 @@ def write_tables(rows: list[dict]) -> None:
         parent, free = INHERITS.get(fam, (None, EFFICIENCY_FIELDS))
         start = (fitted_tables[parent] if parent else _efficiency_tables(str(EFFICIENCY_FILE)).get(fam)
                  or serving_efficiency(cal[0]["system"]))
+        start = replace(start, attention=ATTENTION[fam])
         fitted = fit(cal, start, free=free)
         fitted_tables[fam] = fitted
         software = sorted({r["software"].split(" (")[0] for r in cal})
         fitted_what = "" if parent is None else f"{', '.join(free)} (the rest from [{parent}]) "
         lines = [f"[{fam}]"] + [f"{n} = {float(f'{getattr(fitted, n):.3g}')!r}" for n in EFFICIENCY_FIELDS]
+        lines.append(f'attention = "{ATTENTION[fam]}"')
         lines.append(f'source = "{fitted_what}fitted {date.today()} by benchmarks/serving_accuracy.py --calibrate on the {len(cal)} '
                      f'{fam} calibration rows of benchmarks/serving_measurements.csv ({", ".join(software)}); '
                      f'mean |log error| {loss(cal, fitted):.3f}"')

@@ -86,6 +86,13 @@ def test_weights_and_capacity_follow_memory():
     # paged: a sequence of 17 tokens takes two 16-token pages, as many as 32 tokens
     assert max_sequences(L70, h100, rep, PAGE_TOKENS + 1) == max_sequences(L70, h100, rep, 2 * PAGE_TOKENS)
     assert max_sequences(L70, h100, Replica(tp=1), 2048) == 0  # 141 GB of weights on one 80 GB GPU
+    # pipeline stages: every device holds its layers' KV of every sequence, and what it holds must fit
+    from paratrain.plan.serve import kv_budget_bytes, kv_pages_bytes_per_sequence
+
+    for rep in (Replica(tp=4), Replica(tp=4, pp=2), Replica(tp=2, pp=4)):
+        n = float(max_sequences(L70, h100, rep, 2048))
+        per_seq = float(kv_pages_bytes_per_sequence(L70, rep, 2048))
+        assert n * per_seq <= kv_budget_bytes(L70, h100, rep) < (n + 1) * per_seq
 
 
 def test_decode_is_bandwidth_bound_prefill_compute_bound():

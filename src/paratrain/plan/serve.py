@@ -59,8 +59,11 @@ class ServingEfficiency:
     layer_overhead_s: float
     collective_us: float
     source: str = ""
+    attention: str = "flash"  # the stack's prefill attention: "flash" (fused, causal half) or "unfused"
 
     def __post_init__(self) -> None:
+        if self.attention not in ("flash", "unfused"):
+            raise ValueError(f"attention = {self.attention!r}: allowed: flash, unfused")
         for name in ("decode_bw_eff", "kv_bw_eff", "prefill_flops_eff"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be in (0, 1]")
@@ -96,7 +99,8 @@ def serving_efficiency(system: System, stack: str | None = None, path: Path | No
     return ServingEfficiency(decode_bw_eff=eff.memory_bw_eff, kv_bw_eff=eff.memory_bw_eff,
                              prefill_flops_eff=eff.matmul_eff_max, layer_overhead_s=8 * eff.kernel_overhead_s,
                              collective_us=0.0, source=f"no serving table for vendor {system.chip.vendor!r}: "
-                             "the chip's training efficiency (uncalibrated for serving)")
+                             "the chip's training efficiency (uncalibrated for serving)",
+                             attention=system.stack.attention if system.stack is not None else "flash")
 
 
 @dataclass(frozen=True)
@@ -221,7 +225,7 @@ def prefill_time_s(model: ModelConfig, system: System, rep: Replica, prompt_toke
     n = np.asarray(prompts, dtype=float)
     tokens = s * n
     layers = math.ceil(model.layers / rep.pp)
-    attention = attention or (system.stack.attention if system.stack is not None else "flash")
+    attention = attention or eff.attention
     square = 1.0 if attention == "unfused" else 0.5  # causal: a fused kernel skips the masked half
     attn_flops = layers * n * 4.0 * square * s * s * model.hidden / rep.tp
     flops = 2.0 * tokens * _matmul_params_stage(model, rep) + attn_flops
@@ -313,8 +317,8 @@ def max_sequences(model: ModelConfig, system: System, rep: Replica, tokens_per_s
     """Concurrent sequences of that length one replica's KV cache holds (0: the weights do not fit)."""
     budget = kv_budget_bytes(model, system, rep)
     per_seq = kv_pages_bytes_per_sequence(model, rep, tokens_per_sequence)
-    seqs = np.floor(np.maximum(budget, 0.0) / per_seq)
-    return seqs * rep.pp  # each pipeline stage holds the KV of its own layers for every sequence
+    # every pipeline stage holds the KV of its own layers for every sequence: per_seq is already per stage
+    return np.floor(np.maximum(budget, 0.0) / per_seq)
 
 
 # ---- one operating point -------------------------------------------------------------------------------
@@ -384,7 +388,7 @@ def estimate(model: ModelConfig | str, system: System | str, rep: Replica, batch
     point = {k: float(np.asarray(v)) for k, v in operating_point(model, system, rep, batch, prompt, output, eff).items()}
     seqs = int(max_sequences(model, system, rep, prompt + output))
     per_tok = kv_bytes_per_token(model, rep.kv, rep.tp, rep.pp)
-    kv = float(kv_pages_bytes_per_sequence(model, rep, prompt + output)) * batch / rep.pp
+    kv = float(kv_pages_bytes_per_sequence(model, rep, prompt + output)) * batch  # per device (its stage's layers)
     est = ServeEstimate(
         model=model.name, system=system.name, replica=rep, devices=rep.devices,
         chips=rep.devices / system.devices_per_chip, batch=batch, prompt=prompt, output=output,
