@@ -2,12 +2,11 @@
 # Environment for torchrun jobs on trn1.32xlarge / trn1n.32xlarge (16 Trainium chips = 32 NeuronCores per node;
 # 8 EFA devices on trn1.32xlarge, 16 on trn1n.32xlarge).
 #
-# IMPORTANT: paratrain's training runtime is PyTorch on CPU (gloo) or CUDA (NCCL). Running it on Trainium would
-# need torch-neuronx (the XLA / Neuron device and its "xla"/"neuron" process-group backend), which this runtime
-# does not provide: `paratrain train` does not run on NeuronCores today. What paratrain does for Trainium is
-# plan, estimate and simulate (`paratrain plan --hardware trn1.32xlarge ...`). This file records the node
-# settings a Neuron torchrun job uses, so that the launch side (rendezvous, EFA) is ready when a Neuron runtime
-# exists; it is not a tested configuration.
+# IMPORTANT: Trn1 is served by the older XLA-based torch-neuronx path, not by TorchNeuron (AWS's native PyTorch
+# backend, Trainium2/3 only), so `paratrain train` does not run on trn1 NeuronCores; for trn1 paratrain plans,
+# estimates and simulates (`paratrain plan --hardware trn1.32xlarge ...`). Trn2/Trn3 run with train.device =
+# "neuron": see recipes/aws/trn2-neuron.env.sh and recipes/slurm/paratrain-trainium.sbatch. This file records the
+# node settings a trn1 Neuron torchrun job uses; it is not a tested configuration.
 #
 # Sources: AWS Neuron documentation, "How to prepare trn1.32xlarge for multi-node execution" (EFA setup) and the
 # Neuron Runtime environment-variable reference (NEURON_RT_*); torch-neuronx multi-node training tutorials

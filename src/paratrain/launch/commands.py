@@ -66,8 +66,9 @@ def register(subparsers) -> None:
     g = p.add_argument_group("nodes and processes")
     g.add_argument("--nnodes", default=pet("NNODES", "1"), help="node count N, or MIN:MAX for an elastic job (default 1)")
     g.add_argument("--nproc-per-node", default=pet("NPROC_PER_NODE", "auto"),
-                   help="processes per node: a number, 'gpu' (one per CUDA device) or 'auto' (default: one per "
-                        "CUDA device, else 1)")
+                   help="processes per node: a number, 'gpu' (one per accelerator device: CUDA GPU, logical "
+                        "NeuronCore), 'auto' (default: one per accelerator device, else 1), or a catalog system "
+                        "(its devices per node, e.g. trn2.48xlarge: 64)")
     g.add_argument("--node-rank", type=int, default=pet("NODE_RANK"),
                    help="this node's rank for a static (non-elastic) rendezvous; omit for c10d")
     r = p.add_argument_group("rendezvous and restarts")
@@ -110,7 +111,14 @@ def resolve_nproc(text: str) -> int:
         if text == "gpu" and not gpus:
             raise ValueError("--nproc-per-node=gpu: this torch build sees no accelerator device; give a number")
         return gpus or 1
-    raise ValueError(f"--nproc-per-node='{text}': allowed: a number >= 1, 'gpu' or 'auto'")
+    from paratrain.hardware.catalog import get_catalog
+
+    systems = get_catalog().systems
+    if text in systems:  # ranks per node from the catalog: one per device unit (GPU, logical NeuronCore)
+        return systems[text].devices_per_node
+    raise ValueError(f"--nproc-per-node='{text}': allowed: a number >= 1, 'gpu', 'auto' (the accelerators torch "
+                     f"sees) or a catalog system (its devices per node, e.g. trn2.48xlarge = "
+                     f"{systems['trn2.48xlarge'].devices_per_node})")
 
 
 def merge_extra(args) -> None:
