@@ -291,7 +291,9 @@ def test_every_system_has_a_dated_price_or_a_break_even_in_its_place():
     for system in get_catalog().systems.values():
         prices = system.prices
         if not prices.quotes:  # an explicit reason in a [prices.X] table, not the loader's default
-            assert prices.no_public_price.strip() and prices.no_public_price != NO_PRICE_TABLE, system.name
+            assert prices.no_public_price.strip() and prices.no_public_price != NO_PRICE_TABLE, (
+                f"{system.name}: add a [prices.{system.name}] table to hardware/catalog/prices.toml: a quote per purchase "
+                "option (usd_per_node_hour, region, source, date) or no_public_price = 'why'")
             unpriced.append(system.name)
             continue
         for option, quote in prices.quotes.items():
