@@ -75,3 +75,22 @@ def test_length_distributions_and_bad_input():
         simulate(MODEL, SYSTEM, Replica(spec_tokens=2, draft="tiny"), reqs, ENGINE)
     with pytest.raises(ValueError, match="prompt = \\(5, 1\\)"):
         Requests.poisson(1.0, 10, (5, 1), 10)
+
+
+def test_simulate_cli_with_a_trace_and_length_ranges(tmp_path, capsys):
+    import json
+
+    from paratrain.cli import main
+
+    trace = tmp_path / "trace.csv"
+    trace.write_text("arrival_s,prompt,output\n0.0,100,20\n0.05,300,50\n0.1,200,10\n0.3,1000,100\n")
+    assert main(["serve", "simulate", "--model", "llama3-8b", "--hardware", "p5.48xlarge", "--trace", str(trace),
+                 "--json"]) == 0
+    (only,) = json.loads(capsys.readouterr().out)["results"]
+    assert only["requests"] == 4 and only["ttft_s"]["p50"] > 0
+    assert main(["serve", "simulate", "--model", "llama3-8b", "--hardware", "p5.48xlarge", "--rate", "5:10:2",
+                 "--prompt", "100:300", "--output", "10:20", "--requests", "50", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["results"]) == 2
+    assert main(["serve", "simulate", "--model", "llama3-8b", "--hardware", "p5.48xlarge", "--rate", "5",
+                 "--prompt", "9:1", "--output", "5"]) == 2
+    assert "--prompt = '9:1'" in capsys.readouterr().err

@@ -96,8 +96,11 @@ def register(subparsers) -> None:
     sim = sub.add_parser("simulate", help="request-level simulation: p50/p90/p99 TTFT and ITL, goodput, over rates")
     _model_hw(sim)
     _replica_args(sim)
-    _mix_args(sim)
-    sim.add_argument("--rate", required=True, help="requests/s: one value, or LO:HI:N for N rates")
+    sim.add_argument("--prompt", default=None, help="input tokens per request: N, or LO:HI (uniform)")
+    sim.add_argument("--output", default=None, help="output tokens per request: N, or LO:HI (uniform)")
+    sim.add_argument("--rate", default=None, help="Poisson requests/s: one value, or LO:HI:N for N rates")
+    sim.add_argument("--trace", default=None, metavar="CSV",
+                     help="given arrivals instead of --rate: a CSV with columns arrival_s,prompt,output")
     sim.add_argument("--requests", type=int, default=1000, help="requests per rate (default 1000)")
     sim.add_argument("--token-budget", type=int, default=8192, help="tokens per iteration (chunked prefill)")
     sim.add_argument("--max-seqs", type=int, default=256, help="most sequences running at once")
@@ -321,20 +324,73 @@ def _rates(text: str) -> list[float]:
     raise UserError(f"--rate = {text!r}: allowed: a rate > 0, or LO:HI:N (0 < LO <= HI, N >= 1 rates)")
 
 
+def _length(text: str, name: str):
+    """N or LO:HI (uniform) tokens."""
+    from paratrain.cli import UserError
+
+    try:
+        parts = [int(x) for x in text.split(":")]
+    except ValueError:
+        parts = []
+    if len(parts) == 1 and parts[0] >= 1:
+        return parts[0]
+    if len(parts) == 2 and 1 <= parts[0] <= parts[1]:
+        return tuple(parts)
+    raise UserError(f"--{name} = {text!r}: allowed: a token count >= 1, or LO:HI with 1 <= LO <= HI")
+
+
+def _trace(path: str):
+    """Requests from a CSV (arrival_s,prompt,output), sorted by arrival."""
+    import csv
+
+    import numpy as np
+
+    from paratrain.cli import UserError
+    from paratrain.sim.serving import Requests
+
+    try:
+        with open(path, newline="") as fh:
+            rows = list(csv.DictReader(fh))
+        arrival = np.array([float(r["arrival_s"]) for r in rows])
+        prompt = np.array([int(r["prompt"]) for r in rows])
+        output = np.array([int(r["output"]) for r in rows])
+    except FileNotFoundError:
+        raise UserError(f"--trace {path}: no such file") from None
+    except (KeyError, ValueError, TypeError) as exc:
+        raise UserError(f"--trace {path}: need columns arrival_s (s), prompt, output (tokens >= 1): {exc}") from None
+    if len(rows) < 2 or prompt.min() < 1 or output.min() < 1 or arrival.min() < 0:
+        raise UserError(f"--trace {path}: need >= 2 requests, arrival_s >= 0, prompt and output >= 1")
+    order = np.argsort(arrival, kind="stable")
+    return Requests(arrival[order], prompt[order], output[order])
+
+
 def cmd_simulate(args) -> int:
     import time
 
+    from paratrain.cli import UserError
     from paratrain.plan.serve import check_replica, serving_efficiency
     from paratrain.sim.serving import Engine, Slo, sweep
 
     model, system = _load(args)
     rep = _replica(args)
     check_replica(model, system, rep)
-    rates = _rates(args.rate)
+    engine = Engine(token_budget=args.token_budget, max_seqs=args.max_seqs)
+    slo, eff = Slo(args.ttft, args.itl), serving_efficiency(system, args.stack)
+    if (args.trace is None) == (args.rate is None):
+        raise UserError("give either --rate (Poisson arrivals, with --prompt and --output) or --trace CSV")
     start = time.perf_counter()
-    results = sweep(model, system, rep, rates, args.requests, args.prompt, args.output,
-                    Engine(token_budget=args.token_budget, max_seqs=args.max_seqs), Slo(args.ttft, args.itl), args.seed,
-                    serving_efficiency(system, args.stack))
+    if args.trace:
+        from paratrain.sim.serving import simulate
+
+        reqs = _trace(args.trace)
+        rate = (len(reqs.arrival_s) - 1) / max(reqs.arrival_s[-1] - reqs.arrival_s[0], 1e-9)
+        results = [(rate, simulate(model, system, rep, reqs, engine, slo, eff))]
+        args.requests, args.prompt, args.output = len(reqs.arrival_s), "trace", "trace"
+    else:
+        if args.prompt is None or args.output is None:
+            raise UserError("--rate needs --prompt and --output (N or LO:HI tokens)")
+        results = sweep(model, system, rep, _rates(args.rate), args.requests, _length(args.prompt, "prompt"),
+                        _length(args.output, "output"), engine, slo, args.seed, eff)
     seconds = time.perf_counter() - start
     if args.json:
         print(json.dumps(clean({"seconds": seconds, "results": [{"rate": r, **res.to_dict()} for r, res in results]}),
