@@ -30,13 +30,19 @@ PLAN_HELP = """\
 Search every valid layout (tp, pp, cp, sp, dp, microbatch, recompute, ZeRO stage / FSDP, pipeline schedule,
 virtual stages) that fits in memory, and rank by step time (or by USD per token with --objective cost, which
 also tries fewer nodes: powers of two down from --nodes). Only the choices the system's usual training stack
-supports are searched (NxD on Trn1: ZeRO-1, 1F1B/interleaved); --any-stack lifts that.
+supports are searched (NxD on Trn1: ZeRO-1, 1F1B/interleaved); --any-stack lifts that, --stack NAME searches
+what that software supports and times it as it runs (nxd: ZeRO-1 with the post-step gather exposed; megatron:
+distributed optimizer with overlapped gathers, bf16 gradients, Transformer Engine TP overlap; fsdp2: torchtitan's
+FSDP/HSDP layer by layer; deepspeed: ZeRO-1..3). --fp8 runs the layer matmuls at the FP8 peak. MFU counts
+attention causally (the timing convention); the full-square MFU of papers is printed beside it.
 
 examples:
   paratrain plan --model llama2-7b --hardware trn1.32xlarge --nodes 128 --seq 4096 --global-batch 1024
   paratrain plan --model llama3-70b --hardware p5.48xlarge --nodes 128 --seq 8192 --global-batch 1024 --top 5 --json
   paratrain plan --model llama2-7b --hardware p4d.24xlarge --nodes 64 --seq 4096 --global-batch 1024 \\
       --objective cost --train-tokens 2e12 --max-days 30
+  paratrain plan --model llama3-70b --hardware trn1.32xlarge --nodes 16 --seq 8192 --global-batch 1024 --stack nxd
+  paratrain plan --model llama3-70b --hardware dgx-h100 --nodes 8 --seq 8192 --global-batch 256 --stack megatron --fp8
   paratrain plan ... --write-config configs/planned.toml   # then: paratrain train --config configs/planned.toml
 
 Each pipelined layout is ranked with its best layers-per-stage split (parallel.pp_layers, written by
