@@ -31,11 +31,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from paratrain.hardware.catalog import resolve_system  # noqa: E402
-from paratrain.model.config import load_model_config  # noqa: E402
 from paratrain.plan.serve import (  # noqa: E402
     EFFICIENCY_FIELDS,
     EFFICIENCY_FILE,
     _efficiency_tables,
+    load_serving_model,
     serving_efficiency,
 )
 from paratrain.plan.serve_fit import errors, fit, loss  # noqa: E402
@@ -60,7 +60,7 @@ def load_rows(path: Path = DATA) -> list[dict]:
             row[key] = int(row[key])
         row["value"] = float(row["value"])
         model = row["model"]
-        row["model_config"] = load_model_config(ROOT / model if model.endswith(".toml") else model)
+        row["model_config"] = load_serving_model(ROOT / model if model.endswith(".toml") else model)
         row["system"] = resolve_system(row["hardware"])
     return rows
 

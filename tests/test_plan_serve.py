@@ -229,3 +229,23 @@ def test_fit_recovers_known_efficiencies_and_reads_generate_summaries():
     assert tpot["weights"] == "fp32" and predict(tpot) > 0
     with pytest.raises(ValueError, match="--no-cache"):
         measurements_from_generate({**summary, "use_cache": False}, h100)
+
+
+def test_mixture_of_experts_reads_the_experts_its_tokens_route_to():
+    from paratrain.plan.serve import MOE_PRESETS, load_serving_model
+
+    mix = load_serving_model("mixtral-8x7b")
+    assert mix is MOE_PRESETS["mixtral-8x7b"] and 46e9 < mix.num_params() < 47.5e9  # Mixtral 8x7B: 46.7B
+    assert 12e9 < mix.layers * mix.active_params_per_layer() + mix.vocab * mix.hidden < 13.5e9  # 12.9B active
+    h200 = resolve_system("p5en.48xlarge")
+    one, eight, many = (float(decode_step_s(mix, h200, Replica(tp=2), b, 160)) for b in (1, 8, 256))
+    # batch 1 reads 2 of 8 experts per layer, batch 8 about 7.2 (1 - (6/8)^8), then all 8: weights dominate
+    assert one < 0.5 * eight and many > eight
+    ep = float(decode_step_s(mix, h200, Replica(tp=2, ep=2), 8, 160))
+    assert ep != eight  # all-to-all instead of all-reduce
+    with pytest.raises(ValueError, match="ep = 2: needs a mixture-of-experts model"):
+        estimate(L70, H100, Replica(tp=2, ep=2), 1, 128, 128)
+    with pytest.raises(ValueError, match="ep = 3"):
+        estimate(mix, h200, Replica(tp=2, ep=3), 1, 128, 128)
+    plans = plan(mix, h200, Target(rate=5, prompt=512, output=128, itl_s=0.05))
+    assert plans and plans[0].estimate.itl_s <= 0.05

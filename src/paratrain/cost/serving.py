@@ -12,8 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from paratrain.hardware.catalog import PURCHASE_OPTIONS, System, resolve_system
-from paratrain.model.config import ModelConfig, load_model_config
-from paratrain.plan.serve import ServePlan, Target, plan
+from paratrain.model.config import ModelConfig
+from paratrain.plan.serve import ServePlan, Target, load_serving_model, plan
 
 # Serving workloads when the user names only the kind. Assumptions (stated, not measured): a chat turn of
 # ~1k tokens of history and a ~250-token answer streamed faster than reading speed; RAG prompts of 8k
@@ -107,7 +107,7 @@ def recommend(kind: str, model: ModelConfig | str, rate: float, systems: tuple[s
               purchase: str = "on-demand", **overrides) -> tuple[Target, list[Candidate]]:
     """Every system's cheapest deployment for the workload, ranked by $/M tokens; systems without a price are
     planned but not ranked (their break-even node price against the winner is given instead)."""
-    model = model if isinstance(model, ModelConfig) else load_model_config(model)
+    model = load_serving_model(model)
     target = workload_target(kind, rate, **overrides)
     prices = prices or {}
     cands = []

@@ -34,10 +34,67 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
+from pydantic import Field
 
 from paratrain.hardware.catalog import System, Tier, resolve_system
 from paratrain.model.config import ModelConfig, load_model_config
 from paratrain.plan.model import BF16_BYTES, collective_time_s, p2p_time_s, soft_roofline
+
+
+class MoEConfig(ModelConfig):
+    """A mixture-of-experts decoder for the serving model (the runtime's Llama has no experts): every MLP is
+    `experts` SwiGLU experts of width `expert_ffn` (default ffn_hidden) and a router; each token goes to
+    `experts_per_token` of them (Mixtral: 8 experts, top 2)."""
+
+    experts: int = Field(gt=1)
+    experts_per_token: int = Field(gt=0)
+    expert_ffn: int | None = Field(default=None, gt=0)
+
+    @property
+    def expert_width(self) -> int:
+        return self.expert_ffn or self.ffn
+
+    def expert_params(self) -> int:
+        return 3 * self.hidden * self.expert_width
+
+    def attention_params_per_layer(self) -> int:
+        h, kv = self.hidden, self.kv_dim
+        return 2 * h * h + 2 * h * kv + 2 * h  # q, o, k, v and the two norms
+
+    def params_per_layer(self) -> int:  # every expert is held (memory), plus the router
+        return self.attention_params_per_layer() + self.experts * self.expert_params() + self.hidden * self.experts
+
+    def active_params_per_layer(self) -> int:  # what one token multiplies with (FLOPs)
+        return self.attention_params_per_layer() + self.experts_per_token * self.expert_params() \
+            + self.hidden * self.experts
+
+
+# Mixtral 8x7B shape (Jiang et al. 2024, and the released config.json)
+MOE_PRESETS = {"mixtral-8x7b": MoEConfig(name="mixtral-8x7b", layers=32, hidden=4096, heads=32, kv_heads=8,
+                                          ffn_hidden=14336, vocab=32000, max_seq=32768, rope_theta=1e6,
+                                          experts=8, experts_per_token=2)}
+
+
+def load_serving_model(spec: str | Path | ModelConfig) -> ModelConfig:
+    """A preset (paratrain's, or a MOE_PRESETS name) or a model TOML; a TOML with `experts` is a MoEConfig."""
+    if isinstance(spec, ModelConfig):
+        return spec
+    key = str(spec)
+    if key in MOE_PRESETS:
+        return MOE_PRESETS[key]
+    if key.endswith(".toml") and Path(key).is_file():
+        with open(key, "rb") as fh:
+            data = tomllib.load(fh)
+        data = data.get("model", data)
+        if "experts" in data:
+            data.setdefault("name", Path(key).stem)
+            return MoEConfig(**data)
+    return load_model_config(spec)
+
+
+def _is_moe(model: ModelConfig) -> bool:
+    return isinstance(model, MoEConfig)
+
 
 # bytes per weight element; int4 weight-only carries one fp16 scale per group of 128 (AWQ/GPTQ's default).
 # fp32: what paratrain's own runtime generates in on a CPU host (its peak is what `paratrain probe` measured).
@@ -107,11 +164,17 @@ def serving_efficiency(system: System, stack: str | None = None, path: Path | No
 class Replica:
     """One serving replica: tp x pp devices, weight / KV-cache precision, optional speculative decoding.
 
+    ep (mixture-of-experts models): the experts of a layer are spread whole over ep of the stage's tp devices
+    (expert parallelism; ep must divide tp and the experts), each token's hidden state sent to the devices of
+    its experts and back (two all-to-alls per layer); ep = 1 splits every expert over the tp devices like a
+    dense MLP (one all-reduce).
+
     spec_tokens: draft tokens per step (0 = off); spec_accept: probability each is accepted; draft: the
     draft model (a preset name or ModelConfig), run on the same devices with the same tp."""
 
     tp: int = 1
     pp: int = 1
+    ep: int = 1
     weights: str = "bf16"
     kv: str = "bf16"
     spec_tokens: int = 0
@@ -119,7 +182,7 @@ class Replica:
     draft: str | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp"):
+        for name in ("tp", "pp", "ep"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ValueError(f"{name} = {getattr(self, name)!r}: must be an integer >= 1")
         if self.weights not in WEIGHT_PRECISIONS:
@@ -148,6 +211,8 @@ def check_replica(model: ModelConfig, system: System, rep: Replica) -> None:
         (model.n_kv_heads % rep.tp == 0 or rep.tp % model.n_kv_heads == 0,
          f"tp = {rep.tp}: must divide or be a multiple of kv_heads = {model.n_kv_heads}"),
         (model.layers >= rep.pp, f"pp = {rep.pp}: must be <= layers = {model.layers}"),
+        (rep.ep == 1 or (_is_moe(model) and rep.tp % rep.ep == 0 and model.experts % rep.ep == 0),
+         f"ep = {rep.ep}: needs a mixture-of-experts model, and ep must divide tp = {rep.tp} and the experts"),
         (rep.tp <= system.devices_per_node,
          f"tp = {rep.tp}: tensor parallelism stays inside one {system.name} ({system.devices_per_node} "
          f"{system.device_unit}s); use pp across nodes"),
@@ -175,16 +240,24 @@ def weight_bytes_per_device(model: ModelConfig, rep: Replica) -> float:
     return (layers + ends / rep.tp) * wb
 
 
-def _streamed_weight_bytes(model: ModelConfig, rep: Replica) -> float:
+def _streamed_weight_bytes(model: ModelConfig, rep: Replica, tokens=1.0):
     """Weight bytes read per forward on the slowest stage: its layers and the output head (the embedding is a
-    lookup of b rows, not a read of the table)."""
+    lookup of b rows, not a read of the table). A mixture-of-experts layer reads only the experts its
+    `tokens` tokens route to: E (1 - (1 - k/E)^tokens) of them in expectation (uniform routing)."""
     wb = WEIGHT_PRECISIONS[rep.weights]
     head = model.vocab * model.hidden
-    return (math.ceil(model.layers / rep.pp) * model.params_per_layer() + head) / rep.tp * wb
+    layers = math.ceil(model.layers / rep.pp)
+    if not _is_moe(model):
+        return (layers * model.params_per_layer() + head) / rep.tp * wb
+    touched = model.experts * (1 - (1 - model.experts_per_token / model.experts) ** np.asarray(tokens, dtype=float))
+    per_layer = model.attention_params_per_layer() + model.hidden * model.experts + touched * model.expert_params()
+    return (layers * per_layer + head) / rep.tp * wb
 
 
 def _matmul_params_stage(model: ModelConfig, rep: Replica) -> float:
-    return (math.ceil(model.layers / rep.pp) * model.params_per_layer() + model.vocab * model.hidden) / rep.tp
+    """Parameters each token multiplies with on the stage (active experts only), per device."""
+    per_layer = model.active_params_per_layer() if _is_moe(model) else model.params_per_layer()
+    return (math.ceil(model.layers / rep.pp) * per_layer + model.vocab * model.hidden) / rep.tp
 
 
 def peak_flops(system: System, weights: str) -> float:
@@ -210,6 +283,10 @@ def _tp_comm_s(system: System, model: ModelConfig, rep: Replica, tokens, layers:
         return np.zeros_like(np.asarray(tokens, dtype=float))
     act = np.asarray(tokens, dtype=float) * model.hidden * BF16_BYTES
     per_layer = 2 * collective_time_s(system, "allreduce", act, rep.tp, 1)
+    if rep.ep > 1:  # the MLP's all-reduce becomes dispatch + combine all-to-alls of k copies per token (an
+        # all-to-all moves (n-1)/n of its buffer like an all-gather: that ring cost stands in for it)
+        a2a = collective_time_s(system, "allgather", act * model.experts_per_token, rep.ep, 1)
+        per_layer = collective_time_s(system, "allreduce", act, rep.tp, 1) + 2 * a2a
     logits = collective_time_s(system, "allgather", np.asarray(tokens, dtype=float) * model.vocab * 4, rep.tp, 1)
     return layers * per_layer + logits
 
@@ -234,7 +311,7 @@ def prefill_time_s(model: ModelConfig, system: System, rep: Replica, prompt_toke
     if attention == "unfused":  # scores written and read once in bf16
         score_bytes = layers * n * 2 * BF16_BYTES * (model.heads / rep.tp) * s * s
     act_bytes = layers * tokens * 8 * model.hidden * BF16_BYTES / rep.tp  # q/k/v/o and MLP activations, roughly
-    memory = (_streamed_weight_bytes(model, rep) + score_bytes + act_bytes) / (
+    memory = (_streamed_weight_bytes(model, rep, tokens) + score_bytes + act_bytes) / (
         system.device_hbm_bw_bytes_per_s * eff.decode_bw_eff)
     stage = soft_roofline(compute, memory) + layers * eff.layer_overhead_s + _tp_comm_s(sys_s, model, rep, tokens, layers)
     hand_off = p2p_time_s(sys_s, tokens * model.hidden * BF16_BYTES, rep.tp) if rep.pp > 1 else 0.0
@@ -255,7 +332,7 @@ def decode_step_s(model: ModelConfig, system: System, rep: Replica, batch, conte
     flops = 2.0 * tokens * _matmul_params_stage(model, rep) + layers * tokens * 4.0 * c * model.hidden / rep.tp
     compute = flops / (peak_flops(system, rep.weights) * eff.prefill_flops_eff)
     bw = system.device_hbm_bw_bytes_per_s
-    weights = _streamed_weight_bytes(model, rep) / (bw * eff.decode_bw_eff)
+    weights = _streamed_weight_bytes(model, rep, tokens) / (bw * eff.decode_bw_eff)
     kv = mb * c * kv_bytes_per_token(model, rep.kv, rep.tp, rep.pp) / (bw * eff.kv_bw_eff)
     stage = soft_roofline(compute, weights + kv) + layers * eff.layer_overhead_s + _tp_comm_s(
         sys_s, model, rep, tokens, layers)
@@ -266,7 +343,7 @@ def decode_step_s(model: ModelConfig, system: System, rep: Replica, batch, conte
 def _draft_model(rep: Replica) -> ModelConfig | None:
     if not rep.spec_tokens:
         return None
-    return rep.draft if isinstance(rep.draft, ModelConfig) else load_model_config(rep.draft)
+    return load_serving_model(rep.draft)
 
 
 def expected_tokens_per_step(spec_tokens: int, accept: float) -> float:
@@ -380,7 +457,7 @@ def operating_point(model: ModelConfig, system: System, rep: Replica, batch, pro
 
 def estimate(model: ModelConfig | str, system: System | str, rep: Replica, batch: int, prompt: int,
              output: int, eff: ServingEfficiency | None = None) -> ServeEstimate:
-    model = model if isinstance(model, ModelConfig) else load_model_config(model)
+    model = load_serving_model(model)
     system = resolve_system(system)
     _check_request(batch=batch, prompt=prompt, output=output)
     check_replica(model, system, rep)
@@ -499,14 +576,16 @@ def replica_layouts(model: ModelConfig, system: System, weights: tuple[str, ...]
         for pp in (1, 2, 4, 8):
             if pp > max_pp:
                 continue
+            eps = [e for e in range(1, tp + 1) if tp % e == 0] if _is_moe(model) else [1]
             for w in weights:
                 for k in kv:
-                    rep = Replica(tp=tp, pp=pp, weights=w, kv=k)
-                    try:
-                        check_replica(model, system, rep)
-                    except ValueError:
-                        continue
-                    out.append(rep)
+                    for ep in eps:
+                        rep = Replica(tp=tp, pp=pp, ep=ep, weights=w, kv=k)
+                        try:
+                            check_replica(model, system, rep)
+                        except ValueError:
+                            continue
+                        out.append(rep)
     return out
 
 
@@ -516,7 +595,7 @@ def plan(model: ModelConfig | str, system: System | str, target: Target, weights
     """The cheapest deployments meeting the target: for each replica layout, its best batch, then enough
     replicas for the rate at max_utilization. Ranked by whole nodes (on one system: by cost; cost/serving.py
     prices them, device_usd_per_hour fills usd_per_hour), then devices, then time to first token."""
-    model = model if isinstance(model, ModelConfig) else load_model_config(model)
+    model = load_serving_model(model)
     system = resolve_system(system)
     eff = eff or serving_efficiency(system)
     price = device_usd_per_hour

@@ -20,7 +20,8 @@ accuracy against published vLLM / TensorRT-LLM / Neuron measurements: docs/servi
 
 
 def _model_hw(p: argparse.ArgumentParser, hardware: bool = True) -> None:
-    p.add_argument("--model", required=True, help="preset name or model TOML file")
+    p.add_argument("--model", required=True,
+                   help="preset name (or mixtral-8x7b) or model TOML file (with experts/experts_per_token: MoE)")
     if hardware:
         p.add_argument("--hardware", required=True, help="system name (paratrain hardware list) or TOML file")
     p.add_argument("--json", action="store_true", help="print only JSON")
@@ -37,6 +38,7 @@ def _stack_arg(p: argparse.ArgumentParser) -> None:
 def _replica_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=int, default=1, help="tensor parallel degree of a replica")
     p.add_argument("--pp", type=int, default=1, help="pipeline parallel degree of a replica")
+    p.add_argument("--ep", type=int, default=1, help="expert parallel degree (mixture-of-experts models; divides tp)")
     p.add_argument("--weights", default="bf16", help="weight precision: bf16, fp8, int8, int4 (weight-only)")
     p.add_argument("--kv", default="bf16", help="KV-cache precision: bf16, fp8, int8")
     p.add_argument("--spec-tokens", type=int, default=0, help="speculative decoding: draft tokens per step")
@@ -129,15 +131,15 @@ def _target_args(p: argparse.ArgumentParser) -> None:
 
 def _load(args):
     from paratrain.hardware.catalog import resolve_system
-    from paratrain.model.config import load_model_config
+    from paratrain.plan.serve import load_serving_model
 
-    return load_model_config(args.model), resolve_system(args.hardware) if hasattr(args, "hardware") else None
+    return load_serving_model(args.model), resolve_system(args.hardware) if hasattr(args, "hardware") else None
 
 
 def _replica(args):
     from paratrain.plan.serve import Replica
 
-    return Replica(tp=args.tp, pp=args.pp, weights=args.weights, kv=args.kv, spec_tokens=args.spec_tokens,
+    return Replica(tp=args.tp, pp=args.pp, ep=args.ep, weights=args.weights, kv=args.kv, spec_tokens=args.spec_tokens,
                    spec_accept=args.spec_accept, draft=args.draft)
 
 
