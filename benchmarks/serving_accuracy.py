@@ -34,7 +34,7 @@ from paratrain.hardware.catalog import resolve_system  # noqa: E402
 from paratrain.plan.serve import (  # noqa: E402
     EFFICIENCY_FIELDS,
     EFFICIENCY_FILE,
-    _efficiency_tables,
+    efficiency_tables,
     load_serving_model,
     serving_efficiency,
 )
@@ -76,10 +76,10 @@ def write_tables(rows: list[dict]) -> None:
     header = text[:text.index("\n[")].rstrip("\n") + "\n"
     tables = []
     fitted_tables: dict = {}
-    for fam in sorted({family(r) for r in rows}, key=lambda f: f in INHERITS):  # parents first
+    for fam in sorted({family(r) for r in rows}, key=lambda f: (f in INHERITS, f)):  # parents first
         cal = [r for r in rows if family(r) == fam and r["split"] == "calibration"]
         parent, free = INHERITS.get(fam, (None, EFFICIENCY_FIELDS))
-        start = (fitted_tables[parent] if parent else _efficiency_tables(str(EFFICIENCY_FILE)).get(fam)
+        start = (fitted_tables[parent] if parent else efficiency_tables().get(fam)
                  or serving_efficiency(cal[0]["system"]))
         start = replace(start, attention=ATTENTION[fam])
         fitted = fit(cal, start, free=free)
@@ -94,7 +94,6 @@ def write_tables(rows: list[dict]) -> None:
         tables.append("\n".join(lines))
         print(f"[{fam}] fitted on {len(cal)} calibration rows: {fitted}")
     EFFICIENCY_FILE.write_text(header + "\n" + "\n\n".join(tables) + "\n")
-    _efficiency_tables.cache_clear()
 
 
 def summary(rows: list[dict], errs: np.ndarray) -> str:

@@ -129,23 +129,30 @@ class ServingEfficiency:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be >= 0")
 
 
-@lru_cache(maxsize=4)
-def _efficiency_tables(path: str) -> dict[str, ServingEfficiency]:
+@lru_cache(maxsize=8)
+def _read_tables(path: str, mtime_ns: int) -> dict[str, ServingEfficiency]:
+    """Memoised on the file and its modification time (a rewritten file is read again)."""
     with open(path, "rb") as fh:
         raw = tomllib.load(fh)
     return {family: ServingEfficiency(**table) for family, table in raw.items()}
 
 
+def efficiency_tables(path: Path | None = None) -> dict[str, ServingEfficiency]:
+    """Every serving stack's table in serving_efficiency.toml (or `path`)."""
+    path = Path(path or EFFICIENCY_FILE)
+    return _read_tables(str(path), path.stat().st_mtime_ns)
+
+
 def serving_stacks(path: Path | None = None) -> tuple[str, ...]:
     """The serving-stack tables there are (serving_efficiency.toml)."""
-    return tuple(_efficiency_tables(str(path or EFFICIENCY_FILE)))
+    return tuple(efficiency_tables(path))
 
 
 def serving_efficiency(system: System, stack: str | None = None, path: Path | None = None) -> ServingEfficiency:
     """The parameters of a serving stack: `stack` names a table (serving_stacks()); by default the table
     named after the chip's vendor (today's engines there). Chips with no table (a probed local host) fall
     back to their training efficiency: the same physics, uncalibrated for serving."""
-    tables = _efficiency_tables(str(path or EFFICIENCY_FILE))
+    tables = efficiency_tables(path)
     if stack is not None:
         if stack not in tables:
             raise ValueError(f"stack = {stack!r}: allowed: {', '.join(tables)}")
