@@ -235,6 +235,21 @@ def test_tp_comm_overlap_hides_behind_the_gemms_but_not_the_first_chunk():
         pytest.approx(estimate("llama3-70b", "dgx-h100", 1, 8192, 8, no_sp, Options()).step_time_s)
 
 
+def test_dp_traffic_cannot_hide_while_its_links_carry_other_traffic():
+    """Link sharing: DP traffic hidden behind compute needs its links; time the same links spend on TP (inside a
+    node) or pipeline sends (across nodes) is taken out of the window."""
+    from paratrain.plan.model import _data_parallel_s
+
+    system = resolve_system("p5.48xlarge")  # dp_overlap 0.8
+    args = (system, Options(), np.array(1e9), np.array(8.0), np.array(8.0), np.array(1.0), np.array(1),
+            np.array(0), np.array(4.0), np.array(0.05), np.array(0.1), np.array(32.0), np.array(0.9))
+    total, free = (float(x) for x in _data_parallel_s(*args))
+    partly = float(_data_parallel_s(*args, link_busy=np.array(0.3))[1])
+    busy = float(_data_parallel_s(*args, link_busy=np.array(0.5))[1])
+    # free: only the post-step ZeRO-1 gather shows; 0.5 s of TP traffic on the same links leaves no window
+    assert free < partly < busy == pytest.approx(total)
+
+
 def test_p2p_uses_the_innermost_shared_tier(box):
     assert float(p2p_time_s(box, 1e9, 1)) == pytest.approx(1e9 / 100e9)
     assert float(p2p_time_s(box, 1e9, 8)) == pytest.approx(1e9 / (50e9 / 8))

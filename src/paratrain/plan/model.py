@@ -458,9 +458,18 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     # -- data parallel: gradient reduce (and parameter gather for ZeRO-1/2/3) --
     params_rank, layers_rank = _largest_rank(model, loads, pp, v_shape)
     params_dev = params_rank / tp
+    # Link sharing: data-parallel traffic hidden behind compute still needs its links free. Across nodes the
+    # node's NICs also carry the pipeline's sends when the stages are on different nodes; inside a node (the
+    # whole DP group within one NVLink/NeuronLink domain) the links also carry the TP collectives. That
+    # busy time is taken out of the window the DP traffic can hide in.
+    node = system.devices_per_node
+    dp_out = tp * dp_group > node  # the DP group spans nodes
+    pp_out = (pp > 1) & (stride_pp >= node)
+    tp_busy = m * (layers_per_stage * (tp_fwd + tp_bwd) + head_on * (tp_head_fwd + tp_head_bwd) + embed_on * tp_embed)
+    link_busy = np.where(dp_out, np.where(pp_out, m * p2p_per_mb, 0.0), np.where(tp > 1, tp_busy, 0.0))
     dp_time, dp_exposed = _data_parallel_s(system, opts, params_dev, dp_group, dp_shard, tp, zero, kind, m,
                                            stage_fwd, stage_bwd, layers_rank,
-                                           layers_rank * model.params_per_layer() / tp / params_dev)
+                                           layers_rank * model.params_per_layer() / tp / params_dev, link_busy)
 
     # -- optimizer step: memory-bound Adam over this device's share of the parameters --
     opt_share = np.where(zero >= 1, params_dev / dp_shard, params_dev)
@@ -525,7 +534,7 @@ def _calls_s(system, kind, total_bytes, calls, degree, stride):
 
 
 def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, kind, m, stage_fwd, stage_bwd,
-                     stage_layers_dev, block_share):
+                     stage_layers_dev, block_share, link_busy=0.0):
     """(all DP communication time, the part not hidden behind compute) per step.
 
     DDP all-reduces gradients in buckets (opts.bucket_bytes, torch DDP's 25 MiB by default) once per step;
@@ -567,8 +576,8 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
                             [reduce_ar, reduce_rs, unit_rs, shard_rs + repl_ar])
         post_step = np.where(zero12, post_gather, 0.0)
     overlap = system.efficiency.dp_overlap
-    window_all = overlap * m * (stage_fwd + stage_bwd)
-    window_last = overlap * stage_bwd
+    window_all = np.maximum(0.0, overlap * m * (stage_fwd + stage_bwd) - link_busy)
+    window_last = np.maximum(0.0, overlap * stage_bwd - link_busy / np.maximum(m, 1.0))
     hidden_post = opts.overlap_param_gather  # Megatron overlap_param_gather: behind the next step's forward
     exposed = np.maximum(np.maximum(gathers + reduces + np.where(hidden_post, post_step, 0.0) - window_all,
                                     reduces - window_last), 0.0) + np.where(hidden_post, 0.0, post_step)
