@@ -50,11 +50,19 @@ run() {  # print, then run unless --dry-run
 }
 
 # ---- setup -------------------------------------------------------------------------------------------------
-has_deps() { "$1" -c "import torch, pydantic, tokenizers, numpy" 2>/dev/null; }
-has_accel_torch() { "$1" -c "import torch, sys; sys.exit(0 if torch.accelerator.is_available() else 1)" 2>/dev/null; }
+# one probe of the python in use: "<torch sees an accelerator: 0|1> <all dependencies importable: 0|1>"
+PROBE="$("$PYTHON" -c '
+import importlib.util as u
+try:
+    import torch
+    accel = int(torch.accelerator.is_available())
+except ImportError:
+    accel = 0
+print(accel, int(all(u.find_spec(m) for m in ("torch", "pydantic", "tokenizers", "numpy"))))' 2>/dev/null || echo "0 0")"
+read -r ACCEL DEPS <<< "$PROBE"
 
-if [ "$TINY" = 0 ] && ! { has_deps "$PYTHON" && has_accel_torch "$PYTHON"; }; then
-  if has_accel_torch "$PYTHON"; then
+if [ "$TINY" = 0 ] && ! { [ "$DEPS" = 1 ] && [ "$ACCEL" = 1 ]; }; then
+  if [ "$ACCEL" = 1 ]; then
     run "$PYTHON" -m venv --system-site-packages .venv
   else
     run "$PYTHON" -m venv .venv
@@ -62,7 +70,7 @@ if [ "$TINY" = 0 ] && ! { has_deps "$PYTHON" && has_accel_torch "$PYTHON"; }; th
   fi
   run make install TORCH=
   if [ "$DRY_RUN" = 0 ]; then PYTHON=.venv/bin/python; fi
-elif [ "$TINY" = 1 ] && ! has_deps "$PYTHON"; then
+elif [ "$TINY" = 1 ] && [ "$DEPS" = 0 ]; then
   run make install
   if [ "$DRY_RUN" = 0 ]; then PYTHON=.venv/bin/python; fi
 fi

@@ -48,6 +48,13 @@ CASES = [
 ]
 
 
+# the large-model compositions: FSDP per pipeline stage, FSDP over tensor-parallel (SP) weights
+CASES_4 = [
+    ["parallel.pp=2", "parallel.dp=2", 'parallel.dp_kind="fsdp"'],
+    ["parallel.tp=2", "parallel.sp=true", "parallel.dp=2", 'parallel.dp_kind="fsdp"', 'train.reduce_dtype="bf16"'],
+]
+
+
 def _run_case(overrides: list[str]) -> dict:
     from paratrain.parallel.mesh import init_distributed
     from paratrain.train.loop import build_runner
@@ -91,11 +98,12 @@ def test_single_device_bf16_within_tolerance_of_fp32(ref):
     assert not _check(ref, reference(make_config(SHAPE + BF16)), "single device bf16")
 
 
-def test_every_path_bf16_within_tolerance_of_fp32_reference(dist_run, ref):
-    results = dist_run(2, _run_cases, CASES)
+@pytest.mark.parametrize("world, cases", [(2, CASES), (4, CASES_4)], ids=["2 ranks", "4 ranks"])
+def test_every_path_bf16_within_tolerance_of_fp32_reference(dist_run, ref, world, cases):
+    results = dist_run(world, _run_cases, cases)
     failures = []
     for rank, per_case in enumerate(results):
-        for overrides, got in zip(CASES, per_case, strict=True):
+        for overrides, got in zip(cases, per_case, strict=True):
             label = f"{' '.join(overrides)} (rank {rank})"
             failures += _check(ref, got, label)
             fsdp = 'parallel.dp_kind="fsdp"' in overrides or "parallel.cp=2" in overrides
