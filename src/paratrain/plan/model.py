@@ -71,6 +71,9 @@ class Options:
     on arrival (Megatron, Narayanan et al. 2021); paratrain's runtime sends the whole replicated activation.
     fp8: the layer matmuls (QKV, output projection, MLP) run in FP8 at the chip's FP8 peak with per-tensor
     scaling (Transformer Engine, torchao float8); attention core, norms, head and loss stay BF16.
+    dp_overlap: fraction of compute that data-parallel traffic can hide behind, when the software does not use
+    what the system allows (None: the system's efficiency.dp_overlap). Megatron-LM 2021-22 ran its gradient
+    all-reduce after the backward: 0.
     fp8_weight_cache: the FP8 copy of each weight (and its transpose) is made on the first microbatch of a step
     and kept (Transformer Engine's is_first_microbatch, as Megatron-Core passes it): one cast per step, 2 bytes
     per parameter more memory; otherwise (torchao float8) every forward and backward call casts the weight.
@@ -95,6 +98,7 @@ class Options:
     overlap_param_gather: bool = False
     attention_eff: float | None = None
     fp8_weight_cache: bool = False
+    dp_overlap: float | None = None
     bucket_bytes: float | None = None
     eager: bool = False
     p2p_scatter_gather: bool = True
@@ -119,6 +123,8 @@ class Options:
             raise ValueError(f"attention = {self.attention!r}: allowed: {', '.join(ATTENTION)}")
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"grad_bytes = {self.grad_bytes}: allowed: 2, 4")
+        if self.dp_overlap is not None and not 0 <= self.dp_overlap <= 1:
+            raise ValueError(f"dp_overlap = {self.dp_overlap}: allowed: a number in [0, 1]")
         if self.attention_eff is not None and not 0 < self.attention_eff <= 1:
             raise ValueError(f"attention_eff = {self.attention_eff}: allowed: a number in (0, 1]")
         if self.param_bytes not in (2, 4):
@@ -575,7 +581,7 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
         reduces = np.select([zero == 0, zero <= 2, kind == 1, kind == 2],
                             [reduce_ar, reduce_rs, unit_rs, shard_rs + repl_ar])
         post_step = np.where(zero12, post_gather, 0.0)
-    overlap = system.efficiency.dp_overlap
+    overlap = system.efficiency.dp_overlap if opts.dp_overlap is None else opts.dp_overlap
     window_all = np.maximum(0.0, overlap * m * (stage_fwd + stage_bwd) - link_busy)
     window_last = np.maximum(0.0, overlap * stage_bwd - link_busy / np.maximum(m, 1.0))
     hidden_post = opts.overlap_param_gather  # Megatron overlap_param_gather: behind the next step's forward
