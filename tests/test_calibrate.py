@@ -90,9 +90,12 @@ def test_fit_recovers_known_parameters_and_predicts_held_out_layouts(local_file,
     after, _ = mape(fitted, test)
     assert after < 0.12 and after < before / 2, (before, after, report)
     assert report["parameters"]["memory_bw_eff"] == 1.0 and "memory_bw_eff" in report["fixed"]
-    # write-back round trip: the file now predicts like the fitted system
-    write_back(local_file, "local", report["parameters"], "test")
-    reloaded = load_catalog([local_file]).system("local")
+    assert len(report["fitted"]) <= len(train) - 1
+    # write-back round trip: the new file predicts like the fitted system; the input is unchanged
+    text = local_file.read_text()
+    out = write_back(local_file, "local", report["parameters"], "test", out=tmp_path / "fitted.toml")
+    assert local_file.read_text() == text
+    reloaded = load_catalog([out]).system("local")
     for m in test:
         assert predict(reloaded, m).step_time_s == pytest.approx(predict(fitted, m).step_time_s, rel=1e-6)
     assert dataclasses.asdict(reloaded.efficiency)["dp_overlap"] == pytest.approx(report["parameters"]["dp_overlap"])
@@ -142,24 +145,63 @@ def test_probe_command_writes_a_loadable_hardware_file(tmp_path, capsys):
     assert system.chip.status == "measured"
 
 
-def test_calibrate_command_fits_writes_back_and_reports_holdout(local_file, tmp_path, capsys):
+TRUTH = {"matmul_eff_max": 0.5, "kernel_overhead_s": 1e-4, "memory_bw_eff": 1.0, "link_bw_scale": 0.5,
+         "link_latency_scale": 3.0, "collective_overhead_s": 1e-3, "dp_overlap": 0.0}
+
+
+def _summaries(system, tmp_path, picks) -> list[str]:
+    paths = []
+    for i, m in enumerate(synthetic_runs(apply_parameters(system, TRUTH), noise=0.03)):
+        if i in picks:
+            path = tmp_path / f"{m.name}.json"
+            path.write_text(json.dumps(_summary(m)))
+            paths.append(str(path))
+    return paths
+
+
+def test_calibrate_command_writes_a_new_file_and_reports_leave_one_out(local_file, tmp_path, capsys):
+    """Four runs (DP, TP, PP, TP+FSDP on 1-4 ranks): at most three parameters fitted, each held one with its
+    reason, a leave-one-out error per run, the input file untouched and a new calibrated file beside it."""
     from paratrain.cli import main
 
     system = load_catalog([local_file]).system("local")
-    truth = {"matmul_eff_max": 0.5, "kernel_overhead_s": 1e-4, "memory_bw_eff": 1.0, "link_bw_scale": 0.5,
-             "link_latency_scale": 3.0, "collective_overhead_s": 1e-3, "dp_overlap": 0.0}
-    paths = []
-    for m in synthetic_runs(apply_parameters(system, truth), noise=0.03):
-        path = tmp_path / f"{m.name}.json"
-        path.write_text(json.dumps(_summary(m)))
-        paths.append(str(path))
+    paths = _summaries(system, tmp_path, {0, 1, 3, 4})
     before = local_file.read_text()
-    assert main(["calibrate", "--hardware", str(local_file), "--holdout", "0.5", "--json", *paths]) == 0
+    assert main(["calibrate", "--hardware", str(local_file), "--json", *paths]) == 0
     report = json.loads(capsys.readouterr().out)
-    assert report["mape_fit"] < report["mape_before"] and report["mape_holdout"] < 0.15
-    assert local_file.read_text() != before
-    reloaded = load_catalog([local_file]).system("local")
+    assert local_file.read_text() == before  # never overwritten without --in-place
+    written = local_file.with_name("local.calibrated.toml")
+    assert report["written"] == str(written) and written.is_file()
+    assert 1 <= len(report["fitted"]) <= 3 and set(report["fitted"]).isdisjoint(report["held"])
+    assert set(report["fitted"]) | set(report["held"]) | set(report["fixed"]) == set(report["parameters"])
+    assert all(report["held"].values())  # every held parameter says why
+    loo = report["leave_one_out_rows"]
+    assert len(loo) == 4 and report["mape_leave_one_out"] == pytest.approx(np.mean([abs(r["error"]) for r in loo]))
+    assert report["mape_leave_one_out"] < report["mape_before"]
+    reloaded = load_catalog([written]).system("local")
     assert reloaded.chip.efficiency.kernel_overhead_s == pytest.approx(report["parameters"]["kernel_overhead_s"])
+    # --in-place rewrites the input; --out onto the input itself is refused
+    assert main(["calibrate", "--hardware", str(local_file), "--out", str(local_file), *paths]) == 2
+    assert "is the --hardware file itself" in capsys.readouterr().err
+
+
+def test_calibrate_one_run_fits_one_parameter_and_suggests_runs(local_file, tmp_path, capsys):
+    """One single-rank run identifies one compute parameter: no link parameter moves (no run communicates),
+    no leave-one-out error is claimed, and the next runs proposed are multi-rank layouts."""
+    from paratrain.cli import main
+
+    system = load_catalog([local_file]).system("local")
+    paths = _summaries(system, tmp_path, {0})
+    assert main(["calibrate", "--hardware", str(local_file), "--dry-run", "--json", *paths]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert len(report["fitted"]) == 1 and report["fitted"][0] in ("matmul_eff_max", "kernel_overhead_s")
+    assert "no run's step time depends on it" in report["held"]["link_bw_scale"]
+    assert report["mape_leave_one_out"] is None and report["leave_one_out_rows"] == []
+    assert "written" not in report and not local_file.with_name("local.calibrated.toml").exists()
+    assert main(["calibrate", "--hardware", str(local_file), "--suggest", "2", *paths]) == 0
+    text = capsys.readouterr().out
+    assert "more run(s) would identify" in text and text.count("torchrun --nproc-per-node") == 2
+    assert not local_file.with_name("local.calibrated.toml").exists()  # --suggest writes nothing
 
 
 def test_calibrate_command_refuses_bad_input(local_file, tmp_path, capsys):
@@ -173,6 +215,12 @@ def test_calibrate_command_refuses_bad_input(local_file, tmp_path, capsys):
     assert "missing 'model_shape'" in capsys.readouterr().err
     assert main(["calibrate", "--hardware", str(local_file), "--holdout", "1.5", str(broken)]) == 2
     assert "--holdout 1.5" in capsys.readouterr().err
+    # a run that trained nothing (it resumed a finished run): one line, not a fitting error
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({**_summary(Measurement(PRESETS["tiny"], 128, 16, {}, 1, 1.0)), "steps": 0,
+                                 "step_time_s_median": float("nan")}))
+    assert main(["calibrate", "--hardware", str(local_file), str(empty)]) == 2
+    assert "no measured step time" in capsys.readouterr().err
 
 
 def test_plan_on_a_probed_file_writes_a_config_that_predicts_against_it(tmp_path):

@@ -45,34 +45,71 @@ def register_probe(sub) -> None:
 
 CALIBRATE_HELP = """\
 Fit the planner's efficiency parameters of a hardware entry (a TOML file, e.g. the one `paratrain probe`
-wrote) to measured runs (`paratrain train --summary-json FILE` writes one per run), and write them back.
+wrote) to measured runs (`paratrain train --summary-json FILE` writes one per run), and write a NEW hardware
+file (default: <input>.calibrated.toml beside the input; --in-place rewrites the input).
 Only physical parameters are fitted (matmul efficiency and per-kernel overhead, memory-bound efficiency
 (held at the probe's measurement on a probed machine), link bandwidth and latency scale, the fixed software
-cost of one collective call, data-parallel overlap); see src/paratrain/calibrate/fit.py.
+cost of one collective call, data-parallel overlap), and only those the runs identify: at most one fewer than
+the runs (one run: the single most sensitive one), none that no run depends on, none the runs cannot tell from
+another. Each parameter held says why. The error shown is leave-one-out: each run predicted by a fit without it.
+--suggest lists the next runs (layouts) that would identify the parameters still held, with their commands.
+See src/paratrain/calibrate/fit.py and docs/calibration.md.
 
-  paratrain calibrate --hardware runs/hardware/local.toml runs/calib/*.json
-  paratrain calibrate --hardware runs/hardware/local.toml --holdout 0.5 runs/calib/*.json   # check on half
+  paratrain calibrate --hardware runs/hardware/local.toml runs/*.json
+  paratrain calibrate --hardware runs/hardware/local.toml runs/*.json --suggest      # which runs next
+  paratrain calibrate --hardware runs/hardware/local.toml --out runs/hardware/fit.toml runs/*.json
 """
 
 
 def register_calibrate(sub) -> None:
-    p = sub.add_parser("calibrate", help="fit the planner to measured runs and write the hardware file back",
+    p = sub.add_parser("calibrate", help="fit the planner to measured runs; write a calibrated hardware file",
                        description=CALIBRATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="run summaries (JSON from paratrain train --summary-json)")
     p.add_argument("--hardware", required=True, help="hardware TOML file holding the system to calibrate")
     p.add_argument("--system", default="local", help="system name inside that file (default: local)")
+    p.add_argument("--out", help="hardware TOML to write (default: <hardware>.calibrated.toml beside it)")
+    p.add_argument("--in-place", action="store_true", help="rewrite the --hardware file itself")
     p.add_argument("--holdout", type=float, default=0.0,
                    help="fraction of runs kept out of the fit and only predicted (every other run)")
-    p.add_argument("--dry-run", action="store_true", help="fit and report, do not write the file")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--suggest", nargs="?", type=int, const=3, default=None, metavar="N",
+                   help="list the next N runs (default 3) that best separate the parameters; writes nothing")
+    p.add_argument("--dry-run", action="store_true", help="fit and report, do not write a file")
+    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.set_defaults(func=run_calibrate_cmd)
 
 
-def run_calibrate_cmd(args) -> int:
-    from paratrain.calibrate.fit import fit, load_measurements, mape, write_back
+def calibrated_path(hardware: str, out: str | None, in_place: bool) -> Path:
+    """Where the calibrated file goes: never over the input unless --in-place."""
     from paratrain.cli import UserError
+
+    src = Path(hardware)
+    if in_place:
+        if out:
+            raise UserError("--in-place and --out: give one (--in-place rewrites --hardware itself)")
+        return src
+    target = Path(out) if out else src.with_name(src.stem.removesuffix(".calibrated") + ".calibrated.toml")
+    if target.resolve() == src.resolve():
+        raise UserError(f"--out '{target}' is the --hardware file itself; allowed: another path, or --in-place "
+                        f"to rewrite it")
+    return target
+
+
+def run_calibrate_cmd(args) -> int:
+    from paratrain.calibrate.fit import (
+        calibrate,
+        leave_one_out,
+        load_measurements,
+        mape,
+        suggest_runs,
+        write_back,
+    )
+    from paratrain.cli import UserError
+
     if not 0 <= args.holdout < 1:
         raise UserError(f"--holdout {args.holdout}: allowed: 0 <= fraction < 1")
+    if args.suggest is not None and args.suggest < 1:
+        raise UserError(f"--suggest {args.suggest}: allowed: a number of runs >= 1")
+    target = calibrated_path(args.hardware, args.out, args.in_place)
     runs = load_measurements(args.runs)
     system = _system_from_file(args.hardware, args.system)
     step = round(1 / args.holdout) if args.holdout else 0
@@ -81,30 +118,87 @@ def run_calibrate_cmd(args) -> int:
     if not train:
         raise UserError("calibrate: no runs left to fit after the holdout")
     before, _ = mape(system, train)
-    fitted, report = fit(system, train)
-    after, rows = mape(fitted, train)
-    out = {"fit_runs": len(train), "mape_before": before, "mape_fit": after, "parameters": report["parameters"],
-           "fit_rows": rows}
+    cal = calibrate(system, train)
+    fit_error, rows = mape(cal.system, train)
+    loo = leave_one_out(system, train, cal)
+    wanted = args.suggest or len(cal.held)
+    suggestions = suggest_runs(system, train, cal, count=max(wanted, 1)) if cal.held or args.suggest else []
+    if args.suggest is None:  # only as many as it takes to identify the most the candidates can
+        reach = max((s["identified_after"] for s in suggestions), default=len(cal.fitted))
+        suggestions = suggestions[:next((i + 1 for i, s in enumerate(suggestions) if s["identified_after"] == reach),
+                                        len(suggestions))]
+        if reach <= len(cal.fitted):
+            suggestions = []
+    out = {"hardware": args.hardware, "system": args.system, "runs": len(train), "fitted": cal.fitted,
+           "held": cal.held, "fixed": cal.fixed, "parameters": cal.parameters,
+           "sensitivity_per_step": cal.sensitivity, "mape_before": before,
+           "mape_fitted_runs": fit_error, "fit_rows": rows,
+           "mape_leave_one_out": (sum(abs(r["error"]) for r in loo) / len(loo)) if loo else None,
+           "leave_one_out_rows": loo,
+           "suggested_runs": [{**s, "command": suggestion_command(s, train[-1])} for s in suggestions]}
     if test:
-        out["mape_holdout"], out["holdout_rows"] = mape(fitted, test)
-    if not args.dry_run:
-        write_back(args.hardware, args.system, report["parameters"],
-                   f"calibrated by `paratrain calibrate` on {len(train)} runs (MAPE {after:.1%})")
+        out["mape_holdout"], out["holdout_rows"] = mape(cal.system, test)
+    write = not args.dry_run and args.suggest is None
+    if write:
+        note = (f"calibrated by `paratrain calibrate` on {len(train)} run(s): fitted {', '.join(cal.fitted)}"
+                + (f"; leave-one-out MAPE {out['mape_leave_one_out']:.1%}" if loo else "; no leave-one-out check "
+                   "(one run)"))
+        header = f"# {note}\n# from {args.hardware}; held: {', '.join(cal.held) or 'none'}\n"
+        out["written"] = str(write_back(args.hardware, args.system, cal.parameters, note, out=target, header=header))
     if args.json:
         print(json.dumps(out, indent=2, default=str))
         return 0
-    print(f"fitted on {len(train)} runs: MAPE {before:.1%} before, {after:.1%} after")
-    for k, v in report["parameters"].items():
-        print(f"  {k:>20} = {v:.4g}")
-    for label, key in (("fit", "fit_rows"), ("held out", "holdout_rows")):
-        for r in out.get(key, []):
-            print(f"  [{label}] {r['run']:<28} measured {r['measured_s'] * 1e3:8.1f} ms  predicted "
-                  f"{r['predicted_s'] * 1e3:8.1f} ms  error {r['error']:+.1%}")
+    _print_calibration(out, test)
+    return 0
+
+
+def suggestion_command(s: dict, like) -> str:
+    """The command that runs a suggested layout: the measured run's own config with the layout's keys."""
+    lay = s["layout"]
+    config = str(Path(like.run_dir) / "config.toml") if like.run_dir else "CONFIG.toml"
+    sets = [f"parallel.tp={lay['tp']}", f"parallel.pp={lay['pp']}", f"parallel.dp={lay['dp']}",
+            f"parallel.dp_kind={lay['dp_kind']}", "parallel.sp=false", f"train.microbatch={lay['microbatch']}",
+            f"metrics.run_dir=runs/{s['name']}"]
+    launch = "paratrain train" if s["world_size"] == 1 else f"torchrun --nproc-per-node {s['world_size']} -m paratrain train"
+    return f"{launch} --config {config} " + " ".join(f"--set {x}" for x in sets) + f" --summary-json runs/{s['name']}.json"
+
+
+def _print_calibration(out: dict, test: list) -> None:
+    n = out["runs"]
+    print(f"calibrated {out['system']} of {out['hardware']} on {n} run(s): fitted {len(out['fitted'])} of "
+          f"{len(out['fitted']) + len(out['held'])} free parameters")
+    for k in out["fitted"]:
+        share = max(abs(v) for v in out["sensitivity_per_step"][k])
+        print(f"  fitted {k:>22} = {out['parameters'][k]:.4g}   (up to {share:.0%} of a run's step time per step)")
+    for k, why in out["held"].items():
+        print(f"  held   {k:>22} = {out['parameters'][k]:.4g}   {why}")
+    for k in out["fixed"]:
+        print(f"  fixed  {k:>22} = {out['parameters'][k]:.4g}   measured by the probe")
+    for r in out["leave_one_out_rows"]:
+        print(f"  [left out] {r['run']:<28} measured {r['measured_s'] * 1e3:8.1f} ms  predicted "
+              f"{r['predicted_s'] * 1e3:8.1f} ms  error {r['error']:+.1%}")
+    if out["mape_leave_one_out"] is None:
+        print(f"error: {out['mape_before']:.1%} before; leave-one-out needs 2 or more runs (a run fitted by "
+              f"its own parameter matches itself, {out['mape_fitted_runs']:.1%}, which checks nothing)")
+    else:
+        print(f"error: {out['mape_before']:.1%} before; leave-one-out MAPE {out['mape_leave_one_out']:.1%} over "
+              f"{n} runs (on the fitted runs themselves {out['mape_fitted_runs']:.1%})")
+    for r in out.get("holdout_rows", []):
+        print(f"  [held out] {r['run']:<28} measured {r['measured_s'] * 1e3:8.1f} ms  predicted "
+              f"{r['predicted_s'] * 1e3:8.1f} ms  error {r['error']:+.1%}")
     if test:
         print(f"held-out MAPE {out['mape_holdout']:.1%} on {len(test)} runs")
-    if not args.dry_run:
-        print(f"wrote the parameters into {args.hardware}")
-    return 0
+    if out.get("written"):
+        same = out["written"] == out["hardware"]
+        print(f"wrote {out['written']}" + ("" if same else f" ({out['hardware']} unchanged; --in-place rewrites it)"))
+    sugg = out["suggested_runs"]
+    if sugg:
+        print(f"{len(sugg)} more run(s) would identify {sugg[-1]['identified_after']} parameters "
+              f"(now {len(out['fitted'])}); next:")
+        for s in sugg:
+            print(f"  {s['command']}")
+    elif out["held"]:
+        print("no run of another layout on this machine would identify more parameters")
 
 
 def _system_from_file(path: str, name: str):
