@@ -331,6 +331,7 @@ def candidate_layouts(system: System, like: Measurement, max_world: int | None =
     (up to the hardware entry's ranks per node): every tp x pp x dp with DDP or FSDP, the run's microbatch
     (or the largest that divides the per-rank batch), each valid for the planner."""
     from paratrain.plan.api import _divisors
+    from paratrain.plan.config_writer import layout_name
 
     top = max_world or max(system.devices_per_node, like.world_size)
     mb0 = int(like.layout.get("microbatch", 1))
@@ -357,18 +358,6 @@ def candidate_layouts(system: System, like: Measurement, max_world: int | None =
                     out.append(m)
         world *= 2
     return out
-
-
-def layout_name(layout: dict) -> str:
-    """A short file-system name of a layout: dp4-ddp-mb4, tp2-pp2-fsdp-mb2, ..."""
-    parts = [f"{k}{layout[k]}" for k in ("tp", "pp", "cp", "dp") if int(layout.get(k) or 1) > 1]
-    if int(layout.get("dp") or 1) > 1:
-        parts.append(str(layout.get("dp_kind", "ddp")))
-    if layout.get("sp"):
-        parts.append("sp")
-    if layout.get("recompute", "none") != "none":
-        parts.append(f"rc-{layout['recompute']}")
-    return "-".join(parts or ["single"]) + f"-mb{layout.get('microbatch', 1)}"
 
 
 def _same_run(a: Measurement, b: Measurement) -> bool:

@@ -1,8 +1,10 @@
 """Write a planned layout as a paratrain training config (TOML: [model], [parallel], [train], [metrics]).
 
 The keys are those of `paratrain.config` (the trainer's schema): parallel.{dp,tp,pp,cp,sp,dp_kind,zero_stage,
-recompute,pp_schedule,virtual_stages,dp_replicate,pp_layers}, train.{seq_len,global_batch,microbatch}, model.preset.
-parallel.pp_layers is written only when the planned split differs from the runtime's balanced default.
+recompute,pp_schedule,virtual_stages,dp_replicate,pp_layers}, train.{seq_len,global_batch,microbatch}, model.preset,
+metrics.{hardware,run_dir}. parallel.pp_layers is written only when the planned split differs from the runtime's
+balanced default. metrics.run_dir is a fresh folder named after the model and layout (runs/small-dp4-ddp-mb4, or
+-2, -3, ... when that exists), so training the plan starts a new run instead of resuming an earlier one.
 """
 
 from __future__ import annotations
@@ -14,6 +16,28 @@ import tomli_w
 from paratrain.model.config import PRESETS, ModelConfig
 from paratrain.plan.api import Estimate
 from paratrain.plan.stages import is_balanced
+
+
+def layout_name(layout: dict) -> str:
+    """A short file-system name of a layout (runtime or planner keys): dp4-ddp-mb4, tp2-pp2-dp2-fsdp-mb2, ..."""
+    parts = [f"{k}{layout[k]}" for k in ("tp", "pp", "cp", "dp") if int(layout.get(k) or 1) > 1]
+    if int(layout.get("dp") or 1) > 1:
+        parts.append(str(layout.get("dp_kind", "ddp")))
+    if layout.get("sp"):
+        parts.append("sp")
+    if layout.get("recompute", "none") != "none":
+        parts.append(f"rc-{layout['recompute']}")
+    return "-".join(parts or ["single"]) + f"-mb{layout.get('microbatch', 1)}"
+
+
+def fresh_run_dir(name: str, root: str | Path = "runs") -> str:
+    """runs/<name>, or runs/<name>-2, -3, ... : the first that does not exist yet."""
+    base = Path(root) / name
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = base.with_name(f"{base.name}-{n}")
+    return str(path)
 
 
 def runtime_dp(dp_kind: str, zero_stage: int) -> tuple[str, int | None]:
@@ -48,11 +72,12 @@ def training_config(est: Estimate, model: ModelConfig, model_spec: str, devices_
     if lay.dp_kind == "hsdp":
         shard = max(1, min(lay.dp, devices_per_node // (lay.tp * lay.cp)))
         parallel["dp_replicate"] = lay.dp // shard
+    run_dir = fresh_run_dir(f"{model.name}-{layout_name({**parallel, 'microbatch': lay.microbatch})}")
     return {
         "model": model_section,
         "parallel": parallel,
         "train": {"seq_len": est.seq, "global_batch": est.global_batch, "microbatch": lay.microbatch},
-        "metrics": {"hardware": _hardware_ref(hardware_spec, est.system)},
+        "metrics": {"hardware": _hardware_ref(hardware_spec, est.system), "run_dir": run_dir},
     }
 
 
@@ -77,7 +102,9 @@ def write_training_config(path: str | Path, est: Estimate, model: ModelConfig, m
               f"# Planned data parallelism: {est.layout.dp_kind} ZeRO-{est.layout.zero_stage}"
               f" (written as the runtime's {data['parallel']['dp_kind']}"
               f"{'' if 'zero_stage' not in data['parallel'] else ' zero_stage ' + str(data['parallel']['zero_stage'])}).\n"
-              + _split_comment(est))
+              + _split_comment(est)
+              + f"# metrics.run_dir {data['metrics']['run_dir']}: a new folder for this run (a second run of this "
+                f"config resumes it; plan again for a new one).\n")
     path = Path(path)
     path.write_text(header + tomli_w.dumps(data))
     return path
