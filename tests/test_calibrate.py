@@ -223,11 +223,14 @@ def test_calibrate_command_refuses_bad_input(local_file, tmp_path, capsys):
     assert "no measured step time" in capsys.readouterr().err
 
 
-def test_plan_on_a_probed_file_writes_a_config_that_predicts_against_it(tmp_path):
+def test_plan_on_a_probed_file_writes_a_config_that_predicts_against_it(tmp_path, monkeypatch):
     """plan -> train: the written config names the hardware file itself (not just its system name, which only
-    resolves inside the catalog), so the run prints the prediction of the same entry."""
+    resolves inside the catalog), so the run prints the prediction of the same entry; and a fresh run dir named
+    after the layout, so training the plan never resumes an earlier run."""
     from paratrain.cli import main
     from paratrain.config import load_config
+
+    monkeypatch.chdir(tmp_path)
 
     hw = tmp_path / "shared.toml"
     hw.write_text(hardware_toml(_probe(cores=2), "local", ranks=4))
@@ -237,3 +240,9 @@ def test_plan_on_a_probed_file_writes_a_config_that_predicts_against_it(tmp_path
     cfg = load_config(str(out), [])
     assert cfg.metrics.hardware == str(hw.resolve())
     assert cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp * cfg.parallel.dp == 4  # the 4 ranks of the file
+    run_dir = cfg.metrics.run_dir
+    assert run_dir.startswith("runs/tiny-") and f"mb{cfg.train.microbatch}" in run_dir
+    (tmp_path / run_dir).mkdir(parents=True)  # that run happened: the next plan gets a new folder
+    assert main(["plan", "--model", "tiny", "--hardware", str(hw), "--nodes", "1", "--seq", "128",
+                 "--global-batch", "16", "--write-config", str(out), "--json"]) == 0
+    assert load_config(str(out), []).metrics.run_dir == f"{run_dir}-2"

@@ -64,7 +64,7 @@ def test_resume_continues_bitwise_with_clear_message(reference, tmp_path, capsys
     step3 = str(reference["ckpt"] / step_name(3))
     resumed = run_train(tmp_path, reference["data"], "b", resume_from=step3)
     assert resumed["losses"] == ref["losses"][EVERY:]  # bitwise: same layout, fp32, deterministic
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert f"resumed from {step3} at step 3: saved as single device on 1 rank(s), now single device" in out
     assert "sampler at global sample 12" in out
 
@@ -78,7 +78,7 @@ def test_auto_resume_picks_newest_complete_checkpoint(reference, tmp_path, capsy
     (partial / "__0_0.distcp").write_bytes(b"half a shard")
     got = run_train(tmp_path, reference["data"], "c")
     assert got["losses"] == reference["summary"]["losses"][EVERY:]
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert f"removing interrupted checkpoint {partial}" in out and "at step 3" in out
     assert not partial.exists()
 
@@ -111,7 +111,7 @@ def test_damaged_newest_checkpoint_is_refused_and_previous_used(reference, tmp_p
     _damage(shard, how)
     got = run_train(tmp_path, reference["data"], "f")
     assert got["losses"] == reference["summary"]["losses"][EVERY:]  # continued from step 3
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert f"checkpoint {shard.parent} refused: {shard}: " in out and words in out
     assert "at step 3" in out
     # The damaged folder was replaced by the new save of step 6, which verifies.
@@ -350,7 +350,7 @@ def test_sigkill_during_checkpoint_write_keeps_previous_and_discards_partial(ref
 
     done = _subprocess_train(cmd, _cli_env())
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"removing interrupted checkpoint {partial}" in done.stdout and "at step 3" in done.stdout
+    assert f"removing interrupted checkpoint {partial}" in done.stderr and "at step 3" in done.stderr
     summary = json.loads((tmp_path / "h.json").read_text())
     assert summary["losses"] == reference["summary"]["losses"][EVERY:]
     assert json.loads((partial / MANIFEST).read_text())["step"] == 6  # re-saved, complete this time

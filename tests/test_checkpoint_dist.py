@@ -65,7 +65,7 @@ def test_fsdp_dp2_async_saves_resume_bitwise_and_into_one_process(dist_run, tmp,
     assert again[0]["losses"] == losses[3:] and again[1]["losses"] == losses[3:]  # same layout: bitwise
     single = _train(settings(tmp, "dp2-single", 6, 3), step3)
     assert _close(single["losses"], losses[3:]), (single["losses"], losses[3:])
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     assert (f"resumed from {step3} at step 3: saved as dp2 on 2 rank(s), now single device on 1 rank(s) "
             "(layout changed: model and optimizer resharded by parameter name") in out
 

@@ -68,7 +68,7 @@ def test_s3_save_and_resume_bitwise(s3, reference, tmp_path, capsys):
     # final save; the run reports where it resumed.
     auto = run_train(tmp_path, reference["data"], "c", f'checkpoint.dir="{url}"', "train.steps=6")
     assert auto["steps"] == 0 and auto["resumed_from"] == f"{url}/{step_name(6)}"
-    assert "nothing left to train: the checkpoint is at step 6, train.steps=6" in capsys.readouterr().out
+    assert "nothing left to train: the checkpoint is at step 6, train.steps=6" in capsys.readouterr().err
 
 
 def test_s3_outage_during_saves_fails_loudly_and_training_continues(s3, reference, tmp_path, capsys, caplog,
@@ -83,7 +83,7 @@ def test_s3_outage_during_saves_fails_loudly_and_training_continues(s3, referenc
                     "checkpoint.retries=2", "checkpoint.retry_base_s=0.05")
     assert got["losses"] == reference["summary"]["losses"]  # training never noticed
     assert got["failed_checkpoint_saves"] == 2
-    out = capsys.readouterr().out
+    out = capsys.readouterr().err
     lines = {step: next(ln for ln in out.splitlines() if ln.startswith(f"ERROR: checkpoint of step {step} NOT saved"))
              for step in (2, 4)}
     assert "EndpointConnectionError" in lines[2] and "retry 1/1 in" in caplog.text  # backoff was logged

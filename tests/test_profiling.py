@@ -57,6 +57,14 @@ def test_single_process_breakdown(tmp):
     median = summary["breakdown_median_s"]
     assert {"forward_backward", "optimizer", "data"} <= median.keys()
     assert 0 < median["backward"] < median["forward_backward"]  # over the profiled steps, not diluted
+    # each profiled step (2 and 4) as a Chrome trace a user can open (chrome://tracing, Perfetto)
+    traces = [tmp / "one" / "traces" / f"step_{n:08d}_rank0.json" for n in (2, 4)]
+    assert summary["traces"] == [str(t) for t in traces]
+    assert all(json.loads(t.read_text())["traceEvents"] for t in traces)
+    # the headline throughput leaves out the warm-up steps (1, 2) and the profiled step 4: step 3 alone
+    assert summary["tokens_per_s_note"] == "excludes 2 warm-up step(s) and 1 profiled step(s)"
+    step3 = _records(tmp / "one")[3]
+    assert summary["tokens_per_s"] == pytest.approx(step3["tokens_per_s"])
 
 
 def test_ddp_breakdown_has_the_gradient_all_reduce(dist_run, tmp):

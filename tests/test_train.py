@@ -91,7 +91,9 @@ def test_same_seed_same_losses_and_training_learns(tmp_path, capsys):
                 "--set", "train.seq_len=64", "--set", "checkpoint.save_final=false", "--json"]
         capsys.readouterr()
         assert main(args) == 0
-        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])  # --json: the summary, last line
+        captured = capsys.readouterr()
+        assert "model       tiny:" in captured.err and "resume      no: a fresh start" in captured.err  # banner
+        return json.loads(captured.out)  # --json: stdout is the summary and nothing else (logs on stderr)
 
     a, b = run("a"), run("b")
     assert a["losses"] == b["losses"] and len(a["losses"]) == 12
@@ -102,6 +104,11 @@ def test_same_seed_same_losses_and_training_learns(tmp_path, capsys):
     assert [r["loss"] for r in steps] == a["losses"]
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "mfu", "memory_bytes"} <= steps[-1].keys()
     assert 0 < steps[-1]["mfu"] < 1 and steps[-1]["memory_bytes"] > 0
+    # the lr logged for a step is the one that step used: warm-up 1/2 then 2/2 of optim.lr (3e-3)
+    assert [r["lr"] for r in steps[:2]] == pytest.approx([1.5e-3, 3e-3])
+    times = [r["time_unix_s"] for r in records]
+    assert times == sorted(times) and all(r["elapsed_s"] >= 0 for r in records)
+    assert a["tokens_per_s_note"] == "excludes 2 warm-up step(s)" and a["tokens_per_s"] > 0
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evals] == [6, 12] and all(0 < r["val_loss"] < 10 for r in evals)
     assert list((tmp_path / "a" / "tensorboard").glob("events.out.tfevents.*"))

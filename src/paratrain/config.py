@@ -137,6 +137,11 @@ def resolve_degrees(pcfg: ParallelSection, world_size: int) -> dict[str, int]:
     other = pcfg.non_dp_degree()
     dp = world_size // other if pcfg.dp == -1 else pcfg.dp
     if dp < 1 or dp * other != world_size:
+        if pcfg.dp == -1:  # dp is inferred already: the other degrees must divide the world size
+            raise ValueError(
+                f"parallel: pp*cp*tp = {pcfg.pp}*{pcfg.cp}*{pcfg.tp} = {other} does not divide the world size "
+                f"{world_size} (parallel.dp=-1 takes what they leave); allowed: pp*cp*tp dividing {world_size}, "
+                f"or launch a multiple of {other} ranks")
         raise ValueError(
             f"parallel: world size {world_size} != pp*dp*cp*tp = {pcfg.pp}*{pcfg.dp}*{pcfg.cp}*{pcfg.tp}; "
             f"allowed: degrees whose product is the number of ranks (set parallel.dp=-1 to infer dp)")
@@ -211,6 +216,24 @@ class MetricsSection(Section):
     hardware: str = ""  # catalog entry whose peak FLOP/s defines MFU; "" = measured on this machine
     profile_every: int = Field(default=0, ge=0, description="profile one step in N for exposed communication "
                                                              "by kind (0 = never)")
+    trace: bool = Field(default=True, description="with profile_every: write each profiled step as a Chrome "
+                                                  "trace <run_dir>/traces/step_N.json (chrome://tracing, Perfetto)")
+    wandb_project: str = Field(default="", description="also log to Weights & Biases (needs the wandb package)")
+    mlflow_experiment: str = Field(default="", description="also log to MLflow (needs the mlflow package)")
+
+    @field_validator("hardware")
+    @classmethod
+    def _check_hardware(cls, value: str) -> str:
+        """The rule `train` applies (resolve_system), here, so `paratrain config` refuses what train would."""
+        if value:
+            from paratrain.hardware.catalog import resolve_system
+
+            try:
+                resolve_system(value)
+            except ValueError as exc:
+                raise ValueError(f"{exc}; allowed: a system of `paratrain hardware list` or a hardware TOML "
+                                 f"file") from None
+        return value
 
 
 class StalenessSection(Section):

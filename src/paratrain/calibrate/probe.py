@@ -61,29 +61,36 @@ class ProbeResult:
         return max(self.matmul_tflops_by_size.values())
 
 
-def _time_best(fn, repeats: int, sync=lambda: None) -> float:
+def _time_best(fn, repeats: int, sync=lambda: None, min_time_s: float = 0.0) -> float:
+    """Best time of `repeats` calls, repeated further until `min_time_s` has passed (after one warm-up)."""
     fn()
     sync()
     best = float("inf")
-    for _ in range(repeats):
+    start, n = time.perf_counter(), 0
+    while n < repeats or time.perf_counter() - start < min_time_s:
         t0 = time.perf_counter()
         fn()
         sync()
         best = min(best, time.perf_counter() - t0)
+        n += 1
     return best
 
 
-def probe_matmul(sizes: list[int], device: str = CPU, repeats: int = 5) -> dict[int, float]:
+def probe_matmul(sizes: list[int], device: str = CPU, repeats: int = 5, rounds: int = 1,
+                 min_time_s: float = 0.0) -> dict[int, float]:
+    """TFLOP/s by square matmul size: the best over `rounds` rounds that each time every size (interleaved,
+    so a burst of load on a shared machine does not spoil all the measurements of one size)."""
     import torch
 
     dtype = matmul_dtype(torch.device(device))
     sync = sync_fn(torch.device(device)) or (lambda: None)
-    out = {}
-    for n in sizes:
-        a = torch.randn(n, n, device=device, dtype=dtype)
-        b = torch.randn(n, n, device=device, dtype=dtype)
-        t = _time_best(lambda a=a, b=b: a @ b, repeats, sync)
-        out[n] = 2 * n**3 / t / 1e12
+    mats = {n: (torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype))
+            for n in sizes}
+    out = dict.fromkeys(sizes, 0.0)
+    for _ in range(rounds):
+        for n, (a, b) in mats.items():
+            t = _time_best(lambda a=a, b=b: a @ b, repeats, sync, min_time_s)
+            out[n] = max(out[n], 2 * n**3 / t / 1e12)
     return out
 
 
@@ -217,7 +224,8 @@ def run_probe(device: str = CPU, group_sizes=(2, 4), quick: bool = False, log=pr
     res = ProbeResult(device=device, threads_per_rank=threads, cores=os.cpu_count() or 1)
     sizes = [128, 256, 512, 1024] if quick else [128, 256, 512, 1024, 2048]
     log("probing matmul throughput ...")
-    res.matmul_tflops_by_size = probe_matmul(sizes, device)
+    res.matmul_tflops_by_size = probe_matmul(sizes, device, repeats=3 if quick else 5, rounds=2 if quick else 3,
+                                             min_time_s=0.05 if quick else 0.1)
     log("probing memory bandwidth ...")
     res.memory_bw_gbytes_per_s = probe_memory_bandwidth(device, 64 if quick else 256)
     if is_host(device) and group_sizes:

@@ -133,6 +133,10 @@ def run_train(args) -> int:
     if joined_here:
         shutdown_distributed()  # torchrun's ranks exit together, with no gloo thread left running
     if summary["rank"] == 0:
+        if summary.get("nothing_to_train"):  # said in one line by the loop; no summary of a run that did not run
+            if args.json:
+                print(json.dumps(summary))
+            return 0
         if args.json:
             print(json.dumps(summary))
         else:
@@ -163,16 +167,12 @@ def check_launch(cfg, world_size: int) -> None:
 
 
 def print_summary(s: dict) -> None:
-    if not s["steps"]:
-        print(f"\nnothing left to train: resumed from {s.get('resumed_from') or s['checkpoint']}, which already "
-              f"reached train.steps; raise train.steps or use a new metrics.run_dir / checkpoint.dir")
-        return
     drop = (1 - s["last_loss"] / s["first_loss"]) if s["first_loss"] == s["first_loss"] else float("nan")
     print("\n=== paratrain run summary ===")
     print(f"layout          {s['layout']} on {s['world_size']} rank(s)")
     print(f"steps           {s['steps']} ({s['tokens']:,} tokens) in {s['wall_s']:.1f} s")
     print(f"loss            {s['first_loss']:.4f} -> {s['last_loss']:.4f} ({drop:.1%} lower)")
-    print(f"throughput      {s['tokens_per_s']:,.0f} tokens/s")
+    print(f"throughput      {s['tokens_per_s']:,.0f} tokens/s ({s.get('tokens_per_s_note', 'all steps')})")
     if (mfu := run_mfu(s)) is not None:
         print(f"MFU             {mfu:.1%} (of the {s['peak_label']}: {s['peak_flops'] / 1e12:,.2f} TFLOP/s per rank)")
     print(f"metrics         {s['run_dir']}/metrics.jsonl, TensorBoard: {s['run_dir']}/tensorboard")

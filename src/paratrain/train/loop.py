@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,7 +25,14 @@ from paratrain.train.checkpoint import CheckpointManager, check_checkpoint_dir, 
 from paratrain.train.data import make_sampler, open_windows, prepare, read_meta
 from paratrain.train.data.tokenize import check_model_tokenizer, check_vocab_fits
 from paratrain.train.faults import fault_point
-from paratrain.train.metrics import MetricsLogger, measure_peak_flops, peak_memory_bytes
+from paratrain.train.metrics import (
+    MetricsLogger,
+    PeakFlops,
+    Tracker,
+    machine_peak_flops,
+    peak_memory_bytes,
+    tracker_modules,
+)
 from paratrain.train.profiling import StepTimer
 from paratrain.train.storage import RetryPolicy
 
@@ -71,11 +79,31 @@ def build_optimizer(runner, opt: OptimSection) -> torch.optim.Optimizer:
                              foreach=getattr(runner, "optimizer_foreach", True))
 
 
+WARMUP_STEPS = 2  # first steps of a process (allocator, kernel selection, first collectives): not steady state
+
+
 @dataclass
 class StepStats:
     losses: list[float] = field(default_factory=list)
     tokens: int = 0
     compute_s: float = 0.0
+    steady_tokens: int = 0
+    steady_s: float = 0.0
+    excluded_warmup: int = 0
+    excluded_profiled: int = 0
+
+    def throughput(self) -> dict:
+        """tokens/s over the steady steps (all steps if there are none), and what it leaves out."""
+        if self.steady_s > 0:
+            rate = self.steady_tokens / self.steady_s
+            parts = [f"{n} {what} step(s)" for n, what in ((self.excluded_warmup, "warm-up"),
+                                                            (self.excluded_profiled, "profiled")) if n]
+            note = f"excludes {' and '.join(parts)}" if parts else "all steps"
+        else:
+            rate = self.tokens / self.compute_s if self.compute_s else 0.0
+            note = "all steps (too few for a steady state: warm-up included)"
+        return {"tokens_per_s": rate, "tokens_per_s_all_steps": self.tokens / self.compute_s if self.compute_s else 0.0,
+                "tokens_per_s_note": note}
 
 
 def check_batch_layout(cfg: TrainConfig, dp: int) -> None:
@@ -100,10 +128,13 @@ def seed_everything(seed: int, deterministic: bool) -> None:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
-def train(cfg: TrainConfig, resume_from: str | None = None, observer=None) -> dict:
+def train(cfg: TrainConfig, resume_from: str | None = None, observer=None, trackers: dict | None = None) -> dict:
     """Train per `cfg`; returns a summary (first/last loss, tokens/s, paths). Runs on every rank.
     `observer(step, runner, record)`, if given, is called on every rank after each optimizer step
-    (`paratrain verify` records per-rank losses, gradient norms and parameter checksums with it)."""
+    (`paratrain verify` records per-rank losses, gradient norms and parameter checksums with it).
+    `trackers`: {"wandb": module, "mlflow": module} to log to (default: those the config names, imported)."""
+    if trackers is None:
+        trackers = tracker_modules(cfg.metrics)  # a configured tracker that is not installed fails now
     env = init_distributed(cfg.train.device)
     if is_host(env.device) and "OMP_NUM_THREADS" not in os.environ and env.world_size > 1:
         torch.set_num_threads(1)  # one compute thread per rank: ranks share the cores
@@ -118,7 +149,8 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None) -> di
     model_cfg = cfg.model_shape()
     check_model_tokenizer(cfg.data, cfg.model.hf_path, model_cfg.vocab)  # every rank, before the data work
     if env.is_main:
-        prepare(cfg.data, hf_path=cfg.model.hf_path, log=print)
+        # its note goes to stderr with the other logs: stdout is the command's output
+        prepare(cfg.data, hf_path=cfg.model.hf_path, log=lambda text: print(text, file=sys.stderr, flush=True))
     if dist.is_initialized():
         dist.barrier()
     check_vocab_fits(read_meta(cfg.data.prepared_dir)["vocab_size"], model_cfg.vocab, cfg.model.hf_path,
@@ -139,16 +171,11 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None) -> di
     run_dir = Path(cfg.metrics.run_dir)
     ckpt_dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
     logger = MetricsLogger(run_dir, env.is_main, cfg.metrics.jsonl, cfg.metrics.tensorboard,
-                           cfg.train.steps, cfg.train.progress)
+                           cfg.train.steps, cfg.train.progress,
+                           trackers=_trackers(cfg, trackers, run_dir) if env.is_main else None)
     ck = cfg.checkpoint
     ckpt = CheckpointManager(ckpt_dir, env.rank, keep=ck.keep, layout=degrees, async_save=ck.async_save,
                              verify=ck.verify, retry=RetryPolicy(ck.retries, ck.retry_base_s), log=logger.write)
-    if env.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.toml").write_text(dump_config(cfg))
-        if mixture := sampler.describe(cfg.train.steps):  # realised proportions of a data.mix
-            logger.write(mixture)
-
     start_step, resumed = 0, None
     source = resume_from or (ck.resume if ck.resume not in ("auto", "none") else None)
     if source or ck.resume == "auto":
@@ -159,11 +186,24 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None) -> di
         start_step = resumed.extra["step"]
         logger.write(f"{resumed.describe(degrees, env.world_size)}; sampler at global sample "
                      f"{sampler.step * cfg.train.global_batch}")
-        if start_step >= cfg.train.steps:
+        if start_step >= cfg.train.steps:  # one line, no summary of a run that did not run
             logger.write(f"nothing left to train: the checkpoint is at step {start_step}, train.steps="
-                         f"{cfg.train.steps} (raise train.steps to continue this run)")
+                         f"{cfg.train.steps} (a finished run in {ckpt_dir}); raise train.steps to continue it, or "
+                         f"use a new metrics.run_dir")
+            ckpt.close()
+            logger.close()
+            return {"nothing_to_train": True, "steps": 0, "rank": env.rank, "run_dir": str(run_dir),
+                    "checkpoint": str(ckpt.latest() or ""), "resumed_from": resumed.path,
+                    "world_size": env.world_size, "layout": degrees}
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        (run_dir / "config.toml").write_text(dump_config(cfg))
+        if mixture := sampler.describe(cfg.train.steps):  # realised proportions of a data.mix
+            logger.write(mixture)
 
-    peak_flops, peak_label = _peak_flops(cfg, env)
+    peak = _peak_flops(cfg, env)
+    peak_flops, peak_label = peak.flops, peak.label
+    logger.write(banner(cfg, model_cfg, degrees, env, read_meta(cfg.data.prepared_dir), ckpt_dir, resumed, peak))
     flops_per_token = model_cfg.train_flops_per_token(cfg.train.seq_len)
     stats = StepStats()
     first_loss = last_loss = float("nan")
@@ -190,13 +230,15 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None) -> di
         logger.advance(1, {"loss": loss_value, "tok/s": record["tokens_per_s"], "mfu": record["mfu"]})
         if (done_step + 1) % cfg.train.log_every == 0 and not cfg.train.progress:
             logger.write(f"step {done_step + 1:>6} loss {loss_value:.4f} lr {record['lr']:.2e} "
-                         f"tok/s {record['tokens_per_s']:,.0f} mfu {record['mfu']:.1%} ({peak_label}) "
+                         f"tok/s {record['tokens_per_s']:,.0f} mfu {record['mfu']:.1%} "
                          f"mem {record['memory_bytes'] / 2**20:,.0f} MiB")
 
     for step in range(start_step, cfg.train.steps):
         t0 = time.perf_counter()
         profiled = bool(cfg.metrics.profile_every) and (step + 1) % cfg.metrics.profile_every == 0
-        with timer.profile(profiled):
+        trace = run_dir / "traces" / f"step_{step + 1:08d}_rank{env.rank}.json" if cfg.metrics.trace else None
+        lr_used = scheduler.get_last_lr()[0]  # the lr of this step (run_step's scheduler.step() moves to the next)
+        with timer.profile(profiled, trace):
             with timer.phase("data"):
                 inputs, targets = train_data.batch(sampler.next_indices(runner.dp_rank, runner.dp_size))
             values = HostValues(run_step(runner, optimizer, scheduler, inputs, targets, cfg.optim.grad_clip, timer),
@@ -208,10 +250,20 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None) -> di
         tokens = staleness.step_tokens(runner, cfg.train.global_batch * cfg.train.seq_len)  # time budget: fewer
         stats.tokens += tokens
         stats.compute_s += dt
+        # the headline throughput: steady steps only (not the first WARMUP_STEPS, not the profiled ones)
+        steady = step - start_step >= WARMUP_STEPS and not profiled
+        stats.steady_tokens += tokens if steady else 0
+        stats.steady_s += dt if steady else 0.0
+        stats.excluded_warmup += step - start_step < WARMUP_STEPS
+        stats.excluded_profiled += profiled and step - start_step >= WARMUP_STEPS
         tokens_per_s = tokens / dt
-        # MFU per device: model FLOPs of this step over (world size x peak of one device).
+        # MFU per device: model FLOPs of this step over (world size x peak of one device). A rate above a
+        # probed peak proves the probe under-measured this machine: the peak is raised to it, and said so.
+        if (note := peak.observe(flops_per_token * tokens / dt / env.world_size)) is not None:
+            logger.write(note)
+            peak_flops, peak_label = peak.flops, peak.label
         mfu = flops_per_token * tokens / dt / (peak_flops * env.world_size)
-        record = {"lr": scheduler.get_last_lr()[0], "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
+        record = {"lr": lr_used, "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
                   "memory_bytes": peak_memory_bytes(env.device)}
         phases = timer.take()
         if "backward" in phases:  # a profiled step: split forward from backward
@@ -249,11 +301,11 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None) -> di
     summary = {
         "first_loss": first_loss, "last_loss": last_loss, "losses": stats.losses,
         "steps": len(stats.losses), "tokens": stats.tokens,
-        "tokens_per_s": stats.tokens / stats.compute_s if stats.compute_s else 0.0,
+        **stats.throughput(),
         "wall_s": wall, "peak_flops": peak_flops, "peak_label": peak_label,
         "run_dir": str(run_dir), "checkpoint": str(ckpt.latest() or ""), "rank": env.rank,
         "resumed_from": resumed.path if resumed else "", "failed_checkpoint_saves": ckpt.failed_saves,
-        "world_size": env.world_size, "layout": degrees,
+        "world_size": env.world_size, "layout": degrees, "traces": timer.traces,
         **measured_for_planner(cfg, model_cfg, degrees, breakdowns),
     }
     if cfg.metrics.hardware and env.is_main:
@@ -285,7 +337,7 @@ def planner_options(cfg: TrainConfig) -> dict:
 def measured_for_planner(cfg: TrainConfig, model_cfg, degrees: dict, breakdowns: list[dict]) -> dict:
     """Steady-state step time and breakdown (medians, first steps dropped as warm-up), with what the planner
     needs to predict the same run: `paratrain calibrate` reads these fields from the summary."""
-    steady = breakdowns[min(2, max(len(breakdowns) - 1, 0)):]
+    steady = breakdowns[min(WARMUP_STEPS, max(len(breakdowns) - 1, 0)):]
     keys = sorted({k for b in steady for k in b})
     # profiler-only keys (forward/backward split, communication by kind) over the profiled steps only
     median = {k: statistics.median([b[k] for b in steady if k in b]) for k in keys} if steady else {}
@@ -329,14 +381,73 @@ def _build_model(cfg: TrainConfig, model_cfg) -> Llama:
     return model
 
 
-def _peak_flops(cfg: TrainConfig, env) -> tuple[float, str]:
-    """Peak FLOP/s of one device: from the hardware catalog when named, else measured here (labelled)."""
+def _peak_flops(cfg: TrainConfig, env) -> PeakFlops:
+    """Peak FLOP/s of one rank: from the hardware catalog (or a probed hardware file) when metrics.hardware
+    names one, else this machine's probe, measured once and cached (`machine_peak_flops`)."""
     if cfg.metrics.hardware:
         from paratrain.hardware.catalog import resolve_system
 
         system = resolve_system(cfg.metrics.hardware)
-        return system.device_peak_flops, f"bf16 peak of one {system.device_unit} of {system.name}"
-    return measure_peak_flops(env.device), "peak measured by a matmul probe on this machine"
+        if system.chip.status == "measured" and is_host(env.device):
+            # a probed CPU file: one chip = one core at one thread; this rank's share of the cores
+            ranks = max(env.world_size, 1)
+            cores = max(system.chips_per_node, 1)
+            share = max(min(torch.get_num_threads(), cores / ranks), min(1.0, cores / ranks))
+            return PeakFlops(system.chip.bf16_tflops * 1e12 * share,
+                             f"probed peak of {system.name} ({cfg.metrics.hardware}) x {share:g} core(s) per rank",
+                             "catalog")
+        return PeakFlops(system.device_peak_flops, f"bf16 peak of one {system.device_unit} of {system.name}",
+                         "catalog")
+    return machine_peak_flops(env.device, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def _trackers(cfg: TrainConfig, modules: dict, run_dir: Path) -> list[Tracker]:
+    config = cfg.model_dump()
+    names = {"wandb": cfg.metrics.wandb_project, "mlflow": cfg.metrics.mlflow_experiment}
+    return [Tracker(kind, module, names[kind] or "paratrain", run_dir.name, run_dir, config)
+            for kind, module in modules.items()]
+
+
+def banner(cfg: TrainConfig, model_cfg, degrees: dict, env, meta: dict, ckpt_dir: str, resumed,
+           peak: PeakFlops) -> str:
+    """What this run is about to do, before its first step."""
+    t = cfg.train
+    tokens = t.steps * t.global_batch * t.seq_len
+    order = [d for d in ("pp", "dp", "cp", "tp") if degrees[d] > 1]
+    lines = [
+        f"model       {model_cfg.name}: {model_cfg.num_params() / 1e6:,.2f}M parameters ({model_cfg.layers} layers, "
+        f"hidden {model_cfg.hidden}, {model_cfg.heads} heads, vocab {model_cfg.vocab:,})",
+        f"layout      {' x '.join(f'{d} {degrees[d]}' for d in order) or 'one rank'} on {env.world_size} rank(s), "
+        f"{env.device.type}; {cfg.parallel.dp_kind if degrees['dp'] > 1 else 'no data parallelism'}, "
+        f"microbatch {t.microbatch}, recompute {cfg.parallel.recompute}",
+    ]
+    lines += [f"            {line}" for line in _ranks_lines(degrees, env.world_size)]
+    lines += [
+        f"data        {cfg.data.prepared_dir}: {meta['train_tokens']:,} train tokens (vocab {meta['vocab_size']:,}); "
+        f"{t.steps} steps x {t.global_batch} x {t.seq_len} = {tokens:,} tokens "
+        f"({tokens / max(meta['train_tokens'], 1):.2f} epochs)",
+        f"checkpoint  {ckpt_dir} (" + (f"every {cfg.checkpoint.interval} steps" if cfg.checkpoint.interval else
+                                       "at the end" if cfg.checkpoint.save_final else "none saved") + ")",
+        "resume      " + (f"from {resumed.path} (step {resumed.extra['step']})" if resumed else "no: a fresh start"),
+        f"MFU against {peak.flops / 1e12:,.3f} TFLOP/s per rank: {peak.label}",
+    ]
+    return "\n".join(lines)
+
+
+def _ranks_lines(degrees: dict, world: int, limit: int = 8) -> list[str]:
+    """Each rank's coordinates in the mesh (pp, dp, cp, tp; tp innermost), the first `limit` ranks."""
+    if world == 1:
+        return []
+    dims = [d for d in ("pp", "dp", "cp", "tp") if degrees[d] > 1]
+    out = []
+    for rank in range(min(world, limit)):
+        rest, coords = rank, {}
+        for d in reversed(("pp", "dp", "cp", "tp")):
+            rest, coords[d] = divmod(rest, degrees[d])
+        out.append(f"rank {rank}: " + " ".join(f"{d}{coords[d]}" for d in dims))
+    if world > limit:
+        out.append(f"... ({world - limit} more ranks)")
+    return [", ".join(out[i:i + 4]) for i in range(0, len(out), 4)]
 
 
 def _evaluate(runner, data, cfg: TrainConfig) -> float:

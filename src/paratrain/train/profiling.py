@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections import defaultdict
+from pathlib import Path
 
 from paratrain.device import BACKEND_NAMES
 
@@ -130,6 +131,7 @@ class StepTimer:
         self._sync = sync
         self._profiling = False
         self._profiler = None
+        self.traces: list[str] = []  # Chrome trace files written by profile()
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -146,7 +148,9 @@ class StepTimer:
                 self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - t0
 
     @contextlib.contextmanager
-    def profile(self, enabled: bool):
+    def profile(self, enabled: bool, trace_path: str | Path | None = None):
+        """Run the block under torch.profiler when `enabled`; with `trace_path`, also write the step as a Chrome
+        trace (JSON: chrome://tracing, https://ui.perfetto.dev)."""
         if not enabled:
             yield
             return
@@ -158,6 +162,10 @@ class StepTimer:
                 yield
         finally:
             self._profiling = False
+        if trace_path is not None:
+            Path(trace_path).parent.mkdir(parents=True, exist_ok=True)
+            prof.export_chrome_trace(str(trace_path))
+            self.traces.append(str(trace_path))
         events = prof.events()
         on_device = device_comm_seconds(prof.profiler.kineto_results.events())
         comm = on_device if on_device else exposed_comm_seconds(events)  # host-timed where no device timeline
