@@ -132,17 +132,7 @@ def _summary(m: Measurement) -> dict:
             "planner_layout": m.layout, "world_size": m.world_size, "step_time_s_median": m.step_time_s}
 
 
-def test_probe_command_writes_a_loadable_hardware_file(tmp_path, capsys):
-    from paratrain.cli import main
-
-    out = tmp_path / "hw" / "local.toml"
-    assert main(["probe", "--quick", "--groups", "2", "--out", str(out), "--json"]) == 0
-    printed = json.loads(capsys.readouterr().out)
-    system = load_catalog([out]).system("local")
-    link = system.tiers[0].interconnect
-    assert printed["hardware_file"] == str(out) and out.with_suffix(".probe.json").is_file()
-    assert system.device_peak_flops > 0 and link.bw_gbytes_per_s > 0 and link.latency_us > 0
-    assert system.chip.status == "measured"
+# `paratrain probe` as users run it: tests/test_readme_loop.py (probe -> plan -> train -> calibrate)
 
 
 TRUTH = {"matmul_eff_max": 0.5, "kernel_overhead_s": 1e-4, "memory_bw_eff": 1.0, "link_bw_scale": 0.5,

@@ -52,7 +52,8 @@ Only physical parameters are fitted (matmul efficiency and per-kernel overhead, 
 cost of one collective call, data-parallel overlap), and only those the runs identify: at most one fewer than
 the runs (one run: the single most sensitive one), none that no run depends on, none the runs cannot tell from
 another. Each parameter held says why. The error shown is leave-one-out: each run predicted by a fit without it.
---suggest lists the next runs (layouts) that would identify the parameters still held, with their commands.
+Every run calibrate proposes (the layouts that would identify the parameters still held; --suggest N for N of
+them) comes with a config to train it: the run's own config.toml with that layout, in <runs folder>/next/.
 See src/paratrain/calibrate/fit.py and docs/calibration.md.
 
   paratrain calibrate --hardware runs/hardware/local.toml runs/*.json
@@ -72,7 +73,8 @@ def register_calibrate(sub) -> None:
     p.add_argument("--holdout", type=float, default=0.0,
                    help="fraction of runs kept out of the fit and only predicted (every other run)")
     p.add_argument("--suggest", nargs="?", type=int, const=3, default=None, metavar="N",
-                   help="list the next N runs (default 3) that best separate the parameters; writes nothing")
+                   help="list the next N runs (default 3) that best separate the parameters, each with its config "
+                        "(<runs folder>/next/<layout>.toml); writes no hardware file")
     p.add_argument("--dry-run", action="store_true", help="fit and report, do not write a file")
     p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     p.set_defaults(func=run_calibrate_cmd)
@@ -135,7 +137,12 @@ def run_calibrate_cmd(args) -> int:
            "mape_fitted_runs": fit_error, "fit_rows": rows,
            "mape_leave_one_out": (sum(abs(r["error"]) for r in loo) / len(loo)) if loo else None,
            "leave_one_out_rows": loo,
-           "suggested_runs": [{**s, "command": suggestion_command(s, train[-1])} for s in suggestions]}
+           "suggested_runs": []}
+    runs_dir = Path(args.runs[-1]).parent
+    for sug in suggestions:
+        config = suggestion_config(sug, train[-1], runs_dir)
+        out["suggested_runs"].append({**sug, "config": str(config) if config else None,
+                                      "command": suggestion_command(sug, config)})
     if test:
         out["mape_holdout"], out["holdout_rows"] = mape(cal.system, test)
     write = not args.dry_run and args.suggest is None
@@ -152,15 +159,53 @@ def run_calibrate_cmd(args) -> int:
     return 0
 
 
-def suggestion_command(s: dict, like) -> str:
-    """The command that runs a suggested layout: the measured run's own config with the layout's keys."""
+def suggestion_config(s: dict, like, runs_dir: Path) -> Path | None:
+    """The measured run's own config (<run_dir>/config.toml) with the suggested layout, a fresh run dir and
+    no leftover layout keys (zero_stage, pp_layers, ...), as runs/next/<layout>.toml; None when the run left
+    no config to start from or the result does not validate."""
+    import tomllib
+
+    import tomli_w
+
+    from paratrain.config import load_config
+    from paratrain.plan.config_writer import fresh_run_dir
+
+    src = Path(like.run_dir) / "config.toml" if like.run_dir else None
+    if src is None or not src.is_file():
+        return None
+    doc = tomllib.loads(src.read_text())
     lay = s["layout"]
-    config = str(Path(like.run_dir) / "config.toml") if like.run_dir else "CONFIG.toml"
-    sets = [f"parallel.tp={lay['tp']}", f"parallel.pp={lay['pp']}", f"parallel.dp={lay['dp']}",
-            f"parallel.dp_kind={lay['dp_kind']}", "parallel.sp=false", f"train.microbatch={lay['microbatch']}",
-            f"metrics.run_dir=runs/{s['name']}"]
+    par = doc.setdefault("parallel", {})
+    for key in ("zero_stage", "pp_layers", "dp_replicate", "reshard_after_forward"):
+        par.pop(key, None)
+    par.update(tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], dp=lay["dp"], dp_kind=lay["dp_kind"], sp=bool(lay["sp"]),
+               recompute=lay["recompute"], pp_schedule=lay["schedule"], virtual_stages=lay["virtual_stages"])
+    doc.setdefault("train", {})["microbatch"] = lay["microbatch"]
+    metrics = doc.setdefault("metrics", {})
+    metrics["run_dir"] = fresh_run_dir(s["name"], Path(metrics.get("run_dir", "runs/x")).parent)
+    doc.setdefault("checkpoint", {})["dir"] = ""  # under the new run dir
+    out = runs_dir / "next" / f"{s['name']}.toml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(f"# suggested by `paratrain calibrate`: {s['name']} on {s['world_size']} rank(s), from {src}\n"
+                   + tomli_w.dumps(doc))
+    try:
+        load_config(out, [])
+    except ValueError:
+        out.unlink()
+        return None
+    return out
+
+
+def suggestion_command(s: dict, config: Path | None) -> str:
+    """The command that runs a suggested layout."""
     launch = "paratrain train" if s["world_size"] == 1 else f"torchrun --nproc-per-node {s['world_size']} -m paratrain train"
-    return f"{launch} --config {config} " + " ".join(f"--set {x}" for x in sets) + f" --summary-json runs/{s['name']}.json"
+    summary = (config.parent.parent if config else Path("runs")) / f"{s['name']}.json"
+    if config is None:
+        lay = s["layout"]
+        return (f"{launch} --config YOUR_CONFIG.toml --set parallel.tp={lay['tp']} --set parallel.pp={lay['pp']} "
+                f"--set parallel.dp={lay['dp']} --set parallel.dp_kind={lay['dp_kind']} "
+                f"--set train.microbatch={lay['microbatch']} --summary-json {summary}")
+    return f"{launch} --config {config} --summary-json {summary}"
 
 
 def _print_calibration(out: dict, test: list) -> None:
