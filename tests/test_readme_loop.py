@@ -7,7 +7,9 @@ once there are two runs. Multi-rank steps run on the gloo pool (the same CLI ent
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import json
 import os
 import shlex
@@ -22,21 +24,23 @@ SMALL = ["data.max_source_bytes=200000", "data.vocab_size=512", "model.vocab=512
          "train.progress=false", "metrics.tensorboard=false", "optim.warmup_steps=1", "train.steps=4"]
 
 
-def _cli_in(cwd: str, argv: list[str]) -> int:
-    """`paratrain ARGV` run from `cwd` (each pool rank is a process of its own, as under torchrun)."""
-    before = os.getcwd()
+def _cli_in(cwd: str, argv: list[str]) -> tuple[int, str]:
+    """`paratrain ARGV` run from `cwd` (each pool rank is a process of its own, as under torchrun): exit code
+    and what it printed on stderr."""
+    before, err = os.getcwd(), io.StringIO()
     os.chdir(cwd)
     try:
-        return main(argv)
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            return main(argv), err.getvalue()
     finally:
         os.chdir(before)
 
 
-def _train(dist_run, tmp_path, world: int, argv: list[str]) -> None:
-    if world == 1:
-        assert _cli_in(str(tmp_path), argv) == 0
-    else:
-        assert dist_run(world, _cli_in, str(tmp_path), argv) == [0] * world
+def _train(dist_run, tmp_path, world: int, argv: list[str]) -> str:
+    """Train on `world` ranks; rank 0's stderr."""
+    results = [_cli_in(str(tmp_path), argv)] if world == 1 else dist_run(world, _cli_in, str(tmp_path), argv)
+    assert [code for code, _ in results] == [0] * world, results
+    return results[0][1]
 
 
 def _sets(items: list[str]) -> list[str]:
@@ -76,10 +80,10 @@ def test_the_readme_loop_as_written(dist_run, tmp_path, monkeypatch, capsys):
     assert (tmp_path / run_dir / "metrics.jsonl").is_file()
 
     # the same command again resumes the finished run: one line, no summary of a run that did not run
-    capsys.readouterr()
-    _train(dist_run, tmp_path, world, ["train", "--config", "runs/planned.toml", *_sets([*SMALL, *data]),
-                                       "--summary-json", "runs/again.json"])
+    err = _train(dist_run, tmp_path, world, ["train", "--config", "runs/planned.toml", *_sets([*SMALL, *data]),
+                                             "--summary-json", "runs/again.json"])
     assert not (tmp_path / "runs" / "again.json").exists()
+    assert "nothing left to train: the checkpoint is at step 4, train.steps=4" in err
 
     # paratrain calibrate --hardware runs/hardware/local.toml runs/*.json
     assert main(["calibrate", "--hardware", "runs/hardware/local.toml", *sorted(glob.glob("runs/*.json")),
