@@ -102,7 +102,8 @@ def test_cli_rejects_bad_layout_in_one_line(capsys):
 
 
 @pytest.mark.parametrize("world, overrides, message", [
-    ("3", ["parallel.tp=2"], "parallel: world size 3 != pp*dp*cp*tp = 1*-1*1*2"),
+    # dp=-1 (the default) already infers dp: the hint is about the other degrees, not "set parallel.dp=-1"
+    ("3", ["parallel.tp=2"], "parallel: world size 3 is not a multiple of pp*cp*tp = 1*1*2 = 2"),
     ("4", ["train.global_batch=6"], "train.global_batch=6 must be divisible by the data-parallel size 4; "
                                     "allowed: a multiple of 4"),
     ("2", ["train.global_batch=16", "train.microbatch=16"],  # the demo config's batch on 2 data-parallel ranks

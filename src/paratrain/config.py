@@ -139,9 +139,9 @@ def resolve_degrees(pcfg: ParallelSection, world_size: int) -> dict[str, int]:
     if dp < 1 or dp * other != world_size:
         if pcfg.dp == -1:  # dp is inferred already: the other degrees must divide the world size
             raise ValueError(
-                f"parallel: pp*cp*tp = {pcfg.pp}*{pcfg.cp}*{pcfg.tp} = {other} does not divide the world size "
-                f"{world_size} (parallel.dp=-1 takes what they leave); allowed: pp*cp*tp dividing {world_size}, "
-                f"or launch a multiple of {other} ranks")
+                f"parallel: world size {world_size} is not a multiple of pp*cp*tp = {pcfg.pp}*{pcfg.cp}*{pcfg.tp} = "
+                f"{other} (parallel.dp=-1 takes what they leave); allowed: pp*cp*tp dividing {world_size}, or "
+                f"launch a multiple of {other} ranks")
         raise ValueError(
             f"parallel: world size {world_size} != pp*dp*cp*tp = {pcfg.pp}*{pcfg.dp}*{pcfg.cp}*{pcfg.tp}; "
             f"allowed: degrees whose product is the number of ranks (set parallel.dp=-1 to infer dp)")
