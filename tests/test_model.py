@@ -10,7 +10,7 @@ from paratrain.model.llama import Llama, cross_entropy_loss
 @pytest.mark.parametrize(
     "name, published",
     [("llama2-7b", 6.74e9), ("llama3-8b", 8.03e9), ("llama3-70b", 70.6e9), ("llama3.1-405b", 405.9e9),
-     ("llama2-13b", 13.0e9), ("llama2-70b", 69.0e9)],
+     ("llama2-13b", 13.0e9), ("llama2-70b", 69.0e9), ("llama3.2-3b", 3.21e9)],
 )
 def test_preset_parameter_counts_match_published(name, published):
     assert abs(PRESETS[name].num_params() / published - 1) < 0.005

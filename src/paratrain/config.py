@@ -369,7 +369,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 # Meaning of the keys whose Field has no description (shown by `paratrain config --reference`).
 FIELD_HELP = {
-    "model.preset": "preset name (tiny, small, llama2-7b/13b/70b, llama3-8b/70b, llama3.1-405b) or a model TOML file",
+    "model.preset": "preset name (tiny, small, llama2-7b/13b/70b, llama3-8b/70b, llama3.1-405b, llama3.2-3b) or a model TOML file",
     "model.hf_path": "a Hugging Face Llama folder (config.json + *.safetensors): shape and weights are loaded",
     "model.layers": "override: decoder blocks", "model.hidden": "override: model width",
     "model.heads": "override: attention heads", "model.kv_heads": "override: key/value heads (GQA)",

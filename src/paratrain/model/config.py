@@ -151,6 +151,11 @@ PRESETS: dict[str, ModelConfig] = {
                              ffn_hidden=14336, vocab=128256, max_seq=8192, rope_theta=500000.0),
     "llama3-70b": ModelConfig(name="llama3-70b", layers=80, hidden=8192, heads=64, kv_heads=8,
                               ffn_hidden=28672, vocab=128256, max_seq=8192, rope_theta=500000.0),
+    # Llama 3.2 3B: Meta's released config.json (meta-llama/Llama-3.2-3B, Sept 2024): tied embeddings, rope_scaling
+    # factor 32, low/high_freq_factor 1/4, original_max_position_embeddings 8192; 3.21B parameters.
+    "llama3.2-3b": ModelConfig(name="llama3.2-3b", layers=28, hidden=3072, heads=24, kv_heads=8, ffn_hidden=8192,
+                               vocab=128256, max_seq=131072, rope_theta=500000.0, tie_embeddings=True,
+                               rope_scaling=RopeScaling(factor=32.0)),
     "llama3.1-405b": ModelConfig(name="llama3.1-405b", layers=126, hidden=16384, heads=128, kv_heads=8,
                                  ffn_hidden=53248, vocab=128256, max_seq=131072, rope_theta=500000.0,
                                  rope_scaling=RopeScaling(factor=8.0)),

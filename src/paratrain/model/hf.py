@@ -7,12 +7,14 @@ interleaved pairs. We undo the permutation that transformers' convert_llama_weig
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from paratrain.model.config import ModelConfig, RopeScaling
+from paratrain.model.init import build_on_meta, read_all
 from paratrain.model.llama import Llama
 
 _LAYER_NAMES = {
@@ -88,51 +90,137 @@ def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, out_dim // n_heads // 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
 
 
-def hf_state_dict_to_paratrain(sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for key, value in sd.items():
-        if key == "model.embed_tokens.weight":
-            out["tok_embeddings.weight"] = value
-        elif key == "model.norm.weight":
-            out["norm.weight"] = value
-        elif key == "lm_head.weight":
-            out["output.weight"] = value
-        elif key.startswith("model.layers."):
-            _, _, idx, rest = key.split(".", 3)
-            module, leaf = rest.rsplit(".", 1)
-            if module not in _LAYER_NAMES:
-                raise ValueError(f"unexpected tensor '{key}' in the Hugging Face checkpoint")
-            if module == "self_attn.q_proj":
-                value = _unpermute_rope(value, cfg.heads)
-            elif module == "self_attn.k_proj":
-                value = _unpermute_rope(value, cfg.n_kv_heads)
-            out[f"layers.{idx}.{_LAYER_NAMES[module]}.{leaf}"] = value
-        elif key.endswith("rotary_emb.inv_freq"):
-            continue  # derived from the config
+def _permute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """HF's permute (convert_llama_weights_to_hf.py): our interleaved pairs -> its rotate-half halves."""
+    out_dim, in_dim = w.shape
+    return w.view(n_heads, out_dim // n_heads // 2, 2, in_dim).transpose(1, 2).reshape(out_dim, in_dim)
+
+
+def hf_names(cfg: ModelConfig) -> dict[str, tuple[str, int | None]]:
+    """paratrain parameter name -> (Hugging Face tensor name, heads whose rows HF permutes, or None)."""
+    names: dict[str, tuple[str, int | None]] = {"tok_embeddings.weight": ("model.embed_tokens.weight", None),
+                                                "norm.weight": ("model.norm.weight", None)}
+    if not cfg.tie_embeddings:
+        names["output.weight"] = ("lm_head.weight", None)
+    ours_to_hf = {v: k for k, v in _LAYER_NAMES.items()}
+    for i in range(cfg.layers):
+        for ours, hf in ours_to_hf.items():
+            heads = cfg.heads if ours == "attention.wq" else cfg.n_kv_heads if ours == "attention.wk" else None
+            names[f"layers.{i}.{ours}.weight"] = (f"model.layers.{i}.{hf}.weight", heads)
+    return names
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Global shape of every parameter of the Llama of `cfg` (built on meta: no memory)."""
+    model = build_on_meta(lambda: Llama(cfg))
+    return {name: tuple(p.shape) for name, p in model.named_parameters()}
+
+
+READ_ELEMS = 2**20  # values per slice read from a safetensors file: the memory a rank needs beyond its shard
+
+
+class HFRows:
+    """Row source (see paratrain.model.init) over one tensor of a safetensors file: reads only the requested
+    rows and column range (`safe_open(...).get_slice`), undoing HF's q/k head permutation a whole head at a
+    time (the permutation stays within a head, so a block of whole heads is self-contained)."""
+
+    def __init__(self, handle, key: str, shape: tuple[int, ...], heads: int | None):
+        self.handle, self.key, self.shape, self.heads = handle, key, tuple(shape), heads
+        row_numel = max(math.prod(shape[1:]), 1)
+        if heads is None:
+            self.block_rows = max(1, READ_ELEMS // row_numel)
         else:
-            raise ValueError(f"unexpected tensor '{key}' in the Hugging Face checkpoint")
-    if cfg.tie_embeddings:
-        out.setdefault("output.weight", out["tok_embeddings.weight"])
-    return out
+            head_dim = shape[0] // heads
+            self.block_rows = head_dim * max(1, READ_ELEMS // (row_numel * head_dim))
+
+    def read(self, start: int, stop: int, bounds=()) -> torch.Tensor:
+        cols = tuple(slice(b[0], b[1]) if b is not None else slice(None) for b in bounds)
+        sl = self.handle.get_slice(self.key)
+        if self.heads is None:
+            return sl[(slice(start, stop), *cols)]
+        head_dim = self.shape[0] // self.heads
+        h0, h1 = start // head_dim, -(-stop // head_dim)
+        rows = _unpermute_rope(sl[(slice(h0 * head_dim, h1 * head_dim), *cols)], h1 - h0)
+        return rows[start - h0 * head_dim:stop - h0 * head_dim]
+
+
+class HFSource:
+    """`source_of(name, shape)` for `paratrain.parallel.materialize`: paratrain parameter -> HFRows over the
+    safetensors file holding it. Every expected tensor and its shape is checked when this is built, before
+    any rank allocates anything."""
+
+    def __init__(self, folder: str | Path, cfg: ModelConfig):
+        self.folder, self.cfg = Path(folder), cfg
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"model.hf_path='{folder}': no *.safetensors files there")
+        self._handles = {f.name: safe_open(str(f), framework="pt") for f in files}
+        where = {key: name for name, h in self._handles.items() for key in h.keys()}
+        self.names = hf_names(cfg)
+        shapes = expected_shapes(cfg)
+        missing = [hf for ours, (hf, _) in self.names.items() if hf not in where]
+        known = {hf for hf, _ in self.names.values()} | ({"lm_head.weight"} if cfg.tie_embeddings else set())
+        unexpected = [k for k in where if k not in known and not k.endswith("rotary_emb.inv_freq")]
+        if missing or unexpected:
+            raise ValueError(f"Hugging Face checkpoint '{folder}' does not match the config: missing "
+                             f"{missing[:5]}, unexpected {unexpected[:5]}")
+        self._where = where
+        for ours, (hf, _) in self.names.items():
+            got = tuple(self._handles[where[hf]].get_slice(hf).get_shape())
+            if got != shapes[ours]:
+                raise ValueError(f"Hugging Face checkpoint '{folder}': {hf} has shape {got}, the config needs "
+                                 f"{shapes[ours]}")
+
+    def __call__(self, name: str, shape: tuple[int, ...]) -> HFRows:
+        if name not in self.names:
+            raise ValueError(f"parameter '{name}' has no Hugging Face counterpart")
+        hf, heads = self.names[name]
+        return HFRows(self._handles[self._where[hf]], hf, shape, heads)
+
+
+def hf_source(folder: str | Path, cfg: ModelConfig | None = None) -> HFSource:
+    return HFSource(folder, cfg or config_from_hf(folder))
 
 
 def load_hf_llama(folder: str | Path, cfg: ModelConfig | None = None) -> Llama:
-    """Build paratrain's Llama from a Hugging Face folder with the same weights.
+    """Build paratrain's Llama from a Hugging Face folder with the same weights (whole, in this process; a
+    parallel layout reads only its shards: `paratrain.train.loop.build_runner` with model.hf_path).
 
     `cfg` (default: read from config.json) may differ from the folder's only where no weight depends on it
     (name, max_seq: the RoPE table length); `paratrain.config` refuses shape overrides with model.hf_path.
     """
-    folder = Path(folder)
     cfg = cfg or config_from_hf(folder)
-    files = sorted(folder.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model.hf_path='{folder}': no *.safetensors files there")
-    sd: dict[str, torch.Tensor] = {}
-    for f in files:
-        sd.update(load_file(str(f)))
+    source = HFSource(folder, cfg)
     model = Llama(cfg)
-    missing, unexpected = model.load_state_dict(hf_state_dict_to_paratrain(sd, cfg), strict=False)
-    missing = [m for m in missing if not (cfg.tie_embeddings and m == "output.weight")]
-    if missing or unexpected:
-        raise ValueError(f"Hugging Face checkpoint '{folder}' does not match: missing {missing}, unexpected {unexpected}")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(read_all(source(name, tuple(p.shape)), tuple(p.shape)))
     return model
+
+
+# ---- export -------------------------------------------------------------------------------------------------
+def hf_config(cfg: ModelConfig, dtype: str = "float32") -> dict:
+    """config.json for transformers' LlamaForCausalLM with the same computation as paratrain's Llama."""
+    out = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu",
+        "attention_bias": False, "mlp_bias": False, "hidden_size": cfg.hidden, "intermediate_size": cfg.ffn,
+        "num_hidden_layers": cfg.layers, "num_attention_heads": cfg.heads, "num_key_value_heads": cfg.n_kv_heads,
+        "head_dim": cfg.head_dim, "vocab_size": cfg.vocab, "max_position_embeddings": cfg.max_seq,
+        "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta, "tie_word_embeddings": cfg.tie_embeddings,
+        "torch_dtype": dtype, "rope_scaling": None,
+    }
+    if cfg.rope_scaling is not None:
+        rs = cfg.rope_scaling
+        out["rope_scaling"] = {"rope_type": "llama3", "factor": rs.factor, "low_freq_factor": rs.low_freq_factor,
+                               "high_freq_factor": rs.high_freq_factor,
+                               "original_max_position_embeddings": rs.original_max_seq}
+    return out
+
+
+def to_hf_tensor(name: str, value: torch.Tensor, cfg: ModelConfig) -> tuple[str, torch.Tensor]:
+    """(Hugging Face name, tensor in HF's layout) of paratrain parameter `name`."""
+    names = hf_names(cfg)
+    if name not in names:
+        raise ValueError(f"parameter '{name}' has no Hugging Face counterpart")
+    hf, heads = names[name]
+    return hf, (_permute_rope(value, heads) if heads is not None else value).contiguous()

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paratrain.model.config import ModelConfig, RopeScaling
+from paratrain.model.init import init_full_
 
 
 class RMSNorm(nn.Module):
@@ -142,16 +143,18 @@ class Llama(nn.Module):
     def init_weights(self, seed: int) -> None:
         """Deterministic init (GPT-2/Megatron style: N(0, 0.02), residual outputs scaled by 1/sqrt(2L)).
 
-        Uses its own generator so the result depends on the seed alone, not on what ran before.
+        Each value depends on (seed, parameter name, index) only (`paratrain.model.init`), so a sharded
+        layout that materialises its shards from the meta device gets exactly these weights.
         """
-        gen = torch.Generator().manual_seed(seed)
-        std, out_std = 0.02, 0.02 / math.sqrt(2 * self.cfg.layers)
-        for name, p in self.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            else:
-                scale = out_std if name.endswith(("wo.weight", "w2.weight")) else std
-                p.copy_(torch.randn(p.shape, generator=gen) * scale)
+        init_full_(self, seed, self.cfg.layers)
+        self.init_buffers()
+
+    @torch.no_grad()
+    def init_buffers(self) -> None:
+        """(Re)compute the RoPE tables on the buffers' device: after `to_empty` they hold garbage."""
+        cos, sin = rope_tables(self.cfg.head_dim, self.cfg.max_seq, self.cfg.rope_theta, self.cfg.rope_scaling)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def positions_tables(self, seq: int, positions: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
         if positions is None:

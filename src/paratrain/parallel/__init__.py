@@ -20,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from paratrain.config import TrainConfig
 from paratrain.parallel.compile import apply_compile
 from paratrain.parallel.layout import check_parallel_config, effective_dp
+from paratrain.parallel.materialize import SourceOf, on_meta, place, random_init
 from paratrain.parallel.mesh import DistEnv, resolve_degrees
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import apply_recompute
@@ -50,28 +51,37 @@ def dp_mesh_of(mesh: DeviceMesh, cfg: TrainConfig) -> DeviceMesh:
     return mesh["dp"]
 
 
-def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env: DistEnv) -> Runner:
-    """Wrap `model` for the layout in cfg.parallel and return the runner the training loop drives."""
+def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env: DistEnv,
+                source_of: SourceOf | None = None) -> Runner:
+    """Wrap `model` for the layout in cfg.parallel and return the runner the training loop drives.
+
+    `model` may be built on the meta device (`build_runner` does): the layout is then applied to the meta
+    parameters and each rank materialises only its shards at the end, filled from `source_of(name, shape)`
+    (default: the layout-independent random init of cfg.train.seed; parallel/materialize.py). A model that
+    already holds weights is moved to the device first instead (the old path)."""
     pcfg = cfg.parallel
     degrees = check_layout(cfg, env.world_size)
+    meta = on_meta([model])
+    if source_of is None:
+        source_of = random_init(cfg)
     stale = cfg.staleness.policy != "sync"  # bounded staleness / time budget: parallel/stale_dp.py
     if stale:
         from paratrain.parallel.stale_dp import build_stale_runner
     if mesh is None:  # one process: recompute and compile still apply; the stale runner works here too
-        model.to(env.device)
+        place([model], env.device, meta, source_of)
         apply_recompute(model, pcfg.recompute)
         apply_compile(model, cfg.train.compile)
         if stale:
             return build_stale_runner(model, cfg, mesh, env, degrees)
         return Runner(model, cfg.train.microbatch, env.device, cfg.train.dtype)
     if degrees["pp"] > 1:
-        # 0. pipeline split first; pipeline.py then applies steps 1-4 below (CP included) to each stage module
-        #    and drives a schedule. It runs before model.to(device) so that only this rank's stages reach the
-        #    accelerator.
+        # 0. pipeline split first; pipeline.py then applies steps 1-4 below (CP included) to each stage module,
+        #    materialises only this rank's stages, and drives a schedule.
         from paratrain.parallel.pipeline import parallelize_pipeline
 
-        return parallelize_pipeline(model, cfg, mesh, env)
-    model.to(env.device)
+        return parallelize_pipeline(model, cfg, mesh, env, source_of)
+    if not meta:
+        model.to(env.device)
     parts = [model]
     if degrees["tp"] > 1:  # 1. tensor (+ sequence, loss) parallelism
         from paratrain.parallel.tensor import apply_tp
@@ -87,6 +97,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
         apply_recompute(part, pcfg.recompute)
         apply_compile(part, cfg.train.compile)
     if stale:  # 4a. stale gradients: its own asynchronous all-reduce over dp replaces DDP/FSDP
+        place(parts, env.device, meta, source_of)
         return build_stale_runner(model, cfg, mesh, env, degrees)
     dp = None  # 4. data parallelism over dp (x cp): FSDP2 / HSDP / bucketed DDP
     dp_mesh = dp_mesh_of(mesh, cfg)
@@ -96,6 +107,7 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
         kind, reshard = effective_dp(pcfg)
         dp = apply_dp(parts, dp_mesh, kind, reshard, bucket_bytes=pcfg.ddp_bucket_bytes,
                       precision=Precision.from_train(cfg.train))
+    place(parts, env.device, meta, source_of, dp)  # 5. this rank's shards only, now that the layout is known
     runner_cls, runner_extra = ParallelRunner, {}
     if degrees["cp"] > 1:  # the runner shards each batch along the sequence (zig-zag)
         from paratrain.parallel.context import ContextParallelRunner
@@ -106,3 +118,4 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
                         loss_parallel=degrees["tp"] > 1, **runner_extra)
     runner.parts = parts
     return runner
+

@@ -130,6 +130,7 @@ class DataParallel:
         self.group = group
         self.fsdp_modules = fsdp_modules or []
         self.reducer = reducer
+        self.pending_ddp: tuple | None = None  # DDP set up once the weights exist
 
     def sync_context(self, sync: bool):
         """Within the context, backward reduces gradients only if `sync` (the last microbatch)."""
@@ -142,6 +143,16 @@ class DataParallel:
     def finish(self) -> None:
         if self.reducer is not None:
             self.reducer.finish()
+
+    def ready(self) -> None:
+        """Finish what needs the weights, once they exist (after materialising a meta model; `apply_dp` calls
+        it at once for a model that has them): DDP checks that every replica holds the same weights and hooks
+        its reducer onto the final parameter tensors."""
+        if self.pending_ddp is not None:
+            params, bucket_bytes, reduce_dtype = self.pending_ddp
+            _check_replicas_equal(params, self.group)
+            self.reducer = BucketedGradReducer(params, self.group, bucket_bytes, reduce_dtype=reduce_dtype)
+            self.pending_ddp = None
 
 
 def dp_group(dp_mesh: DeviceMesh) -> dist.ProcessGroup:
@@ -178,9 +189,11 @@ def apply_dp(parts: list[nn.Module], dp_mesh: DeviceMesh, kind: str, reshard_aft
         return DataParallel(kind, group, fsdp_modules=units)
     if kind == "ddp":
         params = [p for part in parts for p in part.parameters()]
-        _check_replicas_equal(params, group)
-        reducer = BucketedGradReducer(params, group, bucket_bytes, reduce_dtype=precision.reduce)
-        return DataParallel(kind, group, reducer=reducer)
+        dp = DataParallel(kind, group)
+        dp.pending_ddp = (params, bucket_bytes, precision.reduce)
+        if not any(local(p).is_meta for p in params):  # else: once materialised (parallelize calls ready())
+            dp.ready()
+        return dp
     raise ValueError(f"parallel.dp_kind='{kind}': allowed: ddp, fsdp, hsdp")
 
 

@@ -559,13 +559,24 @@ def theory_idle_fraction(layout: PipelineLayout) -> float:
 # --------------------------------------------------------------------------------------------------------
 # Entry point
 # --------------------------------------------------------------------------------------------------------
-def parallelize_pipeline(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, env: DistEnv) -> PipelineRunner:
+def parallelize_pipeline(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, env: DistEnv,
+                         source_of=None) -> PipelineRunner:
     """Split `model` for this rank's pipeline stages, apply TP/SP -> recompute -> DP to each, and return the
-    runner that drives the schedule. Every rank must call this (stage setup talks to the neighbours)."""
+    runner that drives the schedule. Every rank must call this (stage setup talks to the neighbours).
+
+    A meta model (see `paratrain.parallel.parallelize`) is split and sharded on meta; then only this rank's
+    shards of its stages are materialised, from `source_of(name, shape)`."""
+    from paratrain.parallel.materialize import on_meta, place, random_init
+
     layout = check_pipeline_layout(cfg, mesh["dp"].size())
-    # Carve first, then move: only this rank's stages reach the accelerator, not the whole model.
-    stages = [(s, part.to(env.device)) for s, part in split_model(model, layout, mesh["pp"].get_local_rank())]
+    meta = on_meta([model])
+    # Carve first, then move or materialise: only this rank's stages reach the accelerator, not the whole model.
+    stages = split_model(model, layout, mesh["pp"].get_local_rank())
+    if not meta:
+        stages = [(s, part.to(env.device)) for s, part in stages]
     dp = apply_stage_techniques([part for _, part in stages], cfg, mesh)
+    if meta:
+        place([part for _, part in stages], env.device, True, source_of or random_init(cfg), dp)
     return PipelineRunner(stages, layout, mesh, cfg, env, dp=dp)
 
 

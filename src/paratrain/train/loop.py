@@ -19,6 +19,7 @@ from paratrain.config import OptimSection, TrainConfig, dump_config, precision_b
 from paratrain.device import HostValues, is_host, sync_fn
 from paratrain.model.llama import Llama
 from paratrain.parallel import parallelize
+from paratrain.parallel.materialize import build_on_meta, materialize, random_init
 from paratrain.parallel.mesh import build_mesh, init_distributed, resolve_degrees
 from paratrain.train import staleness  # straggler metrics, eviction request, draining
 from paratrain.train.checkpoint import CheckpointManager, check_checkpoint_dir, check_resume_source
@@ -366,18 +367,27 @@ def planner_prediction(cfg: TrainConfig, model_cfg, degrees: dict, world_size: i
 
 
 def build_runner(cfg: TrainConfig, env):
-    """Model built identically on every rank (same seed), then split/sharded for the layout."""
-    model = _build_model(cfg, cfg.model_shape())
-    return parallelize(model, cfg, build_mesh(cfg.parallel, env), env)
+    """The model built on the meta device, laid out for cfg.parallel, then materialised shard by shard on
+    every rank (each rank allocates and fills only what it holds; same weights as one device for any layout)."""
+    model_cfg = cfg.model_shape()
+    model = build_on_meta(lambda: Llama(model_cfg))
+    return parallelize(model, cfg, build_mesh(cfg.parallel, env), env, source_of=weights_source(cfg))
+
+
+def weights_source(cfg: TrainConfig):
+    """Where the initial weights come from: the Hugging Face folder (read slice by slice), or the
+    layout-independent random init of train.seed."""
+    if cfg.model.hf_path:
+        from paratrain.model.hf import hf_source
+
+        return hf_source(cfg.model.hf_path, cfg.model_shape())
+    return random_init(cfg)
 
 
 def _build_model(cfg: TrainConfig, model_cfg) -> Llama:
-    if cfg.model.hf_path:
-        from paratrain.model.hf import load_hf_llama
-
-        return load_hf_llama(cfg.model.hf_path, model_cfg)
+    """The whole model in this process, with the weights `build_runner` gives any layout."""
     model = Llama(model_cfg)
-    model.init_weights(cfg.train.seed)  # same weights on every rank, whatever the layout
+    materialize([model], None, weights_source(cfg))
     return model
 
 
