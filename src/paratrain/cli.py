@@ -17,6 +17,7 @@ COMMAND_MODULES = [
     "paratrain.train.commands",
     "paratrain.train.checkpoint_commands",
     "paratrain.train.verify",
+    "paratrain.train.export_commands",
     "paratrain.hardware.commands",
     "paratrain.plan.commands",
     "paratrain.plan.serve_commands",

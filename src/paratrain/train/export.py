@@ -1,0 +1,135 @@
+"""Export a training checkpoint (DCP, any layout) as a Hugging Face Llama folder.
+
+Writes config.json, model-0000i-of-0000n.safetensors + model.safetensors.index.json (transformers' sharded
+layout) and, when the run's prepared data has one, tokenizer.json + tokenizer_config.json, so that
+`transformers.AutoModelForCausalLM.from_pretrained(out)` computes the same logits as paratrain.
+
+DCP stores every tensor under its single-device name with its global shape whatever layout saved it, and loads
+into one process without a process group: the export reads one output file's worth of tensors at a time
+(`max_shard_bytes`), so its memory is bounded by one output shard, not the model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+from paratrain.config import TrainConfig
+from paratrain.model.config import ModelConfig
+from paratrain.model.hf import expected_shapes, hf_config, to_hf_tensor
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
+DEFAULT_SHARD_BYTES = 2 * 2**30
+
+
+def resolve_checkpoint(source: str) -> tuple[object, str]:
+    """(storage, path) of `source`: a checkpoint folder, or a directory (its newest complete checkpoint);
+    refused if its files do not match its manifest."""
+    from paratrain.train.checkpoint import CheckpointError, CheckpointManager
+
+    mgr = CheckpointManager(source, log=lambda _msg: None)
+    storage, path = mgr._resolve_source(source)
+    problem = mgr.verify(path, storage)
+    if problem:
+        raise CheckpointError(f"--checkpoint {source}: {problem}")
+    return storage, path
+
+
+def run_config_of(checkpoint_path: str) -> Path | None:
+    """The config.toml `paratrain train` wrote into its run directory, looked for above the checkpoint
+    (run_dir/checkpoints/step_N by default)."""
+    if "://" in checkpoint_path:
+        return None
+    for parent in Path(checkpoint_path).absolute().parents[:3]:
+        if (parent / "config.toml").is_file():
+            return parent / "config.toml"
+    return None
+
+
+def load_model_tensors(storage, path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """The model tensors `shapes` (single-device names) of a checkpoint, fp32, in this process."""
+    import torch.distributed.checkpoint as dcp
+
+    model = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
+    dcp.load({"model": model}, storage_reader=storage.reader(path), no_dist=True)
+    return model
+
+
+def _groups(shapes: dict[str, tuple[int, ...]], max_bytes: int, elem_bytes: int) -> list[list[str]]:
+    groups: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = elem_bytes * int(torch.Size(shape).numel())
+        if groups[-1] and size + nbytes > max_bytes:
+            groups.append([])
+            size = 0
+        groups[-1].append(name)
+        size += nbytes
+    return groups
+
+
+def export_hf(checkpoint: str, cfg: TrainConfig, out: str | Path, dtype: str = "fp32",
+              max_shard_bytes: int = DEFAULT_SHARD_BYTES, progress=None) -> dict:
+    """Write the Hugging Face folder `out` from `checkpoint`; returns a summary."""
+    from safetensors.torch import save_file
+
+    if dtype not in DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: allowed {', '.join(DTYPES)}")
+    model_cfg: ModelConfig = cfg.model_shape()
+    storage, path = resolve_checkpoint(checkpoint)
+    shapes = expected_shapes(model_cfg)
+    _check_checkpoint_shapes(storage, path, shapes)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    groups = _groups(shapes, max_shard_bytes, DTYPES[dtype].itemsize)
+    weight_map, total = {}, 0
+    for i, names in enumerate(groups):
+        file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        loaded = load_model_tensors(storage, path, {n: shapes[n] for n in names})
+        tensors = dict(to_hf_tensor(n, loaded.pop(n).to(DTYPES[dtype]), model_cfg) for n in names)
+        save_file(tensors, str(out / file), metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, file))
+        if progress is not None:
+            progress(i + 1, len(groups))
+    (out / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(model_cfg, HF_DTYPE_NAMES[dtype]), indent=2))
+    tokenizer = _copy_tokenizer(cfg, out)
+    return {"checkpoint": path, "out": str(out), "files": len(groups), "bytes": total, "tensors": len(weight_map),
+            "dtype": dtype, "tokenizer": tokenizer}
+
+
+def _check_checkpoint_shapes(storage, path: str, shapes: dict[str, tuple[int, ...]]) -> None:
+    """Every parameter of the config is in the checkpoint with its shape: one clear error otherwise."""
+    metadata = storage.reader(path).read_metadata().state_dict_metadata
+    for name, shape in shapes.items():
+        key = f"model.{name}"
+        if key not in metadata:
+            raise ValueError(f"--checkpoint {path}: no tensor '{name}'; the checkpoint does not hold this model "
+                             f"(wrong --config?)")
+        got = tuple(metadata[key].size)
+        if got != shape:
+            raise ValueError(f"--checkpoint {path}: '{name}' has shape {got}, the config's model needs {shape} "
+                             f"(wrong --config?)")
+
+
+def _copy_tokenizer(cfg: TrainConfig, out: Path) -> str | None:
+    """tokenizer.json of the run's prepared data (+ a tokenizer_config.json naming the fast tokenizer)."""
+    from paratrain.train.data import EOS_NAMES
+
+    src = Path(cfg.data.prepared_dir) / "tokenizer.json"
+    if not src.is_file():
+        return None
+    shutil.copyfile(src, out / "tokenizer.json")
+    vocab = json.loads(src.read_text()).get("model", {}).get("vocab", {})
+    tok_cfg = {"tokenizer_class": "PreTrainedTokenizerFast"}
+    eos = next((name for name in EOS_NAMES if name in vocab), None)
+    if eos is not None:
+        tok_cfg["eos_token"] = eos
+    (out / "tokenizer_config.json").write_text(json.dumps(tok_cfg, indent=2))
+    return str(src)
