@@ -23,6 +23,7 @@ RUN_HERE = {
               "--set", 'data.prepared_dir="{tmp}/data"'],
     "checkpoint list": ["checkpoint", "list", "{tmp}/run/checkpoints"],
     "checkpoint verify": ["checkpoint", "verify", "{tmp}/run/checkpoints"],
+    "export": ["export", "--checkpoint", "{tmp}/run/checkpoints", "--hf-out", "{tmp}/hf"],
     "hardware list": ["hardware", "list"],
     "hardware show": ["hardware", "show", "trn1.32xlarge"],
     "estimate": ["estimate", "--model", "llama2-7b", "--hardware", "trn1.32xlarge", "--nodes", "4", "--seq", "4096",
