@@ -176,7 +176,7 @@ class TrainSection(Section):
     @field_validator("device")
     @classmethod
     def _check_device(cls, value: str) -> str:
-        return check_device_name(value)  # syntax here; availability when the run starts (paratrain.device)
+        return check_device_name(value, field=None)  # syntax here; availability when the run starts (paratrain.device)
 
     @model_validator(mode="after")
     def _check_precision(self) -> TrainSection:

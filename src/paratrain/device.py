@@ -41,12 +41,14 @@ _NAME = re.compile(r"[a-z][a-z0-9_]*")
 EXTENSIONS = {NEURON: "torch_neuronx"}
 
 
-def check_device_name(value: str) -> str:
+def check_device_name(value: str, field: str | None = "train.device") -> str:
     """The config-time check of `train.device` (torch-free): a device *type* name, no index (the rank's
-    LOCAL_RANK picks the index). Whether this machine has it is checked by `resolve_device_type`."""
+    LOCAL_RANK picks the index). Whether this machine has it is checked by `resolve_device_type`. `field`
+    None: the message without the "field=value: " prefix (the config's error formatter adds it)."""
     if not isinstance(value, str) or not _NAME.fullmatch(value):
-        raise ValueError(f"train.device={value!r}: allowed: {', '.join(NAMED_DEVICES)} or another torch "
-                         f"accelerator type (a lower-case device type name without an index; LOCAL_RANK picks it)")
+        prefix = f"{field}={value!r}: " if field else ""
+        raise ValueError(f"{prefix}allowed: {', '.join(NAMED_DEVICES)} or another torch accelerator type (a "
+                         f"lower-case device type name without an index; LOCAL_RANK picks it)")
     return value
 
 
