@@ -125,7 +125,8 @@ def test_valid_gqa_replication_layout_accepted():
 
 
 def _ddp_bucket_launch_points():
-    """Per bucket: how many parameters still had no gradient when the bucket's all-reduce was launched."""
+    """Per bucket: how many parameters still had no final gradient when the bucket's all-reduce was launched
+    (gradients are bucket views from the start, so "final" is told by a post-accumulate hook, not by .grad)."""
     from paratrain.parallel.mesh import init_distributed
     from paratrain.train.loop import build_runner
 
@@ -134,11 +135,14 @@ def _ddp_bucket_launch_points():
     runner = build_runner(cfg, init_distributed("cpu"))
     reducer = runner.dp.reducer
     params = list(runner.parameters())
+    done: set[int] = set()
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda q: done.add(id(q)))
     pending_at_launch = []
     launch = reducer._launch
 
     def recording_launch(i):
-        pending_at_launch.append(sum(p.grad is None for p in params))
+        pending_at_launch.append(sum(id(p) not in done for p in params))
         launch(i)
 
     reducer._launch = recording_launch
@@ -153,6 +157,62 @@ def test_ddp_reduction_starts_during_backward(dist_run):
     assert buckets > 4 and len(pending) == buckets
     # all but the last bucket launch while other gradients are still being computed: overlap with backward
     assert all(n > 0 for n in pending[:-1]) and pending == sorted(pending, reverse=True)
+
+
+def _ddp_gradient_storages():
+    from paratrain.parallel.mesh import init_distributed
+    from paratrain.train.loop import build_runner
+
+    cfg = make_config(["parallel.dp=2", "parallel.dp_kind=\"ddp\"", "parallel.ddp_bucket_mb=0.05"])
+    runner = build_runner(cfg, init_distributed("cpu"))
+    x, y = global_batch(cfg, 0)
+    rank = dist.get_rank()
+    out = []
+    for _ in range(2):  # the second step after zero_grad(set_to_none=True): views are installed again
+        runner.forward_backward(x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4])
+        buffers = {flat.untyped_storage().data_ptr() for flat in runner.dp.reducer._flats}
+        out.append(all(p.grad.untyped_storage().data_ptr() in buffers for p in runner.parameters()))
+        for p in runner.parameters():
+            p.grad = None
+    return out
+
+
+def test_ddp_gradients_are_views_into_the_buckets(dist_run):
+    """No copy into a bucket and back: every gradient lives in its bucket's buffer, step after step."""
+    assert dist_run(2, _ddp_gradient_storages) == [[True, True], [True, True]]
+
+
+def _sp_gathers_started_ahead():
+    """Under SP, for each re-gather of a saved activation in backward: was it started ahead (by the hook on the
+    region's output) or only when the linear needed it?"""
+    from paratrain.parallel import tensor
+    from paratrain.parallel.mesh import init_distributed
+    from paratrain.train.loop import build_runner
+
+    cfg = make_config(["parallel.tp=2", "parallel.sp=true"])
+    runner = build_runner(cfg, init_distributed("cpu"))
+    ahead = []
+    original = tensor._ShardHolder.gathered
+
+    def recording(holder, group, tp):
+        if holder.full is None:
+            ahead.append(holder._gather is not None)
+        return original(holder, group, tp)
+
+    tensor._ShardHolder.gathered = recording
+    try:
+        x, y = global_batch(cfg, 0)
+        runner.forward_backward(x, y)
+    finally:
+        tensor._ShardHolder.gathered = original
+    return ahead
+
+
+def test_sp_backward_all_gathers_start_before_they_are_needed(dist_run):
+    """Two TP regions per block, each re-gathered once in backward, each launched by the gradient hook on the
+    region's output, i.e. before the region's own backward work that hides it."""
+    for ahead in dist_run(2, _sp_gathers_started_ahead):
+        assert len(ahead) == 2 * 4 * 4 and all(ahead), ahead  # 2 regions x 4 layers x 4 microbatches
 
 
 def _hsdp_mesh_groups():
@@ -241,7 +301,7 @@ def test_collectives_per_block_are_megatrons(dist_run):
     assert no_sp == {"forward": {"all_reduce": 2}, "backward": {"all_reduce": 2}}
     sp = dist_run(2, _block_collectives, True)[0]
     assert sp["forward"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2}
-    assert sp["backward"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "allgather_": 2}
+    assert sp["backward"] == {"all_gather_into_tensor": 2, "reduce_scatter_tensor": 2, "_allgather_base_": 2}
 
 
 def _losses(cases):

@@ -182,6 +182,17 @@ def pin_memory() -> bool:
     return torch.accelerator.is_available()
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A batch tensor on the compute device without making the host wait: host to accelerator copies go from
+    page-locked memory and do not block (a pageable source is pinned first; pinning is a host copy, no device
+    wait). On the host, or already there: the tensor itself."""
+    if t.device == device or (is_host(device) and is_host(t.device)):
+        return t
+    if is_host(t.device) and not t.is_pinned():
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
 # -- synchronisation, memory, numerics ------------------------------------------------------------------------
 def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (timing); a no-op on the host, where work is synchronous."""

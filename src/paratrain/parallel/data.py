@@ -54,7 +54,15 @@ def bucket_params(params: Iterable[nn.Parameter], bucket_bytes: int = DEFAULT_BU
 
 
 class BucketedGradReducer:
-    """Average gradients over `group` in buckets, each launched as soon as all its gradients are final."""
+    """Average gradients over `group` in buckets, each launched as soon as all its gradients are final.
+
+    Gradients are views into one flat buffer per bucket (torch DDP's gradient_as_bucket_view): `begin_step`
+    points every plain parameter's .grad at its zeroed slice, backward accumulates there in place, and each
+    bucket is divided and all-reduced where it lies, so nothing is copied into a bucket or back. Buckets holding
+    DTensor parameters (TP) keep the gradients autograd makes, whose placement (Partial, or Replicate for a
+    sharded parameter) and so local shape a fixed view cannot promise: they are concatenated and copied back
+    as before. When the reduction dtype differs from the gradients' (train.reduce_dtype) a cast copy is
+    reduced and written back."""
 
     def __init__(self, params: Iterable[nn.Parameter], group: dist.ProcessGroup,
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, reduce_dtype: torch.dtype | None = None):
@@ -67,10 +75,28 @@ class BucketedGradReducer:
         self._ready: list[int] = []
         self._work: list[tuple[dist.Work, torch.Tensor, int]] = []
         self.sync = True
+        # gradient-as-bucket-view for buckets of plain parameters; None for buckets with DTensors
+        self._flats = [None if any(isinstance(p, DTensor) for p in b) else _bucket_buffer(b) for b in self.buckets]
+        self._views = [None if flat is None else _grad_views(b, flat)
+                       for b, flat in zip(self.buckets, self._flats, strict=True)]
         for bucket in self.buckets:
             for p in bucket:
                 p.register_post_accumulate_grad_hook(self._on_grad_ready)
         self._reset()
+
+    def begin_step(self) -> None:
+        """Before the step's first backward: zero the buckets and make each .grad its bucket slice again (the
+        optimizer's zero_grad(set_to_none=True) dropped them). A gradient still set (accumulation the caller
+        manages) is copied in once."""
+        for bucket, views in zip(self.buckets, self._views, strict=True):
+            if views is None:  # a bucket of DTensor gradients: autograd's own, concatenated at launch
+                continue
+            for p, view in zip(bucket, views, strict=True):
+                if p.grad is None:
+                    view.zero_()
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                p.grad = view
 
     def _reset(self) -> None:
         self._ready = [0] * len(self.buckets)
@@ -85,12 +111,29 @@ class BucketedGradReducer:
             self._launch(i)
 
     def _launch(self, i: int) -> None:
-        grads = [local(p.grad) for p in self.buckets[i]]
-        flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+        flat = self._bucket(i)
         flat.div_(self.world)  # pre-divided in the gradients' dtype: a bf16 sum of n terms cannot overflow
         if self.reduce_dtype is not None and flat.dtype != self.reduce_dtype:
             flat = flat.to(self.reduce_dtype)
         self._work.append((dist.all_reduce(flat, group=self.group, async_op=True), flat, i))
+
+    def _bucket(self, i: int) -> torch.Tensor:
+        """Bucket i's gradients as one flat tensor: the bucket buffer itself when every .grad is still its view
+        (the normal case), else a copy into it (a caller replaced a .grad)."""
+        flat = self._flats[i]
+        if flat is None:  # DTensor gradients: concatenated as they are
+            for p in self.buckets[i]:
+                if p.grad is None:  # no gradient this step: reduce zeros
+                    p.grad = torch.zeros_like(p)
+            grads = [local(p.grad) for p in self.buckets[i]]
+            return torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+        for p, view in zip(self.buckets[i], self._views[i], strict=True):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr():
+                view.copy_(p.grad)
+            p.grad = view
+        return flat
 
     def reduce_all_now(self) -> None:
         """Reduce every bucket now, after backward (no overlap): the communication-alone time of a step."""
@@ -107,18 +150,37 @@ class BucketedGradReducer:
         if len(self._work) != len(self.buckets):
             missing = [i for i in range(len(self.buckets)) if self._ready[i] != len(self.buckets[i])]
             for i in missing:  # parameters that got no gradient this step: reduce what is there (zeros)
-                for p in self.buckets[i]:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
                 self._launch(i)
         for work, flat, i in self._work:
             work.wait()
-            offset = 0
-            for p in self.buckets[i]:
-                g = local(p.grad)
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))  # copy_ casts back to the grad's dtype
-                offset += g.numel()
+            if self._flats[i] is None:  # DTensor gradients: written back (copy_ casts to the grad's dtype)
+                offset = 0
+                for p in self.buckets[i]:
+                    g = local(p.grad)
+                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                    offset += g.numel()
+            elif flat.data_ptr() != self._flats[i].data_ptr():  # reduced in another dtype: cast back once
+                self._flats[i].copy_(flat)
         self._reset()
+
+
+def _bucket_buffer(bucket: list[nn.Parameter]) -> torch.Tensor:
+    """One flat gradient buffer for a bucket, in the parameters' (local shards') dtype and device."""
+    first = local(bucket[0])
+    if any(local(p).dtype != first.dtype for p in bucket):
+        raise ValueError(f"a DDP gradient bucket mixes parameter dtypes {sorted({str(local(p).dtype) for p in bucket})}; "
+                         f"allowed: one dtype for all parameters (train.dtype sets compute, not storage)")
+    return torch.zeros(sum(local(p).numel() for p in bucket), dtype=first.dtype, device=first.device)
+
+
+def _grad_views(bucket: list[nn.Parameter], flat: torch.Tensor) -> list[torch.Tensor]:
+    """Each parameter's (local shard's) gradient slot in `flat`, shaped like it."""
+    views, offset = [], 0
+    for p in bucket:
+        shard = local(p)
+        views.append(flat[offset:offset + shard.numel()].view_as(shard))
+        offset += shard.numel()
+    return views
 
 
 class DataParallel:
@@ -139,6 +201,11 @@ class DataParallel:
         if self.reducer is not None:
             self.reducer.sync = sync
         return contextlib.nullcontext()
+
+    def begin_step(self) -> None:
+        """Before a step's first backward (the DDP reducer's gradients are views into its buckets)."""
+        if self.reducer is not None:
+            self.reducer.begin_step()
 
     def finish(self) -> None:
         if self.reducer is not None:

@@ -39,7 +39,7 @@ from torch.distributed.pipelining import (
 from torch.distributed.tensor import DTensor
 
 from paratrain.config import TrainConfig
-from paratrain.device import host
+from paratrain.device import host, to_device
 from paratrain.parallel.mesh import DistEnv
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.runner import ParallelRunner, plain
@@ -368,10 +368,12 @@ class PipelineRunner(ParallelRunner):
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         self._check_batch(inputs)
         inputs, targets = self.shard_sequence(inputs, targets)
-        args = (inputs.to(self.device),) if self.has_first else ()
-        target = targets.to(self.device) if self.has_last else None
+        args = (to_device(inputs, self.device),) if self.has_first else ()
+        target = to_device(targets, self.device) if self.has_last else None
         losses: list[torch.Tensor] = []
         reducer = self.dp.reducer if self.dp is not None else None
+        if self.dp is not None:
+            self.dp.begin_step()
         if reducer is not None:
             reducer.sync = False
         with self.step_context():
@@ -395,12 +397,12 @@ class PipelineRunner(ParallelRunner):
             with self.step_context():
                 for s in sorted(modules):
                     if s == 0:
-                        h = x.to(self.device)
+                        h = to_device(x, self.device)
                     elif self.layout.rank_of_stage(s - 1) != self.pp_rank:
                         h = _recv_activation(self.layout.rank_of_stage(s - 1), self.pp_group, self.device)
                     h = modules[s](h)
                     if s == last:
-                        losses.append(plain(self.loss_fn(h, y.to(self.device))))
+                        losses.append(plain(self.loss_fn(h, to_device(y, self.device))))
                     elif self.layout.rank_of_stage(s + 1) != self.pp_rank:
                         _send_activation(h, self.layout.rank_of_stage(s + 1), self.pp_group)
         return self._broadcast_loss(losses)

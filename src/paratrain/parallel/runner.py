@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from paratrain.device import autocast
+from paratrain.device import autocast, to_device
 from paratrain.model.llama import cross_entropy_loss
 from paratrain.parallel import grad_norm
 
@@ -51,7 +51,7 @@ class Runner:
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Accumulate gradients of the mean loss over this rank's local batch; return the global loss."""
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         chunks = list(zip(inputs.split(self.microbatch), targets.split(self.microbatch), strict=True))
         total = torch.zeros((), device=self.device)
         for i, (x, y) in enumerate(chunks):
@@ -64,7 +64,7 @@ class Runner:
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         losses = []
         for x, y in zip(inputs.split(self.microbatch), targets.split(self.microbatch), strict=True):
             with self.autocast():
@@ -119,6 +119,8 @@ class ParallelRunner(Runner):
         return self.dp.sync_context(last) if self.dp is not None else contextlib.nullcontext()
 
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.dp is not None:
+            self.dp.begin_step()
         with self.step_context():
             loss = super().forward_backward(inputs, targets)
         if self.dp is not None:

@@ -66,7 +66,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paratrain.config import TrainConfig
-from paratrain.device import read_after
+from paratrain.device import read_after, to_device
 from paratrain.parallel.data import bucket_params, local
 from paratrain.parallel.grad_norm import clip_coefficient, global_grad_norm
 from paratrain.parallel.runner import ParallelRunner, plain
@@ -203,7 +203,7 @@ class StaleDataParallelRunner(ParallelRunner):
     # -- the step -------------------------------------------------------------------------------------------
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Local gradients of this step, launch their reduction, install the gradient due now (step - s)."""
-        inputs, targets = inputs.to(self.device), targets.to(self.device)
+        inputs, targets = to_device(inputs, self.device), to_device(targets, self.device)
         chunks = list(zip(inputs.split(self.microbatch), targets.split(self.microbatch), strict=True))
         t0 = time.perf_counter()
         if self.fault is not None:

@@ -97,6 +97,26 @@ class _ShardHolder:
     def __init__(self, shard: torch.Tensor):
         self.shard = shard
         self.full: torch.Tensor | None = None  # re-gathered once in backward, shared by every saved view
+        self._gather: tuple | None = None  # (work, buffer) of an all-gather started ahead of its use
+
+    def start_gather(self, group, tp: int) -> None:
+        """Launch the all-gather of the shard without waiting (idempotent)."""
+        if self.full is None and self._gather is None:
+            import torch.distributed as dist
+
+            shape = (tp * self.shard.shape[0], *self.shard.shape[1:])  # the ranks' shards stacked along dim 0
+            buffer = torch.empty(shape, dtype=self.shard.dtype, device=self.shard.device)
+            self._gather = (dist.all_gather_into_tensor(buffer, self.shard, group=group, async_op=True), buffer)
+
+    def gathered(self, group, tp: int) -> torch.Tensor:
+        """The full (b, s, h) activation: waits for the gather started ahead, or runs it now."""
+        if self.full is None:
+            self.start_gather(group, tp)
+            work, buffer = self._gather
+            work.wait()
+            self.full = torch.cat(buffer.chunk(tp, dim=0), dim=1)  # rank order along the sequence
+            self._gather = None
+        return self.full
 
 
 def _local_of(t: torch.Tensor) -> torch.Tensor:
@@ -116,6 +136,9 @@ class SaveGatheredInputAsShard:
     column-parallel linears then save that full (b, s, h) tensor for their weight gradients, on every rank.
     Like Megatron-LM, keep this rank's (b, s/t, h) slice instead and all-gather it again when backward needs
     it (one extra all-gather per TP region in backward), so every saved activation divides by t.
+    That all-gather is started as soon as backward reaches the region's output (a gradient hook), and waited for
+    only when the column-parallel linears need their input: it runs behind the region's later backward work
+    (the row-parallel output projection and, for attention, the attention core), as Megatron-LM overlaps it.
     Skipped inside a fully recomputed block (that keeps only the block input anyway)."""
 
     def __init__(self, tp_mesh: DeviceMesh, block: nn.Module):
@@ -138,10 +161,21 @@ class SaveGatheredInputAsShard:
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._ctx.__enter__()
 
-    def _exit(self, _module, _args, _output):
+    def _exit(self, _module, _args, output):
         if self._ctx is not None:
             self._ctx.__exit__(None, None, None)
             self._ctx, self._gathered = None, None
+            holders = list(self._holders.values())
+            if holders and isinstance(output, torch.Tensor) and output.requires_grad:
+                output.register_hook(self._prefetch_hook(holders))
+
+    def _prefetch_hook(self, holders: list[_ShardHolder]):
+        def prefetch(grad):  # backward has reached this region's output: gather its input behind its backward
+            for holder in holders:
+                holder.start_gather(self.group, self.tp)
+            return grad
+
+        return prefetch
 
     def _pack(self, t: torch.Tensor):
         loc, gathered = _local_of(t), self._gathered
@@ -161,13 +195,7 @@ class SaveGatheredInputAsShard:
         if not isinstance(packed, tuple):
             return packed
         holder, local_shape, meta = packed
-        if holder.full is None:
-            import torch.distributed as dist
-
-            parts = [torch.empty_like(holder.shard) for _ in range(self.tp)]
-            dist.all_gather(parts, holder.shard, group=self.group)
-            holder.full = torch.cat(parts, dim=1)
-        local = holder.full.view(local_shape)
+        local = holder.gathered(self.group, self.tp).view(local_shape)
         if meta is None:
             return local
         mesh, placements, shape, stride = meta
