@@ -126,10 +126,10 @@ def test_every_format_trains_in_one_mixture(tmp_path, formats, tokenizer_file, c
             "train.microbatch=9", "train.eval_every=0", "train.progress=false", "metrics.tensorboard=false",
             f'metrics.run_dir="{tmp_path / "run"}"', "checkpoint.save_final=false", 'train.device="cpu"']
     assert main(["train", *[a for s in sets for a in ("--set", s)], "--json"]) == 0
-    out = capsys.readouterr().out
-    summary = json.loads(out.strip().splitlines()[-1])
+    captured = capsys.readouterr()
+    summary = json.loads(captured.out)  # --json: stdout is the summary only; the logs are on stderr
     assert summary["steps"] == 2 and all(np.isfinite(summary["losses"]))
-    assert "data mixture over the run: source 0: weight 0.111, realised 0.1111" in out
+    assert "data mixture over the run: source 0: weight 0.111, realised 0.1111" in captured.err
     cfg = load_config(None, sets)
     windows = open_windows(cfg.data.prepared_dir, "train", 16)
     sampler = make_sampler(windows, 9, cfg.train.seed)

@@ -85,3 +85,15 @@ def test_json_stdout_is_json_only(command, tmp, capsys):
     json.loads(captured.out)  # the whole of stdout: one JSON document
     if command == "train":  # its progress bar and logs went to stderr
         assert "train:" in captured.err and "model       " in captured.err
+
+
+def test_resuming_a_run_dir_with_another_model_is_one_line(tmp, capsys):
+    """The run dir of `train` above, resumed with a different model shape: one line (was a DCP traceback)."""
+    argv = [a.replace("{tmp}", str(tmp)) for a in RUN_HERE["train"]]
+    if not (tmp / "run" / "checkpoints").is_dir():  # run alone (-k): make the run first
+        assert main(argv) == 0
+    capsys.readouterr()
+    assert main([*argv, "--set", "model.hidden=64", "--set", "train.steps=3"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "cannot resume from" in err[0] and "Size mismatch" in err[0], err
+    assert "a new metrics.run_dir" in err[0]

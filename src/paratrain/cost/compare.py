@@ -307,12 +307,15 @@ def set_break_even(rows: list[Row]) -> None:
 
 
 def parse_targets(text: str) -> list[tuple[str, int]]:
-    """'trn1.32xlarge:16,p4d.24xlarge:16' -> [(system, nodes), ...]; nodes default 1."""
+    """'trn1.32xlarge:16,p4d.24xlarge:16' -> [(system, nodes), ...]. The node count is required: a bare name
+    silently meaning one node compared a one-node cluster with what the user had in mind."""
     out = []
     for item in filter(None, (t.strip() for t in text.split(","))):
-        name, _, nodes = item.partition(":")
+        name, colon, nodes = item.partition(":")
+        if not colon or not nodes:
+            raise ValueError(f"--targets item '{item}': give the node count, SYSTEM:NODES, e.g. {name}:16")
         try:
-            n = int(nodes) if nodes else 1
+            n = int(nodes)
         except ValueError:
             raise ValueError(f"--targets item '{item}': nodes must be an integer, e.g. trn1.32xlarge:16") from None
         if n < 1:

@@ -223,6 +223,16 @@ def _concrete_split(model: ModelConfig, layout: Layout, row: dict) -> tuple[int,
                        int(round(row["stage_layers_first"])), int(round(row["stage_layers_last"])))
 
 
+def check_seq(model: ModelConfig, seq: int) -> None:
+    """A sequence beyond the model's max_seq is refused (its positions were never trained), unless the user
+    says it goes that far (--max-seq, or a model TOML with a longer max_seq: RoPE scaling). The CLI applies it;
+    the API estimates what it is asked (published long-context runs extend their models' context)."""
+    if seq > model.max_seq:
+        raise ValueError(f"--seq {seq} exceeds {model.name}'s max_seq = {model.max_seq}; allowed: --seq <= "
+                         f"{model.max_seq}, or --max-seq {seq} (a longer context by RoPE scaling, as Llama 3.1's "
+                         f"rope_scaling factor 8 takes 8192 to 131072)")
+
+
 def _check_scalars(nodes: int, seq: int, global_batch: int) -> None:
     for name, value in (("nodes", nodes), ("seq", seq), ("global_batch", global_batch)):
         if not isinstance(value, int | np.integer) or value < 1:

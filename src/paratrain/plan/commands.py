@@ -66,6 +66,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fp8", action="store_true",
                    help="layer matmuls in FP8 at the chip's FP8 peak (Transformer Engine / torchao float8)")
     p.add_argument("--train-tokens", type=float, default=None, help="tokens to train: adds run time and cost")
+    p.add_argument("--max-seq", type=int, default=None,
+                   help="the model's context length (default: the preset's); longer than the preset's assumes RoPE "
+                        "scaling to it. A --seq beyond it is refused")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--write-config", metavar="FILE", help="write the (best) layout as a training config TOML")
 
@@ -120,7 +123,15 @@ def _load(args):
             raise UserError(f"--{name.replace('_', '-')} = {getattr(args, name)}: must be >= 1")
     if args.train_tokens is not None and not args.train_tokens > 0:
         raise UserError(f"--train-tokens = {args.train_tokens}: must be > 0")
-    return load_model_config(args.model), resolve_system(args.hardware)
+    from paratrain.plan.api import check_seq
+
+    model = load_model_config(args.model)
+    if args.max_seq is not None:
+        if args.max_seq < 1:
+            raise UserError(f"--max-seq = {args.max_seq}: must be >= 1")
+        model = model.model_copy(update={"max_seq": args.max_seq})
+    check_seq(model, args.seq)
+    return model, resolve_system(args.hardware)
 
 
 def cmd_estimate(args) -> int:

@@ -180,7 +180,7 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None, track
     start_step, resumed = 0, None
     source = resume_from or (ck.resume if ck.resume not in ("auto", "none") else None)
     if source or ck.resume == "auto":
-        resumed = ckpt.resume(runner.parts, optimizer, source)  # newest complete one; refuses damaged ones
+        resumed = _resume(ckpt, runner, optimizer, source, ckpt_dir)  # newest complete one; refuses damaged ones
     if resumed is not None:
         scheduler.load_state_dict(resumed.extra["scheduler"])
         sampler.load_state_dict(resumed.extra["sampler"])
@@ -409,6 +409,22 @@ def _peak_flops(cfg: TrainConfig, env) -> PeakFlops:
         return PeakFlops(system.device_peak_flops, f"bf16 peak of one {system.device_unit} of {system.name}",
                          "catalog")
     return machine_peak_flops(env.device, local_ranks=int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+def _resume(ckpt: CheckpointManager, runner, optimizer, source, ckpt_dir: str):
+    """ckpt.resume, with a checkpoint of another model (DCP's size mismatch or missing keys, deep in a
+    traceback) turned into one line naming the folder and what to do."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        return ckpt.resume(runner.parts, optimizer, source)
+    except CheckpointException as exc:
+        lines = [ln.strip() for ln in str(exc).splitlines() if "mismatch" in ln or "Missing key" in ln
+                 or ln.startswith(("ValueError", "RuntimeError", "KeyError"))]
+        why = lines[0] if lines else str(exc).splitlines()[0]
+        raise ValueError(f"cannot resume from {source or ckpt_dir}: it holds a different model or layout than this "
+                         f"config ({why}); allowed: the model it was saved with, a new metrics.run_dir, or "
+                         f"checkpoint.resume='none'") from None
 
 
 def _trackers(cfg: TrainConfig, modules: dict, run_dir: Path) -> list[Tracker]:

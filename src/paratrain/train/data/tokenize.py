@@ -119,10 +119,15 @@ def chat_renderer(info: TokenizerInfo):
     return render
 
 
-def load(json_text: str):
+def load(json_text: str, where: str = "data.tokenizer"):
+    """A tokenizer from its JSON; a file that is not one is a user error (one line), not a Rust panic."""
     from tokenizers import Tokenizer
 
-    return Tokenizer.from_str(json_text)
+    try:
+        return Tokenizer.from_str(json_text)
+    except Exception as exc:  # tokenizers raises a bare Exception for malformed JSON or an unknown model
+        raise ValueError(f"{where}: not a valid tokenizer.json ({exc}); allowed: a Hugging Face tokenizers JSON "
+                         f"file, or data.tokenizer='train'") from None
 
 
 def eos_id(tok) -> int | None:
@@ -224,7 +229,7 @@ def check_model_tokenizer(data, hf_path: str | None, model_vocab: int) -> None:
                          f"the tokenizer.json the model was trained with")
     path = tokenizer_path(data.tokenizer, hf_path)
     if path is not None:
-        from tokenizers import Tokenizer
 
-        check_vocab_fits(Tokenizer.from_file(str(path)).get_vocab_size(), model_vocab, hf_path, f"data.tokenizer "
+        check_vocab_fits(load(Path(path).read_text(), f"data.tokenizer='{path}'").get_vocab_size(), model_vocab,
+                         hf_path, f"data.tokenizer "
                          f"resolves to {path}")
