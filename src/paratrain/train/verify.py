@@ -180,11 +180,12 @@ def plan_runs(args) -> tuple[list[str], int, list[str], int, str, bool]:
     before any work."""
     from paratrain.cli import UserError
     from paratrain.config import load_config
-    from paratrain.device import CPU, Accelerator, resolve_device_type
+    from paratrain.device import CPU, Accelerator, load_extension, resolve_device_type
     from paratrain.train.commands import check_launch
 
     if args.steps < 1 or args.nproc < 1:
         raise UserError(f"--steps={args.steps} --nproc={args.nproc}: allowed: both >= 1")
+    load_extension(args.device)  # e.g. torch_neuronx for --device neuron, as the ranks do
     device = resolve_device_type(args.device, Accelerator.detect())
     against = list(args.against_layout)
     single = "single" in against
