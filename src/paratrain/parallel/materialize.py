@@ -5,7 +5,8 @@ The torchtitan way: the model is constructed on `meta` (no memory), `parallelize
 allocate its own shards (`to_empty`) and fill them. A rank never holds a full copy of a parameter that the
 layout shards: each shard is filled from a *row source* (`paratrain.model.init` for the layout-independent
 random initialisation, `paratrain.model.hf` for Hugging Face safetensors), which produces the rows the shard
-needs one aligned block at a time. Peak memory beyond the shards: one block.
+needs one aligned block at a time; consecutive rows are copied into the shard in batches of at most 2^20 values.
+Peak memory beyond the shards: one batch (never more than the shard itself).
 
 Which global rows/columns a shard holds comes from DTensor's own rule for its placements (Shard and FSDP's
 _StridedShard, including uneven splits), the rule DCP uses to reshard checkpoints, so a shard filled here is
@@ -91,6 +92,7 @@ def fill_shard_(local: torch.Tensor, shape: tuple[int, ...], index: list[torch.T
             bounds.append((lo, int(idx.max()) + 1))
             picks.append(None if _is_range(idx) else idx - lo)
     br = source.block_rows
+    batch = _CopyBatch(local)
     for first, count, k in _runs(rows):
         r = first
         while r < first + count:
@@ -99,9 +101,34 @@ def fill_shard_(local: torch.Tensor, shape: tuple[int, ...], index: list[torch.T
             for d, pick in enumerate(picks, start=1):
                 if pick is not None:
                     chunk = chunk.index_select(d, pick)
-            local[k + r - first:k + stop - first].copy_(chunk)
+            batch.add(k + r - first, chunk)
             r = stop
+    batch.flush()
 
+
+class _CopyBatch:
+    """Consecutive rows gathered on the host and copied into the (device) shard together, up to FLUSH_ELEMS
+    values: one host-to-device copy per few MB instead of one per row (a matrix's random block is one row)."""
+
+    FLUSH_ELEMS = 2**20
+
+    def __init__(self, local: torch.Tensor):
+        self.local, self.chunks, self.start, self.rows, self.numel = local, [], 0, 0, 0
+
+    def add(self, at: int, chunk: torch.Tensor) -> None:
+        if self.chunks and (at != self.start + self.rows or self.numel + chunk.numel() > self.FLUSH_ELEMS):
+            self.flush()
+        if not self.chunks:
+            self.start = at
+        self.chunks.append(chunk)
+        self.rows += chunk.shape[0]
+        self.numel += chunk.numel()
+
+    def flush(self) -> None:
+        if self.chunks:
+            rows = self.chunks[0] if len(self.chunks) == 1 else torch.cat(self.chunks)
+            self.local[self.start:self.start + self.rows].copy_(rows)
+        self.chunks, self.rows, self.numel = [], 0, 0
 
 def _to_empty(module: nn.Module, device: torch.device) -> None:
     """`module.to_empty(device)` keeping every parameter object (swapped in place, not replaced), so references
