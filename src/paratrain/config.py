@@ -33,6 +33,14 @@ class ModelSection(Section):
     vocab: int | None = Field(default=None, gt=0)
     max_seq: int | None = Field(default=None, gt=0)
     tie_embeddings: bool | None = None
+    num_experts: int | None = Field(default=None, ge=0)
+    experts_per_token: int | None = Field(default=None, gt=0)
+    moe_ffn_hidden: int | None = Field(default=None, gt=0)
+    shared_experts: int | None = Field(default=None, ge=0)
+    first_dense_layers: int | None = Field(default=None, ge=0)
+    router_score: Literal["softmax", "sigmoid"] | None = None
+    capacity_factor: float | None = Field(default=None, gt=0)
+    aux_loss_coef: float | None = Field(default=None, ge=0)
 
     def resolve(self) -> ModelConfig:
         if self.hf_path:
@@ -44,10 +52,14 @@ class ModelSection(Section):
         else:
             raise ValueError(f"model.preset='{self.preset}': allowed: {', '.join(PRESETS)} or a model TOML file")
         overrides = {k: v for k, v in self.model_dump(exclude={"preset", "hf_path"}).items() if v is not None}
-        if self.hf_path and (fixed := sorted(set(overrides) - {"max_seq"})):  # the weights fix these
+        if self.hf_path and (fixed := sorted(set(overrides) - _NO_WEIGHT_FIELDS)):  # the weights fix these
             raise ValueError(f"model.{fixed[0]}={overrides[fixed[0]]!r} with model.hf_path='{self.hf_path}': the "
-                             f"checkpoint's weights fix the shape; allowed with hf_path: max_seq only")
+                             f"checkpoint's weights fix the shape; allowed with hf_path: "
+                             f"{', '.join(sorted(_NO_WEIGHT_FIELDS))}")
         return ModelConfig(**{**base.model_dump(), **overrides}) if overrides else base
+
+
+_NO_WEIGHT_FIELDS = {"max_seq", "capacity_factor", "aux_loss_coef"}  # overridable with hf_path: no weight has them
 
 
 class MixSource(Section):
@@ -369,13 +381,20 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 # Meaning of the keys whose Field has no description (shown by `paratrain config --reference`).
 FIELD_HELP = {
-    "model.preset": "preset name (tiny, small, llama2-7b/13b/70b, llama3-8b/70b, llama3.1-405b, llama3.2-3b) or a model TOML file",
+    "model.preset": "preset name (tiny, small, llama2-7b/13b/70b, llama3-8b/70b, llama3.1-405b, llama3.2-3b; MoE: "
+                    "tiny-moe, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3) or a model TOML file",
     "model.hf_path": "a Hugging Face Llama folder (config.json + *.safetensors): shape and weights are loaded",
     "model.layers": "override: decoder blocks", "model.hidden": "override: model width",
     "model.heads": "override: attention heads", "model.kv_heads": "override: key/value heads (GQA)",
     "model.ffn_hidden": "override: SwiGLU inner width", "model.vocab": "override: vocabulary size (>= tokenizer's)",
     "model.max_seq": "override: longest sequence (RoPE table length)",
     "model.tie_embeddings": "override: share the embedding and output matrices",
+    "model.num_experts": "override: routed experts per MoE layer (0 = dense; docs/moe.md)",
+    "model.experts_per_token": "override: top-k experts per token", "model.moe_ffn_hidden": "override: expert width",
+    "model.shared_experts": "override: always-on shared experts", "model.first_dense_layers": "override: dense "
+    "first layers before the MoE layers", "model.router_score": "override: softmax (Mixtral, Qwen3) or sigmoid "
+    "(DeepSeek-V3) router scores", "model.capacity_factor": "override: per-expert capacity c*T*k/E (unset: the "
+    "preset's; presets are dropless)", "model.aux_loss_coef": "override: load-balancing loss coefficient",
     "data.source": "'stdlib' (this Python's standard library source, nothing downloaded), or a file or folder: "
                    "text, JSONL/JSON, Parquet, Arrow, a datasets save_to_disk folder, .npy tokens, Megatron .bin/.idx",
     "data.mix": "weighted mixture instead of data.source: [{source=..., weight=...}, ...] (as Megatron's blend)",

@@ -57,17 +57,44 @@ class ModelConfig(BaseModel):
     norm_eps: float = Field(default=1e-5, gt=0)
     tie_embeddings: bool = False
     rope_scaling: RopeScaling | None = None  # Llama 3.1-style long-context frequency scaling; None = plain RoPE
+    head_dim_override: int | None = Field(default=None, gt=0)  # per-head width when not hidden / heads (Qwen3)
+    # ---- mixture of experts (paratrain.model.moe); num_experts = 0: every layer is dense ------------------------
+    num_experts: int = Field(default=0, ge=0)  # routed experts per MoE layer
+    experts_per_token: int = Field(default=2, gt=0)  # top-k
+    moe_ffn_hidden: int | None = Field(default=None, gt=0)  # SwiGLU width of one expert (default ffn_hidden)
+    shared_experts: int = Field(default=0, ge=0)  # always-on experts (DeepSeek-V3: 1), one SwiGLU of n * width
+    first_dense_layers: int = Field(default=0, ge=0)  # layers 0..n-1 keep the dense FFN (DeepSeek-V3: 3)
+    router_score: Literal["softmax", "sigmoid"] = "softmax"  # Mixtral/Qwen3: softmax; DeepSeek-V3: sigmoid
+    router_norm_topk: bool = True  # renormalise the top-k weights to sum 1 (Mixtral; Qwen3 norm_topk_prob)
+    capacity_factor: float | None = Field(default=None, gt=0)  # None = dropless; else per-expert cap c*T*k/E
+    aux_loss_coef: float = Field(default=0.01, ge=0)  # load-balancing loss weight (Switch Transformer: 0.01)
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:
         kv = self.kv_heads if self.kv_heads is not None else self.heads
-        if self.hidden % self.heads:
+        if self.head_dim_override is None and self.hidden % self.heads:
             raise ValueError(f"hidden={self.hidden} must be divisible by heads={self.heads}")
         if self.heads % kv:
             raise ValueError(f"heads={self.heads} must be a multiple of kv_heads={kv}")
         if self.arch == "gpt" and kv != self.heads:
             raise ValueError("arch='gpt' uses multi-head attention: kv_heads must equal heads")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim={self.head_dim}: rotary embeddings need an even head_dim")
+        if self.num_experts:
+            self._check_moe()
         return self
+
+    def _check_moe(self) -> None:
+        checks = [
+            ("arch", self.arch, self.arch == "llama", "'llama' (MoE layers are SwiGLU experts)"),
+            ("experts_per_token", self.experts_per_token, self.experts_per_token <= self.num_experts,
+             f"1..num_experts={self.num_experts}"),
+            ("first_dense_layers", self.first_dense_layers, self.first_dense_layers < self.layers,
+             f"0..layers-1={self.layers - 1} (at least one MoE layer)"),
+        ]
+        for name, value, ok, allowed in checks:
+            if not ok:
+                raise ValueError(f"model.{name}={value!r} with num_experts={self.num_experts}: allowed: {allowed}")
 
     # ---- derived shapes -------------------------------------------------------------------------
     @property
@@ -76,7 +103,18 @@ class ModelConfig(BaseModel):
 
     @property
     def head_dim(self) -> int:
-        return self.hidden // self.heads
+        return self.head_dim_override or self.hidden // self.heads
+
+    @property
+    def moe_ffn(self) -> int:
+        return self.moe_ffn_hidden or self.ffn
+
+    def is_moe_layer(self, layer: int) -> bool:
+        return self.num_experts > 0 and layer >= self.first_dense_layers
+
+    @property
+    def moe_layers(self) -> int:
+        return self.layers - self.first_dense_layers if self.num_experts else 0
 
     @property
     def ffn(self) -> int:
@@ -90,8 +128,9 @@ class ModelConfig(BaseModel):
 
     # ---- parameter counts ---------------------------------------------------------------------------
     def params_per_layer(self) -> int:
-        h, f, kv = self.hidden, self.ffn, self.kv_dim
-        attn = h * h + 2 * h * kv + h * h  # q, k, v, o
+        """A dense layer (MoE layers: `moe_layer_params`)."""
+        h, f, kv, q = self.hidden, self.ffn, self.kv_dim, self.heads * self.head_dim
+        attn = 2 * h * q + 2 * h * kv  # q, k, v, o
         if self.arch == "llama":
             return attn + 3 * h * f + 2 * h  # gate, up, down; two RMSNorm weights
         # gpt: biases on qkv/o/fc1/fc2, two LayerNorms with weight and bias
@@ -106,12 +145,30 @@ class ModelConfig(BaseModel):
         norm = self.hidden if self.arch == "llama" else 2 * self.hidden
         return norm + (0 if self.tie_embeddings else self.vocab * self.hidden)
 
+    def moe_layer_params(self, active: bool = False) -> int:
+        """A MoE layer: the dense layer with its FFN replaced by router + experts (+ shared experts); `active`:
+        only the top-k routed experts one token passes through."""
+        h, fm = self.hidden, self.moe_ffn
+        routed = self.experts_per_token if active else self.num_experts
+        return (self.params_per_layer() - 3 * h * self.ffn + h * self.num_experts
+                + (routed + self.shared_experts) * 3 * h * fm)
+
+    def layer_params(self, active: bool = False) -> int:
+        """All transformer layers together."""
+        dense = self.layers - self.moe_layers
+        return dense * self.params_per_layer() + self.moe_layers * self.moe_layer_params(active)
+
     def num_params(self) -> int:
-        return self.embedding_params() + self.layers * self.params_per_layer() + self.head_params()
+        return self.embedding_params() + self.layer_params() + self.head_params()
+
+    def active_params(self) -> int:
+        """Parameters one token uses (MoE: top-k routed experts only); = num_params for a dense model."""
+        return self.embedding_params() + self.layer_params(active=True) + self.head_params()
 
     def num_matmul_params(self) -> int:
-        """Parameters that take part in a matmul per token (what the 6N rule counts): no embedding lookup."""
-        return self.layers * self.params_per_layer() + self.vocab * self.hidden
+        """Parameters that take part in a matmul per token (what the 6N rule counts): no embedding lookup;
+        a MoE layer counts its active experts."""
+        return self.layer_params(active=True) + self.vocab * self.hidden
 
     # ---- FLOPs ------------------------------------------------------------------------------------
     def forward_flops_per_token(self, seq: int) -> float:
@@ -156,6 +213,30 @@ PRESETS: dict[str, ModelConfig] = {
     "llama3.2-3b": ModelConfig(name="llama3.2-3b", layers=28, hidden=3072, heads=24, kv_heads=8, ffn_hidden=8192,
                                vocab=128256, max_seq=131072, rope_theta=500000.0, tie_embeddings=True,
                                rope_scaling=RopeScaling(factor=32.0)),
+    # ---- mixtures of experts (paratrain.model.moe) ----
+    "tiny-moe": ModelConfig(name="tiny-moe", layers=4, hidden=128, heads=4, kv_heads=2, ffn_hidden=352, vocab=4096,
+                            max_seq=512, num_experts=8, experts_per_token=2, moe_ffn_hidden=96, shared_experts=1,
+                            first_dense_layers=1),
+    # Mixtral 8x7B: Jiang et al. 2024 "Mixtral of Experts" Table 1 and mistralai/Mixtral-8x7B-v0.1 config.json
+    # (router_aux_loss_coef 0.02); 46.7B parameters, 12.9B active (the model card / paper: "47B", "13B").
+    "mixtral-8x7b": ModelConfig(name="mixtral-8x7b", layers=32, hidden=4096, heads=32, kv_heads=8, ffn_hidden=14336,
+                                vocab=32000, max_seq=32768, rope_theta=1e6, num_experts=8, experts_per_token=2,
+                                aux_loss_coef=0.02),
+    # Qwen3-30B-A3B: Qwen/Qwen3-30B-A3B config.json (head_dim 128, moe_intermediate_size 768, 128 experts, top 8,
+    # norm_topk_prob true, router_aux_loss_coef 0.001) and the Qwen3 technical report (Yang et al. 2025, Table 2):
+    # 30.5B parameters, 3.3B active. Its q/k RMSNorm (2 * 128 weights a layer) is not modelled.
+    "qwen3-30b-a3b": ModelConfig(name="qwen3-30b-a3b", layers=48, hidden=2048, heads=32, kv_heads=4,
+                                 head_dim_override=128, ffn_hidden=6144, vocab=151936, max_seq=40960,
+                                 rope_theta=1e6, norm_eps=1e-6, num_experts=128, experts_per_token=8,
+                                 moe_ffn_hidden=768, aux_loss_coef=0.001),
+    # DeepSeek-V3-shaped: DeepSeek-AI 2024 "DeepSeek-V3 Technical Report" sec. 4.2 and deepseek-ai/DeepSeek-V3
+    # config.json: 61 layers, hidden 7168, 3 dense first layers (ffn 18432), 256 routed experts of 2048, top 8,
+    # 1 shared, sigmoid scores; 671B parameters, 37B active (without the 14B multi-token-prediction module).
+    # Multi-head latent attention is NOT modelled: plain 128-head attention stands in (205M vs MLA's 187M a layer).
+    "deepseek-v3": ModelConfig(name="deepseek-v3", layers=61, hidden=7168, heads=128, kv_heads=128, ffn_hidden=18432,
+                               vocab=129280, max_seq=163840, norm_eps=1e-6, num_experts=256, experts_per_token=8,
+                               moe_ffn_hidden=2048, shared_experts=1, first_dense_layers=3, router_score="sigmoid",
+                               aux_loss_coef=0.0001),
     "llama3.1-405b": ModelConfig(name="llama3.1-405b", layers=126, hidden=16384, heads=128, kv_heads=8,
                                  ffn_hidden=53248, vocab=128256, max_seq=131072, rope_theta=500000.0,
                                  rope_scaling=RopeScaling(factor=8.0)),

@@ -1,7 +1,7 @@
 """Layout-independent weight initialisation: every value is a function of (seed, parameter name, index) only.
 
 The rule (GPT-2 / Megatron style): norm weights 1, every other matrix N(0, 0.02), the residual-output
-projections (attention.wo, feed_forward.w2) N(0, 0.02 / sqrt(2 * layers)).
+projections (attention.wo, feed_forward.w2, MoE experts.w2) N(0, 0.02 / sqrt(2 * layers)).
 
 Why not one torch generator for the whole model (what `init_weights` used to do): the values a parameter gets
 would then depend on every parameter drawn before it and on the order they are drawn in, so a rank that holds
@@ -52,7 +52,7 @@ def param_init(name: str, layers: int) -> ParamInit:
     """How parameter `name` (single-device model name) of a `layers`-layer Llama is initialised."""
     if name.endswith("norm.weight"):
         return ParamInit("ones")
-    if name.endswith(("wo.weight", "w2.weight")):
+    if name.endswith(("wo.weight", "w2.weight", "experts.w2")):
         return ParamInit("normal", INIT_STD / math.sqrt(2 * layers))
     return ParamInit("normal", INIT_STD)
 

@@ -16,6 +16,7 @@ from torch import nn
 
 from paratrain.model.config import ModelConfig, RopeScaling
 from paratrain.model.init import init_full_
+from paratrain.model.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -98,11 +99,12 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     """SwiGLU: w2(silu(w1 x) * w3 x); w1 = gate, w3 = up, w2 = down."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, ffn: int | None = None):
         super().__init__()
-        self.w1 = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
-        self.w3 = nn.Linear(cfg.hidden, cfg.ffn, bias=False)
-        self.w2 = nn.Linear(cfg.ffn, cfg.hidden, bias=False)
+        ffn = ffn or cfg.ffn
+        self.w1 = nn.Linear(cfg.hidden, ffn, bias=False)
+        self.w3 = nn.Linear(cfg.hidden, ffn, bias=False)
+        self.w2 = nn.Linear(ffn, cfg.hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
@@ -115,7 +117,8 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.hidden, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        # A mixture-of-experts layer keeps the name feed_forward (router, experts, shared_experts under it).
+        self.feed_forward = MoE(cfg) if cfg.is_moe_layer(layer_id) else FeedForward(cfg)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), cos, sin)
@@ -175,6 +178,13 @@ class Llama(nn.Module):
             h = layer(h, cos, sin)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None else h
+
+
+def aux_loss(model: nn.Module) -> torch.Tensor | None:
+    """Sum of the MoE layers' load-balancing losses (already times aux_loss_coef) of the latest forward, for the
+    training loss to add; None for a dense model."""
+    losses = [m.last_aux_loss for m in model.modules() if isinstance(m, MoE) and m.last_aux_loss is not None]
+    return torch.stack(losses).sum() if losses else None
 
 
 def cross_entropy_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

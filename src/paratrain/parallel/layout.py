@@ -59,6 +59,10 @@ def check_cp_layout(seq_len: int, cp: int, tp: int = 1, sp: bool = False, pp: in
 
 def check_parallel_config(model_cfg: ModelConfig, pcfg: ParallelSection, seq_len: int) -> None:
     """Every check that needs the model shape but not the world size."""
+    if model_cfg.num_experts and (bad := [(k, v) for k, v in (("tp", pcfg.tp), ("pp", pcfg.pp), ("cp", pcfg.cp))
+                                          if v > 1]):
+        raise ValueError(f"parallel.{bad[0][0]}={bad[0][1]} with model.num_experts={model_cfg.num_experts}: "
+                         f"mixture-of-experts models do not compose with tp/pp/cp yet (docs/moe.md); allowed: 1")
     check_tp_layout(model_cfg, pcfg.tp, pcfg.sp, seq_len)
     check_cp_layout(seq_len, pcfg.cp, pcfg.tp, pcfg.sp, pcfg.pp)
     effective_dp(pcfg)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from paratrain.device import autocast, to_device
-from paratrain.model.llama import cross_entropy_loss
+from paratrain.model.llama import aux_loss, cross_entropy_loss
 from paratrain.parallel import grad_norm
 
 
@@ -58,7 +58,8 @@ class Runner:
             with self.no_sync(last=i == len(chunks) - 1):
                 with self.autocast():
                     loss = self.loss_fn(self.model(x), y) / len(chunks)
-                loss.backward()
+                    aux = aux_loss(self.model)  # MoE load balancing: trained, not reported in the loss
+                (loss if aux is None else loss + aux / len(chunks)).backward()
             total += plain(loss.detach())
         return self.reduce_loss(total)
 

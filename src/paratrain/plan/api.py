@@ -129,6 +129,9 @@ def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, glob
         raise ValueError(f"dp = {lay.dp}: tp*pp*cp*dp = {dp * model_par} must equal the {devices} devices "
                          f"({nodes} x {system.devices_per_node} {system.device_unit}); dp = {devices // model_par} fits")
     checks = [
+        (not getattr(model, "num_experts", 0), f"model '{model.name}' has num_experts = "
+         f"{getattr(model, 'num_experts', 0)}: the training planner does not model mixtures of experts yet "
+         "(docs/moe.md); allowed: dense models"),
         (model.heads % lay.tp == 0, f"tp = {lay.tp}: must divide heads = {model.heads}"),
         (model.n_kv_heads % lay.tp == 0 or lay.tp % model.n_kv_heads == 0,
          f"tp = {lay.tp}: must divide or be a multiple of kv_heads = {model.n_kv_heads}"),

@@ -1,0 +1,152 @@
+"""Single-device mixture-of-experts feed-forward block in plain PyTorch (no parallel code here).
+
+Layout (torchtitan's names): `router` (Linear hidden -> experts), `experts` (GroupedExperts: SwiGLU weights stacked
+as (E, out, in) tensors w1 = gate, w3 = up, w2 = down, so a grouped matmul or expert parallelism slices dim 0),
+optional `shared_experts` (one dense SwiGLU of width shared_experts * moe_ffn_hidden that every token passes).
+
+Routing, per token (the three published variants):
+- softmax (Mixtral, Qwen3-MoE): p = softmax(logits) over all experts, the top-k of p, renormalised to sum 1 when
+  `router_norm_topk` (Mixtral always; Qwen3-MoE's norm_topk_prob).
+- sigmoid (DeepSeek-V3): s = sigmoid(logits), the top-k of s, renormalised when `router_norm_topk`.
+Capacity (Switch/GShard): with capacity_factor c, each expert takes at most ceil(c * T * k / E) of the T tokens'
+assignments, earliest tokens first; a dropped assignment contributes nothing (the residual carries the token).
+capacity_factor None = dropless.
+Auxiliary load-balancing loss (Switch Transformer eq. 4, as transformers' `load_balancing_loss_func` computes it):
+E * sum_e f_e * P_e, f_e = assignments to expert e / T, P_e = mean router probability of e (sigmoid scores are
+normalised per token first). It is returned by `route`, kept on the module after each forward (`last_aux_loss`,
+already times aux_loss_coef) and summed over layers by `Llama.aux_loss()` for the training loss to add.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from paratrain.model.config import ModelConfig
+
+
+@dataclass
+class Routing:
+    """What the router decided for T tokens: (T, k) expert ids and combine weights, (T, k) kept mask (False =
+    dropped by capacity), the router probabilities (T, E) and the unscaled auxiliary loss."""
+
+    experts: torch.Tensor
+    weights: torch.Tensor
+    kept: torch.Tensor
+    probs: torch.Tensor
+    aux_loss: torch.Tensor
+
+
+def capacity(tokens: int, cfg: ModelConfig) -> int | None:
+    """Assignments one expert accepts from `tokens` tokens (None = dropless)."""
+    if cfg.capacity_factor is None:
+        return None
+    return math.ceil(cfg.capacity_factor * tokens * cfg.experts_per_token / cfg.num_experts)
+
+
+def route(logits: torch.Tensor, cfg: ModelConfig) -> Routing:
+    """Top-k gating of router logits (T, E) (fp32 inside, as Megatron and DeepSeek compute the router)."""
+    logits = logits.float()
+    k, n_exp = cfg.experts_per_token, cfg.num_experts
+    scores = logits.softmax(-1) if cfg.router_score == "softmax" else logits.sigmoid()
+    weights, experts = scores.topk(k, dim=-1)
+    if cfg.router_norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    probs = scores if cfg.router_score == "softmax" else scores / scores.sum(-1, keepdim=True)
+    kept = _within_capacity(experts, capacity(logits.shape[0], cfg), n_exp)
+    tokens_per_expert = F.one_hot(experts, n_exp).float().sum((0, 1)) / logits.shape[0]
+    aux = n_exp * (tokens_per_expert * probs.mean(0)).sum()
+    return Routing(experts, weights, kept, probs, aux)
+
+
+def _within_capacity(experts: torch.Tensor, cap: int | None, n_exp: int) -> torch.Tensor:
+    """(T, k) bool: the assignment's position among its expert's assignments (token order, then slot) < cap."""
+    if cap is None:
+        return torch.ones_like(experts, dtype=torch.bool)
+    one_hot = F.one_hot(experts.flatten(), n_exp)  # (T*k, E), token-major: earlier tokens first
+    position = (one_hot.cumsum(0) - 1).gather(1, experts.flatten()[:, None]).view_as(experts)
+    return position < cap
+
+
+def sort_by_expert(routing: Routing, n_exp: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kept assignments grouped by expert: (token index, flat (T*k) assignment index, counts per expert (E,))."""
+    flat_experts = routing.experts.flatten()
+    assignment = routing.kept.flatten().nonzero().squeeze(1)
+    order = flat_experts[assignment].argsort(stable=True)
+    assignment = assignment[order]
+    counts = torch.bincount(flat_experts[assignment], minlength=n_exp)
+    return assignment // routing.experts.shape[1], assignment, counts
+
+
+class GroupedExperts(nn.Module):
+    """E SwiGLU experts with stacked weights: w1/w3 (E, ffn, hidden), w2 (E, hidden, ffn)."""
+
+    def __init__(self, n_exp: int, hidden: int, ffn: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_exp, ffn, hidden))
+        self.w3 = nn.Parameter(torch.empty(n_exp, ffn, hidden))
+        self.w2 = nn.Parameter(torch.empty(n_exp, hidden, ffn))
+
+    def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """x (N, hidden) grouped by expert, counts[e] rows for expert e -> (N, hidden). A loop of matmuls: the
+        portable grouped matmul (torch._grouped_mm is CUDA-only and private in torch 2.13)."""
+        outs = []
+        for e, rows in enumerate(x.split(counts)):
+            outs.append((F.silu(rows @ self.w1[e].T) * (rows @ self.w3[e].T)) @ self.w2[e].T)
+        return torch.cat(outs) if outs else x[:0]
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts): the feed-forward of a MoE layer. x (b, s, h) -> (b, s, h)."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        from paratrain.model.llama import FeedForward  # llama imports this module for its blocks
+
+        self.cfg = cfg
+        self.router = nn.Linear(cfg.hidden, cfg.num_experts, bias=False)
+        self.experts = GroupedExperts(cfg.num_experts, cfg.hidden, cfg.moe_ffn)
+        self.shared_experts = (FeedForward(cfg, cfg.shared_experts * cfg.moe_ffn) if cfg.shared_experts else None)
+        self.last_aux_loss: torch.Tensor | None = None  # aux_loss_coef * aux loss of the latest forward
+        self.last_routing: Routing | None = None  # for router metrics (paratrain.model.moe.router_metrics)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        routing = route(self.router(x), self.cfg)
+        out = self.combine(x, routing, self.routed(x, routing))
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        self.last_aux_loss = self.cfg.aux_loss_coef * routing.aux_loss
+        self.last_routing = routing
+        return out.view(shape)
+
+    def routed(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert outputs of the kept assignments, grouped by expert, and their flat assignment indices."""
+        token, assignment, counts = sort_by_expert(routing, self.cfg.num_experts)
+        return self.experts(x[token], counts.tolist()), assignment
+
+    @staticmethod
+    def combine(x: torch.Tensor, routing: Routing, routed: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """Sum of weight * expert output per token (dropped assignments add nothing)."""
+        y, assignment = routed
+        w = routing.weights.flatten()[assignment].to(y.dtype)
+        token = assignment // routing.experts.shape[1]
+        return torch.zeros_like(x).index_add_(0, token, y * w[:, None])
+
+
+def router_metrics(routing: Routing, n_exp: int) -> dict[str, float | list[int]]:
+    """Per-expert assignment counts (kept), load imbalance (max / mean kept count), dropped assignments and the
+    mean router entropy in nats (of the softmax probabilities, or of the normalised sigmoid scores)."""
+    counts = torch.bincount(routing.experts.flatten()[routing.kept.flatten()], minlength=n_exp).tolist()
+    mean = sum(counts) / n_exp
+    probs = routing.probs.detach()
+    entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1).mean()
+    return {"tokens_per_expert": counts,
+            "load_imbalance": max(counts) / mean if mean > 0 else 0.0,
+            "dropped_tokens": int((~routing.kept).sum()),
+            "router_entropy": float(entropy)}
