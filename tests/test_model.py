@@ -165,7 +165,7 @@ def test_huggingface_folder_refuses_shape_overrides(tmp_path):
     from paratrain.config import load_config
 
     _save_random_hf_llama(tmp_path)
-    with pytest.raises(ValueError, match=r"model.layers=3 with model.hf_path=.*allowed with hf_path: max_seq"):
+    with pytest.raises(ValueError, match=r"model.layers=3 with model.hf_path=.*allowed with hf_path: .*max_seq"):
         load_config(None, [f'model.hf_path="{tmp_path}"', "model.layers=3"])
     cfg = load_config(None, [f'model.hf_path="{tmp_path}"', "model.max_seq=64", "train.seq_len=64"])
     assert cfg.model_shape().max_seq == 64 and cfg.model_shape().hidden == 64
