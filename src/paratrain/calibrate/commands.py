@@ -54,18 +54,25 @@ the runs (one run: the single most sensitive one), none that no run depends on, 
 another. Each parameter held says why. The error shown is leave-one-out: each run predicted by a fit without it.
 Every run calibrate proposes (the layouts that would identify the parameters still held; --suggest N for N of
 them) comes with a config to train it: the run's own config.toml with that layout, in <runs folder>/next/.
+`paratrain generate --summary-json FILE` summaries (mixed with training ones or alone) fit the serving
+model instead (decode and KV bandwidth efficiency, prefill matmul efficiency, per-layer and per-collective
+cost; the same rules: only what the runs identify, leave-one-out error), written as [systems.X.serving] in
+the new file, which `paratrain serve ... --hardware NEW_FILE` uses (calibrate/serving.py, docs/serving.md).
 See src/paratrain/calibrate/fit.py and docs/calibration.md.
 
   paratrain calibrate --hardware runs/hardware/local.toml runs/*.json
   paratrain calibrate --hardware runs/hardware/local.toml runs/*.json --suggest      # which runs next
   paratrain calibrate --hardware runs/hardware/local.toml --out runs/hardware/fit.toml runs/*.json
+  paratrain calibrate --hardware runs/hardware/local.toml runs/gen/*.json    # generate runs: serving model
 """
 
 
 def register_calibrate(sub) -> None:
     p = sub.add_parser("calibrate", help="fit the planner to measured runs; write a calibrated hardware file",
                        description=CALIBRATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", help="run summaries (JSON from paratrain train --summary-json)")
+    p.add_argument("runs", nargs="+", help="run summaries: JSON from paratrain train --summary-json (the planner's "
+                                           "parameters) and/or paratrain generate --summary-json (the serving "
+                                           "model's, into [systems.X.serving])")
     p.add_argument("--hardware", required=True, help="hardware TOML file holding the system to calibrate")
     p.add_argument("--system", default="local", help="system name inside that file (default: local)")
     p.add_argument("--out", help="hardware TOML to write (default: <hardware>.calibrated.toml beside it)")
@@ -105,6 +112,7 @@ def run_calibrate_cmd(args) -> int:
         suggest_runs,
         write_back,
     )
+    from paratrain.calibrate.serving import split_summaries, write_serving
     from paratrain.cli import UserError
 
     if not 0 <= args.holdout < 1:
@@ -112,8 +120,12 @@ def run_calibrate_cmd(args) -> int:
     if args.suggest is not None and args.suggest < 1:
         raise UserError(f"--suggest {args.suggest}: allowed: a number of runs >= 1")
     target = calibrated_path(args.hardware, args.out, args.in_place)
-    runs = load_measurements(args.runs)
+    train_paths, generate_runs = split_summaries(args.runs)
     system = _system_from_file(args.hardware, args.system)
+    serving = calibrate_generate(system, generate_runs)
+    if not train_paths:
+        return _serving_only(args, target, serving)
+    runs = load_measurements(train_paths)
     step = round(1 / args.holdout) if args.holdout else 0
     test = [m for i, m in enumerate(runs) if step and i % step == 1]
     train = [m for m in runs if m not in test]
@@ -138,7 +150,9 @@ def run_calibrate_cmd(args) -> int:
            "mape_leave_one_out": (sum(abs(r["error"]) for r in loo) / len(loo)) if loo else None,
            "leave_one_out_rows": loo,
            "suggested_runs": []}
-    runs_dir = Path(args.runs[-1]).parent
+    if serving is not None:
+        out["serving"] = serving.report()
+    runs_dir = Path(train_paths[-1]).parent
     for sug in suggestions:
         config = suggestion_config(sug, train[-1], runs_dir)
         out["suggested_runs"].append({**sug, "config": str(config) if config else None,
@@ -152,10 +166,46 @@ def run_calibrate_cmd(args) -> int:
                    "(one run)"))
         header = f"# {note}\n# from {args.hardware}; held: {', '.join(cal.held) or 'none'}\n"
         out["written"] = str(write_back(args.hardware, args.system, cal.parameters, note, out=target, header=header))
+        if serving is not None:  # the serving model's table, into the file just written
+            write_serving(target, args.system, serving.efficiency, target,
+                          header=header + f"# serving: {serving.efficiency.source}\n")
     if args.json:
         print(json.dumps(out, indent=2, default=str))
         return 0
     _print_calibration(out, test)
+    return 0
+
+
+def calibrate_generate(system, generate_runs: list[tuple[str, dict]]):
+    """The serving model fitted to the `paratrain generate` summaries among the runs (None without any)."""
+    from paratrain.calibrate.serving import calibrate_serving, generate_rows
+
+    if not generate_runs:
+        return None
+    rows = [r for name, data in generate_runs for r in generate_rows(data, name, system)]
+    return calibrate_serving(system, rows)
+
+
+def _serving_only(args, target: Path, serving) -> int:
+    """calibrate with generate summaries only: the serving table written, the training parameters as they were."""
+    from paratrain.calibrate.serving import serving_report_lines, write_serving
+    from paratrain.cli import UserError
+
+    if args.suggest is not None:
+        raise UserError("--suggest proposes training runs: give at least one paratrain train summary")
+    out = {"hardware": args.hardware, "system": args.system, "serving": serving.report()}
+    if not args.dry_run:
+        header = (f"# serving model calibrated by `paratrain calibrate` from {args.hardware}: "
+                  f"{serving.efficiency.source}\n")
+        out["written"] = str(write_serving(args.hardware, args.system, serving.efficiency, target, header=header))
+    if args.json:
+        print(json.dumps(out, indent=2, default=str))
+        return 0
+    print(f"calibrated {args.system} of {args.hardware}")
+    print("\n".join(serving_report_lines(out["serving"])))
+    if out.get("written"):
+        same = out["written"] == out["hardware"]
+        print(f"wrote {out['written']}" + ("" if same else f" ({out['hardware']} unchanged; --in-place rewrites it)"))
     return 0
 
 
@@ -233,6 +283,10 @@ def _print_calibration(out: dict, test: list) -> None:
               f"{r['predicted_s'] * 1e3:8.1f} ms  error {r['error']:+.1%}")
     if test:
         print(f"held-out MAPE {out['mape_holdout']:.1%} on {len(test)} runs")
+    if out.get("serving"):
+        from paratrain.calibrate.serving import serving_report_lines
+
+        print("\n".join(serving_report_lines(out["serving"])))
     if out.get("written"):
         same = out["written"] == out["hardware"]
         print(f"wrote {out['written']}" + ("" if same else f" ({out['hardware']} unchanged; --in-place rewrites it)"))

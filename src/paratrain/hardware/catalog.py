@@ -198,6 +198,10 @@ class System:
     stack: Stack | None = None
     conflicts: tuple[str, ...] = ()
     origin: str = ""
+    # [systems.X.serving]: the serving model's efficiency table measured on this system (`paratrain calibrate`
+    # on `paratrain generate` summaries); plan.serve.serving_efficiency prefers it to the vendor's stack table.
+    # (field, value) pairs: the System stays hashable
+    serving: tuple[tuple[str, Any], ...] = ()
 
     @property
     def devices_per_node(self) -> int:
@@ -263,7 +267,14 @@ SYSTEM_FIELDS = {
     "display_name": ("str", False), "chip": ("str", True), "chips_per_node": ("posint", True),
     "devices_per_chip": ("posint", True), "device_unit": ("str", True), "tiers": ("tiers", True),
     "source": ("str", True), "conflicts": ("strlist", False), "prices": ("table", False),
-    "efficiency": ("table", True), "stack": ("table", False),
+    "efficiency": ("table", True), "stack": ("table", False), "serving": ("table", False),
+}
+# The serving model's parameters (plan/serving_efficiency.toml documents each) as `paratrain calibrate` fits
+# them for one system
+SERVING_FIELDS = {
+    "decode_bw_eff": ("frac", True), "kv_bw_eff": ("frac", True), "prefill_flops_eff": ("frac", True),
+    "layer_overhead_s": ("nonneg", True), "collective_us": ("nonneg", True), "attention": ("attention", False),
+    "source": ("str", True),
 }
 STACK_FIELDS = {
     "name": ("str", True), "dp_kinds": ("dp_kinds", True), "zero_stages": ("zero_stages", True),
@@ -439,6 +450,8 @@ def _system(origin: str, name: str, raw: dict, chips: dict[str, Chip], links: di
         st = _check(origin, f"{where}.stack", raw["stack"], STACK_FIELDS)
         stack = Stack(st["name"], tuple(st["dp_kinds"]), tuple(st["zero_stages"]), tuple(st["schedules"]), st["source"],
                       st.get("attention", "flash"))
+    serving = tuple(_check(origin, f"{where}.serving", raw["serving"], SERVING_FIELDS).items()) \
+        if "serving" in raw else ()
     per_node = raw["chips_per_node"] * raw["devices_per_chip"]
     inner = [t.domain_devices for t in tiers[:-1]]
     if inner and per_node % inner[-1] and inner[-1] % per_node:
@@ -449,6 +462,7 @@ def _system(origin: str, name: str, raw: dict, chips: dict[str, Chip], links: di
         chips_per_node=raw["chips_per_node"], devices_per_chip=raw["devices_per_chip"],
         device_unit=raw["device_unit"], tiers=tiers, efficiency=SystemEfficiency(**eff),
         prices=prices, source=raw["source"], stack=stack, conflicts=tuple(raw.get("conflicts", ())), origin=origin,
+        serving=serving,
     )
 
 
@@ -569,6 +583,8 @@ def system_table(system: System) -> dict:
     if system.stack is not None:
         stack = asdict(system.stack)
         data["stack"] = {k: list(v) if isinstance(v, tuple) else v for k, v in stack.items()}
+    if system.serving:
+        data["serving"] = dict(system.serving)
     return _drop_empty(data)
 
 

@@ -150,13 +150,17 @@ def serving_stacks(path: Path | None = None) -> tuple[str, ...]:
 
 def serving_efficiency(system: System, stack: str | None = None, path: Path | None = None) -> ServingEfficiency:
     """The parameters of a serving stack: `stack` names a table (serving_stacks()); by default the table
-    named after the chip's vendor (today's engines there). Chips with no table (a probed local host) fall
-    back to their training efficiency: the same physics, uncalibrated for serving."""
+    named after the chip's vendor (today's engines there). A system whose hardware file has its own
+    [systems.X.serving] table (`paratrain calibrate` on `paratrain generate` runs measured there) uses that
+    one. Chips with no table (a probed local host) fall back to their training efficiency: the same physics,
+    uncalibrated for serving."""
     tables = efficiency_tables(path)
     if stack is not None:
         if stack not in tables:
             raise ValueError(f"stack = {stack!r}: allowed: {', '.join(tables)}")
         return tables[stack]
+    if system.serving:
+        return ServingEfficiency(**dict(system.serving))
     if system.chip.vendor in tables:
         return tables[system.chip.vendor]
     eff = system.chip.efficiency

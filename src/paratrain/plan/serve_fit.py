@@ -67,22 +67,25 @@ def loss(rows: list[dict], eff: ServingEfficiency) -> float:
 
 
 def fit(rows: list[dict], start: ServingEfficiency, rounds: int = 2, points: int = 21,
-        free: tuple[str, ...] = EFFICIENCY_FIELDS) -> ServingEfficiency:
+        free: tuple[str, ...] = EFFICIENCY_FIELDS, bounds: dict | None = None) -> ServingEfficiency:
     """Fit the five parameters within BOUNDS to the rows (give it calibration rows only): a coarse
     coordinate search over the whole box (robust to a poor start), then bounded least squares on the log
     errors (scipy's trust-region reflective: coupled parameters, such as a per-layer and a per-collective
     cost, move together along the valley a coordinate search zig-zags in). `free`: the parameters to fit (the
-    rest keep start's values: for a stack with too few rows to pin all five)."""
+    rest keep start's values: for a stack with too few rows to pin all five). `bounds`: another search box
+    (default BOUNDS; calibrate/serving.py widens it for an eager-mode runtime on a CPU host)."""
     from scipy.optimize import least_squares
+
+    bounds = bounds or BOUNDS
 
     if not rows:
         raise ValueError("fit: no measurements to fit")
     unknown = [n for n in free if n not in EFFICIENCY_FIELDS]
     if unknown or not free:
         raise ValueError(f"free = {free!r}: allowed: a non-empty subset of {', '.join(EFFICIENCY_FIELDS)}")
-    lo = np.array([BOUNDS[n][0] for n in free])
-    hi = np.array([BOUNDS[n][1] for n in free])
-    best = replace(start, **{n: float(np.clip(getattr(start, n), *BOUNDS[n])) for n in free})
+    lo = np.array([bounds[n][0] for n in free])
+    hi = np.array([bounds[n][1] for n in free])
+    best = replace(start, **{n: float(np.clip(getattr(start, n), *bounds[n])) for n in free})
     best_loss = loss(rows, best)
     for _ in range(rounds):
         for name, a, b in zip(free, lo, hi, strict=True):
