@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,6 +18,10 @@ from paratrain.plan.serve_fit import measurements_from_generate, predict
 # (batch, prompt tokens, new tokens): calibration runs at different prompt and output lengths, and one held out
 CALIBRATION = [(1, 16, 12), (4, 64, 16), (2, 160, 8), (8, 32, 20)]
 HELD_OUT = (2, 96, 12)
+# Each shape run 3 times: wall times on a shared, loaded host (load average ~19 on 2 cores when this was
+# written) jump by several x from one run to the next; calibrate fits all repeats, the held-out check takes
+# the median of its repeats.
+REPEATS = 3
 
 
 def _probe_file(path):
@@ -47,8 +52,10 @@ def generated(tmp_path_factory):
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                       tie_word_embeddings=False)
     LlamaForCausalLM(cfg).save_pretrained(tmp / "hf")
-    runs = [_generate(tmp / "hf", tmp / f"gen_b{b}_p{p}_o{o}.json", b, p, o) for b, p, o in CALIBRATION]
-    held = _generate(tmp / "hf", tmp / "held_out.json", *HELD_OUT)
+    _generate(tmp / "hf", tmp / "warm_up.json", 1, 8, 2)  # the process's first forward (lazy init): not kept
+    runs = [_generate(tmp / "hf", tmp / f"gen_b{b}_p{p}_o{o}_{i}.json", b, p, o)
+            for i in range(REPEATS) for b, p, o in CALIBRATION]
+    held = [_generate(tmp / "hf", tmp / f"held_out_{i}.json", *HELD_OUT) for i in range(REPEATS)]
     return tmp, runs, held
 
 
@@ -66,25 +73,26 @@ def test_calibrate_fits_the_serving_model_to_generate_runs(generated, capsys):
     written = tmp / "local.calibrated.toml"
     assert report["written"] == str(written)
     serving = report["serving"]
-    assert serving["runs"] == 4 and serving["measurements"] == 8
+    assert serving["runs"] == 4 * REPEATS and serving["measurements"] == 8 * REPEATS
     assert "layer_overhead_s" in serving["fitted"] and "collective_us" in serving["held"]
     assert set(serving["fixed"]) == {"decode_bw_eff", "kv_bw_eff"} and all(serving["held"].values())
-    assert len(serving["leave_one_out_rows"]) == 8 and serving["mape_leave_one_out"] is not None
+    assert len(serving["leave_one_out_rows"]) == 8 * REPEATS and serving["mape_leave_one_out"] is not None
 
     old = load_catalog([hw]).system("local")
     new = load_catalog([written]).system("local")
     assert new.chip.efficiency == old.chip.efficiency  # no training run: the planner's parameters as they were
     fitted = serving_efficiency(new)
     assert {k: getattr(fitted, k) for k in serving["parameters"]} == pytest.approx(serving["parameters"])
-    rows = measurements_from_generate(json.loads(open(held).read()), old)
-    for row in rows:  # the held-out prefill (ttft) and per-token decode step (tpot)
-        err_before = abs(predict(row, serving_efficiency(old)) / row["value"] - 1)
-        err_after = abs(predict(row, fitted) / row["value"] - 1)
-        assert err_after < err_before, (row["kind"], err_after, err_before)
+    repeats = [measurements_from_generate(json.loads(open(h).read()), old) for h in held]
+    for i, row in enumerate(repeats[0]):  # the held-out prefill (ttft) and per-token decode step (tpot)
+        measured = float(np.median([rows[i]["value"] for rows in repeats]))
+        err_before = abs(predict(row, serving_efficiency(old)) / measured - 1)
+        err_after = abs(predict(row, fitted) / measured - 1)
+        assert err_after < err_before, (row["kind"], measured, err_after, err_before)
 
     # `paratrain serve estimate --hardware <new file>` runs on the fitted table
     model = tmp / "model.toml"
-    shape = json.loads(open(held).read())["model_shape"]
+    shape = json.loads(open(held[0]).read())["model_shape"]
     model.write_text("\n".join(f"{k} = {json.dumps(v)}" for k, v in shape.items() if v is not None) + "\n")
     b, p, o = HELD_OUT
     assert main(["serve", "estimate", "--model", str(model), "--hardware", str(written), "--batch", str(b),

@@ -190,17 +190,21 @@ def _start(system: System) -> tuple[ServingEfficiency, list[str]]:
 
 def _leave_one_out(rows: list[dict], start: ServingEfficiency, eff: ServingEfficiency,
                    chosen: list[str]) -> list[dict]:
-    """Each run's measurements predicted by a fit of the chosen parameters on the other runs' measurements."""
-    runs = list(dict.fromkeys(r["run"] for r in rows))
-    if len(runs) < 2 or not chosen:
+    """Each run's measurements predicted by a fit of the chosen parameters on the other runs' measurements.
+    Repeats of one batch and prompt length are left out together: a repeat is no check of its twin."""
+    def shape(r: dict) -> tuple[int, int]:
+        return r["batch"], r["prompt"]
+
+    groups = list(dict.fromkeys(shape(r) for r in rows))
+    if len(groups) < 2 or not chosen:
         return []
     out = []
-    for run in runs:
-        others = [r for r in rows if r["run"] != run]
+    for group in groups:
+        others = [r for r in rows if shape(r) != group]
         # from the previous values, like the fit itself (never from the full fit, which saw this run)
         left_out = fit(others, start, free=tuple(chosen), bounds=RUNTIME_BOUNDS)
-        out += [{"run": run, "kind": r["kind"], "measured_ms": r["value"], "predicted_ms": predict(r, left_out),
-                 "error": predict(r, left_out) / r["value"] - 1} for r in rows if r["run"] == run]
+        out += [{"run": r["run"], "kind": r["kind"], "measured_ms": r["value"], "predicted_ms": predict(r, left_out),
+                 "error": predict(r, left_out) / r["value"] - 1} for r in rows if shape(r) == group]
     return out
 
 
