@@ -346,3 +346,33 @@ def test_model_folder_tokenizer_is_default_and_mismatch_refused(tmp_path, capsys
     rendered = ["".join(f"<|endoftext|>{m['role']}: {m['content']}\n" for m in conv) for conv in msgs]
     want = [i for r in rendered for i in [*tok.encode(r, add_special_tokens=False).ids, eos]]
     assert all_tokens(tmp_path / "out").tolist() == want
+
+
+def test_llama3_recipe_data_settings_prepare(tmp_path, tokenizer_file):
+    """recipes/llama3-8b.toml's [data]: a tokenizer folder and a Parquet + JSONL mixture, no cap; the same
+    settings with the paths moved under tmp_path prepare (the tokenizer is a small stand-in for Llama 3's)."""
+    from pathlib import Path
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    recipe = load_config(Path(__file__).resolve().parents[1] / "recipes" / "llama3-8b.toml").data
+    assert recipe.max_source_bytes is None and [m.source for m in recipe.mix] == ["/fsx/corpus/fineweb",
+                                                                                   "/fsx/corpus/the-stack"]
+    assert Path(recipe.tokenizer).name == "Meta-Llama-3-8B"  # a model folder: its tokenizer.json
+    moved = lambda p: str(tmp_path / Path(p).relative_to("/fsx"))  # noqa: E731
+    (tmp_path / "corpus" / "fineweb").mkdir(parents=True)
+    (tmp_path / "corpus" / "the-stack").mkdir()
+    for i in range(2):
+        pq.write_table(pa.table({"text": sentences(20, i), "url": ["u"] * 20}),
+                       tmp_path / "corpus" / "fineweb" / f"{i:03d}.parquet")
+    (tmp_path / "corpus" / "the-stack" / "a.jsonl").write_text(
+        "".join(json.dumps({"content": f"def f{i}():\n    return {i}\n", "lang": "py"}) + "\n" for i in range(30)))
+    (tmp_path / "models" / "Meta-Llama-3-8B").mkdir(parents=True)
+    (tmp_path / "models" / "Meta-Llama-3-8B" / "tokenizer.json").write_text(tokenizer_file.read_text())
+    cfg = recipe.model_copy(update={"tokenizer": moved(recipe.tokenizer), "prepared_dir": str(tmp_path / "out"),
+                                    "workers": 1, "mix": [m.model_copy(update={"source": moved(m.source)})
+                                                          for m in recipe.mix]})
+    meta = read_meta(prepare(cfg, **QUIET))
+    assert [s["formats"] for s in meta["sources"]] == [{"parquet": 2}, {"jsonl": 1}]
+    assert [round(s["weight"], 2) for s in meta["sources"]] == [0.85, 0.15] and meta["documents"] == 70

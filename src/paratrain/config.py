@@ -91,7 +91,7 @@ class DataSection(Section):
     def _check(self) -> DataSection:
         if self.mix is not None and not self.mix:
             raise ValueError("data.mix=[]: allowed: at least one {source, weight} entry, or no data.mix")
-        if self.mix and "source" in self.model_fields_set:
+        if self.mix and self.source != "stdlib":  # the default stays in a dumped config beside a mix
             raise ValueError(f"data.source='{self.source}' and data.mix are both set; allowed: one of them")
         return self
 
