@@ -32,16 +32,22 @@ against a matmul probe of this machine (the summary says which).
 
 
 PREPARE_HELP = """\
-Tokenize text into packed, memory-mapped token files: <data.prepared_dir>/{train,val}.bin (uint16, or uint32
-for vocabularies over 65,536), tokenizer.json and meta.json. `paratrain train` prepares the data itself when
-needed; run this first to see the corpus, or before torchrun so ranks never wait for it.
+Tokenize data.source (or the weighted data.mix) into memory-mapped token shards with an index under
+data.prepared_dir (plus tokenizer.json and meta.json). `paratrain train` prepares the data itself when needed;
+run this first to see the corpus, or before torchrun so ranks never wait for it. Streaming (memory does not grow
+with the corpus), data.workers tokenizer processes, resumable after an interruption, re-prepared when a file of
+the corpus changes. Formats (from extension and content): UTF-8 text, JSONL/JSON and Parquet/Arrow records
+(data.text_field, or chat messages in data.messages_field through the tokenizer's chat template), a Hugging Face
+datasets save_to_disk folder, .npy tokens, Megatron .bin/.idx. See docs/data.md.
 
 Default source 'stdlib': this Python's standard library source (nothing downloaded), tokenized with a
-byte-level BPE tokenizer trained locally (data.vocab_size tokens).
+byte-level BPE tokenizer trained locally (data.vocab_size tokens). data.tokenizer='auto' uses model.hf_path's
+tokenizer.json when that is set.
 
   paratrain data prepare                                           # the embedded default
-  paratrain data prepare --set data.source=my_texts/ --set data.prepared_dir=data/mine
-  paratrain data prepare --set data.tokenizer=path/tokenizer.json  # an existing tokenizer
+  paratrain data prepare --set data.source=corpus/ --set data.prepared_dir=data/mine --progress on
+  paratrain data prepare --set data.source=a.jsonl --set data.text_field=body --set data.tokenizer=path/to/model
+  paratrain data prepare --set 'data.mix=[{source="web/", weight=0.8}, {source="code.jsonl", weight=0.2}]'
 (--set values are TOML; a value that is not valid TOML, like a bare path, is taken as a string.)
 """
 
