@@ -138,6 +138,19 @@ def test_every_format_trains_in_one_mixture(tmp_path, formats, tokenizer_file, c
     assert set(sources.tolist()) == set(range(8))  # 18 samples over 8 sources, jsonl twice the weight
     assert (sources == 1).sum() == 4
 
+    def run(tag, steps, *extra):
+        args = [a for s in [*sets, f"train.steps={steps}", f'metrics.run_dir="{tmp_path / tag}"', *extra]
+                for a in ("--set", s)]
+        capsys.readouterr()
+        assert main(["train", *args, "--json"]) == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])["losses"]
+
+    # the mixture's order across a resume: 2 steps + checkpoint, resumed to 3 == 3 steps straight
+    straight = run("straight", 3)
+    assert straight[:2] == summary["losses"]
+    run("resumed", 2, "checkpoint.interval=2")
+    assert run("resumed", 3, "checkpoint.interval=2") == straight[2:]  # one step trained, after the resume
+
 
 def one_line_error(capsys, args) -> str:
     capsys.readouterr()
@@ -376,3 +389,8 @@ def test_llama3_recipe_data_settings_prepare(tmp_path, tokenizer_file):
     meta = read_meta(prepare(cfg, **QUIET))
     assert [s["formats"] for s in meta["sources"]] == [{"parquet": 2}, {"jsonl": 1}]
     assert [round(s["weight"], 2) for s in meta["sources"]] == [0.85, 0.15] and meta["documents"] == 70
+    shards = {p: p.stat().st_mtime_ns for p in (tmp_path / "out").glob("src-*/shard-*.bin")}
+    reweighted = cfg.model_copy(update={"mix": [m.model_copy(update={"weight": 1.0}) for m in cfg.mix]})
+    meta = read_meta(prepare(reweighted, **QUIET))  # new weights: meta only, no source tokenized again
+    assert [s["weight"] for s in meta["sources"]] == [0.5, 0.5]
+    assert {p: p.stat().st_mtime_ns for p in shards} == shards and len(shards) == 2

@@ -19,6 +19,7 @@ import sys
 import time
 from collections import deque
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -64,19 +65,22 @@ def prepare(cfg, force: bool = False, log=print, hf_path: str | None = None, pro
     info = T.resolve_tokenizer(cfg.tokenizer, hf_path, cfg.vocab_size)
     _check_tokenizer_fits(srcs, info)
     content = [s.content_fingerprint() for s in srcs]
-    fingerprint = _digest(FORMAT_VERSION, info.digest, cfg.vocab_size, content, [s.spec for s in srcs],
-                          cfg.max_source_bytes, cfg.val_fraction)
+    # tokens: everything but the weights (a trained tokenizer depends on every source); meta: and the weights
+    tokens_key = _digest(FORMAT_VERSION, info.digest, cfg.vocab_size, content,
+                         [replace(s.spec, weight=1.0) for s in srcs], cfg.max_source_bytes, cfg.val_fraction)
+    fingerprint = _digest(tokens_key, [s.spec.weight for s in srcs])
     meta_path = out / "meta.json"
     old = _read_json(meta_path)
     if not force and old and old.get("fingerprint") == fingerprint:
         return out
     out.mkdir(parents=True, exist_ok=True)
-    tok, tok_file = _tokenizer(out, info, srcs, cfg, fingerprint, force, log, show)
+    tok, tok_file = _tokenizer(out, info, srcs, cfg, tokens_key, force, log, show)
     vocab = tok.get_vocab_size() if tok else None
     eos = T.eos_id(tok) if tok else None
     entries = []
     for src, fp in zip(srcs, content, strict=True):
-        src_fp = _digest(fingerprint if info.json_text is None else info.digest, fp, src.spec,
+        # the weight is not part of a source's tokens: reweighting a mixture re-tokenizes nothing
+        src_fp = _digest(tokens_key if info.json_text is None else info.digest, fp, replace(src.spec, weight=1.0),
                          cfg.max_source_bytes, cfg.val_fraction, cfg.shard_tokens)
         folder = out / src.key
         folder.mkdir(exist_ok=True)
