@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 CHILD = r"""
-import json, os, sys, threading, time
+import json, os, resource, sys, threading, time
 from paratrain.config import load_config
 from paratrain.train.data import prepare, read_meta
 
@@ -58,12 +58,16 @@ def poll():
             worker_peak[0] = max(worker_peak[0], status_kib(c, "VmHWM:"))
 
 threading.Thread(target=poll, daemon=True).start()
-t0 = time.perf_counter()
+def cpu_s():  # this process and its (finished) workers, user + system
+    return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF,
+                                                                       resource.RUSAGE_CHILDREN)))
+
+t0, c0 = time.perf_counter(), cpu_s()
 prepare(cfg, log=lambda *_: None, progress=False)
-wall = time.perf_counter() - t0
+wall, cpu = time.perf_counter() - t0, cpu_s() - c0
 done.set()
 meta = read_meta(out)
-print(json.dumps({"tokens": meta["train_tokens"] + meta["val_tokens"], "wall_s": wall,
+print(json.dumps({"tokens": meta["train_tokens"] + meta["val_tokens"], "wall_s": wall, "cpu_s": cpu,
                   "rss_before_bytes": baseline * 1024, "rss_main_bytes": status_kib("self", "VmHWM:") * 1024,
                   "rss_worker_bytes": worker_peak[0] * 1024}))
 """
@@ -104,7 +108,8 @@ def measure(corpus: Path, tok: Path, workers: int, work: Path) -> dict:
     proc = subprocess.run([sys.executable, "-c", CHILD, str(corpus), str(out), str(tok), str(workers)],
                           capture_output=True, text=True, env=env, check=True)
     r = json.loads(proc.stdout.strip().splitlines()[-1])
-    r.update(corpus_bytes=corpus.stat().st_size, workers=workers, tokens_per_s=r["tokens"] / r["wall_s"])
+    r.update(corpus_bytes=corpus.stat().st_size, workers=workers, tokens_per_s=r["tokens"] / r["wall_s"],
+             cores_used=r["cpu_s"] / r["wall_s"])  # < workers on a loaded machine: the speed-up it allowed
     return r
 
 
@@ -136,10 +141,11 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
-    print(f"{'corpus':>10} {'workers':>7} {'tokens':>12} {'tokens/s':>10} {'RSS at start':>13} {'peak main':>10} "
-          f"{'peak worker':>11}")
+    print(f"{'corpus':>10} {'workers':>7} {'tokens':>12} {'tokens/s':>10} {'cores used':>10} {'RSS at start':>13} "
+          f"{'peak main':>10} {'peak worker':>11}")
     for r in runs:
         print(f"{r['corpus_bytes'] / 1e6:>8.1f}MB {r['workers']:>7} {r['tokens']:>12,} {r['tokens_per_s']:>10,.0f} "
+              f"{r['cores_used']:>10.2f} "
               f"{r['rss_before_bytes'] / 2**20:>10.0f}MiB {r['rss_main_bytes'] / 2**20:>7.0f}MiB "
               f"{r['rss_worker_bytes'] / 2**20:>8.0f}MiB")
     s, m = result["speedup_2_workers"], result["rss_ratio_10x_corpus"]
