@@ -58,6 +58,7 @@ class ModelConfig(BaseModel):
     tie_embeddings: bool = False
     rope_scaling: RopeScaling | None = None  # Llama 3.1-style long-context frequency scaling; None = plain RoPE
     head_dim_override: int | None = Field(default=None, gt=0)  # per-head width when not hidden / heads (Qwen3)
+    qk_norm: bool = False  # RMSNorm of each query/key head before RoPE (Qwen3)
     # ---- mixture of experts (paratrain.model.moe); num_experts = 0: every layer is dense ------------------------
     num_experts: int = Field(default=0, ge=0)  # routed experts per MoE layer
     experts_per_token: int = Field(default=2, gt=0)  # top-k
@@ -132,7 +133,8 @@ class ModelConfig(BaseModel):
         h, f, kv, q = self.hidden, self.ffn, self.kv_dim, self.heads * self.head_dim
         attn = 2 * h * q + 2 * h * kv  # q, k, v, o
         if self.arch == "llama":
-            return attn + 3 * h * f + 2 * h  # gate, up, down; two RMSNorm weights
+            qk_norm = 2 * self.head_dim if self.qk_norm else 0
+            return attn + 3 * h * f + 2 * h + qk_norm  # gate, up, down; two RMSNorm weights (+ q/k norms)
         # gpt: biases on qkv/o/fc1/fc2, two LayerNorms with weight and bias
         return attn + (h + 2 * kv + h) + 2 * h * f + f + h + 4 * h
 
@@ -224,11 +226,11 @@ PRESETS: dict[str, ModelConfig] = {
                                 aux_loss_coef=0.02),
     # Qwen3-30B-A3B: Qwen/Qwen3-30B-A3B config.json (head_dim 128, moe_intermediate_size 768, 128 experts, top 8,
     # norm_topk_prob true, router_aux_loss_coef 0.001) and the Qwen3 technical report (Yang et al. 2025, Table 2):
-    # 30.5B parameters, 3.3B active. Its q/k RMSNorm (2 * 128 weights a layer) is not modelled.
+    # 30.5B parameters, 3.3B active.
     "qwen3-30b-a3b": ModelConfig(name="qwen3-30b-a3b", layers=48, hidden=2048, heads=32, kv_heads=4,
                                  head_dim_override=128, ffn_hidden=6144, vocab=151936, max_seq=40960,
                                  rope_theta=1e6, norm_eps=1e-6, num_experts=128, experts_per_token=8,
-                                 moe_ffn_hidden=768, aux_loss_coef=0.001),
+                                 moe_ffn_hidden=768, aux_loss_coef=0.001, qk_norm=True),
     # DeepSeek-V3-shaped: DeepSeek-AI 2024 "DeepSeek-V3 Technical Report" sec. 4.2 and deepseek-ai/DeepSeek-V3
     # config.json: 61 layers, hidden 7168, 3 dense first layers (ffn 18432), 256 routed experts of 2048, top 8,
     # 1 shared, sigmoid scores; 671B parameters, 37B active (without the 14B multi-token-prediction module).
