@@ -207,6 +207,8 @@ def test_megatron_index_layout_is_megatrons(tmp_path):
     assert np.frombuffer(raw, np.int64, 4, 70).tolist() == [0, 1, 2, 3] and len(raw) == 102
     ds = indexed.read_index(tmp_path / "m")
     assert ds.tokens().tolist() == [5, 6, 7, 8, 9, 10] and ds.num_documents == 3
+    indexed.write_indexed(tmp_path / "corpus.v1", docs, dtype=np.uint16)  # a dotted name: corpus.v1.bin/.idx
+    assert indexed.read_index(tmp_path / "corpus.v1.bin").tokens().tolist() == ds.tokens().tolist()
     (tmp_path / "m.bin").write_bytes((tmp_path / "m.bin").read_bytes()[:-2])
     with pytest.raises(ValueError, match="10 bytes, but the index describes 12"):
         indexed.read_index(tmp_path / "m")

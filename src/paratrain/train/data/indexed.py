@@ -45,10 +45,17 @@ class IndexedDataset:
         return np.memmap(self.bin_path, dtype=self.dtype, mode="r")
 
 
+def paths(prefix: str | Path) -> tuple[Path, Path]:
+    """(.bin, .idx) of a prefix or of either file (names may hold other dots: corpus.v1.bin)."""
+    base = str(prefix)
+    if base.endswith((".bin", ".idx")):
+        base = base[:-4]
+    return Path(base + ".bin"), Path(base + ".idx")
+
+
 def read_index(prefix: str | Path) -> IndexedDataset:
     """Open `prefix`.idx / `prefix`.bin; a file that is not Megatron's format is refused with one line."""
-    prefix = Path(prefix)
-    idx, bin_ = prefix.with_suffix(".idx"), prefix.with_suffix(".bin")
+    bin_, idx = paths(prefix)
     for path in (idx, bin_):
         if not path.is_file():
             raise ValueError(f"data.source '{prefix}': Megatron indexed dataset needs both {idx.name} and "
@@ -92,15 +99,15 @@ def _check_contiguous(ds: IndexedDataset, block: int = 1 << 20) -> None:
 
 def write_indexed(prefix: str | Path, documents: list[np.ndarray], dtype=np.int32) -> None:
     """Write documents (one sequence each) as Megatron's IndexedDatasetBuilder + _IndexWriter do."""
-    prefix = Path(prefix)
+    bin_path, idx_path = paths(prefix)
     code = next(c for c, t in DTYPE_CODES.items() if np.dtype(t) == np.dtype(dtype))
     lengths = np.array([len(d) for d in documents], dtype=np.int32)
     pointers = np.concatenate([[0], np.cumsum(lengths[:-1].astype(np.int64) * np.dtype(dtype).itemsize)])
-    with open(prefix.with_suffix(".bin"), "wb") as fh:
+    with open(bin_path, "wb") as fh:
         for d in documents:
             fh.write(np.asarray(d, dtype=dtype).tobytes(order="C"))
     doc_idx = np.arange(len(documents) + 1, dtype=np.int64)
-    with open(prefix.with_suffix(".idx"), "wb") as fh:
+    with open(idx_path, "wb") as fh:
         fh.write(INDEX_HEADER)
         fh.write(struct.pack("<Q", 1))
         fh.write(struct.pack("<B", code))

@@ -298,15 +298,15 @@ def _index_tokens(src, folder: Path, src_fp: str, vocab: int | None, cfg) -> dic
         if f.fmt == "npy":
             arr = np.load(f.path, mmap_mode="r")
             if arr.dtype.kind not in "iu":
-                raise S._refuse(f.path, f"a .npy of {arr.dtype}; token arrays must be integers")
+                raise S.refuse(f.path, f"a .npy of {arr.dtype}; token arrays must be integers")
             offset, dtype, n = int(arr.offset), arr.dtype, int(arr.size)
             if not arr.flags.c_contiguous:
-                raise S._refuse(f.path, "a Fortran-order .npy; token arrays must be C-order")
+                raise S.refuse(f.path, "a Fortran-order .npy; token arrays must be C-order")
         else:
             ds = indexed.read_index(f.path)
             offset, dtype, n = 0, ds.dtype, ds.num_tokens
             docs += ds.num_documents
-        path = f.path.with_suffix(".bin") if f.fmt == "megatron" else f.path
+        path = f.path  # the .npy, or the Megatron .bin
         if budget is not None:  # the cap, in bytes of token data
             n = min(n, max(budget, 0) // dtype.itemsize)
             budget -= n * dtype.itemsize

@@ -99,11 +99,11 @@ def _fingerprinted_paths(f: SourceFile) -> list[Path]:
     if f.fmt == "hf_disk":
         return sorted(p for p in f.path.rglob("*") if p.is_file())
     if f.fmt == "megatron":
-        return [f.path.with_suffix(".bin"), f.path.with_suffix(".idx")]
+        return [f.path, f.path.with_suffix(".idx")]
     return [f.path]
 
 
-def _refuse(path, what: str) -> ValueError:
+def refuse(path, what: str) -> ValueError:
     return ValueError(f"data.source '{path}': {what}; allowed: {ALLOWED}")
 
 
@@ -189,15 +189,15 @@ def sniff(head: bytes) -> str:
 def _classify(path: Path, spec: SourceSpec, explicit: bool) -> SourceFile | None:
     suffix = path.suffix.lower()
     if suffix == ".idx":  # half of a Megatron pair: taken with its .bin
-        return SourceFile(path.with_suffix(""), "megatron") if explicit else None
+        return SourceFile(path.with_suffix(".bin"), "megatron") if explicit else None
     with open(path, "rb") as fh:
         head = fh.read(SNIFF_BYTES)
     found = sniff(head)
     if suffix == ".bin":
         if path.with_suffix(".idx").is_file():
-            return SourceFile(path.with_suffix(""), "megatron")
+            return SourceFile(path, "megatron")
         if explicit:
-            raise _refuse(path, f"a .bin without its .idx (found {found})")
+            raise refuse(path, f"a .bin without its .idx (found {found})")
         return None
     by_content = {"parquet": "parquet", "arrow": "arrow", "arrow stream": "arrow", "npy": "npy"}
     expected = {".parquet": "parquet", ".arrow": "arrow", ".npy": "npy", ".jsonl": "jsonl", ".ndjson": "jsonl",
@@ -205,13 +205,13 @@ def _classify(path: Path, spec: SourceSpec, explicit: bool) -> SourceFile | None
     if expected in ("parquet", "arrow", "npy") or (expected is None and found in by_content):
         fmt = by_content.get(found)
         if fmt is None or (expected and fmt != expected):
-            raise _refuse(path, f"extension {suffix} but the content is {found}")
+            raise refuse(path, f"extension {suffix} but the content is {found}")
         return _with_field(SourceFile(path, fmt), spec)
     if expected is None and not explicit:
         return None
     if found != "text":
         what = "empty file" if found == "empty" else f"{found}, not text"
-        raise _refuse(path, what if expected is None else f"extension {suffix} but {what}")
+        raise refuse(path, what if expected is None else f"extension {suffix} but {what}")
     if expected in ("jsonl", "json"):
         return _with_field(SourceFile(path, "json" if head.lstrip()[:1] == b"[" else "jsonl"), spec)
     return SourceFile(path, "text")
@@ -270,9 +270,9 @@ def _columns(f: SourceFile, spec: SourceSpec) -> dict[str, str]:
     if f.fmt in ("jsonl", "json"):
         first = next(_json_records(f.path, f.fmt, limit=1), None)
         if first is None:
-            raise _refuse(f.path, "no records")
+            raise refuse(f.path, "no records")
         if not isinstance(first[1], dict):
-            raise _refuse(f.path, f"record {first[0]} is a JSON {type(first[1]).__name__}, not an object")
+            raise refuse(f.path, f"record {first[0]} is a JSON {type(first[1]).__name__}, not an object")
         return {k: _kind(v) for k, v in first[1].items()}
     if f.fmt == "hf_disk":
         ds = _hf_dataset(f.path, spec)
@@ -324,9 +324,9 @@ def _json_records(path: Path, fmt: str, limit: int | None = None) -> Iterator[tu
             try:
                 data = json.load(fh)
             except json.JSONDecodeError as exc:
-                raise _refuse(path, f"not valid JSON ({exc.msg} at line {exc.lineno})") from None
+                raise refuse(path, f"not valid JSON ({exc.msg} at line {exc.lineno})") from None
         if not isinstance(data, list):
-            raise _refuse(path, f"a JSON {type(data).__name__}; a .json file must hold a list of records")
+            raise refuse(path, f"a JSON {type(data).__name__}; a .json file must hold a list of records")
         yield from enumerate(data[:limit] if limit else data, start=1)
         return
     n = 0
@@ -337,7 +337,7 @@ def _json_records(path: Path, fmt: str, limit: int | None = None) -> Iterator[tu
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as exc:
-                raise _refuse(path, f"line {lineno} is not valid JSON ({exc.msg})") from None
+                raise refuse(path, f"line {lineno} is not valid JSON ({exc.msg})") from None
             n += 1
             if limit and n >= limit:
                 return
@@ -349,7 +349,7 @@ def _record_values(f: SourceFile, spec: SourceSpec) -> Iterator[tuple[str, objec
         for n, rec in _json_records(f.path, f.fmt):
             if not isinstance(rec, dict) or f.field not in rec:
                 keys = sorted(rec) if isinstance(rec, dict) else type(rec).__name__
-                raise _refuse(f.path, f"record at line {n} has no '{f.field}' field (found {keys})")
+                raise refuse(f.path, f"record at line {n} has no '{f.field}' field (found {keys})")
             yield f"line {n}", rec[f.field]
         return
     if f.fmt == "hf_disk":
@@ -415,7 +415,7 @@ def text_blocks(src: Source, budget: ByteBudget, render_chat=None) -> Iterator[B
                 elif isinstance(value, str):
                     text = value
                 else:
-                    raise _refuse(f.path, f"{where}: field '{f.field}' is a {type(value).__name__}, not text")
+                    raise refuse(f.path, f"{where}: field '{f.field}' is a {type(value).__name__}, not text")
                 cut = budget.take(text)
                 if cut is None:
                     return
