@@ -118,7 +118,7 @@ def _tokenizer(out: Path, info, srcs, cfg, fingerprint: str, force: bool, log, s
         return None, None  # pre-tokenized only, no tokenizer named: vocabulary from the data
     marker = out / "tokenizer.fingerprint"
     if info.json_text is not None:
-        tok = T.load(info.json_text)
+        tok = info.tok
     elif not force and path.is_file() and marker.is_file() and marker.read_text() == fingerprint:
         tok = T.load(path.read_text(encoding="utf-8"))  # trained by an interrupted run of the same corpus
     else:

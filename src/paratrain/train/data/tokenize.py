@@ -41,6 +41,7 @@ class TokenizerInfo:
     json_text: str | None
     chat_template: str | None = None
     special: dict | None = None  # bos_token / eos_token strings for the template
+    tok: object = None  # the loaded tokenizer (checked when resolved, before any data work)
 
     @property
     def digest(self) -> str:
@@ -74,7 +75,8 @@ def resolve_tokenizer(setting: str, hf_path: str | None, vocab_size: int) -> Tok
     if path is None:
         return TokenizerInfo(f"train (vocab {vocab_size})", None)
     template, special = _chat_template(path.parent)
-    return TokenizerInfo(str(path), path.read_text(encoding="utf-8"), template, special)
+    text = path.read_text(encoding="utf-8")
+    return TokenizerInfo(str(path), text, template, special, load(text, f"data.tokenizer='{path}'"))
 
 
 def _chat_template(folder: Path) -> tuple[str | None, dict]:
