@@ -163,3 +163,49 @@ def test_export_cli_after_paratrain_train(tmp_path, capsys):
     with torch.no_grad():
         torch.testing.assert_close(ours.eval()(x), hf(x).logits, rtol=1e-5, atol=1e-5)
     assert main(["export", "--checkpoint", str(tmp_path / "nowhere"), "--hf-out", str(out), "--set", "x=1"]) == 2
+
+
+def _hf_build_full_copies(folder: str, layouts: list[list[str]]) -> list[list[str]]:
+    """Per layout: sharded parameters of which a full-shape (or full-size flat) float tensor was seen while the
+    runner was built from the Hugging Face folder (safetensors slices pass through the recorder as soon as any
+    op touches them: the head unpermutation, the copy into the shard)."""
+    from test_materialize import RecordRealTensors
+    from torch.distributed.tensor import DTensor
+
+    from paratrain.parallel.mesh import init_distributed
+    from paratrain.train.checkpoint import state_module
+    from paratrain.train.loop import build_runner
+
+    out = []
+    for layout in layouts:
+        recorder = RecordRealTensors()
+        with recorder:
+            runner = build_runner(_config(folder, layout), init_distributed("cpu"))
+        out.append([name for name, p in state_module(runner.parts).named_parameters()
+                    if isinstance(p, DTensor) and p._local_tensor.numel() < p.numel()
+                    and (tuple(p.shape) in recorder.shapes or (p.numel(),) in recorder.shapes)])
+    return out
+
+
+def test_sharded_hf_load_reads_no_full_tensor(dist_run, tmp_path):
+    """Multi-head (kv_heads=4) so that no shard of one parameter has another's full shape (with kv_heads=2, a
+    TP2 shard of wq is (32, 64), wk's full shape)."""
+    _save_random_hf_llama(tmp_path, kv_heads=4)
+    per_rank = dist_run(4, _hf_build_full_copies, str(tmp_path), list(LAYOUTS.values()))
+    assert all(not copies for results in per_rank for copies in results), per_rank
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_safetensors_row_and_column_reads(tmp_path, dtype):
+    from safetensors.torch import save_file
+
+    from paratrain.model.hf import SafetensorsFile
+
+    tensors = {"a": torch.randn(7, 5).to(dtype), "b": torch.randn(6).to(dtype)}
+    save_file(tensors, str(tmp_path / "x.safetensors"), metadata={"format": "pt"})
+    f = SafetensorsFile(tmp_path / "x.safetensors")
+    assert f.shape("a") == (7, 5) and set(f.keys()) == {"a", "b"}
+    assert torch.equal(f.read("a", 2, 5), tensors["a"][2:5])
+    assert torch.equal(f.read("a", 1, 6, (1, 4)), tensors["a"][1:6, 1:4])
+    assert torch.equal(f.read("b", 3, 6), tensors["b"][3:6])
+    assert f.read("a", 4, 4).shape == (0, 5)

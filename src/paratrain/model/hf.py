@@ -11,7 +11,6 @@ import math
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from paratrain.model.config import ModelConfig, RopeScaling
 from paratrain.model.init import build_on_meta, read_all
@@ -117,11 +116,58 @@ def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 
 READ_ELEMS = 2**20  # values per slice read from a safetensors file: the memory a rank needs beyond its shard
+_ST_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+
+
+class SafetensorsFile:
+    """Reads of row ranges (and a column range) of the tensors of one .safetensors file, touching only their
+    bytes. Why not `safetensors.safe_open(...).get_slice`: in safetensors 0.8 (torch) it builds a full-shape
+    view over the memory-mapped file and slices that; here a rank's read is exactly its rows' bytes (a tensor is
+    stored row-major and contiguous: rows [r0, r1) are one byte range; a column range is one short read per
+    row), on any filesystem, and never a full-shape tensor (tests/test_hf_roundtrip.py checks it). Format: an
+    8-byte little-endian header length, a JSON header {name: {dtype, shape, data_offsets}}, then the data."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        with path.open("rb") as fh:
+            n = int.from_bytes(fh.read(8), "little")
+            header = json.loads(fh.read(n))
+        header.pop("__metadata__", None)
+        self.data_start, self.tensors = 8 + n, header
+
+    def keys(self):
+        return self.tensors.keys()
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key]["shape"])
+
+    def read(self, key: str, r0: int, r1: int, cols: tuple[int, int] | None = None) -> torch.Tensor:
+        info = self.tensors[key]
+        if info["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{self.path}: tensor '{key}' has dtype {info['dtype']}; readable: {', '.join(_ST_DTYPES)}")
+        dtype, shape = _ST_DTYPES[info["dtype"]], info["shape"]
+        row = math.prod(shape[1:])
+        esize = dtype.itemsize
+        base = self.data_start + info["data_offsets"][0]
+        with self.path.open("rb") as fh:
+            if cols is None or (cols[0] == 0 and cols[1] == shape[1]):
+                fh.seek(base + r0 * row * esize)
+                buf = bytearray(fh.read((r1 - r0) * row * esize))
+                return torch.frombuffer(buf, dtype=dtype).view(r1 - r0, *shape[1:]) if buf else \
+                    torch.empty((0, *shape[1:]), dtype=dtype)
+            if len(shape) != 2:
+                raise ValueError(f"{self.path}: column ranges of the {len(shape)}-D tensor '{key}' are not supported")
+            width = cols[1] - cols[0]
+            buf = bytearray((r1 - r0) * width * esize)
+            for i, r in enumerate(range(r0, r1)):
+                fh.seek(base + (r * row + cols[0]) * esize)
+                buf[i * width * esize:(i + 1) * width * esize] = fh.read(width * esize)
+            return torch.frombuffer(buf, dtype=dtype).view(r1 - r0, width)
 
 
 class HFRows:
     """Row source (see paratrain.model.init) over one tensor of a safetensors file: reads only the requested
-    rows and column range (`safe_open(...).get_slice`), undoing HF's q/k head permutation a whole head at a
+    rows and column range (`SafetensorsFile.read`), undoing HF's q/k head permutation a whole head at a
     time (the permutation stays within a head, so a block of whole heads is self-contained)."""
 
     def __init__(self, handle, key: str, shape: tuple[int, ...], heads: int | None):
@@ -134,13 +180,12 @@ class HFRows:
             self.block_rows = head_dim * max(1, READ_ELEMS // (row_numel * head_dim))
 
     def read(self, start: int, stop: int, bounds=()) -> torch.Tensor:
-        cols = tuple(slice(b[0], b[1]) if b is not None else slice(None) for b in bounds)
-        sl = self.handle.get_slice(self.key)
+        cols = bounds[0] if bounds else None
         if self.heads is None:
-            return sl[(slice(start, stop), *cols)]
+            return self.handle.read(self.key, start, stop, cols)
         head_dim = self.shape[0] // self.heads
         h0, h1 = start // head_dim, -(-stop // head_dim)
-        rows = _unpermute_rope(sl[(slice(h0 * head_dim, h1 * head_dim), *cols)], h1 - h0)
+        rows = _unpermute_rope(self.handle.read(self.key, h0 * head_dim, h1 * head_dim, cols), h1 - h0)
         return rows[start - h0 * head_dim:stop - h0 * head_dim]
 
 
@@ -154,7 +199,7 @@ class HFSource:
         files = sorted(self.folder.glob("*.safetensors"))
         if not files:
             raise ValueError(f"model.hf_path='{folder}': no *.safetensors files there")
-        self._handles = {f.name: safe_open(str(f), framework="pt") for f in files}
+        self._handles = {f.name: SafetensorsFile(f) for f in files}
         where = {key: name for name, h in self._handles.items() for key in h.keys()}
         self.names = hf_names(cfg)
         shapes = expected_shapes(cfg)
@@ -166,7 +211,7 @@ class HFSource:
                              f"{missing[:5]}, unexpected {unexpected[:5]}")
         self._where = where
         for ours, (hf, _) in self.names.items():
-            got = tuple(self._handles[where[hf]].get_slice(hf).get_shape())
+            got = self._handles[where[hf]].shape(hf)
             if got != shapes[ours]:
                 raise ValueError(f"Hugging Face checkpoint '{folder}': {hf} has shape {got}, the config needs "
                                  f"{shapes[ours]}")
