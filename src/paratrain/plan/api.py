@@ -129,9 +129,6 @@ def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, glob
         raise ValueError(f"dp = {lay.dp}: tp*pp*cp*dp = {dp * model_par} must equal the {devices} devices "
                          f"({nodes} x {system.devices_per_node} {system.device_unit}); dp = {devices // model_par} fits")
     checks = [
-        (not getattr(model, "num_experts", 0), f"model '{model.name}' has num_experts = "
-         f"{getattr(model, 'num_experts', 0)}: the training planner does not model mixtures of experts yet "
-         "(docs/moe.md); allowed: dense models"),
         (model.heads % lay.tp == 0, f"tp = {lay.tp}: must divide heads = {model.heads}"),
         (model.n_kv_heads % lay.tp == 0 or lay.tp % model.n_kv_heads == 0,
          f"tp = {lay.tp}: must divide or be a multiple of kv_heads = {model.n_kv_heads}"),
@@ -171,6 +168,9 @@ def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, glob
 
 def _resolve(model, system) -> tuple[ModelConfig, System]:
     model = model if isinstance(model, ModelConfig) else load_model_config(model)
+    if model.num_experts:  # active-parameter FLOPs alone would be a silently wrong step time and memory
+        raise ValueError(f"model '{model.name}' has num_experts={model.num_experts}: the training planner does not "
+                         f"model mixtures of experts yet (docs/moe.md); allowed: dense models (num_experts=0)")
     return model, resolve_system(system)
 
 
