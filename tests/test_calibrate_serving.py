@@ -127,3 +127,7 @@ def test_calibrate_mixes_training_and_generate_summaries_and_refuses_bad_ones(ge
     broken.write_text(json.dumps(data))
     assert main(["calibrate", "--hardware", str(hw), str(broken)]) == 2
     assert "generate summary 'broken': missing 'prefill_s'" in capsys.readouterr().err
+    broken.write_text(json.dumps({**json.loads(open(runs[0]).read()), "model_shape": {"layers": 2}}))
+    assert main(["calibrate", "--hardware", str(hw), str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert "generate summary 'broken': model_shape.hidden: Field required" in err and len(err.splitlines()) == 1

@@ -106,6 +106,9 @@ def generate_rows(data: dict, name: str, system: System) -> list[dict]:
     try:
         rows = measurements_from_generate(data, system)
     except (TypeError, ValueError) as exc:
+        if hasattr(exc, "errors"):  # pydantic's ModelConfig validation: its first error, one line
+            first = exc.errors()[0]
+            exc = f"model_shape.{'.'.join(map(str, first['loc']))}: {first['msg']}"
         raise ValueError(f"generate summary '{name}': {exc}") from None
     return [{**r, "run": name, "id": f"{name}:{r['kind']}"} for r in rows]
 
