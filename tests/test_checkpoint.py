@@ -253,7 +253,7 @@ def test_missing_file_and_every_checkpoint_refused_is_an_error(tmp_path):
     model, opt = _model_and_optimizer(2)
     mgr.save(1, [model], opt, {"step": 1})
     (tmp_path / step_name(1) / "extra_rank0.pt").unlink()
-    with pytest.raises(CheckpointError, match=r"every checkpoint .* was refused"):
+    with pytest.raises(CheckpointError, match=r"no usable checkpoint in .* not starting over from step 0 silently"):
         mgr.resume([model], opt)
     assert mgr.verify(str(tmp_path / step_name(1))).endswith("extra_rank0.pt: missing (the manifest lists it "
                                                              f"with {_size_in_manifest(tmp_path)} bytes)")
@@ -350,7 +350,9 @@ def test_sigkill_during_checkpoint_write_keeps_previous_and_discards_partial(ref
 
     done = _subprocess_train(cmd, _cli_env())
     assert done.returncode == 0, done.stderr[-2000:]
-    assert f"removing interrupted checkpoint {partial}" in done.stderr and "at step 3" in done.stderr
+    # Its DCP shards were complete (killed just before the manifest): kept in quarantine, not deleted.
+    assert f"moved {partial} to {ckpt}/quarantine/{step_name(6)}-" in done.stderr and "at step 3" in done.stderr
+    assert [p.name.split("-")[0] for p in (ckpt / "quarantine").iterdir()] == [step_name(6)]
     summary = json.loads((tmp_path / "h.json").read_text())
     assert summary["losses"] == reference["summary"]["losses"][EVERY:]
     assert json.loads((partial / MANIFEST).read_text())["step"] == 6  # re-saved, complete this time

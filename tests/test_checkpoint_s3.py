@@ -204,3 +204,21 @@ def test_s3_two_ranks_async_save_then_resume_in_one_process(s3, reference, tmp_p
     assert {"__0_0.distcp", "__1_0.distcp", "extra_rank0.pt", "extra_rank1.pt"} <= set(manifest["files"])
     single = run_train(tmp_path, reference["data"], "one", resume_from=f"{url}/{step_name(3)}")
     assert all(abs(a - b) <= 1e-5 * abs(b) for a, b in zip(single["losses"], dp2["losses"][EVERY:], strict=True))
+
+
+def test_s3_run_lease_is_exclusive_and_released(s3):
+    from paratrain.train.lease import LeaseHeld, RunLease
+
+    st = Storage(f"s3://{BUCKET}/lease")
+    logs: list[str] = []
+    first = RunLease(st, 60, logs.append, settle_s=0.05)
+    first.acquire()
+    second = RunLease(st, 60, logs.append, settle_s=0.05)
+    second.record["host"] = "another-node"  # a run elsewhere: its pid says nothing about ours
+    with pytest.raises(LeaseHeld, match=f"checkpoint.dir='s3://{BUCKET}/lease' is in use by another run"):
+        second.acquire()
+    first.release()
+    assert not st.exists(st.join("LEASE.json"))
+    second.acquire()
+    assert json.loads(st.read_bytes(st.join("LEASE.json")))["id"] == second.record["id"]
+    second.release()

@@ -202,6 +202,10 @@ class TrainSection(Section):
     deterministic: bool = True
     compile: bool = False
     progress: bool = True
+    collective_timeout_s: float = Field(default=600.0, gt=0, description="timeout of the training collectives "
+                                        "(a rank that stopped is an error after this)")
+    watchdog_s: float = Field(default=120.0, ge=0, description="log which rank stopped when one has not moved "
+                              "for this long while the others wait for it (0 = off)")
 
 
 class CheckpointSection(Section):
@@ -219,6 +223,20 @@ class CheckpointSection(Section):
         default="checksum", description="manifest check: sha256 of every file (at save and load), sizes only, or off")
     retries: int = Field(default=4, ge=1, description="attempts per storage operation (transient errors)")
     retry_base_s: float = Field(default=0.5, ge=0, description="first backoff wait; doubles per attempt, max 8 s")
+    allow_fresh_start: bool = Field(default=False, description="start from step 0 although dir holds checkpoints "
+                                    "that cannot be used (refused, no manifest); they are moved to dir/quarantine")
+    partial_load: bool = Field(default=False, description="load a checkpoint of another model: the parameters "
+                               "whose names and shapes match (others keep their init); default: refuse it")
+    lease_ttl_s: float = Field(default=60.0, ge=0, description="run lease on dir: another run is refused while the "
+                               "holder's heartbeat is younger than this; 0 = no lease")
+    nonfinite: Literal["stop", "skip", "rollback"] = Field(
+        default="stop", description="loss or grad norm NaN/inf since the last save, at a save: stop (exit 1, "
+        "nothing written), skip the save and go on, or rollback to the newest checkpoint past the bad batches")
+    max_rollbacks: int = Field(default=3, ge=0, description="nonfinite=\"rollback\": then stop")
+    preempt_deadline_s: float = Field(default=90.0, gt=0, description="SIGTERM/SIGUSR1: save at the next step and "
+                                      "exit 0; warn when that cannot finish this soon after the notice")
+    collective_timeout_s: float = Field(default=1800.0, gt=0, description="timeout of the checkpoint's "
+                                        "collectives (they wait for the slowest rank's write)")
 
 
 class MetricsSection(Section):

@@ -6,9 +6,12 @@ Layout of one checkpoint, `<dir>/step_00000100/` (dir: a local path, a shared fi
   MANIFEST.json                    written last, by rank 0, after every rank has written and checksummed its
                                    files: the commit. Lists every file with its size and sha256, plus the
                                    step, world size and layout it was saved under.
-A folder without MANIFEST.json is an interrupted save: never resumed from, removed on the next resume.
+A folder without MANIFEST.json is never resumed from. At the next start it is removed (with a log line) when its
+shards are incomplete (no DCP .metadata: an interrupted save), and moved to <dir>/quarantine/ when DCP finished
+it (.metadata present: a lost or deleted manifest; nothing is deleted that might be the only copy of the work).
 A folder whose files do not match its manifest (truncated, corrupted, missing) is refused with a message naming
-the file, marked with REFUSED.json (kept for inspection), and the previous complete checkpoint is used.
+the file, marked with REFUSED.json (kept for inspection), and the previous complete checkpoint is used. If no
+usable checkpoint is left, the run stops with an error instead of starting over silently (see `resume`).
 
 Resharding: DCP matches tensors by name and reshards them to whatever layout loads them; the model keeps the
 single-device names across pipeline splits (`state_module`). RNG rule when the layout changes: see `load`.
@@ -18,10 +21,13 @@ See docs/checkpoints.md.
 from __future__ import annotations
 
 import copy
+import errno
 import io
 import json
+import os
 import random
 import re
+import shutil
 import time
 import warnings
 from collections.abc import Callable
@@ -36,14 +42,21 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from paratrain.device import HOST_BACKEND, accelerator_rng_state, pin_memory, set_accelerator_rng_state
 from paratrain.train.faults import fault_point
-from paratrain.train.storage import RetryPolicy, Storage, StorageError, is_transient, short
+from paratrain.train.storage import RetryPolicy, Storage, StorageError, describe, is_transient
 
 MANIFEST = "MANIFEST.json"
 REFUSED = "REFUSED.json"
+DCP_METADATA = ".metadata"  # written by DCP after every rank's shards: a folder with it has complete shards
+QUARANTINE = "quarantine"  # <dir>/quarantine/<step folder>-<unix s>: kept, never resumed from, never pruned
 # Format 2: optimizer state flattened per parameter name ("state.<fqn>.exp_avg", "param_groups.<fqn>.lr"), which
 # DCP's state-dict helpers provide for pipeline parallelism. Format 1 kept torch's nested `param_groups` list,
 # one per rank; DCP stores one rank's copy of such a duplicated key, so a pipeline rank whose parameters were not
@@ -114,6 +127,18 @@ def set_rng_state(state: dict) -> None:
     set_accelerator_rng_state(state)
 
 
+def _tensors(obj):
+    """Every tensor in a (nested) state dict; a DTensor counts as its local shard (what this rank writes)."""
+    if isinstance(obj, dict):
+        for value in obj.values():
+            yield from _tensors(value)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            yield from _tensors(value)
+    elif isinstance(obj, torch.Tensor):
+        yield getattr(obj, "_local_tensor", obj)
+
+
 def stage_to_cpu(state: dict) -> dict:
     """A private CPU copy (DTensors stay DTensors) for an asynchronous write: training mutates the originals."""
     from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
@@ -143,18 +168,23 @@ def check_resume_source(resume: str, resume_from: str | None) -> None:
         raise ValueError(f"{name}={value!r}: {what}; {allowed}")
 
 
-def check_checkpoint_dir(directory: str, rank: int, policy: RetryPolicy | None = None) -> None:
+def check_checkpoint_dir(directory: str, rank: int, policy: RetryPolicy | None = None, *,
+                         before_probe: Callable[[Storage], None] | None = None) -> None:
     """Fail before any work when checkpoints could never be written to `directory` (a missing bucket, no write
     permission, a path through a file), instead of training for hours with every save failing. Rank 0 writes and
-    removes a small probe (retried like any storage operation); every rank gets the same answer."""
+    removes a small probe (retried like any storage operation); every rank gets the same answer.
+    `before_probe(storage)` runs on rank 0 first (taking the run lease, removing failed partial saves: on a full
+    disk the space they hold is what the probe needs)."""
     error = None
     if rank == 0:
         try:
             storage = Storage(directory, policy)
+            if before_probe is not None:
+                before_probe(storage)
             probe = storage.join(".paratrain-write-probe")
             storage.write_bytes(probe, b"paratrain")
             storage.remove_tree(probe)
-        except ValueError as exc:  # a URL scheme we cannot write: Storage's message names the field
+        except ValueError as exc:  # a URL scheme we cannot write (Storage names the field), a lease held
             error = str(exc)
         except StorageError as exc:
             error = (f"checkpoint.dir={directory!r}: cannot write there ({exc}); allowed: a writable local or "
@@ -168,6 +198,43 @@ def check_checkpoint_dir(directory: str, rank: int, policy: RetryPolicy | None =
         raise ValueError(error)
 
 
+def step_dirs(st: Storage) -> list[tuple[int, str, dict]]:
+    """(step, path, {file name: size}) of every step folder under st.root, oldest first."""
+    out = []
+    for name, size in st.listdir(st.root).items():
+        match = STEP_DIR.match(name)
+        if match and size is None:
+            path = st.join(name)
+            out.append((int(match.group(1)), path, st.listdir(path)))
+    return sorted(out)
+
+
+def quarantine(st: Storage, path: str, why: str, log: Callable[[str], None]) -> str:
+    """Move a step folder out of the way (never resumed from, never pruned), with a log line saying why."""
+    dest = st.join(QUARANTINE, f"{st.name(path)}-{int(time.time() * 1000)}")  # unix ms: sorts by time
+    st.move(path, dest)
+    log(f"moved {path} to {dest}: {why}; kept for inspection (delete it when done)")
+    return dest
+
+
+def tidy_incomplete(st: Storage, log: Callable[[str], None]) -> list[str]:
+    """Folders without a manifest: removed (logged) when their shards are incomplete, quarantined when DCP
+    finished them (its .metadata is there): intact shards whose manifest was lost are not thrown away.
+    Returns "<name>: why" of each quarantined one."""
+    kept = []
+    for _, path, files in step_dirs(st):
+        if MANIFEST in files or REFUSED in files:
+            continue
+        if DCP_METADATA in files:
+            dest = quarantine(st, path, f"no {MANIFEST} but complete DCP shards (a lost manifest, or a save "
+                                        "killed just before its commit): not resumed from", log)
+            kept.append(f"{st.name(path)}: no {MANIFEST}, shards moved to {dest}")
+        else:
+            log(f"removing interrupted checkpoint {path} (no {MANIFEST}, shards incomplete)")
+            st.remove_tree(path)
+    return kept
+
+
 @dataclass
 class Resumed:
     path: str
@@ -176,6 +243,7 @@ class Resumed:
     saved_layout: dict
     saved_world_size: int
     same_layout: bool
+    rng: dict | None = None  # the restored RNG state: re-applied after every start-up draw (train loop)
 
     def describe(self, layout: dict, world_size: int) -> str:
         how = ("same layout: every rank restored exactly" if self.same_layout else
@@ -195,7 +263,8 @@ class CheckpointManager:
 
     def __init__(self, directory, rank: int = 0, keep: int = 3, *, layout: dict | None = None,
                  async_save: bool = False, verify: str = "checksum", retry: RetryPolicy | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, timeout_s: float = 1800.0, partial_load: bool = False,
+                 allow_fresh_start: bool = False):
         if verify not in VERIFY_MODES:
             raise ValueError(f"checkpoint.verify={verify!r}: allowed {VERIFY_MODES}")
         self.storage = Storage(directory, retry)
@@ -206,10 +275,16 @@ class CheckpointManager:
         self.layout = dict(layout or {"dp": self.world_size})
         self.verify_mode = verify
         self.log = log or (lambda msg: print(msg, flush=True) if rank == 0 else None)
-        self.group = dist.new_group(backend=HOST_BACKEND, timeout=timedelta(minutes=30)) if self.world_size > 1 else None
+        self.partial_load = partial_load
+        self.allow_fresh_start = allow_fresh_start
+        # checkpoint.collective_timeout_s: a save waits for the slowest rank's write, which can take far longer
+        # than a training collective
+        self.group = (dist.new_group(backend=HOST_BACKEND, timeout=timedelta(seconds=timeout_s))
+                      if self.world_size > 1 else None)
         self._executor = ThreadPoolExecutor(1, thread_name_prefix="paratrain-ckpt") if async_save else None
         self._pending: Future | None = None
         self.failed_saves = 0
+        self.last_error: dict[int, str] = {}  # step -> why its save failed (the run's exit status reads it)
 
     # ---- collectives (no-ops in one process) ---------------------------------------------------------------
     def _gather(self, obj) -> list:
@@ -218,6 +293,13 @@ class CheckpointManager:
         out = [None] * self.world_size
         dist.all_gather_object(out, obj, group=self.group)
         return out
+
+    def from_any_rank(self, *values: str) -> tuple[str, ...]:
+        """For each value, the first non-empty one over the ranks (e.g. why the numbers went non-finite: one rank
+        seeing it is enough). Waits for a save in flight first: its thread uses the same group."""
+        self.wait()
+        gathered = self._gather(values)
+        return tuple(next((v[i] for v in gathered if v[i]), "") for i in range(len(values)))
 
     def _from_rank0(self, fn: Callable):
         """fn() on rank 0 only; every rank gets its result (or the same CheckpointError)."""
@@ -235,14 +317,7 @@ class CheckpointManager:
     # ---- discovery ----------------------------------------------------------------------------------------
     def _step_dirs(self, storage: Storage | None = None) -> list[tuple[int, str, dict]]:
         """(step, path, {file name: size}) of every step folder, oldest first."""
-        st = storage or self.storage
-        out = []
-        for name, size in st.listdir(st.root).items():
-            match = STEP_DIR.match(name)
-            if match and size is None:
-                path = st.join(name)
-                out.append((int(match.group(1)), path, st.listdir(path)))
-        return sorted(out)
+        return step_dirs(storage or self.storage)
 
     def committed(self, storage: Storage | None = None) -> list[str]:
         """Complete checkpoints (manifest present, not refused), oldest first."""
@@ -297,8 +372,10 @@ class CheckpointManager:
             self._commit(step, path, files)
         except CheckpointError as exc:
             self.failed_saves += 1
+            self.last_error[step] = str(exc)
             self.log(f"ERROR: checkpoint of step {step} NOT saved: {exc}. Nothing was marked latest "
                      f"(latest complete: {self._latest_if_reachable()}); training continues")
+            self._remove_failed(path)
             return False
         total = sum(f["size"] for f in files.values())
         self.log(f"checkpoint step {step} committed: {path} ({total / 2**20:,.1f} MiB, "
@@ -307,9 +384,33 @@ class CheckpointManager:
             self._prune(step)
         return True
 
+    def _remove_failed(self, path: str) -> None:
+        """A failed save's partial folder goes at once (a full disk needs that space back: the next save and
+        the next start's write probe); best effort, every rank returns."""
+        def op():
+            if self.storage.exists(path) and not self.storage.exists(f"{path}/{MANIFEST}"):
+                self.log(f"removing the failed save {path} (no {MANIFEST}; partial shards only)")
+                self.storage.remove_tree(path)
+        try:
+            self._from_rank0(op)
+        except CheckpointError as exc:
+            self.log(f"WARNING: could not remove the failed save {path}: {exc}; the next start removes it")
+
+    def _clear_for_save(self, path: str) -> None:
+        """Rank 0, before writing step folder `path`: a refused or complete folder of the same step is moved to
+        quarantine, an interrupted one removed; either way with a log line."""
+        files = self.storage.listdir(path)
+        if not files:
+            return
+        if REFUSED in files or MANIFEST in files:
+            quarantine(self.storage, path, "replaced by a new save of the same step", self.log)
+        else:
+            self.log(f"removing interrupted checkpoint {path} (no {MANIFEST}) before saving that step again")
+            self.storage.remove_tree(path)
+
     def _write(self, step: int, path: str, state: dict, extra: dict) -> dict[str, dict]:
         """Write every rank's shards, retrying the whole write (on all ranks together) on transient errors."""
-        self._from_rank0(lambda: self.storage.remove_tree(path))  # leftovers of an earlier attempt at this step
+        self._from_rank0(lambda: self._clear_for_save(path))  # leftovers of an earlier attempt at this step
         policy = self.storage.policy
         for attempt in range(policy.attempts):
             results = self._gather(self._write_attempt(step, path, state, extra))
@@ -336,7 +437,25 @@ class CheckpointManager:
             fault_point("save_shards", step, self.rank)  # this rank's files written, not yet reported
             return None, True, self._describe_own_files(path)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank must reach the gather
-            return f"{type(exc).__name__}: {short(exc)}", is_transient(exc), {}
+            full = self._disk_full(path, state)
+            if full:  # torch.save's zip writer reports a full disk as "unexpected pos": say what happened
+                return f"{full} (the write failed with {describe(exc)})", False, {}
+            return describe(exc), is_transient(exc), {}  # the root cause, unwrapped from DCP's exception
+
+    def _disk_full(self, path: str, state: dict) -> str | None:
+        """A local or shared filesystem with less free space than this rank's shards need: ENOSPC's message,
+        whatever error the write surfaced as (permanent: no retry frees space). None otherwise."""
+        if self.storage.remote:
+            return None
+        need = sum(t.numel() * t.element_size() for t in _tensors(state))
+        try:
+            free = shutil.disk_usage(Path(path).parent).free
+        except OSError:
+            return None
+        if free >= need:
+            return None
+        return (f"{os.strerror(errno.ENOSPC)}: {free / 2**20:,.1f} MiB free under {Path(path).parent}, this rank's "
+                f"shards need {need / 2**20:,.1f} MiB")
 
     def _describe_own_files(self, path: str) -> dict[str, dict]:
         """Size and checksum of the files this rank wrote (DCP names them __<rank>_*; rank 0 adds .metadata)."""
@@ -428,7 +547,7 @@ class CheckpointManager:
             if problem:
                 raise CheckpointError(f"cannot resume from {source}: {problem}")
             return self.load(path, parts, optimizer, st)
-        self._from_rank0(self._remove_incomplete)
+        quarantined = self._from_rank0(lambda: tidy_incomplete(self.storage, self.log))
         candidates = self._from_rank0(self.committed)
         for path in reversed(candidates):
             problem = self.verify(path)
@@ -436,10 +555,35 @@ class CheckpointManager:
                 return self.load(path, parts, optimizer)
             self.log(f"WARNING: checkpoint {path} refused: {problem}. Trying the previous complete one")
             self._from_rank0(lambda p=path, why=problem: self._mark_refused(p, why))
-        if candidates:
-            raise CheckpointError(f"every checkpoint in {self.dir} was refused (see above); not starting over "
-                                  "silently: fix or move them, or set checkpoint.resume=\"none\"")
+        unusable = self._from_rank0(self._unusable) + quarantined
+        if unusable and not self.allow_fresh_start:
+            raise CheckpointError(f"no usable checkpoint in {self.dir}, but {len(unusable)} that cannot be used "
+                                  f"({'; '.join(unusable[:3])}); not starting over from step 0 silently: fix or "
+                                  "remove them, resume another with --resume-from, or start fresh deliberately "
+                                  "with checkpoint.allow_fresh_start=true (they are then moved to "
+                                  f"{self.storage.join(QUARANTINE)})")
+        if unusable:
+            self.supersede_existing("checkpoint.allow_fresh_start=true: starting from step 0")
         return None
+
+    def _unusable(self) -> list[str]:
+        """Step folders left after the resume's tidying (refused ones), each with why, newest first."""
+        out = []
+        for _, path, files in reversed(self._step_dirs()):
+            why = "refused"
+            if REFUSED in files:
+                why = json.loads(self.storage.read_bytes(f"{path}/{REFUSED}")).get("reason", why)
+            out.append(f"{self.storage.name(path)}: {why}")
+        return out
+
+    def supersede_existing(self, why: str) -> None:
+        """A fresh start into a directory holding step folders (checkpoint.resume="none", or
+        allow_fresh_start past refused ones): move them to quarantine, so that this run's saves never mix
+        with them and pruning never deletes them."""
+        def op():
+            for _, path, _files in self._step_dirs():
+                quarantine(self.storage, path, f"{why}; a fresh run does not resume from or prune it", self.log)
+        self._from_rank0(op)
 
     def _resolve_source(self, source: str) -> tuple[Storage, str]:
         st = Storage(source, self.storage.policy)
@@ -450,11 +594,6 @@ class CheckpointManager:
             raise CheckpointError(f"{source}: not a checkpoint: it holds no {MANIFEST} and no complete "
                                   "step_* checkpoint folder")
         return st, done[-1]
-
-    def _remove_incomplete(self) -> None:
-        for path in self.incomplete():
-            self.log(f"removing interrupted checkpoint {path} (no {MANIFEST})")
-            self.storage.remove_tree(path)
 
     def _mark_refused(self, path: str, why: str) -> None:
         self.storage.write_bytes(f"{path}/{REFUSED}", json.dumps({"reason": why, "time_unix_s": time.time()}).encode())
@@ -487,15 +626,52 @@ class CheckpointManager:
         module = state_module(parts)
         options = state_dict_options(manifest["format"])
         model_sd, optim_sd = get_state_dict(module, optimizer, options=options)
-        state = {"model": model_sd, "optim": optim_sd}
-        dcp.load(state, storage_reader=st.reader(path), process_group=self.group, no_dist=self.group is None)
-        set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=options)
-        if manifest["format"] == 1:
+        reader = st.reader(path)
+        skipped = self._check_parameter_set(path, model_sd, reader.read_metadata())
+        if skipped is None:
+            state = {"model": model_sd, "optim": optim_sd}
+            dcp.load(state, storage_reader=reader, process_group=self.group, no_dist=self.group is None)
+            set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                           options=options)
+        else:  # checkpoint.partial_load: the matching parameters only; optimizer state of another model is moot
+            state = {"model": {k: v for k, v in model_sd.items() if k not in skipped}}
+            dcp.load(state, storage_reader=reader, process_group=self.group, no_dist=self.group is None)
+            set_model_state_dict(module, state["model"], options=StateDictOptions(strict=False))
+        if manifest["format"] == 1 and skipped is None:
             self._restore_format1_hyperparameters(optimizer, state["optim"]["param_groups"], path)
         same = manifest["world_size"] == self.world_size and manifest["layout"] == self.layout
         extra = torch.load(io.BytesIO(st.read_bytes(f"{path}/{extra_name(self.rank if same else 0)}")),
                            weights_only=False)
-        set_rng_state(extra.pop("rng"))
+        rng = extra.pop("rng")
+        set_rng_state(rng)
         return Resumed(path=path, step=int(manifest["step"]), extra=extra, saved_layout=manifest["layout"],
-                       saved_world_size=manifest["world_size"], same_layout=same)
+                       saved_world_size=manifest["world_size"], same_layout=same, rng=rng)
+
+    def _check_parameter_set(self, path: str, model_sd: dict, metadata) -> set[str] | None:
+        """Refuse a checkpoint whose parameters are not this model's (names and global shapes, over the union
+        of every rank's parameters: a pipeline rank holds only its own stages). With checkpoint.partial_load,
+        return the names to leave unloaded instead (logged). None: the parameter sets match."""
+        saved = {k.removeprefix("model."): tuple(v.size) for k, v in metadata.state_dict_metadata.items()
+                 if k.startswith("model.") and hasattr(v, "size")}
+        mine = {k: tuple(v.shape) for k, v in model_sd.items()}  # DTensor .shape is the global shape
+        ours = {k: v for per_rank in self._gather(mine) for k, v in per_rank.items()}
+        missing = sorted(set(ours) - set(saved))
+        unexpected = sorted(set(saved) - set(ours))
+        shapes = sorted(k for k in set(ours) & set(saved) if ours[k] != saved[k])
+        if not (missing or unexpected or shapes):
+            return None
+
+        def names(items: list[str]) -> str:
+            return ", ".join(items[:6]) + (f" and {len(items) - 6} more" if len(items) > 6 else "")
+        parts = [f"{len(missing)} parameter(s) of this model missing from it ({names(missing)})" if missing else "",
+                 f"{len(unexpected)} unexpected ({names(unexpected)})" if unexpected else "",
+                 f"{len(shapes)} of another shape ({names([f'{k} {saved[k]} != {ours[k]}' for k in shapes])})"
+                 if shapes else ""]
+        what = "; ".join(p for p in parts if p)
+        if not self.partial_load:
+            raise CheckpointError(f"cannot resume from {path}: it holds another model's parameters: {what}; "
+                                  "allowed: the model it was saved with, a new metrics.run_dir, or loading what "
+                                  "matches with checkpoint.partial_load=true")
+        self.log(f"WARNING: checkpoint.partial_load: {path}: {what}; loading the {len(set(ours) & set(saved)) - len(shapes)}"
+                 " matching parameter(s), the others keep their initial values; optimizer state starts fresh")
+        return (set(missing) | set(shapes)) & set(mine)

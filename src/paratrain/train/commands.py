@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 
 TRAIN_HELP = """\
 Train a Llama-style model from a TOML config (see configs/ and docs/config.md).
@@ -23,7 +24,9 @@ Check a config only:  paratrain config --config my.toml --set parallel.tp=4
 The layout (tp, sp, pp, cp, dp, dp_kind, recompute) is checked against the model and the number of ranks
 before any work; a bad one is one line naming the key, its value and what is allowed.
 Resumes automatically from the newest complete checkpoint in checkpoint.dir (checkpoint.resume="auto"; by
-default <metrics.run_dir>/checkpoints, so a new experiment wants a new metrics.run_dir). train.microbatch
+default <metrics.run_dir>/checkpoints, so a new experiment wants a new metrics.run_dir); one run per
+checkpoint.dir (a lease); SIGTERM/SIGUSR1 save at the next step and exit 0. Exit status 1: the run trained but
+did not end well (its final checkpoint not saved, non-finite numbers); see docs/checkpoints.md. train.microbatch
 must divide the per-rank batch train.global_batch / dp.
 Metrics: <metrics.run_dir>/metrics.jsonl (loss, lr, grad_norm, tokens_per_s, mfu, memory_bytes per step) and
 TensorBoard logs in <metrics.run_dir>/tensorboard. MFU is against metrics.hardware's catalog peak, or else
@@ -150,7 +153,9 @@ def run_train(args) -> int:
         if args.summary_json:
             with open(args.summary_json, "w") as fh:
                 json.dump(summary, fh, indent=2)
-    return 0
+    for error in summary.get("errors", []):  # e.g. the final save failed: the run did not end well
+        print(f"paratrain train: error: {error}", file=sys.stderr)
+    return 1 if summary.get("errors") else 0
 
 
 def run_mfu(s: dict) -> float | None:
@@ -173,6 +178,10 @@ def check_launch(cfg, world_size: int) -> None:
 
 
 def print_summary(s: dict) -> None:
+    if s.get("preempted"):
+        p = s["preempted"]
+        print(f"\npreempted ({p['signal']}) at step {p['step']}: checkpoint {p['checkpoint'] or 'NOT saved'}, "
+              f"{p['seconds_after_notice']:.1f} s after the notice; start the same command again to resume")
     drop = (1 - s["last_loss"] / s["first_loss"]) if s["first_loss"] == s["first_loss"] else float("nan")
     print("\n=== paratrain run summary ===")
     print(f"layout          {s['layout']} on {s['world_size']} rank(s)")

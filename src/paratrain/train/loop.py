@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import math
 import os
+import random
 import statistics
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -22,20 +24,30 @@ from paratrain.parallel import parallelize
 from paratrain.parallel.materialize import build_on_meta, materialize, random_init
 from paratrain.parallel.mesh import build_mesh, init_distributed, resolve_degrees
 from paratrain.train import staleness  # straggler metrics, eviction request, draining
-from paratrain.train.checkpoint import CheckpointManager, check_checkpoint_dir, check_resume_source
+from paratrain.train.checkpoint import (
+    CheckpointManager,
+    check_checkpoint_dir,
+    check_resume_source,
+    set_rng_state,
+    tidy_incomplete,
+)
 from paratrain.train.data import make_sampler, open_windows, prepare, read_meta
 from paratrain.train.data.tokenize import check_model_tokenizer, check_vocab_fits
 from paratrain.train.faults import fault_point
+from paratrain.train.lease import RunLease
 from paratrain.train.metrics import (
     MetricsLogger,
     PeakFlops,
     Tracker,
     machine_peak_flops,
     peak_memory_bytes,
+    supersede_records,
     tracker_modules,
 )
+from paratrain.train.preemption import Preemption
 from paratrain.train.profiling import StepTimer
 from paratrain.train.storage import RetryPolicy
+from paratrain.train.watchdog import Watchdog
 
 
 def lr_lambda(opt: OptimSection, total_steps: int):
@@ -124,34 +136,70 @@ def check_batch_layout(cfg: TrainConfig, dp: int) -> None:
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:
-    torch.manual_seed(seed)
+    """Seed every generator a run may draw from: torch (CPU and every accelerator), Python and NumPy."""
+    torch.manual_seed(seed)  # seeds the accelerators' generators too
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
     if deterministic:
         torch.use_deterministic_algorithms(True, warn_only=True)
 
 
+def _finite(value) -> bool:
+    try:
+        return math.isfinite(float(value))
+    except (TypeError, ValueError):
+        return True  # not a number (a runner that reports no norm): nothing to check
+
+
+def _stderr(text: str) -> None:  # logs before the run's logger exists; stdout is the command's output
+    print(text, file=sys.stderr, flush=True)
+
+
 def train(cfg: TrainConfig, resume_from: str | None = None, observer=None, trackers: dict | None = None) -> dict:
-    """Train per `cfg`; returns a summary (first/last loss, tokens/s, paths). Runs on every rank.
+    """Train per `cfg`; returns a summary (first/last loss, tokens/s, paths; `errors`: why the run must exit
+    non-zero, e.g. a final save that failed). Runs on every rank.
     `observer(step, runner, record)`, if given, is called on every rank after each optimizer step
     (`paratrain verify` records per-rank losses, gradient norms and parameter checksums with it).
     `trackers`: {"wandb": module, "mlflow": module} to log to (default: those the config names, imported)."""
     if trackers is None:
         trackers = tracker_modules(cfg.metrics)  # a configured tracker that is not installed fails now
-    env = init_distributed(cfg.train.device)
+    env = init_distributed(cfg.train.device, timeout_s=cfg.train.collective_timeout_s)
     if is_host(env.device) and "OMP_NUM_THREADS" not in os.environ and env.world_size > 1:
         torch.set_num_threads(1)  # one compute thread per rank: ranks share the cores
     degrees = resolve_degrees(cfg.parallel, env.world_size)  # validates before any work
     check_batch_layout(cfg, degrees["dp"])
     check_resume_source(cfg.checkpoint.resume, resume_from)  # a mistyped checkpoint path fails before any work
-    if cfg.checkpoint.interval or cfg.checkpoint.save_final:  # a checkpoint.dir nothing can be written to, too
-        check_checkpoint_dir(cfg.checkpoint.dir or str(Path(cfg.metrics.run_dir) / "checkpoints"), env.rank,
-                             RetryPolicy(cfg.checkpoint.retries, cfg.checkpoint.retry_base_s))
-    seed_everything(cfg.train.seed, cfg.train.deterministic)
+    ck = cfg.checkpoint
+    ckpt_dir = ck.dir or str(Path(cfg.metrics.run_dir) / "checkpoints")
+    lease, preemption = None, None
 
+    def take_lease_and_tidy(storage):  # rank 0, before the write probe
+        nonlocal lease
+        if ck.lease_ttl_s:
+            lease = RunLease(storage, ck.lease_ttl_s, log=_stderr)
+            lease.acquire()
+        tidy_incomplete(storage, log=_stderr)  # failed partial saves hold the space the probe needs
+    try:
+        if ck.interval or ck.save_final:  # a checkpoint.dir nothing can be written to, or in use by another run
+            check_checkpoint_dir(ckpt_dir, env.rank, RetryPolicy(ck.retries, ck.retry_base_s),
+                                 before_probe=take_lease_and_tidy)
+        preemption = Preemption(ck.preempt_deadline_s, log=_stderr, slack=2 + cfg.staleness.max_staleness).install()
+        return _train(cfg, resume_from, env, degrees, ckpt_dir, lease, preemption, observer, trackers)
+    finally:
+        if preemption is not None:
+            preemption.restore()
+        if lease is not None:
+            lease.release()
+
+
+def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_dir: str, lease, preemption,
+           observer, trackers) -> dict:
+    seed_everything(cfg.train.seed, cfg.train.deterministic)
     model_cfg = cfg.model_shape()
     check_model_tokenizer(cfg.data, cfg.model.hf_path, model_cfg.vocab)  # every rank, before the data work
     if env.is_main:
         # its note goes to stderr with the other logs: stdout is the command's output
-        prepare(cfg.data, hf_path=cfg.model.hf_path, log=lambda text: print(text, file=sys.stderr, flush=True))
+        prepare(cfg.data, hf_path=cfg.model.hf_path, log=_stderr)
     if dist.is_initialized():
         dist.barrier()
     check_vocab_fits(read_meta(cfg.data.prepared_dir)["vocab_size"], model_cfg.vocab, cfg.model.hf_path,
@@ -170,17 +218,26 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None, track
     sampler = make_sampler(train_data, cfg.train.global_batch, cfg.train.seed)  # one source, or the mixture
 
     run_dir = Path(cfg.metrics.run_dir)
-    ckpt_dir = cfg.checkpoint.dir or str(run_dir / "checkpoints")
     logger = MetricsLogger(run_dir, env.is_main, cfg.metrics.jsonl, cfg.metrics.tensorboard,
                            cfg.train.steps, cfg.train.progress,
                            trackers=_trackers(cfg, trackers, run_dir) if env.is_main else None)
     ck = cfg.checkpoint
+    saves = bool(ck.interval or ck.save_final)
     ckpt = CheckpointManager(ckpt_dir, env.rank, keep=ck.keep, layout=degrees, async_save=ck.async_save,
-                             verify=ck.verify, retry=RetryPolicy(ck.retries, ck.retry_base_s), log=logger.write)
+                             verify=ck.verify, retry=RetryPolicy(ck.retries, ck.retry_base_s), log=logger.write,
+                             timeout_s=ck.collective_timeout_s, partial_load=ck.partial_load,
+                             allow_fresh_start=ck.allow_fresh_start)
+    preemption.log = logger.write
     start_step, resumed = 0, None
     source = resume_from or (ck.resume if ck.resume not in ("auto", "none") else None)
-    if source or ck.resume == "auto":
-        resumed = _resume(ckpt, runner, optimizer, source, ckpt_dir)  # newest complete one; refuses damaged ones
+    try:
+        if source or ck.resume == "auto":
+            resumed = _resume(ckpt, runner, optimizer, source, ckpt_dir)  # newest complete; refuses damaged ones
+        elif saves:  # resume="none": a fresh run never mixes its saves with (or prunes) the ones already there
+            ckpt.supersede_existing('checkpoint.resume="none": starting from step 0')
+    except BaseException:
+        logger.abandon()  # the refusal is the one line on stderr
+        raise
     if resumed is not None:
         scheduler.load_state_dict(resumed.extra["scheduler"])
         sampler.load_state_dict(resumed.extra["sampler"])
@@ -201,10 +258,18 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None, track
         (run_dir / "config.toml").write_text(dump_config(cfg))
         if mixture := sampler.describe(cfg.train.steps):  # realised proportions of a data.mix
             logger.write(mixture)
+    if env.is_main and cfg.metrics.jsonl:  # the steps after the checkpoint are recomputed: one record each
+        supersede_records(run_dir / "metrics.jsonl", start_step, logger.write)
 
     peak = _peak_flops(cfg, env)
     peak_flops, peak_label = peak.flops, peak.label
     logger.write(banner(cfg, model_cfg, degrees, env, read_meta(cfg.data.prepared_dir), ckpt_dir, resumed, peak))
+    # The start-up draws (the matmul probe above, model init) are done: the first step starts from exactly the
+    # saved generators (bit-for-bit continuation), or from the seed on a fresh start.
+    if resumed is not None:
+        set_rng_state(resumed.rng)
+    else:
+        seed_everything(cfg.train.seed, cfg.train.deterministic)
     flops_per_token = model_cfg.train_flops_per_token(cfg.train.seq_len)
     stats = StepStats()
     first_loss = last_loss = float("nan")
@@ -212,17 +277,24 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None, track
     timer = StepTimer(sync=sync_fn(env.device))
     breakdowns: list[dict] = []
     pending = None  # the last step's record, completed (read from the device) one step late
+    watchdog = Watchdog(env.rank, env.world_size, cfg.train.watchdog_s, logger.write)
+    errors: list[str] = []
+    preempted: dict | None = None
+    nonfinite, rollbacks, last_save_s = "", 0, 0.0  # why numbers went non-finite since the last save
 
     def finish_record() -> None:
         """Complete the pending step's record with its device values and log it: read one step late, the
         read waits only for that step's work (HostValues), so the device never idles for the logger."""
-        nonlocal pending, first_loss, last_loss
+        nonlocal pending, first_loss, last_loss, nonfinite
         if pending is None:
             return
         done_step, record, values = pending
         pending = None
         record.update(values.read())
         loss_value = record["loss"]
+        if not nonfinite and not (_finite(loss_value) and _finite(record.get("grad_norm"))):
+            nonfinite = f"step {done_step + 1}: loss {loss_value}, grad_norm {record.get('grad_norm')}"
+            logger.write(f"WARNING: non-finite numbers at {nonfinite}")
         stats.losses.append(loss_value)
         if done_step == start_step:
             first_loss = loss_value
@@ -234,7 +306,8 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None, track
                          f"tok/s {record['tokens_per_s']:,.0f} mfu {record['mfu']:.1%} "
                          f"mem {record['memory_bytes'] / 2**20:,.0f} MiB")
 
-    for step in range(start_step, cfg.train.steps):
+    step = start_step
+    while step < cfg.train.steps:
         t0 = time.perf_counter()
         profiled = bool(cfg.metrics.profile_every) and (step + 1) % cfg.metrics.profile_every == 0
         trace = run_dir / "traces" / f"step_{step + 1:08d}_rank{env.rank}.json" if cfg.metrics.trace else None
@@ -242,8 +315,10 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None, track
         with timer.profile(profiled, trace):
             with timer.phase("data"):
                 inputs, targets = train_data.batch(sampler.next_indices(runner.dp_rank, runner.dp_size))
+            watchdog.mark(step + 1, "data_loading")
             values = HostValues(run_step(runner, optimizer, scheduler, inputs, targets, cfg.optim.grad_clip, timer),
                                 env.device)
+        watchdog.mark(step + 1, "compute")
         fault_point("after_step", step + 1, env.rank)
         if observer is not None:  # paratrain verify: compares every step, so it reads them at once
             observer(step + 1, runner, values.read())
@@ -274,30 +349,86 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None, track
         staleness.on_step(runner, record, logger)  # applied step, staleness, stragglers
         finish_record()  # the previous step's, now that this one is queued
         pending = (step, record, values)
+        step += 1  # steps done
+        notice = preemption.requested(step)  # every rank, every step: they agree on the step to stop at
         interval = cfg.checkpoint.interval
-        last = step + 1 == cfg.train.steps
-        checkpointing = (interval and (step + 1) % interval == 0) or (last and cfg.checkpoint.save_final)
-        evaluating = cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0
-        if last or checkpointing or evaluating or profiled:  # these steps wait for the device anyway
+        last = step == cfg.train.steps
+        checkpointing = bool((interval and step % interval == 0) or (last and cfg.checkpoint.save_final)
+                             or (notice and saves))
+        evaluating = cfg.train.eval_every and step % cfg.train.eval_every == 0
+        if last or checkpointing or evaluating or profiled or notice:  # these steps wait for the device anyway
             finish_record()
-        if cfg.train.eval_every and (step + 1) % cfg.train.eval_every == 0:
+        if evaluating:
             val = _evaluate(runner, val_data, cfg)
-            logger.log(step + 1, {"val_loss": val})
-            logger.write(f"step {step + 1}: val_loss {val:.4f}")
-        if checkpointing:
-            t_ckpt = time.perf_counter()
-            saved = ckpt.save(step + 1, runner.parts, optimizer, {"step": step + 1,
-                                                                  "scheduler": scheduler.state_dict(),
-                                                                  "sampler": sampler.state_dict()})
-            # the time the step loop was blocked (an asynchronous save writes on in the background)
-            logger.log(step + 1, {"time_checkpoint_s": time.perf_counter() - t_ckpt})
-            # evict_stragglers stops every rank here (exit code 75) once the checkpoint committed
-            staleness.after_checkpoint(runner, cfg.staleness.evict_stragglers and not last, run_dir, step + 1, str(saved),
-                                       logger, ckpt.close)
+            logger.log(step, {"val_loss": val})
+            logger.write(f"step {step}: val_loss {val:.4f}")
+        if notice and not saves:
+            logger.write(f"{preemption.signal}: checkpoints are off (checkpoint.interval=0, save_final=false): "
+                         f"stopping at step {step} without saving")
+            preempted = {"signal": preemption.signal, "step": step, "checkpoint": "",
+                         "seconds_after_notice": preemption.elapsed_s()}
+            break
+        if not checkpointing:
+            continue
+        # what any rank saw since the last save (a loss may be rank-local; the lease lives on rank 0)
+        nonfinite, lost = ckpt.from_any_rank(nonfinite, lease.lost if lease is not None else "")
+        if lost:
+            errors.append(f"{lost}: stopped at step {step} without saving")
+            break
+        if nonfinite:
+            action = _nonfinite_action(ck, nonfinite, rollbacks, last or notice, ckpt, logger)
+            if action == "rollback":
+                rollbacks += 1
+                back = ckpt.resume(runner.parts, optimizer, ckpt.latest())
+                scheduler.load_state_dict(back.extra["scheduler"])  # the sampler goes on: past the bad batches
+                logger.write(f"rolled back to step {back.step} ({back.path}) after non-finite numbers at "
+                             f"{nonfinite}; skipping the batches of steps {back.step + 1}..{step} "
+                             f"(rollback {rollbacks}/{ck.max_rollbacks})")
+                if env.is_main and cfg.metrics.jsonl:
+                    supersede_records(run_dir / "metrics.jsonl", back.step, logger.write)
+                step, nonfinite = back.step, ""
+                continue
+            if action == "skip":
+                continue
+            errors.append(action)
+            break
+        if notice:
+            left_s = preemption.deadline_s - preemption.elapsed_s()
+            logger.write(f"{preemption.signal}: saving step {step} before exiting ({left_s:.0f} s of "
+                         f"checkpoint.preempt_deadline_s left)")
+            if last_save_s > left_s:
+                logger.write(f"WARNING: the last save took {last_save_s:.0f} s, more than the {left_s:.0f} s left")
+        t_ckpt = time.perf_counter()
+        saved = ckpt.save(step, runner.parts, optimizer, {"step": step, "scheduler": scheduler.state_dict(),
+                                                          "sampler": sampler.state_dict()})
+        # the time the step loop was blocked (an asynchronous save writes on in the background)
+        last_save_s = time.perf_counter() - t_ckpt
+        logger.log(step, {"time_checkpoint_s": last_save_s})
+        if notice:
+            ok = ckpt.wait() is not False
+            preempted = {"signal": preemption.signal, "step": step, "checkpoint": str(saved) if ok else "",
+                         "seconds_after_notice": preemption.elapsed_s()}
+            if not ok:
+                errors.append(f"preempted ({preemption.signal}) but the checkpoint of step {step} was NOT saved: "
+                              f"{ckpt.last_error.get(step, 'see the log')}")
+            else:
+                logger.write(f"{preemption.signal}: checkpoint of step {step} committed "
+                             f"{preemption.elapsed_s():.1f} s after the notice; exiting 0 so that the scheduler's "
+                             "requeue resumes from it")
+            break
+        # evict_stragglers stops every rank here (exit code 75) once the checkpoint committed
+        staleness.after_checkpoint(runner, cfg.staleness.evict_stragglers and not last, run_dir, step, str(saved),
+                                   logger, ckpt.close)
     finish_record()
+    watchdog.close()
     staleness.finish(runner)  # wait for stale reductions still in flight
     ckpt.close()  # an asynchronous save still in flight commits before the run reports done
+    if preempted is None and not errors and cfg.checkpoint.save_final and cfg.train.steps in ckpt.last_error:
+        errors.append(f"the final checkpoint (step {cfg.train.steps}) was NOT saved: "
+                      f"{ckpt.last_error[cfg.train.steps]}; latest complete: {ckpt.latest() or 'none'}")
     wall = time.perf_counter() - t_start
+    for error in errors:
+        logger.write(f"ERROR: {error}")
     logger.close()
     summary = {
         "first_loss": first_loss, "last_loss": last_loss, "losses": stats.losses,
@@ -306,12 +437,30 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None, track
         "wall_s": wall, "peak_flops": peak_flops, "peak_label": peak_label,
         "run_dir": str(run_dir), "checkpoint": str(ckpt.latest() or ""), "rank": env.rank,
         "resumed_from": resumed.path if resumed else "", "failed_checkpoint_saves": ckpt.failed_saves,
-        "world_size": env.world_size, "layout": degrees, "traces": timer.traces,
+        "world_size": env.world_size, "layout": degrees, "traces": timer.traces, "errors": errors,
+        "preempted": preempted, "rollbacks": rollbacks, "watchdog_warnings": watchdog.warnings,
         **measured_for_planner(cfg, model_cfg, degrees, breakdowns),
     }
     if cfg.metrics.hardware and env.is_main:
         summary["predicted"] = predicted
     return summary
+
+
+def _nonfinite_action(ck, nonfinite: str, rollbacks: int, final: bool, ckpt, logger) -> str:
+    """What to do at a save when the numbers went non-finite since the last one (checkpoint.nonfinite):
+    "rollback", "skip", or the error that stops the run. Nothing non-finite is ever committed."""
+    ckpt.wait()
+    latest = ckpt.latest()
+    if ck.nonfinite == "rollback" and rollbacks < ck.max_rollbacks and latest:
+        return "rollback"
+    if ck.nonfinite == "skip" and not final:
+        logger.write(f"ERROR: checkpoint NOT saved: non-finite numbers at {nonfinite} "
+                     "(checkpoint.nonfinite=\"skip\"); training continues")
+        return "skip"
+    why = {"rollback": f"after {rollbacks} rollback(s)" if latest else "no checkpoint to roll back to",
+           "skip": "the final save is skipped", "stop": "checkpoint.nonfinite=\"stop\""}[ck.nonfinite]
+    return (f"non-finite numbers at {nonfinite} ({why}): stopped without saving; the newest complete checkpoint "
+            f"{latest or '(none)'} is kept")
 
 
 def planner_layout(cfg: TrainConfig, degrees: dict) -> dict:

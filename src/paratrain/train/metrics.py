@@ -211,8 +211,41 @@ class MetricsLogger:
         else:
             print(text, file=sys.stderr, flush=True)
 
+    def abandon(self) -> None:
+        """Close for a run that stops before its first step (its start-up error is the one line on stderr):
+        the progress bar is cleared, not left behind."""
+        if self._bar is not None:
+            self._bar.leave = False
+        self.close()
+
     def close(self) -> None:
         for h in (self._bar, self._tb, self._jsonl, *self._trackers):
             if h is not None:
                 h.close()
         self._trackers = []
+
+
+def supersede_records(path: Path, after_step: int, log=print) -> int:
+    """A run resumed at `after_step` recomputes the steps after it: move their records (from the attempt that
+    was lost) out of metrics.jsonl into metrics.superseded.jsonl, so each step has one record and nothing is
+    thrown away. Rewritten in place: a logger holding the file open in append mode writes on at the new end."""
+    if not path.exists():
+        return 0
+    keep, moved = [], []
+    with open(path, "r+") as fh:
+        for line in fh:
+            try:
+                step = json.loads(line).get("step", 0)
+            except ValueError:  # a line torn by a kill: keep it where it is
+                step = 0
+            (moved if step > after_step else keep).append(line)
+        if moved:
+            fh.seek(0)
+            fh.writelines(keep)
+            fh.truncate()
+    if moved:
+        with open(path.with_name("metrics.superseded.jsonl"), "a") as out:
+            out.writelines(moved)
+        log(f"metrics: {len(moved)} record(s) of steps after {after_step} (recomputed now) moved from {path.name} "
+            f"to metrics.superseded.jsonl")
+    return len(moved)

@@ -8,6 +8,7 @@ or AWS_PROFILE or an instance role (credentials, resolved by botocore), AWS_REGI
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import logging
 import os
@@ -35,17 +36,39 @@ class StorageError(RuntimeError):
     """A storage operation failed after all retries (or with an error no retry can fix)."""
 
 
+# OS errors another attempt cannot fix: no space, over quota, read-only, no permission. (EIO, ETIMEDOUT,
+# ECONNRESET and the like stay transient.)
+PERMANENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.ENAMETOOLONG}
+
 # botocore's configuration errors (by name: botocore is only imported with s3fs): missing or partial
 # credentials, an unknown profile, no region. Waiting does not fix them.
 PERMANENT_BOTOCORE_ERRORS = {"NoCredentialsError", "PartialCredentialsError", "ProfileNotFound", "NoRegionError",
                              "UnknownCredentialError", "InvalidConfigError", "ParamValidationError"}
 
 
+def root_causes(exc: BaseException) -> list[BaseException]:
+    """The errors behind `exc`: DCP's CheckpointException gathers every failed rank's error as an
+    (exception, traceback) pair (torch 2.13); unwrap those (recursively), anything else is its own cause."""
+    if isinstance(exc, CheckpointException):
+        inner = [f[0] if isinstance(f, tuple) else getattr(f, "exception", f) for f in exc.failures.values()]
+        return [c for e in inner if isinstance(e, BaseException) for c in root_causes(e)] or [exc]
+    return [exc]
+
+
+def describe(exc: BaseException) -> str:
+    """One line naming the root cause(s), e.g. "OSError: [Errno 28] No space left on device"."""
+    causes = root_causes(exc)
+    text = "; ".join(dict.fromkeys(f"{type(c).__name__}: {short(c)}" for c in causes[:4]))
+    return text + (f" (and {len(causes) - 4} more)" if len(causes) > 4 else "")
+
+
 def is_transient(exc: BaseException) -> bool:
-    if isinstance(exc, CheckpointException):  # DCP gathers every rank's failure: transient only if all are
-        inner = [getattr(f, "exception", f) for f in exc.failures.values()]
-        return bool(inner) and all(is_transient(e) for e in inner)
+    causes = root_causes(exc)
+    if len(causes) > 1 or causes[0] is not exc:  # DCP gathered several: transient only if every one is
+        return all(is_transient(c) for c in causes)
     if type(exc).__name__ in PERMANENT_BOTOCORE_ERRORS:
+        return False
+    if isinstance(exc, OSError) and exc.errno in PERMANENT_ERRNOS:
         return False
     return isinstance(exc, Exception) and not isinstance(exc, PERMANENT_ERRORS)
 
@@ -70,13 +93,12 @@ def retry(fn: Callable[[], T], what: str, policy: RetryPolicy) -> T:
             return fn()
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - classified just below
             if not is_transient(exc):
-                raise StorageError(f"{what}: {type(exc).__name__}: {exc}") from exc
+                raise StorageError(f"{what}: {describe(exc)}") from exc
             if attempt + 1 == policy.attempts:
-                raise StorageError(f"{what} failed after {policy.attempts} attempts: "
-                                   f"{type(exc).__name__}: {short(exc)}") from exc
+                raise StorageError(f"{what} failed after {policy.attempts} attempts: {describe(exc)}") from exc
             wait_s = policy.delay_s(attempt)
-            log.warning("storage: %s failed (%s: %s); retry %d/%d in %.2f s", what, type(exc).__name__,
-                        short(exc), attempt + 1, policy.attempts - 1, wait_s)
+            log.warning("storage: %s failed (%s); retry %d/%d in %.2f s", what, describe(exc),
+                        attempt + 1, policy.attempts - 1, wait_s)
             time.sleep(wait_s)
     raise AssertionError("unreachable")
 
@@ -190,6 +212,16 @@ class Storage:
             if self.fs.exists(path):
                 self.fs.rm(path, recursive=True)
         retry(op, f"remove {path}", self.policy)
+
+    def move(self, src: str, dst: str) -> None:
+        """Move a folder (local: one rename; S3: copy then delete, as S3 has no rename)."""
+        def op():
+            if self.remote:
+                self.fs.mv(src, dst, recursive=True)
+            else:
+                os.makedirs(os.path.dirname(dst), exist_ok=True)
+                os.replace(src, dst)
+        retry(op, f"move {src} to {dst}", self.policy)
 
     def digest(self, path: str) -> tuple[int, str]:
         """(size in bytes, sha256 hex) of one file, streamed."""
