@@ -146,3 +146,21 @@ def test_training_planner_refuses_moe_models():
         estimate("mixtral-8x7b", "p5.48xlarge", 2, 4096, 256, Layout())
     with pytest.raises(ValueError, match="num_experts=128: the training planner does not model"):
         search("qwen3-30b-a3b", "p5.48xlarge", 2, 4096, 256)
+
+
+def test_paratrain_train_logs_router_metrics(tmp_path, capsys):
+    import json
+
+    from paratrain.cli import main
+
+    sets = ['model.preset="tiny-moe"', "model.layers=2", "model.vocab=320", "data.vocab_size=300",
+            "data.max_source_bytes=60000", f'data.prepared_dir="{tmp_path / "data"}"', "train.steps=2",
+            "train.log_every=1", "train.global_batch=4", "train.microbatch=2", "train.seq_len=32",
+            "train.progress=false", f'metrics.run_dir="{tmp_path / "run"}"', "checkpoint.save_final=false"]
+    assert main(["train", *[a for s in sets for a in ("--set", s)], "--json"]) == 0
+    capsys.readouterr()
+    steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(steps) == 2
+    for r in steps:  # last microbatch: 2 x 32 tokens, top 2, one MoE layer (layer 0 dense), dropless
+        assert sum(r["moe_tokens_per_expert"]) == 2 * 32 * 2 and r["moe_dropped_tokens"] == 0
+        assert r["moe_load_imbalance"] >= 1 and 0 < r["moe_router_entropy"] <= math.log(8)

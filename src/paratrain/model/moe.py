@@ -150,3 +150,17 @@ def router_metrics(routing: Routing, n_exp: int) -> dict[str, float | list[int]]
             "load_imbalance": max(counts) / mean if mean > 0 else 0.0,
             "dropped_tokens": int((~routing.kept).sum()),
             "router_entropy": float(entropy)}
+
+
+def moe_metrics(modules) -> dict[str, float | list[int]]:
+    """Router metrics of every MoE layer's latest forward among `modules` (an iterable of nn.Modules): assignment
+    counts per expert summed over layers, the worst layer's load imbalance, dropped assignments summed, the mean
+    router entropy. Empty for a dense model. Reads device values (a host synchronisation): call it when logging."""
+    layers = [router_metrics(m.last_routing, m.cfg.num_experts) for part in modules for m in part.modules()
+              if getattr(m, "last_routing", None) is not None]
+    if not layers:
+        return {}
+    return {"moe_tokens_per_expert": [sum(c) for c in zip(*(m["tokens_per_expert"] for m in layers), strict=True)],
+            "moe_load_imbalance": max(m["load_imbalance"] for m in layers),
+            "moe_dropped_tokens": sum(m["dropped_tokens"] for m in layers),
+            "moe_router_entropy": sum(m["router_entropy"] for m in layers) / len(layers)}

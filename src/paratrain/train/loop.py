@@ -20,6 +20,7 @@ import torch.distributed as dist
 from paratrain.config import OptimSection, TrainConfig, dump_config, precision_bytes
 from paratrain.device import HostValues, is_host, sync_fn
 from paratrain.model.llama import Llama
+from paratrain.model.moe import moe_metrics
 from paratrain.parallel import parallelize
 from paratrain.parallel.materialize import build_on_meta, materialize, random_init
 from paratrain.parallel.mesh import build_mesh, init_distributed, resolve_degrees
@@ -341,6 +342,8 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
         mfu = flops_per_token * tokens / dt / (peak_flops * env.world_size)
         record = {"lr": lr_used, "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
                   "memory_bytes": peak_memory_bytes(env.device)}
+        if model_cfg.num_experts and (step + 1) % cfg.train.log_every == 0:  # one host sync, on log steps only
+            record.update(moe_metrics(runner.parts))  # this rank's last microbatch
         phases = timer.take()
         if "backward" in phases:  # a profiled step: split forward from backward
             phases["forward"] = phases["forward_backward"] - phases["backward"]
