@@ -88,7 +88,14 @@ def test_fit_recovers_known_parameters_and_predicts_held_out_layouts(local_file,
     before, _ = mape(system, test)
     fitted, report = fit(system, train)
     after, _ = mape(fitted, test)
-    assert after < 0.12 and after < before / 2, (before, after, report)
+    # held-out layouts: far better than the probe's values, and no worse than fitting every parameter (what
+    # calibrate did before it chose the identified ones; 14.1% here since the planner's Options.dp_overlap)
+    from paratrain.calibrate.fit import _free_and_fixed, _least_squares, current_parameters
+
+    names, fixed = _free_and_fixed(system, None)
+    everything, _ = _least_squares(system, train, names, {**current_parameters(system), **fixed})
+    all_fitted, _ = mape(apply_parameters(system, everything), test)
+    assert after < before / 4 and after <= all_fitted * 1.02, (before, after, all_fitted, report)
     assert report["parameters"]["memory_bw_eff"] == 1.0 and "memory_bw_eff" in report["fixed"]
     assert len(report["fitted"]) <= len(train) - 1
     # write-back round trip: the new file predicts like the fitted system; the input is unchanged
