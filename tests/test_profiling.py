@@ -56,7 +56,9 @@ def test_single_process_breakdown(tmp):
     _check_breakdown(_records(tmp / "one"), set())
     median = summary["breakdown_median_s"]
     assert {"forward_backward", "optimizer", "data"} <= median.keys()
-    assert 0 < median["backward"] < median["forward_backward"]  # over the profiled steps, not diluted
+    # over the profiled steps, not diluted: step 4's backward within step 4's forward+backward (the median of
+    # forward_backward also holds the unprofiled step 3, which under load can be the shorter)
+    assert 0 < median["backward"] < _records(tmp / "one")[4]["time_forward_backward_s"]
     # each profiled step (2 and 4) as a Chrome trace a user can open (chrome://tracing, Perfetto)
     traces = [tmp / "one" / "traces" / f"step_{n:08d}_rank0.json" for n in (2, 4)]
     assert summary["traces"] == [str(t) for t in traces]
