@@ -164,3 +164,14 @@ def test_paratrain_train_logs_router_metrics(tmp_path, capsys):
     for r in steps:  # last microbatch: 2 x 32 tokens, top 2, one MoE layer (layer 0 dense), dropless
         assert sum(r["moe_tokens_per_expert"]) == 2 * 32 * 2 and r["moe_dropped_tokens"] == 0
         assert r["moe_load_imbalance"] >= 1 and 0 < r["moe_router_entropy"] <= math.log(8)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["parallel.tp=2"], "parallel.tp=2 with model.num_experts=8"),
+    (['staleness.policy="bounded_staleness"', 'parallel.dp_kind="ddp"'], "staleness.policy='bounded_staleness' with"),
+])
+def test_train_config_refuses_what_moe_does_not_compose_with_yet(overrides, message):
+    from paratrain.config import load_config
+
+    with pytest.raises(ValueError, match=message):
+        load_config(None, ['model.preset="tiny-moe"', *overrides])

@@ -330,6 +330,9 @@ class TrainConfig(Section):
         from paratrain.parallel.layout import check_parallel_config
 
         check_parallel_config(cfg, self.parallel, self.train.seq_len)  # tp vs heads/ffn/vocab, dp kinds, ...
+        if self.staleness.policy != "sync" and cfg.num_experts:  # its step does not train the aux loss
+            raise ValueError(f"staleness.policy='{self.staleness.policy}' with model.num_experts={cfg.num_experts}: "
+                             f"mixture-of-experts models train synchronously only for now; allowed: 'sync'")
         if self.staleness.policy != "sync" and self.train.reduce_dtype != "fp32":
             raise ValueError(f"train.reduce_dtype='{self.train.reduce_dtype}' with staleness.policy="
                              f"'{self.staleness.policy}': the stale-gradient all-reduce runs in fp32; allowed: "
