@@ -34,13 +34,22 @@ def train_args(tmp: Path, data: Path, run: str, *extra: str) -> list[str]:
     return ["train", *[a for s in sets for a in ("--set", s)]]
 
 
-def run_train(tmp: Path, data: Path, run: str, *extra: str, resume_from: str | None = None) -> dict:
+def run_train(tmp: Path, data: Path, run: str, *extra: str, resume_from: str | None = None, faults=None) -> dict:
     summary = tmp / f"{run}.json"
     args = train_args(tmp, data, run, *extra) + ["--summary-json", str(summary)]
     if resume_from:
         args += ["--resume-from", resume_from]
-    assert main(args) == 0
+    assert (main(args) if faults is None else main_with_faults(args, faults)) == 0
     return json.loads(summary.read_text())
+
+
+def main_with_faults(argv: list[str], faults) -> int:
+    """`paratrain train ...` as main() runs it, with test-only fault hooks passed in (the CLI itself only reads
+    PARATRAIN_FAULT_KILL)."""
+    from paratrain.cli import build_parser
+    from paratrain.train.commands import run_train as cli_run_train
+
+    return cli_run_train(build_parser().parse_args(argv), faults=faults)
 
 
 _REFERENCE: dict = {}
@@ -301,18 +310,20 @@ def test_retry_backs_off_on_transient_errors_and_not_on_permanent_ones(caplog):
         retry(lambda: (_ for _ in ()).throw(TimeoutError("t")), "put z", RetryPolicy(attempts=2, base_s=0.0))
 
 
-def test_bad_checkpoint_dir_and_fault_spec_are_clear_errors(monkeypatch):
+def test_bad_checkpoint_dir_and_fault_spec_are_clear_errors(tmp_path, capsys):
     with pytest.raises(ValueError, match=r"checkpoint.dir='gs://b/x': allowed"):
         Storage("gs://b/x")
-    from paratrain.train.faults import fault_point
+    from paratrain.train.faults import FaultInjector
 
-    fault_point("after_step", 1, 0)  # inert by default
-    monkeypatch.setenv("PARATRAIN_FAULT_KILL", "after_stp:3")
+    FaultInjector().point("after_step", 1, 0)  # inert by default
+    assert FaultInjector.from_env({}).kills == []
     with pytest.raises(ValueError, match="PARATRAIN_FAULT_KILL='after_stp:3'"):
-        fault_point("after_step", 1, 0)
-    monkeypatch.setenv("PARATRAIN_FAULT_KILL", "after_step:3,save_shards:x")
+        FaultInjector.from_env({"PARATRAIN_FAULT_KILL": "after_stp:3"})
     with pytest.raises(ValueError, match=r"'after_step:3,save_shards:x': step, rank and attempt must be integers"):
-        fault_point("after_step", 1, 0)
+        FaultInjector.from_env({"PARATRAIN_FAULT_KILL": "after_step:3,save_shards:x"})
+    with pytest.raises(ValueError, match=r"fault hooks at \['after_stp'\]: allowed points"):
+        FaultInjector(hooks={"after_stp": []})
+    assert FaultInjector.from_env({"PARATRAIN_FAULT_KILL": "after_step:3", "TORCHELASTIC_RESTART_COUNT": "1"}).attempt == 1
 
 
 def test_fault_kills_select_point_step_rank_and_torchrun_attempt():

@@ -288,14 +288,10 @@ def test_corruption_found_by_one_rank_makes_every_rank_fall_back(dist_run, tmp_p
 def _train_with_rank1_stalling(sets: list[str]) -> dict:
     import time
 
-    from paratrain.train import faults
+    from paratrain.train.faults import FaultInjector
 
     stall = [lambda step, rank: step == 2 and time.sleep(4.0)] if torch.distributed.get_rank() == 1 else []
-    faults.HOOKS["after_step"] = stall
-    try:
-        return _train(sets)
-    finally:
-        faults.HOOKS["after_step"] = []
+    return train(load_config(None, sets), faults=FaultInjector(hooks={"after_step": stall}))
 
 
 def test_watchdog_names_the_rank_that_stopped(dist_run, tmp):

@@ -20,11 +20,21 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
-from test_checkpoint import EVERY, Tiny, _damage, _manager, _model_and_optimizer, main, reference, train_args
+from test_checkpoint import (
+    EVERY,
+    Tiny,
+    _damage,
+    _manager,
+    _model_and_optimizer,
+    main,
+    main_with_faults,
+    reference,
+    train_args,
+)
 from torch import nn
 
-from paratrain.train import faults
 from paratrain.train.checkpoint import MANIFEST, REFUSED, CheckpointError, step_name
+from paratrain.train.faults import FaultInjector
 from paratrain.train.storage import RetryPolicy, is_transient, root_causes
 
 __all__ = ["reference"]  # the module-scoped fixture of test_checkpoint, shared
@@ -298,9 +308,9 @@ def test_sigterm_saves_at_the_next_step_exits_0_and_resumes_bitwise_with_the_rng
         if step == 4:
             os.kill(os.getpid(), signal.SIGTERM)  # the notice arrives during step 4
 
-    monkeypatch.setitem(faults.HOOKS, "after_step", [at_step])
     summary = tmp_path / "term.json"
-    assert main(train_args(tmp_path, reference["data"], "term") + ["--summary-json", str(summary)]) == 0
+    argv = train_args(tmp_path, reference["data"], "term") + ["--summary-json", str(summary)]
+    assert main_with_faults(argv, FaultInjector(hooks={"after_step": [at_step]})) == 0
     got = json.loads(summary.read_text())
     ckpt = tmp_path / "term" / "checkpoints"
     assert got["preempted"]["signal"] == "SIGTERM" and got["preempted"]["step"] == 4
@@ -311,8 +321,8 @@ def test_sigterm_saves_at_the_next_step_exits_0_and_resumes_bitwise_with_the_rng
 
     fresh = dict(seen)
     seen.clear()
-    monkeypatch.setitem(faults.HOOKS, "after_step", [lambda step, rank: seen.setdefault(step, _generators())])
-    assert main(train_args(tmp_path, reference["data"], "term") + ["--summary-json", str(summary)]) == 0
+    record = FaultInjector(hooks={"after_step": [lambda step, rank: seen.setdefault(step, _generators())]})
+    assert main_with_faults(argv, record) == 0
     again = json.loads(summary.read_text())
     assert again["resumed_from"] == str(ckpt / step_name(4))
     assert again["losses"] == reference["summary"]["losses"][4:]  # bitwise

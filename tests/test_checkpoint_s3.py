@@ -11,8 +11,8 @@ import test_checkpoint
 from test_checkpoint import EVERY, run_train, train_args
 
 from paratrain.cli import main
-from paratrain.train import faults
 from paratrain.train.checkpoint import MANIFEST, step_name
+from paratrain.train.faults import FaultInjector
 from paratrain.train.storage import RetryPolicy, Storage, StorageError
 
 moto_server = pytest.importorskip("moto.server")
@@ -81,11 +81,11 @@ def test_s3_outage_during_saves_fails_loudly_and_training_continues(s3, referenc
     """Server stopped (1) before the write of step 2, (2) after the shards of step 4 but before its commit;
     back after the next step each time. Saves every 2 steps; steps 6 commits."""
     url = f"s3://{BUCKET}/outage"
-    monkeypatch.setitem(faults.HOOKS, "save_begin", [lambda step, rank: step == 2 and s3.stop()])
-    monkeypatch.setitem(faults.HOOKS, "save_written", [lambda step, rank: step == 4 and s3.stop()])
-    monkeypatch.setitem(faults.HOOKS, "after_step", [lambda step, rank: step in (3, 5) and s3.start()])
+    hooks = FaultInjector(hooks={"save_begin": [lambda step, rank: step == 2 and s3.stop()],
+                                 "save_written": [lambda step, rank: step == 4 and s3.stop()],
+                                 "after_step": [lambda step, rank: step in (3, 5) and s3.start()]})
     got = run_train(tmp_path, reference["data"], "d", f'checkpoint.dir="{url}"', "checkpoint.interval=2",
-                    "checkpoint.retries=2", "checkpoint.retry_base_s=0.05")
+                    "checkpoint.retries=2", "checkpoint.retry_base_s=0.05", faults=hooks)
     assert got["losses"] == reference["summary"]["losses"]  # training never noticed
     assert got["failed_checkpoint_saves"] == 2
     out = capsys.readouterr().err
@@ -106,7 +106,7 @@ def test_s3_server_lost_mid_save_and_back_during_the_backoff_commits_after_retri
     back) and comes back during the first backoff wait: the retried storage operations succeed against the real
     endpoint, step 2 commits, nothing failed, and it resumes bitwise."""
     url = f"s3://{BUCKET}/flaky"
-    monkeypatch.setitem(faults.HOOKS, "save_shards", [lambda step, rank: step == 2 and s3.stop()])
+    hooks = FaultInjector(hooks={"save_shards": [lambda step, rank: step == 2 and s3.stop()]})
     real_delay, restarts = RetryPolicy.delay_s, []
 
     def back_during_backoff(self, attempt):
@@ -117,13 +117,12 @@ def test_s3_server_lost_mid_save_and_back_during_the_backoff_commits_after_retri
 
     monkeypatch.setattr(RetryPolicy, "delay_s", back_during_backoff)
     got = run_train(tmp_path, reference["data"], "f", f'checkpoint.dir="{url}"', "checkpoint.interval=2",
-                    "checkpoint.retries=3", "checkpoint.retry_base_s=0.05")
+                    "checkpoint.retries=3", "checkpoint.retry_base_s=0.05", faults=hooks)
     assert restarts == [0]  # the outage was seen and retried
     assert "EndpointConnectionError" in caplog.text and "retry 1/2 in" in caplog.text
     assert got["failed_checkpoint_saves"] == 0 and got["losses"] == reference["summary"]["losses"]
     st = Storage(url)
     assert sorted(st.listdir(url)) == [step_name(2), step_name(4), step_name(6)]
-    monkeypatch.setitem(faults.HOOKS, "save_shards", [])
     resumed = run_train(tmp_path, reference["data"], "g", resume_from=f"{url}/{step_name(2)}")
     assert resumed["losses"] == reference["summary"]["losses"][2:]
 

@@ -50,7 +50,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from paratrain.device import HOST_BACKEND, accelerator_rng_state, pin_memory, set_accelerator_rng_state
-from paratrain.train.faults import fault_point
+from paratrain.train.faults import FaultInjector
 from paratrain.train.storage import RetryPolicy, Storage, StorageError, describe, is_transient
 
 MANIFEST = "MANIFEST.json"
@@ -264,7 +264,7 @@ class CheckpointManager:
     def __init__(self, directory, rank: int = 0, keep: int = 3, *, layout: dict | None = None,
                  async_save: bool = False, verify: str = "checksum", retry: RetryPolicy | None = None,
                  log: Callable[[str], None] | None = None, timeout_s: float = 1800.0, partial_load: bool = False,
-                 allow_fresh_start: bool = False):
+                 allow_fresh_start: bool = False, faults: FaultInjector | None = None):
         if verify not in VERIFY_MODES:
             raise ValueError(f"checkpoint.verify={verify!r}: allowed {VERIFY_MODES}")
         self.storage = Storage(directory, retry)
@@ -276,6 +276,7 @@ class CheckpointManager:
         self.verify_mode = verify
         self.log = log or (lambda msg: print(msg, flush=True) if rank == 0 else None)
         self.partial_load = partial_load
+        self.faults = faults or FaultInjector()  # test-only fault injection, inert by default
         self.allow_fresh_start = allow_fresh_start
         # checkpoint.collective_timeout_s: a save waits for the slowest rank's write, which can take far longer
         # than a training collective
@@ -347,7 +348,7 @@ class CheckpointManager:
         model_sd, optim_sd = get_state_dict(state_module(parts), optimizer, options=state_dict_options(FORMAT_VERSION))
         state = {"model": model_sd, "optim": optim_sd}
         extra = {"rng": rng_state(), **copy.deepcopy(train_state)}
-        fault_point("save_begin", step, self.rank)
+        self.faults.point("save_begin", step, self.rank)
         if self._executor is None:
             self._save_and_commit(step, path, state, extra)
         else:
@@ -368,7 +369,7 @@ class CheckpointManager:
         t0 = time.perf_counter()
         try:
             files = self._write(step, path, state, extra)
-            fault_point("save_written", step, self.rank)
+            self.faults.point("save_written", step, self.rank)
             self._commit(step, path, files)
         except CheckpointError as exc:
             self.failed_saves += 1
@@ -434,7 +435,7 @@ class CheckpointManager:
             buffer = io.BytesIO()
             torch.save(extra, buffer)
             self.storage.write_bytes(f"{path}/{extra_name(self.rank)}", buffer.getvalue())
-            fault_point("save_shards", step, self.rank)  # this rank's files written, not yet reported
+            self.faults.point("save_shards", step, self.rank)  # this rank's files written, not yet reported
             return None, True, self._describe_own_files(path)
         except (Exception, CheckpointException) as exc:  # noqa: BLE001 - every rank must reach the gather
             full = self._disk_full(path, state)

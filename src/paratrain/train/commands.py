@@ -128,17 +128,21 @@ def run_prepare(args) -> int:
     return 0
 
 
-def run_train(args) -> int:
+def run_train(args, faults=None) -> int:
+    """`paratrain train`. `faults`: test-only fault injection; by default what PARATRAIN_FAULT_KILL asks for
+    (parsed here, before any work)."""
     import torch.distributed as dist
 
     from paratrain.config import load_config
     from paratrain.parallel.mesh import shutdown_distributed
+    from paratrain.train.faults import FaultInjector
     from paratrain.train.loop import train
 
     cfg = load_config(args.config, args.set)  # fails here, before any process group or data work
+    faults = faults if faults is not None else FaultInjector.from_env(os.environ)  # a malformed spec, too
     check_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     joined_here = not dist.is_initialized()  # a caller that set up the process group keeps it
-    summary = train(cfg, resume_from=args.resume_from)
+    summary = train(cfg, resume_from=args.resume_from, faults=faults)
     if joined_here:
         shutdown_distributed()  # torchrun's ranks exit together, with no gloo thread left running
     if summary["rank"] == 0:

@@ -1,5 +1,8 @@
-"""Test-only fault injection. Inert unless PARATRAIN_FAULT_KILL is set or a test registers a hook.
+"""Test-only fault injection, passed in explicitly: `train(cfg, faults=FaultInjector(...))`,
+`CheckpointManager(..., faults=...)`. Inert by default (no kills, no hooks); nothing is read from module state.
 
+The CLI builds one from the environment (`FaultInjector.from_env`, once, before any work), so that end-to-end
+tests can kill real processes:
 PARATRAIN_FAULT_KILL="<point>:<step>[:<rank>[:<attempt>]][,<point>:<step>...]" sends SIGKILL to this process
 (no cleanup, no flush, exactly what a lost node looks like) when it reaches <point> at <step>, on <rank> only
 if given, in torchrun attempt <attempt> only (default 0, the first: TORCHELASTIC_RESTART_COUNT unset or 0), so
@@ -7,24 +10,23 @@ that the restarted job gets past the point. Several comma-separated kills make o
 e.g. "after_step:3:1,save_shards:4:1:1": rank 1 dies after step 3, then (first restart) while saving step 4.
 Points:
   after_step        after the optimizer step <step> (before a checkpoint of that step)
+  save_begin        inside the save of <step>, before any byte is written
   save_shards       inside the save of <step>: this rank's files written, not yet reported to the others
   save_written      inside the save of <step>: every rank's files written and checksummed, manifest not yet
 
-HOOKS: in-process callbacks for tests, `HOOKS[point].append(fn)`; fn(step, rank) runs at the point.
-Extra points for hooks: save_begin (before any byte of <step> is written).
+Hooks: in-process callbacks for tests, `FaultInjector(hooks={"after_step": [fn]})`; fn(step, rank) runs at
+the point.
 """
 
 from __future__ import annotations
 
 import os
 import signal
-from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 
 ENV_KILL = "PARATRAIN_FAULT_KILL"
 POINTS = ("after_step", "save_begin", "save_shards", "save_written")
-HOOKS: dict[str, list[Callable[[int, int], None]]] = defaultdict(list)
 
 
 @dataclass(frozen=True)
@@ -57,12 +59,26 @@ def parse_kills(spec: str) -> list[Kill]:
     return kills
 
 
-def fault_point(point: str, step: int, rank: int) -> None:
-    for fn in HOOKS.get(point, ()):
-        fn(step, rank)
-    spec = os.environ.get(ENV_KILL)
-    if not spec:
-        return
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
-    if any(k.matches(point, step, rank, attempt) for k in parse_kills(spec)):
-        os.kill(os.getpid(), signal.SIGKILL)
+@dataclass
+class FaultInjector:
+    kills: list[Kill] = field(default_factory=list)
+    hooks: Mapping[str, list[Callable[[int, int], None]]] = field(default_factory=dict)
+    attempt: int = 0  # this process's torchrun attempt (TORCHELASTIC_RESTART_COUNT)
+
+    def __post_init__(self):
+        unknown = sorted(set(self.hooks) - set(POINTS))
+        if unknown:
+            raise ValueError(f"fault hooks at {unknown}: allowed points {POINTS}")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str]) -> FaultInjector:
+        """The kills PARATRAIN_FAULT_KILL asks for (none if unset), for the attempt torchrun says this is."""
+        spec = environ.get(ENV_KILL, "")
+        return cls(kills=parse_kills(spec) if spec else [],
+                   attempt=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0))
+
+    def point(self, point: str, step: int, rank: int) -> None:
+        for fn in self.hooks.get(point, ()):
+            fn(step, rank)
+        if any(k.matches(point, step, rank, self.attempt) for k in self.kills):
+            os.kill(os.getpid(), signal.SIGKILL)

@@ -34,7 +34,7 @@ from paratrain.train.checkpoint import (
 )
 from paratrain.train.data import make_sampler, open_windows, prepare, read_meta
 from paratrain.train.data.tokenize import check_model_tokenizer, check_vocab_fits
-from paratrain.train.faults import fault_point
+from paratrain.train.faults import FaultInjector
 from paratrain.train.lease import RunLease
 from paratrain.train.metrics import (
     MetricsLogger,
@@ -156,12 +156,14 @@ def _stderr(text: str) -> None:  # logs before the run's logger exists; stdout i
     print(text, file=sys.stderr, flush=True)
 
 
-def train(cfg: TrainConfig, resume_from: str | None = None, observer=None, trackers: dict | None = None) -> dict:
+def train(cfg: TrainConfig, resume_from: str | None = None, observer=None, trackers: dict | None = None,
+          faults: FaultInjector | None = None) -> dict:
     """Train per `cfg`; returns a summary (first/last loss, tokens/s, paths; `errors`: why the run must exit
     non-zero, e.g. a final save that failed). Runs on every rank.
     `observer(step, runner, record)`, if given, is called on every rank after each optimizer step
     (`paratrain verify` records per-rank losses, gradient norms and parameter checksums with it).
-    `trackers`: {"wandb": module, "mlflow": module} to log to (default: those the config names, imported)."""
+    `trackers`: {"wandb": module, "mlflow": module} to log to (default: those the config names, imported).
+    `faults`: test-only fault injection (paratrain.train.faults), inert when None."""
     if trackers is None:
         trackers = tracker_modules(cfg.metrics)  # a configured tracker that is not installed fails now
     env = init_distributed(cfg.train.device, timeout_s=cfg.train.collective_timeout_s)
@@ -185,7 +187,8 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None, track
             check_checkpoint_dir(ckpt_dir, env.rank, RetryPolicy(ck.retries, ck.retry_base_s),
                                  before_probe=take_lease_and_tidy)
         preemption = Preemption(ck.preempt_deadline_s, log=_stderr, slack=2 + cfg.staleness.max_staleness).install()
-        return _train(cfg, resume_from, env, degrees, ckpt_dir, lease, preemption, observer, trackers)
+        return _train(cfg, resume_from, env, degrees, ckpt_dir, lease, preemption, observer, trackers,
+                      faults or FaultInjector())
     finally:
         if preemption is not None:
             preemption.restore()
@@ -194,7 +197,7 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None, track
 
 
 def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_dir: str, lease, preemption,
-           observer, trackers) -> dict:
+           observer, trackers, faults: FaultInjector) -> dict:
     seed_everything(cfg.train.seed, cfg.train.deterministic)
     model_cfg = cfg.model_shape()
     check_model_tokenizer(cfg.data, cfg.model.hf_path, model_cfg.vocab)  # every rank, before the data work
@@ -227,7 +230,7 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
     ckpt = CheckpointManager(ckpt_dir, env.rank, keep=ck.keep, layout=degrees, async_save=ck.async_save,
                              verify=ck.verify, retry=RetryPolicy(ck.retries, ck.retry_base_s), log=logger.write,
                              timeout_s=ck.collective_timeout_s, partial_load=ck.partial_load,
-                             allow_fresh_start=ck.allow_fresh_start)
+                             allow_fresh_start=ck.allow_fresh_start, faults=faults)
     preemption.log = logger.write
     start_step, resumed = 0, None
     source = resume_from or (ck.resume if ck.resume not in ("auto", "none") else None)
@@ -320,7 +323,7 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
             values = HostValues(run_step(runner, optimizer, scheduler, inputs, targets, cfg.optim.grad_clip, timer),
                                 env.device)
         watchdog.mark(step + 1, "compute")
-        fault_point("after_step", step + 1, env.rank)
+        faults.point("after_step", step + 1, env.rank)
         if observer is not None:  # paratrain verify: compares every step, so it reads them at once
             observer(step + 1, runner, values.read())
         dt = time.perf_counter() - t0  # host time; with the one-step-late read it tracks the device's step time
