@@ -89,16 +89,21 @@ def _finite(value) -> bool:
     return isinstance(value, int | float) and math.isfinite(value) and value > 0
 
 
+def read_summary(p: str | Path) -> tuple[Path, dict]:
+    """A run summary file's path and parsed JSON, or one clear error (training and generate summaries alike)."""
+    path = Path(p)
+    if not path.is_file():
+        raise ValueError(f"run summary '{p}': no such file")
+    try:
+        return path, json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"run summary '{p}': not JSON ({exc.msg} at line {exc.lineno})") from None
+
+
 def load_measurements(paths: list[str | Path]) -> list[Measurement]:
     out = []
     for p in paths:
-        path = Path(p)
-        if not path.is_file():
-            raise ValueError(f"run summary '{p}': no such file")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"run summary '{p}': not JSON ({exc.msg} at line {exc.lineno})") from None
+        path, data = read_summary(p)
         out.append(Measurement.from_summary(data, name=path.stem))
     if not out:
         raise ValueError("calibrate: no run summaries given")

@@ -45,18 +45,11 @@ def is_generate_summary(data: dict) -> bool:
 def split_summaries(paths) -> tuple[list[str], list[tuple[str, dict]]]:
     """The training summaries (their paths, for calibrate.fit.load_measurements) and the generate summaries
     ((name, data)) among `paths`, told apart by the summary's "kind"."""
-    import json
-    from pathlib import Path
+    from paratrain.calibrate.fit import read_summary
 
     training, generating = [], []
     for p in paths:
-        path = Path(p)
-        if not path.is_file():
-            raise ValueError(f"run summary '{p}': no such file")
-        try:
-            data = json.loads(path.read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"run summary '{p}': not JSON ({exc.msg} at line {exc.lineno})") from None
+        path, data = read_summary(p)
         if is_generate_summary(data):
             generating.append((path.stem, data))
         elif isinstance(data, dict) and data.get("kind", "train") != "train":
