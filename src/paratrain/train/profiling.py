@@ -91,7 +91,7 @@ def device_comm_seconds(events) -> dict[str, float]:
 
 
 def _device_type_name(event) -> str:
-    return str(event.device_type()).rsplit(".", 1)[-1].lower()  # DeviceType.CUDA -> "cuda" (a grouping key)
+    return str(event.device_type()).rsplit(".", 1)[-1].lower()  # the enum member name, lower case: a grouping key
 
 
 def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
