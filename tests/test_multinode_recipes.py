@@ -290,8 +290,10 @@ def test_sbatch_script_runs_launch_on_every_node(capsys, tmp_path):
     assert done.returncode != 0 and "SLURM_JOB_NUM_NODES" in done.stderr
 
 
-def test_parallelcluster_config_has_efa_and_the_shared_mount_the_config_uses():
-    cluster = yaml.safe_load((RECIPES / "aws" / "parallelcluster-p5.yaml").read_text())
+def check_parallelcluster(recipe: str, instance_type: str, config: Path) -> None:
+    """A ParallelCluster file: EFA on, a placement group, Slurm, and every path the training config writes on a
+    shared mount."""
+    cluster = yaml.safe_load((RECIPES / "aws" / recipe).read_text())
     schema = {"type": "object", "required": ["Region", "HeadNode", "Scheduling", "SharedStorage"], "properties": {
         "Scheduling": {"type": "object", "required": ["Scheduler", "SlurmQueues"],
                        "properties": {"Scheduler": {"const": "slurm"}, "SlurmQueues": {
@@ -306,8 +308,12 @@ def test_parallelcluster_config_has_efa_and_the_shared_mount_the_config_uses():
                           "items": {"type": "object", "required": ["MountDir", "StorageType"]}}}}
     jsonschema.validate(cluster, schema)
     types = [c["InstanceType"] for q in cluster["Scheduling"]["SlurmQueues"] for c in q["ComputeResources"]]
-    assert types == ["p5.48xlarge"]
+    assert types == [instance_type]
     mounts = [s["MountDir"] for s in cluster["SharedStorage"]]
-    cfg = load_config(CONFIG)
+    cfg = load_config(config)
     for path in (cfg.checkpoint.dir, cfg.data.prepared_dir, cfg.metrics.run_dir):
         assert any(path.startswith(m + "/") for m in mounts), f"{path} is not on a shared mount {mounts}"
+
+
+def test_parallelcluster_config_has_efa_and_the_shared_mount_the_config_uses():
+    check_parallelcluster("parallelcluster-p5.yaml", "p5.48xlarge", CONFIG)

@@ -11,13 +11,12 @@ import subprocess
 import sys
 from pathlib import Path
 
-import jsonschema
 import pytest
-import yaml
 from test_multinode_recipes import (
     RECIPES,
     ROOT,
     builtin_objects,
+    check_parallelcluster,
     launch_dry_run,
     manifest,
     official_schema_versions,
@@ -101,19 +100,4 @@ def test_sbatch_trainium_launches_catalog_ranks_on_every_node(capsys, tmp_path):
 
 
 def test_parallelcluster_trn2_has_efa_and_the_shared_mount_the_config_uses():
-    cluster = yaml.safe_load((RECIPES / "aws" / "parallelcluster-trn2.yaml").read_text())
-    schema = {"type": "object", "required": ["Region", "HeadNode", "Scheduling", "SharedStorage"], "properties": {
-        "Scheduling": {"type": "object", "required": ["Scheduler", "SlurmQueues"], "properties": {
-            "Scheduler": {"const": "slurm"}, "SlurmQueues": {"type": "array", "minItems": 1, "items": {
-                "type": "object", "required": ["Name", "ComputeResources", "Networking"], "properties": {
-                    "ComputeResources": {"type": "array", "items": {
-                        "type": "object", "required": ["InstanceType", "Efa"],
-                        "properties": {"Efa": {"type": "object", "properties": {"Enabled": {"const": True}}}}}},
-                    "Networking": {"type": "object", "required": ["PlacementGroup"]}}}}}}}}
-    jsonschema.validate(cluster, schema)
-    types = [c["InstanceType"] for q in cluster["Scheduling"]["SlurmQueues"] for c in q["ComputeResources"]]
-    assert types == ["trn2.48xlarge"]
-    mounts = [s["MountDir"] for s in cluster["SharedStorage"]]
-    cfg = load_config(CONFIG)
-    for path in (cfg.checkpoint.dir, cfg.data.prepared_dir, cfg.metrics.run_dir):
-        assert any(path.startswith(m + "/") for m in mounts), f"{path} is not on a shared mount {mounts}"
+    check_parallelcluster("parallelcluster-trn2.yaml", "trn2.48xlarge", CONFIG)
