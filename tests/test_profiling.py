@@ -157,3 +157,20 @@ def test_device_comm_is_the_collective_time_not_hidden_by_compute_on_the_same_de
     got = device_comm_seconds(events)
     assert got == pytest.approx({"all_reduce": 40e-6, "all_gather": 50e-6})
     assert device_comm_seconds([_KernelEvent("aten::mm", 0, 10, device="CPU")]) == {}
+
+
+def test_breakdown_reads_the_training_thread_not_a_busier_background_thread():
+    """An asynchronous checkpoint write running during a profiled step can keep its thread busier than the step;
+    backward and communication still come from the thread that ran the autograd engine."""
+    from types import SimpleNamespace
+
+    from paratrain.train.profiling import backward_seconds, exposed_comm_seconds
+
+    def event(thread, name, us):
+        return SimpleNamespace(thread=thread, name=name, cpu_time_total=us, cpu_parent=None)
+
+    events = [event(1, "autograd::engine::evaluate_function: MmBackward0", 300.0),
+              event(1, "c10d::allreduce_", 100.0),
+              event(2, "aten::copy_", 5000.0), event(2, "c10d::allgather_", 900.0)]  # the checkpoint thread
+    assert backward_seconds(events) == pytest.approx(300e-6)
+    assert exposed_comm_seconds(events) == pytest.approx({"all_reduce": 100e-6})

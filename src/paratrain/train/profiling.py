@@ -42,14 +42,10 @@ def comm_kind(name: str) -> str | None:
 
 
 def exposed_comm_seconds(events) -> dict[str, float]:
-    """Seconds the busiest (training) thread spent in top-level communication events, by kind."""
-    by_thread: dict[int, float] = defaultdict(float)
-    for e in events:
-        if e.cpu_parent is None:
-            by_thread[e.thread] += e.cpu_time_total
-    if not by_thread:
+    """Seconds the training thread spent in top-level communication events, by kind."""
+    main = _training_thread(events)
+    if main is None:
         return {}
-    main = max(by_thread, key=by_thread.get)
     out: dict[str, float] = defaultdict(float)
     for e in events:
         if e.thread != main or (kind := comm_kind(e.name)) is None:
@@ -104,19 +100,27 @@ def _merged(spans: list[tuple[int, int]]) -> list[tuple[int, int]]:
     return [(a, b) for a, b in out]
 
 
-def backward_seconds(events) -> float:
-    """Seconds the busiest (training) thread spent running the autograd engine's backward functions (on CPU
-    the engine runs on the calling thread; the communication issued inside backward is included)."""
-    by_thread: dict[int, float] = defaultdict(float)
+def _training_thread(events) -> int | None:
+    """The thread that ran the step: on CPU the autograd engine runs backward on the calling thread, so it is
+    the thread with the most backward time. Only without any backward (a forward-only step) the busiest thread;
+    a background thread (an asynchronous checkpoint upload, the data loader) can be busier than the step."""
+    busy: dict[int, float] = defaultdict(float)
     backward: dict[int, float] = defaultdict(float)
     for e in events:
         if e.cpu_parent is None:
-            by_thread[e.thread] += e.cpu_time_total
+            busy[e.thread] += e.cpu_time_total
             if e.name.startswith("autograd::engine::evaluate_function"):
                 backward[e.thread] += e.cpu_time_total
-    if not by_thread:
-        return 0.0
-    return backward[max(by_thread, key=by_thread.get)] / 1e6
+    pick = backward or busy
+    return max(pick, key=pick.get) if pick else None
+
+
+def backward_seconds(events) -> float:
+    """Seconds the training thread spent running the autograd engine's backward functions (on CPU the engine
+    runs on the calling thread; the communication issued inside backward is included)."""
+    main = _training_thread(events)
+    return sum(e.cpu_time_total for e in events if e.cpu_parent is None and e.thread == main
+               and e.name.startswith("autograd::engine::evaluate_function")) / 1e6
 
 
 class StepTimer:
