@@ -431,3 +431,20 @@ def test_zero12_as_paratrain_runs_it(box):
     base = estimate(model, box, 1, 256, 16, layout, opts).time_breakdown_s["dp_comm"]
     paid = estimate(model, _with_call_cost(box, 1000.0), 1, 256, 16, layout, opts).time_breakdown_s["dp_comm"]
     assert (paid - base) / 1e-3 == pytest.approx(m * (L + 1) + L + 1)
+
+
+def test_recompute_mlp_sits_between_selective_and_full():
+    """NxD's selective recompute with the MLP block (Options.recompute_mlp): it replays the MLP's matmuls and its
+    TP collectives, so the step is slower than selective and faster than full; it keeps the MLP's input instead of
+    its gate/up outputs, so it needs less memory than selective; HFU counts the replayed MLP FLOPs."""
+    from paratrain.plan.model import Options
+
+    args = ("llama3-70b", "trn1.32xlarge", 32, 8192, 1024)
+    lay = lambda rc: Layout(tp=32, pp=8, sp=True, recompute=rc, zero_stage=1, pp_layers="balanced")  # noqa: E731
+    sel, full = estimate(*args, lay("selective")), estimate(*args, lay("full"))
+    mlp = estimate(*args, lay("selective"), Options.for_system(resolve_system("trn1.32xlarge"), recompute_mlp=True))
+    assert sel.step_time_s < mlp.step_time_s < full.step_time_s
+    assert mlp.time_breakdown_s["tp_comm"] > sel.time_breakdown_s["tp_comm"]
+    assert mlp.memory_breakdown_bytes["activations"] < 0.6 * sel.memory_breakdown_bytes["activations"]
+    assert sel.hfu * sel.step_time_s < mlp.hfu * mlp.step_time_s < full.hfu * full.step_time_s
+    assert mlp.model_flops_per_step == sel.model_flops_per_step

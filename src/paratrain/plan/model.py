@@ -79,6 +79,10 @@ class Options:
     per parameter more memory; otherwise (torchao float8) every forward and backward call casts the weight.
     tp_comm_overlap: tensor-parallel collectives (with SP) pipelined with the GEMMs next to them, as
     Transformer Engine's userbuffer overlap (Megatron-Core/NeMo tp_comm_overlap) and torch's async TP do.
+    recompute_mlp: selective recompute also replays the MLP block (its two matmuls, activation function and, with
+    TP, its all-gather/reduce-scatter or all-reduce), and keeps only the block's input instead of the gate/up
+    outputs: NeuronX Distributed's activations_checkpoint_recompute_mlp (NxDT hf_llama3_70B_config.yaml) and
+    its tp_pp examples at seq 8192 (run_llama_nxd.py: "For 8K seq-length, we have to checkpoint the MLP block").
     attention_eff: fraction of peak the attention kernel reaches where it is not the chip's matmul_eff_max
     (FlashAttention-2, PyTorch SDPA's flash backend, on Hopper: see plan.stacks).
     overlap_param_gather: the ZeRO-1/2 parameter all-gather after the optimizer step is overlapped with the
@@ -98,6 +102,7 @@ class Options:
     overlap_param_gather: bool = False
     attention_eff: float | None = None
     fp8_weight_cache: bool = False
+    recompute_mlp: bool = False
     dp_overlap: float | None = None
     bucket_bytes: float | None = None
     eager: bool = False
@@ -239,6 +244,17 @@ def activation_bytes_per_token(model: ModelConfig, seq: int, attention: str, fp8
     return float(sp_part), float(tp_part), float(core)
 
 
+def _mlp_params_per_layer(model: ModelConfig) -> float:
+    """Matmul parameters of one layer's MLP (SwiGLU: gate, up, down; GPT: fc1, fc2)."""
+    return float((3 if model.arch == "llama" else 2) * model.hidden * model.ffn)
+
+
+def mlp_activation_bytes_per_token(model: ModelConfig) -> float:
+    """HBM traffic of the MLP's activation function per token (SwiGLU: read gate and up, write the product;
+    bias-GeLU: read + write), the elementwise part of the MLP block."""
+    return float((3 if model.arch == "llama" else 2) * model.ffn * BF16_BYTES)
+
+
 def elementwise_bytes_per_token(model: ModelConfig, seq: int, attention: str):
     """HBM traffic of the memory-bound ops of one layer's forward, per token: (sp_part, tp_part, core, kernels).
 
@@ -250,12 +266,12 @@ def elementwise_bytes_per_token(model: ModelConfig, seq: int, attention: str):
     norms = 2 * (2 * h) * BF16_BYTES  # two norms, read + write h each
     residual = 2 * (3 * h) * BF16_BYTES  # two residual (+bias+dropout) adds: read 2h, write h
     if model.arch == "llama":
-        act = 3 * f * BF16_BYTES  # SwiGLU: read gate and up, write product
+        act = mlp_activation_bytes_per_token(model)  # SwiGLU: read gate and up, write product
         rope = 2 * (h + kv) * BF16_BYTES
         core = 2 * a * seq * BF16_BYTES  # fused scale-mask-softmax: read + write scores
         kernels = 6
     else:
-        act = 2 * f * BF16_BYTES  # bias-GeLU: read + write
+        act = mlp_activation_bytes_per_token(model)  # bias-GeLU: read + write
         rope = 0
         core = (2 + 2.5) * a * seq * BF16_BYTES  # softmax read/write + dropout read/write/mask
         kernels = 7
@@ -303,12 +319,14 @@ def memory_time_s(system: System, nbytes, kernels):
 # ---- the whole step -------------------------------------------------------------------------------------
 def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     """Forward compute time of one layer on one device, split into matmuls, attention core and elementwise."""
-    matmuls, cast_bytes = 0.0, 0.0
+    matmuls, cast_bytes, mlp = 0.0, 0.0, 0.0
     for name, n, k, shard in layer_matmuls(model, seq, opts.attention):
         n_dev, k_dev = (n / tp, k) if shard == "n" else (n, k / tp)
         if name == "qkv":  # GQA with tp > kv heads: each rank computes (a replica of) one K and one V head
             n_dev = model.hidden / tp + 2 * model.kv_dim / np.minimum(tp, model.n_kv_heads)
-        matmuls = matmuls + matmul_time_s(system, T, n_dev, k_dev, opts.fp8)
+        one = matmul_time_s(system, T, n_dev, k_dev, opts.fp8)
+        matmuls = matmuls + one
+        mlp = mlp + (one if name.startswith("mlp") else 0.0)
         # FP8 (Transformer Engine / torchao current scaling): each matmul's input is scaled (an amax read) and
         # cast (read bf16, write fp8) before the GEMM: 2 + 2 + 1 bytes per element, memory-bound. The weight too,
         # at every call (torchao float8), unless the stack caches the cast weight across microbatches
@@ -336,7 +354,9 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     sp_scale = np.where(sp, 1.0 / tp, 1.0)
     elem_bytes = T * (sp_b * sp_scale + tp_b / tp + core_b * (seq / cp / seq) / tp) + cast_bytes
     elementwise = memory_time_s(system, elem_bytes, kernels + (FP8_CAST_KERNELS if opts.fp8 else 0))
-    return matmuls, core, elementwise
+    # the MLP block alone (replayed by Options.recompute_mlp): its matmuls and its activation function
+    mlp = mlp + memory_time_s(system, T * mlp_activation_bytes_per_token(model) / tp, 1)
+    return matmuls, core, elementwise, mlp
 
 
 def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *, nodes, tp, pp, dp, cp,
@@ -365,9 +385,10 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     T = b * seq / cp  # tokens of one microbatch on one device
 
     # -- compute per layer, forward; backward = 2x matmuls and attention, 2x elementwise traffic --
-    mm, core, elem = _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero)
+    mm, core, elem, mlp_fwd = _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero)
     fwd_compute = mm + core + elem
-    recompute_fwd = np.where(rc == 2, fwd_compute, np.where(rc == 1, core, 0.0))
+    selective = core + (mlp_fwd if opts.recompute_mlp else 0.0)
+    recompute_fwd = np.where(rc == 2, fwd_compute, np.where(rc == 1, selective, 0.0))
     # FlashAttention's backward recomputes the scores and probabilities and runs 5 matmuls to the forward's 2
     # (Dao 2023, FlashAttention-2 sec. 3.2); unfused attention keeps P and runs 4 (dP, dV, dQ, dK)
     core_bwd = FLASH_BWD_MATMULS / 2.0 if opts.attention == "flash" else 2.0
@@ -382,7 +403,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
              + collective_time_s(system, "reducescatter", act_bytes, tp, 1.0))
     tp_exposed = 1 - eff_sys.tp_overlap
     tp_fwd = np.where(tp > 1, 2 * np.where(sp, ag_rs, ar), 0.0) * tp_exposed
-    tp_bwd = tp_fwd * np.where(rc == 2, 2.0, 1.0)
+    # recompute replays the forward's TP collectives: all of them (full) or the MLP's one pair (recompute_mlp)
+    replay = np.where(rc == 2, 2.0, np.where((rc == 1) & opts.recompute_mlp, 1.5, 1.0))
+    tp_bwd = tp_fwd * replay
     if opts.tp_comm_overlap:
         # Transformer Engine / Megatron (tp_comm_overlap) and torch async TP: with SP each all-gather is split
         # into tp chunks exchanged while the GEMM it feeds runs on the chunks already there, and each
@@ -391,7 +414,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         comm = 2 * ag_rs
         hidden = lambda c, gemm: np.maximum(0.0, c - gemm) + c / tp  # noqa: E731
         tp_fwd = np.where((tp > 1) & sp, hidden(comm, mm), tp_fwd)
-        tp_bwd = np.where((tp > 1) & sp, hidden(comm, 2 * mm) * np.where(rc == 2, 2.0, 1.0), tp_bwd)
+        tp_bwd = np.where((tp > 1) & sp, hidden(comm, 2 * mm) * replay, tp_bwd)
     # Embedding and head under TP: the vocabulary-parallel embedding's all-reduce (reduce-scatter with SP);
     # with SP the final norm's output is gathered for the head; vocabulary-parallel cross-entropy all-reduces
     # three [tokens] fp32 vectors (max logit, sum of exponentials, target logit); backward, the head's input
@@ -494,7 +517,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     for name, attn_per_token in (("causal", CAUSAL_ATTENTION_FLOPS), ("full", 4.0)):
         attn_fwd = attn_per_token * L * seq * h  # forward attention FLOPs per token
         fwd = 2.0 * model.num_matmul_params() + attn_fwd
-        recompute = np.where(rc == 2, fwd - 2.0 * V * h, np.where(rc == 1, attn_fwd, 0.0)) * tokens
+        mlp_flops = 2.0 * L * _mlp_params_per_layer(model) if opts.recompute_mlp else 0.0
+        recompute = np.where(rc == 2, fwd - 2.0 * V * h, np.where(rc == 1, attn_fwd + mlp_flops, 0.0)) * tokens
         flops[name] = (3.0 * fwd * tokens, 3.0 * fwd * tokens + recompute)
     model_flops, hardware_flops = flops[ATTENTION_CONVENTION]
     # with FP8 matmuls MFU is taken against the FP8 peak (the rate they run at), so it stays below 1
@@ -672,7 +696,9 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
         core = core / cp  # scores over the local query rows only
     sp_scale = np.where(sp, 1.0 / tp, 1.0)
     layer_full = T * (sp_part * sp_scale + tp_part / tp + core / tp)
-    layer_selective = T * (sp_part * sp_scale + tp_part / tp)
+    # recompute_mlp keeps the MLP block's input (already counted) instead of its gate/up (fc1/GeLU) outputs
+    mlp_kept = (6 if model.arch == "llama" else 4) * model.ffn if opts.recompute_mlp else 0
+    layer_selective = T * (sp_part * sp_scale + (tp_part - mlp_kept) / tp)
     layer_input = T * 2 * model.hidden * sp_scale
     per_layer = np.select([rc == 0, rc == 1], [layer_full, layer_selective], layer_input)
     inflight = inflight_microbatches(sched, pp, v, m)
