@@ -262,7 +262,7 @@ def elementwise_bytes_per_token(model: ModelConfig, seq: int, attention: str):
     function, rotary. core: the unfused attention's scale/mask/softmax/dropout over a*s scores.
     kernels: number of separate elementwise kernels (each pays the chip's kernel overhead).
     """
-    h, f, kv, a = model.hidden, model.ffn, model.kv_dim, model.heads
+    h, kv, a = model.hidden, model.kv_dim, model.heads
     norms = 2 * (2 * h) * BF16_BYTES  # two norms, read + write h each
     residual = 2 * (3 * h) * BF16_BYTES  # two residual (+bias+dropout) adds: read 2h, write h
     if model.arch == "llama":
