@@ -45,7 +45,7 @@ def main() -> int:
     mfus = [r["mfu"] for r in steps if "mfu" in r]
     summary = json.loads((tmp / "summary.json").read_text())
     raised = proc.stderr.count("the probe under-measured this machine")
-    from paratrain.train.commands import run_mfu
+    from paratrain.train.summary import run_mfu
 
     out = {"steps": len(mfus), "max_step_mfu": max(mfus), "steps_above_1": sum(m > 1 for m in mfus),
            "peak_raised_times": raised, "peak_tflops": summary["peak_flops"] / 1e12, "peak_label": summary["peak_label"],

@@ -104,7 +104,7 @@ def test_run_prints_the_planners_prediction_beside_the_measurement(tmp, capsys):
     """plan -> train -> measure: with metrics.hardware naming a hardware file, the run's summary holds the
     planner's prediction for this very layout and software (eager kernels, DDP buckets), printed with the
     measured step time and breakdown."""
-    from paratrain.train.commands import print_summary
+    from paratrain.train.summary import print_summary
 
     summary = _train(settings(tmp, "predicted", f'metrics.hardware="{_hardware_file(tmp)}"'))
     pred = summary["predicted"]

@@ -1,18 +1,24 @@
-"""The `paratrain` command.
+"""The `paratrain` command, and the small generator its subcommands are built with.
 
-Each part of the project registers its own subcommands from `<part>/commands.py` (a `register(subparsers)`
-function), so the CLI mirrors the architecture: train/data in `train/`, hardware in `hardware/`, plan/estimate
-in `plan/`, simulate in `sim/`. This file only wires them together.
+Each part registers its subcommands from `<part>/commands.py` (a `register(subparsers)` function), so the CLI
+mirrors the architecture. A command's options are a dataclass whose fields carry their help (`opt`): the flag,
+its type, choices, default, bounds and unit come from the field (name, annotation, metadata), so one option means
+one thing and is checked one way everywhere. The shared groups (`ConfigArgs`, `Output`, `Workload`, ...) are
+defined once, below. Config-driven commands (train, data prepare, config, verify, export, generate, launch) also
+get one `--SECTION.KEY VALUE` flag per key of the training schema (the same as `--set SECTION.KEY=VALUE`).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import os
 import sys
+import types
+import typing
+from dataclasses import MISSING, dataclass, field
 
-# (module, one-line summary shown by `paratrain --help`). Order = order in the help text.
 COMMAND_MODULES = [
     "paratrain.train.commands",
     "paratrain.train.checkpoint_commands",
@@ -36,30 +42,180 @@ typical workflow:
   paratrain plan --model llama2-7b --hardware trn1.32xlarge --nodes 128 --seq 4096 --global-batch 1024
   paratrain simulate --help                      # failures, checkpoints and goodput at cluster scale
 
-Every subcommand has its own --help with examples.
+Every subcommand has its own --help with examples. Units are in the flag names (_s seconds, _usd dollars,
+-gib/-gb sizes, -days); the same flag means the same thing, with the same default, in every command.
 """
+
+# the unit a field's name ends in, printed in its help
+UNITS = {"_s": "seconds", "_usd": "USD", "_days": "days", "_gib": "GiB", "_gb": "GB", "_gbps": "GB/s"}
 
 
 class UserError(Exception):
     """An error in the user's input: printed as one line, exit code 2, no traceback."""
 
 
+def opt(help: str, default=None, **meta):
+    """A command option as a dataclass field. meta: flag, short, choices, metavar, nargs, const, required,
+    positional, group, ge/gt (bounds checked before the command runs), factory (a mutable default)."""
+    factory = meta.pop("factory", None)
+    meta["help"] = help
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+def _kind(hint) -> tuple[str, typing.Any, tuple | None]:
+    """(kind, element type, choices) of an annotation: bool flag, list (repeatable), or one value."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
+        hint = args[0]
+    if typing.get_origin(hint) is typing.Literal:
+        return "value", str, typing.get_args(hint)
+    if typing.get_origin(hint) is list:
+        return "list", typing.get_args(hint)[0], None
+    return ("flag", None, None) if hint is bool else ("value", hint, None)
+
+
+def flag_of(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag", "--" + f.name.replace("_", "-"))
+
+
+def _help(f: dataclasses.Field, default) -> str:
+    text = f.metadata["help"]
+    if text is argparse.SUPPRESS:
+        return text
+    unit = next((u for suffix, u in UNITS.items() if f.name.endswith(suffix)), None)
+    if unit and unit not in text:
+        text += f" ({unit})"
+    if default not in (None, False, [], "") and "default" not in text:
+        text += f" (default {default})"
+    return text.replace("%", "%%")
+
+
+def add_options(parser: argparse.ArgumentParser, cls) -> None:
+    """One argparse option per field of the dataclass `cls` (in field order, in its `group`)."""
+    hints = typing.get_type_hints(cls)
+    groups: dict[str, typing.Any] = {}
+    for f in dataclasses.fields(cls):
+        m = f.metadata
+        where = parser if "group" not in m else groups.get(m["group"]) or groups.setdefault(
+            m["group"], parser.add_argument_group(m["group"]))
+        kind, base, choices = _kind(hints[f.name])
+        default = f.default_factory() if f.default is MISSING else f.default
+        kw = {"help": _help(f, default)}
+        if kind == "flag":
+            kw["action"] = "store_true"
+        else:
+            kw.update(type=base, default=default)
+            if kind == "list":
+                kw["action"] = "append"
+        if choices or "choices" in m:
+            kw["choices"] = m.get("choices", choices)
+        kw.update({k: m[k] for k in ("metavar", "nargs", "const", "required") if k in m})
+        if m.get("positional"):
+            where.add_argument(f.name, **kw)
+        else:
+            where.add_argument(flag_of(f), *([m["short"]] if "short" in m else []), dest=f.name, **kw)
+
+
+def check_bounds(opts) -> None:
+    """The ge/gt bounds of every option given: one line naming the flag, its value and the bound."""
+    for f in dataclasses.fields(opts):
+        value = getattr(opts, f.name)
+        if value is None or isinstance(value, bool | list | str):
+            continue
+        if "ge" in f.metadata and not value >= f.metadata["ge"]:
+            raise UserError(f"{flag_of(f)} = {value}: must be >= {f.metadata['ge']}")
+        if "gt" in f.metadata and not value > f.metadata["gt"]:
+            raise UserError(f"{flag_of(f)} = {value}: must be > {f.metadata['gt']}")
+
+
+def command(sub, name: str, cls, run, help: str, description: str = "", config_keys: bool = False):
+    """A subcommand whose options are the dataclass `cls`; `run` gets the checked options (an instance)."""
+    usage = "%(prog)s [options] [--SECTION.KEY VALUE ...]" if config_keys else None  # not 100 keys in the usage
+    p = sub.add_parser(name, help=help, description=description, usage=usage,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(p, cls)
+    if config_keys:
+        add_config_keys(p)
+
+    def func(args):
+        opts = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+        check_bounds(opts)
+        return run(opts)
+
+    p.set_defaults(func=func)
+    return p
+
+
+def group(sub, name: str, help: str, description: str = ""):
+    """A command with subcommands (`hardware list|show`): prints its help when given none."""
+    p = sub.add_parser(name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.set_defaults(func=lambda args: p.print_help() or 0)
+    return p, p.add_subparsers(dest=f"{name}_command", metavar="ACTION")
+
+
+# ---- the shared option groups --------------------------------------------------------------------------------
+@dataclass(kw_only=True)
+class Output:
+    json: bool = opt("print only JSON on stdout (logs and progress go to stderr)")
+
+
+@dataclass(kw_only=True)
+class ConfigArgs:
+    config: str | None = opt("training config TOML (default: built-in defaults = tiny model)", short="-c",
+                             metavar="FILE")
+    set: list[str] = opt("override one config key (repeatable); the value is parsed as TOML; every key is also a "
+                         "flag: --parallel.tp 2 = --set parallel.tp=2", factory=list, metavar="SECTION.KEY=VALUE")
+
+
+@dataclass(kw_only=True)
+class Workload:
+    """What the planner, the cost model and the simulator plan for: one meaning, one default everywhere."""
+    model: str | None = opt("model preset (llama2-7b, llama3-70b, ...) or model TOML file")
+    seq: int = opt("sequence length in tokens", 4096, ge=1)
+    global_batch: int = opt("sequences per optimizer step", 1024, ge=1)
+
+
+PURCHASE_HELP = "which catalog price the cost uses: on-demand, capacity-block, savings-1y, savings-3y or spot"
+
+
+class _ConfigKey(argparse.Action):
+    """--SECTION.KEY VALUE: appended to --set in command-line order, so the later of the two wins."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        namespace.set = [*(namespace.set or []), f"{option_string[2:]}={value}"]
+
+
+def add_config_keys(parser: argparse.ArgumentParser) -> None:
+    from paratrain.config import TrainConfig
+
+    g = parser.add_argument_group("config keys (each the same as --set SECTION.KEY=VALUE; docs/config.md)")
+    for section, sfield in TrainConfig.model_fields.items():
+        for key, kfield in sfield.annotation.model_fields.items():
+            about = (kfield.description or "").split(";")[0].split(". ")[0][:60]
+            g.add_argument(f"--{section}.{key}", action=_ConfigKey, metavar="V", dest="set", default=argparse.SUPPRESS,
+                           help=f"{about} (default {kfield.get_default(call_default_factory=True)!r})".lstrip().replace("%", "%%"))
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError
+    from importlib.metadata import version as installed
+
+    try:
+        return installed("paratrain")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
+# ---- the command ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="paratrain",
-        description="Plan, run and survive large-scale LLM training (Trainium and GPU).",
-        epilog=EPILOG,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    parser = argparse.ArgumentParser(prog="paratrain", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     description="Plan, run and survive large-scale LLM training (Trainium and GPU).")
+    parser.add_argument("--version", action="version", version=f"paratrain {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:
-        try:
-            module = importlib.import_module(name)
-        except ModuleNotFoundError as exc:  # a part not built yet must not break the others
-            if exc.name == name:
-                continue
-            raise
-        module.register(sub)
+        importlib.import_module(name).register(sub)
     return parser
 
 

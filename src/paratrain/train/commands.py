@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
+from dataclasses import dataclass
+
+from paratrain.cli import ConfigArgs, Output, command, group, opt
 
 TRAIN_HELP = """\
 Train a Llama-style model from a TOML config (see configs/ and docs/config.md).
@@ -55,42 +57,35 @@ tokenizer.json when that is set.
 """
 
 
-def _add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", "-c", help="TOML config file (default: built-in defaults = tiny model)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="override one config key (repeatable); the value is parsed as TOML")
+@dataclass(kw_only=True)
+class TrainArgs(ConfigArgs, Output):
+    resume_from: str | None = opt("resume from this checkpoint folder (.../step_00000100) or checkpoint directory "
+                                  "(its newest complete one); local, shared filesystem or s3://bucket/prefix. "
+                                  "Default: checkpoint.resume (\"auto\": the newest complete one in checkpoint.dir)",
+                                  metavar="PATH")
+    summary_json: str | None = opt("write the run summary as JSON to this file (main rank)", metavar="FILE")
+
+
+@dataclass(kw_only=True)
+class PrepareArgs(ConfigArgs, Output):
+    force: bool = opt("re-tokenize even if already prepared")
+    progress: str | None = opt("progress bar with tokens/s on stderr (default: when stderr is a terminal)",
+                               choices=("on", "off"))
+
+
+@dataclass(kw_only=True)
+class ConfigCheckArgs(ConfigArgs):
+    reference: bool = opt("print the reference of every key (markdown)")
 
 
 def register(sub) -> None:
-    p = sub.add_parser("train", help="train a model (single process or under torchrun)", description=TRAIN_HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_config_args(p)
-    p.add_argument("--resume-from", metavar="PATH",
-                   help="resume from this checkpoint folder (.../step_00000100) or checkpoint directory (its newest "
-                        "complete one); local, shared filesystem or s3://bucket/prefix. Default: checkpoint.resume "
-                        "(\"auto\": the newest complete one in checkpoint.dir)")
-    p.add_argument("--summary-json", help="write the run summary as JSON to this file (main rank)")
-    p.add_argument("--json", action="store_true",
-                   help="print the run summary as JSON on stdout instead of the text summary (main rank)")
-    p.set_defaults(func=run_train)
-
-    d = sub.add_parser("data", help="prepare training data (tokenize into a memory-mapped token file)")
-    dsub = d.add_subparsers(dest="data_command", metavar="ACTION")
-    prep = dsub.add_parser("prepare", help="tokenize data.source into data.prepared_dir",
-                           description=PREPARE_HELP,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
-    _add_config_args(prep)
-    prep.add_argument("--force", action="store_true", help="re-tokenize even if already prepared")
-    prep.add_argument("--json", action="store_true", help="print the prepared data's meta.json on stdout")
-    prep.add_argument("--progress", choices=("on", "off"), help="progress bar with tokens/s on stderr "
-                      "(default: when stderr is a terminal)")
-    prep.set_defaults(func=run_prepare)
-    d.set_defaults(func=lambda args: d.print_help() or 0)
-
-    c = sub.add_parser("config", help="validate a config and print it fully resolved (defaults filled in)")
-    _add_config_args(c)
-    c.add_argument("--reference", action="store_true", help="print the reference of every key (markdown)")
-    c.set_defaults(func=run_config)
+    command(sub, "train", TrainArgs, run_train, "train a model (single process or under torchrun)", TRAIN_HELP,
+            config_keys=True)
+    _, data = group(sub, "data", "prepare training data (tokenize into a memory-mapped token file)")
+    command(data, "prepare", PrepareArgs, run_prepare, "tokenize data.source into data.prepared_dir", PREPARE_HELP,
+            config_keys=True)
+    command(sub, "config", ConfigCheckArgs, run_config,
+            "validate a config and print it fully resolved (defaults filled in)", config_keys=True)
 
 
 def run_config(args) -> int:
@@ -111,8 +106,6 @@ def run_config(args) -> int:
 
 
 def run_prepare(args) -> int:
-    import sys
-
     from paratrain.config import load_config
     from paratrain.train.data import prepare, read_meta, summary_line
     from paratrain.train.data.tokenize import check_model_tokenizer
@@ -137,6 +130,7 @@ def run_train(args, faults=None) -> int:
     from paratrain.parallel.mesh import shutdown_distributed
     from paratrain.train.faults import FaultInjector
     from paratrain.train.loop import train
+    from paratrain.train.summary import print_summary
 
     cfg = load_config(args.config, args.set)  # fails here, before any process group or data work
     faults = faults if faults is not None else FaultInjector.from_env(os.environ)  # a malformed spec, too
@@ -146,13 +140,11 @@ def run_train(args, faults=None) -> int:
     if joined_here:
         shutdown_distributed()  # torchrun's ranks exit together, with no gloo thread left running
     if summary["rank"] == 0:
-        if summary.get("nothing_to_train"):  # said in one line by the loop; no summary of a run that did not run
-            if args.json:
-                print(json.dumps(summary))
-            return 0
         if args.json:
             print(json.dumps(summary))
-        else:
+        if summary.get("nothing_to_train"):  # said in one line by the loop; no summary of a run that did not run
+            return 0
+        if not args.json:
             print_summary(summary)
         if args.summary_json:
             with open(args.summary_json, "w") as fh:
@@ -162,16 +154,6 @@ def run_train(args, faults=None) -> int:
     return 1 if summary.get("errors") else 0
 
 
-def run_mfu(s: dict) -> float | None:
-    """Model FLOPs utilisation of the whole run: train FLOPs per token x tokens/s over (ranks x peak)."""
-    if not s.get("model_shape") or not s.get("peak_flops"):
-        return None
-    from paratrain.model.config import ModelConfig
-
-    flops_per_token = ModelConfig(**s["model_shape"]).train_flops_per_token(s["seq_len"])
-    return flops_per_token * s["tokens_per_s"] / (s["peak_flops"] * s["world_size"])
-
-
 def check_launch(cfg, world_size: int) -> None:
     """The checks that need the number of ranks (degrees vs world size, batch vs dp), before this rank joins
     a process group: under torchrun every rank refuses a bad layout at once, with one line."""
@@ -179,28 +161,3 @@ def check_launch(cfg, world_size: int) -> None:
     from paratrain.train.loop import check_batch_layout
 
     check_batch_layout(cfg, resolve_degrees(cfg.parallel, world_size)["dp"])
-
-
-def print_summary(s: dict) -> None:
-    if s.get("preempted"):
-        p = s["preempted"]
-        print(f"\npreempted ({p['signal']}) at step {p['step']}: checkpoint {p['checkpoint'] or 'NOT saved'}, "
-              f"{p['seconds_after_notice']:.1f} s after the notice; start the same command again to resume")
-    drop = (1 - s["last_loss"] / s["first_loss"]) if s["first_loss"] == s["first_loss"] else float("nan")
-    print("\n=== paratrain run summary ===")
-    print(f"layout          {s['layout']} on {s['world_size']} rank(s)")
-    print(f"steps           {s['steps']} ({s['tokens']:,} tokens) in {s['wall_s']:.1f} s")
-    print(f"loss            {s['first_loss']:.4f} -> {s['last_loss']:.4f} ({drop:.1%} lower)")
-    print(f"throughput      {s['tokens_per_s']:,.0f} tokens/s ({s.get('tokens_per_s_note', 'all steps')})")
-    if (mfu := run_mfu(s)) is not None:
-        print(f"MFU             {mfu:.1%} (of the {s['peak_label']}: {s['peak_flops'] / 1e12:,.2f} TFLOP/s per rank)")
-    print(f"metrics         {s['run_dir']}/metrics.jsonl, TensorBoard: {s['run_dir']}/tensorboard")
-    print(f"checkpoint      {s['checkpoint'] or '(none saved)'}")
-    if s.get("predicted"):
-        pred, measured = s["predicted"], s.get("step_time_s_median", float("nan"))
-        print(f"step time       measured {measured * 1e3:,.1f} ms (median), planner predicted "
-              f"{pred['step_time_s'] * 1e3:,.1f} ms on {pred['system']} ({pred['step_time_s'] / measured - 1:+.0%})")
-        shown = {k: v for k, v in pred["breakdown_s"].items() if v > 0}
-        print("  predicted     " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in shown.items()))
-        meas = s.get("breakdown_median_s", {})
-        print("  measured      " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in meas.items()))
