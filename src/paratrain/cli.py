@@ -13,6 +13,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import json
+import math
 import os
 import sys
 import types
@@ -196,6 +198,20 @@ def add_config_keys(parser: argparse.ArgumentParser) -> None:
             about = (kfield.description or "").split(";")[0].split(". ")[0][:60]
             g.add_argument(f"--{section}.{key}", action=_ConfigKey, metavar="V", dest="set", default=argparse.SUPPRESS,
                            help=f"{about} (default {kfield.get_default(call_default_factory=True)!r})".lstrip().replace("%", "%%"))
+
+
+def json_safe(obj):
+    """NaN and inf become null (JSON has neither); tuples become lists."""
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return None if isinstance(obj, float) and not math.isfinite(obj) else obj
+
+
+def print_json(obj, default=str) -> None:
+    """The whole of stdout for --json: one JSON document."""
+    print(json.dumps(json_safe(obj), indent=2, default=default))
 
 
 def version() -> str:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-import math
+from dataclasses import dataclass
+from typing import Literal
+
+from paratrain.cli import Output, UserError, Workload, command, opt, print_json
 
 ESTIMATE_HELP = """\
 Predict step time, MFU/HFU, memory per device, communication and cost of ONE parallel layout, from the
@@ -50,115 +51,92 @@ Each pipelined layout is ranked with its best layers-per-stage split (parallel.p
 """
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", required=True, help="preset name or model TOML file")
-    p.add_argument("--hardware", required=True, help="system name (paratrain hardware list) or TOML file")
-    p.add_argument("--nodes", type=int, required=True, help="number of nodes (instances / UltraServers)")
-    p.add_argument("--seq", type=int, required=True, help="sequence length (tokens)")
-    p.add_argument("--global-batch", type=int, required=True, help="sequences per optimizer step")
-    p.add_argument("--attention", choices=["flash", "unfused"], default=None,
-                   help="attention kernel (default: the system's stack; flash on GPUs, unfused on NxD)")
-    p.add_argument("--grad-bytes", type=int, choices=[2, 4], default=None,
-                   help="gradient precision (fp32=4; default: the stack's, 4 unless --stack megatron)")
-    p.add_argument("--stack", choices=["nxd", "megatron", "fsdp2", "deepspeed"], default=None,
-                   help="training software: search only what it supports (plan) and time it as it runs "
-                        "(ZeRO-1 gather overlap, TP comm overlap, gradient precision); default: the system's")
-    p.add_argument("--fp8", action="store_true",
-                   help="layer matmuls in FP8 at the chip's FP8 peak (Transformer Engine / torchao float8)")
-    p.add_argument("--train-tokens", type=float, default=None, help="tokens to train: adds run time and cost")
-    p.add_argument("--max-seq", type=int, default=None,
-                   help="the model's context length (default: the preset's); longer than the preset's assumes RoPE "
-                        "scaling to it. A --seq beyond it is refused")
-    p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--write-config", metavar="FILE", help="write the (best) layout as a training config TOML")
+@dataclass(kw_only=True)
+class PlanTarget(Workload, Output):
+    model: str = opt("model preset (llama2-7b, llama3-70b, ...) or model TOML file", required=True)
+    hardware: str = opt("system name (paratrain hardware list) or hardware TOML file", required=True)
+    nodes: int = opt("number of nodes (instances / UltraServers)", required=True, ge=1)
+    attention: Literal["flash", "unfused"] | None = opt("attention kernel (default: the system's stack; flash on "
+                                                        "GPUs, unfused on NxD)")
+    grad_bytes: int | None = opt("gradient precision (fp32=4; default: the stack's, 4 unless --stack megatron)",
+                                 choices=(2, 4))
+    stack: Literal["nxd", "megatron", "fsdp2", "deepspeed"] | None = opt(
+        "training software: search only what it supports (plan) and time it as it runs (ZeRO-1 gather overlap, "
+        "TP comm overlap, gradient precision); default: the system's")
+    fp8: bool = opt("layer matmuls in FP8 at the chip's FP8 peak (Transformer Engine / torchao float8)")
+    train_tokens: float | None = opt("tokens to train: adds run time and cost", gt=0)
+    max_seq: int | None = opt("the model's context length (default: the preset's); longer than the preset's "
+                              "assumes RoPE scaling to it. A --seq beyond it is refused", ge=1)
+    write_config: str | None = opt("write the (best) layout as a training config TOML", metavar="FILE")
 
 
-def register(subparsers) -> None:
-    est = subparsers.add_parser("estimate", help="predict time, memory and cost of one layout",
-                                description=ESTIMATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common(est)
-    est.add_argument("--tp", type=int, default=1, help="tensor parallel degree")
-    est.add_argument("--pp", type=int, default=1, help="pipeline parallel degree")
-    est.add_argument("--dp", type=int, default=None, help="data parallel degree (default: the rest)")
-    est.add_argument("--cp", type=int, default=1, help="context parallel degree")
-    est.add_argument("--sp", action="store_true", help="sequence parallelism (with tp > 1)")
-    est.add_argument("--microbatch", type=int, default=1, help="sequences per microbatch")
-    est.add_argument("--recompute", choices=["none", "selective", "full"], default="none")
-    est.add_argument("--schedule", choices=["gpipe", "1f1b", "interleaved_1f1b", "zbv"], default="1f1b")
-    est.add_argument("--virtual-stages", type=int, default=None, help="chunks per device (interleaved: >1, zbv: 2)")
-    est.add_argument("--zero-stage", type=int, choices=[0, 1, 2, 3], default=None,
-                     help="0 plain DDP, 1/2 distributed optimizer, 3 fully sharded (default 1, or 3 with fsdp/hsdp)")
-    est.add_argument("--dp-kind", choices=["ddp", "fsdp", "hsdp"], default="ddp")
-    est.add_argument("--pp-layers", default="auto",
-                     help="layers per pipeline stage: auto (the planner's choice, default), balanced (the "
-                          "runtime's default), or one count per (virtual) stage, e.g. 8,9,8,7")
-    est.set_defaults(func=cmd_estimate)
-
-    plan = subparsers.add_parser("plan", help="search all layouts, rank by time or cost",
-                                 description=PLAN_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _common(plan)
-    plan.add_argument("--top", type=int, default=10, help="how many candidates to show")
-    plan.add_argument("--objective", choices=["time", "cost"], default="time")
-    plan.add_argument("--any-stack", action="store_true", help="search choices the system's stack lacks too")
-    plan.add_argument("--max-microbatch", type=int, default=64)
-    plan.add_argument("--max-days", type=float, default=None,
-                      help="with --train-tokens: only layouts that finish the run within this many days")
-    plan.set_defaults(func=cmd_plan)
+@dataclass(kw_only=True)
+class EstimateArgs(PlanTarget):
+    tp: int = opt("tensor parallel degree", 1)
+    pp: int = opt("pipeline parallel degree", 1)
+    dp: int | None = opt("data parallel degree (default: the rest)")
+    cp: int = opt("context parallel degree", 1)
+    sp: bool = opt("sequence parallelism (with tp > 1)")
+    microbatch: int = opt("sequences per microbatch", 1)
+    recompute: Literal["none", "selective", "full"] = opt("activation recomputation", "none")
+    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"] = opt("pipeline schedule", "1f1b")
+    virtual_stages: int | None = opt("chunks per device (interleaved: >1, zbv: 2)")
+    zero_stage: int | None = opt("0 plain DDP, 1/2 distributed optimizer, 3 fully sharded (default 1, or 3 with "
+                                 "fsdp/hsdp)", choices=(0, 1, 2, 3))
+    dp_kind: Literal["ddp", "fsdp", "hsdp"] = opt("data parallel kind", "ddp")
+    pp_layers: str = opt("layers per pipeline stage: auto (the planner's choice), balanced (the runtime's "
+                         "default), or one count per (virtual) stage, e.g. 8,9,8,7", "auto")
 
 
-def _options(args, system):
-    from paratrain.plan.model import Options
+@dataclass(kw_only=True)
+class PlanArgs(PlanTarget):
+    top: int = opt("how many candidates to show", 10, ge=1)
+    objective: Literal["time", "cost"] = opt("rank by step time or by USD per token", "time")
+    any_stack: bool = opt("search choices the system's stack lacks too")
+    max_microbatch: int = opt("largest microbatch searched", 64, ge=1)
+    max_days: float | None = opt("with --train-tokens: only layouts that finish the run within this many days",
+                                 gt=0)
 
-    kw = {"fp8": args.fp8} | ({} if args.grad_bytes is None else {"grad_bytes": args.grad_bytes})
-    return Options.for_system(system, attention=args.attention, stack=args.stack, **kw)
+
+def register(sub) -> None:
+    command(sub, "estimate", EstimateArgs, cmd_estimate, "predict time, memory and cost of one layout", ESTIMATE_HELP)
+    command(sub, "plan", PlanArgs, cmd_plan, "search all layouts, rank by time or cost", PLAN_HELP)
 
 
 def _load(args):
-    from paratrain.cli import UserError
     from paratrain.hardware.catalog import resolve_system
     from paratrain.model.config import load_model_config
-
-    for name in ("nodes", "seq", "global_batch"):
-        if getattr(args, name) < 1:
-            raise UserError(f"--{name.replace('_', '-')} = {getattr(args, name)}: must be >= 1")
-    if args.train_tokens is not None and not args.train_tokens > 0:
-        raise UserError(f"--train-tokens = {args.train_tokens}: must be > 0")
     from paratrain.plan.api import check_seq
+    from paratrain.plan.model import Options
 
     model = load_model_config(args.model)
     if args.max_seq is not None:
-        if args.max_seq < 1:
-            raise UserError(f"--max-seq = {args.max_seq}: must be >= 1")
         model = model.model_copy(update={"max_seq": args.max_seq})
     check_seq(model, args.seq)
-    return model, resolve_system(args.hardware)
+    system = resolve_system(args.hardware)
+    kw = {"fp8": args.fp8} | ({} if args.grad_bytes is None else {"grad_bytes": args.grad_bytes})
+    return model, system, Options.for_system(system, attention=args.attention, stack=args.stack, **kw)
 
 
 def cmd_estimate(args) -> int:
     from paratrain.plan.api import Layout, estimate
+    from paratrain.plan.report import print_estimate
 
-    model, system = _load(args)
-    dp_kind = args.dp_kind
-    zero = args.zero_stage if args.zero_stage is not None else (1 if dp_kind == "ddp" else 3)
+    model, system, options = _load(args)
+    zero = args.zero_stage if args.zero_stage is not None else (1 if args.dp_kind == "ddp" else 3)
     v = args.virtual_stages if args.virtual_stages is not None else (2 if args.schedule == "zbv" else 1)
     layout = Layout(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, sp=args.sp, microbatch=args.microbatch,
                     recompute=args.recompute, schedule=args.schedule, virtual_stages=v, zero_stage=zero,
-                    dp_kind=dp_kind, pp_layers=_pp_layers(args.pp_layers))
-    est = estimate(model, system, args.nodes, args.seq, args.global_batch, layout, _options(args, system),
-                   stack=args.stack, train_tokens=args.train_tokens)
-    if args.write_config:
-        _write(args, est, model, system)
-    if args.json:
-        print(json.dumps(_clean(est.to_dict()), indent=2))
-    else:
-        _print_estimate(est)
+                    dp_kind=args.dp_kind, pp_layers=_pp_layers(args.pp_layers))
+    est = estimate(model, system, args.nodes, args.seq, args.global_batch, layout, options, stack=args.stack,
+                   train_tokens=args.train_tokens)
+    _write(args, est, model, system)
+    print_json(est.to_dict()) if args.json else print_estimate(est)
     return 0
 
 
 def _pp_layers(text: str) -> str | tuple[int, ...]:
     """--pp-layers: 'auto', 'balanced', or comma-separated counts ('8,9,8,7' or '[8, 9, 8, 7]')."""
-    from paratrain.cli import UserError
-
     if text in ("auto", "balanced"):
         return text
     try:
@@ -169,26 +147,19 @@ def _pp_layers(text: str) -> str | tuple[int, ...]:
 
 
 def cmd_plan(args) -> int:
-    from paratrain.cli import UserError
     from paratrain.plan.api import search
+    from paratrain.plan.report import print_plan
 
-    model, system = _load(args)
-    if args.top < 1:
-        raise UserError(f"--top = {args.top}: must be >= 1")
-    if args.max_microbatch < 1:
-        raise UserError(f"--max-microbatch = {args.max_microbatch}: must be >= 1")
-    if args.max_days is not None and not args.max_days > 0:
-        raise UserError(f"--max-days = {args.max_days}: must be > 0")
-
+    model, system, options = _load(args)
     if args.max_days is not None and not args.train_tokens:
         raise UserError("--max-days needs --train-tokens (how many tokens the run trains)")
-    result = search(model, system, args.nodes, args.seq, args.global_batch, top=args.top,
-                    objective=args.objective, options=_options(args, system), max_microbatch=args.max_microbatch,
-                    train_tokens=args.train_tokens, any_stack=args.any_stack, stack=args.stack,
+    result = search(model, system, args.nodes, args.seq, args.global_batch, top=args.top, objective=args.objective,
+                    options=options, max_microbatch=args.max_microbatch, train_tokens=args.train_tokens,
+                    any_stack=args.any_stack, stack=args.stack,
                     max_time_s=None if args.max_days is None else args.max_days * 86400)
     if not result.candidates:
-        devices = args.nodes * system.devices_per_node
-        where = f"{model.name} on {args.nodes} x {system.name} ({devices} devices), seq {args.seq}, global batch {args.global_batch}"
+        where = (f"{model.name} on {args.nodes} x {system.name} ({args.nodes * system.devices_per_node} devices), "
+                 f"seq {args.seq}, global batch {args.global_batch}")
         if result.valid == 0:
             raise UserError(f"no valid layout for {where}: tp must divide heads and ffn, pp the layers, tp*pp*cp the "
                             "devices, and dp * microbatch the global batch; try a global batch with more factors in "
@@ -196,86 +167,22 @@ def cmd_plan(args) -> int:
         raise UserError(f"none of the {result.valid} valid layouts for {where} fits in memory (or the --max-days "
                         "limit): try more nodes or --any-stack (FSDP)")
     best = result.candidates[0]
-    if args.write_config:
-        _write(args, best, model, system)
+    _write(args, best, model, system)
     searched = args.stack or ("any" if args.any_stack or system.stack is None else system.stack.name)
-    search_info = {"stack": searched, "combinations": result.combinations, "evaluated": result.valid,
-                   "fitting": result.fitting,
-                   "seconds": result.seconds, "configs_per_s": result.configs_per_s, "objective": args.objective}
+    info = {"stack": searched, "combinations": result.combinations, "evaluated": result.valid,
+            "fitting": result.fitting, "seconds": result.seconds, "configs_per_s": result.configs_per_s,
+            "objective": args.objective}
     if args.json:
-        print(json.dumps(_clean({"best": best.to_dict(), "candidates": [c.to_dict() for c in result.candidates],
-                                 "search": search_info}), indent=2))
+        print_json({"best": best.to_dict(), "candidates": [c.to_dict() for c in result.candidates], "search": info})
     else:
-        _print_plan(result, search_info)
+        print_plan(result, info)
     return 0
 
 
 def _write(args, est, model, system) -> None:
     from paratrain.plan.config_writer import write_training_config
 
-    path = write_training_config(args.write_config, est, model, args.model, system.devices_per_node, args.hardware)
-    if not args.json:
-        print(f"wrote {path}")
-
-
-def _clean(obj):
-    """JSON-safe: NaN/inf become null; schedule is also exposed under layout for consumers."""
-    if isinstance(obj, dict):
-        return {k: _clean(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_clean(v) for v in obj]
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return None
-    return obj
-
-
-def _gib(x: float) -> str:
-    return f"{x / 2**30:.2f} GiB"
-
-
-def _print_estimate(est) -> None:
-    from paratrain.plan.stages import describe
-
-    lay = est.layout
-    print(f"{est.model} on {est.nodes} x {est.system} ({est.devices} devices), seq {est.seq}, "
-          f"global batch {est.global_batch}")
-    print(f"layout: tp {lay.tp}  pp {lay.pp}  dp {lay.dp}  cp {lay.cp}  sp {'on' if lay.sp else 'off'}  "
-          f"microbatch {lay.microbatch} ({est.microbatches} per step)  recompute {lay.recompute}  "
-          f"schedule {lay.schedule} (v={lay.virtual_stages})  {lay.dp_kind} zero-{lay.zero_stage}")
-    if lay.pp > 1:
-        kind = "balanced" if est.balanced_step_time_s is None else \
-            f"uneven; balanced would take {est.balanced_step_time_s:.4f} s"
-        print(f"layers per stage {describe(lay.pp_layers)} ({kind})")
-    print(f"step time        {est.step_time_s:.4f} s    tokens/s {est.tokens_per_s:,.0f}")
-    print(f"MFU {est.mfu:.1%}   HFU {est.hfu:.1%}   bubble {est.bubble_fraction:.1%}   (causal attention FLOPs; "
-          f"full-square convention of Narayanan/PaLM: MFU {est.mfu_full_attention:.1%})")
-    print(f"memory/device    {_gib(est.memory_per_device_bytes)} of {_gib(est.memory_capacity_bytes)} usable "
-          f"({'fits' if est.fits else 'DOES NOT FIT'})")
-    print("  " + "  ".join(f"{k} {_gib(v)}" for k, v in est.memory_breakdown_bytes.items()))
-    print("time breakdown per step (s):")
-    print("  " + "  ".join(f"{k} {v:.4f}" for k, v in est.time_breakdown_s.items() if v))
-    if est.cost_usd_per_hour is not None:
-        print(f"cost             ${est.cost_usd_per_hour:,.2f}/h   ${est.cost_usd_per_million_tokens:.4f} per M tokens")
-    if est.time_to_train_s is not None:
-        cost = "" if est.cost_usd_per_run is None else f", ${est.cost_usd_per_run:,.0f}"
-        print(f"run              {est.time_to_train_s / 86400:.2f} days{cost}")
-    for note in est.notes:
-        print(f"note: {note}")
-
-
-def _print_plan(result, info) -> None:
-    best = result.candidates[0]
-    print(f"{best.model} on {best.nodes} x {best.system} (stack: {info['stack']}): {info['combinations']:,} combinations, "
-          f"{info['evaluated']:,} valid layouts evaluated, {info['fitting']:,} fit; {info['seconds'] * 1000:.0f} ms "
-          f"({info['configs_per_s']:,.0f} layouts/s)")
-    head = (f"{'#':>2} {'nodes':>5} {'tp':>3} {'pp':>3} {'dp':>6} {'cp':>2} {'sp':>3} {'mb':>3} {'recompute':>9} "
-            f"{'schedule':>16} {'v':>2} {'dp_kind':>7} {'Z':>1} {'step s':>9} {'MFU':>6} {'GiB/dev':>8} {'$/Mtok':>8}")
-    print(head)
-    for i, c in enumerate(result.candidates, 1):
-        lay = c.layout
-        cost = "-" if c.cost_usd_per_million_tokens is None else f"{c.cost_usd_per_million_tokens:.3f}"
-        print(f"{i:>2} {c.nodes:>5} {lay.tp:>3} {lay.pp:>3} {lay.dp:>6} {lay.cp:>2} {'on' if lay.sp else 'off':>3} "
-              f"{lay.microbatch:>3} {lay.recompute:>9} {lay.schedule:>16} {lay.virtual_stages:>2} {lay.dp_kind:>7} "
-              f"{lay.zero_stage:>1} {c.step_time_s:>9.4f} {c.mfu:>6.1%} {c.memory_per_device_bytes / 2**30:>8.2f} {cost:>8}")
-    print()
-    _print_estimate(best)
+    if args.write_config:
+        path = write_training_config(args.write_config, est, model, args.model, system.devices_per_node,
+                                     args.hardware)
+        print(f"wrote {path}") if not args.json else None

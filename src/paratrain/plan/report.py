@@ -1,0 +1,55 @@
+"""The text tables of `paratrain estimate` and `paratrain plan`."""
+
+from __future__ import annotations
+
+
+def _gib(x: float) -> str:
+    return f"{x / 2**30:.2f} GiB"
+
+
+def print_estimate(est) -> None:
+    from paratrain.plan.stages import describe
+
+    lay = est.layout
+    print(f"{est.model} on {est.nodes} x {est.system} ({est.devices} devices), seq {est.seq}, "
+          f"global batch {est.global_batch}")
+    print(f"layout: tp {lay.tp}  pp {lay.pp}  dp {lay.dp}  cp {lay.cp}  sp {'on' if lay.sp else 'off'}  "
+          f"microbatch {lay.microbatch} ({est.microbatches} per step)  recompute {lay.recompute}  "
+          f"schedule {lay.schedule} (v={lay.virtual_stages})  {lay.dp_kind} zero-{lay.zero_stage}")
+    if lay.pp > 1:
+        kind = "balanced" if est.balanced_step_time_s is None else \
+            f"uneven; balanced would take {est.balanced_step_time_s:.4f} s"
+        print(f"layers per stage {describe(lay.pp_layers)} ({kind})")
+    print(f"step time        {est.step_time_s:.4f} s    tokens/s {est.tokens_per_s:,.0f}")
+    print(f"MFU {est.mfu:.1%}   HFU {est.hfu:.1%}   bubble {est.bubble_fraction:.1%}   (causal attention FLOPs; "
+          f"full-square convention of Narayanan/PaLM: MFU {est.mfu_full_attention:.1%})")
+    print(f"memory/device    {_gib(est.memory_per_device_bytes)} of {_gib(est.memory_capacity_bytes)} usable "
+          f"({'fits' if est.fits else 'DOES NOT FIT'})")
+    print("  " + "  ".join(f"{k} {_gib(v)}" for k, v in est.memory_breakdown_bytes.items()))
+    print("time breakdown per step (s):")
+    print("  " + "  ".join(f"{k} {v:.4f}" for k, v in est.time_breakdown_s.items() if v))
+    if est.cost_usd_per_hour is not None:
+        print(f"cost             ${est.cost_usd_per_hour:,.2f}/h   ${est.cost_usd_per_million_tokens:.4f} per M tokens")
+    if est.time_to_train_s is not None:
+        cost = "" if est.cost_usd_per_run is None else f", ${est.cost_usd_per_run:,.0f}"
+        print(f"run              {est.time_to_train_s / 86400:.2f} days{cost}")
+    for note in est.notes:
+        print(f"note: {note}")
+
+
+def print_plan(result, info) -> None:
+    best = result.candidates[0]
+    print(f"{best.model} on {best.nodes} x {best.system} (stack: {info['stack']}): {info['combinations']:,} combinations, "
+          f"{info['evaluated']:,} valid layouts evaluated, {info['fitting']:,} fit; {info['seconds'] * 1000:.0f} ms "
+          f"({info['configs_per_s']:,.0f} layouts/s)")
+    head = (f"{'#':>2} {'nodes':>5} {'tp':>3} {'pp':>3} {'dp':>6} {'cp':>2} {'sp':>3} {'mb':>3} {'recompute':>9} "
+            f"{'schedule':>16} {'v':>2} {'dp_kind':>7} {'Z':>1} {'step s':>9} {'MFU':>6} {'GiB/dev':>8} {'$/Mtok':>8}")
+    print(head)
+    for i, c in enumerate(result.candidates, 1):
+        lay = c.layout
+        cost = "-" if c.cost_usd_per_million_tokens is None else f"{c.cost_usd_per_million_tokens:.3f}"
+        print(f"{i:>2} {c.nodes:>5} {lay.tp:>3} {lay.pp:>3} {lay.dp:>6} {lay.cp:>2} {'on' if lay.sp else 'off':>3} "
+              f"{lay.microbatch:>3} {lay.recompute:>9} {lay.schedule:>16} {lay.virtual_stages:>2} {lay.dp_kind:>7} "
+              f"{lay.zero_stage:>1} {c.step_time_s:>9.4f} {c.mfu:>6.1%} {c.memory_per_device_bytes / 2**30:>8.2f} {cost:>8}")
+    print()
+    print_estimate(best)
