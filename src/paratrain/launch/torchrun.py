@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from paratrain.config import MESH_DIMS, TrainConfig, resolve_degrees
+from paratrain.config import MESH_DIMS, TrainConfig, check_batch_layout, resolve_degrees
 
 DEFAULT_RDZV_PORT = 29400  # torchrun's default c10d rendezvous port
 DEFAULT_MASTER_PORT = 29500  # torchrun's default static master port
@@ -214,8 +214,6 @@ def hybrid_shard_replicas(cfg: TrainConfig, nnodes: int, nproc_per_node: int) ->
 def check_layout(cfg: TrainConfig, nnodes: NodeRange, nproc_per_node: int) -> dict[int, dict[str, str]]:
     """Refuse, with the reason, any node count in the range whose layout is invalid or splits a TP group
     across hosts. Returns the placement for each allowed node count."""
-    from paratrain.train.loop import check_batch_layout
-
     tp = cfg.parallel.tp
     if nproc_per_node % tp:
         raise ValueError(

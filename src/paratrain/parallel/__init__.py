@@ -18,8 +18,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from paratrain.config import TrainConfig
+from paratrain.config.layout import check_parallel_config, effective_dp
 from paratrain.parallel.compile import apply_compile
-from paratrain.parallel.layout import check_parallel_config, effective_dp
 from paratrain.parallel.materialize import SourceOf, on_meta, place, random_init
 from paratrain.parallel.mesh import DistEnv, resolve_degrees
 from paratrain.parallel.precision import Precision

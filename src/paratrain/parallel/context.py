@@ -70,8 +70,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from paratrain.config.layout import check_cp_layout  # noqa: F401 - re-exported; torch-free for config loading
 from paratrain.model.llama import CoreAttention
-from paratrain.parallel.layout import check_cp_layout  # noqa: F401 - re-exported; torch-free for config loading
 from paratrain.parallel.runner import ParallelRunner
 
 TAG_KV, TAG_DKV = 17, 18  # distinct P2P tags: the K/V and dK/dV rings are in flight at the same time

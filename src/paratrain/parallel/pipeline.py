@@ -22,7 +22,6 @@ over data-parallel (x context-parallel) ranks so that every rank reports the glo
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,12 +37,19 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from paratrain.config import TrainConfig
+from paratrain.config import TrainConfig, effective_dp
+from paratrain.config.pipeline import (  # noqa: F401 - the layout rules (torch-free), re-exported for the runtime
+    PipelineLayout,
+    balanced_layers,
+    check_pipeline_layout,
+    check_stages,
+    plan_pipeline,
+    stage_reshard_after_forward,
+)
 from paratrain.device import host, to_device
 from paratrain.parallel.mesh import DistEnv
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.runner import ParallelRunner, plain
-from paratrain.plan.stages import balanced_layers, check_pp_layers
 
 
 class ScheduleDualPipeVSplit(ScheduleDualPipeV):
@@ -68,158 +74,6 @@ def split_paired_actions(actions: list) -> list:
 SINGLE_STAGE_SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 MULTI_STAGE_SCHEDULES = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zbv": ScheduleZBVZeroBubble,
                          "dualpipev": ScheduleDualPipeVSplit}
-V_SCHEDULES = ("zbv", "dualpipev")
-
-
-# --------------------------------------------------------------------------------------------------------
-# Layout: which layers each stage holds, which stages each rank holds. Validated before any work.
-# --------------------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class PipelineLayout:
-    pp: int
-    chunks_per_rank: int  # 1, or `virtual_stages` (interleaved), or 2 (V schedules)
-    layers_per_stage: tuple[int, ...]
-    microbatches: int  # per pp step on one dp rank: global_batch / (dp * microbatch)
-    schedule: str
-
-    @property
-    def num_stages(self) -> int:
-        return self.pp * self.chunks_per_rank
-
-    @property
-    def v_shape(self) -> bool:
-        return self.schedule in V_SCHEDULES
-
-    def stages_of_rank(self, pp_rank: int) -> list[int]:
-        """Stage indices held by `pp_rank`, in execution order of a forward pass."""
-        if self.v_shape:
-            return [pp_rank, 2 * self.pp - 1 - pp_rank]
-        return [pp_rank + k * self.pp for k in range(self.chunks_per_rank)]
-
-    def rank_of_stage(self, stage: int) -> int:
-        return next(r for r in range(self.pp) if stage in self.stages_of_rank(r))
-
-    def layer_ids(self, stage: int) -> list[int]:
-        start = sum(self.layers_per_stage[:stage])
-        return list(range(start, start + self.layers_per_stage[stage]))
-
-
-def _chunks_per_rank(schedule: str, virtual_stages: int) -> int:
-    if schedule in SINGLE_STAGE_SCHEDULES:
-        if virtual_stages != 1:
-            raise ValueError(f"parallel.virtual_stages={virtual_stages} with parallel.pp_schedule='{schedule}': "
-                             f"'{schedule}' runs one stage per rank; allowed: virtual_stages=1, or "
-                             f"pp_schedule='interleaved_1f1b' for several chunks per rank")
-        return 1
-    if schedule == "interleaved_1f1b":
-        if virtual_stages < 2:
-            raise ValueError("parallel.virtual_stages=1 with parallel.pp_schedule='interleaved_1f1b': interleaving "
-                             "needs several chunks per rank; allowed: virtual_stages >= 2 (or pp_schedule='1f1b')")
-        return virtual_stages
-    if virtual_stages not in (1, 2):
-        raise ValueError(f"parallel.virtual_stages={virtual_stages} with parallel.pp_schedule='{schedule}': the V "
-                         f"schedules place exactly 2 chunks per rank; allowed: virtual_stages 1 (means 2) or 2")
-    return 2
-
-
-def _check_microbatches(schedule: str, m: int, pp: int, stages: int, where: str) -> None:
-    if schedule == "1f1b" and m < pp:
-        raise ValueError(f"{where}: 1f1b needs microbatches >= pp={pp}; allowed: a larger global_batch or a "
-                         f"smaller microbatch, or pp_schedule='gpipe'")
-    if schedule == "interleaved_1f1b":
-        if m < pp:
-            raise ValueError(f"{where}: interleaved_1f1b needs microbatches >= pp={pp}; allowed: a larger "
-                             f"global_batch or a smaller microbatch, or pp_schedule='gpipe'")
-        rounds = m // pp
-        if m % rounds:
-            raise ValueError(f"{where}: interleaved_1f1b runs microbatches in rounds of m // pp = {rounds}; "
-                             f"allowed: microbatch counts divisible by {rounds} (e.g. a multiple of pp={pp})")
-    if schedule in V_SCHEDULES and m < stages:
-        raise ValueError(f"{where}: {schedule} needs microbatches >= 2*pp = {stages} (its V holds 2 stages per "
-                         f"rank); allowed: a larger global_batch or a smaller microbatch")
-
-
-def _stage_layer_counts(cfg: TrainConfig, num_layers: int, stages: int) -> list[int]:
-    given = cfg.parallel.pp_layers
-    if given is None:
-        if stages > num_layers:
-            raise ValueError(f"parallel.pp={cfg.parallel.pp} x {stages // cfg.parallel.pp} chunk(s) per rank = "
-                             f"{stages} pipeline stages, but the model has {num_layers} layers; allowed: stages <= "
-                             f"model.layers (a smaller pp or virtual_stages)")
-        return balanced_layers(num_layers, stages)
-    # the planner validates the splits it writes with the same function (plan/stages.py: torch-free)
-    return list(check_pp_layers(given, num_layers, cfg.parallel.pp, stages // cfg.parallel.pp, "parallel.pp_layers"))
-
-
-def check_stages(cfg: TrainConfig) -> tuple[int, list[int]]:
-    """(chunks per rank, layers per stage): the part of the layout that does not depend on the data-parallel
-    size, so `paratrain config` can check it before the number of ranks is known."""
-    p = cfg.parallel
-    model = cfg.model_shape()
-    chunks = _chunks_per_rank(p.pp_schedule, p.virtual_stages)
-    if model.tie_embeddings and p.pp > 1:
-        raise ValueError("model.tie_embeddings=true with parallel.pp > 1: the embedding and the output head sit "
-                         "on different stages; allowed: tie_embeddings=false for pipeline parallelism")
-    return chunks, _stage_layer_counts(cfg, model.layers, p.pp * chunks)
-
-
-def plan_pipeline(cfg: TrainConfig, dp: int) -> PipelineLayout:
-    """The pipeline layout for cfg at data-parallel size dp, or one clear ValueError naming the field."""
-    p = cfg.parallel
-    chunks, counts = check_stages(cfg)
-    stages = p.pp * chunks
-    per_rank = cfg.train.global_batch // dp
-    if per_rank % cfg.train.microbatch:
-        raise ValueError(f"train.microbatch={cfg.train.microbatch} must divide the per-rank batch "
-                         f"global_batch/dp = {per_rank}")
-    m = per_rank // cfg.train.microbatch
-    where = (f"parallel.pp_schedule='{p.pp_schedule}' with {m} microbatches (train.global_batch="
-             f"{cfg.train.global_batch} / (dp={dp} x train.microbatch={cfg.train.microbatch}))")
-    _check_microbatches(p.pp_schedule, m, p.pp, stages, where)
-    return PipelineLayout(pp=p.pp, chunks_per_rank=chunks, layers_per_stage=tuple(counts), microbatches=m,
-                          schedule=p.pp_schedule)
-
-
-def stage_reshard_after_forward(pcfg) -> bool:
-    """FSDP's reshard_after_forward for the stage modules.
-
-    The zero-bubble schedules (zbv, dualpipev) split each backward into an input-gradient and a later
-    weight-gradient pass (torch.distributed.pipelining's stage_backward_input / stage_backward_weight), which
-    find the weights through the stage module's *registered* parameters after the forward. When FSDP2 reshards
-    a block after its forward, those are the sharded DTensors, not the unsharded tensors the autograd graph used:
-    the weight pass then silently misses gradients (measured, PP2 x FSDP2, torch 2.13: the last stage's block got
-    no gradient, inner stages' gradients 54-88% off). So under those schedules the blocks keep their gathered
-    parameters from forward to backward (ZeRO-2 within the step; gradients and optimizer state stay sharded);
-    an explicit request for resharding (reshard_after_forward=true, zero_stage=3) is refused instead."""
-    from paratrain.parallel.layout import effective_dp
-
-    kind, reshard = effective_dp(pcfg)
-    if kind == "ddp" or pcfg.pp <= 1 or pcfg.pp_schedule not in V_SCHEDULES:
-        return reshard
-    if pcfg.zero_stage == 3 or "reshard_after_forward" in pcfg.model_fields_set and pcfg.reshard_after_forward:
-        raise ValueError(f"parallel.pp_schedule='{pcfg.pp_schedule}' with parallel.dp_kind='{kind}' and "
-                         f"{'zero_stage=3' if pcfg.zero_stage == 3 else 'reshard_after_forward=true'}: the "
-                         f"zero-bubble weight-gradient pass needs the parameters gathered from forward to backward; "
-                         f"allowed: reshard_after_forward=false / zero_stage=2 (the default under this schedule), "
-                         f"dp_kind='ddp', or pp_schedule gpipe / 1f1b / interleaved_1f1b")
-    return False
-
-
-def check_pipeline_layout(cfg: TrainConfig, dp: int | None) -> PipelineLayout | None:
-    """Validate the pipeline part of cfg at data-parallel size dp (call before any work); None when pp == 1.
-    dp=None (the number of ranks not known yet): everything but the microbatch counts, which depend on dp."""
-    if cfg.parallel.pp == 1:
-        if cfg.parallel.pp_layers is not None:
-            raise ValueError(f"parallel.pp_layers={cfg.parallel.pp_layers} needs parallel.pp > 1")
-        return None
-    if cfg.staleness.policy != "sync":
-        raise ValueError(f"staleness.policy='{cfg.staleness.policy}' with parallel.pp={cfg.parallel.pp} is not "
-                         f"supported; allowed: staleness.policy='sync' with pipeline parallelism")
-    stage_reshard_after_forward(cfg.parallel)
-    if dp is None:
-        check_stages(cfg)
-        return None
-    return plan_pipeline(cfg, dp)
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -255,7 +109,6 @@ def apply_stage_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: Devic
     uses (parallel/tensor.py, context.py, recompute.py, data.py). Returns the DataParallel handle (or None)."""
     from paratrain.parallel import dp_mesh_of
     from paratrain.parallel.compile import apply_compile
-    from paratrain.parallel.layout import effective_dp
     from paratrain.parallel.recompute import apply_recompute
 
     pcfg = cfg.parallel

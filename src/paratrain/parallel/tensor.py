@@ -34,8 +34,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
+from paratrain.config.layout import check_tp_layout  # noqa: F401 - re-exported
 from paratrain.model.config import ModelConfig
-from paratrain.parallel.layout import check_tp_layout  # noqa: F401 - re-exported
 from paratrain.parallel.recompute import notify_kept
 
 

@@ -10,8 +10,8 @@ The planner's stage model works per rank, on three numbers (numpy arrays, one en
 `first` layers on the rank with the embedding, `last` on the rank with the head (the same rank under a V
 schedule or pp = 1, then last == first), `inner` on the most loaded other rank (0 when there is none). Each
 rank's time per microbatch is its layers x the per-layer time plus its extras; the step runs at the pace of
-the slowest rank. No torch (fast import): `balanced_layers` and `check_pp_layers` restate the runtime's rules,
-and tests/test_plan_stages.py checks them against paratrain.parallel.pipeline.
+the slowest rank. No torch (fast import): `balanced_layers`, `stage_ranks` and `check_pp_layers` are the
+runtime's own rules (paratrain.config.pipeline), imported, not restated.
 """
 
 from __future__ import annotations
@@ -20,49 +20,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from paratrain.config.pipeline import balanced_layers, check_pp_layers, stage_ranks
+
 EPS = 1e-9  # layers: absorbs float rounding when a time is divided back into whole layers
 # An uneven split is chosen only if it makes the slowest rank at least this much faster per microbatch: smaller
 # gains are well inside the model's error, and the balanced split needs no parallel.pp_layers in the config.
 MIN_GAIN = 0.01
-
-
-def balanced_layers(num_layers: int, num_stages: int) -> list[int]:
-    """The runtime's default split (parallel.pipeline imports it from here, so planner and runtime cannot drift):
-    equal counts, the remainder to inner stages first, then to the first stage, then to the last (the first also
-    runs the embedding, the last the norm, the output head and the loss)."""
-    counts = [num_layers // num_stages] * num_stages
-    order = list(range(1, num_stages - 1)) + [0, num_stages - 1] if num_stages > 1 else [0]
-    for i in range(num_layers % num_stages):
-        counts[order[i]] += 1
-    return counts
-
-
-def stage_ranks(pp: int, v: int, v_shape: bool) -> list[int]:
-    """The rank that runs each stage, in stage order (runtime: PipelineLayout.stages_of_rank)."""
-    if v_shape:
-        return [s if s < pp else 2 * pp - 1 - s for s in range(2 * pp)]
-    return [s % pp for s in range(pp * v)]
-
-
-def check_pp_layers(pp_layers, layers: int, pp: int, v: int, field: str = "pp_layers") -> tuple[int, ...]:
-    """An explicit split checked by the rules the runtime applies (parallel.pipeline calls this with
-    field="parallel.pp_layers"): one entry per (virtual) stage, summing to the layer count, every inner stage with
-    at least one layer. One ValueError naming the field, the value and what is allowed."""
-    given = tuple(int(n) for n in pp_layers)
-    shown, stages = list(given), pp * v
-    if pp == 1:
-        raise ValueError(f"{field}={shown} needs parallel.pp > 1")
-    if len(given) != stages:
-        raise ValueError(f"{field}={shown}: {len(given)} entries but the layout has {stages} (virtual) stages "
-                         f"(pp x virtual_stages); allowed: one layer count per stage, in stage order")
-    if sum(given) != layers:
-        raise ValueError(f"{field}={shown}: sums to {sum(given)} but the model has {layers} layers; allowed: layer "
-                         f"counts summing to {layers}")
-    empty = [i for i, n in enumerate(given) if n < 0 or (n == 0 and 0 < i < stages - 1)]
-    if empty:
-        raise ValueError(f"{field}={shown}: stage(s) {empty} would hold no work; allowed: >= 1 layer per inner "
-                         f"stage (0 only for the first or last stage, which hold embedding/head)")
-    return given
 
 
 def rank_loads(counts, pp: int, v_shape: bool) -> tuple[int, int, int]:

@@ -17,7 +17,13 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from paratrain.config import OptimSection, TrainConfig, dump_config, precision_bytes
+from paratrain.config import (  # noqa: F401 - check_batch_layout re-exported (callers of train.loop)
+    OptimSection,
+    TrainConfig,
+    check_batch_layout,
+    dump_config,
+    precision_bytes,
+)
 from paratrain.device import HostValues, is_host, sync_fn
 from paratrain.model.llama import Llama
 from paratrain.model.moe import moe_metrics
@@ -118,22 +124,6 @@ class StepStats:
             note = "all steps (too few for a steady state: warm-up included)"
         return {"tokens_per_s": rate, "tokens_per_s_all_steps": self.tokens / self.compute_s if self.compute_s else 0.0,
                 "tokens_per_s_note": note}
-
-
-def check_batch_layout(cfg: TrainConfig, dp: int) -> None:
-    t = cfg.train
-    if t.global_batch % dp:
-        raise ValueError(f"train.global_batch={t.global_batch} must be divisible by the data-parallel size {dp}; "
-                         f"allowed: a multiple of {dp}")
-    per_rank = t.global_batch // dp
-    if per_rank % t.microbatch:
-        divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
-        raise ValueError(f"train.microbatch={t.microbatch} must divide the per-rank batch "
-                         f"global_batch/dp = {per_rank}; allowed: {', '.join(map(str, divisors))}")
-    if cfg.parallel.pp > 1 or cfg.parallel.pp_layers is not None:  # stages, schedule, microbatches
-        from paratrain.parallel.pipeline import check_pipeline_layout
-
-        check_pipeline_layout(cfg, dp)
 
 
 def seed_everything(seed: int, deterministic: bool) -> None:

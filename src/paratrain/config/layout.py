@@ -1,6 +1,6 @@
-"""Layout checks that need no process group: run when the config is loaded, before any rank builds anything.
-
-Kept free of torch imports so that loading a config stays cheap.
+"""Layout rules that need no process group (torch-free): run when the config is loaded, by the launcher before
+any rank starts, and by the planner for every layout it estimates or writes. Each rule is written once, here (or
+in paratrain.config.pipeline for the pipeline's); errors name the field, the value and what is allowed.
 """
 
 from __future__ import annotations
@@ -8,8 +8,27 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from paratrain.config import ParallelSection
+    from paratrain.config.schema import ParallelSection
     from paratrain.model.config import ModelConfig
+
+
+def resolve_degrees(pcfg: ParallelSection, world_size: int) -> dict[str, int]:
+    """The size of each mesh dimension (torch-free, so launchers and the CLI can check a layout fast); dp=-1 takes what the others leave. Errors name the fields."""
+    other = pcfg.non_dp_degree()
+    dp = world_size // other if pcfg.dp == -1 else pcfg.dp
+    if dp < 1 or dp * other != world_size:
+        if pcfg.dp == -1:  # dp is inferred already: the other degrees must divide the world size
+            raise ValueError(
+                f"parallel: world size {world_size} is not a multiple of pp*cp*tp = {pcfg.pp}*{pcfg.cp}*{pcfg.tp} = "
+                f"{other} (parallel.dp=-1 takes what they leave); allowed: pp*cp*tp dividing {world_size}, or "
+                f"launch a multiple of {other} ranks")
+        raise ValueError(
+            f"parallel: world size {world_size} != pp*dp*cp*tp = {pcfg.pp}*{pcfg.dp}*{pcfg.cp}*{pcfg.tp}; "
+            f"allowed: degrees whose product is the number of ranks (set parallel.dp=-1 to infer dp)")
+    if pcfg.dp_kind == "hsdp" and dp % pcfg.dp_replicate:
+        raise ValueError(f"parallel.dp_replicate={pcfg.dp_replicate} must divide the data-parallel size {dp} "
+                         f"(hsdp: dp = dp_replicate x dp_shard)")
+    return {"pp": pcfg.pp, "dp": dp, "cp": pcfg.cp, "tp": pcfg.tp}
 
 
 def check_tp_layout(model_cfg: ModelConfig, tp: int, sp: bool, seq_len: int) -> None:

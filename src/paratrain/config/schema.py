@@ -1,17 +1,18 @@
 """The training configuration: one typed schema, loaded from TOML, written by the planner, read by the trainer.
 
 Every section forbids unknown keys, so a typo is an error, not a silently ignored setting. Errors name the
-key, the value and what is allowed (see `format_validation_error`).
+key, the value and what is allowed (see `paratrain.config.load.format_validation_error`). The layout rules
+the validators call live in paratrain.config.layout and paratrain.config.pipeline.
 """
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from paratrain.config.layout import check_parallel_config
 from paratrain.device import check_device_name
 from paratrain.model.config import PRESETS, ModelConfig, load_model_config
 
@@ -102,6 +103,15 @@ DEFAULT_DDP_BUCKET_MB = 25.0
 # Mesh dimensions, outermost to innermost: tp innermost = the fastest links (see parallel/mesh.py).
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 
+# Pipeline schedules (torch.distributed.pipelining): one stage per rank, several (virtual) stages per rank, and
+# those of them that place the stages V-shaped (rank r holds stages r and 2pp-1-r). The planner models each.
+SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
+MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv", "dualpipev")
+V_SCHEDULES = ("zbv", "dualpipev")
+PP_SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
+DP_KINDS = ("ddp", "fsdp", "hsdp")
+RECOMPUTE = ("none", "selective", "full")
+
 
 class ParallelSection(Section):
     """Degrees of each mesh dimension. Ranks map with tp innermost (fastest link), then cp, then dp, pp outermost."""
@@ -114,14 +124,14 @@ class ParallelSection(Section):
         default="auto", description="cp block kernel: auto = the fused kernel (returns the log-sum-exp, no s x s "
         "scores) registered for the device; math = plain matmuls (reference)")
     sp: bool = False
-    dp_kind: Literal["ddp", "fsdp", "hsdp"] = "fsdp"
+    dp_kind: Literal[DP_KINDS] = "fsdp"
     dp_replicate: int = Field(default=1, ge=1, description="hsdp: replica groups (across nodes); shard within")
     reshard_after_forward: bool = True  # False = keep params gathered between fwd and bwd (ZeRO-2-like)
     zero_stage: Literal[1, 2, 3] | None = None  # planner's view; maps onto dp_kind/reshard_after_forward
-    recompute: Literal["none", "selective", "full"] = "none"
+    recompute: Literal[RECOMPUTE] = "none"
     ddp_bucket_mb: float = Field(default=DEFAULT_DDP_BUCKET_MB, gt=0, description="ddp: gradient bucket size (MiB); smaller "
                                  "buckets start reducing earlier in backward")
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv", "dualpipev"] = "1f1b"
+    pp_schedule: Literal[PP_SCHEDULES] = "1f1b"
     virtual_stages: int = Field(default=1, ge=1)
     pp_layers: list[int] | None = None  # explicit layers per (virtual) stage; default balanced
 
@@ -142,26 +152,6 @@ class ParallelSection(Section):
     def ddp_bucket_bytes(self) -> int:
         """ddp_bucket_mb in bytes: the one conversion used by the DDP reducer, the stale runner and the planner."""
         return int(self.ddp_bucket_mb * 2**20)
-
-
-def resolve_degrees(pcfg: ParallelSection, world_size: int) -> dict[str, int]:
-    """The size of each mesh dimension (torch-free, so launchers and the CLI can check a layout fast); dp=-1 takes what the others leave. Errors name the fields."""
-    other = pcfg.non_dp_degree()
-    dp = world_size // other if pcfg.dp == -1 else pcfg.dp
-    if dp < 1 or dp * other != world_size:
-        if pcfg.dp == -1:  # dp is inferred already: the other degrees must divide the world size
-            raise ValueError(
-                f"parallel: world size {world_size} is not a multiple of pp*cp*tp = {pcfg.pp}*{pcfg.cp}*{pcfg.tp} = "
-                f"{other} (parallel.dp=-1 takes what they leave); allowed: pp*cp*tp dividing {world_size}, or "
-                f"launch a multiple of {other} ranks")
-        raise ValueError(
-            f"parallel: world size {world_size} != pp*dp*cp*tp = {pcfg.pp}*{pcfg.dp}*{pcfg.cp}*{pcfg.tp}; "
-            f"allowed: degrees whose product is the number of ranks (set parallel.dp=-1 to infer dp)")
-    if pcfg.dp_kind == "hsdp" and dp % pcfg.dp_replicate:
-        raise ValueError(f"parallel.dp_replicate={pcfg.dp_replicate} must divide the data-parallel size {dp} "
-                         f"(hsdp: dp = dp_replicate x dp_shard)")
-    return {"pp": pcfg.pp, "dp": dp, "cp": pcfg.cp, "tp": pcfg.tp}
-
 
 class OptimSection(Section):
     lr: float = Field(default=3e-3, gt=0)
@@ -327,8 +317,6 @@ class TrainConfig(Section):
         cfg = self.model.resolve()  # raises a clear error for a bad preset/shape
         if self.train.seq_len > cfg.max_seq:
             raise ValueError(f"train.seq_len={self.train.seq_len} exceeds the model's max_seq={cfg.max_seq}")
-        from paratrain.parallel.layout import check_parallel_config
-
         check_parallel_config(cfg, self.parallel, self.train.seq_len)  # tp vs heads/ffn/vocab, dp kinds, ...
         if self.staleness.policy != "sync" and cfg.num_experts:  # its step does not train the aux loss
             raise ValueError(f"staleness.policy='{self.staleness.policy}' with model.num_experts={cfg.num_experts}: "
@@ -350,154 +338,3 @@ def precision_bytes(train: TrainSection) -> dict[str, int]:
     (paratrain.plan.model.Options.param_bytes / grad_bytes), so a run's prediction uses the run's bytes."""
     size = {"fp32": 4, "bf16": 2}
     return {"param_bytes": size[train.dtype], "grad_bytes": size[train.reduce_dtype]}
-
-
-def format_validation_error(err: ValidationError) -> str:
-    """One message per problem: the dotted key, the value given, and what is allowed."""
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "config"
-        value = e.get("input")
-        msg = e["msg"].removeprefix("Value error, ")
-        shown = "" if isinstance(value, dict) else f"={value!r}"
-        lines.append(f"{key}{shown}: {msg}")
-    return "invalid config: " + "; ".join(lines)
-
-
-def parse_override(text: str) -> tuple[list[str], Any]:
-    """'section.key=value' -> (['section', 'key'], value), the value parsed as a TOML value when it can be."""
-    if "=" not in text:
-        raise ValueError(f"--set '{text}': expected section.key=value")
-    key, raw = text.split("=", 1)
-    try:
-        value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw  # a bare string
-    return key.strip().split("."), value
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ValueError(f"--config '{path}': no such file")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"--config '{path}': not valid TOML: {exc}") from None
-    for item in overrides or []:
-        keys, value = parse_override(item)
-        node = data
-        for k in keys[:-1]:
-            node = node.setdefault(k, {})
-            if not isinstance(node, dict):
-                raise ValueError(f"--set '{item}': '{k}' is not a section")
-        node[keys[-1]] = value
-    try:
-        return TrainConfig(**data)
-    except ValidationError as err:
-        raise ValueError(format_validation_error(err)) from None
-
-
-# Meaning of the keys whose Field has no description (shown by `paratrain config --reference`).
-FIELD_HELP = {
-    "model.preset": "preset name (tiny, small, llama2-7b/13b/70b, llama3-8b/70b, llama3.1-405b, llama3.2-3b; MoE: "
-                    "tiny-moe, mixtral-8x7b, qwen3-30b-a3b, deepseek-v3) or a model TOML file",
-    "model.hf_path": "a Hugging Face Llama folder (config.json + *.safetensors): shape and weights are loaded",
-    "model.layers": "override: decoder blocks", "model.hidden": "override: model width",
-    "model.heads": "override: attention heads", "model.kv_heads": "override: key/value heads (GQA)",
-    "model.ffn_hidden": "override: SwiGLU inner width", "model.vocab": "override: vocabulary size (>= tokenizer's)",
-    "model.max_seq": "override: longest sequence (RoPE table length)",
-    "model.tie_embeddings": "override: share the embedding and output matrices",
-    "model.num_experts": "override: routed experts per MoE layer (0 = dense; docs/moe.md)",
-    "model.experts_per_token": "override: top-k experts per token", "model.moe_ffn_hidden": "override: expert width",
-    "model.shared_experts": "override: always-on shared experts", "model.first_dense_layers": "override: dense "
-    "first layers before the MoE layers", "model.router_score": "override: softmax (Mixtral, Qwen3) or sigmoid "
-    "(DeepSeek-V3) router scores", "model.capacity_factor": "override: per-expert capacity c*T*k/E (unset: the "
-    "preset's; presets are dropless)", "model.aux_loss_coef": "override: load-balancing loss coefficient",
-    "data.source": "'stdlib' (this Python's standard library source, nothing downloaded), or a file or folder: "
-                   "text, JSONL/JSON, Parquet, Arrow, a datasets save_to_disk folder, .npy tokens, Megatron .bin/.idx",
-    "data.mix": "weighted mixture instead of data.source: [{source=..., weight=...}, ...] (as Megatron's blend)",
-    "data.prepared_dir": "where the token shards, index, tokenizer.json and meta.json go",
-    "data.tokenizer": "auto (model.hf_path's tokenizer.json, else train one), train (byte-level BPE trained on "
-                      "the source), a tokenizer.json or a folder holding one",
-    "data.vocab_size": "vocabulary of a trained tokenizer",
-    "data.text_field": "JSONL/JSON/Parquet/Arrow/datasets records: the field holding the text",
-    "data.messages_field": "records without the text field: the field holding chat messages (tokenizer's chat template)",
-    "data.split": "split of a saved DatasetDict",
-    "data.max_source_bytes": "explicit cap: read at most this many bytes of text (or token data) per source; "
-                             "reported when it cuts; unset = all",
-    "data.val_fraction": "share of each source's tokens held out for the eval loss",
-    "data.workers": "tokenizer processes; 0 = auto (inline for a small corpus, else up to 8)",
-    "data.shard_tokens": "tokens per output shard (a resumed prepare restarts at the last complete shard)",
-    "parallel.tp": "tensor-parallel degree (innermost mesh dimension: fastest links)",
-    "parallel.pp": "pipeline stages (outermost mesh dimension)",
-    "parallel.cp": "context-parallel degree (ring attention; sequence split zig-zag)",
-    "parallel.sp": "sequence parallelism inside the TP regions (needs tp > 1)",
-    "parallel.dp_kind": "fsdp (FSDP2, ZeRO-3), ddp (replicated, bucketed overlap), hsdp (replicate x shard)",
-    "parallel.reshard_after_forward": "fsdp: false keeps parameters gathered between forward and backward (ZeRO-2-like)",
-    "parallel.zero_stage": "the planner's name for the DP kind: 2 = fsdp without reshard, 3 = fsdp; must agree with dp_kind",
-    "parallel.recompute": "activation recomputation: none, selective (attention core) or full (whole block)",
-    "parallel.pp_schedule": "gpipe, 1f1b, interleaved_1f1b (virtual_stages > 1), zbv or dualpipev (2 chunks per rank)",
-    "parallel.virtual_stages": "model chunks per pipeline rank",
-    "parallel.pp_layers": "explicit layers per (virtual) stage, e.g. [6, 8, 8, 10]; default balanced",
-    "optim.lr": "peak learning rate (AdamW)", "optim.min_lr": "learning rate at the end of the decay",
-    "optim.warmup_steps": "linear warmup steps", "optim.schedule": "decay after warmup: cosine, linear or constant",
-    "optim.weight_decay": "AdamW weight decay (matrices only)", "optim.beta1": "AdamW beta1",
-    "optim.beta2": "AdamW beta2", "optim.eps": "AdamW epsilon",
-    "train.steps": "optimizer steps", "train.seq_len": "tokens per sequence", "train.seed": "seed of weights and data order",
-    "train.dtype": "fp32, or bf16 mixed precision: fp32 master weights and optimizer state, bf16 compute "
-                   "(FSDP2 MixedPrecisionPolicy: bf16 gathers; autocast on the other paths); docs/devices.md",
-    "train.reduce_dtype": "dtype of the data-parallel gradient reduction under bf16: fp32 (torchtitan's and "
-                          "Megatron's default) or bf16 (half the traffic)",
-    "train.device": "auto (the accelerator torch reports, else the host CPU), cpu, cuda, neuron "
-                    "(Trainium, TorchNeuron) or any other torch.accelerator type",
-    "train.eval_batches": "batches per eval", "train.log_every": "console line every N steps (without progress bar)",
-    "train.deterministic": "torch deterministic algorithms", "train.compile": "torch.compile attention and MLP blocks",
-    "train.progress": "progress bar on the console",
-    "metrics.run_dir": "metrics.jsonl, TensorBoard logs, config.toml and (default) checkpoints go here",
-    "metrics.jsonl": "write metrics.jsonl", "metrics.tensorboard": "write TensorBoard logs",
-    "metrics.hardware": "catalog system (or TOML file) whose peak defines MFU and whose planner prediction is "
-                        "printed beside the measured step time; empty = measured peak",
-    "staleness.policy": "sync, bounded_staleness (apply the gradient of step t-s) or time_budget",
-    "staleness.max_staleness": "s: steps a gradient may lag (bounded_staleness)",
-    "staleness.compensation": "s > 0: compute step t's gradient at predicted weights (optimizer_lookahead: "
-                              "AdamW applied to this rank's pending gradients; weight_prediction: w_t + s(w_t - "
-                              "w_{t-1})) or at w_t (none)",
-    "staleness.lookahead_arrived": "optimizer_lookahead: replay pending steps whose all-reduce already arrived with the "
-                                   "dp mean (exact there; timing-dependent, not bitwise reproducible); unset = on "
-                                   "where supported (no tensor parallelism), false = the rank's own gradients "
-                                   "(reproducible)",
-    "staleness.arrival_grace": "lookahead_arrived: before predicting, wait up to this fraction of the healthy step "
-                               "time for pending reductions (0 = never wait)",
-    "staleness.step_budget_s": "time_budget: seconds per step each DP rank may spend on microbatches",
-    "staleness.straggler_threshold": "flag a rank slower than this x the median step time",
-    "staleness.straggler_window": "steps the straggler median is taken over",
-    "staleness.evict_stragglers": "after the next checkpoint, exit with code 75 and write an eviction request",
-    "staleness.test_fault_injection": "tests only: slow a rank on purpose (empty = off)",
-}
-
-
-def reference_markdown() -> str:
-    """The configuration reference (docs/config.md is generated from this, so it cannot drift)."""
-    lines = ["# Configuration reference", "",
-             "Generated by `paratrain config --reference` from `src/paratrain/config.py`. Every key can be set in "
-             "the TOML file or with `--set section.key=value`.", ""]
-    for section, field in TrainConfig.model_fields.items():
-        cls = field.annotation
-        doc = [(cls.__doc__ or "").strip(), ""] if cls.__doc__ else []
-        lines += [f"## [{section}]", "", *doc, "| key | type | default | meaning |",
-                  "|---|---|---|---|"]
-        for name, f in cls.model_fields.items():
-            kind = str(f.annotation).replace("typing.", "").replace("<class '", "").replace("'>", "").replace(" | ", " or ")
-            meaning = (f.description or FIELD_HELP.get(f"{section}.{name}", "")).replace("|", "/")
-            lines.append(f"| `{name}` | `{kind}` | `{f.default!r}` | {meaning} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def dump_config(cfg: TrainConfig) -> str:
-    import tomli_w
-
-    return tomli_w.dumps(cfg.model_dump(exclude_none=True))
