@@ -207,19 +207,19 @@ def test_compare_takes_steps_or_tokens(capsys):
     base = ["compare", "--model", "llama2-7b", "--targets", "p4d.24xlarge:16", "--failures", "none", "--json"]
     assert main([*base, "--steps", "500"]) == 0
     by_steps = json.loads(capsys.readouterr().out)
-    assert main([*base, "--tokens", str(500 * 4096 * 1024)]) == 0
+    assert main([*base, "--train-tokens", str(500 * 4096 * 1024)]) == 0
     by_tokens = json.loads(capsys.readouterr().out)
     assert by_steps["workload"]["steps"] == by_tokens["workload"]["steps"] == 500
     assert by_steps["rows"][0]["wall_hours"] == pytest.approx(by_tokens["rows"][0]["wall_hours"])
     with pytest.raises(SystemExit):  # one or the other (argparse)
-        main([*base, "--steps", "500", "--tokens", "1e9"])
+        main([*base, "--steps", "500", "--train-tokens", "1e9"])
     assert "not allowed with argument" in capsys.readouterr().err
     assert main([*base, "--steps", "0"]) == 2
-    assert "--steps 0: must be >= 1" in capsys.readouterr().err
+    assert "--steps = 0: must be >= 1" in capsys.readouterr().err
 
 
 def test_compare_table_shows_price_option_region_and_date_beside_costs(capsys):
-    assert main(["compare", "--model", "llama2-7b", "--tokens", "1e11", "--targets", "trn1.32xlarge:16",
+    assert main(["compare", "--model", "llama2-7b", "--train-tokens", "1e11", "--targets", "trn1.32xlarge:16",
                  "--failures", "daly"]) == 0
     out = capsys.readouterr().out
     for column in ("accel-h", "cost $", "overhead", "$/Mtok", "MWh", "Mtok/MWh", "price (option, region, date)"):
@@ -252,7 +252,7 @@ def test_bad_kind_and_price_are_refused(capsys):
 def test_the_old_ambiguous_price_flag_is_refused_in_both_commands(capsys):
     """--price meant USD per node-hour in compare and per device-hour in simulate: both refuse it now and name
     the flag with the unit."""
-    assert main(["compare", "--model", "llama2-7b", "--tokens", "1e9", "--targets", "p5.48xlarge:1",
+    assert main(["compare", "--model", "llama2-7b", "--train-tokens", "1e9", "--targets", "p5.48xlarge:1",
                  "--price", "p5.48xlarge=40"]) == 2
     assert "use --price-per-node-hour-usd SYSTEM=USD" in capsys.readouterr().err
     assert main(["simulate", "--devices", "64", "--step-time", "1s", "--steps", "10", "--price", "2.5"]) == 2
@@ -261,7 +261,7 @@ def test_the_old_ambiguous_price_flag_is_refused_in_both_commands(capsys):
 
 def test_report_renders_with_non_empty_pngs(tmp_path, capsys):
     out = tmp_path / "report"
-    assert main(["compare", "--model", "llama2-7b", "--tokens", "1e11", "--targets",
+    assert main(["compare", "--model", "llama2-7b", "--train-tokens", "1e11", "--targets",
                  "trn1.32xlarge:16,p4d.24xlarge:16", "--failures", "daly", "--report", str(out), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert len(data["rows"]) == 2
@@ -357,7 +357,7 @@ def test_cost_config_file_sets_purchase_and_prices(tmp_path, capsys):
     conf = tmp_path / "cost.toml"
     conf.write_text('[cost]\npurchase = "spot"\nfailures = "none"\n'
                     'price_per_node_hour_usd = { trn3-ultraserver = 400.0 }\n')
-    base = ["compare", "--model", "llama3-8b", "--tokens", "1e9", "--seq", "2048", "--global-batch", "1152",
+    base = ["compare", "--model", "llama3-8b", "--train-tokens", "1e9", "--seq", "2048", "--global-batch", "1152",
             "--targets", "p5.48xlarge:1,trn3-ultraserver:1", "--json", "--config", str(conf)]
     assert main(base) == 0
     data = json.loads(capsys.readouterr().out)
@@ -434,7 +434,7 @@ def test_fp8_workload_uses_the_planners_fp8_model(capsys):
     (bf16_trn1,) = compare(wl, [("trn1.32xlarge", 4)], FAST)
     (fp8_trn1,) = compare(fp8, [("trn1.32xlarge", 4)], FAST)
     assert fp8_trn1.tokens_per_s <= bf16_trn1.tokens_per_s  # Trainium1: FP8 at the BF16 rate, casts on top
-    assert main(["compare", "--model", "llama2-7b", "--tokens", "1e10", "--targets", "p5.48xlarge:4",
+    assert main(["compare", "--model", "llama2-7b", "--train-tokens", "1e10", "--targets", "p5.48xlarge:4",
                  "--failures", "daly", "--fp8", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["workload"]["fp8"] is True

@@ -174,7 +174,7 @@ def test_serve_cli_json_and_errors(capsys):
     one, sixteen = json.loads(capsys.readouterr().out)
     assert sixteen["requests_per_s"] > one["requests_per_s"] and sixteen["itl_s"] > one["itl_s"]
     assert main(["serve", "plan", "--model", "llama3-8b", "--hardware", H100, "--rate", "5", "--prompt", "512",
-                 "--output", "128", "--ttft", "0.5", "--itl", "0.05", "--top", "1", "--simulate", "200", "--json"]) == 0
+                 "--output", "128", "--ttft-s", "0.5", "--itl-s", "0.05", "--top", "1", "--simulate", "200", "--json"]) == 0
     sim = json.loads(capsys.readouterr().out)["simulated"]
     assert sim["requests"] == 200 and 0 <= sim["slo_attainment"] <= 1
     assert main(["recommend", "chat"]) == 2  # the training recommender points at `serve recommend`

@@ -58,7 +58,7 @@ class UserError(Exception):
 
 def opt(help: str, default=None, **meta):
     """A command option as a dataclass field. meta: flag, short, choices, metavar, nargs, const, required,
-    positional, group, ge/gt (bounds checked before the command runs), factory (a mutable default)."""
+    positional, group, exclusive (a name: at most one option of that name), ge/gt (bounds checked before the command runs), factory (a mutable default)."""
     factory = meta.pop("factory", None)
     meta["help"] = help
     if factory is not None:
@@ -102,6 +102,9 @@ def add_options(parser: argparse.ArgumentParser, cls) -> None:
         m = f.metadata
         where = parser if "group" not in m else groups.get(m["group"]) or groups.setdefault(
             m["group"], parser.add_argument_group(m["group"]))
+        if "exclusive" in m:  # one of these options at most (argparse's mutually exclusive group)
+            key = ("exclusive", m["exclusive"])
+            where = groups.get(key) or groups.setdefault(key, where.add_mutually_exclusive_group())
         kind, base, choices = _kind(hints[f.name])
         default = f.default_factory() if f.default is MISSING else f.default
         kw = {"help": _help(f, default)}

@@ -40,7 +40,7 @@ class Run:
 
     def command(self, assumptions: Assumptions) -> str:
         targets = ",".join(f"{s}:{n}" for s, n in self.targets)
-        return (f"paratrain compare --model {self.model} --tokens {self.tokens:g} --seq {self.seq} "
+        return (f"paratrain compare --model {self.model} --train-tokens {self.tokens:g} --seq {self.seq} "
                 f"--global-batch {self.global_batch} --targets {targets}{' --fp8' if self.fp8 else ''}"
                 + _price_flags(assumptions))
 
@@ -329,7 +329,7 @@ def markdown(out: dict) -> str:
 
 
 def run_claims(args, assumptions: Assumptions, progress_factory) -> int:
-    from paratrain.cost.commands import write_sensitivity_plot
+    from paratrain.cost.tables import write_sensitivity_plot
 
     total = sum(len(run.targets) for run in RUNS)
     out = run_all(assumptions, progress_factory(total, args.json))

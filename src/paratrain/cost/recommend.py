@@ -260,7 +260,7 @@ def _assumption_lines(req: Request) -> list[str]:
     ]
     if req.kind == "finetune":
         lines.append("fine-tuning counts training tokens only: RLHF rollouts (generation) are not modelled; add "
-                     "their tokens to --tokens as a rough equivalent")
+                     "their tokens to --train-tokens as a rough equivalent")
     return lines
 
 

@@ -79,6 +79,26 @@ class Requests:
         arrivals = np.cumsum(rng.exponential(1.0 / rate, n))
         return cls(arrivals, _lengths(rng, prompt, n, "prompt"), _lengths(rng, output, n, "output"))
 
+    @classmethod
+    def from_csv(cls, path: str) -> Requests:
+        """Requests from a CSV (arrival_s,prompt,output), sorted by arrival."""
+        import csv
+
+        try:
+            with open(path, newline="") as fh:
+                rows = list(csv.DictReader(fh))
+            arrival = np.array([float(r["arrival_s"]) for r in rows])
+            prompt = np.array([int(r["prompt"]) for r in rows])
+            output = np.array([int(r["output"]) for r in rows])
+        except FileNotFoundError:
+            raise ValueError(f"--trace {path}: no such file") from None
+        except (KeyError, ValueError, TypeError) as exc:
+            raise ValueError(f"--trace {path}: need columns arrival_s (s), prompt, output (tokens >= 1): {exc}") from None
+        if len(rows) < 2 or prompt.min() < 1 or output.min() < 1 or arrival.min() < 0:
+            raise ValueError(f"--trace {path}: need >= 2 requests, arrival_s >= 0, prompt and output >= 1")
+        order = np.argsort(arrival, kind="stable")
+        return cls(arrival[order], prompt[order], output[order])
+
 
 def _lengths(rng, spec, n: int, name: str) -> np.ndarray:
     lo, hi = (spec, spec) if isinstance(spec, int | np.integer) else spec
