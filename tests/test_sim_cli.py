@@ -87,7 +87,7 @@ def test_text_report(capsys):
     (["simulate", "--devices", "64", "--step-time", "1s", "--steps", "10", "--interval", "often"], "checkpoint_interval"),
     (["simulate", "--devices", "60", "--step-time", "1s", "--steps", "10"], "devices=60"),
     (["simulate", "--devices", "64", "--step-time", "1s", "--steps", "10", "--async-fraction", "1.5"], "async_fraction"),
-    (["simulate", "--devices", "64", "--step-time", "1s", "--steps", "10", "--failures", "/nonexistent.toml"],
+    (["simulate", "--devices", "64", "--step-time", "1s", "--steps", "10", "--failures-file", "/nonexistent.toml"],
      "does not exist"),
     # the flag the user typed is named, beside the field name a TOML config uses
     (["simulate", "--devices", "64", "--step-time", "0", "--steps", "10"], "step_time_s=0.0 is not allowed: must be > 0 (flag --step-time)"),

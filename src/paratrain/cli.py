@@ -135,10 +135,11 @@ def check_bounds(opts) -> None:
             raise UserError(f"{flag_of(f)} = {value}: must be > {f.metadata['gt']}")
 
 
-def command(sub, name: str, cls, run, help: str, description: str = "", config_keys: bool = False):
+def command(sub, name: str, cls, run, help: str, description: str = "", epilog: str | None = None,
+            config_keys: bool = False):
     """A subcommand whose options are the dataclass `cls`; `run` gets the checked options (an instance)."""
     usage = "%(prog)s [options] [--SECTION.KEY VALUE ...]" if config_keys else None  # not 100 keys in the usage
-    p = sub.add_parser(name, help=help, description=description, usage=usage,
+    p = sub.add_parser(name, help=help, description=description, usage=usage, epilog=epilog,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(p, cls)
     if config_keys:
@@ -212,9 +213,14 @@ def json_safe(obj):
     return None if isinstance(obj, float) and not math.isfinite(obj) else obj
 
 
-def print_json(obj, default=str) -> None:
+def _plain(value):
+    """numpy scalars as numbers; anything else JSON lacks (paths, dates) as its text."""
+    return value.item() if hasattr(value, "item") else str(value)
+
+
+def print_json(obj) -> None:
     """The whole of stdout for --json: one JSON document."""
-    print(json.dumps(json_safe(obj), indent=2, default=default))
+    print(json.dumps(json_safe(obj), indent=2, default=_plain))
 
 
 def version() -> str:
