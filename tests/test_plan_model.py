@@ -132,13 +132,18 @@ def test_memory_activations_by_recompute_and_schedule(box):
     assert _memory(model, box, rc=1)["memory_activations_bytes"] == pytest.approx(L * sel_layer + logits)
     full = _memory(model, box, rc=2)["memory_activations_bytes"]
     assert full == pytest.approx(L * T * 2 * h / t + full_layer + logits)  # inputs + one layer rebuilt
-    # pp = 4, 1F1B: the first stage holds 4 microbatches of L/4 layers = L layers' worth
+    # pp = 4, 1F1B: rank r holds p - r microbatches: the first stage 4 x L/4 layers = L layers' worth (the most),
+    # the last one microbatch and the logits
     pp4 = _memory(model, box, pp=4.0, m=8.0)["memory_activations_bytes"]
-    assert pp4 == pytest.approx(L / 4 * full_layer * 4 + logits)
-    # GPipe holds all m microbatches; interleaved p(1 + (p-1)/(pv))
+    assert pp4 == pytest.approx(max(L / 4 * full_layer * 4, L / 4 * full_layer + logits))
+    # GPipe holds all m microbatches on every rank: the last one's logits come on top
     gpipe = _memory(model, box, pp=4.0, m=8.0, sched=0)["memory_activations_bytes"]
     assert gpipe == pytest.approx(L / 4 * full_layer * 8 + logits)
+    # interleaved: p(1 + (p-1)/(pv)) on the first rank (Korthikanti), Megatron's warm-up count on the others
     assert float(inflight_microbatches(np.array(2), 4.0, 2.0, 8.0)) == pytest.approx(4 * (1 + 3 / 8))
+    assert [float(inflight_microbatches(np.array(2), 4.0, 2.0, 8.0, r)) for r in range(4)] == [5.5, 4.5, 3.5, 2.5]
+    assert [float(inflight_microbatches(np.array(1), 4.0, 1.0, 8.0, r)) for r in range(4)] == [4, 3, 2, 1]
+    assert float(inflight_microbatches(np.array(1), 4.0, 1.0, 2.0, 0)) == 2  # never more than m
 
 
 def test_seven_b_on_trn1_needs_tp8_without_pipeline():

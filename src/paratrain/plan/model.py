@@ -675,19 +675,24 @@ def _largest_rank(model: ModelConfig, loads: Loads, pp, v_shape):
     return params, layers
 
 
-def inflight_microbatches(sched, pp, v, m):
-    """Microbatches whose activations the first stage holds at the peak (Narayanan et al. 2021;
-    Korthikanti et al. 2022 for interleaving: p * (1 + (p-1)/(p v)); ZB-V holds as many as 1F1B)."""
-    one_f_one_b = np.minimum(pp, m)
-    interleaved = pp * (1 + (pp - 1) / (pp * v))
-    return np.select([sched == 0, sched == 2], [m, np.minimum(interleaved, m * v)], one_f_one_b)
+def inflight_microbatches(sched, pp, v, m, rank=0):
+    """Microbatches whose activations pipeline rank `rank` holds at its peak, in units of its whole stage (all
+    its chunks). 1F1B: rank r runs p - r - 1 warm-up forwards before its first backward, so it holds p - r
+    (Narayanan et al. 2021); interleaved: Megatron-core's warm-up of 2(p - r - 1) + (v - 1)p chunk forwards plus
+    the one in flight, v chunks to a stage, p (1 + (p-1)/(p v)) on the first rank (Korthikanti et al. 2022);
+    GPipe: all m; ZB-V: as many as 1F1B's first rank on every rank (its rank 0 holds both ends). Never more
+    than the step's m microbatches."""
+    r = np.asarray(rank, dtype=float)
+    one_f_one_b = np.minimum(pp - r, m)
+    interleaved = np.minimum((2 * (pp - r - 1) + (v - 1) * pp + 1) / v, m)
+    return np.select([sched == 0, sched == 2, sched == 3], [m, interleaved, np.minimum(pp, m)], one_f_one_b)
 
 
 def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sched, v, m, zero, dp_shard,
                       loads: Loads | None = None):
-    """Memory of the rank that needs the most (loads: layers per rank, default the balanced split). Every rank
-    is counted with the first stage's microbatches in flight (the most any stage holds: conservative for the
-    later stages); the head's rank also holds the logits."""
+    """Memory of the rank that needs the most (loads: layers per rank, default the balanced split). Each rank
+    holds its own schedule's microbatches in flight: the first rank the most, the last (with the head and its
+    logits) the fewest, the inner ranks counted as the second, the most loaded of them."""
     v_shape = np.asarray(sched) == 3
     loads = loads or balanced_loads(model.layers, pp, v, v_shape)
 
@@ -701,14 +706,15 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     layer_selective = T * (sp_part * sp_scale + (tp_part - mlp_kept) / tp)
     layer_input = T * 2 * model.hidden * sp_scale
     per_layer = np.select([rc == 0, rc == 1], [layer_full, layer_selective], layer_input)
-    inflight = inflight_microbatches(sched, pp, v, m)
     rebuilt = np.where(rc == 2, layer_full, 0.0)  # one layer rebuilt during backward
     logits = T * model.vocab / tp * (BF16_BYTES + 4)  # bf16 logits + fp32 loss buffer on the last stage
     one = same_rank(pp, v_shape)
     ranks = []  # (weights, grads, optimizer, activations) of the first, last and inner ranks
-    for params, layers, head in zip(_rank_params(model, loads, pp, v_shape), (loads.first, loads.last, loads.inner),
-                                    (one, True, False), strict=True):
+    ranks_at = (0.0, np.where(one, 0.0, pp - 1), np.minimum(1.0, pp - 1))  # pipeline rank of first, last, inner
+    for params, layers, head, r in zip(_rank_params(model, loads, pp, v_shape), (loads.first, loads.last, loads.inner),
+                                       (one, True, False), ranks_at, strict=True):
         params_dev = params / tp
+        inflight = inflight_microbatches(sched, pp, v, m, r)
         # FP8 with a weight cache keeps the cast weight and its transpose between microbatches (2 x 1 byte)
         fp8_copies = np.where((zero < 3) & opts.fp8 & opts.fp8_weight_cache, 2 * FP8_BYTES, 0.0) * params_dev
         ranks.append((params_dev * WEIGHT_BYTES / np.where(zero == 3, dp_shard, 1.0) + fp8_copies,
