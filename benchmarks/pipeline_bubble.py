@@ -123,15 +123,15 @@ def _pipeline_stages(schedule) -> list:
 
 def measure(schedule_name: str, p: int, m: int, tf_s: float, steps: int) -> dict:
     """Run on every rank; returns this rank's idle fractions per measured step."""
+    from paratrain.parallel import parallelize
     from paratrain.parallel.mesh import DistEnv, build_mesh
-    from paratrain.parallel.pipeline import parallelize_pipeline
     from paratrain.train.loop import _build_model
 
     cfg = _config(schedule_name, p, m)
     env = DistEnv(rank=dist.get_rank(), world_size=dist.get_world_size(), local_rank=dist.get_rank(),
                   device=torch.device("cpu"))
     model = _build_model(cfg, cfg.model_shape())
-    runner = parallelize_pipeline(model, cfg, build_mesh(cfg.parallel, env), env)
+    runner = parallelize(model, cfg, build_mesh(cfg.parallel, env), env)
     chunks = runner.layout.chunks_per_rank
     f_s = tf_s / chunks
     i_s = w_s = tf_s / chunks  # backward = I + W = 2 F per chunk

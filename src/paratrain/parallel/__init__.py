@@ -1,15 +1,13 @@
-"""Parallel techniques, applied to the single-device model by `parallelize()` in a fixed order.
+"""Parallel techniques, applied to the single-device model by `parallelize()` in one fixed order.
 
-Order (as torchtitan): pipeline split -> tensor/sequence parallel -> context parallel -> activation
-recomputation (-> torch.compile) -> data parallel (FSDP2/DDP/HSDP, or stale-gradient DP). Why this order:
-- the pipeline split first, so every later technique sees only the layers this rank owns;
-- TP before recompute, so a recomputed region replays its TP collectives in backward;
-- recompute before FSDP, so FSDP's per-block hooks (unshard before backward) wrap the recomputed forward;
-- DP last: FSDP shards the parameters TP has already distributed (2-D DTensors over dp x tp), and the DDP
-  reducer hooks the final parameters.
-Each technique lives in its own file: pipeline.py, tensor.py (TP/SP/loss parallel), context.py (ring
-attention), recompute.py, compile.py, data.py (FSDP/DDP/HSDP), stale_dp.py (bounded staleness / time budget);
-mesh.py builds the device mesh, layout.py checks a layout before anything is built, runner.py drives a step.
+`parallelize` splits the model into the parts this rank holds (one part when pp = 1; this rank's pipeline stages
+otherwise, pipeline.py), applies `apply_techniques` -- the one place the order of techniques is written -- to
+those parts, materialises this rank's shards, and builds the runner the training loop drives.
+
+Each technique lives in its own file: pipeline.py (stage split, schedule runner), tensor.py (TP/SP/loss
+parallel), context.py (ring attention), expert.py (MoE experts), recompute.py, compile.py, data.py
+(FSDP/DDP/HSDP), stale_dp.py (bounded staleness / time budget); mesh.py builds the device mesh, runner.py drives
+a step; the layout rules (which layouts are allowed) are in the torch-free `paratrain.config`.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from paratrain.config import TrainConfig
 from paratrain.config.layout import check_parallel_config, effective_dp
+from paratrain.config.pipeline import stage_reshard_after_forward
 from paratrain.parallel.compile import apply_compile
 from paratrain.parallel.materialize import SourceOf, on_meta, place, random_init
 from paratrain.parallel.mesh import DistEnv, resolve_degrees
@@ -31,11 +30,16 @@ def check_layout(cfg: TrainConfig, world_size: int) -> dict[str, int]:
     """Every layout check, before anything is built; returns the mesh degrees."""
     degrees = resolve_degrees(cfg.parallel, world_size)
     check_parallel_config(cfg.model_shape(), cfg.parallel, cfg.train.seq_len)  # TP, SP, CP, DP kinds
-    if cfg.staleness.policy != "sync":
+    if is_stale(cfg):
         from paratrain.parallel.stale_dp import check_staleness_layout
 
         check_staleness_layout(cfg, degrees)
     return degrees
+
+
+def is_stale(cfg: TrainConfig) -> bool:
+    """Stale-gradient data parallelism (parallel/stale_dp.py) instead of synchronous DDP/FSDP."""
+    return cfg.staleness.policy != "sync"
 
 
 def dp_mesh_of(mesh: DeviceMesh, cfg: TrainConfig) -> DeviceMesh:
@@ -55,67 +59,106 @@ def parallelize(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh | None, env
                 source_of: SourceOf | None = None) -> Runner:
     """Wrap `model` for the layout in cfg.parallel and return the runner the training loop drives.
 
-    `model` may be built on the meta device (`build_runner` does): the layout is then applied to the meta
-    parameters and each rank materialises only its shards at the end, filled from `source_of(name, shape)`
-    (default: the layout-independent random init of cfg.train.seed; parallel/materialize.py). A model that
-    already holds weights is moved to the device first instead (the old path)."""
-    pcfg = cfg.parallel
+    1. split: the parts this rank holds (the whole model, or its pipeline stages: pipeline.split_model);
+    2. `apply_techniques` to those parts (the fixed order);
+    3. materialise this rank's shards (`place`): a meta model (as `build_runner` makes it) allocates only what
+       this rank holds, filled from `source_of(name, shape)` (default: the layout-independent random init of
+       cfg.train.seed; parallel/materialize.py); a model that already holds weights is moved to the device;
+    4. the runner for the layout (`make_runner`).
+    Every rank must call this (pipeline stage setup and DDP's replica check talk to the other ranks)."""
     degrees = check_layout(cfg, env.world_size)
     meta = on_meta([model])
-    if source_of is None:
-        source_of = random_init(cfg)
-    stale = cfg.staleness.policy != "sync"  # bounded staleness / time budget: parallel/stale_dp.py
-    if stale:
-        from paratrain.parallel.stale_dp import build_stale_runner
-    if mesh is None:  # one process: recompute and compile still apply; the stale runner works here too
-        place([model], env.device, meta, source_of)
-        apply_recompute(model, pcfg.recompute)
-        apply_compile(model, cfg.train.compile)
-        if stale:
-            return build_stale_runner(model, cfg, mesh, env, degrees)
-        return Runner(model, cfg.train.microbatch, env.device, cfg.train.dtype)
-    if degrees["pp"] > 1:
-        # 0. pipeline split first; pipeline.py then applies steps 1-4 below (CP included) to each stage module,
-        #    materialises only this rank's stages, and drives a schedule.
-        from paratrain.parallel.pipeline import parallelize_pipeline
+    stages, layout = [(0, model)], None
+    if degrees["pp"] > 1:  # carve first: only this rank's stages reach the device, not the whole model
+        from paratrain.parallel.pipeline import check_pipeline_layout, split_model
 
-        return parallelize_pipeline(model, cfg, mesh, env, source_of)
+        layout = check_pipeline_layout(cfg, mesh["dp"].size())
+        stages = split_model(model, layout, mesh["pp"].get_local_rank())
+    parts = [part for _, part in stages]
     if not meta:
-        model.to(env.device)
-    parts = [model]
-    if degrees["tp"] > 1:  # 1. tensor (+ sequence, loss) parallelism
+        for part in parts:
+            part.to(env.device)
+    dp = apply_techniques(parts, cfg, mesh, env)
+    place(parts, env.device, meta, source_of or random_init(cfg), dp)
+    return make_runner(stages, layout, cfg, mesh, env, degrees, dp)
+
+
+def apply_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh | None, env: DistEnv):
+    """Apply the layout's techniques to every model part this rank holds, in the one fixed order; returns the
+    data-parallel handle (parallel/data.py `DataParallel`) or None.
+
+    Order (as torchtitan's parallelize_llama):
+      1. tensor (+ sequence, loss) parallelism      tensor.py
+      2. context parallelism (ring attention)       context.py
+      3. expert parallelism                         expert.py (MoE; the step a new technique joins at)
+      4. activation recomputation                   recompute.py
+      5. torch.compile of what runs                 compile.py
+      6. data parallelism: FSDP2 / HSDP / DDP       data.py  (stale-gradient DP: its runner reduces, stale_dp.py)
+    Why this order:
+    - the pipeline split comes before all of them (parallelize), so every technique sees only this rank's layers;
+    - TP before CP: the ring runs on each TP rank's own heads; CP's position hook goes ahead of SP's stage hook;
+    - TP (and EP) before recompute, so a recomputed region replays its collectives in backward;
+    - recompute before FSDP, so FSDP's per-block hooks (unshard before backward) wrap the recomputed forward;
+    - compile after recompute, so the compiled region is what runs, checkpointing included;
+    - DP last: FSDP shards the parameters TP has already distributed (2-D DTensors over dp x tp), and the DDP
+      reducer hooks the final parameters (of every part: one set of buckets for all of this rank's stages)."""
+    pcfg = cfg.parallel
+    tp = mesh["tp"].size() if mesh is not None else 1
+    cp = mesh["cp"].size() if mesh is not None else 1
+    if tp > 1:  # 1.
         from paratrain.parallel.tensor import apply_tp
 
         for part in parts:
             apply_tp(part, mesh["tp"], sp=pcfg.sp, loss_parallel=True)
-    if degrees["cp"] > 1:  # 2. context parallelism: ring attention over the cp group
+    if cp > 1:  # 2. a stage without the embedding gets s/(cp*tp) tokens with SP: positions scaled by sp_tp
         from paratrain.parallel.context import apply_context_parallel
 
-        apply_context_parallel(parts, mesh["cp"].get_group(), pcfg.cp_attention,
+        apply_context_parallel(parts, mesh["cp"].get_group(), pcfg.cp_attention, sp_tp=tp if pcfg.sp else 1,
                                device=env.device)
-    for part in parts:  # 3. activation recomputation, then compilation of what runs
-        apply_recompute(part, pcfg.recompute)
-        apply_compile(part, cfg.train.compile)
-    if stale:  # 4a. stale gradients: its own asynchronous all-reduce over dp replaces DDP/FSDP
-        place(parts, env.device, meta, source_of)
-        return build_stale_runner(model, cfg, mesh, env, degrees)
-    dp = None  # 4. data parallelism over dp (x cp): FSDP2 / HSDP / bucketed DDP
-    dp_mesh = dp_mesh_of(mesh, cfg)
-    if dp_mesh.size() > 1:
-        from paratrain.parallel.data import apply_dp
+    # 3. expert parallelism: not wired into parallelize yet (parallel/expert.py, docs/moe.md)
+    for part in parts:
+        apply_recompute(part, pcfg.recompute)  # 4.
+        apply_compile(part, cfg.train.compile)  # 5.
+    return apply_data_parallel(parts, cfg, mesh)  # 6.
 
-        kind, reshard = effective_dp(pcfg)
-        dp = apply_dp(parts, dp_mesh, kind, reshard, bucket_bytes=pcfg.ddp_bucket_bytes,
-                      precision=Precision.from_train(cfg.train))
-    place(parts, env.device, meta, source_of, dp)  # 5. this rank's shards only, now that the layout is known
+
+def apply_data_parallel(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh | None):
+    """Step 6: FSDP2 / HSDP / bucketed DDP over dp (x cp); None with one data-parallel rank, and for stale
+    gradients (their asynchronous all-reduce over dp replaces DDP/FSDP: `make_runner` builds it)."""
+    if mesh is None or is_stale(cfg):
+        return None
+    dp_mesh = dp_mesh_of(mesh, cfg)
+    if dp_mesh.size() == 1:
+        return None
+    from paratrain.parallel.data import apply_dp
+
+    pcfg = cfg.parallel
+    kind, _ = effective_dp(pcfg)
+    # the zero-bubble schedules need the parameters gathered from forward to backward (config/pipeline.py)
+    return apply_dp(parts, dp_mesh, kind, stage_reshard_after_forward(pcfg), bucket_bytes=pcfg.ddp_bucket_bytes,
+                    precision=Precision.from_train(cfg.train))
+
+
+def make_runner(stages: list[tuple[int, nn.Module]], layout, cfg: TrainConfig, mesh: DeviceMesh | None,
+                env: DistEnv, degrees: dict[str, int], dp) -> Runner:
+    """The runner for the layout: stale-gradient DP, a pipeline schedule, context parallel (batches sharded
+    along the sequence), or the plain (tensor/data-)parallel one."""
+    model = stages[0][1]
+    t = cfg.train
+    if is_stale(cfg):
+        from paratrain.parallel.stale_dp import build_stale_runner
+
+        return build_stale_runner(model, cfg, mesh, env, degrees)
+    if mesh is None:  # one process
+        return Runner(model, t.microbatch, env.device, t.dtype)
+    if layout is not None:
+        from paratrain.parallel.pipeline import PipelineRunner
+
+        return PipelineRunner(stages, layout, mesh, cfg, env, dp=dp)
     runner_cls, runner_extra = ParallelRunner, {}
-    if degrees["cp"] > 1:  # the runner shards each batch along the sequence (zig-zag)
+    if degrees["cp"] > 1:
         from paratrain.parallel.context import ContextParallelRunner
 
         runner_cls, runner_extra = ContextParallelRunner, {"cp_group": mesh["cp"].get_group()}
-    runner = runner_cls(model, cfg.train.microbatch, env.device, cfg.train.dtype,
-                        dp_rank=mesh["dp"].get_local_rank(), dp_size=degrees["dp"], dp=dp,
-                        loss_parallel=degrees["tp"] > 1, **runner_extra)
-    runner.parts = parts
-    return runner
-
+    return runner_cls(model, t.microbatch, env.device, t.dtype, dp_rank=mesh["dp"].get_local_rank(),
+                      dp_size=degrees["dp"], dp=dp, loss_parallel=degrees["tp"] > 1, **runner_extra)

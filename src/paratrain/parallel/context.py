@@ -48,7 +48,7 @@ Composition: CP is orthogonal to TP (heads are sharded by TP, the sequence by CP
 rank's own heads); data parallelism reduces gradients over the flattened (dp, cp) mesh, since cp ranks compute
 gradients of different tokens of the same sequences (`paratrain.parallel.dp_mesh_of`).
 With pipeline parallelism (pipeline.py), every stage module gets ring attention over its cp group
-(`apply_stage_techniques`: TP/SP -> CP -> recompute -> DP over (dp, cp)), and `PipelineRunner` shards each
+(`paratrain.parallel.apply_techniques`: TP/SP -> CP -> recompute -> DP over (dp, cp)), and `PipelineRunner` shards each
 batch zig-zag before the schedule: each cp "copy" of the pipeline carries the s/cp slices of the same
 microbatches, so the activations between stages are (mb, s/cp, h) -- (mb, s/(cp*tp), h) with SP -- and the P2P
 messages shrink by cp. A stage without the embedding still needs the global positions of its tokens for RoPE:

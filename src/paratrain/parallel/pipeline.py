@@ -8,10 +8,10 @@ Layout
   * Placement of stages on pp ranks: looped (stage s on rank s % pp) for gpipe / 1f1b / interleaved_1f1b;
     V-shaped (rank r holds stages r and 2pp-1-r) for the zero-bubble schedules zbv and dualpipev, which is why
     the last stage, and hence the loss, lives on pp rank 0 there.
-  * Each stage module then gets the mesh's other techniques, in the fixed order of `paratrain.parallel`:
-    tensor/sequence parallel -> context parallel -> activation recomputation -> data parallel (over dp, or the
-    flattened (dp, cp) with context parallelism). With cp > 1 the runner hands the schedule each sequence's
-    zig-zag s/cp slice (context.py), so the activations between stages are those slices.
+  * This module only splits (`split_model`) and drives the schedule (`PipelineRunner`): `paratrain.parallel.
+    parallelize` applies the mesh's other techniques to the stage modules with the same `apply_techniques` as to
+    a whole model (one order, written once). With cp > 1 the runner hands the schedule each sequence's zig-zag
+    s/cp slice (context.py), so the activations between stages are those slices.
 
 Step semantics match the single-device runner exactly: the schedule computes the mean token loss of each
 microbatch and scales gradients by 1/microbatches (`scale_grads=True`), i.e. the gradient of the mean loss.
@@ -37,7 +37,7 @@ from torch.distributed.pipelining import (
 )
 from torch.distributed.tensor import DTensor
 
-from paratrain.config import TrainConfig, effective_dp
+from paratrain.config import TrainConfig
 from paratrain.config.pipeline import (  # noqa: F401 - the layout rules (torch-free), re-exported for the runtime
     PipelineLayout,
     balanced_layers,
@@ -48,7 +48,6 @@ from paratrain.config.pipeline import (  # noqa: F401 - the layout rules (torch-
 )
 from paratrain.device import host, to_device
 from paratrain.parallel.mesh import DistEnv
-from paratrain.parallel.precision import Precision
 from paratrain.parallel.runner import ParallelRunner, plain
 
 
@@ -102,38 +101,6 @@ def split_model(model: nn.Module, layout: PipelineLayout, pp_rank: int) -> list[
     """(stage index, stage module) for each stage this pp rank holds; the rest of `model` is dropped."""
     last = layout.num_stages - 1
     return [(s, carve_stage(model, layout.layer_ids(s), s == 0, s == last)) for s in layout.stages_of_rank(pp_rank)]
-
-
-def apply_stage_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh):
-    """TP/SP -> CP -> recompute -> DP on this rank's stage modules, with the functions the non-pipeline layout
-    uses (parallel/tensor.py, context.py, recompute.py, data.py). Returns the DataParallel handle (or None)."""
-    from paratrain.parallel import dp_mesh_of
-    from paratrain.parallel.compile import apply_compile
-    from paratrain.parallel.recompute import apply_recompute
-
-    pcfg = cfg.parallel
-    tp = mesh["tp"].size()
-    if tp > 1:
-        from paratrain.parallel.tensor import apply_tp
-
-        for part in parts:
-            apply_tp(part, mesh["tp"], sp=pcfg.sp, loss_parallel=True)
-    if mesh["cp"].size() > 1:  # ring attention over the stage's cp group; positions hook on every stage
-        from paratrain.parallel.context import apply_context_parallel
-
-        apply_context_parallel(parts, mesh["cp"].get_group(), pcfg.cp_attention, sp_tp=tp if pcfg.sp else 1,
-                               device=torch.device(mesh.device_type))
-    for part in parts:
-        apply_recompute(part, pcfg.recompute)
-        apply_compile(part, cfg.train.compile)
-    dp_mesh = dp_mesh_of(mesh, cfg)  # dp, or the flattened (dp, cp) when cp > 1: cp ranks see other tokens
-    if dp_mesh.size() == 1:
-        return None
-    from paratrain.parallel.data import apply_dp
-
-    kind, _ = effective_dp(pcfg)
-    return apply_dp(parts, dp_mesh, kind, stage_reshard_after_forward(pcfg),
-                    bucket_bytes=pcfg.ddp_bucket_bytes, precision=Precision.from_train(cfg.train))
 
 
 # --------------------------------------------------------------------------------------------------------
@@ -411,30 +378,6 @@ def theory_idle_fraction(layout: PipelineLayout) -> float:
     return (p - 1) / (6 * m + p - 1)
 
 
-# --------------------------------------------------------------------------------------------------------
-# Entry point
-# --------------------------------------------------------------------------------------------------------
-def parallelize_pipeline(model: nn.Module, cfg: TrainConfig, mesh: DeviceMesh, env: DistEnv,
-                         source_of=None) -> PipelineRunner:
-    """Split `model` for this rank's pipeline stages, apply TP/SP -> recompute -> DP to each, and return the
-    runner that drives the schedule. Every rank must call this (stage setup talks to the neighbours).
-
-    A meta model (see `paratrain.parallel.parallelize`) is split and sharded on meta; then only this rank's
-    shards of its stages are materialised, from `source_of(name, shape)`."""
-    from paratrain.parallel.materialize import on_meta, place, random_init
-
-    layout = check_pipeline_layout(cfg, mesh["dp"].size())
-    meta = on_meta([model])
-    # Carve first, then move or materialise: only this rank's stages reach the accelerator, not the whole model.
-    stages = split_model(model, layout, mesh["pp"].get_local_rank())
-    if not meta:
-        stages = [(s, part.to(env.device)) for s, part in stages]
-    dp = apply_stage_techniques([part for _, part in stages], cfg, mesh)
-    if meta:
-        place([part for _, part in stages], env.device, True, source_of or random_init(cfg), dp)
-    return PipelineRunner(stages, layout, mesh, cfg, env, dp=dp)
-
-
-__all__ = ["PipelineLayout", "PipelineRunner", "apply_stage_techniques", "balanced_layers", "carve_stage",
-           "check_pipeline_layout", "check_stages", "ideal_idle_fraction", "parallelize_pipeline", "plan_pipeline",
+__all__ = ["PipelineLayout", "PipelineRunner", "balanced_layers", "carve_stage",
+           "check_pipeline_layout", "check_stages", "ideal_idle_fraction", "plan_pipeline",
            "schedule_action_lists", "split_model", "split_paired_actions", "theory_idle_fraction"]
