@@ -139,15 +139,6 @@ def test_runner_trains_the_aux_loss_and_reports_the_lm_loss():
                                without["grads"]["layers.1.feed_forward.experts.w1"], rtol=0, atol=0)
 
 
-def test_training_planner_refuses_moe_models():
-    from paratrain.plan.api import Layout, estimate, search
-
-    with pytest.raises(ValueError, match="num_experts=8: the training planner does not model"):
-        estimate("mixtral-8x7b", "p5.48xlarge", 2, 4096, 256, Layout())
-    with pytest.raises(ValueError, match="num_experts=128: the training planner does not model"):
-        search("qwen3-30b-a3b", "p5.48xlarge", 2, 4096, 256)
-
-
 def test_paratrain_train_logs_router_metrics(tmp_path, capsys):
     import json
 

@@ -13,6 +13,7 @@ import numpy as np
 from paratrain.hardware.catalog import System, resolve_system
 from paratrain.model.config import ModelConfig, load_model_config
 from paratrain.plan.model import DP_KINDS, RECOMPUTE, SCHEDULES, STAGE_SPLITS, Options, evaluate
+from paratrain.plan.moe import check_expert_layout, expert_axes
 from paratrain.plan.stages import (
     Loads,
     balanced_layers,
@@ -33,7 +34,11 @@ class Layout:
     pp_layers: layers per (virtual) pipeline stage, in stage order (pp x virtual_stages entries, the runtime's
     parallel.pp_layers); None or "balanced": the runtime's default, equal counts; "auto": the planner chooses
     the split that minimises the slowest stage (fewer layers where the output head or embedding sits). An
-    Estimate's layout always holds the concrete split used (None when pp = 1)."""
+    Estimate's layout always holds the concrete split used (None when pp = 1).
+
+    ep, etp (MoE models, plan/moe.py): expert-parallel degree (divides num_experts) and expert tensor parallel
+    (1 or tp); the tp x cp x dp ranks of a stage are refolded as etp x ep x edp for the expert layers, so ep
+    borrows from dp and cp (and from tp when etp = 1), as torchtitan's expert_parallel_degree does."""
 
     tp: int = 1
     pp: int = 1
@@ -47,6 +52,8 @@ class Layout:
     zero_stage: int = 1
     dp_kind: str = "ddp"
     pp_layers: tuple[int, ...] | str | None = None
+    ep: int = 1
+    etp: int = 1
 
     def __post_init__(self) -> None:
         if isinstance(self.pp_layers, list):  # from JSON / TOML: keep the layout hashable
@@ -154,6 +161,7 @@ def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, glob
     for ok, message in checks:
         if not ok:
             raise ValueError(message)
+    check_expert_layout(model, lay.tp, lay.cp, dp, lay.ep, lay.etp)
     if isinstance(lay.pp_layers, str):
         if lay.pp_layers not in STAGE_SPLITS:
             raise ValueError(f"pp_layers = {lay.pp_layers!r}: allowed: {', '.join(STAGE_SPLITS)}, or one layer "
@@ -168,9 +176,6 @@ def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, glob
 
 def _resolve(model, system) -> tuple[ModelConfig, System]:
     model = model if isinstance(model, ModelConfig) else load_model_config(model)
-    if model.num_experts:  # active-parameter FLOPs alone would be a silently wrong step time and memory
-        raise ValueError(f"model '{model.name}' has num_experts={model.num_experts}: the training planner does not "
-                         f"model mixtures of experts yet (docs/moe.md); allowed: dense models (num_experts=0)")
     return model, resolve_system(system)
 
 
@@ -200,7 +205,7 @@ def _evaluate_one(model, system, nodes, seq, global_batch, layout: Layout, opts,
                    cp=layout.cp, microbatch=layout.microbatch, sp=layout.sp,
                    recompute=RECOMPUTE.index(layout.recompute), schedule=SCHEDULES.index(layout.schedule),
                    virtual_stages=layout.virtual_stages, zero_stage=layout.zero_stage,
-                   dp_kind=DP_KINDS.index(layout.dp_kind), opts=opts, **split)
+                   dp_kind=DP_KINDS.index(layout.dp_kind), opts=opts, ep=layout.ep, etp=layout.etp, **split)
     return {k: np.asarray(v).item() for k, v in res.items()}
 
 
@@ -361,8 +366,10 @@ def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch
     if stack is not None:
         ok &= np.isin(zero, stack.zero_stages) & np.isin(kind, [DP_KINDS.index(k) for k in stack.dp_kinds])
         ok &= (pp == 1) | np.isin(sched, [SCHEDULES.index(k) for k in stack.schedules])
+    tp, pp, cp, dp, b, sp, rc, sched, v, zero, kind, ep, etp, ok = expert_axes(
+        model, (tp, pp, cp, dp, b, sp, rc, sched, v, zero, kind), ok)  # MoE: every valid (ep, etp) per layout
     named = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "microbatch": b, "sp": sp, "recompute": rc, "schedule": sched,
-             "virtual_stages": v, "zero_stage": zero, "dp_kind": kind}
+             "virtual_stages": v, "zero_stage": zero, "dp_kind": kind, "ep": ep, "etp": etp}
     for key, allowed in (constraints or {}).items():
         if key not in named:
             raise ValueError(f"constraint '{key}': unknown; allowed: {', '.join(named)}")
@@ -372,7 +379,7 @@ def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch
     sel = np.nonzero(ok)[0]
     return {"tp": tp[sel], "pp": pp[sel], "cp": cp[sel], "dp": dp[sel], "microbatch": b[sel], "sp": sp[sel] == 1,
             "recompute": rc[sel], "schedule": sched[sel], "virtual_stages": v[sel], "zero_stage": zero[sel],
-            "dp_kind": kind[sel], "raw": np.int64(combinations)}
+            "dp_kind": kind[sel], "ep": ep[sel], "etp": etp[sel], "raw": np.int64(combinations)}
 
 
 def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int, global_batch: int, *,
@@ -440,7 +447,8 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
                         sp=bool(grid["sp"][i]), microbatch=int(grid["microbatch"][i]),
                         recompute=RECOMPUTE[grid["recompute"][i]], schedule=SCHEDULES[grid["schedule"][i]],
                         virtual_stages=int(grid["virtual_stages"][i]), zero_stage=int(grid["zero_stage"][i]),
-                        dp_kind=DP_KINDS[grid["dp_kind"][i]], pp_layers="auto")
+                        dp_kind=DP_KINDS[grid["dp_kind"][i]], pp_layers="auto", ep=int(grid["ep"][i]),
+                        etp=int(grid["etp"][i]))
         row = {k: float(np.asarray(v)[i]) if np.ndim(v) else float(v) for k, v in res.items()}
         layout = replace(layout, pp_layers=_concrete_split(model, layout, row))
         even = layout.pp_layers is None or is_balanced(layout.pp_layers, model.layers)

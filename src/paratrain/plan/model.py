@@ -92,6 +92,12 @@ class Options:
     plan/config_writer.runtime_dp): per microbatch one all-gather per unit, one reduce-scatter per unit per
     step, no post-step gather; otherwise Megatron's distributed optimizer (bucketed reduce-scatter, all-gather
     after the step).
+    MoE (plan/moe.py): ep_overlap, the fraction of the expert all-to-all hidden behind compute (DeepSeek-V3's
+    DualPipe overlaps it fully; 0: it is exposed); moe_imbalance, the busiest expert rank's load over the mean
+    (1: force-balanced routing as benchmark runs use; None: plan.moe.routing_imbalance from the router and the
+    capacity factor); moe_fp8_dispatch: tokens dispatched in FP8 (DeepSeek-V3, DeepEP), combined in BF16;
+    moe_hierarchical_dispatch: a token crosses the network once per destination node, NVLink fans it out
+    (DeepEP / HybridEP, Megatron-Core's flex dispatcher); otherwise a flat all-to-all sends all k copies.
     """
 
     attention: str = "flash"
@@ -108,6 +114,10 @@ class Options:
     eager: bool = False
     p2p_scatter_gather: bool = True
     zero12_as_fsdp: bool = False
+    ep_overlap: float = 0.0
+    moe_imbalance: float | None = None
+    moe_fp8_dispatch: bool = False
+    moe_hierarchical_dispatch: bool = False
 
     @classmethod
     def for_system(cls, system: System, attention: str | None = None, stack: str | None = None, **kw) -> Options:
@@ -134,6 +144,10 @@ class Options:
             raise ValueError(f"attention_eff = {self.attention_eff}: allowed: a number in (0, 1]")
         if self.param_bytes not in (2, 4):
             raise ValueError(f"param_bytes = {self.param_bytes}: allowed: 2, 4")
+        if not 0 <= self.ep_overlap <= 1:
+            raise ValueError(f"ep_overlap = {self.ep_overlap}: allowed: a number in [0, 1]")
+        if self.moe_imbalance is not None and self.moe_imbalance < 1:
+            raise ValueError(f"moe_imbalance = {self.moe_imbalance}: allowed: a number >= 1, or None")
 
 
 # ---- collectives ----------------------------------------------------------------------------------------
@@ -361,18 +375,23 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
 
 def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *, nodes, tp, pp, dp, cp,
              microbatch, sp, recompute, schedule, virtual_stages, zero_stage, dp_kind, opts: Options,
-             split: str = "balanced", stage_loads: Loads | None = None) -> dict:
+             split: str = "balanced", stage_loads: Loads | None = None, ep=1, etp=1) -> dict:
     """Evaluate layouts (numpy arrays of equal length, or scalars). Integer codes index RECOMPUTE, SCHEDULES
     and DP_KINDS. Returns a dict of arrays (times in s, bytes, FLOPs); no validity filtering here.
 
     Pipeline stage sizes (plan/stages.py): split "balanced" is the runtime's default (equal layer counts),
     "auto" the split that minimises the slowest rank's time (kept balanced where the faster split would not
     fit in memory and the balanced one does); stage_loads (layers per rank of an explicit split) overrides
-    both. The loads used come back as stage_layers_{first,last,inner} and stage_balanced."""
+    both. The loads used come back as stage_layers_{first,last,inner} and stage_balanced. ep, etp: expert
+    parallelism of a MoE model (plan/moe.py: the dense formulas time its dense view, the routed experts add on)."""
+    from paratrain.plan import moe as moe_plan
+
     if split not in STAGE_SPLITS:
         raise ValueError(f"split = {split!r}: allowed: {', '.join(STAGE_SPLITS)}")
     f64 = lambda x: np.asarray(x, dtype=float)  # noqa: E731
-    nodes, tp, pp, dp, cp, b, v = map(f64, (nodes, tp, pp, dp, cp, microbatch, virtual_stages))
+    nodes, tp, pp, dp, cp, b, v, ep, etp = map(f64, (nodes, tp, pp, dp, cp, microbatch, virtual_stages, ep, etp))
+    flops_model = model  # FLOPs count the real model (a MoE's active parameters); the rest its dense view
+    model = moe_plan.dense_view(model) if model.num_experts else model
     sp = np.asarray(sp, dtype=bool) & (tp > 1)
     rc = np.asarray(recompute)
     sched = np.asarray(schedule)
@@ -386,6 +405,10 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
 
     # -- compute per layer, forward; backward = 2x matmuls and attention, 2x elementwise traffic --
     mm, core, elem, mlp_fwd = _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero)
+    moe = moe_plan.layer_terms(flops_model, system, opts, T=T, tp=tp, sp=sp, ep=ep, etp=etp, rc=rc) \
+        if flops_model.num_experts else None
+    if moe is not None:  # routed experts: grouped GEMMs (their weight gradients too) and permute/router kernels
+        mm, elem, mlp_fwd = mm + moe[0], elem + moe[1], mlp_fwd + moe[0] + moe[1]
     fwd_compute = mm + core + elem
     selective = core + (mlp_fwd if opts.recompute_mlp else 0.0)
     recompute_fwd = np.where(rc == 2, fwd_compute, np.where(rc == 1, selective, 0.0))
@@ -393,6 +416,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     # (Dao 2023, FlashAttention-2 sec. 3.2); unfused attention keeps P and runs 4 (dP, dV, dQ, dK)
     core_bwd = FLASH_BWD_MATMULS / 2.0 if opts.attention == "flash" else 2.0
     bwd_compute = 2 * mm + core_bwd * core + 2 * elem + recompute_fwd
+    a2a_fwd, a2a_bwd = moe_plan.exposed_alltoall(opts, moe[2], moe[3], fwd_compute, bwd_compute) \
+        if moe is not None else (0.0, 0.0)
 
     # -- tensor parallel, per layer: 2 all-reduces forward and 2 backward (Megatron's f/g), or with SP an
     # all-gather + reduce-scatter pair in place of each (same volume, twice the calls); full recompute
@@ -431,8 +456,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     cp_fwd = np.maximum(0.0, cp_comm - core)
     cp_bwd = np.maximum(0.0, 2 * cp_comm - 2 * core)
 
-    layer_fwd = fwd_compute + tp_fwd + cp_fwd
-    layer_bwd = bwd_compute + tp_bwd + cp_bwd
+    layer_fwd = fwd_compute + tp_fwd + cp_fwd + a2a_fwd
+    layer_bwd = bwd_compute + tp_bwd + cp_bwd + a2a_bwd
 
     # -- first/last stage extras: embedding lookup, output projection (logits) and cross-entropy --
     logits_mm = matmul_time_s(system, T, V / tp, h)
@@ -457,9 +482,12 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     dp_group = dp * cp
     dp_shard = np.where(kind == 2, np.maximum(1.0, np.minimum(dp_group, system.devices_per_node / tp)), dp_group)
 
+    moe_mem = moe_plan.memory_terms(flops_model, opts, T=T, tp=tp, cp=cp, dp=dp, ep=ep, etp=etp, zero=zero, rc=rc,
+                                    routed=moe[5]) if moe is not None else None
+
     def memory_of(loads):
         return memory_per_device(model, system, seq, opts, T=T, tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, rc=rc,
-                                 sched=sched, v=v, m=m, zero=zero, dp_shard=dp_shard, loads=loads)
+                                 sched=sched, v=v, m=m, zero=zero, dp_shard=dp_shard, loads=loads, moe=moe_mem)
 
     balanced = balanced_loads(L, pp, v, v_shape)
     memory = None
@@ -499,10 +527,17 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     dp_time, dp_exposed = _data_parallel_s(system, opts, params_dev, dp_group, dp_shard, tp, zero, kind, m,
                                            stage_fwd, stage_bwd, layers_rank,
                                            layers_rank * model.params_per_layer() / tp / params_dev, link_busy)
+    expert_opt = 0.0
+    if moe is not None:  # routed experts reduce over their own expert-data-parallel group
+        ex_time, ex_exposed, ex_params, ex_shard = moe_plan.expert_data_parallel_s(
+            flops_model, system, opts, tp=tp, cp=cp, dp=dp, ep=ep, etp=etp, zero=zero, kind=kind, m=m,
+            stage_fwd=stage_fwd, stage_bwd=stage_bwd, layers=layers_rank, link_busy=link_busy + dp_time)
+        dp_time, dp_exposed = dp_time + ex_time, dp_exposed + ex_exposed
+        expert_opt = memory_time_s(system, np.where(zero >= 1, ex_params / ex_shard, ex_params) * ADAM_STEP_BYTES, 0)
 
     # -- optimizer step: memory-bound Adam over this device's share of the parameters --
     opt_share = np.where(zero >= 1, params_dev / dp_shard, params_dev)
-    optimizer = memory_time_s(system, opt_share * ADAM_STEP_BYTES, 4)
+    optimizer = memory_time_s(system, opt_share * ADAM_STEP_BYTES, 4) + expert_opt
 
     # FP8 with a weight cache: each step casts the device's layer weights once (amax, cast) and keeps a transposed
     # copy for backward
@@ -516,8 +551,10 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     flops = {}
     for name, attn_per_token in (("causal", CAUSAL_ATTENTION_FLOPS), ("full", 4.0)):
         attn_fwd = attn_per_token * L * seq * h  # forward attention FLOPs per token
-        fwd = 2.0 * model.num_matmul_params() + attn_fwd
+        fwd = 2.0 * flops_model.num_matmul_params() + attn_fwd
         mlp_flops = 2.0 * L * _mlp_params_per_layer(model) if opts.recompute_mlp else 0.0
+        if opts.recompute_mlp and flops_model.num_experts:  # the active routed experts are recomputed too
+            mlp_flops += 2.0 * flops_model.moe_layers * flops_model.experts_per_token * 3 * h * flops_model.moe_ffn
         recompute = np.where(rc == 2, fwd - 2.0 * V * h, np.where(rc == 1, attn_fwd + mlp_flops, 0.0)) * tokens
         flops[name] = (3.0 * fwd * tokens, 3.0 * fwd * tokens + recompute)
     model_flops, hardware_flops = flops[ATTENTION_CONVENTION]
@@ -541,6 +578,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         "time_tp_comm_s": m * (layers_per_stage * (tp_fwd + tp_bwd) + head_on * (tp_head_fwd + tp_head_bwd)
                                + embed_on * tp_embed),
         "time_cp_comm_s": m * layers_per_stage * (cp_fwd + cp_bwd),
+        "time_ep_comm_s": m * layers_per_stage * (a2a_fwd + a2a_bwd) * ones,
         "time_pp_comm_s": m * p2p_per_mb,
         "time_head_s": m * head_on * (head_fwd + head_bwd - tp_head_fwd - tp_head_bwd),
         "time_bubble_s": bubble, "time_dp_comm_s": dp_time, "time_dp_exposed_s": dp_exposed,
@@ -548,6 +586,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         # buffer bytes handed to collectives per device per step, by kind (for the simulator/cost model)
         "comm_tp_bytes": np.where(tp > 1, m * layers_per_stage * act_bytes * np.where(rc == 2, 6.0, 4.0), 0.0),
         "comm_pp_bytes": np.where(pp > 1, m * 2 * chunks * p2p_bytes, 0.0),
+        "comm_ep_bytes": m * layers_per_stage * (moe[4] if moe is not None else 0.0) * ones,
         "comm_dp_bytes": np.where(dp * cp > 1, params_dev * (opts.grad_bytes + opts.param_bytes * np.where(
             kind >= 1, 2 * m, np.where(zero >= 1, 1.0, 0.0))), 0.0),
         "cost_usd_per_hour": cost_per_hour,
@@ -689,10 +728,11 @@ def inflight_microbatches(sched, pp, v, m, rank=0):
 
 
 def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sched, v, m, zero, dp_shard,
-                      loads: Loads | None = None):
+                      loads: Loads | None = None, moe: dict | None = None):
     """Memory of the rank that needs the most (loads: layers per rank, default the balanced split). Each rank
     holds its own schedule's microbatches in flight: the first rank the most, the last (with the head and its
-    logits) the fewest, the inner ranks counted as the second, the most loaded of them."""
+    logits) the fewest, the inner ranks counted as the second, the most loaded of them. moe: plan.moe.memory_terms,
+    the routed experts' bytes per layer on top of the dense view (`model`)."""
     v_shape = np.asarray(sched) == 3
     loads = loads or balanced_loads(model.layers, pp, v, v_shape)
 
@@ -717,10 +757,12 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
         inflight = inflight_microbatches(sched, pp, v, m, r)
         # FP8 with a weight cache keeps the cast weight and its transpose between microbatches (2 x 1 byte)
         fp8_copies = np.where((zero < 3) & opts.fp8 & opts.fp8_weight_cache, 2 * FP8_BYTES, 0.0) * params_dev
-        ranks.append((params_dev * WEIGHT_BYTES / np.where(zero == 3, dp_shard, 1.0) + fp8_copies,
-                      params_dev * opts.grad_bytes / np.where(zero >= 2, dp_shard, 1.0),
-                      params_dev * OPTIMIZER_BYTES / np.where(zero >= 1, dp_shard, 1.0),
-                      per_layer * layers * inflight + rebuilt + np.where(head, logits, 0.0)))
+        ex = moe or {"weights": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "once": 0.0}
+        ranks.append((params_dev * WEIGHT_BYTES / np.where(zero == 3, dp_shard, 1.0) + fp8_copies + layers * ex["weights"],
+                      params_dev * opts.grad_bytes / np.where(zero >= 2, dp_shard, 1.0) + layers * ex["grads"],
+                      params_dev * OPTIMIZER_BYTES / np.where(zero >= 1, dp_shard, 1.0) + layers * ex["optimizer"],
+                      (per_layer + ex["activations"]) * layers * inflight + rebuilt + ex["once"]
+                      + np.where(head, logits, 0.0)))
     shape = np.broadcast_shapes(*(np.shape(x) for r in ranks for x in r))
     parts = np.array([[np.broadcast_to(x, shape) for x in r] for r in ranks])  # rank, part, layouts...
     worst = np.asarray(np.argmax(parts.sum(axis=1), axis=0))

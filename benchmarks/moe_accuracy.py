@@ -1,0 +1,121 @@
+"""Planner accuracy on published mixture-of-experts training runs (plan/moe.py; docs/planner.md, MoE section).
+
+    .venv/bin/python benchmarks/moe_accuracy.py          # every row: predicted vs published step time
+
+Data: benchmarks/data/moe_runs.csv, one row per published run with its source. Set "moe_public" is EVALUATION
+data: no constant of the planner was set on it (plan/moe.py's constants come from the cited papers and the chip
+and link entries of the hardware catalog). Fields marked "best" were not published: the planner's best fitting
+choice for the published ones. Each run is timed as its stack runs it (Megatron-Core: plan.stacks "megatron"),
+with its precision, its routing (balanced: the benchmark force-balances tokens over experts, moe_imbalance = 1;
+learned: plan.moe.routing_imbalance), whether it overlaps the all-to-all (ep_overlap) and dispatches in FP8.
+
+The DeepSeek-V3 cluster (2048 H800): H800 = H100 SXM compute and memory with NVLink cut to 400 GB/s
+bidirectional (200 GB/s per direction; DeepSeek-V3 report sec. 3.3.1 and NVIDIA's H800 export specification)
+and 8 x 400 Gb/s InfiniBand per node (report sec. 3.1: "each node ... 8 GPUs connected by NVLink and NVSwitch
+within nodes ... IB across nodes"): the catalog's DGX H100 with the NVLink bandwidth halved.
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from paratrain.hardware.catalog import get_catalog
+from paratrain.model.config import load_model_config
+from paratrain.plan.api import Layout, estimate
+from paratrain.plan.model import Options
+
+DATA = Path(__file__).parent / "data"
+RUNS_CSV = DATA / "moe_runs.csv"
+CHOICES = {"recompute": ["none", "selective", "full"], "microbatch": [1, 2, 4, 8]}
+
+
+def h800_cluster(catalog):
+    """DeepSeek's H800 nodes: DGX H100 with NVLink at 200 GB/s per direction (see the module docstring)."""
+    base = catalog.system("dgx-h100")
+    intra = base.tiers[0]
+    link = dataclasses.replace(intra.interconnect, name="nvlink4-h800", bw_gbytes_per_s=200.0)
+    return dataclasses.replace(base, name="h800-deepseek", tiers=(dataclasses.replace(intra, interconnect=link),
+                                                                   *base.tiers[1:]))
+
+
+def system_of(catalog, name: str):
+    return h800_cluster(catalog) if name == "h800-deepseek" else catalog.system(name)
+
+
+def model_of(name: str):
+    path = DATA / "moe_models" / f"{name}.toml"
+    return load_model_config(path if path.is_file() else name)
+
+
+def options_of(system, r: dict) -> Options:
+    return Options.for_system(system, stack="megatron", fp8=r["precision"] == "fp8",
+                              moe_imbalance=1.0 if r["routing"] == "balanced" else None,
+                              ep_overlap=float(r["ep_overlap"]), moe_fp8_dispatch=r["fp8_dispatch"] == "1",
+                              moe_hierarchical_dispatch=r["dispatcher"] == "hierarchical")
+
+
+def predict(catalog, r: dict):
+    """(label, predicted step time s, published step time s, estimate) of one row."""
+    system = system_of(catalog, r["system"])
+    model = model_of(r["model"])
+    seq, gbs, nodes = int(r["seq"]), int(r["global_batch"]), int(r["nodes"])
+    fixed = {"tp": int(r["tp"]), "pp": int(r["pp"]), "cp": int(r["cp"]), "ep": int(r["ep"]), "etp": int(r["etp"]),
+             "virtual_stages": int(r["vp"]), "schedule": r["schedule"], "dp_kind": r["dp_kind"],
+             "zero_stage": 3 if r["dp_kind"] == "fsdp" else 1}
+    opts = options_of(system, r)
+    # fields not published: every choice is estimated and the fastest that fits is taken (the published
+    # virtual-stage counts, e.g. 24, lie outside the search grid, so estimate() is called per choice)
+    best = None
+    for rc in CHOICES["recompute"] if r["recompute"] == "best" else [r["recompute"]]:
+        for mb in CHOICES["microbatch"] if r["microbatch"] == "best" else [int(r["microbatch"])]:
+            lay = Layout(**fixed, sp=fixed["tp"] > 1, microbatch=mb, recompute=rc)
+            try:
+                est = estimate(model, system, nodes, seq, gbs, lay, opts)
+            except ValueError:  # e.g. the microbatch does not divide the batch
+                continue
+            if est.fits and (best is None or est.step_time_s < best.step_time_s):
+                best = est
+    est = best
+    devices = nodes * system.devices_per_node
+    measured = gbs * seq / (float(r["measured"]) * devices)
+    label = (f"{r['model']} {r['system']} {devices}dev tp{r['tp']} pp{r['pp']} ep{r['ep']} {r['precision']} "
+             f"gbs{gbs}")
+    return label, (est.step_time_s if est else float("nan")), measured, est
+
+
+def sets(catalog=None) -> dict[str, list[tuple]]:
+    """Rows of moe_runs.csv grouped by their `set`, each (label, predicted s, published s, estimate)."""
+    catalog = catalog or get_catalog()
+    with RUNS_CSV.open(encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    out: dict[str, list[tuple]] = {}
+    for r in rows:
+        out.setdefault(r["set"], []).append(predict(catalog, r))
+    return out
+
+
+def main() -> int:
+    worst = 0.0
+    for name, rows in sets().items():
+        errs = [(p - m) / m * 100 for _, p, m, _ in rows]
+        print(f"\n== {name} (evaluation): {len(rows)} rows, MAPE {np.mean(np.abs(errs)):.1f}%, "
+              f"max |error| {max(abs(e) for e in errs):.1f}%")
+        for (label, pred, meas, est), err in zip(rows, errs, strict=True):
+            extra = ""
+            if est is not None:
+                t = est.time_breakdown_s
+                extra = (f"  [{est.layout.recompute} mb{est.layout.microbatch}; compute {t['compute']:.2f} ep "
+                         f"{t['ep_comm']:.2f} bubble {t['bubble']:.2f} dp {t['dp_exposed']:.2f} s; "
+                         f"{est.memory_per_device_bytes / 2**30:.0f} GiB]")
+            print(f"   {label:<58} predicted {pred:8.2f} s  published {meas:8.2f} s  {err:+6.1f}%{extra}")
+            worst = max(worst, abs(err))
+    return 0 if worst <= 15 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,280 @@
+"""Mixture-of-experts physics of the planner: expert compute, all-to-all dispatch/combine, expert memory and
+expert data-parallel traffic. No torch; element-wise on numpy arrays like plan/model.py, which calls in here.
+
+How a MoE model enters the dense formulas (plan/model.py evaluate): `dense_view` is the model with its routed
+experts taken out. Its per-layer FFN width is the layer average of what stays replicated and TP-sharded like a
+dense MLP: the dense first layers' FFN, the MoE layers' shared experts (n x moe_ffn, one SwiGLU) and the router
+(h x E = 3h x E/3). The dense code times and sizes that average layer (attention, TP, CP, PP, DP, memory). This
+module adds what the routed experts cost on top, per (average) layer: `layer_terms` (grouped expert GEMMs,
+permute/unpermute, all-to-all), `memory_terms` (expert weights, gradients, optimizer state; MoE activations and
+dispatch buffers) and the expert data-parallel traffic over the expert-data-parallel group. Model FLOPs count
+the real model's active parameters (ModelConfig.num_matmul_params: top-k routed + shared experts + dense layers
++ router).
+
+Expert layout (torchtitan's and Megatron-Core's "MoE parallel folding", Liu et al. 2025): the ranks of one
+pipeline stage, tp x cp x dp of them, are refolded for the expert layers as etp x ep x edp, etp innermost.
+etp = 1 (torchtitan's default expert_tensor_parallel_degree, Megatron-Core's expert_tensor_parallel_size = 1 in
+the Megatron-Bridge MoE recipes): ep borrows from tp, cp and dp, each expert holds its full width and each rank
+routes its 1/tp of the tokens (sequence parallel); etp = tp: experts are TP-sharded like the dense MLP and ep
+borrows from cp and dp only. ep divides num_experts; edp = tp*cp*dp / (etp*ep) replicas of each expert shard.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paratrain.hardware.catalog import System
+from paratrain.model.config import ModelConfig
+
+BF16_BYTES = 2
+FP8_BYTES = 1
+FP8_CAST_BYTES = 5  # as plan.model: amax read (2) + cast read (2) + write (1) per element
+WEIGHT_BYTES = 2
+OPTIMIZER_BYTES = 12
+ADAM_STEP_BYTES = 32
+# Memory-bound kernels of one MoE block forward outside the expert GEMMs (Megatron-Core's alltoall token
+# dispatcher and torchtitan's MoE: router softmax/sigmoid, top-k, score normalisation, histogram of tokens per
+# expert, permute, unpermute + weighted sum, SwiGLU on the expert rows, aux-loss terms)
+MOE_ELEMENTWISE_KERNELS = 8
+# Load imbalance of a learned router, as the coefficient of variation of tokens per expert in one microbatch.
+# Wang et al. 2024 ("Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts", Table 1/Fig. 3):
+# batch-level MaxVio (max load / mean - 1) of 0.2-0.7 for 1B-3B MoEs with 64 experts trained with an aux loss or
+# the loss-free bias; the CV of a load whose max over E experts sits ~sqrt(2 ln E) CV above the mean is then
+# ~0.1-0.25. 0.15 is the assumption used for learned routing; published benchmark runs that force-balance
+# their routing (Megatron-Bridge's performance tables) pass Options.moe_imbalance = 1.
+ROUTER_LOAD_CV = 0.15
+
+
+def is_moe(model: ModelConfig) -> bool:
+    return model.num_experts > 0
+
+
+def dense_view(model: ModelConfig) -> ModelConfig:
+    """The model with its routed experts removed: per-layer FFN width = the layer average of the dense FFNs,
+    shared experts and router (what TP shards and DP replicates like a dense MLP). Not validated (the width may
+    be tiny: Mixtral has no shared expert, only its 8-column router)."""
+    L, ml = model.layers, model.moe_layers
+    width = ((L - ml) * model.ffn + ml * (model.shared_experts * model.moe_ffn + model.num_experts / 3.0)) / L
+    return model.model_copy(update={"num_experts": 0, "first_dense_layers": 0, "ffn_hidden": max(1, round(width))})
+
+
+def expert_params_per_layer(model: ModelConfig) -> float:
+    """Routed-expert parameters of an average layer (all experts; MoE layers only hold them)."""
+    return model.moe_layers / model.layers * model.num_experts * 3 * model.hidden * model.moe_ffn
+
+
+def check_expert_layout(model: ModelConfig, tp: int, cp: int, dp: int, ep: int, etp: int) -> None:
+    """One ValueError naming the field, the value and what is allowed."""
+    if ep < 1 or etp < 1:
+        raise ValueError(f"ep = {ep}, etp = {etp}: must be >= 1")
+    if not model.num_experts:
+        if ep > 1 or etp > 1:
+            raise ValueError(f"ep = {ep}, etp = {etp}: model '{model.name}' has no experts; allowed: ep = etp = 1")
+        return
+    if etp not in (1, tp):
+        raise ValueError(f"etp = {etp}: allowed: 1 (experts unsharded, ep borrows tp ranks) or tp = {tp}")
+    if model.num_experts % ep:
+        raise ValueError(f"ep = {ep}: must divide num_experts = {model.num_experts}")
+    if model.moe_ffn % etp:
+        raise ValueError(f"etp = {etp}: must divide moe_ffn_hidden = {model.moe_ffn}")
+    ranks = tp * cp * dp // etp
+    if ranks % ep:
+        raise ValueError(f"ep = {ep}: must divide tp*cp*dp/etp = {tp}*{cp}*{dp}/{etp} = {ranks} (the ranks of a "
+                         f"pipeline stage refolded for the experts)")
+
+
+def ep_options(model: ModelConfig, stage_ranks: int, etp: int) -> list[int]:
+    """Expert-parallel degrees the search tries: divisors of num_experts that divide the stage's ranks / etp."""
+    if not model.num_experts:
+        return [1]
+    ranks = stage_ranks // etp
+    return [e for e in range(1, model.num_experts + 1) if model.num_experts % e == 0 and ranks % e == 0]
+
+
+def routing_imbalance(model: ModelConfig, opts, rows_per_rank, ep):
+    """Tokens the busiest expert-parallel rank receives over the mean (>= 1): what its expert GEMMs and its share
+    of the all-to-all scale with. Options.moe_imbalance when given (1: force-balanced routing). Otherwise the
+    expected maximum over ep ranks of their loads, each the sum over its E/ep experts: per expert a relative
+    spread ROUTER_LOAD_CV (learned routing) plus multinomial sampling of `rows_per_rank` assignments; the maximum
+    of ep roughly normal loads sits sqrt(2 ln ep) standard deviations above the mean. A capacity factor caps it
+    (token dropping: no expert takes more than c x its mean share)."""
+    if opts.moe_imbalance is not None:
+        return np.full(np.shape(rows_per_rank), float(opts.moe_imbalance)) if np.ndim(rows_per_rank) else \
+            float(opts.moe_imbalance)
+    ep = np.asarray(ep, dtype=float)
+    local = model.num_experts / ep
+    cv_rank = np.sqrt(ROUTER_LOAD_CV**2 / local + 1.0 / np.maximum(rows_per_rank, 1.0))
+    imb = 1.0 + np.sqrt(2.0 * np.log(np.maximum(ep, 1.0))) * cv_rank
+    if model.capacity_factor is not None:
+        imb = np.minimum(imb, max(1.0, model.capacity_factor))
+    return np.where(ep > 1, imb, 1.0)
+
+
+def alltoall_time_s(system: System, nbytes, degree, stride, imbalance=1.0, dedup_k=None):
+    """One all-to-all over `degree` ranks spaced `stride` apart, each sending `nbytes` spread evenly over the
+    group (1/degree stays local). Alpha-beta per tier: the part bound for peers first reachable over tier i
+    (inside its domain but not the inner one) moves at that tier's per-device bandwidth; the tiers move at once
+    (NVLink and the NICs in parallel, as NCCL's and DeepEP's all-to-all do), so the slowest tier sets the time,
+    plus the outermost tier's latency and per-call overhead. The busiest receiver gets `imbalance` x the mean.
+    dedup_k (hierarchical dispatch, DeepEP / HybridEP as DeepSeek-V3 sec. 3.2.2 describes it): `nbytes` are k
+    copies of each token; across the scale-out network a token goes once to each remote node holding one of
+    its k experts, then NVLink fans it out: of N nodes, (N-1)(1-(1-1/N)^k) remote ones are expected (experts
+    uniform over nodes), instead of k(N-1)/N copies."""
+    nbytes = np.asarray(nbytes, dtype=float) * imbalance
+    degree = np.asarray(degree, dtype=float)
+    stride = np.asarray(stride, dtype=float)
+    from paratrain.plan.model import timesharing_ranks  # shared with the other collectives
+
+    share = timesharing_ranks(system)
+    slowest = np.zeros(np.broadcast(nbytes, degree, stride).shape)
+    fixed = np.zeros_like(slowest)
+    reached = np.ones_like(slowest)
+    for tier in system.tiers:
+        inside = np.clip(np.floor(tier.domain_devices / stride), 1.0, degree) if tier.domain_devices else degree
+        peers = np.maximum(inside - reached, 0.0)
+        link = tier.interconnect
+        fraction = peers / degree
+        if dedup_k is not None and not tier.domain_devices:  # node-deduplicated copies over the network
+            nodes = degree / reached
+            fraction = np.where(nodes > 1, (nodes - 1) * (1 - (1 - 1 / nodes) ** dedup_k) / dedup_k, fraction)
+        t = nbytes * fraction * share / tier.per_device_bw_bytes_per_s(system)
+        slowest = np.maximum(slowest, t)
+        fixed = np.where(peers > 0, (link.latency_us + link.collective_overhead_us) * 1e-6, fixed)
+        reached = np.maximum(reached, inside)
+    return np.where(degree > 1, slowest + fixed, 0.0)
+
+
+def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp, rc):
+    """Per average layer, forward, on the busiest expert rank: (expert GEMMs s, elementwise s, all-to-all fwd s,
+    all-to-all bwd s, all-to-all bytes per microbatch, routed rows). Backward GEMMs are 2x (plan.model)."""
+    from paratrain.plan.model import matmul_time_s, memory_time_s
+
+    share = model.moe_layers / model.layers  # the average layer's share of a MoE block
+    h, fm, k, E = model.hidden, model.moe_ffn, model.experts_per_token, model.num_experts
+    ep = np.asarray(ep, dtype=float)
+    etp = np.asarray(etp, dtype=float)
+    tokens = T * etp / tp  # tokens a rank routes: its SP shard (etp = 1) or the TP group's all (etp = tp)
+    rows = tokens * k  # assignments it sends, and on average receives
+    imb = routing_imbalance(model, opts, rows, ep)
+    local = E / ep
+    per_expert = rows * imb / local
+    width = fm / etp
+    gemm = local * (matmul_time_s(system, per_expert, 2 * width, h, opts.fp8)
+                    + matmul_time_s(system, per_expert, h, width, opts.fp8))
+    # a grouped GEMM is one launch for all local experts: the per-matmul fixed cost paid twice, not 2 x local
+    gemm = gemm - 2 * (local - 1) * system.chip.efficiency.kernel_overhead_s
+    routed = rows * imb
+    elem_bytes = (tokens * E * 4 * 3  # fp32 router scores: write, top-k read, softmax/sigmoid read+write
+                  + routed * h * BF16_BYTES * 2 * 2  # permute and unpermute: read + write each
+                  + routed * 3 * width * BF16_BYTES  # SwiGLU: read gate, up, write product
+                  + (FP8_CAST_BYTES * routed * (h + width) if opts.fp8 else 0.0))
+    elem = memory_time_s(system, elem_bytes, MOE_ELEMENTWISE_KERNELS)
+    dispatch_bytes = FP8_BYTES if opts.fp8 and opts.moe_fp8_dispatch else BF16_BYTES
+    stride = np.where(etp > 1, tp, 1.0)
+    dedup = k if opts.moe_hierarchical_dispatch else None
+    dispatch = alltoall_time_s(system, rows * h * dispatch_bytes, ep, stride, imb, dedup)
+    combine = alltoall_time_s(system, rows * h * BF16_BYTES, ep, stride, imb, dedup)
+    a2a_fwd = dispatch + combine
+    # backward: the gradient of the combine goes out like a dispatch and that of the dispatch comes back like a
+    # combine, both bf16; full recompute replays the forward's pair first
+    a2a_bwd = 2 * combine + np.where(rc == 2, a2a_fwd, 0.0)
+    a2a_bytes = rows * h * (dispatch_bytes + 3 * BF16_BYTES) * np.where(ep > 1, 1.0, 0.0)
+    return share * gemm, share * elem, share * a2a_fwd, share * a2a_bwd, share * a2a_bytes, routed
+
+
+def exposed_alltoall(opts, a2a_fwd, a2a_bwd, fwd_compute, bwd_compute):
+    """(forward, backward) all-to-all time left after overlap. Options.ep_overlap is the fraction of the layer's
+    compute it can hide behind: both schedules that overlap it pair one microbatch's forward with another's
+    backward (Megatron-Core's moe_a2a_overlap, DeepSeek-V3's DualPipe, sec. 3.2.1), so the forward and backward
+    all-to-alls together hide behind forward + backward compute; what that cannot cover stays exposed, split
+    between forward and backward as the traffic is."""
+    total = a2a_fwd + a2a_bwd
+    left = np.maximum(0.0, total - opts.ep_overlap * (fwd_compute + bwd_compute))
+    scale = np.where(total > 0, left / np.where(total > 0, total, 1.0), 0.0)
+    return a2a_fwd * scale, a2a_bwd * scale
+
+
+def activation_bytes_per_layer(model: ModelConfig, T, tp, ep, etp, routed, fp8: bool = False):
+    """MoE block activations kept for backward per average layer per microbatch (selective or no recompute):
+    router scores (fp32) and top-k indices/weights of the rank's tokens; per routed row the permuted input (h)
+    and the activation output (width) that the two expert GEMMs' weight gradients need (FP8: kept cast, 1 byte,
+    as for the dense matmuls), gate and up (2 x width) for the SwiGLU backward, and the expert output (h) for
+    the gradient of the routing weights, bf16."""
+    share = model.moe_layers / model.layers
+    tokens = T * np.asarray(etp, dtype=float) / tp
+    width = model.moe_ffn / np.asarray(etp, dtype=float)
+    router = tokens * model.num_experts * 4 + tokens * model.experts_per_token * 12
+    gemm_in = FP8_BYTES if fp8 else BF16_BYTES
+    rows = routed * ((model.hidden + width) * gemm_in + (2 * width + model.hidden) * BF16_BYTES)
+    return share * (router + rows)
+
+
+def dispatch_buffer_bytes(model: ModelConfig, routed):
+    """Transient buffers of one dispatch/combine: send and receive rows, bf16, both directions."""
+    return 4 * routed * model.hidden * BF16_BYTES * (model.moe_layers > 0)
+
+
+def expert_memory_per_layer(model: ModelConfig, opts, tp, cp, dp, ep, etp, zero):
+    """(weights, grads, optimizer) bytes per average layer per device for the routed experts, sharded over
+    ep x etp and, by the ZeRO stage, over the expert-data-parallel group edp = tp*cp*dp/(ep*etp)."""
+    params = expert_params_per_layer(model) / (np.asarray(ep, dtype=float) * etp)
+    edp = edp_degree(tp, cp, dp, ep, etp)
+    weights = params * WEIGHT_BYTES / np.where(zero == 3, edp, 1.0)
+    grads = params * opts.grad_bytes / np.where(zero >= 2, edp, 1.0)
+    optimizer = params * OPTIMIZER_BYTES / np.where(zero >= 1, edp, 1.0)
+    return weights, grads, optimizer
+
+
+def edp_degree(tp, cp, dp, ep, etp):
+    return np.maximum(1.0, np.asarray(tp, dtype=float) * cp * dp / (np.asarray(ep, dtype=float) * etp))
+
+
+def expert_data_parallel_s(model: ModelConfig, system: System, opts, *, tp, cp, dp, ep, etp, zero, kind, m,
+                           stage_fwd, stage_bwd, layers, link_busy):
+    """(total, exposed, expert parameters on the device, edp shard degree) of the routed experts' gradient (and
+    ZeRO/FSDP parameter) traffic per step over the edp group (stride ep x etp: the expert mesh is etp innermost,
+    then ep), with plan.model's data-parallel rules for the ZeRO stage. link_busy: the dense part's DP traffic,
+    which has to hide in the same window first."""
+    from paratrain.plan.model import _data_parallel_s
+
+    edp = edp_degree(tp, cp, dp, ep, etp)
+    # HSDP on experts: sharded inside a node as the dense part is, replicated across nodes
+    shard = np.where(kind == 2, np.maximum(1.0, np.minimum(edp, system.devices_per_node / (ep * etp))), edp)
+    params_dev = layers * expert_params_per_layer(model) / (ep * etp)
+    total, exposed = _data_parallel_s(system, opts, params_dev, edp, shard, ep * etp, zero, kind, m, stage_fwd,
+                                      stage_bwd, layers, 1.0, link_busy)
+    return np.where(edp > 1, total, 0.0), np.where(edp > 1, exposed, 0.0), params_dev, shard
+
+
+def memory_terms(model: ModelConfig, opts, *, T, tp, cp, dp, ep, etp, zero, rc, routed) -> dict:
+    """What plan.model.memory_per_device adds per layer a rank holds (weights, grads, optimizer: the routed
+    experts; activations: the MoE block's, per microbatch in flight, none kept under full recompute or with
+    selective recompute of the MLP, Options.recompute_mlp) and once (the dispatch/combine buffers; when the block
+    is recomputed, the one MoE block rebuilt during backward)."""
+    weights, grads, optimizer = expert_memory_per_layer(model, opts, tp, cp, dp, ep, etp, zero)
+    act = activation_bytes_per_layer(model, T, tp, ep, etp, routed, opts.fp8)
+    rebuilt = (rc == 2) | ((rc == 1) & opts.recompute_mlp)
+    once = dispatch_buffer_bytes(model, routed) + np.where(rebuilt, act, 0.0)
+    return {"weights": weights, "grads": grads, "optimizer": optimizer,
+            "activations": np.where(rebuilt, 0.0, act), "once": once}
+
+
+def expert_axes(model: ModelConfig, arrays: tuple, ok):
+    """The search grid (tp, pp, cp, dp first, then the other axes) with (ep, etp) added: a dense model gets
+    ep = etp = 1; a MoE model every layout that passed (`ok`) once per valid pair, ep a divisor of num_experts
+    dividing tp*cp*dp/etp, etp 1 or tp. Returns (*arrays, ep, etp, ok)."""
+    if not model.num_experts:
+        ones = np.ones(np.shape(arrays[0]), dtype=int)
+        return (*arrays, ones, ones, ok)
+    sel = np.nonzero(ok)[0]
+    arrays = tuple(np.asarray(a)[sel] for a in arrays)
+    tp, cp, dp = arrays[0], arrays[2], arrays[3]
+    E = model.num_experts
+    eps = np.array([e for e in range(1, E + 1) if E % e == 0])
+    i, j, sharded = (a.ravel() for a in np.meshgrid(np.arange(sel.size), np.arange(eps.size), np.array([0, 1]),
+                                                    indexing="ij"))
+    ep = eps[j]
+    etp = np.where(sharded == 1, tp[i], 1)
+    ranks = tp[i] * cp[i] * dp[i] // etp
+    valid = ((sharded == 0) | (tp[i] > 1)) & (model.moe_ffn % etp == 0) & (ranks % ep == 0)
+    return (*(a[i] for a in arrays), ep, etp, valid)

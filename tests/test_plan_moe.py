@@ -1,0 +1,142 @@
+"""The planner's mixture-of-experts physics (plan/moe.py): active-parameter FLOPs, all-to-all over the topology,
+routing imbalance, expert memory, EP in the search, and the published MoE runs (benchmarks/moe_accuracy.py)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+from paratrain.hardware.catalog import resolve_system
+from paratrain.model.config import PRESETS
+from paratrain.plan import moe
+from paratrain.plan.api import Layout, estimate, search
+from paratrain.plan.model import Options
+
+H100 = "dgx-h100"
+
+
+def test_active_parameter_flops_of_known_models():
+    """Model FLOPs per token are 6 x the matmul parameters one token passes (top-k routed + shared experts,
+    dense layers, router, output head) plus causal attention: Mixtral 8x7B ~12.9B active of 46.7B (Jiang et al.
+    2024), DeepSeek-V3 37B active of 671B (+4.5% here: plain attention stands in for MLA)."""
+    seq, gbs = 4096, 256
+    for name, active, total, tol in (("mixtral-8x7b", 12.9e9, 46.7e9, 0.01), ("deepseek-v3", 37e9, 671e9, 0.06)):
+        cfg = PRESETS[name]
+        assert abs(cfg.active_params() / active - 1) < tol and abs(cfg.num_params() / total - 1) < 0.01
+        lay = Layout(tp=8, pp=1, ep=8, recompute="full", zero_stage=3, dp_kind="fsdp")
+        est = estimate(name, H100, 16, seq, gbs, lay)
+        attention = 2.0 * cfg.layers * seq * cfg.hidden  # causal: 2 x 2 x s/2 x h per layer per token
+        per_token = est.model_flops_per_step / (gbs * seq)
+        assert per_token == pytest.approx(3 * (2.0 * cfg.num_matmul_params() + attention), rel=1e-9)
+        # what a dense model with all the experts' parameters would cost is far more
+        assert per_token < 0.5 * 6.0 * cfg.num_params()
+
+
+def test_dense_view_keeps_the_replicated_parameters():
+    """The dense formulas see the layer-average of dense FFNs, shared experts and the router; with the routed
+    experts added back, the parameter count is the model's."""
+    for name in ("tiny-moe", "mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3"):
+        cfg = PRESETS[name]
+        view = moe.dense_view(cfg)
+        total = (view.layers * view.params_per_layer() + cfg.layers * moe.expert_params_per_layer(cfg)
+                 + cfg.embedding_params() + cfg.head_params())
+        assert total == pytest.approx(cfg.num_params(), rel=2e-3), name
+
+
+def test_alltoall_grows_when_ep_crosses_a_node():
+    """Alpha-beta over the tiers: inside a DGX H100 the all-to-all moves over NVLink (337 GB/s achieved per
+    GPU); once the EP group spans two nodes, half of every rank's data crosses the 40 GB/s per-GPU InfiniBand."""
+    system = resolve_system(H100)
+    nbytes = 256e6
+    inside = moe.alltoall_time_s(system, nbytes, 8, 1)
+    across = moe.alltoall_time_s(system, nbytes, 16, 1)
+    nvlink = system.tiers[0].per_device_bw_bytes_per_s(system)
+    ib = system.tiers[1].per_device_bw_bytes_per_s(system)
+    link = system.tiers[0].interconnect
+    assert inside == pytest.approx(nbytes * 7 / 8 / nvlink + (link.latency_us + link.collective_overhead_us) * 1e-6)
+    assert across > 4 * inside
+    assert across == pytest.approx(nbytes * 8 / 16 / ib + sum(
+        t.interconnect.latency_us + t.interconnect.collective_overhead_us for t in system.tiers[1:]) * 1e-6)
+    # the same EP degree with its ranks spaced tp apart (etp = tp) leaves the node sooner
+    assert moe.alltoall_time_s(system, nbytes, 8, 2) > 3 * inside
+    # node-deduplicated dispatch (DeepEP): fewer copies cross the network than the flat all-to-all sends
+    assert moe.alltoall_time_s(system, nbytes, 64, 1, dedup_k=8) < 0.7 * moe.alltoall_time_s(system, nbytes, 64, 1)
+
+
+def test_estimate_ep_comm_grows_across_nodes():
+    """Qwen3-30B-A3B on 2 DGX H100: EP8 inside a node against EP16 over both, same everything else."""
+    lay = Layout(tp=1, pp=1, recompute="full", zero_stage=1)
+    one = estimate("qwen3-30b-a3b", H100, 2, 4096, 256, replace(lay, ep=8))
+    two = estimate("qwen3-30b-a3b", H100, 2, 4096, 256, replace(lay, ep=16))
+    assert two.time_breakdown_s["ep_comm"] > 3 * one.time_breakdown_s["ep_comm"] > 0
+    no_ep = estimate("qwen3-30b-a3b", H100, 2, 4096, 256, lay)
+    assert no_ep.time_breakdown_s["ep_comm"] == 0 and no_ep.comm_bytes_per_device["ep"] == 0
+    # experts sharded over more ranks: less expert memory per device
+    assert two.memory_breakdown_bytes["weights"] < one.memory_breakdown_bytes["weights"] \
+        < no_ep.memory_breakdown_bytes["weights"]
+
+
+def test_expert_memory_is_sharded_by_ep_and_edp():
+    """Routed-expert weights per device = E/ep experts; ZeRO-1 shards their optimizer state over the
+    expert-data-parallel group edp = tp*cp*dp/(ep*etp)."""
+    cfg = PRESETS["mixtral-8x7b"]
+    opts = Options()
+    per_layer = moe.expert_params_per_layer(cfg)
+    assert per_layer == 8 * 3 * 4096 * 14336
+    w, g, o = moe.expert_memory_per_layer(cfg, opts, tp=2, cp=1, dp=16, ep=8, etp=1, zero=np.array(1))
+    assert w == pytest.approx(per_layer / 8 * 2)
+    assert g == pytest.approx(per_layer / 8 * opts.grad_bytes)
+    assert o == pytest.approx(per_layer / 8 * 12 / 4)  # edp = 2*16/8 = 4
+    w3, _, _ = moe.expert_memory_per_layer(cfg, opts, tp=2, cp=1, dp=16, ep=8, etp=2, zero=np.array(3))
+    assert w3 == pytest.approx(per_layer / 16 * 2 / 2)  # etp 2 halves each expert, edp = 32/16 = 2
+
+
+def test_routing_imbalance():
+    cfg = PRESETS["qwen3-30b-a3b"]
+    learned = Options()
+    ep = np.array([1, 2, 8, 64])
+    imb = moe.routing_imbalance(cfg, learned, 32768.0, ep)
+    assert imb[0] == 1 and np.all(np.diff(imb) > 0)  # more ranks: a worse busiest rank
+    assert moe.routing_imbalance(cfg, Options(moe_imbalance=1.0), 32768.0, 8) == 1.0
+    capped = cfg.model_copy(update={"capacity_factor": 1.05})
+    assert moe.routing_imbalance(capped, learned, 32768.0, 64) == pytest.approx(1.05)
+
+
+def test_bad_expert_layouts_name_the_field():
+    with pytest.raises(ValueError, match="ep = 3: must divide num_experts = 8"):
+        estimate("mixtral-8x7b", H100, 2, 4096, 256, Layout(tp=1, ep=3))
+    with pytest.raises(ValueError, match="ep = 32: must divide tp\\*cp\\*dp/etp"):
+        estimate("qwen3-30b-a3b", H100, 2, 4096, 256, Layout(tp=2, etp=2, ep=32))
+    with pytest.raises(ValueError, match="etp = 4: allowed: 1"):
+        estimate("qwen3-30b-a3b", H100, 2, 4096, 256, Layout(tp=2, etp=4))
+    with pytest.raises(ValueError, match="has no experts"):
+        estimate("llama3-8b", H100, 2, 4096, 256, Layout(ep=2))
+    with pytest.raises(ValueError, match="ep_overlap"):
+        Options(ep_overlap=1.5)
+
+
+@pytest.mark.parametrize("name, system, nodes", [("tiny-moe", H100, 1), ("mixtral-8x7b", H100, 4),
+                                                 ("qwen3-30b-a3b", "trn2.48xlarge", 2),
+                                                 ("deepseek-v3", "p5.48xlarge", 64)])
+def test_plan_searches_ep_for_moe_presets(name, system, nodes):
+    """`plan` ranks layouts with EP searched beside TP/PP/DP/CP; its best layout estimates to the same step time."""
+    constraints = {"recompute": ["full"]} if name == "deepseek-v3" else None  # a smaller grid for the big one
+    res = search(name, system, nodes, 4096, 512, top=3, constraints=constraints)
+    assert res.candidates, name
+    best = res.candidates[0]
+    cfg = PRESETS[name]
+    assert cfg.num_experts % best.layout.ep == 0 and best.fits
+    again = estimate(name, system, nodes, 4096, 512, best.layout)
+    assert again.step_time_s == pytest.approx(best.step_time_s, rel=1e-9)
+    # the grid really holds several expert-parallel degrees
+    eps = {c.layout.ep for c in search(name, system, nodes, 4096, 512, top=200, constraints=constraints).candidates}
+    assert len(eps) >= 2, (name, eps)
+
+
+def test_dense_search_unchanged_by_expert_axes():
+    """A dense model's grid gets ep = etp = 1 only (no extra layouts, same ranking)."""
+    res = search("llama3-8b", H100, 2, 4096, 256, top=5)
+    assert all(c.layout.ep == 1 and c.layout.etp == 1 for c in res.candidates)
+    assert res.candidates[0].time_breakdown_s["ep_comm"] == 0
