@@ -124,6 +124,7 @@ def test_hardware_file_path_resolves(tmp_path):
     ("dp_overlap = 0.0", "dp_overlap = 1.5", "systems.test-box.efficiency.dp_overlap = 1.5: must be a number in [0, 1]"),
     ('chip = "test-chip"', 'chip = "nope"', "systems.test-box.chip = 'nope': unknown; allowed:"),
     ("cores_per_chip = 1", "cores_per_chip = 1\nflops = 3", "chips.test-chip.flops: unknown field; allowed:"),
+    ("cores_per_chip = 1", "cores_per_chip = 1\nfp8_block_scaled = 1", "chips.test-chip.fp8_block_scaled = 1: must be true or false"),
     ('source = "test"\n[chips.test-chip.efficiency]', '[chips.test-chip.efficiency]', "chips.test-chip.source: missing"),
 ])
 def test_malformed_file_gives_one_clear_error(tmp_path, old, new, expect):

@@ -229,6 +229,30 @@ def test_fp8_matmuls_run_at_the_fp8_peak_and_keep_fewer_activation_bytes():
     assert t_fp8.time_breakdown_s["compute"] > 0.9 * t_bf16.time_breakdown_s["compute"]
 
 
+def test_fp4_and_block_scaled_formats():
+    """FP4 matmuls run at the chip's FP4 peak with 1/2-byte operands (B200: 2x its FP8 rate), MFU against that
+    peak stays below 1; block (MX) scaling casts without a separate amax pass, so its casts cost less than
+    per-tensor scaling; Trainium3 lists MXFP8/MXFP4 rates, so its low-precision matmuls are block-scaled by
+    default, and its FP4 rate equal to FP8 gains only operand bytes."""
+    from paratrain.plan.model import block_scaled, cast_cost, low_precision_bytes, low_precision_flops
+
+    b200 = resolve_system("p6-b200.48xlarge")
+    lay = Layout(tp=4, pp=2, sp=True, zero_stage=1)
+    fp8 = estimate("llama3-70b", b200, 1, 8192, 64, lay, Options(fp8=True))
+    fp4 = estimate("llama3-70b", b200, 1, 8192, 64, lay, Options(fp4=True))
+    assert fp4.time_breakdown_s["compute"] < fp8.time_breakdown_s["compute"]
+    assert low_precision_flops(b200, Options(fp4=True)) == pytest.approx(2 * low_precision_flops(b200, Options(fp8=True)))
+    assert 0 < fp4.mfu <= fp4.hfu <= 1 and fp4.mfu < fp8.mfu  # against the FP4 peak
+    assert Options(fp4=True).fp8 and block_scaled(b200, Options(fp4=True)) and not block_scaled(b200, Options(fp8=True))
+    assert low_precision_bytes(b200, Options(fp4=True)) == pytest.approx(0.5 + 1 / 32)
+    assert cast_cost(b200, Options(fp8=True, block_scaling=True))[0] < cast_cost(b200, Options(fp8=True))[0]
+    mx = estimate("llama3-70b", b200, 1, 8192, 64, lay, Options(fp8=True, block_scaling=True))
+    assert mx.step_time_s < fp8.step_time_s  # same peak, cheaper casts
+    trn3 = resolve_system("trn3-ultraserver")
+    assert block_scaled(trn3, Options(fp8=True)) and not block_scaled(trn3, Options(fp8=True, block_scaling=False))
+    assert low_precision_flops(trn3, Options(fp4=True)) == low_precision_flops(trn3, Options(fp8=True))
+
+
 def test_tp_comm_overlap_hides_behind_the_gemms_but_not_the_first_chunk():
     lay = Layout(tp=8, sp=True, zero_stage=1)
     plain = estimate("llama3-70b", "dgx-h100", 1, 8192, 8, lay, Options())

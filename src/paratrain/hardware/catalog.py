@@ -57,6 +57,9 @@ class Chip:
     source: str
     fp8_tflops: float | None = None
     fp4_tflops: float | None = None
+    # the FP8/FP4 rates are those of block-scaled (MX) formats, one scale per 32 elements (Trainium3: "2,517
+    # MXFP8/MXFP4 TFLOPS"): what the planner assumes its low-precision matmuls use unless told otherwise
+    fp8_block_scaled: bool = False
     power_w: float | None = None
     sources: dict[str, str] = field(default_factory=dict)
     conflicts: tuple[str, ...] = ()
@@ -249,6 +252,7 @@ class Catalog:
 CHIP_FIELDS = {
     "display_name": ("str", False), "vendor": ("str", True), "status": ("str", False),
     "bf16_tflops": ("pos", True), "fp8_tflops": ("pos", False), "fp4_tflops": ("pos", False),
+    "fp8_block_scaled": ("bool", False),
     "hbm_bytes": ("posint", True), "hbm_bw_gbytes_per_s": ("pos", True), "cores_per_chip": ("posint", True),
     "power_w": ("pos", False), "source": ("str", True), "sources": ("strdict", False),
     "conflicts": ("strlist", False), "efficiency": ("table", True),
@@ -305,7 +309,7 @@ TIER_FIELDS = {"name": ("str", True), "interconnect": ("str", True), "domain_dev
 ALLOWED = {
     "str": "a non-empty string", "pos": "a number > 0", "frac": "a number in (0, 1]",
     "frac0": "a number in [0, 1]", "nonneg": "a number >= 0", "posint": "an integer > 0",
-    "nonneg_int": "an integer >= 0", "strlist": "a list of strings", "strdict": "a table of strings",
+    "nonneg_int": "an integer >= 0", "bool": "true or false", "strlist": "a list of strings", "strdict": "a table of strings",
     "endpoint": f"one of {', '.join(ENDPOINTS)}", "tiers": "a non-empty list of tier tables",
     "table": "a table", "dp_kinds": "a list from ddp, fsdp, hsdp", "zero_stages": "a list from 0, 1, 2, 3",
     "schedules": "a list from gpipe, 1f1b, interleaved_1f1b, zbv", "attention": "one of flash, unfused",
@@ -325,6 +329,7 @@ def _valid(kind: str, value: Any) -> bool:
         "frac0": lambda v: _is_number(v) and 0 <= v <= 1,
         "nonneg": lambda v: _is_number(v) and v >= 0,
         "posint": lambda v: isinstance(v, int) and not isinstance(v, bool) and v > 0,
+        "bool": lambda v: isinstance(v, bool),
         "nonneg_int": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0,
         "strlist": lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
         "strdict": lambda v: isinstance(v, dict) and all(isinstance(x, str) for x in v.values()),

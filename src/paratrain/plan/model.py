@@ -35,6 +35,8 @@ FLASH_BWD_MATMULS = 5  # per attention block in FlashAttention-2's backward (for
 FP8_BYTES = 1
 FP8_CAST_BYTES = 5  # per element scaled to FP8: amax read (2), cast read (2) + write (1)
 FP8_CAST_KERNELS = 8  # amax + cast for the input and the weight of each of the 4 layer matmuls
+FP4_BYTES = 0.5
+MX_BLOCK = 32  # elements sharing one 1-byte (E8M0) scale in the OCP MX formats (MXFP8, MXFP4)
 WEIGHT_BYTES = 2
 OPTIMIZER_BYTES = 12  # fp32 master weights + Adam m + v
 ADAM_STEP_BYTES = 32  # per parameter per step: read p, g, m, v (fp32), write p, m, v, bf16 copy
@@ -71,6 +73,12 @@ class Options:
     on arrival (Megatron, Narayanan et al. 2021); paratrain's runtime sends the whole replicated activation.
     fp8: the layer matmuls (QKV, output projection, MLP) run in FP8 at the chip's FP8 peak with per-tensor
     scaling (Transformer Engine, torchao float8); attention core, norms, head and loss stay BF16.
+    fp4: those matmuls run in a 4-bit block-scaled format (MXFP4, NVFP4) at the chip's FP4 peak (its FP8 peak
+    where it lists none), 1/2-byte operands; otherwise as fp8 (the same casts and the same activations kept
+    for backward, at 1 byte: what is kept in 4 bits is recipe-specific). Implies the fp8 path.
+    block_scaling: the low-precision formats are block-scaled (MX: one scale per 32 elements, found while
+    casting, no separate amax pass over the tensor) rather than per-tensor scaled; None: the chip's own rates
+    decide (chip.fp8_block_scaled, Trainium3/4), FP4 is always block-scaled.
     dp_overlap: fraction of compute that data-parallel traffic can hide behind, when the software does not use
     what the system allows (None: the system's efficiency.dp_overlap). Megatron-LM 2021-22 ran its gradient
     all-reduce after the backward: 0.
@@ -104,6 +112,8 @@ class Options:
     grad_bytes: int = 4
     param_bytes: int = WEIGHT_BYTES
     fp8: bool = False
+    fp4: bool = False
+    block_scaling: bool | None = None
     tp_comm_overlap: bool = False
     overlap_param_gather: bool = False
     attention_eff: float | None = None
@@ -148,6 +158,8 @@ class Options:
             raise ValueError(f"ep_overlap = {self.ep_overlap}: allowed: a number in [0, 1]")
         if self.moe_imbalance is not None and self.moe_imbalance < 1:
             raise ValueError(f"moe_imbalance = {self.moe_imbalance}: allowed: a number >= 1, or None")
+        if self.fp4 and not self.fp8:  # the FP8 code path (casts, kept activations) carries FP4 too
+            object.__setattr__(self, "fp8", True)
 
 
 # ---- collectives ----------------------------------------------------------------------------------------
@@ -304,16 +316,17 @@ def soft_roofline(compute_s, memory_s):
     return (compute_s**k + memory_s**k) ** (1.0 / k)
 
 
-def matmul_time_s(system: System, m, n, k, fp8: bool = False):
+def matmul_time_s(system: System, m, n, k, fp8: bool = False, opts: Options | None = None):
     """One matmul: a soft roofline of compute (matmul_eff_max of peak) and operand traffic (memory_bw_eff of
     HBM bandwidth), plus the fixed per-kernel cost (launch, pipeline fill, tail wave; measured to fit better
     added than as a floor, see docs/planner.md) that makes small matmuls inefficient. fp8: the operands are
-    1-byte FP8 and the tensor cores run at the chip's FP8 peak (the output stays BF16)."""
+    low-precision (1-byte FP8, or 1/2-byte FP4 plus one scale byte per 32 with opts.fp4) and the tensor cores
+    run at that format's peak (the output stays BF16)."""
     eff = system.chip.efficiency
     flops = 2.0 * m * n * k
-    in_bytes = FP8_BYTES if fp8 else BF16_BYTES
+    in_bytes = low_precision_bytes(system, opts or Options(fp8=fp8)) if fp8 else BF16_BYTES
     traffic = in_bytes * (m * k + k * n) + BF16_BYTES * m * n
-    peak = device_fp8_flops(system) if fp8 else system.device_peak_flops
+    peak = low_precision_flops(system, opts or Options(fp8=True)) if fp8 else system.device_peak_flops
     compute = flops / (peak * eff.matmul_eff_max)
     memory = traffic / (system.device_hbm_bw_bytes_per_s * eff.memory_bw_eff)
     return soft_roofline(compute, memory) + eff.kernel_overhead_s
@@ -323,6 +336,37 @@ def device_fp8_flops(system: System) -> float:
     """FP8 peak of one device (the BF16 peak where the chip lists no faster FP8 rate)."""
     fp8 = system.chip.fp8_tflops
     return max(system.device_peak_flops, (fp8 or 0.0) * 1e12 / system.devices_per_chip)
+
+
+def low_precision_flops(system: System, opts: Options) -> float:
+    """Peak of one device for the layer matmuls' format: FP4 (falling back to FP8, then BF16, where the chip
+    lists no faster rate) or FP8."""
+    if opts.fp4 and system.chip.fp4_tflops:
+        return max(device_fp8_flops(system), system.chip.fp4_tflops * 1e12 / system.devices_per_chip)
+    return device_fp8_flops(system)
+
+
+def block_scaled(system: System, opts: Options) -> bool:
+    """Whether the low-precision formats carry a scale per MX_BLOCK elements (FP4 always does)."""
+    if opts.fp4:
+        return True
+    return system.chip.fp8_block_scaled if opts.block_scaling is None else opts.block_scaling
+
+
+def low_precision_bytes(system: System, opts: Options) -> float:
+    """Bytes per element of a low-precision matmul operand, its block scale included."""
+    element = FP4_BYTES if opts.fp4 else FP8_BYTES
+    return element + (1.0 / MX_BLOCK if block_scaled(system, opts) else 0.0)
+
+
+def cast_cost(system: System, opts: Options) -> tuple[float, int]:
+    """(HBM bytes per element, kernels per layer) of scaling and casting the layer matmuls' operands. Per-tensor
+    current scaling reads the tensor once for its amax and once to cast (2 + 2 + 1 bytes, two kernels per
+    operand); block scaling finds each block's scale while casting (2 bytes read, the element and its share of
+    the scale written, one kernel per operand)."""
+    if block_scaled(system, opts):
+        return BF16_BYTES + low_precision_bytes(system, opts), FP8_CAST_KERNELS // 2
+    return float(FP8_CAST_BYTES), FP8_CAST_KERNELS
 
 
 def memory_time_s(system: System, nbytes, kernels):
@@ -338,7 +382,7 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
         n_dev, k_dev = (n / tp, k) if shard == "n" else (n, k / tp)
         if name == "qkv":  # GQA with tp > kv heads: each rank computes (a replica of) one K and one V head
             n_dev = model.hidden / tp + 2 * model.kv_dim / np.minimum(tp, model.n_kv_heads)
-        one = matmul_time_s(system, T, n_dev, k_dev, opts.fp8)
+        one = matmul_time_s(system, T, n_dev, k_dev, opts.fp8, opts)
         matmuls = matmuls + one
         mlp = mlp + (one if name.startswith("mlp") else 0.0)
         # FP8 (Transformer Engine / torchao current scaling): each matmul's input is scaled (an amax read) and
@@ -346,7 +390,7 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
         # at every call (torchao float8), unless the stack caches the cast weight across microbatches
         # (Options.fp8_weight_cache: then once per step, in evaluate)
         weight = np.where(opts.fp8_weight_cache & (zero < 3), 0.0, n_dev * k_dev)  # ZeRO-3 re-gathers: no cache
-        cast_bytes = cast_bytes + (FP8_CAST_BYTES * (T * k_dev + weight) if opts.fp8 else 0.0)
+        cast_bytes = cast_bytes + (cast_cost(system, opts)[0] * (T * k_dev + weight) if opts.fp8 else 0.0)
     heads = model.heads / tp
     s_local = seq / cp
     d = model.head_dim
@@ -367,7 +411,7 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
         matmuls = matmuls + EAGER_EXTRA_MATMULS * system.chip.efficiency.kernel_overhead_s
     sp_scale = np.where(sp, 1.0 / tp, 1.0)
     elem_bytes = T * (sp_b * sp_scale + tp_b / tp + core_b * (seq / cp / seq) / tp) + cast_bytes
-    elementwise = memory_time_s(system, elem_bytes, kernels + (FP8_CAST_KERNELS if opts.fp8 else 0))
+    elementwise = memory_time_s(system, elem_bytes, kernels + (cast_cost(system, opts)[1] if opts.fp8 else 0))
     # the MLP block alone (replayed by Options.recompute_mlp): its matmuls and its activation function
     mlp = mlp + memory_time_s(system, T * mlp_activation_bytes_per_token(model) / tp, 1)
     return matmuls, core, elementwise, mlp
@@ -541,8 +585,10 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
 
     # FP8 with a weight cache: each step casts the device's layer weights once (amax, cast) and keeps a transposed
     # copy for backward
-    fp8_cast = np.where(opts.fp8 & opts.fp8_weight_cache & (zero < 3), memory_time_s(system, layers_rank * model.params_per_layer() / tp
-                                                * (FP8_CAST_BYTES + FP8_BYTES), 2 * FP8_CAST_KERNELS), 0.0)
+    cast_bytes, cast_kernels = cast_cost(system, opts)
+    weight_cast = memory_time_s(system, layers_rank * model.params_per_layer() / tp
+                                * (cast_bytes + low_precision_bytes(system, opts)), 2 * cast_kernels)
+    fp8_cast = np.where(opts.fp8 & opts.fp8_weight_cache & (zero < 3), weight_cast, 0.0)
     step = pipeline + dp_exposed + optimizer + fp8_cast
 
     # -- FLOPs: one attention convention, causal, for counting and for timing (flash attention skips the masked
@@ -558,8 +604,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         recompute = np.where(rc == 2, fwd - 2.0 * V * h, np.where(rc == 1, attn_fwd + mlp_flops, 0.0)) * tokens
         flops[name] = (3.0 * fwd * tokens, 3.0 * fwd * tokens + recompute)
     model_flops, hardware_flops = flops[ATTENTION_CONVENTION]
-    # with FP8 matmuls MFU is taken against the FP8 peak (the rate they run at), so it stays below 1
-    peak = devices * (device_fp8_flops(system) if opts.fp8 else system.device_peak_flops)
+    # with FP8 (FP4) matmuls MFU is taken against that format's peak (the rate they run at), so it stays below 1
+    peak = devices * (low_precision_flops(system, opts) if opts.fp8 else system.device_peak_flops)
     mfu = model_flops / (step * peak)
     hfu = hardware_flops / (step * peak)
 
