@@ -3,12 +3,15 @@ routing imbalance, expert memory, EP in the search, and the published MoE runs (
 
 from __future__ import annotations
 
+import csv
+import sys
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from paratrain.hardware.catalog import resolve_system
+from paratrain.hardware.catalog import get_catalog, resolve_system
 from paratrain.model.config import PRESETS
 from paratrain.plan import moe
 from paratrain.plan.api import Layout, estimate, search
@@ -140,3 +143,33 @@ def test_dense_search_unchanged_by_expert_axes():
     res = search("llama3-8b", H100, 2, 4096, 256, top=5)
     assert all(c.layout.ep == 1 and c.layout.etp == 1 for c in res.candidates)
     assert res.candidates[0].time_breakdown_s["ep_comm"] == 0
+
+
+def _published_rows():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from benchmarks import moe_accuracy
+
+    with moe_accuracy.RUNS_CSV.open(encoding="utf-8") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["claim"] != "none"]
+    # claimed rows the planner misses today (docs/planner.md, "Published MoE runs"): strict, so a fix shows up
+    missed = {("gpt-oss-120b", "1280"): "predicted 40% fast (small experts at mb1)",
+              ("qwen3-235b-a22b", "2048"): "predicted 18% fast (all-to-all bound)",
+              ("qwen3-235b-a22b", "8192"): "predicted 16% fast (all-to-all bound)"}
+    params = []
+    for r in rows:
+        reason = missed.get((r["model"], r["global_batch"]))
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
+        params.append(pytest.param(r, id=f"{r['model']}-{r['system']}-gbs{r['global_batch']}", marks=marks))
+    return moe_accuracy, params
+
+
+_ACCURACY, _PUBLISHED = _published_rows()
+
+
+@pytest.mark.parametrize("row", _PUBLISHED)
+def test_published_moe_runs_claimed_rows(row):
+    """Evaluation set moe_public (benchmarks/data/moe_runs.csv; no constant was set on it): each row that
+    claims a bound is within it (15% of the published step time). Rows the planner misses are marked xfail
+    with the reason and documented; rows without a claim say why in the csv."""
+    label, pred, meas, _, bound = _ACCURACY.predict(get_catalog(), row)
+    assert abs(pred / meas - 1) * 100 <= bound, (label, pred, meas)
