@@ -67,6 +67,8 @@ def training_config(est: Estimate, model: ModelConfig, model_spec: str, devices_
                 "recompute": lay.recompute, "pp_schedule": lay.schedule, "virtual_stages": lay.virtual_stages}
     if zero is not None:
         parallel["zero_stage"] = zero
+    if lay.ep > 1 or lay.etp > 1:  # MoE expert layout (plan/moe.py), the trainer's parallel.ep / parallel.etp
+        parallel["ep"], parallel["etp"] = lay.ep, lay.etp
     if isinstance(lay.pp_layers, tuple) and not is_balanced(lay.pp_layers, model.layers):
         parallel["pp_layers"] = list(lay.pp_layers)  # the planner's uneven split; balanced is the default
     if lay.dp_kind == "hsdp":
