@@ -43,11 +43,38 @@ def check_tp_layout(model_cfg: ModelConfig, tp: int, sp: bool, seq_len: int) -> 
     if kv % tp and tp % kv:
         raise ValueError(f"parallel.tp={tp} and model.kv_heads={kv}: tp must divide kv_heads, or kv_heads must "
                          f"divide tp (then each kv head is replicated on tp/kv_heads ranks)")
-    if model_cfg.tie_embeddings:
-        raise ValueError(f"parallel.tp={tp} with model.tie_embeddings=true is not supported: the vocab-parallel "
-                         f"embedding and output head are sharded separately; allowed: tie_embeddings=false")
     if sp and seq_len % tp:
         raise ValueError(f"parallel.sp=true: train.seq_len={seq_len} must be divisible by parallel.tp={tp}")
+
+
+def vocab_parallel_mode(pcfg: ParallelSection) -> str:
+    """Where the vocabulary is sharded: "tp", "dp" or "off" (parallel.vocab_parallel with auto resolved)."""
+    if pcfg.vocab_parallel == "auto":
+        return "tp" if pcfg.tp > 1 else "off"
+    return pcfg.vocab_parallel
+
+
+def check_vocab_parallel(model_cfg: ModelConfig, pcfg: ParallelSection, dp: int | None = None) -> None:
+    """One clear error for a vocab-parallel choice the runtime cannot run (dp: the resolved data-parallel size)."""
+    mode, tp = vocab_parallel_mode(pcfg), pcfg.tp
+    if tp > 1 and mode != "tp":
+        raise ValueError(f"parallel.vocab_parallel='{pcfg.vocab_parallel}' with parallel.tp={tp}: tensor parallelism "
+                         f"always shards the vocabulary over tp; allowed: auto or tp")
+    if mode == "tp" and tp == 1:
+        raise ValueError("parallel.vocab_parallel='tp' needs parallel.tp > 1; allowed with tp=1: auto, off or dp")
+    if mode != "dp":
+        return
+    bad = [(k, v) for k, v in (("pp", pcfg.pp), ("cp", pcfg.cp)) if v > 1]
+    if bad or pcfg.dp_kind == "hsdp":
+        field, value = bad[0] if bad else ("dp_kind", "'hsdp'")
+        raise ValueError(f"parallel.vocab_parallel='dp' with parallel.{field}={value}: the vocabulary is sharded "
+                         f"over a 1-D fsdp/ddp group only (no pp, cp or hsdp yet); allowed: auto or off")
+    if model_cfg.num_experts:
+        raise ValueError(f"parallel.vocab_parallel='dp' with model.num_experts={model_cfg.num_experts}: not "
+                         f"supported for mixture-of-experts models yet; allowed: auto or off")
+    if dp is not None and model_cfg.vocab % dp:
+        raise ValueError(f"parallel.vocab_parallel='dp': the data-parallel size {dp} must divide "
+                         f"model.vocab={model_cfg.vocab}; allowed: off, or dp dividing the vocabulary")
 
 
 def effective_dp(pcfg: ParallelSection) -> tuple[str, bool]:
@@ -83,6 +110,7 @@ def check_parallel_config(model_cfg: ModelConfig, pcfg: ParallelSection, seq_len
         raise ValueError(f"parallel.{bad[0][0]}={bad[0][1]} with model.num_experts={model_cfg.num_experts}: "
                          f"mixture-of-experts models do not compose with tp/pp/cp yet (docs/moe.md); allowed: 1")
     check_tp_layout(model_cfg, pcfg.tp, pcfg.sp, seq_len)
+    check_vocab_parallel(model_cfg, pcfg)
     check_cp_layout(seq_len, pcfg.cp, pcfg.tp, pcfg.sp, pcfg.pp)
     effective_dp(pcfg)
     if pcfg.dp_kind == "hsdp" and pcfg.dp != -1 and pcfg.dp % pcfg.dp_replicate:

@@ -129,6 +129,11 @@ class ParallelSection(Section):
     reshard_after_forward: bool = True  # False = keep params gathered between fwd and bwd (ZeRO-2-like)
     zero_stage: Literal[1, 2, 3] | None = None  # planner's view; maps onto dp_kind/reshard_after_forward
     recompute: Literal[RECOMPUTE] = "none"
+    vocab_parallel: Literal["auto", "off", "tp", "dp"] = Field(
+        default="auto", description="where the embedding and output head are sharded by vocabulary rows: tp (Megatron's "
+        "vocab-parallel embedding + cross entropy over the TP group, tied embeddings allowed), dp (the same over the "
+        "FSDP/DDP ranks, outside FSDP: token ids and hidden states are gathered instead of the embedding), off "
+        "(FSDP gathers them whole); auto = tp when tp > 1, else off")
     ddp_bucket_mb: float = Field(default=DEFAULT_DDP_BUCKET_MB, gt=0, description="ddp: gradient bucket size (MiB); smaller "
                                  "buckets start reducing earlier in backward")
     pp_schedule: Literal[PP_SCHEDULES] = "1f1b"

@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from paratrain.config import TrainConfig
-from paratrain.config.layout import check_parallel_config, effective_dp
+from paratrain.config.layout import check_parallel_config, check_vocab_parallel, effective_dp, vocab_parallel_mode
 from paratrain.config.pipeline import stage_reshard_after_forward
 from paratrain.parallel.compile import apply_compile
 from paratrain.parallel.materialize import SourceOf, on_meta, place, random_init
@@ -30,6 +30,10 @@ def check_layout(cfg: TrainConfig, world_size: int) -> dict[str, int]:
     """Every layout check, before anything is built; returns the mesh degrees."""
     degrees = resolve_degrees(cfg.parallel, world_size)
     check_parallel_config(cfg.model_shape(), cfg.parallel, cfg.train.seq_len)  # TP, SP, CP, DP kinds
+    check_vocab_parallel(cfg.model_shape(), cfg.parallel, degrees["dp"])  # with the resolved dp size
+    if is_stale(cfg) and vocab_parallel_mode(cfg.parallel) == "dp":
+        raise ValueError(f"parallel.vocab_parallel='dp' with staleness.policy='{cfg.staleness.policy}': the "
+                         f"stale-gradient runner reduces every parameter itself; allowed: vocab_parallel auto or off")
     if is_stale(cfg):
         from paratrain.parallel.stale_dp import check_staleness_layout
 
@@ -40,6 +44,13 @@ def check_layout(cfg: TrainConfig, world_size: int) -> dict[str, int]:
 def is_stale(cfg: TrainConfig) -> bool:
     """Stale-gradient data parallelism (parallel/stale_dp.py) instead of synchronous DDP/FSDP."""
     return cfg.staleness.policy != "sync"
+
+
+def vocab_mesh_of(mesh: DeviceMesh | None, cfg: TrainConfig) -> DeviceMesh | None:
+    """The dp mesh the embedding and head are sharded over by vocabulary (parallel.vocab_parallel='dp'), or None."""
+    if mesh is None or vocab_parallel_mode(cfg.parallel) != "dp" or mesh["dp"].size() == 1:
+        return None
+    return mesh["dp"]
 
 
 def dp_mesh_of(mesh: DeviceMesh, cfg: TrainConfig) -> DeviceMesh:
@@ -89,6 +100,7 @@ def apply_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh 
 
     Order (as torchtitan's parallelize_llama):
       1. tensor (+ sequence, loss) parallelism      tensor.py
+         or vocabulary parallelism over dp          vocab.py (embedding/head only; left out of step 6)
       2. context parallelism (ring attention)       context.py
       3. expert parallelism                         expert.py (MoE; the step a new technique joins at)
       4. activation recomputation                   recompute.py
@@ -110,6 +122,11 @@ def apply_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh 
 
         for part in parts:
             apply_tp(part, mesh["tp"], sp=pcfg.sp, loss_parallel=True)
+    vocab_params = set()
+    if (vocab_mesh := vocab_mesh_of(mesh, cfg)) is not None:  # 1. (pp = 1: one part, the whole model)
+        from paratrain.parallel.vocab import apply_vocab_dp
+
+        vocab_params = apply_vocab_dp(parts[0], vocab_mesh)
     if cp > 1:  # 2. a stage without the embedding gets s/(cp*tp) tokens with SP: positions scaled by sp_tp
         from paratrain.parallel.context import apply_context_parallel
 
@@ -119,12 +136,13 @@ def apply_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh 
     for part in parts:
         apply_recompute(part, pcfg.recompute)  # 4.
         apply_compile(part, cfg.train.compile)  # 5.
-    return apply_data_parallel(parts, cfg, mesh)  # 6.
+    return apply_data_parallel(parts, cfg, mesh, ignored=vocab_params)  # 6.
 
 
-def apply_data_parallel(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh | None):
+def apply_data_parallel(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh | None, ignored=None):
     """Step 6: FSDP2 / HSDP / bucketed DDP over dp (x cp); None with one data-parallel rank, and for stale
-    gradients (their asynchronous all-reduce over dp replaces DDP/FSDP: `make_runner` builds it)."""
+    gradients (their asynchronous all-reduce over dp replaces DDP/FSDP: `make_runner` builds it). `ignored`
+    parameters are left alone (already sharded over dp, gradients complete: parallel/vocab.py)."""
     if mesh is None or is_stale(cfg):
         return None
     dp_mesh = dp_mesh_of(mesh, cfg)
@@ -136,7 +154,7 @@ def apply_data_parallel(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMe
     kind, _ = effective_dp(pcfg)
     # the zero-bubble schedules need the parameters gathered from forward to backward (config/pipeline.py)
     return apply_dp(parts, dp_mesh, kind, stage_reshard_after_forward(pcfg), bucket_bytes=pcfg.ddp_bucket_bytes,
-                    precision=Precision.from_train(cfg.train))
+                    precision=Precision.from_train(cfg.train), ignored=ignored)
 
 
 def make_runner(stages: list[tuple[int, nn.Module]], layout, cfg: TrainConfig, mesh: DeviceMesh | None,
@@ -160,5 +178,7 @@ def make_runner(stages: list[tuple[int, nn.Module]], layout, cfg: TrainConfig, m
         from paratrain.parallel.context import ContextParallelRunner
 
         runner_cls, runner_extra = ContextParallelRunner, {"cp_group": mesh["cp"].get_group()}
+    vocab_mesh = vocab_mesh_of(mesh, cfg)
     return runner_cls(model, t.microbatch, env.device, t.dtype, dp_rank=mesh["dp"].get_local_rank(),
-                      dp_size=degrees["dp"], dp=dp, loss_parallel=degrees["tp"] > 1, **runner_extra)
+                      dp_size=degrees["dp"], dp=dp, loss_parallel=degrees["tp"] > 1 or vocab_mesh is not None,
+                      vocab_mesh=vocab_mesh, **runner_extra)

@@ -230,32 +230,36 @@ def dp_group(dp_mesh: DeviceMesh) -> dist.ProcessGroup:
 
 
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool,
-               precision: Precision = FP32) -> list[FSDPModule]:
+               precision: Precision = FP32, ignored: set[nn.Parameter] | None = None) -> list[FSDPModule]:
     """fully_shard each block, then the root (embedding, final norm, head): one all-gather unit per block.
-    Under bf16 every unit gathers bf16 copies and reduces in precision.reduce (parallel/precision.py)."""
+    Under bf16 every unit gathers bf16 copies and reduces in precision.reduce (parallel/precision.py).
+    `ignored`: parameters FSDP must leave alone (a vocab-parallel embedding/head: parallel/vocab.py)."""
     units = []
     mp = {"mp_policy": policy} if (policy := precision.fsdp_policy()) is not None else {}
     for block in model.layers.values():
         units.append(fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **mp))
     # The root's parameters are needed again first in backward (the head): resharding them buys nothing.
-    units.append(fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **mp))
+    units.append(fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, ignored_params=ignored or None, **mp))
     return units
 
 
 def apply_dp(parts: list[nn.Module], dp_mesh: DeviceMesh, kind: str, reshard_after_forward: bool = True,
-             bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision: Precision = FP32) -> DataParallel:
+             bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision: Precision = FP32,
+             ignored: set[nn.Parameter] | None = None) -> DataParallel:
     """Apply data parallelism of `kind` ("ddp" | "fsdp" | "hsdp") over `dp_mesh` to every model part.
 
     For "hsdp" pass a 2-D mesh (replicate, shard); FSDP2 then shards over the inner and replicates over the
-    outer dimension."""
+    outer dimension. `ignored` parameters are neither sharded nor reduced (already sharded over dp, gradients
+    complete on each rank: parallel/vocab.py)."""
     group = dp_group(dp_mesh)
+    ignored = ignored or set()
     if kind in ("fsdp", "hsdp"):
         if kind == "hsdp" and dp_mesh.ndim != 2:
             raise ValueError("parallel.dp_kind='hsdp' needs a 2-D dp mesh (dp_replicate x dp_shard)")
-        units = [u for part in parts for u in apply_fsdp(part, dp_mesh, reshard_after_forward, precision)]
+        units = [u for part in parts for u in apply_fsdp(part, dp_mesh, reshard_after_forward, precision, ignored)]
         return DataParallel(kind, group, fsdp_modules=units)
     if kind == "ddp":
-        params = [p for part in parts for p in part.parameters()]
+        params = [p for part in parts for p in part.parameters() if p not in ignored]
         dp = DataParallel(kind, group)
         dp.pending_ddp = (params, bucket_bytes, precision.reduce)
         if not any(local(p).is_meta for p in params):  # else: once materialised (parallelize calls ready())

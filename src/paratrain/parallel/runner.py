@@ -95,8 +95,9 @@ class ParallelRunner(Runner):
 
     def __init__(self, model: nn.Module, microbatch: int, device: torch.device, dtype: str = "fp32",
                  dp_rank: int = 0, dp_size: int = 1, dp=None, loss_parallel: bool = False,
-                 norm_groups: tuple = ()):
+                 norm_groups: tuple = (), vocab_mesh=None):
         super().__init__(model, microbatch, device, dtype, dp_rank, dp_size)
+        self.vocab_mesh = vocab_mesh  # dp mesh of a vocab-parallel head (parallel/vocab.py): targets gathered
         self.dp = dp
         self.loss_parallel = loss_parallel
         self.norm_groups = norm_groups  # extra groups whose ranks hold different parameters (pipeline stages)
@@ -115,6 +116,13 @@ class ParallelRunner(Runner):
         from torch.distributed.tensor.parallel import loss_parallel
 
         return loss_parallel()
+
+    def loss_fn(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.vocab_mesh is not None:  # the logits are the whole dp group's rows: so are the targets
+            from paratrain.parallel.vocab import gather_targets
+
+            targets = gather_targets(targets, self.vocab_mesh)
+        return super().loss_fn(logits, targets)
 
     def no_sync(self, last: bool):
         return self.dp.sync_context(last) if self.dp is not None else contextlib.nullcontext()

@@ -9,7 +9,7 @@ Plan for one block (t = tensor-parallel degree):
   all-reduce), so norm inputs/outputs and the residual take 1/t of the memory.
 - vocabulary-parallel embedding (rows = vocab sharded) and a column-parallel output head whose logits stay
   sharded on the vocab dimension; the loss is computed under `loss_parallel()`, so full logits are never
-  gathered.
+  gathered. Both shard the (vocab, hidden) matrix on dim 0, so a tied embedding is one parameter for both.
 - grouped-query attention with kv_heads < t (and t % kv_heads == 0): wk/wv stay whole on every rank (replicated,
   they are small), each rank keeps the kv head its query heads use, and their weight gradients are summed over
   the TP group (a Partial gradient) since every query head contributes on exactly one rank.
@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from paratrain.config.layout import check_tp_layout  # noqa: F401 - re-exported
 from paratrain.model.config import ModelConfig
 from paratrain.parallel.recompute import notify_kept
+from paratrain.parallel.vocab import tie_embeddings
 
 
 class ReplicatedKVProjection(ParallelStyle):
@@ -224,6 +225,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, loss_parallel: boo
                                         use_local_output=not loss_parallel)
     if top:
         parallelize_module(model, tp_mesh, top)
+    if cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
+        tie_embeddings(model)  # one Shard(0) parameter for both (no pipeline split: the config refuses tied + pp)
     for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan(cfg, tp, sp))
         if sp and save_shards:
