@@ -82,7 +82,7 @@ def test_zero2_and_hsdp_match_single_device(dist_run, ref):
     (["parallel.tp=2", "model.ffn_hidden=351"], 2, r"parallel.tp=2 must divide model.ffn_hidden=351"),
     (["parallel.tp=2", "model.vocab=255"], 2, r"parallel.tp=2 must divide model.vocab=255"),
     (["parallel.tp=4", "model.heads=12", "model.kv_heads=6", "model.hidden=192"], 4, r"tp must divide kv_heads, or kv_heads must divide tp"),
-    (["parallel.tp=2", "model.tie_embeddings=true"], 2, r"tie_embeddings=true is not supported"),
+    (["parallel.tp=2", "parallel.vocab_parallel=\"off\""], 2, r"always shards the vocabulary over tp"),
     (["parallel.tp=2", "parallel.sp=true", "train.seq_len=33"], 2, r"seq_len=33 must be divisible"),
     (["parallel.sp=true"], 1, r"parallel.sp=true needs parallel.tp > 1"),
     (["parallel.zero_stage=1"], 2, r"zero_stage=1 .* not implemented"),
