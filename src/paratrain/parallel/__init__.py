@@ -16,7 +16,12 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from paratrain.config import TrainConfig
-from paratrain.config.layout import check_parallel_config, check_vocab_parallel, effective_dp, vocab_parallel_mode
+from paratrain.config.layout import (
+    check_parallel_config,
+    check_vocab_parallel,
+    effective_dp,
+    vocab_parallel_mode,
+)
 from paratrain.config.pipeline import stage_reshard_after_forward
 from paratrain.parallel.compile import apply_compile
 from paratrain.parallel.materialize import SourceOf, on_meta, place, random_init
