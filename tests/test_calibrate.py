@@ -211,7 +211,7 @@ def test_calibrate_command_refuses_bad_input(local_file, tmp_path, capsys):
     assert main(["calibrate", "--hardware", str(local_file), str(broken)]) == 2
     assert "missing 'model_shape'" in capsys.readouterr().err
     assert main(["calibrate", "--hardware", str(local_file), "--holdout", "1.5", str(broken)]) == 2
-    assert "--holdout 1.5" in capsys.readouterr().err
+    assert "--holdout = 1.5" in capsys.readouterr().err
     # a run that trained nothing (it resumed a finished run): one line, not a fitting error
     empty = tmp_path / "empty.json"
     empty.write_text(json.dumps({**_summary(Measurement(PRESETS["tiny"], 128, 16, {}, 1, 1.0)), "steps": 0,

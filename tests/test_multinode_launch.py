@@ -93,7 +93,7 @@ def test_tp_group_across_hosts_is_refused(capsys):
       "train.microbatch=1"], "with 3 node(s) x 1 = 3 ranks: train.global_batch=4 must be divisible"),
     (["--nnodes", "1:2", "--rdzv-endpoint", "n1", "--hybrid-shard"], "--hybrid-shard with --nnodes=1:2"),
     (["--", "--steps", "3"], "arguments after --: --steps 3"),
-    (["--monitor-interval", "-1"], "--monitor-interval=-1.0: allowed: seconds > 0"),
+    (["--monitor-interval-s", "-1"], "--monitor-interval-s=-1.0: allowed: seconds > 0"),
     (["--max-restarts", "-1"], "--max-restarts=-1: allowed: >= 0"),
     (["--nproc-per-node", "0"], "--nproc-per-node='0': allowed: a number >= 1"),
 ])

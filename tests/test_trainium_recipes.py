@@ -25,7 +25,7 @@ from test_multinode_recipes import (
 from paratrain.cli import main
 from paratrain.config import load_config
 from paratrain.hardware.catalog import resolve_system
-from paratrain.launch.commands import resolve_nproc
+from paratrain.launch.torchrun import resolve_nproc
 
 CONFIG = RECIPES / "llama3-8b-trn2.toml"
 TRN2 = resolve_system("trn2.48xlarge")

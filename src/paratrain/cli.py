@@ -58,7 +58,9 @@ class UserError(Exception):
 
 def opt(help: str, default=None, **meta):
     """A command option as a dataclass field. meta: flag, short, choices, metavar, nargs, const, required,
-    positional, group, exclusive (a name: at most one option of that name), ge/gt (bounds checked before the command runs), factory (a mutable default)."""
+    positional, group, exclusive (a name: at most one option of that name), ge/gt (bounds checked before the
+    command runs), factory (a mutable default), default_at_parse (a function giving the default when the parser
+    is built, e.g. from an environment variable)."""
     factory = meta.pop("factory", None)
     meta["help"] = help
     if factory is not None:
@@ -107,12 +109,13 @@ def add_options(parser: argparse.ArgumentParser, cls) -> None:
             where = groups.get(key) or groups.setdefault(key, where.add_mutually_exclusive_group())
         kind, base, choices = _kind(hints[f.name])
         default = f.default_factory() if f.default is MISSING else f.default
+        default = m["default_at_parse"]() if "default_at_parse" in m else default  # e.g. from the environment
         kw = {"help": _help(f, default)}
         if kind == "flag":
             kw["action"] = "store_true"
         else:
             kw.update(type=base, default=default)
-            if kind == "list":
+            if kind == "list" and "nargs" not in m:  # repeatable; with nargs, one option takes several values
                 kw["action"] = "append"
         if choices or "choices" in m:
             kw["choices"] = m.get("choices", choices)
@@ -200,8 +203,9 @@ def add_config_keys(parser: argparse.ArgumentParser) -> None:
     for section, sfield in TrainConfig.model_fields.items():
         for key, kfield in sfield.annotation.model_fields.items():
             about = (kfield.description or "").split(";")[0].split(". ")[0][:60]
+            default = kfield.get_default(call_default_factory=True)
             g.add_argument(f"--{section}.{key}", action=_ConfigKey, metavar="V", dest="set", default=argparse.SUPPRESS,
-                           help=f"{about} (default {kfield.get_default(call_default_factory=True)!r})".lstrip().replace("%", "%%"))
+                           help=f"{about} (default {default!r})".lstrip().replace("%", "%%"))
 
 
 def json_safe(obj):
@@ -236,7 +240,7 @@ def version() -> str:
 # ---- the command ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     description="Plan, run and survive large-scale LLM training (Trainium and GPU).")
+                                     description="Plan, run and survive large-scale LLM training (Trainium, GPU).")
     parser.add_argument("--version", action="version", version=f"paratrain {version()}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in COMMAND_MODULES:

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
+from paratrain.cli import Output, UserError, command, opt, print_json
 from paratrain.device import CPU, CUDA, NEURON
 
 PROBE_DEVICES = (CPU, CUDA, NEURON)
@@ -20,27 +21,6 @@ groups larger than the core count, e.g. --groups 2,4,8 on 2 cores, to measure it
   paratrain probe --out hardware/local.toml
   PARATRAIN_HARDWARE_DIR=hardware paratrain plan --hardware local --nodes 1 ...
 """
-
-
-def register(sub) -> None:
-    register_probe(sub)
-    register_calibrate(sub)
-
-
-def register_probe(sub) -> None:
-    p = sub.add_parser("probe", help="measure this machine and write a hardware file for the planner",
-                       description=PROBE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="runs/hardware/local.toml", help="hardware TOML to write")
-    p.add_argument("--name", default="local", help="system name in the catalog (default: local)")
-    p.add_argument("--ranks", type=int, default=None,
-                   help="ranks per node the entry describes (default: this machine's cores on CPU); more ranks "
-                        "than cores share them, each at its share of a core")
-    p.add_argument("--groups", default="2,4", help="group sizes to time collectives on (comma list)")
-    p.add_argument("--device", choices=PROBE_DEVICES, default=PROBE_DEVICES[0],
-                   help="where to probe: the host, or an accelerator (bf16 matmuls; collectives on the host only)")
-    p.add_argument("--quick", action="store_true", help="fewer sizes and repeats (about 10 s)")
-    p.add_argument("--json", action="store_true", help="print the measurements as JSON")
-    p.set_defaults(func=run_probe_cmd)
 
 
 CALIBRATE_HELP = """\
@@ -67,255 +47,56 @@ See src/paratrain/calibrate/fit.py and docs/calibration.md.
 """
 
 
-def register_calibrate(sub) -> None:
-    p = sub.add_parser("calibrate", help="fit the planner to measured runs; write a calibrated hardware file",
-                       description=CALIBRATE_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("runs", nargs="+", help="run summaries: JSON from paratrain train --summary-json (the planner's "
-                                           "parameters) and/or paratrain generate --summary-json (the serving "
-                                           "model's, into [systems.X.serving])")
-    p.add_argument("--hardware", required=True, help="hardware TOML file holding the system to calibrate")
-    p.add_argument("--system", default="local", help="system name inside that file (default: local)")
-    p.add_argument("--out", help="hardware TOML to write (default: <hardware>.calibrated.toml beside it)")
-    p.add_argument("--in-place", action="store_true", help="rewrite the --hardware file itself")
-    p.add_argument("--holdout", type=float, default=0.0,
-                   help="fraction of runs kept out of the fit and only predicted (every other run)")
-    p.add_argument("--suggest", nargs="?", type=int, const=3, default=None, metavar="N",
-                   help="list the next N runs (default 3) that best separate the parameters, each with its config "
-                        "(<runs folder>/next/<layout>.toml); writes no hardware file")
-    p.add_argument("--dry-run", action="store_true", help="fit and report, do not write a file")
-    p.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
-    p.set_defaults(func=run_calibrate_cmd)
+
+@dataclass(kw_only=True)
+class ProbeArgs(Output):
+    out: str = opt("hardware TOML to write", "runs/hardware/local.toml", metavar="FILE")
+    name: str = opt("system name in the catalog", "local")
+    ranks: int | None = opt("ranks per node the entry describes (default: this machine's cores on CPU); more ranks "
+                            "than cores share them, each at its share of a core", ge=1)
+    groups: str = opt("group sizes to time collectives on (comma list)", "2,4")
+    device: str = opt("where to probe: the host, or an accelerator (bf16 matmuls; collectives on the host only)",
+                      PROBE_DEVICES[0], choices=PROBE_DEVICES)
+    quick: bool = opt("fewer sizes and repeats (about 10 s)")
 
 
-def calibrated_path(hardware: str, out: str | None, in_place: bool) -> Path:
-    """Where the calibrated file goes: never over the input unless --in-place."""
-    from paratrain.cli import UserError
+@dataclass(kw_only=True)
+class CalibrateArgs(Output):
+    runs: list[str] = opt("run summaries: JSON from paratrain train --summary-json (the planner's parameters) and/or "
+                          "paratrain generate --summary-json (the serving model's, into [systems.X.serving])",
+                          positional=True, nargs="+", factory=list)
+    hardware: str = opt("hardware TOML file holding the system to calibrate", required=True, metavar="FILE")
+    system: str = opt("system name inside that file", "local")
+    out: str | None = opt("hardware TOML to write (default: <hardware>.calibrated.toml beside it)", metavar="FILE")
+    in_place: bool = opt("rewrite the --hardware file itself")
+    holdout: float = opt("fraction of runs kept out of the fit and only predicted (every other run), in [0, 1)",
+                         0.0, ge=0)
+    suggest: int | None = opt("list the next N runs (default 3) that best separate the parameters, each with its "
+                              "config (<runs folder>/next/<layout>.toml); writes no hardware file", nargs="?",
+                              const=3, metavar="N", ge=1)
+    dry_run: bool = opt("fit and report, do not write a file")
 
-    src = Path(hardware)
-    if in_place:
-        if out:
-            raise UserError("--in-place and --out: give one (--in-place rewrites --hardware itself)")
-        return src
-    target = Path(out) if out else src.with_name(src.stem.removesuffix(".calibrated") + ".calibrated.toml")
-    if target.resolve() == src.resolve():
-        raise UserError(f"--out '{target}' is the --hardware file itself; allowed: another path, or --in-place "
-                        f"to rewrite it")
-    return target
+
+def register(sub) -> None:
+    command(sub, "probe", ProbeArgs, run_probe_cmd, "measure this machine and write a hardware file for the planner",
+            PROBE_HELP)
+    command(sub, "calibrate", CalibrateArgs, run_calibrate_cmd,
+            "fit the planner to measured runs; write a calibrated hardware file", CALIBRATE_HELP)
 
 
 def run_calibrate_cmd(args) -> int:
-    from paratrain.calibrate.fit import (
-        calibrate,
-        leave_one_out,
-        load_measurements,
-        mape,
-        suggest_runs,
-        write_back,
-    )
-    from paratrain.calibrate.serving import split_summaries, write_serving
-    from paratrain.cli import UserError
+    from paratrain.calibrate.session import print_calibration, run_calibration
 
-    if not 0 <= args.holdout < 1:
-        raise UserError(f"--holdout {args.holdout}: allowed: 0 <= fraction < 1")
-    if args.suggest is not None and args.suggest < 1:
-        raise UserError(f"--suggest {args.suggest}: allowed: a number of runs >= 1")
-    target = calibrated_path(args.hardware, args.out, args.in_place)
-    train_paths, generate_runs = split_summaries(args.runs)
-    system = _system_from_file(args.hardware, args.system)
-    serving = calibrate_generate(system, generate_runs)
-    if not train_paths:
-        return _serving_only(args, target, serving)
-    runs = load_measurements(train_paths)
-    step = round(1 / args.holdout) if args.holdout else 0
-    test = [m for i, m in enumerate(runs) if step and i % step == 1]
-    train = [m for m in runs if m not in test]
-    if not train:
-        raise UserError("calibrate: no runs left to fit after the holdout")
-    before, _ = mape(system, train)
-    cal = calibrate(system, train)
-    fit_error, rows = mape(cal.system, train)
-    loo = leave_one_out(system, train, cal)
-    wanted = args.suggest or len(cal.held)
-    suggestions = suggest_runs(system, train, cal, count=max(wanted, 1)) if cal.held or args.suggest else []
-    if args.suggest is None:  # only as many as it takes to identify the most the candidates can
-        reach = max((s["identified_after"] for s in suggestions), default=len(cal.fitted))
-        suggestions = suggestions[:next((i + 1 for i, s in enumerate(suggestions) if s["identified_after"] == reach),
-                                        len(suggestions))]
-        if reach <= len(cal.fitted):
-            suggestions = []
-    out = {"hardware": args.hardware, "system": args.system, "runs": len(train), "fitted": cal.fitted,
-           "held": cal.held, "fixed": cal.fixed, "parameters": cal.parameters,
-           "sensitivity_per_step": cal.sensitivity, "mape_before": before,
-           "mape_fitted_runs": fit_error, "fit_rows": rows,
-           "mape_leave_one_out": (sum(abs(r["error"]) for r in loo) / len(loo)) if loo else None,
-           "leave_one_out_rows": loo,
-           "suggested_runs": []}
-    if serving is not None:
-        out["serving"] = serving.report()
-    runs_dir = Path(train_paths[-1]).parent
-    for sug in suggestions:
-        config = suggestion_config(sug, train[-1], runs_dir)
-        out["suggested_runs"].append({**sug, "config": str(config) if config else None,
-                                      "command": suggestion_command(sug, config)})
-    if test:
-        out["mape_holdout"], out["holdout_rows"] = mape(cal.system, test)
-    write = not args.dry_run and args.suggest is None
-    if write:
-        note = (f"calibrated by `paratrain calibrate` on {len(train)} run(s): fitted {', '.join(cal.fitted)}"
-                + (f"; leave-one-out MAPE {out['mape_leave_one_out']:.1%}" if loo else "; no leave-one-out check "
-                   "(one run)"))
-        header = f"# {note}\n# from {args.hardware}; held: {', '.join(cal.held) or 'none'}\n"
-        out["written"] = str(write_back(args.hardware, args.system, cal.parameters, note, out=target, header=header))
-        if serving is not None:  # the serving model's table, into the file just written
-            write_serving(target, args.system, serving.efficiency, target,
-                          header=header + f"# serving: {serving.efficiency.source}\n")
-    if args.json:
-        print(json.dumps(out, indent=2, default=str))
-        return 0
-    _print_calibration(out, test)
+    if not args.holdout < 1:
+        raise UserError(f"--holdout = {args.holdout}: allowed: 0 <= fraction < 1")
+    out = run_calibration(args)
+    print_json(out) if args.json else print_calibration(out)
     return 0
-
-
-def calibrate_generate(system, generate_runs: list[tuple[str, dict]]):
-    """The serving model fitted to the `paratrain generate` summaries among the runs (None without any)."""
-    from paratrain.calibrate.serving import calibrate_serving, generate_rows
-
-    if not generate_runs:
-        return None
-    rows = [r for name, data in generate_runs for r in generate_rows(data, name, system)]
-    return calibrate_serving(system, rows)
-
-
-def _serving_only(args, target: Path, serving) -> int:
-    """calibrate with generate summaries only: the serving table written, the training parameters as they were."""
-    from paratrain.calibrate.serving import serving_report_lines, write_serving
-    from paratrain.cli import UserError
-
-    if args.suggest is not None:
-        raise UserError("--suggest proposes training runs: give at least one paratrain train summary")
-    out = {"hardware": args.hardware, "system": args.system, "serving": serving.report()}
-    if not args.dry_run:
-        header = (f"# serving model calibrated by `paratrain calibrate` from {args.hardware}: "
-                  f"{serving.efficiency.source}\n")
-        out["written"] = str(write_serving(args.hardware, args.system, serving.efficiency, target, header=header))
-    if args.json:
-        print(json.dumps(out, indent=2, default=str))
-        return 0
-    print(f"calibrated {args.system} of {args.hardware}")
-    print("\n".join(serving_report_lines(out["serving"])))
-    if out.get("written"):
-        same = out["written"] == out["hardware"]
-        print(f"wrote {out['written']}" + ("" if same else f" ({out['hardware']} unchanged; --in-place rewrites it)"))
-    return 0
-
-
-def suggestion_config(s: dict, like, runs_dir: Path) -> Path | None:
-    """The measured run's own config (<run_dir>/config.toml) with the suggested layout, a fresh run dir and
-    no leftover layout keys (zero_stage, pp_layers, ...), as runs/next/<layout>.toml; None when the run left
-    no config to start from or the result does not validate."""
-    import tomllib
-
-    import tomli_w
-
-    from paratrain.config import load_config
-    from paratrain.plan.config_writer import fresh_run_dir
-
-    src = Path(like.run_dir) / "config.toml" if like.run_dir else None
-    if src is None or not src.is_file():
-        return None
-    doc = tomllib.loads(src.read_text())
-    lay = s["layout"]
-    par = doc.setdefault("parallel", {})
-    for key in ("zero_stage", "pp_layers", "dp_replicate", "reshard_after_forward"):
-        par.pop(key, None)
-    par.update(tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], dp=lay["dp"], dp_kind=lay["dp_kind"], sp=bool(lay["sp"]),
-               recompute=lay["recompute"], pp_schedule=lay["schedule"], virtual_stages=lay["virtual_stages"])
-    doc.setdefault("train", {})["microbatch"] = lay["microbatch"]
-    metrics = doc.setdefault("metrics", {})
-    metrics["run_dir"] = fresh_run_dir(s["name"], Path(metrics.get("run_dir", "runs/x")).parent)
-    doc.setdefault("checkpoint", {})["dir"] = ""  # under the new run dir
-    out = runs_dir / "next" / f"{s['name']}.toml"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(f"# suggested by `paratrain calibrate`: {s['name']} on {s['world_size']} rank(s), from {src}\n"
-                   + tomli_w.dumps(doc))
-    try:
-        load_config(out, [])
-    except ValueError:
-        out.unlink()
-        return None
-    return out
-
-
-def suggestion_command(s: dict, config: Path | None) -> str:
-    """The command that runs a suggested layout."""
-    launch = "paratrain train" if s["world_size"] == 1 else f"torchrun --nproc-per-node {s['world_size']} -m paratrain train"
-    summary = (config.parent.parent if config else Path("runs")) / f"{s['name']}.json"
-    if config is None:
-        lay = s["layout"]
-        return (f"{launch} --config YOUR_CONFIG.toml --set parallel.tp={lay['tp']} --set parallel.pp={lay['pp']} "
-                f"--set parallel.dp={lay['dp']} --set parallel.dp_kind={lay['dp_kind']} "
-                f"--set train.microbatch={lay['microbatch']} --summary-json {summary}")
-    return f"{launch} --config {config} --summary-json {summary}"
-
-
-def _print_calibration(out: dict, test: list) -> None:
-    n = out["runs"]
-    print(f"calibrated {out['system']} of {out['hardware']} on {n} run(s): fitted {len(out['fitted'])} of "
-          f"{len(out['fitted']) + len(out['held'])} free parameters")
-    for k in out["fitted"]:
-        share = max(abs(v) for v in out["sensitivity_per_step"][k])
-        print(f"  fitted {k:>22} = {out['parameters'][k]:.4g}   (up to {share:.0%} of a run's step time per step)")
-    for k, why in out["held"].items():
-        print(f"  held   {k:>22} = {out['parameters'][k]:.4g}   {why}")
-    for k in out["fixed"]:
-        print(f"  fixed  {k:>22} = {out['parameters'][k]:.4g}   measured by the probe")
-    for r in out["leave_one_out_rows"]:
-        print(f"  [left out] {r['run']:<28} measured {r['measured_s'] * 1e3:8.1f} ms  predicted "
-              f"{r['predicted_s'] * 1e3:8.1f} ms  error {r['error']:+.1%}")
-    if out["mape_leave_one_out"] is None:
-        print(f"error: {out['mape_before']:.1%} before; leave-one-out needs 2 or more runs (a run fitted by "
-              f"its own parameter matches itself, {out['mape_fitted_runs']:.1%}, which checks nothing)")
-    else:
-        print(f"error: {out['mape_before']:.1%} before; leave-one-out MAPE {out['mape_leave_one_out']:.1%} over "
-              f"{n} runs (on the fitted runs themselves {out['mape_fitted_runs']:.1%})")
-    for r in out.get("holdout_rows", []):
-        print(f"  [held out] {r['run']:<28} measured {r['measured_s'] * 1e3:8.1f} ms  predicted "
-              f"{r['predicted_s'] * 1e3:8.1f} ms  error {r['error']:+.1%}")
-    if test:
-        print(f"held-out MAPE {out['mape_holdout']:.1%} on {len(test)} runs")
-    if out.get("serving"):
-        from paratrain.calibrate.serving import serving_report_lines
-
-        print("\n".join(serving_report_lines(out["serving"])))
-    if out.get("written"):
-        same = out["written"] == out["hardware"]
-        print(f"wrote {out['written']}" + ("" if same else f" ({out['hardware']} unchanged; --in-place rewrites it)"))
-    sugg = out["suggested_runs"]
-    if sugg:
-        print(f"{len(sugg)} more run(s) would identify {sugg[-1]['identified_after']} parameters "
-              f"(now {len(out['fitted'])}); next:")
-        for s in sugg:
-            print(f"  {s['command']}")
-    elif out["held"]:
-        print("no run of another layout on this machine would identify more parameters")
-
-
-def _system_from_file(path: str, name: str):
-    from pathlib import Path
-
-    from paratrain.hardware.catalog import CatalogError, load_catalog
-
-    if not Path(path).is_file():
-        raise ValueError(f"--hardware '{path}': no such file")
-    try:
-        return load_catalog([Path(path)]).system(name)
-    except CatalogError as exc:
-        raise ValueError(str(exc)) from None
 
 
 def run_probe_cmd(args) -> int:
     from paratrain.calibrate.probe import hardware_toml, probe_json, run_probe
-    from paratrain.cli import UserError
+    from paratrain.calibrate.session import print_probe
 
     try:
         groups = [int(g) for g in args.groups.split(",") if g]
@@ -329,17 +110,9 @@ def run_probe_cmd(args) -> int:
     out.write_text(hardware_toml(res, args.name, args.ranks))
     out.with_suffix(".probe.json").write_text(json.dumps(probe_json(res), indent=2))
     if args.json:
-        print(json.dumps({"matmul_tflops_by_size": res.matmul_tflops_by_size,
-                          "memory_bw_gbytes_per_s": res.memory_bw_gbytes_per_s, "collective_fits": res.fits,
-                          "link_fit": res.link_fit,
-                          "hardware_file": str(out)}, indent=2))
+        print_json({"matmul_tflops_by_size": res.matmul_tflops_by_size, "link_fit": res.link_fit,
+                    "memory_bw_gbytes_per_s": res.memory_bw_gbytes_per_s, "collective_fits": res.fits,
+                    "hardware_file": str(out)})
     else:
-        print(f"peak matmul {res.peak_tflops * 1e3:,.1f} GFLOP/s per rank, memory {res.memory_bw_gbytes_per_s:.1f} GB/s")
-        for kind, fit in res.fits.items():
-            print(f"{kind:>15}: latency {fit['latency_us']:.0f} us, bandwidth {fit['bw_gbytes_per_s']:.2f} GB/s")
-        if (link := res.link_fit):
-            print(f"planner's link model (all collectives, {link['points']} points, MAPE {link['mape']:.0%}): "
-                  f"{link['latency_us']:.0f} us per ring step, +{link['timeshare_step_us']:.0f} us per step for "
-                  f"each further rank sharing a core ({link['cores']} cores), {link['bw_gbytes_per_s']:.2f} GB/s")
-        print(f"wrote {out}")
+        print_probe(res, out)
     return 0

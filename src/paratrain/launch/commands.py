@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
+from dataclasses import dataclass
 
+from paratrain.cli import ConfigArgs, Output, add_config_keys, command, opt, print_json
 from paratrain.launch.torchrun import (
     LaunchSpec,
     build_command,
     check_layout,
-    hybrid_shard_replicas,
     launch_env,
     parse_nnodes,
+    resolve_config,
+    resolve_nproc,
     shell_line,
+    warnings_for,
 )
 
 HELP = """\
@@ -60,149 +63,98 @@ def pet(name: str, default=None):
     return os.environ.get(f"PET_{name}", default)
 
 
-def register(subparsers) -> None:
-    p = subparsers.add_parser("launch", help="run training on one node of a multi-node job (torchrun wrapper)",
-                              description=HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    g = p.add_argument_group("nodes and processes")
-    g.add_argument("--nnodes", default=pet("NNODES", "1"), help="node count N, or MIN:MAX for an elastic job (default 1)")
-    g.add_argument("--nproc-per-node", default=pet("NPROC_PER_NODE", "auto"),
-                   help="processes per node: a number, 'gpu' (one per accelerator device: CUDA GPU, logical "
-                        "NeuronCore), 'auto' (default: one per accelerator device, else 1), or a catalog system "
-                        "(its devices per node, e.g. trn2.48xlarge: 64)")
-    g.add_argument("--node-rank", type=int, default=pet("NODE_RANK"),
-                   help="this node's rank for a static (non-elastic) rendezvous; omit for c10d")
-    r = p.add_argument_group("rendezvous and restarts")
-    r.add_argument("--rdzv-endpoint", default=pet("RDZV_ENDPOINT"), help="HOST[:PORT] of the rendezvous (c10d store; or the master for static)")
-    r.add_argument("--rdzv-id", default=pet("RDZV_ID", "paratrain"), help="job id shared by all nodes of one job")
-    r.add_argument("--rdzv-backend", default=pet("RDZV_BACKEND", "c10d"), choices=["c10d", "etcd-v2"],
-                   help="elastic rendezvous backend (default c10d: no extra service)")
-    r.add_argument("--rdzv-conf", action="append", default=None, metavar="KEY=VALUE",
-                   help="rendezvous option, repeatable: join_timeout=900, last_call_timeout=30, is_host=1, ...")
-    r.add_argument("--max-restarts", type=int, default=pet("MAX_RESTARTS", 0),
-                   help="worker-group restarts before the job fails (default 0); each restart resumes from "
-                        "the newest complete checkpoint")
-    r.add_argument("--monitor-interval", type=float, default=None, help="seconds between worker health checks")
-    n = p.add_argument_group("network")
-    n.add_argument("--local-addr", help="address this node advertises to the others (default: its FQDN)")
-    n.add_argument("--ifname", help="network interface for gloo/NCCL bootstrap (sets GLOO_SOCKET_IFNAME and "
-                                    "NCCL_SOCKET_IFNAME), e.g. eth0 or ens5")
-    t = p.add_argument_group("training")
-    t.add_argument("--config", "-c", help="TOML config for `paratrain train`")
-    t.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                   help="config override for `paratrain train` (repeatable)")
-    t.add_argument("--hybrid-shard", action="store_true",
-                   help="HSDP across nodes: parallel.dp_kind=hsdp, dp_replicate = nnodes (nnodes/pp)")
-    t.add_argument("--resume-from", help="passed to `paratrain train --resume-from`")
-    t.add_argument("--summary-json", help="passed to `paratrain train --summary-json`")
-    o = p.add_argument_group("output")
-    o.add_argument("--dry-run", action="store_true", help="print the torchrun command and placement; run nothing")
-    o.add_argument("--json", action="store_true", help="with --dry-run: print command, env and placement as JSON")
-    p.add_argument("extra", nargs="*", help="more `paratrain train` arguments, after --")
-    p.set_defaults(func=run_launch)
+def pet_default(name: str, default=None) -> dict:
+    """opt() keywords: the default is PET_<NAME> when set at the time the parser is built, else `default`."""
+    return {"default": default, "default_at_parse": lambda: pet(name, default)}
 
 
-def resolve_nproc(text: str) -> int:
-    if str(text).isdigit() and int(text) >= 1:
-        return int(text)
-    if text in ("auto", "gpu"):
-        from paratrain.device import accelerator_count
+NODES, RDZV, NET, TRAIN = "nodes and processes", "rendezvous and restarts", "network", "training"
 
-        gpus = accelerator_count()  # cuda, neuron (logical NeuronCores) or any torch.accelerator
-        if text == "gpu" and not gpus:
-            raise ValueError("--nproc-per-node=gpu: this torch build sees no accelerator device; give a number")
-        return gpus or 1
-    from paratrain.hardware.catalog import get_catalog
 
-    systems = get_catalog().systems
-    if text in systems:  # ranks per node from the catalog: one per device unit (GPU, logical NeuronCore)
-        return systems[text].devices_per_node
-    raise ValueError(f"--nproc-per-node='{text}': allowed: a number >= 1, 'gpu', 'auto' (the accelerators torch "
-                     f"sees) or a catalog system (its devices per node, e.g. trn2.48xlarge = "
-                     f"{systems['trn2.48xlarge'].devices_per_node})")
+@dataclass(kw_only=True)
+class LaunchArgs(ConfigArgs, Output):
+    nnodes: str = opt("node count N, or MIN:MAX for an elastic job", **pet_default("NNODES", "1"), group=NODES)
+    nproc_per_node: str = opt("processes per node: a number, 'gpu' (one per accelerator device: CUDA GPU, logical "
+                              "NeuronCore), 'auto' (one per accelerator device, else 1), or a catalog system (its "
+                              "devices per node, e.g. trn2.48xlarge: 64)", **pet_default("NPROC_PER_NODE", "auto"),
+                              group=NODES)
+    node_rank: int | None = opt("this node's rank for a static (non-elastic) rendezvous; omit for c10d",
+                                **pet_default("NODE_RANK"), group=NODES)
+    rdzv_endpoint: str | None = opt("HOST[:PORT] of the rendezvous (c10d store; or the master for static)",
+                                    **pet_default("RDZV_ENDPOINT"), group=RDZV)
+    rdzv_id: str = opt("job id shared by all nodes of one job", **pet_default("RDZV_ID", "paratrain"), group=RDZV)
+    rdzv_backend: str = opt("elastic rendezvous backend (c10d: no extra service)", **pet_default("RDZV_BACKEND", "c10d"),
+                            choices=["c10d", "etcd-v2"], group=RDZV)
+    rdzv_conf: list[str] = opt("rendezvous option, repeatable: join_timeout=900, last_call_timeout=30, is_host=1, "
+                               "...", factory=list, metavar="KEY=VALUE", group=RDZV)
+    max_restarts: int = opt("worker-group restarts before the job fails; each restart resumes from the newest "
+                            "complete checkpoint", **pet_default("MAX_RESTARTS", 0), group=RDZV)
+    monitor_interval_s: float | None = opt("time between worker health checks", group=RDZV)
+    local_addr: str | None = opt("address this node advertises to the others (default: its FQDN)", group=NET)
+    ifname: str | None = opt("network interface for gloo/NCCL bootstrap (sets GLOO_SOCKET_IFNAME and "
+                             "NCCL_SOCKET_IFNAME), e.g. eth0 or ens5", group=NET)
+    hybrid_shard: bool = opt("HSDP across nodes: parallel.dp_kind=hsdp, dp_replicate = nnodes (nnodes/pp)",
+                             group=TRAIN)
+    resume_from: str | None = opt("passed to `paratrain train --resume-from`", group=TRAIN, metavar="PATH")
+    summary_json: str | None = opt("passed to `paratrain train --summary-json`", group=TRAIN, metavar="FILE")
+    dry_run: bool = opt("print the torchrun command and placement; run nothing")
+    extra: list[str] = opt("more `paratrain train` arguments, after --", positional=True, nargs="*", factory=list)
+
+
+def register(sub) -> None:
+    command(sub, "launch", LaunchArgs, run_launch, "run training on one node of a multi-node job (torchrun wrapper)",
+            HELP, config_keys=True)
 
 
 def merge_extra(args) -> None:
     """Fold `paratrain train` arguments given after `--` into args, so the layout check sees the same config
     the workers will load."""
-    extra = list(args.extra)
-    if extra and extra[0] == "--":
-        extra = extra[1:]
+    extra = args.extra[1:] if args.extra[:1] == ["--"] else list(args.extra)
     p = argparse.ArgumentParser(prog="paratrain launch ... --", add_help=False)
     p.add_argument("--config", "-c")
     p.add_argument("--set", action="append", default=[])
     p.add_argument("--resume-from")
     p.add_argument("--summary-json")
+    add_config_keys(p)
     known, rest = p.parse_known_args(extra)
     if rest:
         raise ValueError(f"arguments after --: {' '.join(rest)}: allowed: paratrain train's --config, --set, "
-                         "--resume-from, --summary-json")
+                         "--SECTION.KEY, --resume-from, --summary-json")
     for name in ("config", "resume_from", "summary_json"):
         mine, theirs = getattr(args, name), getattr(known, name)
         if mine and theirs and mine != theirs:
             raise ValueError(f"--{name.replace('_', '-')} given twice ('{mine}' and '{theirs}' after --)")
         setattr(args, name, mine or theirs)
-    args.set = [*args.set, *known.set]
-    args.extra = []
+    args.set, args.extra = [*args.set, *known.set], []
 
 
 def train_arguments(args, extra_sets: list[str]) -> list[str]:
     out = ["--config", args.config] if args.config else []
     for item in [*args.set, *extra_sets]:
         out += ["--set", item]
-    if args.resume_from:
-        out += ["--resume-from", args.resume_from]
-    if args.summary_json:
-        out += ["--summary-json", args.summary_json]
+    for flag, value in (("--resume-from", args.resume_from), ("--summary-json", args.summary_json)):
+        out += [flag, value] if value else []
     return out
-
-
-def resolve_config(args, nnodes, nproc: int):
-    """The training config as the workers will load it, plus the overrides --hybrid-shard adds."""
-    from paratrain.config import load_config
-
-    cfg = load_config(args.config, args.set)
-    if not args.hybrid_shard:
-        return cfg, []
-    if nnodes.elastic:
-        raise ValueError(f"--hybrid-shard with --nnodes={nnodes}: dp_replicate is fixed when the job starts, "
-                         "so the node count cannot change; use a fixed --nnodes or plain FSDP for elastic jobs")
-    replicas = hybrid_shard_replicas(cfg, nnodes.max_nodes, nproc)
-    sets = ['parallel.dp_kind="hsdp"', f"parallel.dp_replicate={replicas}"]
-    return load_config(args.config, [*args.set, *sets]), sets
-
-
-def warnings_for(cfg, spec: LaunchSpec) -> list[str]:
-    notes = []
-    if spec.max_restarts and not cfg.checkpoint.interval:
-        notes.append("--max-restarts without checkpoint.interval: a restart begins again from step 0 "
-                     "(set checkpoint.interval to resume from the newest checkpoint)")
-    if spec.nnodes.max_nodes > 1 and cfg.checkpoint.resume == "auto" and not cfg.checkpoint.dir.startswith("s3://"):
-        notes.append(f"checkpoints go to '{cfg.checkpoint.dir or cfg.metrics.run_dir + '/checkpoints'}': every "
-                     "node must see the same folder (shared file system) for a restart to resume")
-    return notes
 
 
 def run_launch(args) -> int:
     if args.json and not args.dry_run:
         raise ValueError("--json: allowed only with --dry-run (a real launch hands the terminal to torchrun)")
     merge_extra(args)
-    if args.rdzv_conf is None:  # argparse appends to a list default, so the env default is applied here
-        args.rdzv_conf = [c for c in pet("RDZV_CONF", "").split(",") if c]
-    nnodes = parse_nnodes(args.nnodes)
-    nproc = resolve_nproc(args.nproc_per_node)
-    cfg, extra_sets = resolve_config(args, nnodes, nproc)
+    rdzv_conf = args.rdzv_conf or [c for c in pet("RDZV_CONF", "").split(",") if c]
+    nnodes, nproc = parse_nnodes(args.nnodes), resolve_nproc(args.nproc_per_node)
+    cfg, extra_sets = resolve_config(args.config, args.set, args.hybrid_shard, nnodes, nproc)
     spec = LaunchSpec(nnodes=nnodes, nproc_per_node=nproc, node_rank=args.node_rank,
                       rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, rdzv_backend=args.rdzv_backend,
-                      rdzv_conf=args.rdzv_conf, max_restarts=args.max_restarts,
-                      monitor_interval_s=args.monitor_interval, local_addr=args.local_addr, ifname=args.ifname,
+                      rdzv_conf=rdzv_conf, max_restarts=args.max_restarts,
+                      monitor_interval_s=args.monitor_interval_s, local_addr=args.local_addr, ifname=args.ifname,
                       train_args=train_arguments(args, extra_sets))
     cmd = build_command(spec)  # validates the flags
     layouts = check_layout(cfg, nnodes, nproc)  # validates the layout for every allowed node count
     env = launch_env(spec)
     if args.dry_run and args.json:
-        print(json.dumps({"command": cmd, "env": env, "mode": spec.mode(), "nnodes": str(nnodes),
-                          "nproc_per_node": nproc, "placement": {str(k): v for k, v in layouts.items()},
-                          "warnings": warnings_for(cfg, spec)}, indent=2))
+        print_json({"command": cmd, "env": env, "mode": spec.mode(), "nnodes": str(nnodes), "nproc_per_node": nproc,
+                    "placement": {str(k): v for k, v in layouts.items()}, "warnings": warnings_for(cfg, spec)})
         return 0
     for n, place in layouts.items():
         shown = ", ".join(f"{d}: {where}" for d, where in place.items()) or "one rank, no parallel groups"

@@ -95,7 +95,7 @@ def validate_spec(spec: LaunchSpec) -> None:
     if spec.max_restarts < 0:
         raise ValueError(f"--max-restarts={spec.max_restarts}: allowed: >= 0")
     if spec.monitor_interval_s is not None and not spec.monitor_interval_s > 0:
-        raise ValueError(f"--monitor-interval={spec.monitor_interval_s}: allowed: seconds > 0")
+        raise ValueError(f"--monitor-interval-s={spec.monitor_interval_s}: allowed: seconds > 0")
     if spec.node_rank is not None:
         if spec.nnodes.elastic:
             raise ValueError(f"--node-rank with --nnodes={spec.nnodes}: a fixed node rank needs a fixed node "
@@ -234,3 +234,49 @@ def check_layout(cfg: TrainConfig, nnodes: NodeRange, nproc_per_node: int) -> di
         if out[n].get("tp") == "across nodes":  # cannot happen while tp is the innermost mesh dimension
             raise ValueError(f"parallel.tp={tp}: the mesh order {MESH_DIMS} would put TP groups across hosts")
     return out
+
+
+def resolve_nproc(text: str) -> int:
+    if str(text).isdigit() and int(text) >= 1:
+        return int(text)
+    if text in ("auto", "gpu"):
+        from paratrain.device import accelerator_count
+
+        gpus = accelerator_count()  # cuda, neuron (logical NeuronCores) or any torch.accelerator
+        if text == "gpu" and not gpus:
+            raise ValueError("--nproc-per-node=gpu: this torch build sees no accelerator device; give a number")
+        return gpus or 1
+    from paratrain.hardware.catalog import get_catalog
+
+    systems = get_catalog().systems
+    if text in systems:  # ranks per node from the catalog: one per device unit (GPU, logical NeuronCore)
+        return systems[text].devices_per_node
+    raise ValueError(f"--nproc-per-node='{text}': allowed: a number >= 1, 'gpu', 'auto' (the accelerators torch "
+                     f"sees) or a catalog system (its devices per node, e.g. trn2.48xlarge = "
+                     f"{systems['trn2.48xlarge'].devices_per_node})")
+
+
+def resolve_config(config: str | None, sets: list[str], hybrid_shard: bool, nnodes: NodeRange, nproc: int):
+    """The training config as the workers will load it, plus the overrides --hybrid-shard adds."""
+    from paratrain.config import load_config
+
+    cfg = load_config(config, sets)
+    if not hybrid_shard:
+        return cfg, []
+    if nnodes.elastic:
+        raise ValueError(f"--hybrid-shard with --nnodes={nnodes}: dp_replicate is fixed when the job starts, "
+                         "so the node count cannot change; use a fixed --nnodes or plain FSDP for elastic jobs")
+    replicas = hybrid_shard_replicas(cfg, nnodes.max_nodes, nproc)
+    hybrid = ['parallel.dp_kind="hsdp"', f"parallel.dp_replicate={replicas}"]
+    return load_config(config, [*sets, *hybrid]), hybrid
+
+
+def warnings_for(cfg, spec: LaunchSpec) -> list[str]:
+    notes = []
+    if spec.max_restarts and not cfg.checkpoint.interval:
+        notes.append("--max-restarts without checkpoint.interval: a restart begins again from step 0 "
+                     "(set checkpoint.interval to resume from the newest checkpoint)")
+    if spec.nnodes.max_nodes > 1 and cfg.checkpoint.resume == "auto" and not cfg.checkpoint.dir.startswith("s3://"):
+        notes.append(f"checkpoints go to '{cfg.checkpoint.dir or cfg.metrics.run_dir + '/checkpoints'}': every "
+                     "node must see the same folder (shared file system) for a restart to resume")
+    return notes
