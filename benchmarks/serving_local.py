@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from paratrain.hardware.catalog import resolve_system  # noqa: E402
-from paratrain.infer.commands import generation_summary  # noqa: E402
 from paratrain.infer.generate import Sampling, generate  # noqa: E402
+from paratrain.infer.session import generation_summary  # noqa: E402
 from paratrain.model.config import ModelConfig  # noqa: E402
 from paratrain.model.llama import Llama  # noqa: E402
 from paratrain.plan.serve import serving_efficiency  # noqa: E402

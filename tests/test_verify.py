@@ -64,7 +64,6 @@ def _args(**kw):
     ({"device": "cuda"}, r"train.device='cuda': not available here"),
     ({"against_layout": ["single", "parallel.tp=1"]}, "'single' takes no other overrides"),
     ({"nproc": 3, "set": ["parallel.tp=2"], "against_layout": ["single"]}, r"--nproc=3: parallel: world size 3"),
-    ({"steps": 0, "against_layout": ["single"]}, r"--steps=0"),
 ])
 def test_bad_requests_fail_before_any_run(kw, message):
     if kw.get("device") == "cuda":
@@ -74,6 +73,11 @@ def test_bad_requests_fail_before_any_run(kw, message):
             pytest.skip("this machine has an accelerator: the request is valid here")
     with pytest.raises((UserError, ValueError), match=message):
         plan_runs(_args(**kw))
+
+
+def test_a_bad_step_count_is_one_line(capsys):
+    assert main(["verify", "--steps", "0", "--against-layout", "single"]) == 2
+    assert capsys.readouterr().err.strip() == "paratrain verify: error: --steps = 0: must be >= 1"
 
 
 def test_fsdp_on_two_ranks_agrees_with_the_single_device_run(dist_run, tmp):

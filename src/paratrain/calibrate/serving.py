@@ -23,7 +23,7 @@ from paratrain.hardware.catalog import System
 from paratrain.plan.serve import EFFICIENCY_FIELDS, ServingEfficiency, serving_efficiency
 from paratrain.plan.serve_fit import fit, measurements_from_generate, predict
 
-# what a generate summary must hold for calibration (what infer.commands.generation_summary writes)
+# what a generate summary must hold for calibration (what infer.session.generation_summary writes)
 GENERATE_KEYS = ("model_shape", "tp", "batch", "padded_prompt_tokens", "prefill_s", "decode_steps",
                  "decode_s_per_step")
 # One "meaningful step" of each parameter (as calibrate.fit.STEP): +-0.1 of a fraction, x1.25 of a fixed cost

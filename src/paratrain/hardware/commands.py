@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import argparse
-import json
-from dataclasses import asdict
+from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.hardware.catalog import ENV_DIR, System, get_catalog
+from paratrain.cli import Output, command, group, opt, print_json
+from paratrain.hardware.catalog import ENV_DIR, get_catalog
 
 HELP = f"""\
 The accelerator catalog: chips, interconnects and the systems (instances, UltraServers) you rent.
 Every number names its source (`show` prints them). Add your own hardware by dropping a TOML file with
 [chips.X] / [interconnects.X] / [systems.X] tables into ${ENV_DIR}, or pass `--hardware FILE.toml` to
-estimate/plan. The built-in files (src/paratrain/hardware/catalog/*.toml) show the format.
+estimate/plan (`--hardware-file FILE.toml` here). The built-in files (src/paratrain/hardware/catalog/*.toml) show the format.
 
 examples:
   paratrain hardware list
@@ -23,103 +22,35 @@ examples:
 """
 
 
+
+@dataclass(kw_only=True)
+class CatalogArgs(Output):
+    hardware_file: list[Path] = opt("also load this hardware TOML file (repeatable)", factory=list, metavar="FILE")
+
+
+@dataclass(kw_only=True)
+class ShowArgs(CatalogArgs):
+    name: str = opt("system or chip name (see `paratrain hardware list`)", positional=True)
+
+
 def register(subparsers) -> None:
-    parser = subparsers.add_parser("hardware", help="the accelerator catalog (list, show)", description=HELP,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="hardware_command", metavar="{list,show}")
-    lst = sub.add_parser("list", help="one line per system and chip")
-    lst.add_argument("--json", action="store_true", help="machine-readable output")
-    lst.add_argument("--file", type=Path, action="append", help="also load this hardware TOML file")
-    lst.set_defaults(func=cmd_list)
-    show = sub.add_parser("show", help="every field of one system or chip, with sources")
-    show.add_argument("name", help="system or chip name (see `paratrain hardware list`)")
-    show.add_argument("--json", action="store_true", help="machine-readable output")
-    show.add_argument("--file", type=Path, action="append", help="also load this hardware TOML file")
-    show.set_defaults(func=cmd_show)
-    parser.set_defaults(func=lambda args: parser.print_help() or 0)
-
-
-def system_summary(system: System) -> dict:
-    return {
-        "name": system.name, "display_name": system.display_name, "chip": system.chip.name,
-        "chips_per_node": system.chips_per_node, "devices_per_node": system.devices_per_node,
-        "device_unit": system.device_unit, "bf16_tflops_per_node": system.chip.bf16_tflops * system.chips_per_node,
-        "hbm_bytes_per_device": system.device_memory_bytes,
-        "scale_out_gbytes_per_s": system.tiers[-1].interconnect.bw_gbytes_per_s,
-        "on_demand_usd_per_hour": system.prices.on_demand_usd_per_hour,
-        "prices_usd_per_node_hour": {k: q.usd_per_node_hour for k, q in system.prices.quotes.items()},
-        "no_public_price": system.prices.no_public_price or None,
-        "chip_power_w": system.chip.power_w, "status": system.chip.status,
-    }
+    _, sub = group(subparsers, "hardware", "the accelerator catalog (list, show)", HELP)
+    command(sub, "list", CatalogArgs, cmd_list, "one line per system and chip")
+    command(sub, "show", ShowArgs, cmd_show, "every field of one system or chip, with sources")
 
 
 def cmd_list(args) -> int:
-    catalog = get_catalog(args.file)
-    rows = [system_summary(s) for s in catalog.systems.values()]
-    chips = [{"name": c.name, "display_name": c.display_name, "bf16_tflops": c.bf16_tflops,
-              "fp8_tflops": c.fp8_tflops, "hbm_gib": c.hbm_bytes / 2**30, "hbm_bw_gbytes_per_s": c.hbm_bw_gbytes_per_s,
-              "power_w": c.power_w, "status": c.status} for c in catalog.chips.values()]
-    if args.json:
-        print(json.dumps({"systems": rows, "chips": chips}, indent=2))
-        return 0
-    print(f"{'system':<20} {'chip':<11} {'chips':>5} {'devices':>7} {'device':<30} {'BF16 TF/node':>12} "
-          f"{'GiB/dev':>7} {'scale-out GB/s':>14}  $/node-hour by purchase option (`show` for region, source, date)")
-    for r in rows:
-        quotes = r["prices_usd_per_node_hour"]
-        price = ", ".join(f"{k} {v:.2f}" for k, v in quotes.items()) if quotes else "no public price"
-        print(f"{r['name']:<20} {r['chip']:<11} {r['chips_per_node']:>5} {r['devices_per_node']:>7} "
-              f"{r['device_unit']:<30} {r['bf16_tflops_per_node']:>12,.0f} {r['hbm_bytes_per_device'] / 2**30:>7.1f} "
-              f"{r['scale_out_gbytes_per_s']:>14,.0f}  {price}")
-    print()
-    print(f"{'chip':<12} {'BF16 TF':>8} {'FP8 TF':>8} {'HBM GiB':>8} {'HBM GB/s':>9} {'W':>6}  status")
-    for c in chips:
-        fp8 = "-" if c["fp8_tflops"] is None else f"{c['fp8_tflops']:.0f}"
-        power = "-" if c["power_w"] is None else f"{c['power_w']:.0f}"
-        print(f"{c['name']:<12} {c['bf16_tflops']:>8.0f} {fp8:>8} {c['hbm_gib']:>8.1f} "
-              f"{c['hbm_bw_gbytes_per_s']:>9.0f} {power:>6}  {c['status']}")
+    from paratrain.hardware.describe import chip_rows, print_list, system_summary
+
+    catalog = get_catalog(args.hardware_file or None)
+    rows, chips = [system_summary(s) for s in catalog.systems.values()], chip_rows(catalog)
+    print_json({"systems": rows, "chips": chips}) if args.json else print_list(rows, chips)
     return 0
-
-
-def _system_detail(system: System) -> dict:
-    tiers = [{"name": t.name, "domain_devices": t.domain_devices or None,
-              "per_device_gbytes_per_s": t.per_device_bw_bytes_per_s(system) / 1e9,
-              "interconnect": asdict(t.interconnect)} for t in system.tiers]
-    return {"kind": "system", **system_summary(system), "devices_per_chip": system.devices_per_chip,
-            "tiers": tiers, "prices": asdict(system.prices), "efficiency": asdict(system.efficiency),
-            "chip_detail": asdict(system.chip), "source": system.source, "conflicts": list(system.conflicts),
-            "file": system.origin}
 
 
 def cmd_show(args) -> int:
-    from paratrain.cli import UserError
+    from paratrain.hardware.describe import describe, print_tree
 
-    catalog = get_catalog(args.file)
-    if args.name in catalog.systems:
-        detail = _system_detail(catalog.systems[args.name])
-    elif args.name in catalog.chips:
-        detail = {"kind": "chip", **asdict(catalog.chips[args.name])}
-    elif args.name in catalog.interconnects:
-        detail = {"kind": "interconnect", **asdict(catalog.interconnects[args.name])}
-    else:
-        known = sorted(catalog.systems) + sorted(catalog.chips)
-        raise UserError(f"hardware show: '{args.name}' is not a known system or chip; known: {', '.join(known)}")
-    if args.json:
-        print(json.dumps(detail, indent=2, default=str))
-    else:
-        _print_tree(detail)
+    detail = describe(get_catalog(args.hardware_file or None), args.name)
+    print_json(detail) if args.json else print_tree(detail)
     return 0
-
-
-def _print_tree(data, indent: int = 0) -> None:
-    pad = "  " * indent
-    for key, value in data.items():
-        if isinstance(value, dict):
-            print(f"{pad}{key}:")
-            _print_tree(value, indent + 1)
-        elif isinstance(value, list) and value and isinstance(value[0], dict):
-            print(f"{pad}{key}:")
-            for item in value:
-                print(f"{pad}  -")
-                _print_tree(item, indent + 2)
-        else:
-            print(f"{pad}{key}: {value}")

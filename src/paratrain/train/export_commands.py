@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
+from dataclasses import dataclass
+
+from paratrain.cli import ConfigArgs, Output, UserError, command, opt, print_json
 
 HELP = """\
 Write a Hugging Face Llama folder (config.json, sharded safetensors + index, tokenizer if the run has one) from a
@@ -18,30 +19,30 @@ AutoModelForCausalLM.from_pretrained(DIR) and computes the same logits.
 --checkpoint: a checkpoint folder (step_*) or a checkpoint directory (its newest complete checkpoint); it is
 verified against its manifest first. The model shape comes from the run's config.toml (found above the
 checkpoint, where `paratrain train` writes it) or --config/--set. Runs in one process, no process group; memory:
-one output shard (--max-shard-gb).
+one output shard (--max-shard-gib).
 """
 
 
+
+@dataclass(kw_only=True)
+class ExportArgs(ConfigArgs, Output):
+    checkpoint: str = opt("checkpoint folder or directory (local or s3://)", required=True)
+    hf_out: str = opt("output folder", required=True, metavar="DIR")
+    config: str | None = opt("the training config (default: the run's config.toml above the checkpoint)",
+                             short="-c", metavar="FILE")
+    dtype: str = opt("dtype of the exported weights", "fp32", choices=["fp32", "bf16"])
+    max_shard_gib: float = opt("size of one safetensors file", 2.0, gt=0)
+
+
 def register(sub) -> None:
-    p = sub.add_parser("export", help="export a checkpoint as a Hugging Face Llama folder", description=HELP,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--checkpoint", required=True, help="checkpoint folder or directory (local or s3://)")
-    p.add_argument("--hf-out", required=True, help="output folder")
-    p.add_argument("--config", help="the training config (default: the run's config.toml above the checkpoint)")
-    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override (repeatable)")
-    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help="dtype of the exported weights")
-    p.add_argument("--max-shard-gb", type=float, default=2.0, help="size of one safetensors file (GiB)")
-    p.add_argument("--json", action="store_true", help="print only a JSON summary")
-    p.set_defaults(func=run_export)
+    command(sub, "export", ExportArgs, run_export, "export a checkpoint as a Hugging Face Llama folder", HELP,
+            config_keys=True)
 
 
 def run_export(args) -> int:
-    from paratrain.cli import UserError
     from paratrain.config import load_config
     from paratrain.train.export import export_hf, run_config_of
 
-    if args.max_shard_gb <= 0:
-        raise UserError(f"--max-shard-gb {args.max_shard_gb}: must be > 0")
     config = args.config or run_config_of(args.checkpoint)
     if config is None and not args.set:
         raise UserError(f"--checkpoint {args.checkpoint}: no config.toml found above it; pass the training config "
@@ -53,10 +54,10 @@ def run_export(args) -> int:
             print(f"\rwriting safetensors {done}/{total}", end="" if done < total else "\n", file=sys.stderr,
                   flush=True)
 
-    summary = export_hf(args.checkpoint, cfg, args.hf_out, args.dtype, int(args.max_shard_gb * 2**30), progress)
+    summary = export_hf(args.checkpoint, cfg, args.hf_out, args.dtype, int(args.max_shard_gib * 2**30), progress)
     summary["config"] = str(config) if config else None
     if args.json:
-        print(json.dumps(summary, indent=2))
+        print_json(summary)
     else:
         print(f"exported {summary['checkpoint']} -> {summary['out']}: {summary['tensors']} tensors, "
               f"{summary['bytes'] / 2**20:,.1f} MiB in {summary['files']} file(s), {summary['dtype']}"

@@ -25,7 +25,10 @@ import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+from paratrain.cli import ConfigArgs, Output, command, opt
 
 VERIFY_HELP = """\
 Run the same job on CPU/gloo and on an accelerator with the same ranks and layout, and compare per step and
@@ -43,25 +46,23 @@ GLOBAL_KEYS = ("loss", "grad_norm", "param_norm")  # the same on every rank and 
 LOCAL_KEYS = ("local_norm", "local_sum")  # this rank's shards: compared only between runs of one layout
 
 
+@dataclass(kw_only=True)
+class VerifyArgs(ConfigArgs, Output):
+    device: str = opt("device of the run under test (auto: the accelerator present, else cpu); the reference "
+                      "always runs on the host with its backend", "auto")
+    steps: int = opt("optimizer steps per run", 5, ge=1)
+    nproc: int = opt("ranks of the run under test (and of the reference)", 1, ge=1)
+    against_layout: list[str] = opt("the reference run's layout differs: overrides for it, or 'single' = one rank, "
+                                    "default [parallel] (then only global quantities are compared)", factory=list,
+                                    metavar="SECTION.KEY=VALUE|single")
+    against_nproc: int | None = opt("ranks of the reference run (default: 1 for 'single', else --nproc)", ge=1)
+    rtol: float | None = opt("relative tolerance (default: fp32 1e-4, bf16 the one-step rounding bound of "
+                             "docs/devices.md)", gt=0)
+
+
 def register(sub) -> None:
-    p = sub.add_parser("verify", help="the same job on CPU and on the device (or two layouts), compared",
-                       description=VERIFY_HELP, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", "-c", help="TOML config (default: built-in defaults)")
-    p.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE", help="override, both runs")
-    p.add_argument("--device", default="auto",
-                   help="device of the run under test (default auto: the accelerator present, else cpu); the "
-                        "reference always runs on the host with its backend")
-    p.add_argument("--steps", type=int, default=5, help="optimizer steps per run (default 5)")
-    p.add_argument("--nproc", type=int, default=1, help="ranks of the run under test (and of the reference)")
-    p.add_argument("--against-layout", action="append", default=[], metavar="SECTION.KEY=VALUE|single",
-                   help="the reference run's layout differs: overrides for it, or 'single' = one rank, default "
-                        "[parallel] (then only global quantities are compared)")
-    p.add_argument("--against-nproc", type=int, help="ranks of the reference run (default: 1 for 'single', "
-                                                     "else --nproc)")
-    p.add_argument("--rtol", type=float, help="relative tolerance (default: fp32 1e-4, bf16 the one-step "
-                                              "rounding bound of docs/devices.md)")
-    p.add_argument("--json", action="store_true", help="print the comparison as JSON only")
-    p.set_defaults(func=run_verify)
+    command(sub, "verify", VerifyArgs, run_verify, "the same job on CPU and on the device (or two layouts), compared",
+            VERIFY_HELP, config_keys=True)
 
 
 # -- what each rank records ---------------------------------------------------------------------------------
@@ -183,8 +184,6 @@ def plan_runs(args) -> tuple[list[str], int, list[str], int, str, bool]:
     from paratrain.device import CPU, Accelerator, load_extension, resolve_device_type
     from paratrain.train.commands import check_launch
 
-    if args.steps < 1 or args.nproc < 1:
-        raise UserError(f"--steps={args.steps} --nproc={args.nproc}: allowed: both >= 1")
     load_extension(args.device)  # e.g. torch_neuronx for --device neuron, as the ranks do
     device = resolve_device_type(args.device, Accelerator.detect())
     against = list(args.against_layout)

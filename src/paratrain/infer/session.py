@@ -1,0 +1,104 @@
+"""What `paratrain generate` loads (the run's weights and tokenizer, the prompts) and what it records (the
+summary that calibrates the serving model)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def load_tokenizer(cfg):
+    """The run's tokenizer.json: data.tokenizer, or the one `data prepare` wrote; None if neither exists."""
+    from tokenizers import Tokenizer
+
+    for path in (cfg.data.tokenizer, str(Path(cfg.data.prepared_dir) / "tokenizer.json")):
+        if path != "train" and Path(path).is_file():
+            return Tokenizer.from_file(path)
+    return None
+
+
+def eos_id(tok) -> int | None:
+    from paratrain.train.data import EOS_NAMES
+
+    if tok is None:
+        return None
+    for name in EOS_NAMES:
+        if (i := tok.token_to_id(name)) is not None:
+            return i
+    return None
+
+
+def encode_prompts(texts: list[str], id_lists: list[str], tok, vocab: int) -> list[list[int]]:
+    """The prompts as token ids: each text through the tokenizer, each ID,ID,... as given; checked."""
+    prompts = []
+    for text in texts:
+        if tok is None:
+            raise ValueError("--prompt needs a tokenizer: set data.tokenizer to a tokenizer.json (or run `paratrain "
+                            "data prepare`), or pass --prompt-ids")
+        prompts.append(tok.encode(text).ids)
+    for ids in id_lists:
+        try:
+            prompts.append([int(x) for x in ids.split(",") if x.strip()])
+        except ValueError:
+            raise ValueError(f"--prompt-ids = {ids!r}: allowed: comma-separated token ids, e.g. 1,15043,29892") from None
+    if not prompts or any(not p for p in prompts):
+        raise ValueError("give at least one non-empty --prompt or --prompt-ids")
+    bad = [i for p in prompts for i in p if not 0 <= i < vocab]
+    if bad:
+        raise ValueError(f"--prompt-ids: token id {bad[0]} outside the model's vocabulary [0, {vocab})")
+    return prompts
+
+
+def load_model(cfg, checkpoint: str | None):
+    """The single-device Llama with the run's weights: model.hf_path, or a checkpoint of the run (resharded
+    to one device by DCP, whatever layout saved it)."""
+    from paratrain.model.llama import Llama
+
+    shape = cfg.model_shape()
+    if cfg.model.hf_path:
+        from paratrain.model.hf import load_hf_llama
+
+        return load_hf_llama(cfg.model.hf_path, shape)
+    if checkpoint is None:
+        raise ValueError("no weights: pass --checkpoint latest|STEP_FOLDER (a run's checkpoint) or set model.hf_path")
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    from paratrain.train.checkpoint import CheckpointManager
+
+    directory = cfg.checkpoint.dir or str(Path(cfg.metrics.run_dir) / "checkpoints")
+    manager = CheckpointManager(directory, log=lambda _msg: None)
+    path = manager.latest() if checkpoint == "latest" else checkpoint
+    if path is None:
+        raise ValueError(f"--checkpoint latest: no complete checkpoint in {directory}")
+    model = Llama(shape)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, storage_reader=manager.storage.reader(path), no_dist=True)
+    set_model_state_dict(model, state["model"])
+    return model
+
+
+DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16"}
+
+
+def generation_summary(shape, result, tp: int, device: str, sampling, dtype) -> dict:
+    """What a run records for calibration (as a training run's summary): shape, layout, device, the measured
+    prefill of the padded batch and the mean decode step at that batch and context
+    (plan.serve_fit.measurements_from_generate reads it)."""
+    return {"kind": "generate", "model_shape": shape.model_dump(), "tp": tp, "world_size": tp, "device": device,
+            "dtype": DTYPE_NAMES.get(str(dtype), str(dtype)),
+            "batch": result.batch, "prompt_tokens": result.prompt_tokens,
+            "padded_prompt_tokens": result.padded_prompt_tokens, "prefill_s": result.prefill_s,
+            "decode_steps": result.decode_steps, "decode_s_per_step": result.decode_s_per_step,
+            "decode_s": result.decode_s, "mean_context": result.padded_prompt_tokens + result.decode_steps / 2,
+            "use_cache": result.use_cache, "kv_cache_bytes_per_rank": result.cache_bytes,
+            "sampling": vars(sampling), "tokens": result.tokens}
+
+
+def print_generation(s: dict) -> None:
+    print(f"{s['model_shape']['name']}: batch {s['batch']}, prompts {s['prompt_tokens']} tokens, tp {s['tp']} "
+          f"({s['device']}), {'KV cache' if s['use_cache'] else 'no cache (recompute)'}")
+    print(f"prefill {s['prefill_s'] * 1e3:.1f} ms; decode {s['decode_steps']} steps, "
+          f"{s['decode_s_per_step'] * 1e3:.2f} ms per step")
+    for i, toks in enumerate(s["tokens"]):
+        text = s.get("texts", [None] * len(s["tokens"]))[i]
+        print(f"[{i}] {text!r}" if text is not None else f"[{i}] {toks}")
