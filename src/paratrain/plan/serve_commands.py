@@ -130,24 +130,16 @@ def _replica(args):
                    spec_accept=args.spec_accept, draft=args.draft)
 
 
-def _list(text: str, flag: str, allowed, cast=str) -> list:
-    """A comma list of allowed values (or of numbers >= 1 with cast=int)."""
+def _list(text: str, flag: str, allowed=None) -> list:
+    """A comma list of allowed names, or (allowed=None) of integers >= 1."""
     try:
-        items = [cast(x.strip()) for x in text.split(",") if x.strip()]
+        items = [x.strip() if allowed else int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         items = []
-    if not items or any(x not in allowed for x in items):
-        raise UserError(f"{flag} = {text!r}: allowed: {allowed if cast is int else ', '.join(allowed)} "
+    if not items or any(x not in allowed if allowed else x < 1 for x in items):
+        raise UserError(f"{flag} = {text!r}: allowed: {', '.join(allowed) if allowed else 'integers >= 1'} "
                         "(comma-separated)")
     return items
-
-
-class _Positive:
-    def __contains__(self, n) -> bool:
-        return n >= 1
-
-    def __str__(self) -> str:
-        return "integers >= 1"
 
 
 def cmd_estimate(args) -> int:
@@ -155,7 +147,7 @@ def cmd_estimate(args) -> int:
     from paratrain.plan.serve_report import print_estimate, print_estimates
 
     model, system, eff = _load(args)
-    batches = _list(args.batch, "--batch", _Positive(), int)
+    batches = _list(args.batch, "--batch")
     ests = [estimate(model, system, _replica(args), b, args.prompt, args.output, eff) for b in batches]
     if args.json:
         print_json(ests[0].to_dict() if len(ests) == 1 else [e.to_dict() for e in ests])

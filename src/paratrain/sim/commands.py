@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.cli import PURCHASE_HELP, Output, UserError, Workload, command, opt, print_json
+from paratrain.cli import PURCHASE_HELP, Output, UserError, Workload, command, flag_of, opt, print_json
 from paratrain.hardware.catalog import PURCHASE_OPTIONS
-from paratrain.sim.config import REPAIR_DISTRIBUTIONS, STRAGGLER_POLICIES, SimConfig, StragglerConfig
+from paratrain.sim.config import (
+    REPAIR_DISTRIBUTIONS,
+    STRAGGLER_POLICIES,
+    SimConfig,
+    StragglerConfig,
+    parse_duration_s,
+)
 
 DESCRIPTION = """\
 Simulate a whole training run on a cluster with failures (by cause), checkpoints, detection, restart and
@@ -52,6 +59,13 @@ durations accept s, m, h, d suffixes (90s, 20m, 2.5h, 54d); --interval also take
 
 
 
+DURATION = parse_duration_s  # '90s', '20m', '2.5h', '54d' -> seconds
+
+
+def GB(value: float, _flag: str) -> float:  # noqa: N802 (a unit, as DURATION)
+    return value * 1e9
+
+
 CLUSTER, WORK, CKPT, FAIL, STRAG, COST = ("cluster", "workload (give --steps, or --duration for a fixed window)",
                                           "checkpoints", "failures and recovery", "stragglers", "cost and Monte Carlo")
 
@@ -60,46 +74,46 @@ CLUSTER, WORK, CKPT, FAIL, STRAG, COST = ("cluster", "workload (give --steps, or
 class SimulateArgs(Workload, Output):
     config: str | None = opt("TOML file with SimConfig fields (see docs/simulator.md)", metavar="FILE")
     devices: int | None = opt("devices in the job: accelerator packages that fail as a unit (GPUs, Trainium chips)",
-                              group=CLUSTER)
-    devices_per_node: int | None = opt("devices per node (default 8)", group=CLUSTER)
+                              group=CLUSTER, to="devices")
+    devices_per_node: int | None = opt("devices per node (default 8)", group=CLUSTER, to="devices_per_node")
     nodes_per_domain: int | None = opt("nodes replaced together, e.g. 4 for a Trn2 UltraServer (default 1)",
-                                       group=CLUSTER)
+                                       group=CLUSTER, to="nodes_per_domain")
     hardware: str | None = opt("catalog system (e.g. p5.48xlarge, trn2.48xlarge): fills chips per node and the "
                                "price per chip-hour", group=CLUSTER)
     purchase: str = opt(PURCHASE_HELP + " (the price --hardware fills in)", "on-demand", choices=PURCHASE_OPTIONS,
                         group=CLUSTER)
-    step_time: str | None = opt("fault-free time of one training step, e.g. 8.5s", group=WORK)
-    steps: int | None = opt("steps to train: report time and cost to train", group=WORK)
-    duration: str | None = opt("fixed wall-clock window, e.g. 54d: report what it achieves", group=WORK)
-    checkpoint_gb: float | None = opt("checkpoint size in GB (default 1000)", group=CKPT)
-    write_gbps: float | None = opt("aggregate storage write bandwidth, GB/s (default 100)", group=CKPT)
-    read_gbps: float | None = opt("aggregate storage read bandwidth, GB/s (default 100)", group=CKPT)
+    step_time: str | None = opt("fault-free time of one training step, e.g. 8.5s", group=WORK, to="step_time_s", conv=DURATION)
+    steps: int | None = opt("steps to train: report time and cost to train", group=WORK, to="steps")
+    duration: str | None = opt("fixed wall-clock window, e.g. 54d: report what it achieves", group=WORK, to="duration_s", conv=DURATION)
+    checkpoint_gb: float | None = opt("checkpoint size in GB (default 1000)", group=CKPT, to="checkpoint_bytes", conv=GB)
+    write_gbps: float | None = opt("aggregate storage write bandwidth, GB/s (default 100)", group=CKPT, to="write_bytes_per_s", conv=GB)
+    read_gbps: float | None = opt("aggregate storage read bandwidth, GB/s (default 100)", group=CKPT, to="read_bytes_per_s", conv=GB)
     async_fraction: float | None = opt("share of each write overlapped with compute, in [0,1) (default 0: "
-                                       "blocking)", group=CKPT)
-    interval: str | None = opt("daly (default), young, a duration (20m) or a step count (500steps)", group=CKPT)
+                                       "blocking)", group=CKPT, to="async_fraction")
+    interval: str | None = opt("daly (default), young, a duration (20m) or a step count (500steps)", group=CKPT, to="checkpoint_interval")
     failures_file: str | None = opt("TOML failure model ([[cause]] tables) instead of the Llama 3 table",
                                     group=FAIL, metavar="TOML")
     rate_scale: float | None = opt("multiply every failure rate (default 1)", group=FAIL)
-    detect: str | None = opt("time to notice a failure (default 60s; NCCL watchdog causes: 10m)", group=FAIL)
-    restart: str | None = opt("relaunch and initialise the job (default 3m)", group=FAIL)
-    swap: str | None = opt("extra time to bring a spare node in (default 1m)", group=FAIL)
-    spare_nodes: int | None = opt("hot spare nodes (default 1% of the job's nodes)", group=FAIL)
-    repair: str | None = opt("mean time to repair a failed node (default 24h)", group=FAIL)
+    detect: str | None = opt("time to notice a failure (default 60s; NCCL watchdog causes: 10m)", group=FAIL, to="detect_s", conv=DURATION)
+    restart: str | None = opt("relaunch and initialise the job (default 3m)", group=FAIL, to="restart_s", conv=DURATION)
+    swap: str | None = opt("extra time to bring a spare node in (default 1m)", group=FAIL, to="swap_s", conv=DURATION)
+    spare_nodes: int | None = opt("hot spare nodes (default 1% of the job's nodes)", group=FAIL, to="spare_nodes")
+    repair: str | None = opt("mean time to repair a failed node (default 24h)", group=FAIL, to="repair_mean_s", conv=DURATION)
     repair_dist: str | None = opt("repair time distribution (default lognormal)", choices=REPAIR_DISTRIBUTIONS,
-                                  group=FAIL)
-    straggler_rate: float | None = opt("slow episodes per device-hour (default 0)", group=STRAG)
-    straggler_duration: str | None = opt("mean episode length (default 30m)", group=STRAG)
-    straggler_slowdown: float | None = opt("median slowdown factor, > 1 (default 1.5)", group=STRAG)
-    straggler_sigma: float | None = opt("lognormal spread of the slowdown excess (default 0.5)", group=STRAG)
-    straggler_policy: str | None = opt("default wait", choices=STRAGGLER_POLICIES, group=STRAG)
-    staleness_steps: int | None = opt("bounded_staleness tolerance in steps (default 4)", group=STRAG)
-    evict_after: str | None = opt("evict_replace: persistence before eviction (default 5m)", group=STRAG)
+                                  group=FAIL, to="repair_distribution")
+    straggler_rate: float | None = opt("slow episodes per device-hour (default 0)", group=STRAG, to="stragglers.rate_per_device_hour")
+    straggler_duration: str | None = opt("mean episode length (default 30m)", group=STRAG, to="stragglers.mean_duration_s", conv=DURATION)
+    straggler_slowdown: float | None = opt("median slowdown factor, > 1 (default 1.5)", group=STRAG, to="stragglers.slowdown_median")
+    straggler_sigma: float | None = opt("lognormal spread of the slowdown excess (default 0.5)", group=STRAG, to="stragglers.slowdown_sigma")
+    straggler_policy: str | None = opt("default wait", choices=STRAGGLER_POLICIES, group=STRAG, to="stragglers.policy")
+    staleness_steps: int | None = opt("bounded_staleness tolerance in steps (default 4)", group=STRAG, to="stragglers.staleness_steps")
+    evict_after: str | None = opt("evict_replace: persistence before eviction (default 5m)", group=STRAG, to="stragglers.evict_after_s", conv=DURATION)
     price_per_device_hour_usd: float | None = opt("USD per device-hour, a device being one GPU or Trainium chip "
-                                                  "(spares are paid for too)", group=COST, metavar="USD")
+                                                  "(spares are paid for too)", group=COST, metavar="USD", to="price_per_device_hour_usd")
     # The old flag: per device-hour here but per node-hour in `compare`. Refused with a pointer to the named one.
     price: str | None = opt(argparse.SUPPRESS, group=COST)
-    samples: int | None = opt("Monte-Carlo replicas (default 100)", group=COST)
-    seed: int | None = opt("random seed (default 0)", group=COST)
+    samples: int | None = opt("Monte-Carlo replicas (default 100)", group=COST, to="samples")
+    seed: int | None = opt("random seed (default 0)", group=COST, to="seed")
     plot: str | None = opt("write PNGs of goodput vs checkpoint interval, vs cluster size and vs spare nodes",
                            metavar="DIR", group="output")
     daly_check: bool = opt("reproduce Daly's published examples analytically and by simulation, then exit",
@@ -138,7 +152,9 @@ def run_simulate(args) -> int:
 
 # ---- building the config: defaults < TOML < catalog < flags ------------------------------------------------
 def config_from_args(args) -> SimConfig:
-    from paratrain.sim.config import load_sim_toml, parse_duration_s, parse_interval
+    """The simulation's inputs: built-in defaults < --config TOML < --hardware/--model (catalog, planner) < flags;
+    each flag's SimConfig field is named by its option (`to`), so an error names both."""
+    from paratrain.sim.config import load_sim_toml, parse_interval
     from paratrain.sim.failures import llama3_causes, load_causes_toml, scale_rates
 
     if args.price is not None:
@@ -152,45 +168,21 @@ def config_from_args(args) -> SimConfig:
                                         kwargs.get("devices"), seq=args.seq, global_batch=args.global_batch,
                                         purchase=args.purchase))
     straggler = dict(vars(kwargs.pop("stragglers", StragglerConfig())))
-    flags = {
-        "devices": args.devices, "devices_per_node": args.devices_per_node,
-        "nodes_per_domain": args.nodes_per_domain, "steps": args.steps,
-        "async_fraction": args.async_fraction, "spare_nodes": args.spare_nodes,
-        "repair_distribution": args.repair_dist, "price_per_device_hour_usd": args.price_per_device_hour_usd,
-        "samples": args.samples, "seed": args.seed,
-    }
-    for name, text in (("step_time_s", args.step_time), ("duration_s", args.duration), ("detect_s", args.detect),
-                       ("restart_s", args.restart), ("swap_s", args.swap), ("repair_mean_s", args.repair)):
-        if text is not None:
-            flags[name] = parse_duration_s(text, FLAG_OF_FIELD[name])
-    for name, gb in (("checkpoint_bytes", args.checkpoint_gb), ("write_bytes_per_s", args.write_gbps),
-                     ("read_bytes_per_s", args.read_gbps)):
-        if gb is not None:
-            flags[name] = gb * 1e9
-    kwargs.update({k: v for k, v in flags.items() if v is not None})
-    if args.steps is not None:
-        kwargs.pop("duration_s", None)
-    if args.duration is not None:
-        kwargs.pop("steps", None)
+    for f in dataclasses.fields(SimulateArgs):
+        if "to" in f.metadata and (value := getattr(args, f.name)) is not None:
+            value = f.metadata["conv"](value, flag_of(f)) if "conv" in f.metadata else value
+            section, _, name = f.metadata["to"].rpartition(".")
+            (straggler if section else kwargs)[name] = value
+    if args.steps is not None and args.duration is not None:
+        raise UserError("give only one of --steps and --duration")
+    kwargs.pop("duration_s" if args.steps is not None else "steps" if args.duration is not None else "", None)
     _require_inputs(kwargs)
-    if args.interval is not None:
-        kwargs["checkpoint_interval"] = parse_interval(args.interval, kwargs["step_time_s"])
-    elif isinstance(kwargs.get("checkpoint_interval"), str) and kwargs["checkpoint_interval"] not in ("daly", "young"):
+    if isinstance(kwargs.get("checkpoint_interval"), str) and kwargs["checkpoint_interval"] not in ("daly", "young"):
         kwargs["checkpoint_interval"] = parse_interval(kwargs["checkpoint_interval"], kwargs["step_time_s"])
     if args.failures_file:
         kwargs["causes"] = load_causes_toml(args.failures_file)
     if args.rate_scale is not None:
         kwargs["causes"] = scale_rates(kwargs.get("causes", llama3_causes()), args.rate_scale)
-    straggler_flags = {
-        "rate_per_device_hour": args.straggler_rate, "slowdown_median": args.straggler_slowdown,
-        "slowdown_sigma": args.straggler_sigma, "policy": args.straggler_policy,
-        "staleness_steps": args.staleness_steps,
-    }
-    for name, flag, text in (("mean_duration_s", "--straggler-duration", args.straggler_duration),
-                             ("evict_after_s", "--evict-after", args.evict_after)):
-        if text is not None:
-            straggler_flags[name] = parse_duration_s(text, flag)
-    straggler.update({k: v for k, v in straggler_flags.items() if v is not None})
     try:
         kwargs["stragglers"] = StragglerConfig(**straggler)
         return SimConfig(**kwargs)
@@ -198,27 +190,13 @@ def config_from_args(args) -> SimConfig:
         raise ValueError(with_flag(str(exc))) from None
 
 
-# The flag that sets each field named in SimConfig's and StragglerConfig's errors (TOML uses the field names).
-FLAG_OF_FIELD = {
-    "devices": "--devices", "devices_per_node": "--devices-per-node", "nodes_per_domain": "--nodes-per-domain",
-    "step_time_s": "--step-time", "steps": "--steps", "duration_s": "--duration",
-    "checkpoint_bytes": "--checkpoint-gb", "write_bytes_per_s": "--write-gbps", "read_bytes_per_s": "--read-gbps",
-    "async_fraction": "--async-fraction", "checkpoint_interval": "--interval", "detect_s": "--detect",
-    "restart_s": "--restart", "swap_s": "--swap", "spare_nodes": "--spare-nodes", "repair_mean_s": "--repair",
-    "repair_distribution": "--repair-dist", "repair_sigma": None,
-    "price_per_device_hour_usd": "--price-per-device-hour-usd",
-    "samples": "--samples", "straggler_rate_per_device_hour": "--straggler-rate",
-    "straggler_mean_duration_s": "--straggler-duration", "straggler_slowdown_median": "--straggler-slowdown",
-    "straggler_slowdown_sigma": "--straggler-sigma", "straggler_policy": "--straggler-policy",
-    "staleness_steps": "--staleness-steps", "evict_after_s": "--evict-after",
-}
-
-
 def with_flag(message: str) -> str:
     """'step_time_s=0.0 is not allowed: ...' -> the same, then '(flag --step-time)': the user may have typed either
-    the flag or the TOML field."""
+    the flag or the TOML field (StragglerConfig's errors name its fields with a straggler_ prefix)."""
     field = message.split("=", 1)[0]
-    flag = FLAG_OF_FIELD.get(field)
+    flags = {f.metadata["to"].rpartition(".")[2]: flag_of(f) for f in dataclasses.fields(SimulateArgs)
+             if "to" in f.metadata}
+    flag = flags.get(field) or flags.get(field.removeprefix("straggler_"))
     return f"{message} (flag {flag})" if flag and "=" in message else message
 
 
