@@ -91,6 +91,8 @@ class Options:
     TP, its all-gather/reduce-scatter or all-reduce), and keeps only the block's input instead of the gate/up
     outputs: NeuronX Distributed's activations_checkpoint_recompute_mlp (NxDT hf_llama3_70B_config.yaml) and
     its tp_pp examples at seq 8192 (run_llama_nxd.py: "For 8K seq-length, we have to checkpoint the MLP block").
+    matmul_eff: fraction of peak the GEMMs reach where the software does not reach the chip's matmul_eff_max
+    (PyTorch-native stacks on Hopper, see plan.stacks); None: the chip's.
     attention_eff: fraction of peak the attention kernel reaches where it is not the chip's matmul_eff_max
     (FlashAttention-2, PyTorch SDPA's flash backend, on Hopper: see plan.stacks).
     overlap_param_gather: the ZeRO-1/2 parameter all-gather after the optimizer step is overlapped with the
@@ -117,6 +119,7 @@ class Options:
     tp_comm_overlap: bool = False
     overlap_param_gather: bool = False
     attention_eff: float | None = None
+    matmul_eff: float | None = None
     fp8_weight_cache: bool = False
     recompute_mlp: bool = False
     dp_overlap: float | None = None
@@ -150,6 +153,8 @@ class Options:
             raise ValueError(f"grad_bytes = {self.grad_bytes}: allowed: 2, 4")
         if self.dp_overlap is not None and not 0 <= self.dp_overlap <= 1:
             raise ValueError(f"dp_overlap = {self.dp_overlap}: allowed: a number in [0, 1]")
+        if self.matmul_eff is not None and not 0 < self.matmul_eff <= 1:
+            raise ValueError(f"matmul_eff = {self.matmul_eff}: allowed: a number in (0, 1]")
         if self.attention_eff is not None and not 0 < self.attention_eff <= 1:
             raise ValueError(f"attention_eff = {self.attention_eff}: allowed: a number in (0, 1]")
         if self.param_bytes not in (2, 4):
@@ -327,7 +332,8 @@ def matmul_time_s(system: System, m, n, k, fp8: bool = False, opts: Options | No
     in_bytes = low_precision_bytes(system, opts or Options(fp8=fp8)) if fp8 else BF16_BYTES
     traffic = in_bytes * (m * k + k * n) + BF16_BYTES * m * n
     peak = low_precision_flops(system, opts or Options(fp8=True)) if fp8 else system.device_peak_flops
-    compute = flops / (peak * eff.matmul_eff_max)
+    mm_eff = opts.matmul_eff if opts is not None and opts.matmul_eff is not None else eff.matmul_eff_max
+    compute = flops / (peak * mm_eff)
     memory = traffic / (system.device_hbm_bw_bytes_per_s * eff.memory_bw_eff)
     return soft_roofline(compute, memory) + eff.kernel_overhead_s
 
@@ -402,7 +408,8 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     core_traffic = BF16_BYTES * b_seqs * heads * (4 * s_local * d)
     if opts.attention == "unfused":
         core_traffic = core_traffic + 2 * BF16_BYTES * b_seqs * heads * s_local * keys  # scores written, read
-    attn_eff = opts.attention_eff if opts.attention_eff is not None else eff.matmul_eff_max
+    attn_eff = opts.attention_eff if opts.attention_eff is not None else (
+        opts.matmul_eff if opts.matmul_eff is not None else eff.matmul_eff_max)
     core = soft_roofline(core_flops / (system.device_peak_flops * attn_eff),
                          core_traffic / (system.device_hbm_bw_bytes_per_s * eff.memory_bw_eff)) + 2 * eff.kernel_overhead_s
     sp_b, tp_b, core_b, kernels = elementwise_bytes_per_token(model, seq, opts.attention)
@@ -504,7 +511,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     layer_bwd = bwd_compute + tp_bwd + cp_bwd + a2a_bwd
 
     # -- first/last stage extras: embedding lookup, output projection (logits) and cross-entropy --
-    logits_mm = matmul_time_s(system, T, V / tp, h)
+    logits_mm = matmul_time_s(system, T, V / tp, h, opts=opts)
     ce_bytes = T * (V / tp) * 4 * 3  # fp32 logits: softmax read/write, gradient write
     head_fwd = logits_mm + memory_time_s(system, ce_bytes / 2, 2) + tp_head_fwd
     head_bwd = 2 * logits_mm + memory_time_s(system, ce_bytes / 2, 2) + tp_head_bwd

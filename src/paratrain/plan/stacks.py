@@ -50,6 +50,12 @@ GPU_ONLY = {"tp_comm_overlap"}  # needs NVIDIA userbuffers / symmetric memory
 # Megatron/NeMo run cuDNN fused attention (FlashAttention-3 class, up to 75%: close to the GEMMs' efficiency,
 # so the chip's matmul efficiency is used); on A100 FlashAttention-2 reaches 50-73% (Dao 2023) = its GEMMs'.
 FA2_HOPPER_EFF = 0.35
+# PyTorch-native stacks (torchtitan, Composer: eager or torch.compile kernels, cuBLAS GEMMs, no Transformer Engine)
+# reach less of a Hopper chip than the GEMM efficiency its catalog entry assumes (0.70, Megatron/TE class): their
+# GEMMs and attention are scaled by this. Calibrated: `benchmarks/planner_accuracy.py --calibrate-h100` on the
+# calibration set torchtitan_h100_1node (torchtitan Table 1: Llama 3.1 8B FSDP on one Grand Teton node, eager,
+# compile, Float8; 3 rows); evaluated on torchtitan's multi-node rows and MosaicML's H100 SXM FSDP rows.
+PYTORCH_HOPPER_SCALE = 0.73  # grid 0.55-0.85: 4.4% on those 3 rows
 HOPPER_CHIPS = {"h100", "h200", "h100-hbm2e-500w", "h100-pcie"}
 
 
@@ -65,5 +71,6 @@ def stack_options(name: str, chip) -> dict:
     if chip.vendor != "nvidia":
         opts.update({k: False for k in GPU_ONLY})
     if name == "fsdp2" and chip.name in HOPPER_CHIPS:
-        opts["attention_eff"] = FA2_HOPPER_EFF
+        opts["attention_eff"] = FA2_HOPPER_EFF * PYTORCH_HOPPER_SCALE
+        opts["matmul_eff"] = chip.efficiency.matmul_eff_max * PYTORCH_HOPPER_SCALE
     return opts
