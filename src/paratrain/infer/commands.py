@@ -66,7 +66,7 @@ def run_generate(args) -> int:
     prompts = encode_prompts(args.prompt, args.prompt_ids, tok, cfg.model_shape().vocab)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
-        from paratrain.parallel.layout import check_tp_layout
+        from paratrain.config import check_tp_layout
 
         check_tp_layout(cfg.model_shape(), world, False, 1)  # before any process group or weights
     env = init_distributed(cfg.train.device)

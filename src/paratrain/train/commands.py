@@ -89,15 +89,13 @@ def register(sub) -> None:
 
 
 def run_config(args) -> int:
-    from paratrain.config import dump_config, load_config, reference_markdown
+    from paratrain.config import check_pipeline_layout, dump_config, load_config, reference_markdown
 
     if args.reference:
         print(reference_markdown())
         return 0
     cfg = load_config(args.config, args.set)
     if cfg.parallel.pp > 1 or cfg.parallel.pp_layers is not None:  # stages vs layers, schedule, microbatches
-        from paratrain.parallel.pipeline import check_pipeline_layout
-
         check_pipeline_layout(cfg, cfg.parallel.dp if cfg.parallel.dp > 0 else None)  # dp=-1: known at launch
     print(dump_config(cfg), end="")
     shape = cfg.model_shape()
