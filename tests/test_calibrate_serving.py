@@ -98,7 +98,7 @@ def test_calibrate_fits_the_serving_model_to_generate_runs(generated, capsys):
     model.write_text("\n".join(f"{k} = {json.dumps(v)}" for k, v in shape.items() if v is not None) + "\n")
     b, p, o = HELD_OUT
     assert main(["serve", "estimate", "--model", str(model), "--hardware", str(written), "--batch", str(b),
-                 "--prompt", str(p), "--output", str(o), "--json"]) == 0
+                 "--prompt-tokens", str(p), "--output-tokens", str(o), "--json"]) == 0
     est = json.loads(capsys.readouterr().out)
     assert est["efficiency"]["layer_overhead_s"] == pytest.approx(serving["parameters"]["layer_overhead_s"])
 

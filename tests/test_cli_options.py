@@ -39,3 +39,42 @@ def test_help_names_units_and_shared_defaults():
     for name in ("plan", "estimate", "compare", "recommend"):
         text = sub[name].format_help()
         assert "--seq SEQ" in text and "(default 4096)" in text and "--global-batch" in text, name
+
+
+# Flags whose meaning (or default) legitimately differs between the commands that have them, and why.
+DIFFERS = {
+    "--device": "probe measures the host unless told; verify tests the accelerator present (auto)",
+    "--out": "the hardware TOML written: probe has a default path, calibrate writes beside its input",
+    "--purchase": "compare/recommend: None = the [cost] table's, else on-demand (the same effective default)",
+    "--price": "the old ambiguous flag, hidden and refused in compare/recommend and simulate",
+    "--rate": "serve plan: the rate to plan for; recommend: default 10; simulate: one rate or LO:HI:N",
+    "--prompt-tokens": "N (estimate, plan), optional (recommend: per workload), N or LO:HI (simulate)",
+    "--output-tokens": "as --prompt-tokens",
+    "--seed": "simulate: None = its config's seed (0 unless --config sets one)",
+    "--steps": "verify: steps per compared run; compare/simulate: steps of the training run",
+    "--top": "how many rows: 10 layouts (plan), 5 deployments (serve plan)",
+}
+
+
+def _options(parser, path=()):
+    import argparse
+
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                yield from _options(sub, (*path, name))
+        elif action.option_strings and "." not in action.option_strings[0] and action.dest != "help":
+            yield " ".join(path), action
+
+
+def test_one_flag_one_meaning_across_commands():
+    """Every flag spelled the same in two commands has the same type, action and default there, unless it is
+    listed (with the reason) in DIFFERS."""
+    seen: dict[str, dict] = {}
+    for command, action in _options(build_parser()):
+        kind = (type(action).__name__, getattr(action.type, "__name__", action.type), repr(action.default))
+        seen.setdefault(action.option_strings[0], {}).setdefault(kind, []).append(command)
+    clashing = {flag: kinds for flag, kinds in seen.items() if len(kinds) > 1 and flag not in DIFFERS}
+    assert not clashing, clashing
+    assert {k: sorted(v) for k, v in seen["--seq"].items()} == {
+        ("_StoreAction", "int", "4096"): ["compare", "estimate", "plan", "recommend", "simulate"]}

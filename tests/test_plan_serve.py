@@ -162,19 +162,19 @@ def test_recommend_ranks_priced_systems_and_prices_the_rest():
 
 
 def test_serve_cli_json_and_errors(capsys):
-    assert main(["serve", "estimate", "--model", "llama3-8b", "--hardware", H100, "--batch", "8", "--prompt", "512",
-                 "--output", "128", "--json"]) == 0
+    assert main(["serve", "estimate", "--model", "llama3-8b", "--hardware", H100, "--batch", "8", "--prompt-tokens", "512",
+                 "--output-tokens", "128", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["fits"] and data["ttft_s"] > data["prefill_s"] > 0
-    assert main(["serve", "plan", "--model", "llama3-8b", "--hardware", H100, "--rate", "5", "--prompt", "512",
-                 "--output", "128", "--weights", "bf16,fp4"]) == 2
+    assert main(["serve", "plan", "--model", "llama3-8b", "--hardware", H100, "--rate", "5", "--prompt-tokens", "512",
+                 "--output-tokens", "128", "--weights", "bf16,fp4"]) == 2
     assert "--weights = 'bf16,fp4'" in capsys.readouterr().err
-    assert main(["serve", "estimate", "--model", "llama3-8b", "--hardware", H100, "--batch", "1,16", "--prompt",
-                 "512", "--output", "128", "--json"]) == 0
+    assert main(["serve", "estimate", "--model", "llama3-8b", "--hardware", H100, "--batch", "1,16", "--prompt-tokens",
+                 "512", "--output-tokens", "128", "--json"]) == 0
     one, sixteen = json.loads(capsys.readouterr().out)
     assert sixteen["requests_per_s"] > one["requests_per_s"] and sixteen["itl_s"] > one["itl_s"]
-    assert main(["serve", "plan", "--model", "llama3-8b", "--hardware", H100, "--rate", "5", "--prompt", "512",
-                 "--output", "128", "--ttft-s", "0.5", "--itl-s", "0.05", "--top", "1", "--simulate", "200", "--json"]) == 0
+    assert main(["serve", "plan", "--model", "llama3-8b", "--hardware", H100, "--rate", "5", "--prompt-tokens", "512",
+                 "--output-tokens", "128", "--ttft-s", "0.5", "--itl-s", "0.05", "--top", "1", "--simulate", "200", "--json"]) == 0
     sim = json.loads(capsys.readouterr().out)["simulated"]
     assert sim["requests"] == 200 and 0 <= sim["slo_attainment"] <= 1
     assert main(["recommend", "chat"]) == 2  # the training recommender points at `serve recommend`

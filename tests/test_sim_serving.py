@@ -89,8 +89,8 @@ def test_simulate_cli_with_a_trace_and_length_ranges(tmp_path, capsys):
     (only,) = json.loads(capsys.readouterr().out)["results"]
     assert only["requests"] == 4 and only["ttft_s"]["p50"] > 0
     assert main(["serve", "simulate", "--model", "llama3-8b", "--hardware", "p5.48xlarge", "--rate", "5:10:2",
-                 "--prompt", "100:300", "--output", "10:20", "--requests", "50", "--json"]) == 0
+                 "--prompt-tokens", "100:300", "--output-tokens", "10:20", "--requests", "50", "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out)["results"]) == 2
     assert main(["serve", "simulate", "--model", "llama3-8b", "--hardware", "p5.48xlarge", "--rate", "5",
-                 "--prompt", "9:1", "--output", "5"]) == 2
-    assert "--prompt = '9:1'" in capsys.readouterr().err
+                 "--prompt-tokens", "9:1", "--output-tokens", "5"]) == 2
+    assert "--prompt-tokens = '9:1'" in capsys.readouterr().err

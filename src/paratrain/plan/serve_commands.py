@@ -13,11 +13,13 @@ Serving: how many chips of which kind serve a request rate at a latency target, 
 costs. The model (prefill compute-bound, decode bandwidth-bound, KV cache paged, TP/PP replicas) and its
 accuracy against published vLLM / TensorRT-LLM / Neuron measurements: docs/serving.md.
 
-  paratrain serve estimate --model llama3-70b --hardware p5.48xlarge --tp 4 --batch 32 --prompt 1024 --output 256
-  paratrain serve plan --model llama3-70b --hardware trn2.48xlarge --rate 20 --prompt 1024 --output 256 \\
+  paratrain serve estimate --model llama3-70b --hardware p5.48xlarge --tp 4 --batch 32 \\
+      --prompt-tokens 1024 --output-tokens 256
+  paratrain serve plan --model llama3-70b --hardware trn2.48xlarge --rate 20 --prompt-tokens 1024 --output-tokens 256 \\
       --ttft-s 1.0 --itl-s 0.05 --weights bf16,fp8 --price-per-node-hour-usd 40
   paratrain serve recommend chat --model llama3-70b --rate 50
-  paratrain serve simulate --model llama3-8b --hardware p5.48xlarge --tp 1 --rate 5:60:20 --prompt 512 --output 128
+  paratrain serve simulate --model llama3-8b --hardware p5.48xlarge --tp 1 --rate 5:60:20 \\
+      --prompt-tokens 512 --output-tokens 128
 """
 
 
@@ -62,15 +64,15 @@ class Prices:
 
 @dataclass(kw_only=True)
 class EstimateArgs(ReplicaArgs):
-    prompt: int = opt("input tokens per request", required=True, ge=1)
-    output: int = opt("output tokens per request", required=True, ge=1)
+    prompt_tokens: int = opt("input tokens per request", required=True, ge=1)
+    output_tokens: int = opt("output tokens per request", required=True, ge=1)
     batch: str = opt("concurrent sequences on the replica; a comma list (1,8,32,128) prints one row each", "1")
 
 
 @dataclass(kw_only=True)
 class PlanArgs(ServeOn, Latency, Prices):
-    prompt: int = opt("input tokens per request", required=True, ge=1)
-    output: int = opt("output tokens per request", required=True, ge=1)
+    prompt_tokens: int = opt("input tokens per request", required=True, ge=1)
+    output_tokens: int = opt("output tokens per request", required=True, ge=1)
     rate: float = opt("requests per second to serve", required=True, gt=0)
     max_utilization: float = opt("share of replica capacity to plan for (queueing headroom)", 0.8, gt=0)
     weights: str = opt("weight precisions to search, comma-separated (bf16,fp8,int8,int4)", "bf16")
@@ -85,16 +87,16 @@ class PlanArgs(ServeOn, Latency, Prices):
 class RecommendArgs(ServeModel, Latency, Prices):
     workload: str = opt("chat, long-context rag, or batch/offline", positional=True, choices=("chat", "rag", "batch"))
     rate: float = opt("requests per second", 10.0, gt=0)
-    prompt: int | None = opt("input tokens per request (default per workload)", ge=1)
-    output: int | None = opt("output tokens per request (default per workload)", ge=1)
+    prompt_tokens: int | None = opt("input tokens per request (default per workload)", ge=1)
+    output_tokens: int | None = opt("output tokens per request (default per workload)", ge=1)
     systems: str | None = opt("comma-separated systems (default: trn2, trn3, inf2 and GPUs)")
     weights: str = opt("weight precisions allowed, comma-separated", "bf16")
 
 
 @dataclass(kw_only=True)
 class SimulateArgs(ReplicaArgs, Latency):
-    prompt: str | None = opt("input tokens per request: N, or LO:HI (uniform)")
-    output: str | None = opt("output tokens per request: N, or LO:HI (uniform)")
+    prompt_tokens: str | None = opt("input tokens per request: N, or LO:HI (uniform)")
+    output_tokens: str | None = opt("output tokens per request: N, or LO:HI (uniform)")
     rate: str | None = opt("Poisson requests/s: one value, or LO:HI:N for N rates")
     trace: str | None = opt("given arrivals instead of --rate: a CSV with columns arrival_s,prompt,output",
                             metavar="CSV")
@@ -148,13 +150,13 @@ def cmd_estimate(args) -> int:
 
     model, system, eff = _load(args)
     batches = _list(args.batch, "--batch")
-    ests = [estimate(model, system, _replica(args), b, args.prompt, args.output, eff) for b in batches]
+    ests = [estimate(model, system, _replica(args), b, args.prompt_tokens, args.output_tokens, eff) for b in batches]
     if args.json:
         print_json(ests[0].to_dict() if len(ests) == 1 else [e.to_dict() for e in ests])
     elif len(ests) == 1:
         print_estimate(ests[0])
     else:
-        print_estimates(ests, args.prompt, args.output)
+        print_estimates(ests, args.prompt_tokens, args.output_tokens)
     return 0
 
 
@@ -165,8 +167,8 @@ def cmd_plan(args) -> int:
     from paratrain.plan.serve_report import print_plan
 
     model, system, eff = _load(args)
-    target = Target(rate=args.rate, prompt=args.prompt, output=args.output, ttft_s=args.ttft_s, itl_s=args.itl_s,
-                    max_utilization=args.max_utilization)
+    target = Target(rate=args.rate, prompt=args.prompt_tokens, output=args.output_tokens, ttft_s=args.ttft_s,
+                    itl_s=args.itl_s, max_utilization=args.max_utilization)
     price = parse_prices(args.price_per_node_hour_usd, system=system.name).get(system.name)
     plans = plan(model, system, target, weights=_list(args.weights, "--weights", WEIGHT_PRECISIONS),
                  kv=_list(args.kv, "--kv", KV_PRECISIONS), top=args.top, eff=eff)
@@ -204,7 +206,8 @@ def cmd_recommend(args) -> int:
     target, cands = recommend(args.workload, args.model, args.rate, systems,
                               weights=_list(args.weights, "--weights", WEIGHT_PRECISIONS),
                               prices=parse_prices(args.price_per_node_hour_usd), purchase=args.purchase,
-                              prompt=args.prompt, output=args.output, ttft_s=args.ttft_s, itl_s=args.itl_s)
+                              prompt=args.prompt_tokens, output=args.output_tokens, ttft_s=args.ttft_s,
+                              itl_s=args.itl_s)
     if args.json:
         print_json({"workload": args.workload, "target": vars(target), "candidates": [c.to_dict() for c in cands]})
     else:
@@ -255,9 +258,10 @@ def cmd_simulate(args) -> int:
     check_replica(model, system, rep)
     engine, slo = Engine(token_budget=args.token_budget, max_seqs=args.max_seqs), Slo(args.ttft_s, args.itl_s)
     if (args.trace is None) == (args.rate is None):
-        raise UserError("give either --rate (Poisson arrivals, with --prompt and --output) or --trace CSV")
-    if args.rate is not None and (args.prompt is None or args.output is None):
-        raise UserError("--rate needs --prompt and --output (N or LO:HI tokens)")
+        raise UserError("give either --rate (Poisson arrivals, with --prompt-tokens and --output-tokens) or "
+                        "--trace CSV")
+    if args.rate is not None and (args.prompt_tokens is None or args.output_tokens is None):
+        raise UserError("--rate needs --prompt-tokens and --output-tokens (N or LO:HI tokens)")
     start = time.perf_counter()
     if args.trace:
         reqs = Requests.from_csv(args.trace)
@@ -265,9 +269,9 @@ def cmd_simulate(args) -> int:
         results = [(rate, simulate(model, system, rep, reqs, engine, slo, eff))]
         requests, prompt, output = len(reqs.arrival_s), "trace", "trace"
     else:
-        results = sweep(model, system, rep, _rates(args.rate), args.requests, _length(args.prompt, "--prompt"),
-                        _length(args.output, "--output"), engine, slo, args.seed, eff)
-        requests, prompt, output = args.requests, args.prompt, args.output
+        lengths = _length(args.prompt_tokens, "--prompt-tokens"), _length(args.output_tokens, "--output-tokens")
+        results = sweep(model, system, rep, _rates(args.rate), args.requests, *lengths, engine, slo, args.seed, eff)
+        requests, prompt, output = args.requests, args.prompt_tokens, args.output_tokens
     seconds = time.perf_counter() - start
     if args.json:
         print_json({"seconds": seconds, "results": [{"rate": r, **res.to_dict()} for r, res in results]})
