@@ -46,8 +46,8 @@ import torch.distributed as dist
 
 import paratrain.train.loop  # noqa: F401 - imported before forking so ranks start warm
 from paratrain.config import load_config
+from paratrain.stragglers import FaultInjection
 from paratrain.train.data import prepare
-from paratrain.train.staleness import FaultInjection
 
 COMPENSATIONS = ("none", "weight_prediction", "optimizer_lookahead")  # staleness.compensation values
 

@@ -35,8 +35,7 @@ def _count_syncs(overrides: list[str], warmup: int, steps: int) -> list[list[str
     runner = build_runner(cfg, env)
     optimizer = build_optimizer(runner, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.train.steps))
-    if hasattr(runner, "attach_optimizer"):
-        runner.attach_optimizer(optimizer, scheduler)
+    runner.hooks.attach_optimizer(optimizer, scheduler)
     timer = StepTimer(sync=sync_fn(env.device))
     per_rank = cfg.train.global_batch // runner.dp_size
     rows = slice(runner.dp_rank * per_rank, (runner.dp_rank + 1) * per_rank)
@@ -54,8 +53,7 @@ def _count_syncs(overrides: list[str], warmup: int, steps: int) -> list[list[str
         if pending is not None:
             assert pending.read()["loss"] > 0  # read one step late, outside the counted step
         pending = values
-    if hasattr(runner, "finish"):
-        runner.finish()
+    runner.hooks.finish()
     return seen
 
 

@@ -27,14 +27,10 @@ from paratrain.parallel.data import bucket_params
 from paratrain.parallel.mesh import init_distributed
 from paratrain.parallel.runner import Runner
 from paratrain.parallel.stale_dp import check_staleness_layout
+from paratrain.stragglers import FaultInjection, StragglerDetector, lower_median, steps_to_flag
 from paratrain.train.checkpoint import state_module
 from paratrain.train.loop import build_optimizer, build_runner
-from paratrain.train.staleness import (
-    EVICTION_EXIT_CODE,
-    FaultInjection,
-    StragglerDetector,
-    lower_median,
-)
+from paratrain.train.staleness import EVICTION_EXIT_CODE
 
 STALE = ['staleness.policy="bounded_staleness"', 'parallel.dp_kind="ddp"']
 NO_COMP = ['staleness.compensation="none"']
@@ -108,6 +104,10 @@ def test_straggler_detector_flags_slow_rank_after_full_window():
     two = StragglerDetector(world=2, threshold=1.5, window=1)  # lower median: the faster peer is the reference
     assert two.update([1.0, 2.0]) == [1]
     assert lower_median([3.0, 1.0]) == 1.0 and lower_median([1.0, 2.0, 3.0]) == 2.0
+    # what the simulator asks of the same detector: slow steps until a rank slowed f x is flagged
+    assert steps_to_flag(1.4, 1.5, 10) is None  # below the threshold: never
+    assert steps_to_flag(2.0, 1.5, 10) == 6  # window median (1 + 2) / 2 = 1.5 at 5 slow steps: not above
+    assert steps_to_flag(4.0, 1.5, 10) == 5 and steps_to_flag(2.0, 1.5, 9) == 5
 
 
 def _single_env():
@@ -125,8 +125,7 @@ def _train(cfg, runner, steps, schedule=None):
     learning-rate multiplier per step (LambdaLR, given to the stale runner as the training loop does)."""
     optimizer = build_optimizer(runner, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule) if schedule else None
-    if hasattr(runner, "attach_optimizer"):
-        runner.attach_optimizer(optimizer, scheduler)
+    runner.hooks.attach_optimizer(optimizer, scheduler)
     per_rank = cfg.train.global_batch // runner.dp_size
     losses, in_flight = [], []
     for step in range(steps):
@@ -136,12 +135,11 @@ def _train(cfg, runner, steps, schedule=None):
         in_flight.append(len(getattr(runner, "in_flight", [])))
         runner.clip_grad_norm_(cfg.optim.grad_clip)
         optimizer.step()
-        if scheduler is not None and getattr(runner, "applied_update", True):  # as the training loop does
+        if scheduler is not None and runner.hooks.applied_update():  # as the training loop does
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss))
-    if hasattr(runner, "finish"):
-        runner.finish()
+    runner.hooks.finish()
     params = {clean_name(n): full_tensor(p.detach()).clone() for n, p in state_module(runner.parts).named_parameters()}
     history = [(a.step, a.grad_step, a.loss, a.microbatches) for a in getattr(runner, "history", [])]
     return {"losses": losses, "params": params, "history": history, "in_flight": in_flight,
@@ -552,8 +550,10 @@ def test_lookahead_arrived_config_errors_and_metrics():
         load_config(None, ["staleness.lookahead_arrived=true"])  # policy sync
     assert load_config(None, []).staleness.lookahead_arrived is None  # automatic
     auto = build_runner(make_config([*STALE, "staleness.max_staleness=1"]), _single_env())
-    assert auto.lookahead_arrived and auto.arrival_grace == 0.1  # on where supported (tp = 1)
-    assert not build_runner(make_config([*STALE, "staleness.max_staleness=1", *OWN]), _single_env()).lookahead_arrived
+    # on where supported (tp = 1)
+    assert auto.compensation.lookahead_arrived and auto.compensation.arrival_grace == 0.1
+    own = build_runner(make_config([*STALE, "staleness.max_staleness=1", *OWN]), _single_env())
+    assert not own.compensation.lookahead_arrived
     with pytest.raises(ValueError, match="lookahead_arrived=true with parallel.tp=2 is not supported"):
         check_staleness_layout(make_config(ARRIVED), {"pp": 1, "dp": 2, "cp": 1, "tp": 2})
     # one process: no reduction to wait for, so every pending step is exact and the metrics say so

@@ -282,12 +282,12 @@ class StalenessSection(Section):
     straggler_window: int = Field(default=10, gt=0)
     evict_stragglers: bool = False
     # Test/benchmark only, inert when empty: slow a rank on purpose, e.g. "slowdown=2.0,rank=1" or
-    # "sleep_s=0.05,probability=0.3,rank=-1,seed=0" (paratrain.train.staleness.FaultInjection).
+    # "sleep_s=0.05,probability=0.3,rank=-1,seed=0" (paratrain.stragglers.FaultInjection).
     test_fault_injection: str = ""
 
     @model_validator(mode="after")
     def _check(self) -> StalenessSection:
-        from paratrain.train.staleness import FaultInjection
+        from paratrain.stragglers import FaultInjection
 
         if self.policy == "sync" and self.max_staleness:
             raise ValueError(f"staleness.max_staleness={self.max_staleness} needs staleness.policy="

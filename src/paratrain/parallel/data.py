@@ -77,7 +77,7 @@ class BucketedGradReducer:
         self.sync = True
         # gradient-as-bucket-view for buckets of plain parameters; None for buckets with DTensors
         self._flats = [None if any(isinstance(p, DTensor) for p in b) else _bucket_buffer(b) for b in self.buckets]
-        self._views = [None if flat is None else _grad_views(b, flat)
+        self._views = [None if flat is None else bucket_views(b, flat)
                        for b, flat in zip(self.buckets, self._flats, strict=True)]
         for bucket in self.buckets:
             for p in bucket:
@@ -123,10 +123,9 @@ class BucketedGradReducer:
         flat = self._flats[i]
         if flat is None:  # DTensor gradients: concatenated as they are
             for p in self.buckets[i]:
-                if p.grad is None:  # no gradient this step: reduce zeros
+                if p.grad is None:  # no gradient this step: reduce zeros (written back into it)
                     p.grad = torch.zeros_like(p)
-            grads = [local(p.grad) for p in self.buckets[i]]
-            return torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+            return flat_grads(self.buckets[i])
         for p, view in zip(self.buckets[i], self._views[i], strict=True):
             if p.grad is None:
                 view.zero_()
@@ -154,11 +153,7 @@ class BucketedGradReducer:
         for work, flat, i in self._work:
             work.wait()
             if self._flats[i] is None:  # DTensor gradients: written back (copy_ casts to the grad's dtype)
-                offset = 0
-                for p in self.buckets[i]:
-                    g = local(p.grad)
-                    g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                    offset += g.numel()
+                copy_into_grads(self.buckets[i], flat)
             elif flat.data_ptr() != self._flats[i].data_ptr():  # reduced in another dtype: cast back once
                 self._flats[i].copy_(flat)
         self._reset()
@@ -173,7 +168,25 @@ def _bucket_buffer(bucket: list[nn.Parameter]) -> torch.Tensor:
     return torch.zeros(sum(local(p).numel() for p in bucket), dtype=first.dtype, device=first.device)
 
 
-def _grad_views(bucket: list[nn.Parameter], flat: torch.Tensor) -> list[torch.Tensor]:
+def flat_grads(bucket: list[nn.Parameter]) -> torch.Tensor:
+    """A bucket's gradients (local shards, in bucket order) concatenated into one new flat tensor; zeros for a
+    parameter without one. What is reduced for a bucket that is not a gradient view (DTensor gradients here, every
+    bucket of the stale-gradient runner, whose reductions outlive the step)."""
+    grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket]
+    return torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+
+
+def copy_into_grads(bucket: list[nn.Parameter], flat: torch.Tensor) -> None:
+    """Write a reduced flat bucket back into its parameters' .grad (laid out as `flat_grads` made it; by the
+    gradients' own local shapes, which with TP can differ from the parameters')."""
+    offset = 0
+    for p in bucket:
+        g = local(p.grad)
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
+
+
+def bucket_views(bucket: list[nn.Parameter], flat: torch.Tensor) -> list[torch.Tensor]:
     """Each parameter's (local shard's) gradient slot in `flat`, shaped like it."""
     views, offset = [], 0
     for p in bucket:

@@ -23,7 +23,45 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+class StepHooks:
+    """What the training loop asks of a runner around each optimizer step, besides forward/backward: an explicit
+    hook object (`runner.hooks`), so the loop never guesses a runner's kind from its attributes. These defaults
+    are synchronous training's; the stale-gradient runner passes its own (parallel/stale_dp.py `StaleStepHooks`)."""
+
+    def attach_optimizer(self, optimizer, scheduler=None) -> None:
+        """Called once, right after the optimizer and its schedule are built."""
+
+    def applied_update(self) -> bool:
+        """Whether this step applied a gradient (the learning-rate schedule advances only then)."""
+        return True
+
+    def step_tokens(self, default_tokens: int) -> int:
+        """Tokens the step's update was computed from."""
+        return default_tokens
+
+    def step_metrics(self) -> dict:
+        """Extra fields for the step's metrics record."""
+        return {}
+
+    def stragglers(self) -> list[int]:
+        """Data-parallel ranks flagged as straggling now."""
+        return []
+
+    def straggler_ratios(self) -> list[float]:
+        """Each data-parallel rank's step time over the typical one (empty when unknown)."""
+        return []
+
+    def hosts(self) -> list[str]:
+        """Host name of every data-parallel rank (eviction requests name hosts)."""
+        return []
+
+    def finish(self) -> None:
+        """The run ends: wait for communication still in flight."""
+
+
 class Runner:
+    optimizer_foreach = True  # ParallelRunner: False when parameters mix DTensor and plain tensors
+
     def __init__(self, model: nn.Module, microbatch: int, device: torch.device, dtype: str = "fp32",
                  dp_rank: int = 0, dp_size: int = 1):
         self.model = model
@@ -32,6 +70,7 @@ class Runner:
         self.device = device
         self.autocast_dtype = torch.bfloat16 if dtype == "bf16" else None
         self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.hooks: StepHooks = StepHooks()
 
     # -- hooks that parallel techniques override ---------------------------------------------------------
     def no_sync(self, last: bool):

@@ -20,30 +20,9 @@ Semantics (docs/staleness.md has the full story):
   along in its own all-reduce, so losses, token counts and straggler detection need no extra blocking collective.
 
 Delay compensation (`staleness.compensation`, only for s > 0): the gradient applied at step t + s is computed at
-predicted weights instead of w_t, so it is computed near the weights it will be applied to.
-- "optimizer_lookahead" (default): run AdamW's update, on a scratch copy, with the gradients this rank computed
-  at steps t - s .. t - 1 (those still in flight: their reduced versions are what the next s updates apply),
-  scaled by the last applied gradient's clipping coefficient, at the current learning rate: w_hat ~ w_{t+s}. With
-  one rank and no clipping the prediction is exact, so s = 1 computes at exactly the weights it will be applied
-  to; with dp ranks it misses by the difference between the rank's own gradient and the dp mean, damped by
-  (1 - beta1). It is the weight prediction of XPipe
-  (Guan et al. 2019, "XPipe: Efficient Pipeline Model Parallelism for Multi-GPU DNN Training", Adam's update
-  direction) and SpecTrain (Chen et al. 2018, "Efficient and Robust Parallel DNN Training through Model
-  Parallelism on Multi-GPU Platform"), using the rank's own pending gradients for the unknown next updates.
-  `staleness.lookahead_arrived` (on by default without tensor parallelism): a pending step whose all-reduce has
-  completed enters the replay with its reduced dp-mean gradient and that gradient's own clipping coefficient, i.e.
-  exactly what the optimizer will apply; the others keep the own gradient. Before predicting, a rank waits up to
-  `arrival_grace` x the healthy step time for the pending reductions (a straggler's is given up on at the deadline),
-  and one that arrives later is taken between microbatches. Each pending step replays at the learning rate of the
-  step that applies it (the loop attaches its LambdaLR). With every reduction in time, s computes at exactly the
-  weights its gradient is applied to (synchronous DDP s steps late, up to fp32 rounding); under stragglers it
-  degrades to the own-gradient prediction. Where a gradient is computed then depends on arrival timing: runs are
-  not bitwise reproducible run to run (ranks still hold identical weights: only the mean is applied); set
-  lookahead_arrived = false for the reproducible own-gradient prediction.
-- "weight_prediction": linear extrapolation of the last update, w_hat = w_t + s (w_t - w_{t-1}) (SpecTrain's
-  "smoothed gradient" prediction in its optimizer-agnostic form).
-The weights the optimizer steps are restored bit for bit after backward, so every rank still holds identical
-weights; s = 0 computes at w_t (nothing is pending), so it stays bitwise synchronous DDP.
+predicted weights instead of w_t; the strategies (optimizer_lookahead, weight_prediction) are in
+parallel/compensation.py. The weights the optimizer steps are restored bit for bit after backward, so every rank
+still holds identical weights; s = 0 computes at w_t (nothing is pending), so it stays bitwise synchronous DDP.
 
 Works with replicated data parallelism, alone or on top of tensor parallelism (the reduction runs over the dp
 group on each rank's local shard). FSDP/HSDP cannot run stale (parameters are sharded and gathered every step,
@@ -54,7 +33,6 @@ supported: `check_staleness_layout` refuses them with a clear message.
 from __future__ import annotations
 
 import contextlib
-import math
 import socket
 import time
 from collections import deque
@@ -63,17 +41,19 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from paratrain.config import TrainConfig
 from paratrain.device import read_after, to_device
-from paratrain.parallel.data import bucket_params, local
-from paratrain.parallel.grad_norm import clip_coefficient, global_grad_norm
-from paratrain.parallel.runner import ParallelRunner, plain
-from paratrain.train.staleness import AUTO_BUDGET_SLACK, FaultInjection, StragglerDetector, lower_median
+from paratrain.parallel.compensation import make_compensation, own_gradient
+from paratrain.parallel.data import bucket_params, bucket_views, copy_into_grads, flat_grads, local
+from paratrain.parallel.grad_norm import clip_coefficient
+from paratrain.parallel.runner import ParallelRunner, StepHooks, plain
+from paratrain.stragglers import FaultInjection, StragglerDetector, lower_median
 
 META_FIELDS = 2  # [sum of microbatch losses, microbatches processed], then one work time per dp rank
-ARRIVAL_POLL_S = 2e-4  # how often the arrival grace asks whether the pending reductions completed
+# Slack on the automatic time budget (step_budget_s = 0): the healthy ranks' full-batch time plus 10%, so that
+# timing noise does not make a healthy rank drop its last microbatch.
+AUTO_BUDGET_SLACK = 0.10
 
 
 def check_staleness_layout(cfg: TrainConfig, degrees: dict[str, int]) -> None:
@@ -153,52 +133,23 @@ class StaleDataParallelRunner(ParallelRunner):
         self.local_microbatches: list[int] = []  # per step, this rank's processed microbatches
         self.launch_unix_s: list[float] = []  # per step, when this rank launched its reduction
         self.step = 0
-        # Delay compensation needs something to compensate: s = 0 computes at w_t (bitwise synchronous DDP).
-        self.compensation = st.compensation if self.max_staleness > 0 else "none"
-        self.optimizer: torch.optim.Optimizer | None = None  # attach_optimizer (optimizer_lookahead)
-        self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None  # attach_optimizer: future learning rates
-        self.prev_weights: list[torch.Tensor] | None = None  # weight_prediction: w_{t-1} (local shards)
-        self.last_clip_coef = 1.0  # clipping coefficient of the last applied gradient (optimizer_lookahead)
-        # unset = automatic: on where supported (check_staleness_layout refuses an explicit true with tp > 1)
-        arrived = st.lookahead_arrived if st.lookahead_arrived is not None else tp_group is None
-        self.lookahead_arrived = arrived and self.compensation == "optimizer_lookahead"
-        self.grad_clip = cfg.optim.grad_clip  # the exact clipping coefficient of an arrived gradient needs it
+        self.compensation = make_compensation(st, tp_group, cfg.optim.grad_clip)
         # Whether a pending step's reduction is in hand (never waits); tests replace it to force either case.
         self.arrived = reduction_arrived
-        self.lookahead_counts = (0, 0)  # (pending, exact) of the current step's prediction
-        self.arrival_grace = st.arrival_grace if self.lookahead_arrived else 0.0
-        self.arrival_grace_s = self.arrival_wait_s = 0.0  # of the current step
-        self.exact_microbatches = 0  # of the current step
         self.step_weights: list[torch.Tensor] = []  # w_t while a prediction is swapped in (local shards)
         self.hosts = self._gather_hosts()
+        self.hooks = StaleStepHooks(self)
 
     def attach_optimizer(self, optimizer: torch.optim.Optimizer, scheduler=None) -> None:
-        """The optimizer whose state and hyperparameters optimizer_lookahead replays (the training loop calls
-        this right after building it). Only plain AdamW is replayed. With its LambdaLR scheduler, each pending
-        step replays at the learning rate of the step it will be applied at; without, at the current one."""
-        if self.compensation == "optimizer_lookahead":
-            check_lookahead_optimizer(optimizer)
-        self.optimizer = optimizer
-        self.scheduler = scheduler if isinstance(scheduler, torch.optim.lr_scheduler.LambdaLR) else None
+        """The optimizer (and LambdaLR schedule) the compensation replays (the training loop calls this through
+        `hooks` right after building it; parallel/compensation.py)."""
+        self.compensation.attach(optimizer, scheduler)
 
     @property
     def applied_update(self) -> bool:
         """Whether this step applied a gradient (not a warm-up step): the loop advances the learning-rate schedule
         only then, so the schedule counts updates and the first update runs at its first value, as in sync."""
         return bool(self.history) and self.history[-1].grad_step is not None
-
-    def _replay_lrs(self) -> list[list[float]] | None:
-        """Per pending step (oldest first) and parameter group: the learning rate of the update that will apply it.
-        The schedule advances once per applied update (`applied_update`), and data step d of this runner is its
-        d-th update: schedule index = (updates before this runner started) + d, where updates before = the
-        scheduler's last_epoch minus this runner's updates so far (max(0, step - s); a resumed run restarts the
-        warm-up)."""
-        if self.scheduler is None:
-            return None
-        sched = self.scheduler
-        first = sched.last_epoch - max(0, self.step - self.max_staleness)
-        return [[base * fn(first + item.step) for base, fn in zip(sched.base_lrs, sched.lr_lambdas, strict=True)]
-                for item in self.in_flight]
 
     # -- the step -------------------------------------------------------------------------------------------
     def forward_backward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -213,13 +164,12 @@ class StaleDataParallelRunner(ParallelRunner):
         work_s = (time.perf_counter() - t0) * len(chunks) / done  # normalised to the full local batch
         self.local_microbatches.append(done)
         self._launch(loss_sum, done, work_s, chunks[0][0].numel())
-        if self.compensation == "optimizer_lookahead":  # before _apply_due overwrites .grad with G_{t-s}
+        if self.compensation.keeps_own_gradients:  # before _apply_due overwrites .grad with G_{t-s}
             scale = 1.0 / done if self.time_budget else 1.0  # time budget sums microbatches: make it a mean
             self.in_flight[-1].local_grads = [own_gradient(p, scale) for p in self.params]
         applied = self._apply_due()
-        applied.lookahead_pending, applied.lookahead_exact = self.lookahead_counts
-        applied.arrival_grace_s, applied.arrival_wait_s = self.arrival_grace_s, self.arrival_wait_s
-        applied.exact_microbatches = self.exact_microbatches
+        for name, value in self.compensation.counts().items():
+            setattr(applied, name, value)
         self.step += 1
         if applied.grad_step is None:  # warm-up: nothing reduced yet; report this rank's own loss
             return loss_sum / done
@@ -231,114 +181,36 @@ class StaleDataParallelRunner(ParallelRunner):
 
     @contextlib.contextmanager
     def _at_predicted_weights(self):
-        """Swap the predicted weights in for forward/backward, then restore w_t exactly (a saved copy)."""
-        self.lookahead_counts, self.arrival_grace_s, self.arrival_wait_s = (0, 0), 0.0, 0.0
-        self.exact_microbatches = 0
-        predicted = self._predicted_weights()
+        """Swap the compensation's predicted weights in for forward/backward, then restore w_t exactly (a saved
+        copy)."""
+        self.compensation.begin_step()
+        predicted = self.compensation.predict(self)
         if predicted is None:
             yield
             return
         params = self.params
         saved = [local(p).detach().clone() for p in params]
         self.step_weights = saved  # w_t, for a prediction made again between microbatches
-        with torch.no_grad():
-            for p, w in zip(params, predicted, strict=True):
-                local(p).copy_(w)
+        self._load(predicted)
         try:
             yield
         finally:
-            with torch.no_grad():
-                for p, w in zip(params, saved, strict=True):
-                    local(p).copy_(w)
-            if self.compensation == "weight_prediction":
-                self.prev_weights = saved
+            self._load(saved)
+            self.compensation.after_backward(saved)
 
-    def _predicted_weights(self) -> list[torch.Tensor] | None:
-        """Local shards of the weights this step's gradient is computed at; None = at w_t."""
-        if self.compensation == "weight_prediction":
-            if self.prev_weights is None:  # first step: no update seen yet; remember w_0
-                self.prev_weights = [local(p).detach().clone() for p in self.params]
-                return None
-            return extrapolate(self.params, self.prev_weights, self.max_staleness)
-        if self.compensation == "optimizer_lookahead" and self.in_flight:
-            if self.optimizer is None:
-                raise RuntimeError("staleness.compensation='optimizer_lookahead' needs the optimizer: call "
-                                   "runner.attach_optimizer(optimizer) after building it (train() does)")
-            if self.lookahead_arrived:
-                return self._lookahead_with_arrived()
-            pending = [item.local_grads for item in self.in_flight]
-            # Scaled by the clipping coefficient of the last applied (dp-mean) gradient, not clipped by their own
-            # norm: a rank's gradient is noisier than the mean, so its norm is larger and self-clipping would
-            # shrink it below the scale of the gradients in the optimizer's moments (measured in a simulation of
-            # dp 2: +4.8% vs +6.7% final loss over sync, 6 seeds; docs/staleness.md). Before any update the
-            # coefficient is 1: Adam's first steps do not depend on a common scale of their gradients.
-            return adamw_lookahead(self.optimizer, self.params, pending, [self.last_clip_coef] * len(pending),
-                                   lrs=self._replay_lrs())
-        return None
+    @torch.no_grad()
+    def _load(self, weights: list[torch.Tensor]) -> None:
+        for p, w in zip(self.params, weights, strict=True):
+            local(p).copy_(w)
 
-    def _refresh_prediction(self) -> None:
-        """lookahead_arrived, between microbatches: when a pending reduction has arrived since the prediction,
-        predict again with it and compute the step's remaining microbatches there (their gradients are summed with
-        the earlier ones, computed a little off: still closer than all of them at the own-gradient prediction)."""
-        pending, exact = self.lookahead_counts
-        if exact == pending or sum(map(self.arrived, self.in_flight)) == exact:  # arrival is monotonic
-            return
-        predicted = self._lookahead_with_arrived(wait=False, base=self.step_weights)
-        with torch.no_grad():
-            for p, w in zip(self.params, predicted, strict=True):
-                local(p).copy_(w)
-
-    def _lookahead_with_arrived(self, wait: bool = True, base: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
-        """optimizer_lookahead where every pending step whose reduction has already completed enters the replay
-        with the reduced dp-mean gradient, clipped by its own coefficient (what the optimizer will apply, up to
-        rounding); the others keep this rank's own gradient and the last applied clipping coefficient. `wait`:
-        spend the arrival grace first (not between microbatches); `base`: replay from these weights (w_t) instead of
-        the parameters' current values (a prediction is already swapped in)."""
-        if wait:
-            self._await_arrival()
-        pending, coefs, exact = [], [], 0
-        for item in self.in_flight:
-            if self.arrived(item):
-                grads = self._reduced_gradients(item)
-                pending.append(grads)
-                coefs.append(clip_coefficient(global_grad_norm(grads, self.device), self.grad_clip)
-                             if self.grad_clip > 0 else 1.0)
-                exact += 1
-            else:
-                pending.append(item.local_grads)
-                coefs.append(self.last_clip_coef)
-        self.lookahead_counts = (len(pending), exact)
-        return adamw_lookahead(self.optimizer, self.params, pending, coefs, base, self._replay_lrs())
-
-    def _await_arrival(self) -> None:
-        """The arrival grace: wait up to arrival_grace x the healthy ranks' step time (lower median of the last
-        reduced step's work times) for the pending reductions not waited for before. On time they replay exactly; a
-        straggler's is given up on at the deadline and never waited for again (it may still be taken between
-        microbatches), so each reduction costs at most one grace, and a late one does not make every later step
-        wait. No wait before the first reduction has told the step times."""
-        fresh = [item for item in self.in_flight if not item.grace_used]
-        if self.arrival_grace <= 0 or not self.detector.history or not fresh:
-            return
-        self.arrival_grace_s = self.arrival_grace * lower_median(self.detector.history[-1])
-        t0 = time.perf_counter()
-        deadline = t0 + self.arrival_grace_s
-        while not all(self.arrived(item) for item in fresh) and time.perf_counter() < deadline:
-            time.sleep(ARRIVAL_POLL_S)
-        self.arrival_wait_s = time.perf_counter() - t0
-        for item in fresh:
-            item.grace_used = True
-
-    def _reduced_gradients(self, item: InFlightStep) -> list[torch.Tensor]:
+    def reduced_gradients(self, item: InFlightStep) -> list[torch.Tensor]:
         """The reduced gradient of a completed in-flight step per parameter (self.params order), split from the flat
         buckets as _apply_due does, as new tensors (the buckets stay untouched for _apply_due)."""
         scale = 1.0 / item.meta[1] if self.time_budget else 1.0  # a device scalar: no host read
         by_param = {}
         for bucket, flat in zip(self.buckets, item.flats, strict=True):
-            offset = 0
-            for p in bucket:
-                shard = local(p)
-                by_param[id(p)] = flat[offset:offset + shard.numel()].view_as(shard) * scale
-                offset += shard.numel()
+            for p, view in zip(bucket, bucket_views(bucket, flat), strict=True):
+                by_param[id(p)] = view * scale
         return [by_param[id(p)] for p in self.params]
 
     def _accumulate(self, chunks, t0: float) -> tuple[torch.Tensor, int]:
@@ -349,11 +221,8 @@ class StaleDataParallelRunner(ParallelRunner):
         loss_sum, done = torch.zeros((), dtype=torch.float64, device=self.device), 0
         for x, y in chunks:
             mb_t0 = time.perf_counter()
-            if self.lookahead_arrived:
-                if done:
-                    self._refresh_prediction()
-                pending, exact = self.lookahead_counts
-                self.exact_microbatches += pending > 0 and exact == pending
+            if (weights := self.compensation.before_microbatch(self, done)) is not None:
+                self._load(weights)
             with self.autocast():
                 raw = self.loss_fn(self.model(x), y)
                 # Bounded staleness divides exactly as the synchronous Runner does (bitwise at s = 0); the time
@@ -390,8 +259,7 @@ class StaleDataParallelRunner(ParallelRunner):
     def _launch(self, loss_sum: torch.Tensor, done: int, work_s: float, tokens_per_mb: int) -> None:
         flats, works = [], []
         for bucket in self.buckets:
-            grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket]
-            flat = torch.cat([g.reshape(-1) for g in grads]) if len(grads) > 1 else grads[0].reshape(-1).clone()
+            flat = flat_grads(bucket)  # the DDP reducer's copy of a bucket (parallel/data.py)
             if not self.time_budget:
                 flat.div_(self.dp_size)
             flats.append(flat)
@@ -433,11 +301,7 @@ class StaleDataParallelRunner(ParallelRunner):
         for bucket, flat in zip(self.buckets, item.flats, strict=True):
             if self.time_budget:
                 flat.div_(microbatches)
-            offset = 0
-            for p in bucket:
-                g = local(p.grad)
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            copy_into_grads(bucket, flat)
         rank_step_s = meta[META_FIELDS:]
         self.detector.update(rank_step_s)
         applied = AppliedStep(self.step, item.step, microbatches, microbatches * item.tokens_per_microbatch,
@@ -450,7 +314,8 @@ class StaleDataParallelRunner(ParallelRunner):
         if all(p.grad is None for p in self.parameters()):  # warm-up step: nothing to clip, nothing applied
             return torch.zeros((), device=self.device)
         norm = super().clip_grad_norm_(max_norm)
-        self.last_clip_coef = clip_coefficient(norm, max_norm) if max_norm > 0 else 1.0  # same as the clip
+        # optimizer_lookahead scales pending own gradients by the last applied gradient's clipping coefficient
+        self.compensation.last_clip_coef = clip_coefficient(norm, max_norm) if max_norm > 0 else 1.0
         return norm
 
     def reduce_loss(self, loss: torch.Tensor) -> torch.Tensor:
@@ -483,7 +348,7 @@ class StaleDataParallelRunner(ParallelRunner):
         ratios = self.detector.window_ratios()
         if ratios:
             metrics["straggler_ratio"] = ratios
-        if self.lookahead_arrived:
+        if self.compensation.lookahead_arrived:
             metrics["lookahead_pending"], metrics["lookahead_exact"] = last.lookahead_pending, last.lookahead_exact
             metrics["arrival_wait_s"] = last.arrival_wait_s
             metrics["exact_microbatches"] = last.exact_microbatches
@@ -499,67 +364,41 @@ class StaleDataParallelRunner(ParallelRunner):
         return hosts
 
 
-def check_lookahead_optimizer(optimizer: torch.optim.Optimizer) -> None:
-    """optimizer_lookahead replays AdamW's update; refuse anything it would replay wrongly."""
-    ok = type(optimizer) is torch.optim.AdamW and not any(
-        g.get("amsgrad") or g.get("maximize") or isinstance(g["lr"], torch.Tensor) for g in optimizer.param_groups)
-    if not ok:
-        raise ValueError(f"staleness.compensation='optimizer_lookahead' replays torch.optim.AdamW (no amsgrad/"
-                         f"maximize, float lr); got {type(optimizer).__name__}; allowed: compensation="
-                         f"'weight_prediction' or 'none' for other optimizers")
-
-
 def reduction_arrived(item: InFlightStep) -> bool:
     """Every all-reduce of the step (gradient buckets and metadata) has completed; asks, never waits. One process
     (no group, no works): the local gradient is the reduced one."""
     return all(work is None or work.is_completed() for work in item.works)
 
 
-def own_gradient(p: nn.Parameter, scale: float) -> torch.Tensor:
-    """A copy of this rank's gradient of p (times scale), laid out as p: with tensor parallelism a gradient can be
-    placed differently from its parameter (e.g. partial sums), which the elementwise AdamW replay cannot mix."""
-    if p.grad is None:
-        return torch.zeros_like(p)
-    g = p.grad.detach()
-    if isinstance(g, DTensor) and isinstance(p, DTensor) and tuple(g.placements) != tuple(p.placements):
-        g = g.redistribute(p.device_mesh, p.placements)
-    return g.clone().mul_(scale)
+class StaleStepHooks(StepHooks):
+    """The training loop's hooks (parallel/runner.py StepHooks) for the stale-gradient runner."""
 
+    def __init__(self, runner: StaleDataParallelRunner):
+        self.runner = runner
 
-def extrapolate(params, prev_weights: list[torch.Tensor], s: int) -> list[torch.Tensor]:
-    """weight_prediction: w_t + s (w_t - w_{t-1}), the last update repeated s times (SpecTrain, Chen et al. 2018)."""
-    return [local(p).detach() + s * (local(p).detach() - prev) for p, prev in zip(params, prev_weights, strict=True)]
+    def attach_optimizer(self, optimizer, scheduler=None) -> None:
+        self.runner.attach_optimizer(optimizer, scheduler)
 
+    def applied_update(self) -> bool:
+        return self.runner.applied_update
 
-def adamw_lookahead(optimizer: torch.optim.Optimizer, params, pending: list[list[torch.Tensor]],
-                    coefs: list[float], base: list[torch.Tensor] | None = None,
-                    lrs: list[list[float]] | None = None) -> list[torch.Tensor]:
-    """Local shards of the weights after AdamW steps with `pending` gradients (oldest first, each scaled by its
-    clipping coefficient), from the optimizer's current state and from `base` (default: the parameters' values),
-    on scratch copies; the optimizer is untouched.
-    Same arithmetic as torch's single-tensor AdamW. `lrs[j][g]`: the learning rate of pending step j in parameter
-    group g (the schedule's values at the steps that will apply them); None = every step at the current one."""
-    group_of = {id(p): (gi, g) for gi, g in enumerate(optimizer.param_groups) for p in g["params"]}
-    predicted = []
-    for i, p in enumerate(params):
-        (gi, group), state = group_of[id(p)], optimizer.state.get(p, {})
-        wd, eps = group["weight_decay"], group["eps"]
-        beta1, beta2 = group["betas"]
-        w = (base[i] if base is not None else local(p).detach()).clone()  # base: w_t when p holds a prediction
-        m = local(state["exp_avg"]).clone() if state else torch.zeros_like(w)
-        v = local(state["exp_avg_sq"]).clone() if state else torch.zeros_like(w)
-        k = float(state["step"]) if state else 0.0
-        for j, (grads, coef) in enumerate(zip(pending, coefs, strict=True)):
-            lr = group["lr"] if lrs is None else lrs[j][gi]
-            g = local(grads[i]) * coef
-            k += 1
-            w.mul_(1 - lr * wd)
-            m.lerp_(g, 1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            denom = (v.sqrt() / math.sqrt(1 - beta2 ** k)).add_(eps)
-            w.addcdiv_(m, denom, value=-lr / (1 - beta1 ** k))
-        predicted.append(w)
-    return predicted
+    def step_tokens(self, default_tokens: int) -> int:
+        return self.runner.tokens_last_step(default_tokens)
+
+    def step_metrics(self) -> dict:
+        return self.runner.staleness_metrics()
+
+    def stragglers(self) -> list[int]:
+        return list(self.runner.detector.flagged)
+
+    def straggler_ratios(self) -> list[float]:
+        return self.runner.detector.window_ratios()
+
+    def hosts(self) -> list[str]:
+        return self.runner.hosts
+
+    def finish(self) -> None:
+        self.runner.finish()
 
 
 def build_stale_runner(model: nn.Module, cfg: TrainConfig, mesh, env, degrees: dict[str, int]):

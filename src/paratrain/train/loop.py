@@ -82,7 +82,7 @@ def run_step(runner, optimizer, scheduler, inputs, targets, grad_clip: float, ti
     with timer.phase("optimizer"):
         grad_norm = runner.clip_grad_norm_(grad_clip)
         optimizer.step()
-        if getattr(runner, "applied_update", True):  # stale warm-up steps apply nothing: no lr consumed
+        if runner.hooks.applied_update():  # stale warm-up steps apply nothing: no lr consumed
             scheduler.step()
         optimizer.zero_grad(set_to_none=True)
     return {"loss": loss, "grad_norm": grad_norm}
@@ -96,7 +96,7 @@ def build_optimizer(runner, opt: OptimSection) -> torch.optim.Optimizer:
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
-                             foreach=getattr(runner, "optimizer_foreach", True))
+                             foreach=runner.optimizer_foreach)
 
 
 WARMUP_STEPS = 2  # first steps of a process (allocator, kernel selection, first collectives): not steady state
@@ -204,8 +204,7 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
     runner = build_runner(cfg, env)
     optimizer = build_optimizer(runner, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(cfg.optim, cfg.train.steps))
-    if hasattr(runner, "attach_optimizer"):  # stale gradients: delay compensation replays optimizer and schedule
-        runner.attach_optimizer(optimizer, scheduler)
+    runner.hooks.attach_optimizer(optimizer, scheduler)  # stale gradients: compensation replays both
 
     train_data = open_windows(cfg.data.prepared_dir, "train", cfg.train.seq_len)
     val_data = open_windows(cfg.data.prepared_dir, "val", cfg.train.seq_len)
@@ -275,6 +274,7 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
     errors: list[str] = []
     preempted: dict | None = None
     nonfinite, rollbacks, last_save_s = "", 0, 0.0  # why numbers went non-finite since the last save
+    straggler_log = staleness.StragglerLog()
 
     def finish_record() -> None:
         """Complete the pending step's record with its device values and log it: read one step late, the
@@ -317,7 +317,7 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
         if observer is not None:  # paratrain verify: compares every step, so it reads them at once
             observer(step + 1, runner, values.read())
         dt = time.perf_counter() - t0  # host time; with the one-step-late read it tracks the device's step time
-        tokens = staleness.step_tokens(runner, cfg.train.global_batch * cfg.train.seq_len)  # time budget: fewer
+        tokens = runner.hooks.step_tokens(cfg.train.global_batch * cfg.train.seq_len)  # time budget: fewer
         stats.tokens += tokens
         stats.compute_s += dt
         # the headline throughput: steady steps only (not the first WARMUP_STEPS, not the profiled ones)
@@ -342,7 +342,7 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
             phases["forward"] = phases["forward_backward"] - phases["backward"]
         breakdowns.append({"step_time_s": dt, **phases})
         record.update({k if k.endswith("_s") else f"time_{k}_s": v for k, v in phases.items()})
-        staleness.on_step(runner, record, logger)  # applied step, staleness, stragglers
+        straggler_log.on_step(runner.hooks, record, logger)  # applied step, staleness, stragglers
         finish_record()  # the previous step's, now that this one is queued
         pending = (step, record, values)
         step += 1  # steps done
@@ -413,11 +413,11 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
                              "requeue resumes from it")
             break
         # evict_stragglers stops every rank here (exit code 75) once the checkpoint committed
-        staleness.after_checkpoint(runner, cfg.staleness.evict_stragglers and not last, run_dir, step, str(saved),
-                                   logger, ckpt.close)
+        staleness.after_checkpoint(runner.hooks, cfg.staleness.evict_stragglers and not last, run_dir, step,
+                                   str(saved), logger, env.is_main, ckpt.close)
     finish_record()
     watchdog.close()
-    staleness.finish(runner)  # wait for stale reductions still in flight
+    runner.hooks.finish()  # wait for stale reductions still in flight
     ckpt.close()  # an asynchronous save still in flight commits before the run reports done
     if preempted is None and not errors and cfg.checkpoint.save_final and cfg.train.steps in ckpt.last_error:
         errors.append(f"the final checkpoint (step {cfg.train.steps}) was NOT saved: "
