@@ -7,7 +7,7 @@ of the evaluation runs by layout kind (3D, FSDP/ZeRO-3, TP+FSDP, TP-only, CP), s
     .venv/bin/python benchmarks/planner_accuracy.py --calibrate-trainium  # refit Trainium1 on its NxD set
     .venv/bin/python benchmarks/planner_accuracy.py --calibrate-h100      # refit PyTorch-native stacks on Hopper
 
-Calibration data: /work/shared/reference (see its README): Narayanan et al. 2021 Table 1 (step time = 96 B s l
+Calibration data: benchmarks/data/published (see its README): Narayanan et al. 2021 Table 1 (step time = 96 B s l
 h^2 (1 + s/6h + V/16lh) / (TFLOP/s x GPUs); microbatch and schedule not published: the planner's best for the
 published tp/pp), Korthikanti et al. 2022 Table 5, vTrain single-node (1,440 Megatron runs, full recompute,
 no bucketing; Megatron-era software: unfused attention, fp16 gradients, no DP overlap); and
@@ -41,7 +41,7 @@ from paratrain.model.config import ModelConfig, gpt_config
 from paratrain.plan.api import Layout, estimate, search
 from paratrain.plan.model import DP_KINDS, RECOMPUTE, SCHEDULES, Options, evaluate
 
-REF = Path("/work/shared/reference")
+REF = Path(__file__).parent / "data" / "published"  # the published tables, with their sources (README.md there)
 VOCAB = 51200
 # Megatron-LM 2021-22: unfused attention, fp16 gradients, one all-reduce over the contiguous gradient buffer
 # (its local DDP's allreduce_gradients; no buckets)

@@ -27,12 +27,6 @@ def _bench():
     return module
 
 
-def _needs_reference(bench) -> None:
-    """The published tables live in the shared reference folder (the held-out set is in the repository)."""
-    if not bench.REF.is_dir():
-        pytest.skip(f"reference data {bench.REF} not on this machine")
-
-
 def _errors(rows):
     pred = np.array([p for _, p, _ in rows])
     meas = np.array([m for _, _, m in rows])
@@ -46,7 +40,6 @@ def bench():
 
 
 def test_narayanan_and_korthikanti_under_10_percent(bench):
-    _needs_reference(bench)
     dgx = get_catalog().system("dgx-a100-80gb")
     for name, rows, count in (("narayanan", bench.narayanan(dgx), 10), ("korthikanti", bench.korthikanti(dgx), 8)):
         pred, meas = _errors(rows)
@@ -55,7 +48,6 @@ def test_narayanan_and_korthikanti_under_10_percent(bench):
 
 
 def test_vtrain_single_node_under_15_percent_and_ranked(bench):
-    _needs_reference(bench)
     pred, meas = _errors(bench.vtrain(get_catalog().system("p4d.24xlarge")))
     assert len(pred) == 1440
     assert bench.mape(pred, meas) < 15.0
