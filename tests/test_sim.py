@@ -26,7 +26,7 @@ from paratrain.sim.failures import (
     total_rate_per_device_hour,
 )
 from paratrain.sim.results import summarize, t_quantile_975
-from paratrain.sim.stragglers import simulate_stragglers
+from paratrain.sim.stragglers import eviction_rate_per_s, simulate_stragglers
 from paratrain.sim.sweeps import (
     daly_case_config,
     exponential_failure_model,
@@ -34,6 +34,7 @@ from paratrain.sim.sweeps import (
     simulated_optimum,
     sweep_interval,
 )
+from paratrain.stragglers import steps_to_flag
 
 REFERENCE_CSV = Path(__file__).parent / "data" / "llama3_table5_interruptions.csv"  # source: tests/data/README.md
 MIN = 60.0
@@ -228,6 +229,27 @@ def test_straggler_policies_rank_as_expected():
     assert EVICTION_CAUSE not in runs["wait"].causes.names
     stragglers_free = simulate(SimConfig(**base))
     assert summarize(runs["wait"])["metrics"]["goodput"]["mean"] < summarize(stragglers_free)["metrics"]["goodput"]["mean"]
+
+
+def test_evict_replace_evicts_what_the_runtime_detector_flags():
+    """The simulator evicts with the runtime's rule (paratrain.stragglers): an episode slower than the detector's
+    threshold is acted on after the detector's slow steps (each f x step_time_s) or evict_after_s, whichever is
+    later; a milder one is never flagged, so evict_replace loses exactly what wait loses and evicts nothing."""
+    devices, step_s, period_s = 16384, 100.0, 3600.0
+    base = dict(rate_per_device_hour=5e-5, mean_duration_s=1800.0, slowdown_sigma=0.0, evict_after_s=300.0)
+    episodes_per_s = devices * base["rate_per_device_hour"] / HOUR_S
+    mild = {p: StragglerConfig(policy=p, slowdown_median=1.4, **base) for p in ("wait", "evict_replace")}
+    assert eviction_rate_per_s(mild["evict_replace"], devices, step_s) == 0.0
+    lost = {p: simulate_stragglers(c, devices, step_s, period_s, 10 * DAY_S, 5, np.random.default_rng(0)).lost_share
+            for p, c in mild.items()}
+    np.testing.assert_array_equal(lost["wait"], lost["evict_replace"])
+    slow = StragglerConfig(policy="evict_replace", slowdown_median=2.0, **base)
+    k = steps_to_flag(2.0, slow.detect_threshold, slow.detect_window)
+    assert k * 2.0 * step_s > base["evict_after_s"]  # the detector, not evict_after_s, decides here
+    assert eviction_rate_per_s(slow, devices, step_s) == pytest.approx(
+        episodes_per_s * math.exp(-k * 2.0 * step_s / base["mean_duration_s"]))
+    fast = eviction_rate_per_s(slow, devices, 1.0)  # short steps: flagged well within evict_after_s
+    assert fast == pytest.approx(episodes_per_s * math.exp(-base["evict_after_s"] / base["mean_duration_s"]))
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------------

@@ -17,6 +17,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+# The detector's defaults (the trainer's staleness.straggler_threshold / straggler_window, and the simulator's)
+DEFAULT_THRESHOLD = 1.5  # a rank 1.5x slower than the typical one over the window is a straggler
+DEFAULT_WINDOW = 10  # steps
+
 
 def lower_median(values) -> float:
     """The median; for an even count the lower of the two middle values. With 2 ranks the reference is then the

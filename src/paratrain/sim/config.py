@@ -16,6 +16,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
 from paratrain.sim.failures import FailureCause, llama3_causes, load_causes_toml, scale_rates
+from paratrain.stragglers import DEFAULT_THRESHOLD, DEFAULT_WINDOW
 
 STRAGGLER_POLICIES = ("wait", "bounded_staleness", "evict_replace")
 INTERVAL_RULES = ("daly", "young")
@@ -36,9 +37,11 @@ class StragglerConfig:
       bounded_staleness  a slow data-parallel rank may fall up to `staleness_steps` steps behind (its gradients
                          applied late); the job only slows once an episode's lag exceeds that tolerance.
                          The lag is dropped when the episode ends (the rank discards its stale steps).
-      evict_replace      like wait, but an episode that persists for `evict_after_s` is evicted at the next
-                         checkpoint: the job stops there, swaps the node for a spare and restarts from that
-                         checkpoint (no lost work, one restart, one spare consumed).
+      evict_replace      like wait, but an episode the runtime's straggler detector flags (paratrain.stragglers:
+                         slowdown above `detect_threshold` over a `detect_window`-step window) and that has
+                         persisted for `evict_after_s` is evicted at the next checkpoint: the job stops there,
+                         swaps the node for a spare and restarts from that checkpoint (no lost work, one restart,
+                         one spare consumed). Milder episodes are never flagged, so never evicted.
     The default rate is 0 (no stragglers): there is no public per-device straggler rate to default to.
     """
 
@@ -49,6 +52,8 @@ class StragglerConfig:
     policy: str = "wait"
     staleness_steps: int = 4
     evict_after_s: float = 300.0
+    detect_threshold: float = DEFAULT_THRESHOLD  # the trainer's staleness.straggler_threshold
+    detect_window: int = DEFAULT_WINDOW  # the trainer's staleness.straggler_window (steps)
 
     def validate(self) -> None:
         _require(_finite(self.rate_per_device_hour) and self.rate_per_device_hour >= 0,
@@ -64,6 +69,10 @@ class StragglerConfig:
                  self.staleness_steps, "an integer >= 0")
         _require(_finite(self.evict_after_s) and self.evict_after_s >= 0, "evict_after_s", self.evict_after_s,
                  ">= 0")
+        _require(_finite(self.detect_threshold) and self.detect_threshold > 1, "detect_threshold",
+                 self.detect_threshold, "> 1 (a factor)")
+        _require(_is_int(self.detect_window) and self.detect_window > 0, "detect_window", self.detect_window,
+                 "an integer > 0")
 
 
 @dataclass(frozen=True)

@@ -145,7 +145,7 @@ class SimRun:
 
 def simulate(cfg: SimConfig, interval_s: float | None = None) -> SimRun:
     """Run `cfg.samples` Monte-Carlo replicas of the training run. `interval_s` overrides the interval rule."""
-    causes = build_cause_table(cfg, eviction_rate_per_s(cfg.stragglers, cfg.devices))
+    causes = build_cause_table(cfg, eviction_rate_per_s(cfg.stragglers, cfg.devices, cfg.step_time_s))
     tau = resolve_interval_s(cfg, causes.mtbf_s) if interval_s is None else float(interval_s)
     if tau < cfg.checkpoint_async_s:
         raise ValueError(f"checkpoint interval {tau:.1f} s is shorter than the asynchronous write "

@@ -26,7 +26,7 @@ def write_plots(cfg: SimConfig, out_dir: Path, json_mode: bool) -> dict:
     )
 
     progress = progress_bars(json_mode)
-    causes = build_cause_table(cfg, eviction_rate_per_s(cfg.stragglers, cfg.devices))
+    causes = build_cause_table(cfg, eviction_rate_per_s(cfg.stragglers, cfg.devices, cfg.step_time_s))
     grid = interval_grid(analytic_optimum(cfg), 0.2, 5.0, 25, cfg.step_time_s, cfg.checkpoint_async_s)
     points = sweep_interval(cfg, grid, progress("interval sweep"))
     optimum, _ = simulated_optimum(cfg, points)

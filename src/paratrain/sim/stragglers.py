@@ -14,12 +14,13 @@ failures, so the mean is right; run-to-run spread comes from each replica's own 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
+from statistics import NormalDist
 
 import numpy as np
 
 from paratrain.sim.config import HOUR_S, StragglerConfig
+from paratrain.stragglers import steps_to_flag
 
 LEVELS = 64
 # Cap on episodes simulated per replica: the loss share is a time average of a stationary process, so a window
@@ -36,12 +37,44 @@ class StragglerOutcome:
     window_s: float  # simulated window per replica
 
 
-def eviction_rate_per_s(cfg: StragglerConfig, devices: int) -> float:
-    """Evictions are episodes lasting longer than evict_after_s: a thinned Poisson process."""
+def level_factors() -> np.ndarray:
+    """The slowdown factor at the lower edge of each lost-share level j (g = j / LEVELS, f = 1 / (1 - g))."""
+    return 1.0 / (1.0 - np.arange(LEVELS) / LEVELS)
+
+
+def act_after_s(cfg: StragglerConfig, step_time_s: float) -> np.ndarray:
+    """evict_replace, per lost-share level: how long after an episode starts it is acted on -- once the runtime's
+    detector has flagged it (paratrain.stragglers.steps_to_flag slow steps, each f x step_time_s long, at the
+    level's lower-edge factor: never earlier than a finer factor would be) and it has lasted evict_after_s; inf
+    for the levels the detector never flags (f <= detect_threshold)."""
+    factors = level_factors()
+    steps = [steps_to_flag(f, cfg.detect_threshold, cfg.detect_window) for f in factors]
+    detect_s = np.array([np.inf if k is None else k * f * step_time_s for k, f in zip(steps, factors, strict=True)])
+    return np.maximum(cfg.evict_after_s, detect_s)
+
+
+def level_probabilities(cfg: StragglerConfig) -> np.ndarray:
+    """P(an episode's lost share g = 1 - 1/f falls in level j), f = 1 + (median - 1) lognormal(0, sigma); the
+    levels above LEVELS - 1 (g = 1) cannot occur."""
+    edges = np.append(level_factors(), np.inf)  # f bounds of each level
+    if cfg.slowdown_sigma == 0:
+        f = cfg.slowdown_median
+        return ((edges[:-1] <= f) & (f < edges[1:])).astype(float)
+    normal = NormalDist()
+    with np.errstate(divide="ignore"):
+        z = np.log((edges - 1.0) / (cfg.slowdown_median - 1.0)) / cfg.slowdown_sigma
+    cdf = np.array([0.0 if v == -np.inf else 1.0 if v == np.inf else normal.cdf(v) for v in z])
+    return np.diff(cdf)
+
+
+def eviction_rate_per_s(cfg: StragglerConfig, devices: int, step_time_s: float) -> float:
+    """Evictions are the episodes the detector flags that last until they are acted on (`act_after_s`): a
+    thinned Poisson process (durations exponential, independent of the slowdown)."""
     if cfg.policy != "evict_replace" or cfg.rate_per_device_hour == 0:
         return 0.0
     episodes = devices * cfg.rate_per_device_hour / HOUR_S
-    return episodes * math.exp(-cfg.evict_after_s / cfg.mean_duration_s)
+    kept = np.exp(-act_after_s(cfg, step_time_s) / cfg.mean_duration_s)  # 0 where never flagged
+    return float(episodes * np.sum(level_probabilities(cfg) * kept))
 
 
 def simulate_stragglers(
@@ -54,7 +87,7 @@ def simulate_stragglers(
     rng: np.random.Generator,
 ) -> StragglerOutcome:
     episodes_per_s = devices * cfg.rate_per_device_hour / HOUR_S
-    evictions = eviction_rate_per_s(cfg, devices)
+    evictions = eviction_rate_per_s(cfg, devices, step_time_s)
     if episodes_per_s == 0:
         return StragglerOutcome(np.zeros(samples), 0.0, 0.0, 0.0)
     # Episodes may start before the window and still be active in it: start the draw 8 mean durations early.
@@ -79,8 +112,11 @@ def _apply_policy(cfg, start, duration, lost_per_s, step_time_s, checkpoint_peri
         absorbed_s = cfg.staleness_steps * step_time_s / lost_per_s
         start = start + absorbed_s
     elif cfg.policy == "evict_replace":
-        # Detected after evict_after_s, evicted at the next checkpoint (uniform phase within the period).
-        evict_at = start + cfg.evict_after_s + rng.uniform(0.0, checkpoint_period_s, size=start.size)
+        # Flagged by the runtime's detector and persisting for evict_after_s (act_after_s, per level as the loss
+        # integral quantises), evicted at the next checkpoint (uniform phase within the period).
+        level = np.minimum(np.floor(lost_per_s * LEVELS).astype(np.int64), LEVELS - 1)
+        evict_at = start + act_after_s(cfg, step_time_s)[level] + rng.uniform(0.0, checkpoint_period_s,
+                                                                                 size=start.size)
         end = np.minimum(end, evict_at)
     return start, end
 

@@ -101,7 +101,7 @@ def simulated_optimum(cfg: SimConfig, points: list[IntervalPoint] | None = None)
 
 
 def analytic_optimum(cfg: SimConfig) -> float:
-    causes = build_cause_table(cfg, eviction_rate_per_s(cfg.stragglers, cfg.devices))
+    causes = build_cause_table(cfg, eviction_rate_per_s(cfg.stragglers, cfg.devices, cfg.step_time_s))
     if math.isfinite(causes.mtbf_s) and cfg.checkpoint_block_s > 0:
         return daly_interval(cfg.checkpoint_block_s, causes.mtbf_s)
     return resolve_interval_s(cfg, causes.mtbf_s)
