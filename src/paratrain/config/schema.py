@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from paratrain.config.layout import check_parallel_config
 from paratrain.device import check_device_name
 from paratrain.model.config import PRESETS, ModelConfig, load_model_config
+from paratrain.stragglers import DEFAULT_THRESHOLD, DEFAULT_WINDOW
 
 
 class Section(BaseModel):
@@ -278,8 +279,8 @@ class StalenessSection(Section):
     # pending reductions to arrive (0 = never wait). A reduction held up by a straggler is not waited for beyond it.
     arrival_grace: float = Field(default=0.1, ge=0.0, le=1.0)
     step_budget_s: float = Field(default=0.0, ge=0)
-    straggler_threshold: float = Field(default=1.5, gt=1.0)
-    straggler_window: int = Field(default=10, gt=0)
+    straggler_threshold: float = Field(default=DEFAULT_THRESHOLD, gt=1.0)  # the detector's (paratrain.stragglers)
+    straggler_window: int = Field(default=DEFAULT_WINDOW, gt=0)
     evict_stragglers: bool = False
     # Test/benchmark only, inert when empty: slow a rank on purpose, e.g. "slowdown=2.0,rank=1" or
     # "sleep_s=0.05,probability=0.3,rank=-1,seed=0" (paratrain.stragglers.FaultInjection).

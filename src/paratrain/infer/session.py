@@ -63,7 +63,7 @@ def load_model(cfg, checkpoint: str | None):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from paratrain.train.checkpoint import CheckpointManager
+    from paratrain.train.checkpoint import CheckpointManager, quiet_no_dist
 
     directory = cfg.checkpoint.dir or str(Path(cfg.metrics.run_dir) / "checkpoints")
     manager = CheckpointManager(directory, log=lambda _msg: None)
@@ -72,7 +72,8 @@ def load_model(cfg, checkpoint: str | None):
         raise ValueError(f"--checkpoint latest: no complete checkpoint in {directory}")
     model = Llama(shape)
     state = {"model": get_model_state_dict(model)}
-    dcp.load(state, storage_reader=manager.storage.reader(path), no_dist=True)
+    with quiet_no_dist():
+        dcp.load(state, storage_reader=manager.storage.reader(path), no_dist=True)
     set_model_state_dict(model, state["model"])
     return model
 

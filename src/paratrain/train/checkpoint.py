@@ -20,6 +20,7 @@ See docs/checkpoints.md.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import errno
 import io
@@ -65,8 +66,18 @@ FORMAT_VERSION = 2
 READABLE_FORMATS = (1, 2)
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 VERIFY_MODES = ("checksum", "size", "none")
-# DCP warns on every single-process save/load; one process without a process group is a supported case here.
-warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+
+
+@contextlib.contextmanager
+def quiet_no_dist(no_dist: bool = True):
+    """DCP warns on every single-process save/load; one process without a process group is a supported case
+    here. Silenced around those calls only (not by a filter set at import for the whole process)."""
+    if not no_dist:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 class CheckpointError(ValueError):
@@ -430,8 +441,9 @@ class CheckpointManager:
     def _write_attempt(self, step: int, path: str, state: dict, extra: dict) -> tuple[str | None, bool, dict]:
         """(error or None, error is transient, {file: size/sha256} of the files this rank wrote)."""
         try:
-            dcp.save(state, storage_writer=self.storage.writer(path), process_group=self.group,
-                     no_dist=self.group is None)
+            with quiet_no_dist(self.group is None):
+                dcp.save(state, storage_writer=self.storage.writer(path), process_group=self.group,
+                         no_dist=self.group is None)
             buffer = io.BytesIO()
             torch.save(extra, buffer)
             self.storage.write_bytes(f"{path}/{extra_name(self.rank)}", buffer.getvalue())
@@ -631,12 +643,14 @@ class CheckpointManager:
         skipped = self._check_parameter_set(path, model_sd, reader.read_metadata())
         if skipped is None:
             state = {"model": model_sd, "optim": optim_sd}
-            dcp.load(state, storage_reader=reader, process_group=self.group, no_dist=self.group is None)
+            with quiet_no_dist(self.group is None):
+                dcp.load(state, storage_reader=reader, process_group=self.group, no_dist=self.group is None)
             set_state_dict(module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                            options=options)
         else:  # checkpoint.partial_load: the matching parameters only; optimizer state of another model is moot
             state = {"model": {k: v for k, v in model_sd.items() if k not in skipped}}
-            dcp.load(state, storage_reader=reader, process_group=self.group, no_dist=self.group is None)
+            with quiet_no_dist(self.group is None):
+                dcp.load(state, storage_reader=reader, process_group=self.group, no_dist=self.group is None)
             set_model_state_dict(module, state["model"], options=StateDictOptions(strict=False))
         if manifest["format"] == 1 and skipped is None:
             self._restore_format1_hyperparameters(optimizer, state["optim"]["param_groups"], path)

@@ -54,8 +54,11 @@ def load_model_tensors(storage, path: str, shapes: dict[str, tuple[int, ...]]) -
     """The model tensors `shapes` (single-device names) of a checkpoint, fp32, in this process."""
     import torch.distributed.checkpoint as dcp
 
+    from paratrain.train.checkpoint import quiet_no_dist
+
     model = {name: torch.empty(shape, dtype=torch.float32) for name, shape in shapes.items()}
-    dcp.load({"model": model}, storage_reader=storage.reader(path), no_dist=True)
+    with quiet_no_dist():
+        dcp.load({"model": model}, storage_reader=storage.reader(path), no_dist=True)
     return model
 
 
