@@ -3,6 +3,8 @@ checked from the option dataclasses, units and defaults in the help."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from paratrain.cli import build_parser, main
@@ -78,3 +80,12 @@ def test_one_flag_one_meaning_across_commands():
     assert not clashing, clashing
     assert {k: sorted(v) for k, v in seen["--seq"].items()} == {
         ("_StoreAction", "int", "4096"): ["compare", "estimate", "plan", "recommend", "simulate"]}
+
+
+def test_estimate_takes_the_expert_layout(capsys):
+    argv = ["estimate", "--model", "mixtral-8x7b", "--hardware", "p5.48xlarge", "--nodes", "2", "--tp", "2",
+            "--global-batch", "64", "--json"]
+    assert main([*argv, "--ep", "4"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["ep"] == 4
+    assert main(["estimate", "--model", "llama2-7b", "--hardware", "p5.48xlarge", "--nodes", "2", "--ep", "4"]) == 2
+    assert "has no experts" in capsys.readouterr().err

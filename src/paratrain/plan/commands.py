@@ -84,6 +84,8 @@ class EstimateArgs(PlanTarget):
     zero_stage: int | None = opt("0 plain DDP, 1/2 distributed optimizer, 3 fully sharded (default 1, or 3 with "
                                  "fsdp/hsdp)", choices=(0, 1, 2, 3))
     dp_kind: Literal["ddp", "fsdp", "hsdp"] = opt("data parallel kind", "ddp")
+    ep: int = opt("expert parallel degree (mixture-of-experts models; divides the experts)", 1)
+    etp: int = opt("expert tensor parallel degree: 1 or tp (mixture-of-experts models)", 1)
     pp_layers: str = opt("layers per pipeline stage: auto (the planner's choice), balanced (the runtime's "
                          "default), or one count per (virtual) stage, e.g. 8,9,8,7", "auto")
 
@@ -127,7 +129,7 @@ def cmd_estimate(args) -> int:
     v = args.virtual_stages if args.virtual_stages is not None else (2 if args.schedule == "zbv" else 1)
     layout = Layout(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, sp=args.sp, microbatch=args.microbatch,
                     recompute=args.recompute, schedule=args.schedule, virtual_stages=v, zero_stage=zero,
-                    dp_kind=args.dp_kind, pp_layers=_pp_layers(args.pp_layers))
+                    dp_kind=args.dp_kind, pp_layers=_pp_layers(args.pp_layers), ep=args.ep, etp=args.etp)
     est = estimate(model, system, args.nodes, args.seq, args.global_batch, layout, options, stack=args.stack,
                    train_tokens=args.train_tokens)
     _write(args, est, model, system)

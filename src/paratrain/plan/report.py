@@ -15,7 +15,8 @@ def print_estimate(est) -> None:
           f"global batch {est.global_batch}")
     print(f"layout: tp {lay.tp}  pp {lay.pp}  dp {lay.dp}  cp {lay.cp}  sp {'on' if lay.sp else 'off'}  "
           f"microbatch {lay.microbatch} ({est.microbatches} per step)  recompute {lay.recompute}  "
-          f"schedule {lay.schedule} (v={lay.virtual_stages})  {lay.dp_kind} zero-{lay.zero_stage}")
+          f"schedule {lay.schedule} (v={lay.virtual_stages})  {lay.dp_kind} zero-{lay.zero_stage}"
+          + (f"  ep {lay.ep} etp {lay.etp}" if lay.ep > 1 else ""))
     if lay.pp > 1:
         kind = "balanced" if est.balanced_step_time_s is None else \
             f"uneven; balanced would take {est.balanced_step_time_s:.4f} s"
