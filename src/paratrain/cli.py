@@ -44,8 +44,8 @@ typical workflow:
   paratrain plan --model llama2-7b --hardware trn1.32xlarge --nodes 128 --seq 4096 --global-batch 1024
   paratrain simulate --help                      # failures, checkpoints and goodput at cluster scale
 
-Every subcommand has its own --help with examples. Units are in the flag names (_s seconds, _usd dollars,
--gib/-gb sizes, -days); the same flag means the same thing, with the same default, in every command.
+Every subcommand has its own --help with examples. Units are in the flag names (-s seconds, -usd dollars,
+-gib/-gb sizes, -days), and a flag means the same in every command that has it (docs/cli.md).
 """
 
 # the unit a field's name ends in, printed in its help
