@@ -145,7 +145,7 @@ def run_compare(args) -> int:
     from paratrain.cost.compare import Workload, compare, parse_targets, ratios_to_first, to_item
     from paratrain.cost.inputs import assumptions_from
     from paratrain.cost.sensitivity import sensitivity
-    from paratrain.cost.tables import print_ratios, print_sensitivity, print_table, write_sensitivity_plot
+    from paratrain.cost.tables import print_comparison, write_sensitivity_plot
 
     if args.claims:
         from paratrain.cost.claims import run_claims
@@ -177,16 +177,7 @@ def run_compare(args) -> int:
         # the report plans each system at 1/4 to 4x its size too (Pareto and scaling plots)
         bar = _progress(4 * len(targets), args.json)
         out["report"] = str(write_report(args.report, workload, rows, targets, assumptions, progress=bar))
-    if args.json:
-        print_json(out)
-        return 0
-    print_table(rows)
-    print_ratios(out["ratios_to_first"])
-    print_sensitivity(out["sensitivity"])
-    print("\nassumptions:\n  " + "\n  ".join(assumptions.describe()))
-    for key in ("sensitivity_plot", "report"):
-        if key in out:
-            print(f"{key.replace('_', ' ')}: {out[key]}")
+    print_json(out) if args.json else print_comparison(out, rows)
     return 0
 
 
@@ -194,7 +185,7 @@ def run_recommend(args) -> int:
     from paratrain.cost.inputs import assumptions_from
     from paratrain.cost.recommend import Request, recommend
     from paratrain.cost.serving import WORKLOADS  # serving workloads are planned by `serve recommend`
-    from paratrain.cost.tables import print_recommendation
+    from paratrain.cost.tables import print_recommendation, write_recommendation_plot
     from paratrain.hardware.catalog import get_catalog
 
     if args.kind in WORKLOADS:
@@ -209,13 +200,6 @@ def run_recommend(args) -> int:
     rec = recommend(req, progress=_progress(len(systems or get_catalog().systems), args.json))
     out = {k: v for k, v in rec.__dict__.items() if k != "items"}
     if args.sensitivity_plot and rec.items:
-        from paratrain.cost.sensitivity import plot
-
-        unpriced = {it.label: f"no price: break-even ${c['break_even_usd_per_node_hour']:,.0f}/node-h"
-                    for it, c in zip(rec.items, rec.candidates, strict=True)
-                    if c["total_usd"] is None and c["break_even_usd_per_node_hour"]}
-        plot(rec.items, args.sensitivity_plot, f"$ per million tokens (compute + porting) by system and purchase "
-             f"option: {args.kind}, {req.model}, {req.train_tokens:.3g} tokens", unpriced)
-        out["sensitivity_plot"] = args.sensitivity_plot
+        out["sensitivity_plot"] = write_recommendation_plot(args.sensitivity_plot, rec, args.kind, req)
     print_json(out) if args.json else print_recommendation(args.kind, req, rec, out)
     return 0

@@ -17,6 +17,29 @@ def write_sensitivity_plot(path: str, rows, items, title: str) -> str:
     return str(path)
 
 
+def write_recommendation_plot(path: str, rec, kind: str, req) -> str:
+    """The sensitivity plot of a recommendation; candidates without a price labelled with their break-even."""
+    from paratrain.cost.sensitivity import plot
+
+    unpriced = {it.label: f"no price: break-even ${c['break_even_usd_per_node_hour']:,.0f}/node-h"
+                for it, c in zip(rec.items, rec.candidates, strict=True)
+                if c["total_usd"] is None and c["break_even_usd_per_node_hour"]}
+    plot(rec.items, path, f"$ per million tokens (compute + porting) by system and purchase option: {kind}, "
+         f"{req.model}, {req.train_tokens:.3g} tokens", unpriced)
+    return path
+
+
+def print_comparison(out: dict, rows) -> None:
+    """`paratrain compare`'s text: the table, the ratios to the first target, the sensitivity, the assumptions."""
+    print_table(rows)
+    print_ratios(out["ratios_to_first"])
+    print_sensitivity(out["sensitivity"])
+    print("\nassumptions:\n  " + "\n  ".join(out["assumptions"]))
+    for key in ("sensitivity_plot", "report"):
+        if key in out:
+            print(f"{key.replace('_', ' ')}: {out[key]}")
+
+
 def print_sensitivity(report: dict) -> None:
     from paratrain.cost.sensitivity import format_tables
 

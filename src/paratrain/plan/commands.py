@@ -150,7 +150,7 @@ def _pp_layers(text: str) -> str | tuple[int, ...]:
 
 def cmd_plan(args) -> int:
     from paratrain.plan.api import search
-    from paratrain.plan.report import print_plan
+    from paratrain.plan.report import print_plan, why_nothing_fits
 
     model, system, options = _load(args)
     if args.max_days is not None and not args.train_tokens:
@@ -160,14 +160,7 @@ def cmd_plan(args) -> int:
                     any_stack=args.any_stack, stack=args.stack,
                     max_time_s=None if args.max_days is None else args.max_days * 86400)
     if not result.candidates:
-        where = (f"{model.name} on {args.nodes} x {system.name} ({args.nodes * system.devices_per_node} devices), "
-                 f"seq {args.seq}, global batch {args.global_batch}")
-        if result.valid == 0:
-            raise UserError(f"no valid layout for {where}: tp must divide heads and ffn, pp the layers, tp*pp*cp the "
-                            "devices, and dp * microbatch the global batch; try a global batch with more factors in "
-                            "common with the device count, or another node count")
-        raise UserError(f"none of the {result.valid} valid layouts for {where} fits in memory (or the --max-days "
-                        "limit): try more nodes or --any-stack (FSDP)")
+        raise UserError(why_nothing_fits(result, model, system, args.nodes, args.seq, args.global_batch))
     best = result.candidates[0]
     _write(args, best, model, system)
     searched = args.stack or ("any" if args.any_stack or system.stack is None else system.stack.name)

@@ -3,6 +3,18 @@
 from __future__ import annotations
 
 
+def why_nothing_fits(result, model, system, nodes: int, seq: int, global_batch: int) -> str:
+    """Why a search found no candidate: no valid layout at all, or none that fits in memory (or the deadline)."""
+    where = (f"{model.name} on {nodes} x {system.name} ({nodes * system.devices_per_node} devices), seq {seq}, "
+             f"global batch {global_batch}")
+    if result.valid == 0:
+        return (f"no valid layout for {where}: tp must divide heads and ffn, pp the layers, tp*pp*cp the devices, "
+                "and dp * microbatch the global batch; try a global batch with more factors in common with the "
+                "device count, or another node count")
+    return (f"none of the {result.valid} valid layouts for {where} fits in memory (or the --max-days limit): try "
+            "more nodes or --any-stack (FSDP)")
+
+
 def _gib(x: float) -> str:
     return f"{x / 2**30:.2f} GiB"
 
