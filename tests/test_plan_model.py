@@ -251,6 +251,7 @@ def test_fp4_and_block_scaled_formats():
     trn3 = resolve_system("trn3-ultraserver")
     assert block_scaled(trn3, Options(fp8=True)) and not block_scaled(trn3, Options(fp8=True, block_scaling=False))
     assert low_precision_flops(trn3, Options(fp4=True)) == low_precision_flops(trn3, Options(fp8=True))
+    assert low_precision_flops(trn3, Options(fp8=True, block_scaling=False)) == trn3.device_peak_flops  # MX-only rate
 
 
 def test_tp_comm_overlap_hides_behind_the_gemms_but_not_the_first_chunk():

@@ -346,7 +346,9 @@ def device_fp8_flops(system: System) -> float:
 
 def low_precision_flops(system: System, opts: Options) -> float:
     """Peak of one device for the layer matmuls' format: FP4 (falling back to FP8, then BF16, where the chip
-    lists no faster rate) or FP8."""
+    lists no faster rate) or FP8; the BF16 rate for per-tensor FP8 on a chip whose fast rates are MX-only."""
+    if system.chip.fp8_block_scaled and not block_scaled(system, opts):
+        return system.device_peak_flops  # Trainium3: only the MX formats get the faster rate (NC-v4)
     if opts.fp4 and system.chip.fp4_tflops:
         return max(device_fp8_flops(system), system.chip.fp4_tflops * 1e12 / system.devices_per_chip)
     return device_fp8_flops(system)
