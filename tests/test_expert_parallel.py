@@ -38,9 +38,17 @@ def _step(block, rank: int) -> dict:
     x.requires_grad_(True)
     out = block(x)
     ((out * weight).sum() + block.last_aux_loss).backward()
-    grads = {n: p.grad.clone() for n, p in block.named_parameters()}
+    grads = {n: (p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad).clone()
+             for n, p in block.named_parameters()}
     return {"out": out.detach(), "x_grad": x.grad, "grads": grads,
             "dropped": router_metrics(block.last_routing, SHAPE["num_experts"])["dropped_tokens"]}
+
+
+def _ep_mesh():
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", (dist.get_world_size(),), mesh_dim_names=("ep",))
 
 
 def _ep_rank(capacity):
@@ -48,7 +56,7 @@ def _ep_rank(capacity):
 
     from paratrain.parallel.expert import ExpertParallelMoE
 
-    return _step(ExpertParallelMoE(_block(capacity)), dist.get_rank())
+    return _step(ExpertParallelMoE(_block(capacity), _ep_mesh(), ("ep",)), dist.get_rank())
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -83,7 +91,7 @@ def _ep_odd():
     from paratrain.parallel.expert import ExpertParallelMoE
 
     torch.manual_seed(0)
-    ExpertParallelMoE(MoE(ModelConfig(**{**SHAPE, "num_experts": 3})))
+    ExpertParallelMoE(MoE(ModelConfig(**{**SHAPE, "num_experts": 3})), _ep_mesh(), ("ep",))
 
 
 MOE_MODEL = ['model.preset="tiny-moe"', "model.layers=2", "model.aux_loss_coef=0.1"]

@@ -28,7 +28,10 @@ def resolve_degrees(pcfg: ParallelSection, world_size: int) -> dict[str, int]:
     if pcfg.dp_kind == "hsdp" and dp % pcfg.dp_replicate:
         raise ValueError(f"parallel.dp_replicate={pcfg.dp_replicate} must divide the data-parallel size {dp} "
                          f"(hsdp: dp = dp_replicate x dp_shard)")
-    return {"pp": pcfg.pp, "dp": dp, "cp": pcfg.cp, "tp": pcfg.tp}
+    if dp % pcfg.ep:  # expert parallelism borrows ep of the dp ranks (torchtitan's dp2ep)
+        raise ValueError(f"parallel.ep={pcfg.ep} must divide the data-parallel size {dp} (ep borrows dp ranks: "
+                         f"dp = dp_mod_ep x ep); allowed: divisors of {dp}")
+    return {"pp": pcfg.pp, "dp": dp, "cp": pcfg.cp, "tp": pcfg.tp, "ep": pcfg.ep}
 
 
 def check_tp_layout(model_cfg: ModelConfig, tp: int, sp: bool, seq_len: int) -> None:
@@ -103,12 +106,36 @@ def check_cp_layout(seq_len: int, cp: int, tp: int = 1, sp: bool = False, pp: in
 # -- end context-parallel block --
 
 
+def check_expert_layout(model_cfg: ModelConfig, pcfg: ParallelSection) -> None:
+    """Expert parallelism (parallel/expert.py): ep divides num_experts (and dp: resolve_degrees), etp = tp, and
+    the MoE compositions the runtime does not implement yet refused with one error each."""
+    n_exp = model_cfg.num_experts
+    if not n_exp:
+        if pcfg.ep > 1 or pcfg.etp > 1:
+            raise ValueError(f"parallel.ep={pcfg.ep}, parallel.etp={pcfg.etp} with model.num_experts=0: expert "
+                             f"parallelism needs a mixture-of-experts model; allowed: ep = etp = 1")
+        return
+    if n_exp % pcfg.ep:
+        raise ValueError(f"parallel.ep={pcfg.ep} must divide model.num_experts={n_exp}")
+    if pcfg.etp != pcfg.tp:
+        raise ValueError(f"parallel.etp={pcfg.etp} with parallel.tp={pcfg.tp}: the runtime shards each expert over "
+                         f"the tp ranks (etp = tp; etp = 1, ep borrowing tp ranks, is not implemented); "
+                         f"allowed: etp={pcfg.tp}")
+    if pcfg.tp > 1 and model_cfg.moe_ffn % pcfg.tp:
+        raise ValueError(f"parallel.tp={pcfg.tp} must divide model.moe_ffn_hidden={model_cfg.moe_ffn} (each expert "
+                         f"is split over tp)")
+    refused = [("cp", pcfg.cp, pcfg.cp > 1), ("sp", pcfg.sp, pcfg.sp),
+               ("dp_kind", f"'{pcfg.dp_kind}'", pcfg.ep > 1 and pcfg.dp_kind == "hsdp")]
+    for field, value, bad in refused:
+        if bad:
+            raise ValueError(f"parallel.{field}={value} with model.num_experts={n_exp}: not implemented for "
+                             f"mixture-of-experts models yet (docs/moe.md); allowed: cp=1, sp=false, dp_kind "
+                             f"ddp/fsdp with ep > 1")
+
+
 def check_parallel_config(model_cfg: ModelConfig, pcfg: ParallelSection, seq_len: int) -> None:
     """Every check that needs the model shape but not the world size."""
-    if model_cfg.num_experts and (bad := [(k, v) for k, v in (("tp", pcfg.tp), ("pp", pcfg.pp), ("cp", pcfg.cp))
-                                          if v > 1]):
-        raise ValueError(f"parallel.{bad[0][0]}={bad[0][1]} with model.num_experts={model_cfg.num_experts}: "
-                         f"mixture-of-experts models do not compose with tp/pp/cp yet (docs/moe.md); allowed: 1")
+    check_expert_layout(model_cfg, pcfg)
     check_tp_layout(model_cfg, pcfg.tp, pcfg.sp, seq_len)
     check_vocab_parallel(model_cfg, pcfg)
     check_cp_layout(seq_len, pcfg.cp, pcfg.tp, pcfg.sp, pcfg.pp)

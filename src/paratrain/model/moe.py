@@ -92,12 +92,19 @@ class GroupedExperts(nn.Module):
         self.w2 = nn.Parameter(torch.empty(n_exp, hidden, ffn))
 
     def forward(self, x: torch.Tensor, counts: list[int]) -> torch.Tensor:
-        """x (N, hidden) grouped by expert, counts[e] rows for expert e -> (N, hidden). A loop of matmuls: the
-        portable grouped matmul (torch._grouped_mm is CUDA-only and private in torch 2.13)."""
-        outs = []
-        for e, rows in enumerate(x.split(counts)):
-            outs.append((F.silu(rows @ self.w1[e].T) * (rows @ self.w3[e].T)) @ self.w2[e].T)
-        return torch.cat(outs) if outs else x[:0]
+        """x (N, hidden) grouped by expert, counts[e] rows for expert e -> (N, hidden)."""
+        return grouped_swiglu(x, counts, self.w1, self.w3, self.w2)
+
+
+def grouped_swiglu(x: torch.Tensor, counts: list[int], w1: torch.Tensor, w3: torch.Tensor,
+                   w2: torch.Tensor) -> torch.Tensor:
+    """SwiGLU of each expert e over its counts[e] rows of x (grouped by expert). A loop of matmuls: the portable
+    grouped matmul (torch._grouped_mm is CUDA-only and private in torch 2.13). Also run by expert parallelism on
+    its local experts' (column/row slices of the) weights."""
+    outs = []
+    for e, rows in enumerate(x.split(counts)):
+        outs.append((F.silu(rows @ w1[e].T) * (rows @ w3[e].T)) @ w2[e].T)
+    return torch.cat(outs) if outs else x.new_zeros(0, w2.shape[1])
 
 
 class MoE(nn.Module):

@@ -107,13 +107,15 @@ def apply_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh 
       1. tensor (+ sequence, loss) parallelism      tensor.py
          or vocabulary parallelism over dp          vocab.py (embedding/head only; left out of step 6)
       2. context parallelism (ring attention)       context.py
-      3. expert parallelism                         expert.py (MoE; the step a new technique joins at)
+      3. expert parallelism (MoE)                   expert.py
       4. activation recomputation                   recompute.py
       5. torch.compile of what runs                 compile.py
       6. data parallelism: FSDP2 / HSDP / DDP       data.py  (stale-gradient DP: its runner reduces, stale_dp.py)
     Why this order:
     - the pipeline split comes before all of them (parallelize), so every technique sees only this rank's layers;
     - TP before CP: the ring runs on each TP rank's own heads; CP's position hook goes ahead of SP's stage hook;
+    - TP before EP: the shared experts are TP-sharded like the dense MLP, EP shards the routed experts over
+      (ep, tp) itself; EP before DP, which must leave the expert weights to EP's reducer;
     - TP (and EP) before recompute, so a recomputed region replays its collectives in backward;
     - recompute before FSDP, so FSDP's per-block hooks (unshard before backward) wrap the recomputed forward;
     - compile after recompute, so the compiled region is what runs, checkpointing included;
@@ -137,17 +139,34 @@ def apply_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh 
 
         apply_context_parallel(parts, mesh["cp"].get_group(), pcfg.cp_attention, sp_tp=tp if pcfg.sp else 1,
                                device=env.device)
-    # 3. expert parallelism: not wired into parallelize yet (parallel/expert.py, docs/moe.md)
+    experts = apply_expert_parallel(parts, cfg, mesh)  # 3.
     for part in parts:
         apply_recompute(part, pcfg.recompute)  # 4.
         apply_compile(part, cfg.train.compile)  # 5.
-    return apply_data_parallel(parts, cfg, mesh, ignored=vocab_params)  # 6.
+    return apply_data_parallel(parts, cfg, mesh, ignored=vocab_params, experts=experts)  # 6.
 
 
-def apply_data_parallel(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh | None, ignored=None):
+def apply_expert_parallel(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh | None):
+    """Step 3 (MoE models): the routed experts sharded over (ep, tp) as DTensors (parallel/expert.py; the shared
+    experts were TP-sharded in step 1 like the dense MLP); a pipeline schedule, which differentiates only the
+    LM loss, gets each layer's aux loss through the layer's output. Returns the reducer of the expert gradients
+    that step 6 leaves them to (None: no sharded experts)."""
+    if mesh is None or not cfg.model_shape().num_experts:
+        return None
+    from paratrain.parallel import expert
+
+    params = expert.shard_experts(parts, mesh)
+    if cfg.parallel.pp > 1:  # after sharding: the hooks go on the modules that run
+        expert.attach_aux_to_backward(parts)
+    return expert.expert_reducer(params, mesh, mesh["dp"].size() * mesh["cp"].size())
+
+
+def apply_data_parallel(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh | None, ignored=None,
+                        experts=None):
     """Step 6: FSDP2 / HSDP / bucketed DDP over dp (x cp); None with one data-parallel rank, and for stale
     gradients (their asynchronous all-reduce over dp replaces DDP/FSDP: `make_runner` builds it). `ignored`
-    parameters are left alone (already sharded over dp, gradients complete: parallel/vocab.py)."""
+    parameters are left alone (already sharded over dp, gradients complete: parallel/vocab.py); `experts`
+    (step 3's reducer): the expert weights, left out of DDP/FSDP and reduced over their own group."""
     if mesh is None or is_stale(cfg):
         return None
     dp_mesh = dp_mesh_of(mesh, cfg)
@@ -159,7 +178,7 @@ def apply_data_parallel(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMe
     kind, _ = effective_dp(pcfg)
     # the zero-bubble schedules need the parameters gathered from forward to backward (config/pipeline.py)
     return apply_dp(parts, dp_mesh, kind, stage_reshard_after_forward(pcfg), bucket_bytes=pcfg.ddp_bucket_bytes,
-                    precision=Precision.from_train(cfg.train), ignored=ignored)
+                    precision=Precision.from_train(cfg.train), ignored=ignored, experts=experts)
 
 
 def make_runner(stages: list[tuple[int, nn.Module]], layout, cfg: TrainConfig, mesh: DeviceMesh | None,

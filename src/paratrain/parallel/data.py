@@ -200,11 +200,12 @@ class DataParallel:
     """What the runner needs from data parallelism: gradient-sync control, completion, and the loss group."""
 
     def __init__(self, kind: str, group: dist.ProcessGroup | None, fsdp_modules: list[FSDPModule] | None = None,
-                 reducer: BucketedGradReducer | None = None):
+                 reducer: BucketedGradReducer | None = None, experts=None):
         self.kind = kind
         self.group = group
         self.fsdp_modules = fsdp_modules or []
         self.reducer = reducer
+        self.experts = experts  # parallel/expert.py ExpertGradReducer: expert weights, reduced over their group
         self.pending_ddp: tuple | None = None  # DDP set up once the weights exist
 
     def sync_context(self, sync: bool):
@@ -223,6 +224,8 @@ class DataParallel:
     def finish(self) -> None:
         if self.reducer is not None:
             self.reducer.finish()
+        if self.experts is not None:
+            self.experts.finish()
 
     def ready(self) -> None:
         """Finish what needs the weights, once they exist (after materialising a meta model; `apply_dp` calls
@@ -246,34 +249,39 @@ def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: boo
                precision: Precision = FP32, ignored: set[nn.Parameter] | None = None) -> list[FSDPModule]:
     """fully_shard each block, then the root (embedding, final norm, head): one all-gather unit per block.
     Under bf16 every unit gathers bf16 copies and reduces in precision.reduce (parallel/precision.py).
-    `ignored`: parameters FSDP must leave alone (a vocab-parallel embedding/head: parallel/vocab.py)."""
+    `ignored`: parameters FSDP must leave alone (a vocab-parallel embedding/head: parallel/vocab.py; expert-parallel
+    experts, which parallel/expert.py reduces)."""
     units = []
     mp = {"mp_policy": policy} if (policy := precision.fsdp_policy()) is not None else {}
+    if ignored:
+        mp["ignored_params"] = ignored
     for block in model.layers.values():
         units.append(fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **mp))
     # The root's parameters are needed again first in backward (the head): resharding them buys nothing.
-    units.append(fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, ignored_params=ignored or None, **mp))
+    units.append(fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **mp))
     return units
 
 
 def apply_dp(parts: list[nn.Module], dp_mesh: DeviceMesh, kind: str, reshard_after_forward: bool = True,
              bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision: Precision = FP32,
-             ignored: set[nn.Parameter] | None = None) -> DataParallel:
+             ignored: set[nn.Parameter] | None = None, experts=None) -> DataParallel:
     """Apply data parallelism of `kind` ("ddp" | "fsdp" | "hsdp") over `dp_mesh` to every model part.
 
     For "hsdp" pass a 2-D mesh (replicate, shard); FSDP2 then shards over the inner and replicates over the
     outer dimension. `ignored` parameters are neither sharded nor reduced (already sharded over dp, gradients
-    complete on each rank: parallel/vocab.py)."""
+    complete on each rank: parallel/vocab.py). `experts` (parallel/expert.py ExpertGradReducer): its parameters
+    are left out of the dense wrapper too and reduced by it when the step's backward is done."""
     group = dp_group(dp_mesh)
-    ignored = ignored or set()
+    ignored = set(ignored or ()) | set(experts.params if experts is not None else ())
     if kind in ("fsdp", "hsdp"):
         if kind == "hsdp" and dp_mesh.ndim != 2:
             raise ValueError("parallel.dp_kind='hsdp' needs a 2-D dp mesh (dp_replicate x dp_shard)")
         units = [u for part in parts for u in apply_fsdp(part, dp_mesh, reshard_after_forward, precision, ignored)]
-        return DataParallel(kind, group, fsdp_modules=units)
+        return DataParallel(kind, group, fsdp_modules=units, experts=experts)
     if kind == "ddp":
-        params = [p for part in parts for p in part.parameters() if p not in ignored]
-        dp = DataParallel(kind, group)
+        skip = {id(p) for p in ignored}
+        params = [p for part in parts for p in part.parameters() if id(p) not in skip]
+        dp = DataParallel(kind, group, experts=experts)
         dp.pending_ddp = (params, bucket_bytes, precision.reduce)
         if not any(local(p).is_meta for p in params):  # else: once materialised (parallelize calls ready())
             dp.ready()

@@ -200,6 +200,7 @@ class PipelineRunner(ParallelRunner):
             self.schedule.step(*args, target=target, losses=losses, return_outputs=False)
         if reducer is not None:
             reducer.sync = True
+        if self.dp is not None:  # DDP's buckets and the expert gradients (FSDP stages reduce in the schedule)
             self.dp.finish()
         return self._broadcast_loss(losses)
 

@@ -98,7 +98,8 @@ class Runner:
                 with self.autocast():
                     loss = self.loss_fn(self.model(x), y) / len(chunks)
                     aux = aux_loss(self.model)  # MoE load balancing: trained, not reported in the loss
-                (loss if aux is None else loss + aux / len(chunks)).backward()
+                # two roots, one backward: a loss-parallel loss is a DTensor, the aux loss a plain tensor
+                torch.autograd.backward([loss] if aux is None else [loss, aux / len(chunks)])
             total += plain(loss.detach())
         return self.reduce_loss(total)
 

@@ -69,8 +69,9 @@ class ReplicatedKVProjection(ParallelStyle):
         return distribute_module(module, device_mesh, partition, prepare_input, prepare_output)
 
 
-def block_plan(model_cfg: ModelConfig, tp: int, sp: bool) -> dict[str, ParallelStyle]:
-    """The parallel style of each submodule of one TransformerBlock."""
+def block_plan(model_cfg: ModelConfig, tp: int, sp: bool, moe: bool = False) -> dict[str, ParallelStyle]:
+    """The parallel style of each submodule of one TransformerBlock (`moe`: a mixture-of-experts layer, whose
+    routed experts parallel/expert.py shards over tp; its shared experts are split like the dense MLP)."""
     residual = Shard(1) if sp else Replicate()
     kv_style = (ColwiseParallel() if model_cfg.n_kv_heads % tp == 0
                 else ReplicatedKVProjection(model_cfg.head_dim, model_cfg.n_kv_heads))
@@ -89,6 +90,13 @@ def block_plan(model_cfg: ModelConfig, tp: int, sp: bool) -> dict[str, ParallelS
     if sp:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
+    if moe:  # the block's input stays a plain replicated tensor (sp is refused with experts: layout.py)
+        for key in ("feed_forward", "feed_forward.w1", "feed_forward.w3", "feed_forward.w2"):
+            del plan[key]
+        if model_cfg.shared_experts:
+            plan |= {"feed_forward.shared_experts.w1": ColwiseParallel(),
+                     "feed_forward.shared_experts.w3": ColwiseParallel(),
+                     "feed_forward.shared_experts.w2": RowwiseParallel(output_layouts=residual)}
     return plan
 
 
@@ -228,7 +236,7 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sp: bool, loss_parallel: boo
     if cfg.tie_embeddings and model.tok_embeddings is not None and model.output is not None:
         tie_embeddings(model)  # one Shard(0) parameter for both (no pipeline split: the config refuses tied + pp)
     for block in model.layers.values():
-        parallelize_module(block, tp_mesh, block_plan(cfg, tp, sp))
+        parallelize_module(block, tp_mesh, block_plan(cfg, tp, sp, moe=cfg.is_moe_layer(block.layer_id)))
         if sp and save_shards:
             for region in (block.attention, block.feed_forward):
                 SaveGatheredInputAsShard(tp_mesh, block).register(region)
