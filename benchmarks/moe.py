@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 
-def _block(ep: int):
+def _block(ep: int, device_type: str):
     from paratrain.model.config import PRESETS
     from paratrain.model.moe import MoE
 
@@ -38,9 +38,12 @@ def _block(ep: int):
             p.normal_(0, 0.02)
     if ep == 1:
         return block
+    from torch.distributed.device_mesh import init_device_mesh
+
     from paratrain.parallel.expert import ExpertParallelMoE
 
-    return ExpertParallelMoE(block)
+    mesh = init_device_mesh(device_type, (ep,), mesh_dim_names=("ep",))  # the layer parallelize() builds
+    return ExpertParallelMoE(block, mesh, ("ep",))
 
 
 def _a2a_time(block, x: torch.Tensor) -> float:
@@ -70,7 +73,7 @@ def worker(args) -> None:
     torch.set_num_threads(1)
     env = init_distributed("cpu")
     ep = env.world_size
-    block = _block(ep)
+    block = _block(ep, env.device.type)
     x = torch.randn(args.tokens, block.cfg.hidden, generator=torch.Generator().manual_seed(env.rank))
     steps, a2a = [], []
     for i in range(args.steps + 1):

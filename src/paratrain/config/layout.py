@@ -31,7 +31,7 @@ def resolve_degrees(pcfg: ParallelSection, world_size: int) -> dict[str, int]:
     if dp % pcfg.ep:  # expert parallelism borrows ep of the dp ranks (torchtitan's dp2ep)
         raise ValueError(f"parallel.ep={pcfg.ep} must divide the data-parallel size {dp} (ep borrows dp ranks: "
                          f"dp = dp_mod_ep x ep); allowed: divisors of {dp}")
-    return {"pp": pcfg.pp, "dp": dp, "cp": pcfg.cp, "tp": pcfg.tp, "ep": pcfg.ep}
+    return {"pp": pcfg.pp, "dp": dp, "cp": pcfg.cp, "tp": pcfg.tp}  # ep is a split of dp (parallel/mesh.py)
 
 
 def check_tp_layout(model_cfg: ModelConfig, tp: int, sp: bool, seq_len: int) -> None:

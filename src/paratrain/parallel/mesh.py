@@ -63,18 +63,17 @@ def build_mesh(pcfg: ParallelSection, env: DistEnv) -> DeviceMesh | None:
         mesh = init_device_mesh(env.device.type, sizes, mesh_dim_names=dims)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return mesh
-    if degrees["ep"] > 1:
-        return _expert_mesh(env.device.type, degrees)
+    if pcfg.ep > 1:
+        return _expert_mesh(env.device.type, degrees, pcfg.ep)
     return init_device_mesh(env.device.type, tuple(degrees[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
 
 
-def _expert_mesh(device_type: str, degrees: dict[str, int]) -> DeviceMesh:
+def _expert_mesh(device_type: str, degrees: dict[str, int], ep: int) -> DeviceMesh:
     """Expert parallelism borrows ep of the dp ranks (torchtitan's dp2ep): dp is split into dp_mod_ep x ep, ep
     inner (neighbouring dp ranks exchange tokens), and "dp" stays addressable as their flattened product. The
     dense weights are data-parallel over dp; each expert shard lives on one ep rank and is replicated over
     dp_mod_ep (parallel/expert.py reduces its gradient there). One root mesh, so FSDP2 and DTensor accept the
     expert (ep, tp) and dense (dp, tp) submeshes side by side."""
-    ep = degrees["ep"]
     dims = ("pp", "dp_mod_ep", "ep", "cp", "tp")
     sizes = (degrees["pp"], degrees["dp"] // ep, ep, degrees["cp"], degrees["tp"])
     mesh = init_device_mesh(device_type, sizes, mesh_dim_names=dims)
