@@ -50,6 +50,49 @@ def test_ep4_tp_fsdp_pp_compositions_match_single_device(dist_run):
     _check(dist_run, 4, WORLD4)
 
 
+def _norms(cases):
+    """The gradient norm `clip_grad_norm_` computes after the first backward, per layout (no clipping)."""
+    from parity import global_batch, make_config
+
+    from paratrain.parallel.mesh import init_distributed
+    from paratrain.train.loop import build_runner
+
+    env, norms = init_distributed("cpu"), []
+    for case in cases:
+        cfg = make_config(MOE + case)
+        runner = build_runner(cfg, env)
+        x, y = global_batch(cfg, 0)
+        per = cfg.train.global_batch // runner.dp_size
+        runner.forward_backward(x[runner.dp_rank * per:(runner.dp_rank + 1) * per],
+                                y[runner.dp_rank * per:(runner.dp_rank + 1) * per])
+        norms.append(float(runner.clip_grad_norm_(0.0)))
+    return norms
+
+
+def test_gradient_norm_counts_each_expert_shard_once(dist_run):
+    """parallel/grad_norm.py over the expert DTensors: squares summed over ep and tp (and the pp stages), never
+    over the dp_mod_ep replicas; equal to the single-device norm within 1e-5 (the parity runs clip at 1.0 with
+    this norm above 1, so a wrong norm would also change their later losses)."""
+    from parity import global_batch, make_config
+
+    from paratrain.parallel.mesh import DistEnv
+    from paratrain.train.loop import build_runner
+
+    cases = [['parallel.ep=2', 'parallel.dp=4', 'parallel.dp_kind="ddp"'],
+             ['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=2', 'parallel.dp_kind="fsdp"'],
+             ['parallel.ep=2', 'parallel.pp=2', 'parallel.dp_kind="ddp"']]
+    per_rank = dist_run(4, _norms, cases)
+    cfg = make_config(MOE)
+    runner = build_runner(cfg, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    x, y = global_batch(cfg, 0)
+    runner.forward_backward(x, y)
+    want = float(runner.clip_grad_norm_(0.0))
+    assert want > 1.0  # so grad_clip=1.0 in the parity runs really clips
+    for rank, norms in enumerate(per_rank):
+        for case, got in zip(cases, norms, strict=True):
+            assert abs(got - want) <= 1e-5 * want, (rank, case, got, want)
+
+
 def _local_expert_shapes():
     from parity import make_config
 
