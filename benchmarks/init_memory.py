@@ -111,6 +111,14 @@ def phase_goals(args, base: dict, share: float) -> dict[str, float]:
     return {p: base[p + "_rss_peak_bytes"] + 1.5 * share + extra[p] for p in args.phases}
 
 
+def progress(out: dict, phase: str) -> None:
+    """Rank 0's line as each phase ends (so a run stopped later still shows how far it got)."""
+    if out["rank"] == 0:
+        print(f"rank 0: {phase} done in {out[phase + '_s']:.1f} s, peak RSS {gib(out[phase + '_rss_peak_bytes'])} "
+              f"GiB, private {gib(out[phase + '_private_bytes'])} GiB; MemAvailable {gib(mem_available_bytes())} GiB",
+              file=sys.stderr, flush=True)
+
+
 def rank_main(rank: int, args, store_path: str, queue) -> None:
     os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(args.ranks), "LOCAL_RANK": str(rank)})
     import torch
@@ -141,6 +149,7 @@ def rank_main(rank: int, args, store_path: str, queue) -> None:
     local = [getattr(p, "_local_tensor", p) for p in runner.model.parameters()]
     out["local_param_bytes"] = sum(t.numel() * t.element_size() for t in local)
     out["materialise_rss_peak_bytes"], out["materialise_private_bytes"] = rss_peak_bytes(), private_bytes()
+    progress(out, "materialise")
     dist.barrier()
     if "forward" in args.phases:
         g = torch.Generator().manual_seed(rank)
@@ -151,6 +160,7 @@ def rank_main(rank: int, args, store_path: str, queue) -> None:
             loss = runner.loss_fn(runner.model(tokens[:, :-1]), tokens[:, 1:])
         out["forward_s"], out["loss"] = time.perf_counter() - t0, float(plain(loss.detach()))
         out["forward_rss_peak_bytes"], out["forward_private_bytes"] = rss_peak_bytes(), private_bytes()
+        progress(out, "forward")
         dist.barrier()
         if "backward" in args.phases:
             t0 = time.perf_counter()
@@ -162,6 +172,7 @@ def rank_main(rank: int, args, store_path: str, queue) -> None:
             out["grad_norm_sq_local"] = float(sum(float(getattr(g, "_local_tensor", g).float().pow(2).sum())
                                                   for g in grads))
             out["backward_rss_peak_bytes"], out["backward_private_bytes"] = rss_peak_bytes(), private_bytes()
+            progress(out, "backward")
             dist.barrier()
     queue.put(out)
     dist.destroy_process_group()
