@@ -1,6 +1,7 @@
 import os
 
 import pytest
+from cpu_report import pytest_addoption, pytest_configure  # noqa: F401 - the --cpu-report option
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
