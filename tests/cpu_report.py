@@ -103,6 +103,7 @@ class CpuReport:
         row = self.meter.lap()
         row.update(nodeid=item.nodeid, wall_s=time.monotonic() - wall)
         self.rows.append(row)
+        self._write()  # after every test: a run killed by a timeout still leaves its table
 
     def pytest_sessionfinish(self, session) -> None:
         if self.meter is None:
@@ -110,11 +111,15 @@ class CpuReport:
         row = self.meter.lap()
         row.update(nodeid="<session end>", wall_s=0.0)
         self.rows.append(row)
+        self._write()
+
+    def _write(self) -> None:
         total = {"cpu_s": sum(r["cpu_s"] for r in self.rows), "sys_s": sum(r["sys_s"] for r in self.rows),
                  "wall_s": time.monotonic() - self.wall0,
                  "loadavg": open("/proc/loadavg").read().split()[:3]}
-        with open(self.path, "w") as f:
+        with open(self.path + ".tmp", "w") as f:
             json.dump({"total": total, "tests": self.rows}, f, indent=1)
+        os.replace(self.path + ".tmp", self.path)
 
 
 def pytest_addoption(parser) -> None:
