@@ -26,11 +26,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-from paratrain.config import DEFAULT_DDP_BUCKET_MB
+from paratrain.config import ParallelSection
 from paratrain.device import host
 from paratrain.parallel.precision import FP32, Precision
 
-DEFAULT_BUCKET_BYTES = int(DEFAULT_DDP_BUCKET_MB * 2**20)
+DEFAULT_BUCKET_BYTES = ParallelSection().ddp_bucket_bytes  # the config's default, through its one conversion
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
