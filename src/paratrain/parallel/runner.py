@@ -61,6 +61,8 @@ class StepHooks:
 
 class Runner:
     optimizer_foreach = True  # ParallelRunner: False when parameters mix DTensor and plain tensors
+    norm_groups: tuple = ()  # groups whose ranks hold different parameters (pipeline stages): none here
+    norm_slots: tuple = (None, None)  # (slot of each parameter in the single-device order, count): all held here
 
     def __init__(self, model: nn.Module, microbatch: int, device: torch.device, dtype: str = "fp32",
                  dp_rank: int = 0, dp_size: int = 1):

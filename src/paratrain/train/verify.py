@@ -78,8 +78,7 @@ def checksums(runner) -> dict[str, float]:
     local_sum = float(sum(t.double().sum() for t in local)) if local else 0.0
     local_norm = float(torch.stack([t.double().norm() for t in local]).norm()) if local else 0.0
     # the loop's own rule for a global norm from local shards (applied to the parameters instead of gradients)
-    norm = global_grad_norm(params, runner.device, getattr(runner, "norm_groups", ()),
-                            *getattr(runner, "norm_slots", (None, None)))
+    norm = global_grad_norm(params, runner.device, runner.norm_groups, *runner.norm_slots)
     return {"param_norm": float(norm), "local_norm": local_norm, "local_sum": local_sum}
 
 
