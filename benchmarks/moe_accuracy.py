@@ -7,7 +7,9 @@ data: no constant of the planner was set on it (plan/moe.py's constants come fro
 and link entries of the hardware catalog). Fields marked "best" were not published: the planner's best fitting
 choice for the published ones. Each run is timed as its stack runs it (Megatron-Core: plan.stacks "megatron"),
 with its precision, its routing (balanced: the benchmark force-balances tokens over experts, moe_imbalance = 1;
-learned: plan.moe.routing_imbalance), whether it overlaps the all-to-all (ep_overlap) and dispatches in FP8.
+learned: plan.moe.routing_imbalance), whether it overlaps the all-to-all (ep_overlap) and dispatches in FP8,
+and how its grouped expert GEMM launches (grouped_gemm: per_expert = Transformer Engine's multi-stream
+GroupedLinear, which Megatron-Core runs on Hopper; fused = one launch for all local experts, DeepSeek's).
 
 The DeepSeek-V3 cluster (2048 H800): H800 = H100 SXM compute and memory with NVLink cut to 400 GB/s
 bidirectional (200 GB/s per direction; DeepSeek-V3 report sec. 3.3.1 and NVIDIA's H800 export specification)
@@ -57,6 +59,7 @@ def options_of(system, r: dict) -> Options:
                               moe_imbalance=1.0 if r["routing"] == "balanced" else None,
                               ep_overlap=float(r["ep_overlap"]), moe_fp8_dispatch=r["fp8_dispatch"] == "1",
                               moe_hierarchical_dispatch=r["dispatcher"] == "hierarchical",
+                              moe_gemm_per_expert=r["grouped_gemm"] == "per_expert",
                               recompute_mlp=r["recompute_mlp"] == "1")
 
 

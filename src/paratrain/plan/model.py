@@ -107,7 +107,9 @@ class Options:
     (1: force-balanced routing as benchmark runs use; None: plan.moe.routing_imbalance from the router and the
     capacity factor); moe_fp8_dispatch: tokens dispatched in FP8 (DeepSeek-V3, DeepEP), combined in BF16;
     moe_hierarchical_dispatch: a token crosses the network once per destination node, NVLink fans it out
-    (DeepEP / HybridEP, Megatron-Core's flex dispatcher); otherwise a flat all-to-all sends all k copies.
+    (DeepEP / HybridEP, Megatron-Core's flex dispatcher); otherwise a flat all-to-all sends all k copies;
+    moe_gemm_per_expert: the grouped expert GEMM is one GEMM launch per local expert (Transformer Engine's
+    GroupedLinear on Hopper: multi-stream cuBLASLt), otherwise one launch for all (torch._grouped_mm, DeepGEMM).
     """
 
     attention: str = "flash"
@@ -131,6 +133,7 @@ class Options:
     moe_imbalance: float | None = None
     moe_fp8_dispatch: bool = False
     moe_hierarchical_dispatch: bool = False
+    moe_gemm_per_expert: bool = False
 
     @classmethod
     def for_system(cls, system: System, attention: str | None = None, stack: str | None = None, **kw) -> Options:

@@ -43,6 +43,14 @@ MOE_ELEMENTWISE_KERNELS = 8
 # ~0.1-0.25. 0.15 is the assumption used for learned routing; published benchmark runs that force-balance
 # their routing (Megatron-Bridge's performance tables) pass Options.moe_imbalance = 1.
 ROUTER_LOAD_CV = 0.15
+# Dropless dispatch reads the per-expert token counts to the host once per MoE layer forward (Megatron-Core's
+# MoEAlltoAllTokenDispatcher: the all-to-all split sizes and GroupedLinear's m_splits are Python lists, taken
+# with a .cpu() and a stream synchronisation at its cuda_sync_point; DeepEP's normal kernels likewise wait on
+# the host for the receive counts). The GPU queue drains there; it restarts when the host has launched again,
+# and the dispatch kernels right after the sync (permute, the all-to-all, the sort of the received chunks by
+# local expert) run at the host's launch pace: the sync round trip plus these 3, each one kernel launch
+# (the chip's kernel_overhead_s). A capacity factor (token dropping: static shapes) needs no sync.
+HOST_SYNC_LAUNCHES = 4
 
 
 def is_moe(model: ModelConfig) -> bool:
@@ -159,10 +167,11 @@ def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp,
     local = E / ep
     per_expert = rows * imb / local
     width = fm / etp
+    overhead = system.chip.efficiency.kernel_overhead_s
     gemm = local * (matmul_time_s(system, per_expert, 2 * width, h, opts.fp8)
                     + matmul_time_s(system, per_expert, h, width, opts.fp8))
-    # a grouped GEMM is one launch for all local experts: the per-matmul fixed cost paid twice, not 2 x local
-    gemm = gemm - 2 * (local - 1) * system.chip.efficiency.kernel_overhead_s
+    if not opts.moe_gemm_per_expert:  # one grouped launch for all local experts: the fixed cost paid twice
+        gemm = gemm - 2 * (local - 1) * overhead
     routed = rows * imb
     elem_bytes = (tokens * E * 4 * 3  # fp32 router scores: write, top-k read, softmax/sigmoid read+write
                   + routed * h * BF16_BYTES * 2 * 2  # permute and unpermute: read + write each
@@ -174,7 +183,10 @@ def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp,
     dedup = k if opts.moe_hierarchical_dispatch else None
     dispatch = alltoall_time_s(system, rows * h * dispatch_bytes, ep, stride, imb, dedup)
     combine = alltoall_time_s(system, rows * h * BF16_BYTES, ep, stride, imb, dedup)
-    a2a_fwd = dispatch + combine
+    # the dropless host sync sits on the dispatch path (once per forward; replayed by full recompute below);
+    # counted with the all-to-all, so where there is one (ep > 1; at ep = 1 a few microseconds are left out)
+    sync = np.where(ep > 1, HOST_SYNC_LAUNCHES * overhead, 0.0) if model.capacity_factor is None else 0.0
+    a2a_fwd = dispatch + combine + sync
     # backward: the gradient of the combine goes out like a dispatch and that of the dispatch comes back like a
     # combine, both bf16; full recompute replays the forward's pair first
     a2a_bwd = 2 * combine + np.where(rc == 2, a2a_fwd, 0.0)

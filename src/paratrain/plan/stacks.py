@@ -38,9 +38,13 @@ STACKS: dict[str, Stack] = {
 # Megatron's distributed optimizer hides the post-step parameter all-gather behind the next forward; NxD's
 # ZeRO-1 runs it after the optimizer step. fp8_weight_cache: Megatron-Core passes Transformer Engine's
 # is_first_microbatch, so a step casts each weight to FP8 once and keeps it; torchao float8 casts at every call.
+# moe_gemm_per_expert: Megatron-Core's TEGroupedMLP runs Transformer Engine's GroupedLinear, which on Hopper
+# launches one cuBLASLt GEMM per local expert over several streams (TE PR #853 "Grouped GEMM via multi-stream
+# cuBLAS"; TE issue #1386: cuBLAS grouped/CUTLASS were slower for the MoE shapes measured, so not used).
 STACK_OPTIONS: dict[str, dict] = {
     "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
-    "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "overlap_param_gather": True, "fp8_weight_cache": True},
+    "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "overlap_param_gather": True, "fp8_weight_cache": True,
+                 "moe_gemm_per_expert": True},
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
     "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
 }
