@@ -51,6 +51,14 @@ ROUTER_LOAD_CV = 0.15
 # local expert) run at the host's launch pace: the sync round trip plus these 3, each one kernel launch
 # (the chip's kernel_overhead_s). A capacity factor (token dropping: static shapes) needs no sync.
 HOST_SYNC_LAUNCHES = 4
+# Transformer Engine's multi-stream grouped GEMM (one cuBLASLt GEMM per local expert over several streams: what
+# Megatron-Core's TEGroupedMLP runs on Hopper) costs this much per expert GEMM more than one grouped launch for
+# all experts. Published kernel measurement, TE PR #3134 (2026-06, benchmarks/linear/benchmark_grouped_linear.py,
+# "PURE" kernel-vs-kernel row, 8 experts x 128 tokens, N = K = 2048): 0.267 ms multi-stream against 0.069 ms for
+# the single-launch grouped kernel, (0.267 - 0.069) / 8 = 24.75 us per expert GEMM. Measured on SM100 (NVFP4);
+# taken as the cost of the path itself (cuBLASLt call, stream/event hand-offs), not of the chip's math: an
+# assumption for Hopper, where no such measurement was found.
+MULTISTREAM_GEMM_S = (0.267e-3 - 0.069e-3) / 8
 
 
 def is_moe(model: ModelConfig) -> bool:
@@ -170,8 +178,10 @@ def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp,
     overhead = system.chip.efficiency.kernel_overhead_s
     gemm = local * (matmul_time_s(system, per_expert, 2 * width, h, opts.fp8)
                     + matmul_time_s(system, per_expert, h, width, opts.fp8))
-    if not opts.moe_gemm_per_expert:  # one grouped launch for all local experts: the fixed cost paid twice
-        gemm = gemm - 2 * (local - 1) * overhead
+    # one grouped launch for all local experts: the fixed cost paid twice (once per GEMM), not 2 x local
+    gemm = gemm - 2 * (local - 1) * overhead
+    if opts.moe_gemm_per_expert:  # TE's multi-stream loop over the local experts (backward: 2x, as the GEMMs)
+        gemm = gemm + 2 * local * MULTISTREAM_GEMM_S
     routed = rows * imb
     elem_bytes = (tokens * E * 4 * 3  # fp32 router scores: write, top-k read, softmax/sigmoid read+write
                   + routed * h * BF16_BYTES * 2 * 2  # permute and unpermute: read + write each
