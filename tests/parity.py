@@ -44,9 +44,10 @@ def full_tensor(t: torch.Tensor) -> torch.Tensor:
 
 
 def run_steps(cfg: TrainConfig, runner, steps: int = 3) -> dict:
-    """Loss of the first forward, all gradients after the first backward, and the losses of `steps` steps."""
+    """Loss of the first forward, all gradients after the first backward, the losses of `steps` steps and the
+    gradient norm before clipping of each step."""
     optimizer = build_optimizer(runner, cfg.optim)
-    losses, grads = [], {}
+    losses, grads, norms = [], {}, []
     per_rank = cfg.train.global_batch // runner.dp_size
     for step in range(steps):
         inputs, targets = global_batch(cfg, step)
@@ -56,11 +57,11 @@ def run_steps(cfg: TrainConfig, runner, steps: int = 3) -> dict:
             for name, p in state_module(runner.parts).named_parameters():
                 if p.grad is not None:
                     grads[clean_name(name)] = full_tensor(p.grad).detach().clone()
-        runner.clip_grad_norm_(cfg.optim.grad_clip)
+        norms.append(float(runner.clip_grad_norm_(cfg.optim.grad_clip)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(float(loss))
-    return {"losses": losses, "grads": grads}
+    return {"losses": losses, "grads": grads, "grad_norms": norms}
 
 
 def reference(cfg: TrainConfig, steps: int = 3) -> dict:

@@ -2,7 +2,8 @@
 the single-device model through the parity harness (tests/parity.py: first loss, every gradient after one
 backward, the losses of 3 AdamW steps with clipping; fp32, fixed seeds; loss rtol 1e-5 / atol 1e-6, gradients
 within 1e-5 relative norm), dropless and with capacity factor 1.0 (which drops assignments on these batches).
-Also: each rank materialises only its expert slice, and a DCP checkpoint saved under EP2 x FSDP2 loads under EP4.
+Also: the gradient norm of each layout, and a DCP checkpoint saved under EP2 x FSDP2 loads under EP2 x TP2, where
+each rank holds only its expert slice.
 """
 
 from __future__ import annotations
@@ -30,86 +31,24 @@ def _cases(cases):
     return [parallel_run(MOE + c) for c in cases]
 
 
-def _check(dist_run, world, cases):
+def test_expert_layouts_match_single_device(dist_run):
+    """EP2 on 2 ranks, the rest on 4, each against the single-device run of its model section; the gradient norm
+    of the first step too (parallel/grad_norm.py: expert shards' squares summed over ep, tp and the pp stages,
+    never over the dp_mod_ep replicas; within 1e-5). The reference norm is above 1, so clipping at 1.0 is active
+    and a wrong norm would also change the later losses; dropping the expert gradients' 1/dp fails both."""
     from parity import assert_cases_match, make_config, reference
 
-    per_rank = dist_run(world, _cases, cases)
-    refs = {}
-    for i, case in enumerate(cases):
-        model = tuple(c for c in case if c.startswith("model."))
-        if model not in refs:
-            refs[model] = reference(make_config(MOE + list(model)))
-        assert_cases_match(refs[model], [case], [[results[i]] for results in per_rank])
-
-
-def test_ep2_matches_single_device(dist_run):
-    _check(dist_run, 2, EP2)
-
-
-def test_ep4_tp_fsdp_pp_compositions_match_single_device(dist_run):
-    _check(dist_run, 4, WORLD4)
-
-
-def _norms(cases):
-    """The gradient norm `clip_grad_norm_` computes after the first backward, per layout (no clipping)."""
-    from parity import global_batch, make_config
-
-    from paratrain.parallel.mesh import init_distributed
-    from paratrain.train.loop import build_runner
-
-    env, norms = init_distributed("cpu"), []
-    for case in cases:
-        cfg = make_config(MOE + case)
-        runner = build_runner(cfg, env)
-        x, y = global_batch(cfg, 0)
-        per = cfg.train.global_batch // runner.dp_size
-        runner.forward_backward(x[runner.dp_rank * per:(runner.dp_rank + 1) * per],
-                                y[runner.dp_rank * per:(runner.dp_rank + 1) * per])
-        norms.append(float(runner.clip_grad_norm_(0.0)))
-    return norms
-
-
-def test_gradient_norm_counts_each_expert_shard_once(dist_run):
-    """parallel/grad_norm.py over the expert DTensors: squares summed over ep and tp (and the pp stages), never
-    over the dp_mod_ep replicas; equal to the single-device norm within 1e-5 (the parity runs clip at 1.0 with
-    this norm above 1, so a wrong norm would also change their later losses)."""
-    from parity import global_batch, make_config
-
-    from paratrain.parallel.mesh import DistEnv
-    from paratrain.train.loop import build_runner
-
-    cases = [['parallel.ep=2', 'parallel.dp=4', 'parallel.dp_kind="ddp"'],
-             ['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=2', 'parallel.dp_kind="fsdp"'],
-             ['parallel.ep=2', 'parallel.pp=2', 'parallel.dp_kind="ddp"']]
-    per_rank = dist_run(4, _norms, cases)
-    cfg = make_config(MOE)
-    runner = build_runner(cfg, DistEnv(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
-    x, y = global_batch(cfg, 0)
-    runner.forward_backward(x, y)
-    want = float(runner.clip_grad_norm_(0.0))
-    assert want > 1.0  # so grad_clip=1.0 in the parity runs really clips
-    for rank, norms in enumerate(per_rank):
-        for case, got in zip(cases, norms, strict=True):
-            assert abs(got - want) <= 1e-5 * want, (rank, case, got, want)
-
-
-def _local_expert_shapes():
-    from parity import make_config
-
-    from paratrain.parallel.mesh import init_distributed
-    from paratrain.train.loop import build_runner
-
-    runner = build_runner(make_config(MOE + ['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=2']),
-                          init_distributed("cpu"))
-    return {n: (tuple(p.shape), tuple(p.to_local().shape)) for part in runner.parts
-            for n, p in part.named_parameters() if ".experts." in n}
-
-
-def test_each_rank_materialises_only_its_expert_slice(dist_run):
-    shapes = dist_run(4, _local_expert_shapes)[0]
-    assert shapes  # (E, ffn, h) = (8, 96, 128): 4 experts per ep rank, half of each expert's width per tp rank
-    assert shapes["layers.1.feed_forward.experts.w1"] == ((8, 96, 128), (4, 48, 128))
-    assert shapes["layers.1.feed_forward.experts.w2"] == ((8, 128, 96), (4, 128, 48))
+    refs = {model: reference(make_config(MOE + list(model))) for model in ((), (CAPACITY,))}
+    assert all(ref["grad_norms"][0] > 1.0 for ref in refs.values())
+    assert refs[()]["losses"][0] != refs[(CAPACITY,)]["losses"][0]  # capacity 1.0 really drops assignments
+    for world, cases in ((2, EP2), (4, WORLD4)):
+        per_rank = dist_run(world, _cases, cases)
+        for i, case in enumerate(cases):
+            ref = refs[tuple(c for c in case if c.startswith("model."))]
+            assert_cases_match(ref, [case], [[results[i]] for results in per_rank])
+            for results in per_rank:
+                got = results[i]["grad_norms"][0]
+                assert abs(got - ref["grad_norms"][0]) <= 1e-5 * ref["grad_norms"][0], (case, got)
 
 
 def test_the_config_names_the_field_of_a_bad_expert_layout():
@@ -130,7 +69,8 @@ def test_the_config_names_the_field_of_a_bad_expert_layout():
 
 
 def _save_then_load(folder: str):
-    """Train one step under EP2 x DP2 (world 4), save with DCP; load under EP4 and compare every parameter."""
+    """Train one step under EP2 x FSDP2 (world 4), save with DCP; load under EP2 x TP2 and compare every
+    parameter; and the (global, local) shapes of the loaded layout's expert weights."""
     import torch.distributed.checkpoint as dcp
     from parity import full_tensor, global_batch, make_config
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -148,16 +88,23 @@ def _save_then_load(folder: str):
     opt.step()
     saved = {k: full_tensor(v).clone() for k, v in get_model_state_dict(state_module(runner.parts)).items()}
     dcp.save(get_model_state_dict(state_module(runner.parts)), checkpoint_id=folder)
-    other = build_runner(make_config(MOE + ['parallel.ep=4', 'parallel.dp_kind="ddp"']), env)
+    other = build_runner(make_config(MOE + ['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=2']), env)
     state = get_model_state_dict(state_module(other.parts))
     dcp.load(state, checkpoint_id=folder)
     set_model_state_dict(state_module(other.parts), state)
     loaded = {k: full_tensor(v) for k, v in get_model_state_dict(state_module(other.parts)).items()}
-    return {k: bool(torch.equal(saved[k], loaded[k])) for k in saved} if set(saved) == set(loaded) else None
+    shapes = {n: (tuple(p.shape), tuple(p.to_local().shape)) for part in other.parts
+              for n, p in part.named_parameters() if ".experts." in n}
+    same = {k: bool(torch.equal(saved[k], loaded[k])) for k in saved} if set(saved) == set(loaded) else None
+    return same, shapes
 
 
-def test_dcp_checkpoint_saved_under_ep2_loads_under_ep4(dist_run, tmp_path):
-    result = dist_run(4, _save_then_load, str(tmp_path / "ckpt"))[0]
-    assert result is not None, "parameter names differ between the EP2 and EP4 layouts"
-    assert any(".experts." in k for k in result)
-    assert all(result.values()), [k for k, ok in result.items() if not ok]
+def test_dcp_checkpoint_reshards_expert_weights_and_ranks_hold_their_slice(dist_run, tmp_path):
+    """Saved under EP2 x FSDP2, loaded under EP2 x TP2: every parameter bitwise; meta-init and loading put only
+    this rank's slice in memory: 4 of the 8 experts, half of each expert's width (w1 (E, ffn, h) = (8, 96, 128))."""
+    same, shapes = dist_run(4, _save_then_load, str(tmp_path / "ckpt"))[0]
+    assert same is not None, "parameter names differ between the two layouts"
+    assert any(".experts." in k for k in same)
+    assert all(same.values()), [k for k, ok in same.items() if not ok]
+    assert shapes["layers.1.feed_forward.experts.w1"] == ((8, 96, 128), (4, 48, 128))
+    assert shapes["layers.1.feed_forward.experts.w2"] == ((8, 128, 96), (4, 128, 48))
