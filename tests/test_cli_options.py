@@ -55,6 +55,8 @@ DIFFERS = {
     "--seed": "simulate: None = its config's seed (0 unless --config sets one)",
     "--steps": "verify: steps per compared run; compare/simulate: steps of the training run",
     "--top": "how many rows: 10 layouts (plan), 5 deployments (serve plan)",
+    "--tp": "estimate: unset = the trainer's parallel.tp default (1); serve: a replica's TP degree, default 1",
+    "--pp": "as --tp", "--ep": "as --tp",
 }
 
 

@@ -95,9 +95,9 @@ def test_model_toml_file(tmp_path, capsys):
     (["--tp", "3"], "tp*pp*cp = 3: must divide the 4096 devices"),
     (["--tp", "8", "--dp", "7"], "dp = 7: tp*pp*cp*dp = 56 must equal the 4096 devices"),
     (["--tp", "8", "--microbatch", "3"], "microbatch = 3: global_batch = 1024 must be divisible"),
-    (["--tp", "1", "--sp"], "sp = true needs tp > 1"),
-    (["--tp", "8", "--pp", "2", "--schedule", "zbv", "--virtual-stages", "4"], "schedule = zbv: needs pp > 1 and virtual_stages = 2"),
-    (["--tp", "8", "--virtual-stages", "0"], "virtual_stages = 0: must be >= 1"),
+    (["--tp", "1", "--sp"], "parallel.sp=true needs parallel.tp > 1"),
+    (["--tp", "8", "--pp", "2", "--pp-schedule", "zbv", "--virtual-stages", "4"], "parallel.virtual_stages=4 with parallel.pp_schedule='zbv'"),
+    (["--tp", "8", "--virtual-stages", "0"], "--virtual-stages = 0: must be >= 1"),
     (["--tp", "8", "--train-tokens", "-3"], "--train-tokens = -3.0: must be > 0"),
 ])
 def test_bad_layouts_fail_with_one_line(capsys, argv, expect):

@@ -57,9 +57,9 @@ class UserError(Exception):
 
 
 def opt(help: str, default=None, **meta):
-    """A command option as a dataclass field. meta: flag, short, choices, metavar, nargs, const, required,
+    """A command option as a dataclass field. meta: flag, short (or another spelling), choices, metavar, nargs, const, required,
     positional, group, exclusive (a name: at most one option of that name), ge/gt (bounds checked before the
-    command runs), factory (a mutable default), default_at_parse (a function giving the default when the parser
+    command runs; of each item of a tuple[X, ...] option, a comma-separated list), factory (a mutable default), default_at_parse (a function giving the default when the parser
     is built, e.g. from an environment variable)."""
     factory = meta.pop("factory", None)
     meta["help"] = help
@@ -74,9 +74,13 @@ def _kind(hint) -> tuple[str, typing.Any, tuple | None]:
     if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
         hint = args[0]
     if typing.get_origin(hint) is typing.Literal:
-        return "value", str, typing.get_args(hint)
+        return "value", type(typing.get_args(hint)[0]), typing.get_args(hint)
     if typing.get_origin(hint) is list:
         return "list", typing.get_args(hint)[0], None
+    if typing.get_origin(hint) is tuple:  # tuple[X, ...]: one comma-separated value, split after parsing
+        base = typing.get_args(hint)[0]
+        literal = typing.get_origin(base) is typing.Literal
+        return "csv", str if literal else base, typing.get_args(base) if literal else None
     return ("flag", None, None) if hint is bool else ("value", hint, None)
 
 
@@ -111,13 +115,16 @@ def add_options(parser: argparse.ArgumentParser, cls) -> None:
         default = f.default_factory() if f.default is MISSING else f.default
         default = m["default_at_parse"]() if "default_at_parse" in m else default  # e.g. from the environment
         kw = {"help": _help(f, default)}
-        if kind == "flag":
+        if kind == "csv":  # the text is split (and its items checked) by check_options
+            default = ",".join(map(str, default)) if isinstance(default, tuple) else default
+            kw.update(type=str, default=default, metavar=m.get("metavar", "A,B,..."))
+        elif kind == "flag":
             kw["action"] = "store_true"
         else:
             kw.update(type=base, default=default)
             if kind == "list" and "nargs" not in m:  # repeatable; with nargs, one option takes several values
                 kw["action"] = "append"
-        if choices or "choices" in m:
+        if kind != "csv" and (choices or "choices" in m):
             kw["choices"] = m.get("choices", choices)
         kw.update({k: m[k] for k in ("metavar", "nargs", "const", "required") if k in m})
         if m.get("positional"):
@@ -126,16 +133,35 @@ def add_options(parser: argparse.ArgumentParser, cls) -> None:
             where.add_argument(flag_of(f), *([m["short"]] if "short" in m else []), dest=f.name, **kw)
 
 
-def check_bounds(opts) -> None:
-    """The ge/gt bounds of every option given: one line naming the flag, its value and the bound."""
-    for f in dataclasses.fields(opts):
-        value = getattr(opts, f.name)
-        if value is None or isinstance(value, bool | list | str):
+def _split(f: dataclasses.Field, base, choices, text: str) -> tuple:
+    """A tuple[X, ...] option's comma-separated text as items; a bad one names the flag and what is allowed."""
+    allowed = ", ".join(map(str, choices)) if choices else f"{base.__name__} values" + (
+        f" >= {f.metadata['ge']}" if "ge" in f.metadata else "")
+    try:
+        items = tuple(base(x.strip()) for x in text.split(",") if x.strip())
+    except ValueError:
+        items = ()
+    if not items or any(choices and x not in choices or "ge" in f.metadata and x < f.metadata["ge"] for x in items):
+        raise UserError(f"{flag_of(f)} = {text!r}: allowed: {allowed} (comma-separated)")
+    return items
+
+
+def check_options(cls, args) -> typing.Any:
+    """The options as an instance of `cls`: comma lists split, and the ge/gt bounds of every option given
+    checked; one line naming the flag, its value and the bound."""
+    hints, values = typing.get_type_hints(cls), {}
+    for f in dataclasses.fields(cls):
+        value = values[f.name] = getattr(args, f.name)
+        kind, base, choices = _kind(hints[f.name])
+        if kind == "csv" and isinstance(value, str):
+            values[f.name] = _split(f, base, f.metadata.get("choices", choices), value)
+        elif value is None or isinstance(value, bool | list | str):
             continue
-        if "ge" in f.metadata and not value >= f.metadata["ge"]:
+        elif "ge" in f.metadata and not value >= f.metadata["ge"]:
             raise UserError(f"{flag_of(f)} = {value}: must be >= {f.metadata['ge']}")
-        if "gt" in f.metadata and not value > f.metadata["gt"]:
+        elif "gt" in f.metadata and not value > f.metadata["gt"]:
             raise UserError(f"{flag_of(f)} = {value}: must be > {f.metadata['gt']}")
+    return cls(**values)
 
 
 def command(sub, name: str, cls, run, help: str, description: str = "", epilog: str | None = None,
@@ -147,13 +173,7 @@ def command(sub, name: str, cls, run, help: str, description: str = "", epilog: 
     add_options(p, cls)
     if config_keys:
         add_config_keys(p)
-
-    def func(args):
-        opts = cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-        check_bounds(opts)
-        return run(opts)
-
-    p.set_defaults(func=func)
+    p.set_defaults(func=lambda args: run(check_options(cls, args)))
     return p
 
 
@@ -184,6 +204,24 @@ class Workload:
     model: str | None = opt("model preset (llama2-7b, llama3-70b, ...) or model TOML file")
     seq: int = opt("sequence length in tokens", 4096, ge=1)
     global_batch: int = opt("sequences per optimizer step", 1024, ge=1)
+
+
+def section_options(section: str, keys, group: str) -> list[tuple]:
+    """Options for keys of a training config section, for `dataclasses.make_dataclass`: each spelled as the
+    trainer's key (`--pp-schedule`, also `--parallel.pp_schedule`), with its type, bounds and help; unset (None)
+    unless given, so the schema's own defaults and derived values apply (the default is in the help)."""
+    from paratrain.config import FIELD_HELP, TrainConfig
+
+    fields = TrainConfig.model_fields[section].annotation.model_fields
+    out = []
+    for key in keys:
+        f = fields[key]
+        about = f.description or FIELD_HELP.get(f"{section}.{key}", key)
+        bounds = {k: getattr(m, k) for m in f.metadata for k in ("ge", "gt") if hasattr(m, k)}
+        help = f"{about} ({section}.{key}, default {f.default!r})"
+        meta = {"metavar": "N"} if f.annotation is int else {}
+        out.append((key, f.annotation | None, opt(help, short=f"--{section}.{key}", group=group, **bounds, **meta)))
+    return out
 
 
 PURCHASE_HELP = "which catalog price the cost uses: on-demand, capacity-block, savings-1y, savings-3y or spot"
@@ -225,6 +263,11 @@ def _plain(value):
 def print_json(obj) -> None:
     """The whole of stdout for --json: one JSON document."""
     print(json.dumps(json_safe(obj), indent=2, default=_plain))
+
+
+def show(opts, data, text) -> None:
+    """A command's result: with --json, `data` as the one JSON document; else `text` (a function printing it)."""
+    print_json(data) if opts.json else text()
 
 
 def version() -> str:

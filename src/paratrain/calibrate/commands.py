@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.cli import Output, UserError, command, opt, print_json
+from paratrain.cli import Output, UserError, command, opt, print_json, show
 from paratrain.device import CPU, CUDA, NEURON
 
 PROBE_DEVICES = (CPU, CUDA, NEURON)
@@ -47,14 +47,13 @@ See src/paratrain/calibrate/fit.py and docs/calibration.md.
 """
 
 
-
 @dataclass(kw_only=True)
 class ProbeArgs(Output):
     out: str = opt("hardware TOML to write", "runs/hardware/local.toml", metavar="FILE")
     name: str = opt("system name in the catalog", "local")
     ranks: int | None = opt("ranks per node the entry describes (default: this machine's cores on CPU); more ranks "
                             "than cores share them, each at its share of a core", ge=1)
-    groups: str = opt("group sizes to time collectives on (comma list)", "2,4")
+    groups: tuple[int, ...] = opt("group sizes to time collectives on (comma list)", (2, 4), ge=2)
     device: str = opt("where to probe: the host, or an accelerator (bf16 matmuls; collectives on the host only)",
                       PROBE_DEVICES[0], choices=PROBE_DEVICES)
     quick: bool = opt("fewer sizes and repeats (about 10 s)")
@@ -84,35 +83,24 @@ def register(sub) -> None:
             "fit the planner to measured runs; write a calibrated hardware file", CALIBRATE_HELP)
 
 
-def run_calibrate_cmd(args) -> int:
+def run_calibrate_cmd(args) -> None:
     from paratrain.calibrate.session import print_calibration, run_calibration
 
     if not args.holdout < 1:
         raise UserError(f"--holdout = {args.holdout}: allowed: 0 <= fraction < 1")
     out = run_calibration(args)
     print_json(out) if args.json else print_calibration(out)
-    return 0
 
 
-def run_probe_cmd(args) -> int:
+def run_probe_cmd(args) -> None:
     from paratrain.calibrate.probe import hardware_toml, probe_json, run_probe
     from paratrain.calibrate.session import print_probe
 
-    try:
-        groups = [int(g) for g in args.groups.split(",") if g]
-    except ValueError:
-        raise UserError(f"--groups '{args.groups}': expected comma-separated integers, e.g. 2,4") from None
-    if any(g < 2 for g in groups):
-        raise UserError(f"--groups '{args.groups}': group sizes must be >= 2")
-    res = run_probe(args.device, groups, quick=args.quick, log=lambda m: None if args.json else print(m))
+    res = run_probe(args.device, list(args.groups), quick=args.quick, log=lambda m: None if args.json else print(m))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(hardware_toml(res, args.name, args.ranks))
     out.with_suffix(".probe.json").write_text(json.dumps(probe_json(res), indent=2))
-    if args.json:
-        print_json({"matmul_tflops_by_size": res.matmul_tflops_by_size, "link_fit": res.link_fit,
-                    "memory_bw_gbytes_per_s": res.memory_bw_gbytes_per_s, "collective_fits": res.fits,
-                    "hardware_file": str(out)})
-    else:
-        print_probe(res, out)
-    return 0
+    show(args, {"matmul_tflops_by_size": res.matmul_tflops_by_size, "link_fit": res.link_fit, "hardware_file": str(out),
+                "memory_bw_gbytes_per_s": res.memory_bw_gbytes_per_s, "collective_fits": res.fits},
+         lambda: print_probe(res, out))

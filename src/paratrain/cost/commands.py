@@ -70,7 +70,6 @@ option and with each price -30% .. +30% (--sensitivity-plot PNG); --config FILE 
 """
 
 
-
 @dataclass(kw_only=True)
 class CostArgs(Workload, Output):
     train_tokens: float | None = opt("tokens to train, e.g. 1e12", gt=0, exclusive="length")
@@ -122,7 +121,7 @@ class RecommendArgs(CostArgs):
     engineer_usd_per_day: float = opt("loaded cost of an engineer-day (assumption)", 1200.0, ge=0)
     constraint: list[str] = opt("a hard constraint on top of the kind's own: cuda-kernels, multicloud or onprem "
                                 "(repeatable), e.g. pretrain --constraint multicloud", factory=list, metavar="NAME")
-    systems: str | None = opt("comma list of candidate systems (default: every catalog system; those without a "
+    systems: tuple[str, ...] | None = opt("comma list of candidate systems (default: every catalog system; those without a "
                               "price get a break-even price instead of a rank)")
 
 
@@ -141,7 +140,7 @@ def _progress(total: int, quiet: bool):
     return tqdm(total=total, unit="cluster", leave=False).update
 
 
-def run_compare(args) -> int:
+def run_compare(args) -> int | None:
     from paratrain.cost.compare import Workload, compare, parse_targets, ratios_to_first, to_item
     from paratrain.cost.inputs import assumptions_from
     from paratrain.cost.sensitivity import sensitivity
@@ -178,10 +177,9 @@ def run_compare(args) -> int:
         bar = _progress(4 * len(targets), args.json)
         out["report"] = str(write_report(args.report, workload, rows, targets, assumptions, progress=bar))
     print_json(out) if args.json else print_comparison(out, rows)
-    return 0
 
 
-def run_recommend(args) -> int:
+def run_recommend(args) -> None:
     from paratrain.cost.inputs import assumptions_from
     from paratrain.cost.recommend import Request, recommend
     from paratrain.cost.serving import WORKLOADS  # serving workloads are planned by `serve recommend`
@@ -191,7 +189,7 @@ def run_recommend(args) -> int:
     if args.kind in WORKLOADS:
         raise UserError(f"recommend {args.kind}: a serving workload; run `paratrain serve recommend {args.kind} "
                         "--model M --rate REQ_PER_S` (chips, latency and $/M tokens per system, docs/serving.md)")
-    systems = [s.strip() for s in args.systems.split(",") if s.strip()] if args.systems else None
+    systems = list(args.systems) if args.systems else None
     req = Request(kind=args.kind, model=args.model, train_tokens=args.train_tokens, nodes=args.nodes,
                   chips=args.chips, seq=args.seq, global_batch=args.global_batch, current_stack=args.current_stack,
                   porting_engineer_days=args.porting_days, engineer_usd_per_day=args.engineer_usd_per_day,
@@ -202,4 +200,3 @@ def run_recommend(args) -> int:
     if args.sensitivity_plot and rec.items:
         out["sensitivity_plot"] = write_recommendation_plot(args.sensitivity_plot, rec, args.kind, req)
     print_json(out) if args.json else print_recommendation(args.kind, req, rec, out)
-    return 0

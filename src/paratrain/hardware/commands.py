@@ -22,7 +22,6 @@ examples:
 """
 
 
-
 @dataclass(kw_only=True)
 class CatalogArgs(Output):
     hardware_file: list[Path] = opt("also load this hardware TOML file (repeatable)", factory=list, metavar="FILE")
@@ -39,18 +38,16 @@ def register(subparsers) -> None:
     command(sub, "show", ShowArgs, cmd_show, "every field of one system or chip, with sources")
 
 
-def cmd_list(args) -> int:
+def cmd_list(args) -> None:
     from paratrain.hardware.describe import chip_rows, print_list, system_summary
 
     catalog = get_catalog(args.hardware_file or None)
     rows, chips = [system_summary(s) for s in catalog.systems.values()], chip_rows(catalog)
     print_json({"systems": rows, "chips": chips}) if args.json else print_list(rows, chips)
-    return 0
 
 
-def cmd_show(args) -> int:
+def cmd_show(args) -> None:
     from paratrain.hardware.describe import describe, print_tree
 
     detail = describe(get_catalog(args.hardware_file or None), args.name)
     print_json(detail) if args.json else print_tree(detail)
-    return 0

@@ -25,7 +25,6 @@ serving model's calibration input, docs/serving.md).
 """
 
 
-
 @dataclass(kw_only=True)
 class GenerateArgs(ConfigArgs, Output):
     checkpoint: str | None = opt("'latest' (newest complete checkpoint of the run's checkpoint.dir) or a step "
@@ -47,7 +46,7 @@ def register(sub) -> None:
             config_keys=True)
 
 
-def run_generate(args) -> int:
+def run_generate(args) -> None:
     from paratrain.config import ParallelSection, load_config
     from paratrain.infer.generate import Sampling, generate
     from paratrain.infer.session import (
@@ -87,4 +86,3 @@ def run_generate(args) -> int:
         if args.summary_json:
             Path(args.summary_json).write_text(json.dumps(summary, indent=2))
         print(json.dumps(summary)) if args.json else print_generation(summary)
-    return 0

@@ -137,7 +137,7 @@ def train_arguments(args, extra_sets: list[str]) -> list[str]:
     return out
 
 
-def run_launch(args) -> int:
+def run_launch(args) -> None:
     if args.json and not args.dry_run:
         raise ValueError("--json: allowed only with --dry-run (a real launch hands the terminal to torchrun)")
     merge_extra(args)
@@ -155,7 +155,7 @@ def run_launch(args) -> int:
     if args.dry_run and args.json:
         print_json({"command": cmd, "env": env, "mode": spec.mode(), "nnodes": str(nnodes), "nproc_per_node": nproc,
                     "placement": {str(k): v for k, v in layouts.items()}, "warnings": warnings_for(cfg, spec)})
-        return 0
+        return
     for n, place in layouts.items():
         shown = ", ".join(f"{d}: {where}" for d, where in place.items()) or "one rank, no parallel groups"
         print(f"paratrain launch: {n} node(s) x {nproc}: {shown}", file=sys.stderr)
@@ -163,8 +163,7 @@ def run_launch(args) -> int:
         print(f"paratrain launch: note: {note}", file=sys.stderr)
     if args.dry_run:
         print(shell_line(cmd, env))
-        return 0
+        return
     print(f"paratrain launch: exec {shell_line(cmd, env)}", file=sys.stderr, flush=True)
     # exec, not a child: the scheduler's SIGTERM then reaches torchrun, which stops its workers cleanly.
     os.execvpe(cmd[0], cmd, {**os.environ, **env})
-    return 0  # not reached

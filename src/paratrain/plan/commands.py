@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Literal
 
-from paratrain.cli import Output, UserError, Workload, command, opt, print_json
+from paratrain.cli import Output, UserError, Workload, command, opt, print_json, section_options, show
 
 ESTIMATE_HELP = """\
 Predict step time, MFU/HFU, memory per device, communication and cost of ONE parallel layout, from the
@@ -20,7 +21,7 @@ examples:
   paratrain estimate --model llama2-7b --hardware trn1.32xlarge --nodes 128 --seq 4096 --global-batch 1024 \\
       --tp 8 --pp 1 --sp --recompute selective
   paratrain estimate --model llama3-70b --hardware p5.48xlarge --nodes 64 --seq 8192 --global-batch 512 \\
-      --tp 8 --pp 4 --sp --schedule interleaved_1f1b --virtual-stages 5 --json
+      --tp 8 --pp 4 --sp --pp-schedule interleaved_1f1b --virtual-stages 5 --json
 
 With pp > 1 the planner also picks the layers per pipeline stage (--pp-layers auto, the default): fewer on the
 stage that runs the output head (or embedding) when that makes the slowest stage faster; --pp-layers balanced
@@ -70,24 +71,17 @@ class PlanTarget(Workload, Output):
     write_config: str | None = opt("write the (best) layout as a training config TOML", metavar="FILE")
 
 
-@dataclass(kw_only=True)
-class EstimateArgs(PlanTarget):
-    tp: int = opt("tensor parallel degree", 1)
-    pp: int = opt("pipeline parallel degree", 1)
-    dp: int | None = opt("data parallel degree (default: the rest)")
-    cp: int = opt("context parallel degree", 1)
-    sp: bool = opt("sequence parallelism (with tp > 1)")
-    microbatch: int = opt("sequences per microbatch", 1)
-    recompute: Literal["none", "selective", "full"] = opt("activation recomputation", "none")
-    schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "zbv"] = opt("pipeline schedule", "1f1b")
-    virtual_stages: int | None = opt("chunks per device (interleaved: >1, zbv: 2)")
-    zero_stage: int | None = opt("0 plain DDP, 1/2 distributed optimizer, 3 fully sharded (default 1, or 3 with "
-                                 "fsdp/hsdp)", choices=(0, 1, 2, 3))
-    dp_kind: Literal["ddp", "fsdp", "hsdp"] = opt("data parallel kind", "ddp")
-    ep: int = opt("expert parallel degree (mixture-of-experts models; divides the experts)", 1)
-    etp: int = opt("expert tensor parallel degree: 1 or tp (mixture-of-experts models)", 1)
-    pp_layers: str = opt("layers per pipeline stage: auto (the planner's choice), balanced (the runtime's "
-                         "default), or one count per (virtual) stage, e.g. 8,9,8,7", "auto")
+# The layout flags are the trainer's [parallel] keys (names, types, bounds, help; defaults from the schema), so a
+# layout is spelled the same in `estimate` and `train` (--pp-schedule = --parallel.pp_schedule).
+LAYOUT = "layout (the trainer's parallel.* keys; docs/config.md)"
+LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "sp", "ep", "etp", "dp_kind", "zero_stage", "recompute", "pp_schedule",
+               "virtual_stages")
+EstimateArgs = dataclasses.make_dataclass("EstimateArgs", [*section_options("parallel", LAYOUT_KEYS, LAYOUT), (
+    "microbatch", int, opt("sequences per microbatch (train.microbatch)", 1, ge=1, short="--train.microbatch",
+                           group=LAYOUT)), (
+    "pp_layers", str, opt("layers per pipeline stage: auto (the planner's choice), balanced (the runtime's default), "
+                          "or one count per (virtual) stage, e.g. 8,9,8,7", "auto", short="--parallel.pp_layers",
+                          group=LAYOUT))], bases=(PlanTarget,), kw_only=True)
 
 
 @dataclass(kw_only=True)
@@ -120,21 +114,35 @@ def _load(args):
     return model, system, Options.for_system(system, attention=args.attention, stack=args.stack, **kw)
 
 
-def cmd_estimate(args) -> int:
-    from paratrain.plan.api import Layout, estimate
+def cmd_estimate(args) -> None:
+    from paratrain.plan.api import estimate
     from paratrain.plan.report import print_estimate
 
     model, system, options = _load(args)
-    zero = args.zero_stage if args.zero_stage is not None else (1 if args.dp_kind == "ddp" else 3)
-    v = args.virtual_stages if args.virtual_stages is not None else (2 if args.schedule == "zbv" else 1)
-    layout = Layout(tp=args.tp, pp=args.pp, dp=args.dp, cp=args.cp, sp=args.sp, microbatch=args.microbatch,
-                    recompute=args.recompute, schedule=args.schedule, virtual_stages=v, zero_stage=zero,
-                    dp_kind=args.dp_kind, pp_layers=_pp_layers(args.pp_layers), ep=args.ep, etp=args.etp)
-    est = estimate(model, system, args.nodes, args.seq, args.global_batch, layout, options, stack=args.stack,
+    est = estimate(model, system, args.nodes, args.seq, args.global_batch, _layout(args), options, stack=args.stack,
                    train_tokens=args.train_tokens)
     _write(args, est, model, system)
     print_json(est.to_dict()) if args.json else print_estimate(est)
-    return 0
+
+
+def _layout(args):
+    """The planner's Layout of the flags given, read as the trainer reads them: its [parallel] section (its
+    checks, its defaults for what is not given), then the planner's names (pp_schedule -> schedule, dp=-1 ->
+    None, the V schedules' two chunks per rank)."""
+    from pydantic import ValidationError
+
+    from paratrain.config import ParallelSection, chunks_per_rank, format_validation_error
+    from paratrain.plan.api import Layout
+
+    try:
+        pcfg = ParallelSection(**{k: getattr(args, k) for k in LAYOUT_KEYS if getattr(args, k) is not None})
+    except ValidationError as err:  # one line, the trainer's message
+        raise UserError(format_validation_error(err).replace("invalid config: config: ", "layout: ")) from None
+    zero = pcfg.zero_stage if pcfg.zero_stage is not None else (1 if pcfg.dp_kind == "ddp" else 3)
+    return Layout(tp=pcfg.tp, pp=pcfg.pp, dp=None if pcfg.dp == -1 else pcfg.dp, cp=pcfg.cp, sp=pcfg.sp,
+                  microbatch=args.microbatch, recompute=pcfg.recompute, schedule=pcfg.pp_schedule,
+                  virtual_stages=chunks_per_rank(pcfg.pp_schedule, pcfg.virtual_stages), zero_stage=zero,
+                  dp_kind=pcfg.dp_kind, pp_layers=_pp_layers(args.pp_layers), ep=pcfg.ep, etp=pcfg.etp)
 
 
 def _pp_layers(text: str) -> str | tuple[int, ...]:
@@ -148,7 +156,7 @@ def _pp_layers(text: str) -> str | tuple[int, ...]:
                         f"8,9,8,7") from None
 
 
-def cmd_plan(args) -> int:
+def cmd_plan(args) -> None:
     from paratrain.plan.api import search
     from paratrain.plan.report import print_plan, why_nothing_fits
 
@@ -167,11 +175,8 @@ def cmd_plan(args) -> int:
     info = {"stack": searched, "combinations": result.combinations, "evaluated": result.valid,
             "fitting": result.fitting, "seconds": result.seconds, "configs_per_s": result.configs_per_s,
             "objective": args.objective}
-    if args.json:
-        print_json({"best": best.to_dict(), "candidates": [c.to_dict() for c in result.candidates], "search": info})
-    else:
-        print_plan(result, info)
-    return 0
+    show(args, {"best": best.to_dict(), "candidates": [c.to_dict() for c in result.candidates], "search": info},
+         lambda: print_plan(result, info))
 
 
 def _write(args, est, model, system) -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.cli import PURCHASE_HELP, Output, UserError, command, group, opt, print_json
+from paratrain.cli import PURCHASE_HELP, Output, UserError, command, group, opt, print_json, show
 from paratrain.hardware.catalog import PURCHASE_OPTIONS
-from paratrain.plan.serve import serving_stacks
+from paratrain.plan.serve import KV_PRECISIONS, WEIGHT_PRECISIONS, serving_stacks
 
 SERVE_HELP = """\
 Serving: how many chips of which kind serve a request rate at a latency target, and what a million tokens
@@ -66,7 +66,8 @@ class Prices:
 class EstimateArgs(ReplicaArgs):
     prompt_tokens: int = opt("input tokens per request", required=True, ge=1)
     output_tokens: int = opt("output tokens per request", required=True, ge=1)
-    batch: str = opt("concurrent sequences on the replica; a comma list (1,8,32,128) prints one row each", "1")
+    batch: tuple[int, ...] = opt("concurrent sequences on the replica; a comma list (1,8,32,128) prints one row "
+                                 "each", (1,), ge=1)
 
 
 @dataclass(kw_only=True)
@@ -75,8 +76,9 @@ class PlanArgs(ServeOn, Latency, Prices):
     output_tokens: int = opt("output tokens per request", required=True, ge=1)
     rate: float = opt("requests per second to serve", required=True, gt=0)
     max_utilization: float = opt("share of replica capacity to plan for (queueing headroom)", 0.8, gt=0)
-    weights: str = opt("weight precisions to search, comma-separated (bf16,fp8,int8,int4)", "bf16")
-    kv: str = opt("KV-cache precisions to search, comma-separated", "bf16")
+    weights: tuple[str, ...] = opt("weight precisions to search, comma-separated (bf16,fp8,int8,int4)", ("bf16",),
+                                   choices=tuple(WEIGHT_PRECISIONS))
+    kv: tuple[str, ...] = opt("KV-cache precisions to search, comma-separated", ("bf16",), choices=tuple(KV_PRECISIONS))
     top: int = opt("how many deployments to show", 5, ge=1)
     simulate: int = opt("check the best deployment with the request-level simulator: one replica at its share of "
                         "the rate, this many Poisson requests (p50/p99 TTFT and ITL, SLO attainment)", 0, ge=0,
@@ -89,8 +91,9 @@ class RecommendArgs(ServeModel, Latency, Prices):
     rate: float = opt("requests per second", 10.0, gt=0)
     prompt_tokens: int | None = opt("input tokens per request (default per workload)", ge=1)
     output_tokens: int | None = opt("output tokens per request (default per workload)", ge=1)
-    systems: str | None = opt("comma-separated systems (default: trn2, trn3, inf2 and GPUs)")
-    weights: str = opt("weight precisions allowed, comma-separated", "bf16")
+    systems: tuple[str, ...] | None = opt("comma-separated systems (default: trn2, trn3, inf2 and GPUs)")
+    weights: tuple[str, ...] = opt("weight precisions allowed, comma-separated", ("bf16",),
+                                   choices=tuple(WEIGHT_PRECISIONS))
 
 
 @dataclass(kw_only=True)
@@ -132,58 +135,40 @@ def _replica(args):
                    spec_accept=args.spec_accept, draft=args.draft)
 
 
-def _list(text: str, flag: str, allowed=None) -> list:
-    """A comma list of allowed names, or (allowed=None) of integers >= 1."""
-    try:
-        items = [x.strip() if allowed else int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        items = []
-    if not items or any(x not in allowed if allowed else x < 1 for x in items):
-        raise UserError(f"{flag} = {text!r}: allowed: {', '.join(allowed) if allowed else 'integers >= 1'} "
-                        "(comma-separated)")
-    return items
-
-
-def cmd_estimate(args) -> int:
+def cmd_estimate(args) -> None:
     from paratrain.plan.serve import estimate
     from paratrain.plan.serve_report import print_estimate, print_estimates
 
     model, system, eff = _load(args)
-    batches = _list(args.batch, "--batch")
-    ests = [estimate(model, system, _replica(args), b, args.prompt_tokens, args.output_tokens, eff) for b in batches]
+    ests = [estimate(model, system, _replica(args), b, args.prompt_tokens, args.output_tokens, eff) for b in args.batch]
     if args.json:
         print_json(ests[0].to_dict() if len(ests) == 1 else [e.to_dict() for e in ests])
     elif len(ests) == 1:
         print_estimate(ests[0])
     else:
         print_estimates(ests, args.prompt_tokens, args.output_tokens)
-    return 0
 
 
-def cmd_plan(args) -> int:
+def cmd_plan(args) -> None:
     from paratrain.cost.commands import parse_prices
     from paratrain.cost.serving import serving_cost
-    from paratrain.plan.serve import KV_PRECISIONS, WEIGHT_PRECISIONS, Target, plan
+    from paratrain.plan.serve import Target, plan
     from paratrain.plan.serve_report import print_plan
 
     model, system, eff = _load(args)
     target = Target(rate=args.rate, prompt=args.prompt_tokens, output=args.output_tokens, ttft_s=args.ttft_s,
                     itl_s=args.itl_s, max_utilization=args.max_utilization)
     price = parse_prices(args.price_per_node_hour_usd, system=system.name).get(system.name)
-    plans = plan(model, system, target, weights=_list(args.weights, "--weights", WEIGHT_PRECISIONS),
-                 kv=_list(args.kv, "--kv", KV_PRECISIONS), top=args.top, eff=eff)
+    plans = plan(model, system, target, weights=args.weights, kv=args.kv, top=args.top, eff=eff)
     if not plans:
         raise UserError(f"no replica layout of {model.name} on {system.name} meets the target (the weights do not "
                         "fit, or one replica cannot reach the TTFT/ITL target): try a looser target, fp8/int4 "
                         "weights, or another system")
     costs = [serving_cost(p, system, target, price, args.purchase) for p in plans]
     check = _simulate_best(model, system, plans[0], target, args.simulate, eff) if args.simulate else None
-    if args.json:
-        print_json({"target": vars(target), "simulated": None if check is None else check.to_dict(),
-                    "deployments": [{**p.to_dict(), "cost": c.to_dict()} for p, c in zip(plans, costs, strict=True)]})
-    else:
-        print_plan(model, system, target, plans, costs, check)
-    return 0
+    show(args, {"target": vars(target), "simulated": None if check is None else check.to_dict(),
+                "deployments": [{**p.to_dict(), "cost": c.to_dict()} for p, c in zip(plans, costs, strict=True)]},
+         lambda: print_plan(model, system, target, plans, costs, check))
 
 
 def _simulate_best(model, system, deployment, target, requests: int, eff):
@@ -196,23 +181,18 @@ def _simulate_best(model, system, deployment, target, requests: int, eff):
                     Slo(target.ttft_s, target.itl_s), eff)
 
 
-def cmd_recommend(args) -> int:
+def cmd_recommend(args) -> None:
     from paratrain.cost.commands import parse_prices
     from paratrain.cost.serving import DEFAULT_SYSTEMS, recommend
-    from paratrain.plan.serve import WEIGHT_PRECISIONS
     from paratrain.plan.serve_report import print_recommendation
 
-    systems = DEFAULT_SYSTEMS if args.systems is None else tuple(s.strip() for s in args.systems.split(","))
-    target, cands = recommend(args.workload, args.model, args.rate, systems,
-                              weights=_list(args.weights, "--weights", WEIGHT_PRECISIONS),
+    target, cands = recommend(args.workload, args.model, args.rate, args.systems or DEFAULT_SYSTEMS,
+                              weights=args.weights,
                               prices=parse_prices(args.price_per_node_hour_usd), purchase=args.purchase,
                               prompt=args.prompt_tokens, output=args.output_tokens, ttft_s=args.ttft_s,
                               itl_s=args.itl_s)
-    if args.json:
-        print_json({"workload": args.workload, "target": vars(target), "candidates": [c.to_dict() for c in cands]})
-    else:
-        print_recommendation(args.workload, args.model, target, cands)
-    return 0
+    show(args, {"workload": args.workload, "target": vars(target), "candidates": [c.to_dict() for c in cands]},
+         lambda: print_recommendation(args.workload, args.model, target, cands))
 
 
 def _numbers(text: str, flag: str, cast, shapes: str) -> list:
@@ -246,7 +226,7 @@ def _length(text: str, flag: str):
     raise UserError(f"{flag} = {text!r}: allowed: {shapes}")
 
 
-def cmd_simulate(args) -> int:
+def cmd_simulate(args) -> None:
     import time
 
     from paratrain.plan.serve import check_replica
@@ -273,8 +253,5 @@ def cmd_simulate(args) -> int:
         results = sweep(model, system, rep, _rates(args.rate), args.requests, *lengths, engine, slo, args.seed, eff)
         requests, prompt, output = args.requests, args.prompt_tokens, args.output_tokens
     seconds = time.perf_counter() - start
-    if args.json:
-        print_json({"seconds": seconds, "results": [{"rate": r, **res.to_dict()} for r, res in results]})
-    else:
-        print_sweep(model, system, rep, requests, prompt, output, seconds, results)
-    return 0
+    show(args, {"seconds": seconds, "results": [{"rate": r, **res.to_dict()} for r, res in results]},
+         lambda: print_sweep(model, system, rep, requests, prompt, output, seconds, results))

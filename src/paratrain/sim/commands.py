@@ -58,7 +58,6 @@ durations accept s, m, h, d suffixes (90s, 20m, 2.5h, 54d); --interval also take
 """
 
 
-
 DURATION = parse_duration_s  # '90s', '20m', '2.5h', '54d' -> seconds
 
 
@@ -126,14 +125,14 @@ def register(sub) -> None:
             DESCRIPTION, EXAMPLES)
 
 
-def run_simulate(args) -> int:
+def run_simulate(args) -> None:
     from paratrain.sim.report import daly_check, format_report, print_daly_check, progress_bars, write_plots
 
     if args.daly_check:
         rows = daly_check(samples=args.samples or 200, seed=args.seed or 0,
                           progress=progress_bars(args.json)("Daly cases"))
         print_json(rows) if args.json else print_daly_check(rows)
-        return 0
+        return
     cfg = config_from_args(args)
     from paratrain.sim.engine import simulate
     from paratrain.sim.results import summarize
@@ -147,7 +146,6 @@ def run_simulate(args) -> int:
         except OSError as exc:
             raise UserError(f"--plot {args.plot!r}: cannot write there ({exc.strerror})") from None
     print_json(report) if args.json else print(format_report(report))
-    return 0
 
 
 # ---- building the config: defaults < TOML < catalog < flags ------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from paratrain.cli import Output, UserError, command, group, opt, print_json
+from paratrain.cli import Output, UserError, command, group, opt, print_json, show
 
 HELP = """\
 Inspect checkpoints written by `paratrain train` (local path, shared filesystem or s3://bucket/prefix).
@@ -18,7 +18,6 @@ Status: complete (has MANIFEST.json, written last at save), interrupted (no mani
 finished; removed at the next resume), refused (failed verification at a resume; kept for inspection).
 S3 endpoint/credentials/region come from the usual AWS environment (AWS_ENDPOINT_URL, AWS_PROFILE, ...).
 """
-
 
 
 @dataclass(kw_only=True)
@@ -37,14 +36,13 @@ def register(sub) -> None:
     command(csub, "verify", VerifyArgs, run_verify, "check a checkpoint's files against its manifest (sizes and sha256)")
 
 
-def run_list(args) -> int:
+def run_list(args) -> None:
     from paratrain.train.checkpoint_info import describe_dir, print_checkpoints
 
     rows = describe_dir(args.dir)
     if not rows and not args.json:
         raise UserError(f"no step_* checkpoint folders in {args.dir}")
     print_json(rows) if args.json else print_checkpoints(rows)
-    return 0
 
 
 def run_verify(args) -> int:
@@ -55,8 +53,5 @@ def run_verify(args) -> int:
     t0 = time.perf_counter()
     problem = mgr.verify(path, storage)
     result = {"path": path, "ok": problem is None, "problem": problem, "seconds": time.perf_counter() - t0}
-    if args.json:
-        print_json(result)
-    else:
-        print(f"{path}: OK ({result['seconds']:.2f} s)" if problem is None else f"{path}: REFUSED: {problem}")
+    show(args, result, lambda: print(f"{path}: OK ({result['seconds']:.2f} s)" if problem is None else f"{path}: REFUSED: {problem}"))
     return 0 if problem is None else 1

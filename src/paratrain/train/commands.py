@@ -88,22 +88,21 @@ def register(sub) -> None:
             "validate a config and print it fully resolved (defaults filled in)", config_keys=True)
 
 
-def run_config(args) -> int:
+def run_config(args) -> None:
     from paratrain.config import check_pipeline_layout, dump_config, load_config, reference_markdown
 
     if args.reference:
         print(reference_markdown())
-        return 0
+        return
     cfg = load_config(args.config, args.set)
     if cfg.parallel.pp > 1 or cfg.parallel.pp_layers is not None:  # stages vs layers, schedule, microbatches
         check_pipeline_layout(cfg, cfg.parallel.dp if cfg.parallel.dp > 0 else None)  # dp=-1: known at launch
     print(dump_config(cfg), end="")
     shape = cfg.model_shape()
     print(f"# model: {shape.name}, {shape.num_params() / 1e6:,.2f}M parameters")
-    return 0
 
 
-def run_prepare(args) -> int:
+def run_prepare(args) -> None:
     from paratrain.config import load_config
     from paratrain.train.data import prepare, read_meta, summary_line
     from paratrain.train.data.tokenize import check_model_tokenizer
@@ -116,7 +115,6 @@ def run_prepare(args) -> int:
                   log=lambda msg: print(msg, file=sys.stderr) if not args.json else None)
     meta = read_meta(out)
     print(json.dumps(meta, indent=2) if args.json else summary_line(out, meta))
-    return 0
 
 
 def run_train(args, faults=None) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 
-from paratrain.cli import ConfigArgs, Output, UserError, command, opt, print_json
+from paratrain.cli import ConfigArgs, Output, UserError, command, opt, show
 
 HELP = """\
 Write a Hugging Face Llama folder (config.json, sharded safetensors + index, tokenizer if the run has one) from a
@@ -23,7 +23,6 @@ one output shard (--max-shard-gib).
 """
 
 
-
 @dataclass(kw_only=True)
 class ExportArgs(ConfigArgs, Output):
     checkpoint: str = opt("checkpoint folder or directory (local or s3://)", required=True)
@@ -39,7 +38,7 @@ def register(sub) -> None:
             config_keys=True)
 
 
-def run_export(args) -> int:
+def run_export(args) -> None:
     from paratrain.config import load_config
     from paratrain.train.export import export_hf, run_config_of
 
@@ -56,10 +55,6 @@ def run_export(args) -> int:
 
     summary = export_hf(args.checkpoint, cfg, args.hf_out, args.dtype, int(args.max_shard_gib * 2**30), progress)
     summary["config"] = str(config) if config else None
-    if args.json:
-        print_json(summary)
-    else:
-        print(f"exported {summary['checkpoint']} -> {summary['out']}: {summary['tensors']} tensors, "
-              f"{summary['bytes'] / 2**20:,.1f} MiB in {summary['files']} file(s), {summary['dtype']}"
-              + (", tokenizer.json" if summary["tokenizer"] else ""))
-    return 0
+    show(args, summary, lambda: print(f"exported {summary['checkpoint']} -> {summary['out']}: {summary['tensors']} tensors, "
+                                      f"{summary['bytes'] / 2**20:,.1f} MiB in {summary['files']} file(s), "
+                                      f"{summary['dtype']}" + (", tokenizer.json" if summary["tokenizer"] else "")))
