@@ -735,6 +735,33 @@ def test_single_process_bounded_staleness_is_the_delayed_update():
     _assert_same_updates(res["params"], ref_params, init)
 
 
+def test_the_loop_reaches_runners_through_explicit_hooks():
+    """No duck typing: the training loop and its staleness helpers never ask a runner what it is; a synchronous
+    runner carries the default hooks, the stale one its own (what the loop records and drains)."""
+    import inspect
+
+    from paratrain.parallel.runner import StepHooks
+    from paratrain.train import loop, staleness
+
+    for module in (loop, staleness):
+        source = inspect.getsource(module)
+        assert "hasattr(runner" not in source and "getattr(runner" not in source, module.__name__
+    sync = build_runner(make_config([]), _single_env())
+    assert type(sync.hooks) is StepHooks and sync.hooks.applied_update() and sync.hooks.step_metrics() == {}
+    cfg = make_config([*STALE, "staleness.max_staleness=1", *NO_COMP])
+    stale = build_runner(cfg, _single_env())
+    assert isinstance(stale.hooks, StepHooks) and type(stale.hooks) is not StepHooks
+    optimizer = build_optimizer(stale, cfg.optim)
+    stale.hooks.attach_optimizer(optimizer, None)
+    stale.forward_backward(*global_batch(cfg, 0))
+    assert not stale.hooks.applied_update()  # s = 1: the first step applies nothing
+    assert stale.hooks.step_metrics()["grad_step"] is None and stale.hooks.stragglers() == []
+    stale.forward_backward(*global_batch(cfg, 1))
+    assert stale.hooks.applied_update() and stale.hooks.step_metrics()["staleness"] == 1
+    stale.hooks.finish()
+    assert not stale.in_flight
+
+
 @pytest.mark.slow
 def test_torchrun_eviction_request_and_exit_code(tmp_path):
     """As users run it: torchrun, 2 ranks, s = 1, rank 1 slowed 4x; the workers stop with exit code 75 after the
