@@ -154,6 +154,7 @@ def test_per_expert_gemm_launches_and_dropless_host_sync():
         assert extra == pytest.approx(share * 2 * local * moe.MULTISTREAM_GEMM_S)
     assert Options.for_system(system, stack="megatron").moe_gemm_per_expert
     assert not Options.for_system(system, stack="fsdp2").moe_gemm_per_expert
+    assert not Options.for_system(get_catalog().system("trn2.48xlarge"), stack="megatron").moe_gemm_per_expert
     dropless = moe.layer_terms(cfg, system, fused, ep=8, **kw)[2]
     capped = moe.layer_terms(cfg.model_copy(update={"capacity_factor": 1.25}), system, fused, ep=8, **kw)[2]
     sync = share * moe.HOST_SYNC_LAUNCHES * system.chip.efficiency.kernel_overhead_s

@@ -48,7 +48,7 @@ STACK_OPTIONS: dict[str, dict] = {
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
     "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
 }
-GPU_ONLY = {"tp_comm_overlap"}  # needs NVIDIA userbuffers / symmetric memory
+GPU_ONLY = {"tp_comm_overlap", "moe_gemm_per_expert"}  # NVIDIA userbuffers / symmetric memory; Transformer Engine
 # PyTorch SDPA's flash backend (what torchtitan runs) is FlashAttention-2, which reaches ~35% of peak on Hopper
 # (Shah et al. 2024, FlashAttention-3, abstract: "FlashAttention-2 achieving only 35% utilization on H100");
 # Megatron/NeMo run cuDNN fused attention (FlashAttention-3 class, up to 75%: close to the GEMMs' efficiency,
