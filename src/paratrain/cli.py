@@ -60,9 +60,10 @@ def opt(help: str, default=None, **meta):
     """A command option as a dataclass field. meta: flag, short (or another spelling), choices, metavar, nargs, const, required,
     positional, group, exclusive (a name: at most one option of that name), ge/gt (bounds checked before the
     command runs; of each item of a tuple[X, ...] option, a comma-separated list), factory (a mutable default), default_at_parse (a function giving the default when the parser
-    is built, e.g. from an environment variable)."""
+    is built, e.g. from an environment variable), refused (an old flag, hidden: given, it is refused with this
+    pointer to what replaced it)."""
     factory = meta.pop("factory", None)
-    meta["help"] = help
+    meta["help"] = argparse.SUPPRESS if "refused" in meta else help
     if factory is not None:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -153,6 +154,8 @@ def check_options(cls, args) -> typing.Any:
     for f in dataclasses.fields(cls):
         value = values[f.name] = getattr(args, f.name)
         kind, base, choices = _kind(hints[f.name])
+        if "refused" in f.metadata and value is not None:
+            raise UserError(f"{flag_of(f)} {value!r}: {f.metadata['refused']}")
         if kind == "csv" and isinstance(value, str):
             values[f.name] = _split(f, base, f.metadata.get("choices", choices), value)
         elif value is None or isinstance(value, bool | list | str):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 
 from paratrain.cli import PURCHASE_HELP, Output, UserError, Workload, command, opt, print_json
@@ -78,8 +77,8 @@ class CostArgs(Workload, Output):
     price_per_node_hour_usd: list[str] = opt("your price for one node-hour of a system (a quote; overrides the "
                                              "catalog at every purchase option; needed to rank systems without a "
                                              "public price)", factory=list, metavar="SYSTEM=USD")
-    # The old flag: per node-hour here but per device-hour in `simulate`. Refused with a pointer to the named one.
-    price: list[str] = opt(argparse.SUPPRESS, factory=list)
+    price: str | None = opt("", refused="ambiguous (it meant USD per node-hour here but per device-hour in "
+                            "`paratrain simulate`); use --price-per-node-hour-usd SYSTEM=USD")
     pue: float | None = opt("power usage effectiveness (default 1.2, assumption)")
     failures: str | None = opt("failure/checkpoint overhead: Monte-Carlo simulation (default), Daly's formula, or "
                                "none", choices=("simulate", "daly", "none"))

@@ -63,9 +63,6 @@ def assumptions_from(args):
     """The cost assumptions: flags over the --config [cost] table over the defaults."""
     from paratrain.cost.compare import Assumptions
 
-    if args.price:
-        raise ValueError(f"--price {args.price[0]!r}: ambiguous (it meant USD per node-hour here but per device-hour "
-                         "in `paratrain simulate`); use --price-per-node-hour-usd SYSTEM=USD")
     conf = load_cost_config(args.config) if args.config else {}
     pue = args.pue if args.pue is not None else conf.get("pue", 1.2)
     if pue < 1:

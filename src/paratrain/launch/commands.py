@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from paratrain.cli import ConfigArgs, Output, add_config_keys, command, opt, print_json
+from paratrain.cli import ConfigArgs, Output, add_config_keys, add_options, command, opt, print_json
 from paratrain.launch.torchrun import (
     LaunchSpec,
     build_command,
@@ -110,11 +110,10 @@ def merge_extra(args) -> None:
     """Fold `paratrain train` arguments given after `--` into args, so the layout check sees the same config
     the workers will load."""
     extra = args.extra[1:] if args.extra[:1] == ["--"] else list(args.extra)
+    from paratrain.train.commands import TrainArgs
+
     p = argparse.ArgumentParser(prog="paratrain launch ... --", add_help=False)
-    p.add_argument("--config", "-c")
-    p.add_argument("--set", action="append", default=[])
-    p.add_argument("--resume-from")
-    p.add_argument("--summary-json")
+    add_options(p, TrainArgs)  # train's own options, and its config keys
     add_config_keys(p)
     known, rest = p.parse_known_args(extra)
     if rest:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import time
 from dataclasses import dataclass
@@ -109,8 +108,8 @@ class SimulateArgs(Workload, Output):
     evict_after: str | None = opt("evict_replace: persistence before eviction (default 5m)", group=STRAG, to="stragglers.evict_after_s", conv=DURATION)
     price_per_device_hour_usd: float | None = opt("USD per device-hour, a device being one GPU or Trainium chip "
                                                   "(spares are paid for too)", group=COST, metavar="USD", to="price_per_device_hour_usd")
-    # The old flag: per device-hour here but per node-hour in `compare`. Refused with a pointer to the named one.
-    price: str | None = opt(argparse.SUPPRESS, group=COST)
+    price: str | None = opt("", group=COST, refused="ambiguous (USD per device-hour here, per node-hour in "
+                            "`paratrain compare`); use --price-per-device-hour-usd USD")
     samples: int | None = opt("Monte-Carlo replicas (default 100)", group=COST, to="samples")
     seed: int | None = opt("random seed (default 0)", group=COST, to="seed")
     plot: str | None = opt("write PNGs of goodput vs checkpoint interval, vs cluster size and vs spare nodes",
@@ -155,9 +154,6 @@ def config_from_args(args) -> SimConfig:
     from paratrain.sim.config import load_sim_toml, parse_interval
     from paratrain.sim.failures import llama3_causes, load_causes_toml, scale_rates
 
-    if args.price is not None:
-        raise ValueError(f"--price {args.price!r}: ambiguous (USD per device-hour here, per node-hour in `paratrain "
-                         "compare`); use --price-per-device-hour-usd USD")
     kwargs: dict = load_sim_toml(args.config) if args.config else {}
     if args.hardware or args.model:  # --seq and --global-batch matter only to the planner, with --model
         from paratrain.sim.catalog import fill_from_catalog
