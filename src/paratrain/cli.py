@@ -15,6 +15,7 @@ import dataclasses
 import importlib
 import json
 import math
+import operator
 import os
 import sys
 import types
@@ -58,7 +59,7 @@ class UserError(Exception):
 
 def opt(help: str, default=None, **meta):
     """A command option as a dataclass field. meta: flag, short (or another spelling), choices, metavar, nargs, const, required,
-    positional, group, exclusive (a name: at most one option of that name), ge/gt (bounds checked before the
+    positional, group, exclusive (a name: at most one option of that name), ge/gt/le/lt (bounds checked before the
     command runs; of each item of a tuple[X, ...] option, a comma-separated list), factory (a mutable default), default_at_parse (a function giving the default when the parser
     is built, e.g. from an environment variable), refused (an old flag, hidden: given, it is refused with this
     pointer to what replaced it)."""
@@ -134,6 +135,9 @@ def add_options(parser: argparse.ArgumentParser, cls) -> None:
             where.add_argument(flag_of(f), *([m["short"]] if "short" in m else []), dest=f.name, **kw)
 
 
+BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
+
+
 def _split(f: dataclasses.Field, base, choices, text: str) -> tuple:
     """A tuple[X, ...] option's comma-separated text as items; a bad one names the flag and what is allowed."""
     allowed = ", ".join(map(str, choices)) if choices else f"{base.__name__} values" + (
@@ -158,12 +162,10 @@ def check_options(cls, args) -> typing.Any:
             raise UserError(f"{flag_of(f)} {value!r}: {f.metadata['refused']}")
         if kind == "csv" and isinstance(value, str):
             values[f.name] = _split(f, base, f.metadata.get("choices", choices), value)
-        elif value is None or isinstance(value, bool | list | str):
-            continue
-        elif "ge" in f.metadata and not value >= f.metadata["ge"]:
-            raise UserError(f"{flag_of(f)} = {value}: must be >= {f.metadata['ge']}")
-        elif "gt" in f.metadata and not value > f.metadata["gt"]:
-            raise UserError(f"{flag_of(f)} = {value}: must be > {f.metadata['gt']}")
+        elif value is not None and not isinstance(value, bool | list | str):
+            for key, (holds, sign) in BOUNDS.items():
+                if key in f.metadata and not holds(value, f.metadata[key]):
+                    raise UserError(f"{flag_of(f)} = {value}: must be {sign} {f.metadata[key]}")
     return cls(**values)
 
 
@@ -220,7 +222,7 @@ def section_options(section: str, keys, group: str) -> list[tuple]:
     for key in keys:
         f = fields[key]
         about = f.description or FIELD_HELP.get(f"{section}.{key}", key)
-        bounds = {k: getattr(m, k) for m in f.metadata for k in ("ge", "gt") if hasattr(m, k)}
+        bounds = {k: getattr(m, k) for m in f.metadata for k in BOUNDS if hasattr(m, k)}
         help = f"{about} ({section}.{key}, default {f.default!r})"
         meta = {"metavar": "N"} if f.annotation is int else {}
         out.append((key, f.annotation | None, opt(help, short=f"--{section}.{key}", group=group, **bounds, **meta)))

@@ -6,7 +6,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.cli import Output, UserError, command, opt, print_json, show
+from paratrain.cli import Output, command, opt, print_json, show
 from paratrain.device import CPU, CUDA, NEURON
 
 PROBE_DEVICES = (CPU, CUDA, NEURON)
@@ -69,7 +69,7 @@ class CalibrateArgs(Output):
     out: str | None = opt("hardware TOML to write (default: <hardware>.calibrated.toml beside it)", metavar="FILE")
     in_place: bool = opt("rewrite the --hardware file itself")
     holdout: float = opt("fraction of runs kept out of the fit and only predicted (every other run), in [0, 1)",
-                         0.0, ge=0)
+                         0.0, ge=0, lt=1)
     suggest: int | None = opt("list the next N runs (default 3) that best separate the parameters, each with its "
                               "config (<runs folder>/next/<layout>.toml); writes no hardware file", nargs="?",
                               const=3, metavar="N", ge=1)
@@ -86,8 +86,6 @@ def register(sub) -> None:
 def run_calibrate_cmd(args) -> None:
     from paratrain.calibrate.session import print_calibration, run_calibration
 
-    if not args.holdout < 1:
-        raise UserError(f"--holdout = {args.holdout}: allowed: 0 <= fraction < 1")
     out = run_calibration(args)
     print_json(out) if args.json else print_calibration(out)
 
