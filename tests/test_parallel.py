@@ -86,7 +86,7 @@ def test_zero2_and_hsdp_match_single_device(dist_run, ref):
     (["parallel.tp=2", "parallel.sp=true", "train.seq_len=33"], 2, r"seq_len=33 must be divisible"),
     (["parallel.sp=true"], 1, r"parallel.sp=true needs parallel.tp > 1"),
     (["parallel.zero_stage=1"], 2, r"zero_stage=1 .* not implemented"),
-    (["parallel.zero_stage=3", "parallel.dp_kind=\"ddp\""], 2, r"zero_stage=3 shards state"),
+    (["parallel.zero_stage=3", "parallel.dp_kind=\"ddp\""], 2, r"zero_stage=3 with parallel.dp_kind=.ddp.: ddp takes 0-2"),
     (["parallel.dp_kind=\"hsdp\"", "parallel.dp_replicate=3"], 4, r"dp_replicate=3 must divide"),
     (["parallel.tp=2", "parallel.dp=3"], 4, r"world size 4 != pp\*dp\*cp\*tp"),
 ])

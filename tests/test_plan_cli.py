@@ -92,11 +92,11 @@ def test_model_toml_file(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv,expect", [
-    (["--tp", "3"], "tp*pp*cp = 3: must divide the 4096 devices"),
-    (["--tp", "8", "--dp", "7"], "dp = 7: tp*pp*cp*dp = 56 must equal the 4096 devices"),
-    (["--tp", "8", "--microbatch", "3"], "microbatch = 3: global_batch = 1024 must be divisible"),
+    (["--tp", "3"], "world size 4096 is not a multiple of pp*cp*tp = 1*1*3 = 3"),
+    (["--tp", "8", "--dp", "7"], "world size 4096 != pp*dp*cp*tp = 1*7*1*8"),
+    (["--tp", "8", "--microbatch", "3"], "train.microbatch=3 must divide the per-rank batch global_batch/dp = 2"),
     (["--tp", "1", "--sp"], "parallel.sp=true needs parallel.tp > 1"),
-    (["--tp", "8", "--pp", "2", "--pp-schedule", "zbv", "--virtual-stages", "4"], "parallel.virtual_stages=4 with parallel.pp_schedule='zbv'"),
+    (["--tp", "8", "--pp", "2", "--pp-schedule", "zbv", "--virtual-stages", "4"], "parallel.virtual_stages=4 with parallel.pp_schedule='zbv': the V schedules place exactly 2"),
     (["--tp", "8", "--virtual-stages", "0"], "--virtual-stages = 0: must be >= 1"),
     (["--tp", "8", "--train-tokens", "-3"], "--train-tokens = -3.0: must be > 0"),
 ])

@@ -11,12 +11,13 @@ writer and the runtime (docs/architecture.md).
 `from paratrain.config import ...` stays the entry point for everyone else.
 """
 
+from paratrain.config.dp import ZERO_STAGES, ZERO_STAGES_OF_KIND, effective_dp, zero_stage_of
 from paratrain.config.layout import (
     check_cp_layout,
     check_parallel_config,
     check_tp_layout,
-    effective_dp,
     resolve_degrees,
+    view_of,
 )
 from paratrain.config.load import dump_config, format_validation_error, load_config, parse_override
 from paratrain.config.pipeline import (
@@ -31,10 +32,12 @@ from paratrain.config.pipeline import (
     stage_reshard_after_forward,
 )
 from paratrain.config.reference import FIELD_HELP, reference_markdown
+from paratrain.config.rules import RULES, View
 from paratrain.config.schema import (
     DEFAULT_DDP_BUCKET_MB,
     DP_KINDS,
     MESH_DIMS,
+    MULTI_STAGE_SCHEDULES,
     PP_SCHEDULES,
     RECOMPUTE,
     SINGLE_STAGE_SCHEDULES,
@@ -54,7 +57,8 @@ from paratrain.config.schema import (
 )
 
 __all__ = [
-    "DEFAULT_DDP_BUCKET_MB", "DP_KINDS", "FIELD_HELP", "MESH_DIMS", "PP_SCHEDULES", "RECOMPUTE",
+    "DEFAULT_DDP_BUCKET_MB", "DP_KINDS", "FIELD_HELP", "MESH_DIMS", "MULTI_STAGE_SCHEDULES", "PP_SCHEDULES",
+    "RECOMPUTE", "RULES", "View", "ZERO_STAGES", "ZERO_STAGES_OF_KIND", "view_of", "zero_stage_of",
     "SINGLE_STAGE_SCHEDULES", "V_SCHEDULES", "CheckpointSection", "DataSection", "MetricsSection", "MixSource",
     "ModelSection", "OptimSection", "ParallelSection", "PipelineLayout", "Section", "StalenessSection",
     "TrainConfig", "TrainSection", "balanced_layers", "check_batch_layout", "check_cp_layout",

@@ -1,11 +1,15 @@
 """Layout rules that need no process group (torch-free): run when the config is loaded, by the launcher before
-any rank starts, and by the planner for every layout it estimates or writes. Each rule is written once, here (or
-in paratrain.config.pipeline for the pipeline's); errors name the field, the value and what is allowed.
+any rank starts, and by the planner for every layout it estimates or writes. The rules themselves are written once, in
+paratrain.config.rules (and the DP semantics in paratrain.config.dp); errors name the field, the value and what
+is allowed.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from paratrain.config.dp import check_dp_fields, effective_dp, zero_stage_of  # noqa: F401 - effective_dp re-exported
+from paratrain.config.rules import View, check
 
 if TYPE_CHECKING:
     from paratrain.config.schema import ParallelSection
@@ -34,20 +38,19 @@ def resolve_degrees(pcfg: ParallelSection, world_size: int) -> dict[str, int]:
     return {"pp": pcfg.pp, "dp": dp, "cp": pcfg.cp, "tp": pcfg.tp}  # ep is a split of dp (parallel/mesh.py)
 
 
+def view_of(model_cfg: ModelConfig, pcfg: ParallelSection, seq_len: int, global_batch: int | None = None,
+            microbatch: int = 1, dp: int | None = None) -> View:
+    """The rules' view of one layout (dp=None: not known yet; pcfg.dp when given)."""
+    return View(tp=pcfg.tp, pp=pcfg.pp, cp=pcfg.cp, sp=pcfg.sp, schedule=pcfg.pp_schedule,
+                virtual_stages=pcfg.virtual_stages, dp_kind=pcfg.dp_kind, zero=zero_stage_of(pcfg), seq=seq_len,
+                model=model_cfg, dp=dp if dp is not None else (pcfg.dp if pcfg.dp > 0 else None),
+                microbatch=microbatch, global_batch=global_batch)
+
+
 def check_tp_layout(model_cfg: ModelConfig, tp: int, sp: bool, seq_len: int) -> None:
-    """Raise one clear ValueError if the model cannot be split `tp` ways."""
-    if tp == 1:
-        return
-    checks = [("model.heads", model_cfg.heads), ("model.ffn_hidden", model_cfg.ffn), ("model.vocab", model_cfg.vocab)]
-    for field, value in checks:
-        if value % tp:
-            raise ValueError(f"parallel.tp={tp} must divide {field}={value}; allowed tp: divisors of {value}")
-    kv = model_cfg.n_kv_heads
-    if kv % tp and tp % kv:
-        raise ValueError(f"parallel.tp={tp} and model.kv_heads={kv}: tp must divide kv_heads, or kv_heads must "
-                         f"divide tp (then each kv head is replicated on tp/kv_heads ranks)")
-    if sp and seq_len % tp:
-        raise ValueError(f"parallel.sp=true: train.seq_len={seq_len} must be divisible by parallel.tp={tp}")
+    """Raise one clear ValueError if the model cannot be split `tp` ways (the tp/sp rules of config.rules)."""
+    check(View(tp=tp, pp=1, cp=1, sp=sp, schedule="1f1b", virtual_stages=1, dp_kind="ddp", zero=0, seq=seq_len,
+               model=model_cfg), groups=("tp", "sp"))
 
 
 def vocab_parallel_mode(pcfg: ParallelSection) -> str:
@@ -80,30 +83,10 @@ def check_vocab_parallel(model_cfg: ModelConfig, pcfg: ParallelSection, dp: int 
                          f"model.vocab={model_cfg.vocab}; allowed: off, or dp dividing the vocabulary")
 
 
-def effective_dp(pcfg: ParallelSection) -> tuple[str, bool]:
-    """(dp_kind, reshard_after_forward) the runtime uses; zero_stage, when given, must agree with dp_kind."""
-    if pcfg.zero_stage is None:
-        return pcfg.dp_kind, pcfg.reshard_after_forward
-    if pcfg.zero_stage == 1:
-        raise ValueError("parallel.zero_stage=1 (optimizer-state sharding only) is not implemented by the runtime; "
-                         "allowed: 2 (fsdp/hsdp, reshard_after_forward=false), 3 (fsdp/hsdp), or unset")
-    if pcfg.dp_kind == "ddp":
-        raise ValueError(f"parallel.zero_stage={pcfg.zero_stage} shards state, but parallel.dp_kind='ddp' "
-                         f"replicates it; allowed: dp_kind='fsdp' or 'hsdp' with zero_stage 2/3")
-    return pcfg.dp_kind, pcfg.zero_stage == 3
-
-
 def check_cp_layout(seq_len: int, cp: int, tp: int = 1, sp: bool = False, pp: int = 1) -> None:
     """One clear error for a layout context parallelism cannot run, before anything is built."""
-    if cp == 1:
-        return
-    if seq_len % (2 * cp):
-        raise ValueError(f"parallel.cp={cp}: train.seq_len={seq_len} must be divisible by 2*cp={2 * cp} "
-                         f"(the zig-zag layout cuts the sequence into 2*cp equal chunks)")
-    if sp and (seq_len // cp) % tp:
-        raise ValueError(f"parallel.cp={cp} with parallel.sp=true: the local sequence train.seq_len/cp="
-                         f"{seq_len // cp} must be divisible by parallel.tp={tp}")
-# -- end context-parallel block --
+    check(View(tp=tp, pp=pp, cp=cp, sp=sp, schedule="1f1b", virtual_stages=1, dp_kind="ddp", zero=0, seq=seq_len,
+               model=None), groups=("cp",))
 
 
 def check_expert_layout(model_cfg: ModelConfig, pcfg: ParallelSection) -> None:
@@ -134,12 +117,11 @@ def check_expert_layout(model_cfg: ModelConfig, pcfg: ParallelSection) -> None:
 
 
 def check_parallel_config(model_cfg: ModelConfig, pcfg: ParallelSection, seq_len: int) -> None:
-    """Every check that needs the model shape but not the world size."""
+    """Every rule that needs the model shape but not the world size (the batch rules wait for dp)."""
     check_expert_layout(model_cfg, pcfg)
-    check_tp_layout(model_cfg, pcfg.tp, pcfg.sp, seq_len)
+    check_dp_fields(pcfg)
+    check(view_of(model_cfg, pcfg, seq_len))
     check_vocab_parallel(model_cfg, pcfg)
-    check_cp_layout(seq_len, pcfg.cp, pcfg.tp, pcfg.sp, pcfg.pp)
-    effective_dp(pcfg)
     if pcfg.dp_kind == "hsdp" and pcfg.dp != -1 and pcfg.dp % pcfg.dp_replicate:
         raise ValueError(f"parallel.dp_replicate={pcfg.dp_replicate} must divide parallel.dp={pcfg.dp} "
                          f"(hsdp: dp = dp_replicate x dp_shard)")

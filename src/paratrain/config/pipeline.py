@@ -14,8 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from paratrain.config.layout import effective_dp
-from paratrain.config.schema import SINGLE_STAGE_SCHEDULES, V_SCHEDULES
+from paratrain.config.dp import stage_reshard_after_forward  # noqa: F401 - re-exported for the runtime
+from paratrain.config.layout import view_of
+from paratrain.config.names import V_SCHEDULES
+from paratrain.config.rules import View, check
 
 if TYPE_CHECKING:
     from paratrain.config.schema import TrainConfig
@@ -94,47 +96,14 @@ class PipelineLayout:
 
 
 def chunks_per_rank(schedule: str, virtual_stages: int) -> int:
-    if schedule in SINGLE_STAGE_SCHEDULES:
-        if virtual_stages != 1:
-            raise ValueError(f"parallel.virtual_stages={virtual_stages} with parallel.pp_schedule='{schedule}': "
-                             f"'{schedule}' runs one stage per rank; allowed: virtual_stages=1, or "
-                             f"pp_schedule='interleaved_1f1b' for several chunks per rank")
-        return 1
-    if schedule == "interleaved_1f1b":
-        if virtual_stages < 2:
-            raise ValueError("parallel.virtual_stages=1 with parallel.pp_schedule='interleaved_1f1b': interleaving "
-                             "needs several chunks per rank; allowed: virtual_stages >= 2 (or pp_schedule='1f1b')")
-        return virtual_stages
-    if virtual_stages not in (1, 2):
-        raise ValueError(f"parallel.virtual_stages={virtual_stages} with parallel.pp_schedule='{schedule}': the V "
-                         f"schedules place exactly 2 chunks per rank; allowed: virtual_stages 1 (means 2) or 2")
-    return 2
-
-
-def check_microbatches(schedule: str, m: int, pp: int, stages: int, where: str) -> None:
-    if schedule == "1f1b" and m < pp:
-        raise ValueError(f"{where}: 1f1b needs microbatches >= pp={pp}; allowed: a larger global_batch or a "
-                         f"smaller microbatch, or pp_schedule='gpipe'")
-    if schedule == "interleaved_1f1b":
-        if m < pp:
-            raise ValueError(f"{where}: interleaved_1f1b needs microbatches >= pp={pp}; allowed: a larger "
-                             f"global_batch or a smaller microbatch, or pp_schedule='gpipe'")
-        rounds = m // pp
-        if m % rounds:
-            raise ValueError(f"{where}: interleaved_1f1b runs microbatches in rounds of m // pp = {rounds}; "
-                             f"allowed: microbatch counts divisible by {rounds} (e.g. a multiple of pp={pp})")
-    if schedule in V_SCHEDULES and m < stages:
-        raise ValueError(f"{where}: {schedule} needs microbatches >= 2*pp = {stages} (its V holds 2 stages per "
-                         f"rank); allowed: a larger global_batch or a smaller microbatch")
+    """Model chunks per pipeline rank (the rules in config.rules check virtual_stages against the schedule)."""
+    return int(View(tp=1, pp=2, cp=1, sp=False, schedule=schedule, virtual_stages=virtual_stages, dp_kind="ddp",
+                    zero=0, seq=1, model=None).chunks)
 
 
 def _stage_layer_counts(cfg: TrainConfig, num_layers: int, stages: int) -> list[int]:
     given = cfg.parallel.pp_layers
     if given is None:
-        if stages > num_layers:
-            raise ValueError(f"parallel.pp={cfg.parallel.pp} x {stages // cfg.parallel.pp} chunk(s) per rank = "
-                             f"{stages} pipeline stages, but the model has {num_layers} layers; allowed: stages <= "
-                             f"model.layers (a smaller pp or virtual_stages)")
         return balanced_layers(num_layers, stages)
     # the planner validates the splits it writes with the same function (plan/stages.py: torch-free)
     return list(check_pp_layers(given, num_layers, cfg.parallel.pp, stages // cfg.parallel.pp, "parallel.pp_layers"))
@@ -145,10 +114,8 @@ def check_stages(cfg: TrainConfig) -> tuple[int, list[int]]:
     size, so `paratrain config` can check it before the number of ranks is known."""
     p = cfg.parallel
     model = cfg.model_shape()
+    check(view_of(model, p, cfg.train.seq_len))
     chunks = chunks_per_rank(p.pp_schedule, p.virtual_stages)
-    if model.tie_embeddings and p.pp > 1:
-        raise ValueError("model.tie_embeddings=true with parallel.pp > 1: the embedding and the output head sit "
-                         "on different stages; allowed: tie_embeddings=false for pipeline parallelism")
     return chunks, _stage_layer_counts(cfg, model.layers, p.pp * chunks)
 
 
@@ -156,40 +123,10 @@ def plan_pipeline(cfg: TrainConfig, dp: int) -> PipelineLayout:
     """The pipeline layout for cfg at data-parallel size dp, or one clear ValueError naming the field."""
     p = cfg.parallel
     chunks, counts = check_stages(cfg)
-    stages = p.pp * chunks
-    per_rank = cfg.train.global_batch // dp
-    if per_rank % cfg.train.microbatch:
-        raise ValueError(f"train.microbatch={cfg.train.microbatch} must divide the per-rank batch "
-                         f"global_batch/dp = {per_rank}")
-    m = per_rank // cfg.train.microbatch
-    where = (f"parallel.pp_schedule='{p.pp_schedule}' with {m} microbatches (train.global_batch="
-             f"{cfg.train.global_batch} / (dp={dp} x train.microbatch={cfg.train.microbatch}))")
-    check_microbatches(p.pp_schedule, m, p.pp, stages, where)
-    return PipelineLayout(pp=p.pp, chunks_per_rank=chunks, layers_per_stage=tuple(counts), microbatches=m,
-                          schedule=p.pp_schedule)
-
-
-def stage_reshard_after_forward(pcfg) -> bool:
-    """FSDP's reshard_after_forward for the stage modules.
-
-    The zero-bubble schedules (zbv, dualpipev) split each backward into an input-gradient and a later
-    weight-gradient pass (torch.distributed.pipelining's stage_backward_input / stage_backward_weight), which
-    find the weights through the stage module's *registered* parameters after the forward. When FSDP2 reshards
-    a block after its forward, those are the sharded DTensors, not the unsharded tensors the autograd graph used:
-    the weight pass then silently misses gradients (measured, PP2 x FSDP2, torch 2.13: the last stage's block got
-    no gradient, inner stages' gradients 54-88% off). So under those schedules the blocks keep their gathered
-    parameters from forward to backward (ZeRO-2 within the step; gradients and optimizer state stay sharded);
-    an explicit request for resharding (reshard_after_forward=true, zero_stage=3) is refused instead."""
-    kind, reshard = effective_dp(pcfg)
-    if kind == "ddp" or pcfg.pp <= 1 or pcfg.pp_schedule not in V_SCHEDULES:
-        return reshard
-    if pcfg.zero_stage == 3 or "reshard_after_forward" in pcfg.model_fields_set and pcfg.reshard_after_forward:
-        raise ValueError(f"parallel.pp_schedule='{pcfg.pp_schedule}' with parallel.dp_kind='{kind}' and "
-                         f"{'zero_stage=3' if pcfg.zero_stage == 3 else 'reshard_after_forward=true'}: the "
-                         f"zero-bubble weight-gradient pass needs the parameters gathered from forward to backward; "
-                         f"allowed: reshard_after_forward=false / zero_stage=2 (the default under this schedule), "
-                         f"dp_kind='ddp', or pp_schedule gpipe / 1f1b / interleaved_1f1b")
-    return False
+    view = view_of(cfg.model_shape(), p, cfg.train.seq_len, cfg.train.global_batch, cfg.train.microbatch, dp)
+    check(view)
+    return PipelineLayout(pp=p.pp, chunks_per_rank=chunks, layers_per_stage=tuple(counts),
+                          microbatches=int(view.microbatches), schedule=p.pp_schedule)
 
 
 def check_pipeline_layout(cfg: TrainConfig, dp: int | None) -> PipelineLayout | None:
@@ -202,7 +139,6 @@ def check_pipeline_layout(cfg: TrainConfig, dp: int | None) -> PipelineLayout | 
     if cfg.staleness.policy != "sync":
         raise ValueError(f"staleness.policy='{cfg.staleness.policy}' with parallel.pp={cfg.parallel.pp} is not "
                          f"supported; allowed: staleness.policy='sync' with pipeline parallelism")
-    stage_reshard_after_forward(cfg.parallel)
     if dp is None:
         check_stages(cfg)
         return None
@@ -212,15 +148,7 @@ def check_pipeline_layout(cfg: TrainConfig, dp: int | None) -> PipelineLayout | 
 def check_batch_layout(cfg: TrainConfig, dp: int) -> None:
     """The batch rules at data-parallel size dp (global batch over dp ranks, microbatches), then the pipeline's."""
     t = cfg.train
-    if t.global_batch % dp:
-        raise ValueError(f"train.global_batch={t.global_batch} must be divisible by the data-parallel size {dp}; "
-                         f"allowed: a multiple of {dp}")
-    per_rank = t.global_batch // dp
-    if per_rank % t.microbatch:
-        divisors = [d for d in range(1, per_rank + 1) if per_rank % d == 0]
-        raise ValueError(f"train.microbatch={t.microbatch} must divide the per-rank batch "
-                         f"global_batch/dp = {per_rank}; allowed: {', '.join(map(str, divisors))}")
+    check(view_of(cfg.model_shape(), cfg.parallel, t.seq_len, t.global_batch, t.microbatch, dp),
+          groups=("global_batch_dp", "microbatch_divides"))
     if cfg.parallel.pp > 1 or cfg.parallel.pp_layers is not None:  # stages, schedule, microbatches
-        from paratrain.config.pipeline import check_pipeline_layout
-
         check_pipeline_layout(cfg, dp)

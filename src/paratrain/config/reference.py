@@ -40,11 +40,16 @@ FIELD_HELP = {
     "parallel.pp": "pipeline stages (outermost mesh dimension)",
     "parallel.cp": "context-parallel degree (ring attention; sequence split zig-zag)",
     "parallel.sp": "sequence parallelism inside the TP regions (needs tp > 1)",
-    "parallel.dp_kind": "fsdp (FSDP2, ZeRO-3), ddp (replicated, bucketed overlap), hsdp (replicate x shard)",
-    "parallel.reshard_after_forward": "fsdp: false keeps parameters gathered between forward and backward (ZeRO-2-like)",
-    "parallel.zero_stage": "the planner's name for the DP kind: 2 = fsdp without reshard, 3 = fsdp; must agree with dp_kind",
+    "parallel.dp_kind": "fsdp (FSDP2: sharded parameters), ddp (replicated, bucketed overlap), hsdp (replicate x "
+                        "shard)",
+    "parallel.reshard_after_forward": "fsdp/hsdp: false keeps parameters gathered between forward and backward "
+                                      "(= zero_stage 2), true reshards them (= 3); unset: from zero_stage",
+    "parallel.zero_stage": "DeepSpeed's ZeRO stage: 0 replicated (ddp), 1 + sharded optimizer state, 2 + sharded "
+                           "gradients (fsdp/hsdp: reshard_after_forward=false), 3 + sharded parameters (fsdp/hsdp, the "
+                           "default); unset: from dp_kind and reshard_after_forward. The runtime runs ddp 0 and "
+                           "fsdp/hsdp 2-3; the planner models 1-2 on ddp too (docs/architecture.md)",
     "parallel.recompute": "activation recomputation: none, selective (attention core) or full (whole block)",
-    "parallel.pp_schedule": "gpipe, 1f1b, interleaved_1f1b (virtual_stages > 1), zbv or dualpipev (2 chunks per rank)",
+    "parallel.pp_schedule": "gpipe, 1f1b, interleaved_1f1b (virtual_stages > 1), zbv or dualpipev (V-shaped, 2 chunks per rank); the planner models each",
     "parallel.virtual_stages": "model chunks per pipeline rank",
     "parallel.pp_layers": "explicit layers per (virtual) stage, e.g. [6, 8, 8, 10]; default balanced",
     "optim.lr": "peak learning rate (AdamW)", "optim.min_lr": "learning rate at the end of the decay",

@@ -13,6 +13,14 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from paratrain.config.layout import check_parallel_config
+from paratrain.config.names import (  # noqa: F401 - the names each field allows, re-exported
+    DP_KINDS,
+    MULTI_STAGE_SCHEDULES,
+    PP_SCHEDULES,
+    RECOMPUTE,
+    SINGLE_STAGE_SCHEDULES,
+    V_SCHEDULES,
+)
 from paratrain.device import check_device_name
 from paratrain.model.config import PRESETS, ModelConfig, load_model_config
 from paratrain.stragglers import DEFAULT_THRESHOLD, DEFAULT_WINDOW
@@ -104,18 +112,12 @@ DEFAULT_DDP_BUCKET_MB = 25.0
 # Mesh dimensions, outermost to innermost: tp innermost = the fastest links (see parallel/mesh.py).
 MESH_DIMS = ("pp", "dp", "cp", "tp")
 
-# Pipeline schedules (torch.distributed.pipelining): one stage per rank, several (virtual) stages per rank, and
-# those of them that place the stages V-shaped (rank r holds stages r and 2pp-1-r). The planner models each.
-SINGLE_STAGE_SCHEDULES = ("gpipe", "1f1b")
-MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "zbv", "dualpipev")
-V_SCHEDULES = ("zbv", "dualpipev")
-PP_SCHEDULES = SINGLE_STAGE_SCHEDULES + MULTI_STAGE_SCHEDULES
-DP_KINDS = ("ddp", "fsdp", "hsdp")
-RECOMPUTE = ("none", "selective", "full")
 
 
 class ParallelSection(Section):
-    """Degrees of each mesh dimension. Ranks map with tp innermost (fastest link), then cp, then dp, pp outermost."""
+    """Degrees of each mesh dimension. Ranks map with tp innermost (fastest link), then cp, then dp, pp outermost.
+    The planner's layout (paratrain.plan.Layout) is this section plus train.microbatch; the rules that relate the
+    fields are in paratrain.config.rules (docs/architecture.md)."""
 
     dp: int = Field(default=-1, description="-1: whatever the world size leaves after tp*pp*cp")
     tp: int = Field(default=1, ge=1)
@@ -131,8 +133,8 @@ class ParallelSection(Section):
     sp: bool = False
     dp_kind: Literal[DP_KINDS] = "fsdp"
     dp_replicate: int = Field(default=1, ge=1, description="hsdp: replica groups (across nodes); shard within")
-    reshard_after_forward: bool = True  # False = keep params gathered between fwd and bwd (ZeRO-2-like)
-    zero_stage: Literal[1, 2, 3] | None = None  # planner's view; maps onto dp_kind/reshard_after_forward
+    reshard_after_forward: bool | None = None  # fsdp/hsdp: True = zero_stage 3, False = 2; None: from zero_stage
+    zero_stage: Literal[0, 1, 2, 3] | None = None  # DeepSpeed's numbering (paratrain.config.dp); None: from dp_kind
     recompute: Literal[RECOMPUTE] = "none"
     vocab_parallel: Literal["auto", "off", "tp", "dp"] = Field(
         default="auto", description="where the embedding and output head are sharded by vocabulary rows: tp (Megatron's "
@@ -145,10 +147,16 @@ class ParallelSection(Section):
     virtual_stages: int = Field(default=1, ge=1)
     pp_layers: list[int] | None = None  # explicit layers per (virtual) stage; default balanced
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_dp_kind(cls, data):
+        """dp_kind unset: what zero_stage implies (0/1: ddp, replicated parameters; unset, 2, 3: fsdp)."""
+        if isinstance(data, dict) and "dp_kind" not in data and data.get("zero_stage") in (0, 1):
+            return {**data, "dp_kind": "ddp"}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> ParallelSection:
-        if self.sp and self.tp == 1:
-            raise ValueError("parallel.sp=true needs parallel.tp > 1 (sequence parallelism shards the TP regions)")
         if self.dp_kind != "hsdp" and self.dp_replicate != 1:
             raise ValueError(f"parallel.dp_replicate={self.dp_replicate} is only allowed with dp_kind='hsdp'")
         if self.dp != -1 and self.dp < 1:

@@ -9,7 +9,21 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 
 import numpy as np
+from pydantic import ValidationError
 
+from paratrain.config import (
+    V_SCHEDULES,
+    ParallelSection,
+    TrainSection,
+    check_pp_layers,
+    chunks_per_rank,
+    format_validation_error,
+    resolve_degrees,
+    view_of,
+    zero_stage_of,
+)
+from paratrain.config.dp import check_dp_fields
+from paratrain.config.rules import View, check, mask
 from paratrain.hardware.catalog import System, resolve_system
 from paratrain.model.config import ModelConfig, load_model_config
 from paratrain.plan.model import DP_KINDS, RECOMPUTE, SCHEDULES, STAGE_SPLITS, Options, evaluate
@@ -17,7 +31,6 @@ from paratrain.plan.moe import check_expert_layout, expert_axes
 from paratrain.plan.stages import (
     Loads,
     balanced_layers,
-    check_pp_layers,
     describe,
     is_balanced,
     rank_loads,
@@ -27,11 +40,18 @@ from paratrain.plan.stages import (
 
 @dataclass(frozen=True)
 class Layout:
-    """A parallel layout. dp=None means 'all remaining devices'. zero_stage 0-2 go with dp_kind "ddp"
-    (ZeRO-1/2 = distributed optimizer), 3 with "fsdp" (fully sharded) or "hsdp" (sharded inside a node,
-    replicated across nodes).
+    """A parallel layout: the trainer's [parallel] section (paratrain.config.ParallelSection) plus
+    train.microbatch, with the same meanings, defaults and allowed values; `layout_from_parallel` and
+    `Layout.to_parallel` convert, and the rules of paratrain.config.rules decide what is valid. Two spellings
+    differ: `schedule` is parallel.pp_schedule, and dp=None is parallel.dp=-1 ('all remaining devices').
 
-    pp_layers: layers per (virtual) pipeline stage, in stage order (pp x virtual_stages entries, the runtime's
+    dp_kind / zero_stage: DeepSpeed's ZeRO numbering (paratrain.config.dp): ddp with 0 (replicated), 1 (sharded
+    optimizer state) or 2 (+ gradients); fsdp/hsdp with 2 (reshard_after_forward=false) or 3 (fully sharded, the
+    default). Unset, each follows the other as in the trainer: dp_kind None -> ddp for zero_stage 0/1, else fsdp;
+    zero_stage None -> 0 for ddp, 3 for fsdp/hsdp (2 under zbv/dualpipev). An Estimate's layout holds both.
+    dp_replicate (hsdp): replica groups; None = one per node (the devices of a node shard).
+
+    pp_layers: layers per (virtual) pipeline stage, in stage order (pp x chunks entries, the runtime's
     parallel.pp_layers); None or "balanced": the runtime's default, equal counts; "auto": the planner chooses
     the split that minimises the slowest stage (fewer layers where the output head or embedding sits). An
     Estimate's layout always holds the concrete split used (None when pp = 1).
@@ -49,11 +69,12 @@ class Layout:
     recompute: str = "none"
     schedule: str = "1f1b"
     virtual_stages: int = 1
-    zero_stage: int = 1
-    dp_kind: str = "ddp"
+    zero_stage: int | None = None
+    dp_kind: str | None = None
     pp_layers: tuple[int, ...] | str | None = None
     ep: int = 1
     etp: int = 1
+    dp_replicate: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.pp_layers, list):  # from JSON / TOML: keep the layout hashable
@@ -64,6 +85,37 @@ class Layout:
         if isinstance(self.pp_layers, tuple):  # JSON/TOML-friendly, as the runtime's config spells it
             data["pp_layers"] = list(self.pp_layers)
         return data
+
+    def to_parallel(self) -> ParallelSection:
+        """The trainer's [parallel] section of this layout (the one conversion; ValueError naming the field)."""
+        fields = {"dp": -1 if self.dp is None else self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp,
+                  "sp": self.sp, "recompute": self.recompute, "pp_schedule": self.schedule,
+                  "virtual_stages": self.virtual_stages}
+        if self.dp_kind is not None:
+            fields["dp_kind"] = self.dp_kind
+        if self.zero_stage is not None:
+            fields["zero_stage"] = self.zero_stage
+        if isinstance(self.pp_layers, tuple):
+            fields["pp_layers"] = list(self.pp_layers)
+        if self.dp_replicate is not None:
+            fields["dp_replicate"] = self.dp_replicate
+        for key in ("ep", "etp"):  # MoE expert layout: the trainer's keys once its schema has them (plan/moe.py)
+            if key in ParallelSection.model_fields:
+                fields[key] = getattr(self, key)
+        try:
+            return ParallelSection(**fields)
+        except ValidationError as err:
+            raise ValueError(format_validation_error(err).replace("invalid config: ", "layout: ")) from None
+
+
+def layout_from_parallel(pcfg: ParallelSection, microbatch: int, dp: int | None = None) -> Layout:
+    """The planner's Layout of a trainer [parallel] section (dp: the resolved size, else pcfg.dp / None)."""
+    return Layout(tp=pcfg.tp, pp=pcfg.pp, dp=dp if dp is not None else (None if pcfg.dp == -1 else pcfg.dp),
+                  cp=pcfg.cp, sp=pcfg.sp, microbatch=microbatch, recompute=pcfg.recompute, schedule=pcfg.pp_schedule,
+                  virtual_stages=pcfg.virtual_stages, zero_stage=pcfg.zero_stage, dp_kind=pcfg.dp_kind,
+                  pp_layers=tuple(pcfg.pp_layers) if pcfg.pp_layers else None,
+                  dp_replicate=pcfg.dp_replicate if pcfg.dp_kind == "hsdp" and pcfg.dp_replicate > 1 else None,
+                  ep=getattr(pcfg, "ep", 1), etp=getattr(pcfg, "etp", 1))
 
 
 @dataclass
@@ -112,66 +164,41 @@ class Estimate:
 
 
 def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, global_batch: int, lay: Layout) -> Layout:
-    """Validate a layout up front; return it with dp filled in. One ValueError naming field, value, allowed."""
+    """Validate a layout up front with the trainer's rules (paratrain.config.rules; what the planner models beyond
+    paratrain's runtime is allowed); return it with dp and zero_stage filled in. One ValueError naming the field."""
     devices = nodes * system.devices_per_node
-    for name in ("tp", "pp", "cp", "microbatch", "virtual_stages"):
-        if getattr(lay, name) < 1:
-            raise ValueError(f"{name} = {getattr(lay, name)}: must be >= 1")
-    if lay.recompute not in RECOMPUTE:
-        raise ValueError(f"recompute = {lay.recompute!r}: allowed: {', '.join(RECOMPUTE)}")
-    if lay.schedule not in SCHEDULES:
-        raise ValueError(f"schedule = {lay.schedule!r}: allowed: {', '.join(SCHEDULES)}")
-    if lay.dp_kind not in DP_KINDS:
-        raise ValueError(f"dp_kind = {lay.dp_kind!r}: allowed: {', '.join(DP_KINDS)}")
-    if lay.zero_stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_stage = {lay.zero_stage}: allowed: 0, 1, 2, 3")
-    if (lay.dp_kind == "ddp") != (lay.zero_stage < 3):
-        raise ValueError(f"zero_stage = {lay.zero_stage} with dp_kind = {lay.dp_kind!r}: ddp takes 0-2, fsdp/hsdp take 3")
-    model_par = lay.tp * lay.pp * lay.cp
-    if devices % model_par:
-        raise ValueError(f"tp*pp*cp = {model_par}: must divide the {devices} devices "
-                         f"({nodes} x {system.devices_per_node} {system.device_unit})")
-    dp = lay.dp if lay.dp is not None else devices // model_par
-    if dp * model_par != devices:
-        raise ValueError(f"dp = {lay.dp}: tp*pp*cp*dp = {dp * model_par} must equal the {devices} devices "
-                         f"({nodes} x {system.devices_per_node} {system.device_unit}); dp = {devices // model_par} fits")
-    checks = [
-        (model.heads % lay.tp == 0, f"tp = {lay.tp}: must divide heads = {model.heads}"),
-        (model.n_kv_heads % lay.tp == 0 or lay.tp % model.n_kv_heads == 0,
-         f"tp = {lay.tp}: must divide or be a multiple of kv_heads = {model.n_kv_heads}"),
-        (model.ffn % lay.tp == 0, f"tp = {lay.tp}: must divide ffn_hidden = {model.ffn}"),
-        (model.layers >= lay.pp * lay.virtual_stages,
-         f"pp*virtual_stages = {lay.pp * lay.virtual_stages}: must be <= layers = {model.layers}"),
-        (seq % (2 * lay.cp) == 0 or lay.cp == 1, f"cp = {lay.cp}: seq = {seq} must be divisible by 2*cp"),
-        (not (lay.sp and lay.tp == 1), "sp = true needs tp > 1"),
-        (not lay.sp or lay.cp == 1 or (seq // lay.cp) % lay.tp == 0,
-         f"sp = true with cp = {lay.cp}: seq/cp = {seq // lay.cp} must be divisible by tp = {lay.tp}"),
-        (lay.schedule != "zbv" or lay.zero_stage < 3,
-         "schedule = zbv with zero_stage = 3: the zero-bubble schedule computes weight gradients after the "
-         "forward, when FSDP would have resharded the weights; allowed: zero_stage 0-2 with zbv"),
-        (lay.schedule != "interleaved_1f1b" or (lay.virtual_stages > 1 and lay.pp > 1),
-         "schedule = interleaved_1f1b: needs pp > 1 and virtual_stages > 1"),
-        (lay.schedule != "zbv" or (lay.virtual_stages == 2 and lay.pp > 1),
-         "schedule = zbv: needs pp > 1 and virtual_stages = 2"),
-        (lay.schedule in ("interleaved_1f1b", "zbv") or lay.virtual_stages == 1,
-         f"virtual_stages = {lay.virtual_stages}: only interleaved_1f1b and zbv use more than 1"),
-        (global_batch % (dp * lay.microbatch) == 0,
-         f"microbatch = {lay.microbatch}: global_batch = {global_batch} must be divisible by dp*microbatch = {dp * lay.microbatch}"),
-    ]
-    for ok, message in checks:
-        if not ok:
-            raise ValueError(message)
+    pcfg = lay.to_parallel()
+    TrainSection(seq_len=max(seq, 2), global_batch=global_batch, microbatch=max(lay.microbatch, 1))
+    if lay.microbatch < 1:
+        raise ValueError(f"train.microbatch={lay.microbatch}: allowed: >= 1")
+    try:
+        dp = resolve_degrees(pcfg, devices)["dp"]
+    except ValueError as exc:
+        raise ValueError(f"{exc} ({devices} devices: {nodes} x {system.devices_per_node} {system.device_unit})") from None
+    check_dp_fields(pcfg)
+    check(view_of(model, pcfg, seq, global_batch, lay.microbatch, dp), runtime=False)
     check_expert_layout(model, lay.tp, lay.cp, dp, lay.ep, lay.etp)
     if isinstance(lay.pp_layers, str):
         if lay.pp_layers not in STAGE_SPLITS:
             raise ValueError(f"pp_layers = {lay.pp_layers!r}: allowed: {', '.join(STAGE_SPLITS)}, or one layer "
                              f"count per stage")
     elif lay.pp_layers is not None:
-        check_pp_layers(lay.pp_layers, model.layers, lay.pp, lay.virtual_stages)
-    microbatches = global_batch // (dp * lay.microbatch)
-    if lay.schedule in ("interleaved_1f1b", "zbv") and microbatches < lay.pp:
-        raise ValueError(f"schedule = {lay.schedule}: needs microbatches per replica ({microbatches}) >= pp ({lay.pp})")
-    return Layout(**{**lay.to_dict(), "dp": dp})
+        check_pp_layers(lay.pp_layers, model.layers, lay.pp, chunks_per_rank(lay.schedule, lay.virtual_stages),
+                        "parallel.pp_layers")
+    return replace(lay, dp=dp, zero_stage=zero_stage_of(pcfg), dp_kind=pcfg.dp_kind)
+
+
+def _internal(layout: Layout) -> dict:
+    """The physics' codes of a checked layout (plan.model.evaluate): schedule index and chunks per rank; one
+    stage (pp = 1) has no schedule (the runtime ignores it: coded as 1f1b)."""
+    if layout.pp == 1:
+        return {"schedule": SCHEDULES.index("1f1b"), "virtual_stages": 1}
+    return {"schedule": SCHEDULES.index(layout.schedule),
+            "virtual_stages": chunks_per_rank(layout.schedule, layout.virtual_stages)}
+
+
+def _v_shape(layout: Layout) -> bool:
+    return layout.pp > 1 and layout.schedule in V_SCHEDULES
 
 
 def _resolve(model, system) -> tuple[ModelConfig, System]:
@@ -203,9 +230,10 @@ def estimate(model: ModelConfig | str, system: System | str, nodes: int, seq: in
 def _evaluate_one(model, system, nodes, seq, global_batch, layout: Layout, opts, **split) -> dict:
     res = evaluate(model, system, seq, global_batch, nodes=nodes, tp=layout.tp, pp=layout.pp, dp=layout.dp,
                    cp=layout.cp, microbatch=layout.microbatch, sp=layout.sp,
-                   recompute=RECOMPUTE.index(layout.recompute), schedule=SCHEDULES.index(layout.schedule),
-                   virtual_stages=layout.virtual_stages, zero_stage=layout.zero_stage,
-                   dp_kind=DP_KINDS.index(layout.dp_kind), opts=opts, ep=layout.ep, etp=layout.etp, **split)
+                   recompute=RECOMPUTE.index(layout.recompute), zero_stage=layout.zero_stage,
+                   dp_kind=DP_KINDS.index(layout.dp_kind), dp_replicate=layout.dp_replicate, opts=opts,
+                   ep=layout.ep, etp=layout.etp,
+                   **_internal(layout), **split)
     return {k: np.asarray(v).item() for k, v in res.items()}
 
 
@@ -213,7 +241,7 @@ def _split_args(model: ModelConfig, layout: Layout) -> dict:
     """evaluate's stage arguments for the layout's pp_layers: a given split as layers per rank, else the mode."""
     if layout.pp_layers is None or isinstance(layout.pp_layers, str):
         return {"split": layout.pp_layers or "balanced"}
-    first, last, inner = rank_loads(layout.pp_layers, layout.pp, layout.schedule == "zbv")
+    first, last, inner = rank_loads(layout.pp_layers, layout.pp, _v_shape(layout))
     balanced = is_balanced(layout.pp_layers, model.layers)
     return {"stage_loads": Loads(*(np.array(float(n)) for n in (first, last, inner)), np.array(balanced))}
 
@@ -224,10 +252,10 @@ def _concrete_split(model: ModelConfig, layout: Layout, row: dict) -> tuple[int,
         return None
     if isinstance(layout.pp_layers, tuple):
         return layout.pp_layers
-    stages = layout.pp * layout.virtual_stages
+    chunks = _internal(layout)["virtual_stages"]
     if row["stage_balanced"]:
-        return tuple(balanced_layers(model.layers, stages))
-    return stage_split(model.layers, layout.pp, layout.virtual_stages, layout.schedule == "zbv",
+        return tuple(balanced_layers(model.layers, layout.pp * chunks))
+    return stage_split(model.layers, layout.pp, chunks, _v_shape(layout),
                        int(round(row["stage_layers_first"])), int(round(row["stage_layers_last"])))
 
 
@@ -283,9 +311,9 @@ def _to_estimate(model, system, nodes, seq, global_batch, layout, r: dict, train
         est.notes.append(f"pipeline stages {describe(layout.pp_layers)} layers: step time {change:+.1%} vs the "
                          f"balanced {describe(balanced_layers(model.layers, len(layout.pp_layers)))} "
                          f"({balanced_step_time_s:.4f} s)")
-    elif est.layout.pp > 1 and model.layers % (layout.pp * layout.virtual_stages):
-        est.notes.append(f"{model.layers} layers do not split evenly over pp*virtual_stages = "
-                         f"{layout.pp * layout.virtual_stages}: the busiest stage sets the pace")
+    elif est.layout.pp > 1 and model.layers % (stages := layout.pp * _internal(layout)["virtual_stages"]):
+        est.notes.append(f"{model.layers} layers do not split evenly over {stages} pipeline stages (pp x chunks "
+                         f"per rank): the busiest stage sets the pace")
     if stack is not None and (layout.dp_kind not in stack.dp_kinds or layout.zero_stage not in stack.zero_stages
                               or (layout.pp > 1 and layout.schedule not in stack.schedules)):
         est.notes.append(f"{stack.name} on {system.name} does not support this choice "
@@ -322,19 +350,30 @@ class SearchResult:
 def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch: int,
           max_microbatch: int, cp_options: list[int], stack,
           constraints: dict | None = None) -> dict[str, np.ndarray]:
-    """All combinations of the discrete choices that are structurally valid (divisibility), as arrays."""
+    """All combinations of the discrete choices that the trainer's rules allow (paratrain.config.rules, the
+    planner's view: also what paratrain's runtime does not implement), as arrays."""
     devices = nodes * system.devices_per_node
-    tps = [t for t in _divisors(devices) if model.heads % t == 0 and model.ffn % t == 0
-           and (model.n_kv_heads % t == 0 or t % model.n_kv_heads == 0)]
+
+    def rules_ok(**fields) -> np.ndarray:
+        n = np.shape(next(iter(fields.values())))
+        base = {"tp": np.ones(n, int), "pp": np.ones(n, int), "cp": np.ones(n, int), "sp": np.zeros(n, bool),
+                "schedule": SCHEDULES.index("1f1b"), "virtual_stages": 1, "dp_kind": 0, "zero": 0, "seq": seq,
+                "model": model}
+        return mask(View(**{**base, **fields}))
+
+    # one-dimensional prefilters by the same rules (the grid is expanded only for what passes)
+    divisors = np.array(_divisors(devices))
+    tps = [int(t) for t in divisors[rules_ok(tp=divisors)]]
     # any pipeline degree that divides the devices and leaves every stage a layer: uneven counts (126 layers on
-    # 32 stages) are split as the runtime splits them (plan/stages.py), and the slowest stage sets the pace
-    pps = [p for p in _divisors(devices) if p <= model.layers]
-    cps = [c for c in cp_options if devices % c == 0 and seq % (2 * c) == 0 or c == 1]
+    # 32 stages) are split as the runtime splits them (config.pipeline), and the slowest stage sets the pace
+    pps = [int(p) for p in divisors[rules_ok(pp=divisors)]]
+    cp_arr = np.array([c for c in cp_options if devices % c == 0 or c == 1])
+    cps = [int(c) for c in cp_arr[rules_ok(cp=cp_arr)]]
     mbs = [b for b in _divisors(global_batch) if b <= max_microbatch]
-    # (schedule, virtual stages) pairs
-    sched_v = [(0, 1), (1, 1)] + [(2, v) for v in (2, 3, 4, 5, 6, 8)] + [(3, 2)]
-    # (zero stage, dp kind) pairs
-    zero_kind = [(0, 0), (1, 0), (2, 0), (3, 1), (3, 2)]
+    # (schedule, chunks per rank) pairs: codes of SCHEDULES (V schedules: 2 chunks)
+    sched_v = [(0, 1), (1, 1)] + [(2, v) for v in (2, 3, 4, 5, 6, 8)] + [(3, 2), (4, 2)]
+    # (zero stage, dp kind) pairs (paratrain.config.dp): ddp 0-2, fsdp/hsdp 3 and 2 (reshard_after_forward=false)
+    zero_kind = [(0, 0), (1, 0), (2, 0), (3, 1), (3, 2), (2, 1), (2, 2)]
     # (tp, pp, cp) triples that divide the devices and leave a data-parallel degree dividing the global batch,
     # first: the rest of the grid is expanded only for those (uneven pipeline degrees make pp long)
     t3, p3, c3 = (a.ravel() for a in np.meshgrid(np.array(tps), np.array(pps), np.array(cps), indexing="ij"))
@@ -342,44 +381,62 @@ def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch
     keep = (devices % par == 0) & (global_batch % np.maximum(devices // par, 1) == 0)
     combinations = int(t3.size) * len(mbs) * 2 * 3 * len(sched_v) * len(zero_kind)
     t3, p3, c3 = t3[keep], p3[keep], c3[keep]
-    axes = np.meshgrid(np.arange(t3.size), np.array(mbs), np.array([0, 1]), np.arange(3), np.arange(len(sched_v)),
-                       np.arange(len(zero_kind)), indexing="ij")
-    i3, b, sp, rc, sv, zk = (a.ravel() for a in axes)
-    tp, pp, cp = t3[i3], p3[i3], c3[i3]
+    # the rules do not depend on recompute: they are evaluated on the grid without it, which is then broadcast
+    # over the three recompute choices (in the same order as the full grid)
+    # and first on the (tp, pp, cp, microbatch) pairs alone with the least demanding other choices (gpipe, one
+    # chunk, no SP, plain DDP): a pair that fails there fails with every choice, so only the rest is expanded
+    mb_arr = np.array(mbs)
+    pair3, pair_b = (a.ravel() for a in np.meshgrid(np.arange(t3.size), np.arange(mb_arr.size), indexing="ij"))
+    pair_dp = devices // (t3[pair3] * p3[pair3] * c3[pair3])
+    pairs = np.flatnonzero(rules_ok(tp=t3[pair3], pp=p3[pair3], cp=c3[pair3], dp=pair_dp, microbatch=mb_arr[pair_b],
+                                    global_batch=global_batch, schedule=SCHEDULES.index("gpipe")))
+    shape5 = (pairs.size, 2, len(sched_v), len(zero_kind))
+    pi, sp, sv, zk = (a.ravel() for a in np.meshgrid(*(np.arange(n) for n in shape5), indexing="ij"))
     sv_arr, zk_arr = np.array(sched_v), np.array(zero_kind)
-    sched, v = sv_arr[sv, 0], sv_arr[sv, 1]
-    zero, kind = zk_arr[zk, 0], zk_arr[zk, 1]
-    model_par = tp * pp * cp
-    dp = devices // model_par
-    m = global_batch // np.maximum(dp * b, 1)
-    ok = (devices % model_par == 0) & (dp >= 1)
-    ok &= global_batch % np.maximum(dp * b, 1) == 0
-    ok &= (sp == 0) | (tp > 1)
-    ok &= model.layers >= pp * v  # the runtime's rule: every (virtual) stage holds at least one layer
-    ok &= np.where(pp == 1, sched == 1, True)  # one stage: no schedule to choose
-    ok &= np.where(sched >= 2, m >= pp, True)
-    ok &= (dp > 1) | (zk == 1) | (zk == 0)  # with one replica the ZeRO choices coincide: keep 0 and 1 only
+    i3, b_i = pair3[pairs[pi]], pair_b[pairs[pi]]
+    tp, pp, cp, b = t3[i3], p3[i3], c3[i3], mb_arr[b_i]
+    sched, v, zero, kind = sv_arr[sv, 0], sv_arr[sv, 1], zk_arr[zk, 0], zk_arr[zk, 1]
+    dp = devices // (tp * pp * cp)
+    ok = mask(View(tp=tp, pp=pp, cp=cp, sp=sp == 1, schedule=sched, virtual_stages=v, dp_kind=kind, zero=zero,
+                   seq=seq, model=model, dp=dp, microbatch=b, global_batch=global_batch))
+    # search policy, not validity: one stage has no schedule to choose; with one replica the ZeRO choices
+    # coincide (keep ddp 0 and 1); HSDP only where it shards inside a node and replicates across nodes
+    ok &= np.where(pp == 1, sched == 1, True)
+    ok &= (dp * cp > 1) | (zk == 1) | (zk == 0)
     local_dp = system.devices_per_node // tp  # HSDP shards over dp x cp ranks inside a node, replicas across nodes
     ok &= (kind != 2) | ((local_dp >= 2) & (dp * cp > local_dp))
-    ok &= (sp == 0) | (cp == 1) | ((seq // cp) % tp == 0)  # SP splits each cp rank's sequence over tp
-    ok &= (sched != 3) | (zero < 3)  # ZB-V computes weight gradients after FSDP would reshard (runtime refuses)
     if stack is not None:
         ok &= np.isin(zero, stack.zero_stages) & np.isin(kind, [DP_KINDS.index(k) for k in stack.dp_kinds])
         ok &= (pp == 1) | np.isin(sched, [SCHEDULES.index(k) for k in stack.schedules])
-    tp, pp, cp, dp, b, sp, rc, sched, v, zero, kind, ep, etp, ok = expert_axes(
-        model, (tp, pp, cp, dp, b, sp, rc, sched, v, zero, kind), ok)  # MoE: every valid (ep, etp) per layout
-    named = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "microbatch": b, "sp": sp, "recompute": rc, "schedule": sched,
-             "virtual_stages": v, "zero_stage": zero, "dp_kind": kind, "ep": ep, "etp": etp}
+    rc_ok = np.ones(3, bool)
+    named = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "microbatch": b, "sp": sp, "recompute": None, "schedule": sched,
+             "virtual_stages": v, "zero_stage": zero, "dp_kind": kind, "ep": None, "etp": None}
+    later = {}  # constraints on the expert axes, applied once they exist
     for key, allowed in (constraints or {}).items():
         if key not in named:
             raise ValueError(f"constraint '{key}': unknown; allowed: {', '.join(named)}")
         codes = {"recompute": RECOMPUTE, "schedule": SCHEDULES, "dp_kind": DP_KINDS}.get(key)
         values = [codes.index(a) if codes else int(a) for a in allowed]
-        ok &= np.isin(named[key], values)
-    sel = np.nonzero(ok)[0]
-    return {"tp": tp[sel], "pp": pp[sel], "cp": cp[sel], "dp": dp[sel], "microbatch": b[sel], "sp": sp[sel] == 1,
-            "recompute": rc[sel], "schedule": sched[sel], "virtual_stages": v[sel], "zero_stage": zero[sel],
-            "dp_kind": kind[sel], "ep": ep[sel], "etp": etp[sel], "raw": np.int64(combinations)}
+        if key == "recompute":
+            rc_ok &= np.isin(np.arange(3), values)
+        elif key in ("ep", "etp"):
+            later[key] = values
+        else:
+            ok &= np.isin(named[key], values)
+    ok6 = ok.reshape(shape5)[:, :, None, :, :] & rc_ok[None, None, :, None, None]
+    pi, sp, rc, sv, zk = np.unravel_index(np.flatnonzero(ok6), shape5[:2] + (3,) + shape5[2:])
+    i3, b_i = pair3[pairs[pi]], pair_b[pairs[pi]]
+    tp, pp, cp = t3[i3], p3[i3], c3[i3]
+    arrays = (tp, pp, cp, devices // (tp * pp * cp), mb_arr[b_i], sp == 1, rc, sv_arr[sv, 0], sv_arr[sv, 1],
+              zk_arr[zk, 0], zk_arr[zk, 1])
+    *arrays, ep, etp, ok = expert_axes(model, arrays, np.ones(tp.shape, bool))  # MoE: every valid (ep, etp)
+    for key, values in later.items():
+        ok = ok & np.isin({"ep": ep, "etp": etp}[key], values)
+    sel = np.flatnonzero(ok)
+    keys = ("tp", "pp", "cp", "dp", "microbatch", "sp", "recompute", "schedule", "virtual_stages", "zero_stage",
+            "dp_kind")
+    return {**{k: a[sel] for k, a in zip(keys, arrays, strict=True)}, "ep": ep[sel], "etp": etp[sel],
+            "raw": np.int64(combinations)}
 
 
 def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int, global_batch: int, *,

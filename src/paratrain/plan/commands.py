@@ -127,22 +127,20 @@ def cmd_estimate(args) -> None:
 
 def _layout(args):
     """The planner's Layout of the flags given, read as the trainer reads them: its [parallel] section (its
-    checks, its defaults for what is not given), then the planner's names (pp_schedule -> schedule, dp=-1 ->
-    None, the V schedules' two chunks per rank)."""
+    checks, its defaults for what is not given), then the planner's Layout by the one conversion
+    (plan.api.layout_from_parallel)."""
+    from dataclasses import replace
+
     from pydantic import ValidationError
 
-    from paratrain.config import ParallelSection, chunks_per_rank, format_validation_error
-    from paratrain.plan.api import Layout
+    from paratrain.config import ParallelSection, format_validation_error
+    from paratrain.plan.api import layout_from_parallel
 
     try:
         pcfg = ParallelSection(**{k: getattr(args, k) for k in LAYOUT_KEYS if getattr(args, k) is not None})
     except ValidationError as err:  # one line, the trainer's message
         raise UserError(format_validation_error(err).replace("invalid config: config: ", "layout: ")) from None
-    zero = pcfg.zero_stage if pcfg.zero_stage is not None else (1 if pcfg.dp_kind == "ddp" else 3)
-    return Layout(tp=pcfg.tp, pp=pcfg.pp, dp=None if pcfg.dp == -1 else pcfg.dp, cp=pcfg.cp, sp=pcfg.sp,
-                  microbatch=args.microbatch, recompute=pcfg.recompute, schedule=pcfg.pp_schedule,
-                  virtual_stages=chunks_per_rank(pcfg.pp_schedule, pcfg.virtual_stages), zero_stage=zero,
-                  dp_kind=pcfg.dp_kind, pp_layers=_pp_layers(args.pp_layers), ep=pcfg.ep, etp=pcfg.etp)
+    return replace(layout_from_parallel(pcfg, args.microbatch), pp_layers=_pp_layers(args.pp_layers))
 
 
 def _pp_layers(text: str) -> str | tuple[int, ...]:

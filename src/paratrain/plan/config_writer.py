@@ -1,20 +1,23 @@
 """Write a planned layout as a paratrain training config (TOML: [model], [parallel], [train], [metrics]).
 
-The keys are those of `paratrain.config` (the trainer's schema): parallel.{dp,tp,pp,cp,sp,dp_kind,zero_stage,
-recompute,pp_schedule,virtual_stages,dp_replicate,pp_layers}, train.{seq_len,global_batch,microbatch}, model.preset,
-metrics.{hardware,run_dir}. parallel.pp_layers is written only when the planned split differs from the runtime's
-balanced default. metrics.run_dir is a fresh folder named after the model and layout (runs/small-dp4-ddp-mb4, or
+The trainer's config object (paratrain.config.TrainConfig) is built from the planned Layout (Layout.to_parallel,
+the one conversion) and validated by the trainer's own rules before it is written (dump_config): a layout the
+runtime would refuse is an error here, not at the start of the run. Only the keys the plan sets are written;
+parallel.pp_layers only when the planned split differs from the runtime's balanced default. metrics.run_dir is a fresh folder named after the model and layout (runs/small-dp4-ddp-mb4, or
 -2, -3, ... when that exists), so training the plan starts a new run instead of resuming an earlier one.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import tomli_w
+from pydantic import ValidationError
 
+from paratrain.config import MetricsSection, ModelSection, TrainConfig, TrainSection, format_validation_error
 from paratrain.model.config import PRESETS, ModelConfig
-from paratrain.plan.api import Estimate
+from paratrain.plan.api import Estimate, Layout
 from paratrain.plan.stages import is_balanced
 
 
@@ -40,47 +43,46 @@ def fresh_run_dir(name: str, root: str | Path = "runs") -> str:
     return str(path)
 
 
-def runtime_dp(dp_kind: str, zero_stage: int) -> tuple[str, int | None]:
-    """The trainer's data-parallel choice for the planner's: plain DDP has no zero_stage; the runtime has no
-    ZeRO-1, so ZeRO-1/2 become FSDP with reshard_after_forward=false (zero_stage 2), which shards at least as
-    much state (memory only goes down) with the same gradient reduce-scatter + parameter all-gather traffic."""
-    if zero_stage == 0:
-        return "ddp", None
-    if zero_stage in (1, 2):
-        return "fsdp", 2
-    return dp_kind, 3
+def runtime_layout(layout: Layout) -> Layout:
+    """The layout paratrain's runtime runs for a planned one: ZeRO-1/2 on DDP (DeepSpeed, Megatron's distributed
+    optimizer: the runtime has neither) become FSDP with reshard_after_forward=false (zero_stage 2), which shards at
+    least as much state (memory only goes down) with the same gradient reduce-scatter + parameter all-gather
+    traffic; every other layout unchanged."""
+    if layout.dp_kind == "ddp" and layout.zero_stage in (1, 2):
+        return replace(layout, dp_kind="fsdp", zero_stage=2)
+    return layout
 
 
 def training_config(est: Estimate, model: ModelConfig, model_spec: str, devices_per_node: int,
                     hardware_spec: str | None = None) -> dict:
-    """The trainer's config for a planned layout. `hardware_spec`: what the user passed to --hardware (a
-    catalog name or a TOML file), written as metrics.hardware so the run predicts against the same entry."""
-    lay = est.layout
+    """The trainer's config for a planned layout (the keys it sets), checked by the trainer's schema.
+    `hardware_spec`: what the user passed to --hardware (a catalog name or a TOML file), written as
+    metrics.hardware so the run predicts against the same entry."""
+    lay = runtime_layout(est.layout)
     if model_spec in PRESETS or Path(model_spec).is_file():
         model_section = {"preset": model_spec}
     else:  # a ModelConfig built in code: write its shape over the closest preset
         model_section = {"preset": "llama2-7b", "layers": model.layers, "hidden": model.hidden,
                          "heads": model.heads, "kv_heads": model.n_kv_heads, "ffn_hidden": model.ffn,
                          "vocab": model.vocab, "max_seq": model.max_seq}
-    dp_kind, zero = runtime_dp(lay.dp_kind, lay.zero_stage)
-    parallel = {"dp": lay.dp, "tp": lay.tp, "pp": lay.pp, "cp": lay.cp, "sp": lay.sp, "dp_kind": dp_kind,
-                "recompute": lay.recompute, "pp_schedule": lay.schedule, "virtual_stages": lay.virtual_stages}
-    if zero is not None:
-        parallel["zero_stage"] = zero
-    if lay.ep > 1 or lay.etp > 1:  # MoE expert layout (plan/moe.py), the trainer's parallel.ep / parallel.etp
-        parallel["ep"], parallel["etp"] = lay.ep, lay.etp
-    if isinstance(lay.pp_layers, tuple) and not is_balanced(lay.pp_layers, model.layers):
-        parallel["pp_layers"] = list(lay.pp_layers)  # the planner's uneven split; balanced is the default
-    if lay.dp_kind == "hsdp":
+    if isinstance(lay.pp_layers, tuple) and is_balanced(lay.pp_layers, model.layers):
+        lay = replace(lay, pp_layers=None)  # balanced is the runtime's default: not written
+    if lay.dp_kind == "hsdp" and lay.dp_replicate is None:  # one replica per node, shards inside it
         shard = max(1, min(lay.dp, devices_per_node // (lay.tp * lay.cp)))
-        parallel["dp_replicate"] = lay.dp // shard
-    run_dir = fresh_run_dir(f"{model.name}-{layout_name({**parallel, 'microbatch': lay.microbatch})}")
-    return {
-        "model": model_section,
-        "parallel": parallel,
-        "train": {"seq_len": est.seq, "global_batch": est.global_batch, "microbatch": lay.microbatch},
-        "metrics": {"hardware": _hardware_ref(hardware_spec, est.system), "run_dir": run_dir},
-    }
+        lay = replace(lay, dp_replicate=lay.dp // shard)
+    parallel = lay.to_parallel()
+    if (lay.ep > 1 or lay.etp > 1) and "ep" not in parallel.model_fields:
+        raise ValueError(f"the planned layout has expert parallelism (ep={lay.ep}, etp={lay.etp}), which the trainer's "
+                         f"[parallel] section cannot express yet; allowed: plan with --constraint ep=1 (docs/moe.md)")
+    run_dir = fresh_run_dir(f"{model.name}-{layout_name({**parallel.model_dump(), 'microbatch': lay.microbatch})}")
+    try:
+        cfg = TrainConfig(model=ModelSection(**model_section), parallel=parallel,
+                          train=TrainSection(seq_len=est.seq, global_batch=est.global_batch, microbatch=lay.microbatch),
+                          metrics=MetricsSection(hardware=_hardware_ref(hardware_spec, est.system), run_dir=run_dir))
+    except ValidationError as err:
+        raise ValueError(f"the planned layout cannot be written as a training config: "
+                         f"{format_validation_error(err).removeprefix('invalid config: ')}") from None
+    return cfg.model_dump(exclude_unset=True)
 
 
 def _hardware_ref(spec: str | None, system_name: str) -> str:
@@ -108,5 +110,5 @@ def write_training_config(path: str | Path, est: Estimate, model: ModelConfig, m
               + f"# metrics.run_dir {data['metrics']['run_dir']}: a new folder for this run (a second run of this "
                 f"config resumes it; plan again for a new one).\n")
     path = Path(path)
-    path.write_text(header + tomli_w.dumps(data))
+    path.write_text(header + tomli_w.dumps(data))  # the keys the plan set (dump_config writes every default)
     return path

@@ -15,14 +15,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from paratrain.config.names import DP_KINDS, PP_SCHEDULES, RECOMPUTE  # noqa: F401 - re-exported (plan.api, tests)
 from paratrain.hardware.catalog import System
 from paratrain.model.config import ModelConfig
 from paratrain.plan.stages import Loads, balanced_loads, best_loads, rank_times, same_rank
 
-RECOMPUTE = ("none", "selective", "full")
 STAGE_SPLITS = ("balanced", "auto")  # the runtime's default split, or the one that minimises the slowest stage
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
-DP_KINDS = ("ddp", "fsdp", "hsdp")
+# the trainer's names (paratrain.config.names); evaluate's integer codes index them: schedule codes >= 3 are the
+# V-shaped zero-bubble schedules (zbv, dualpipev)
+SCHEDULES = PP_SCHEDULES
 # Attention FLOPs per token per layer per hidden unit, forward: QK^T and AV over the keys a query sees. Causal
 # (what is computed with flash attention and what MFU counts here): 2 x 2 x s/2 x h; the full square (Narayanan et
 # al. 2021, PaLM): 2 x 2 x s x h. Both MFUs are reported; only the causal one is bounded by the timing model.
@@ -431,7 +432,7 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
 
 def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *, nodes, tp, pp, dp, cp,
              microbatch, sp, recompute, schedule, virtual_stages, zero_stage, dp_kind, opts: Options,
-             split: str = "balanced", stage_loads: Loads | None = None, ep=1, etp=1) -> dict:
+             split: str = "balanced", stage_loads: Loads | None = None, ep=1, etp=1, dp_replicate=None) -> dict:
     """Evaluate layouts (numpy arrays of equal length, or scalars). Integer codes index RECOMPUTE, SCHEDULES
     and DP_KINDS. Returns a dict of arrays (times in s, bytes, FLOPs); no validity filtering here.
 
@@ -439,7 +440,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     "auto" the split that minimises the slowest rank's time (kept balanced where the faster split would not
     fit in memory and the balanced one does); stage_loads (layers per rank of an explicit split) overrides
     both. The loads used come back as stage_layers_{first,last,inner} and stage_balanced. ep, etp: expert
-    parallelism of a MoE model (plan/moe.py: the dense formulas time its dense view, the routed experts add on)."""
+    parallelism of a MoE model (plan/moe.py: the dense formulas time its dense view, the routed experts add on).
+    virtual_stages: model chunks per pipeline rank (2 under the V schedules). dp_replicate (HSDP): replica groups,
+    None = one per node."""
     from paratrain.plan import moe as moe_plan
 
     if split not in STAGE_SPLITS:
@@ -528,15 +531,17 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     # activation; paratrain's runtime without SP sends it whole
     p2p_bytes = act_bytes / np.where(sp | opts.p2p_scatter_gather, tp, 1.0)
     p2p = np.where(pp > 1, p2p_time_s(system, p2p_bytes, stride_pp), 0.0)
-    chunks = np.where((sched == 2) | (sched == 3), v, 1.0)
+    chunks = np.where(sched >= 2, v, 1.0)
     p2p_per_mb = 2 * chunks * p2p  # forward send + backward send per chunk
 
     # -- pipeline stages: layers per rank, and the slowest rank, which sets the pipeline's pace --
-    v_shape = sched == 3
+    v_shape = sched >= 3  # zbv, dualpipev
     # Gradients reduce (and FSDP shards) over dp x cp ranks: cp ranks hold gradients of different tokens of
     # the same sequences. Ranks are numbered tp fastest, then cp, so that group starts at stride tp.
     dp_group = dp * cp
-    dp_shard = np.where(kind == 2, np.maximum(1.0, np.minimum(dp_group, system.devices_per_node / tp)), dp_group)
+    per_node = np.maximum(1.0, np.minimum(dp_group, system.devices_per_node / tp))
+    hsdp_shard = per_node if dp_replicate is None else dp_group / np.asarray(dp_replicate, float)
+    dp_shard = np.where(kind == 2, hsdp_shard, dp_group)
 
     moe_mem = moe_plan.memory_terms(flops_model, opts, T=T, tp=tp, cp=cp, dp=dp, ep=ep, etp=etp, zero=zero, rc=rc,
                                     routed=moe[5]) if moe is not None else None
@@ -646,7 +651,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         "comm_pp_bytes": np.where(pp > 1, m * 2 * chunks * p2p_bytes, 0.0),
         "comm_ep_bytes": m * layers_per_stage * (moe[4] if moe is not None else 0.0) * ones,
         "comm_dp_bytes": np.where(dp * cp > 1, params_dev * (opts.grad_bytes + opts.param_bytes * np.where(
-            kind >= 1, 2 * m, np.where(zero >= 1, 1.0, 0.0))), 0.0),
+            kind >= 1, np.where(zero == 2, m, 2 * m), np.where(zero >= 1, 1.0, 0.0))), 0.0),
         "cost_usd_per_hour": cost_per_hour,
         "stage_layers_first": loads.first * ones, "stage_layers_last": loads.last * ones,
         "stage_layers_inner": loads.inner * ones, "stage_balanced": loads.balanced & (ones > 0),
@@ -691,17 +696,14 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
                 + _calls_s(system, "allgather", param_bytes * block_share, stage_layers_dev, dp_shard, stride_dp))
     repl_ar = _calls_s(system, "allreduce", grad_bytes / dp_shard, units, dp / dp_shard, stride_dp * dp_shard)
     zero12 = (zero >= 1) & (zero <= 2)
-    if opts.zero12_as_fsdp:  # paratrain: FSDP without resharding, each unit gathered once per microbatch
-        fwd_ag = _calls_s(system, "allgather", param_bytes, units, dp, stride_dp)
-        gathers = np.select([zero12, kind == 1, kind == 2], [m * fwd_ag, m * unit_ag, m * shard_ag], 0.0)
-        reduces = np.select([zero == 0, zero12, kind == 1, kind == 2], [reduce_ar, unit_rs, unit_rs,
-                                                                        shard_rs + repl_ar])
-        post_step = 0.0
-    else:
-        gathers = np.select([kind == 1, kind == 2], [m * unit_ag, m * shard_ag], 0.0)
-        reduces = np.select([zero == 0, zero <= 2, kind == 1, kind == 2],
-                            [reduce_ar, reduce_rs, unit_rs, shard_rs + repl_ar])
-        post_step = np.where(zero12, post_gather, 0.0)
+    # FSDP without resharding after forward (fsdp/hsdp with zero_stage 2, FSDP1's SHARD_GRAD_OP), and paratrain's
+    # ZeRO-1/2, which run as that: each unit gathered once per microbatch, reduce-scattered once per step
+    as_fsdp = ((kind >= 1) & (zero == 2)) | (zero12 & opts.zero12_as_fsdp)
+    fwd_ag = _calls_s(system, "allgather", param_bytes, units, dp, stride_dp)
+    gathers = np.select([as_fsdp, kind == 1, kind == 2], [m * fwd_ag, m * unit_ag, m * shard_ag], 0.0)
+    reduces = np.select([zero == 0, as_fsdp, zero <= 2, kind == 1, kind == 2],
+                        [reduce_ar, unit_rs, reduce_rs, unit_rs, shard_rs + repl_ar])
+    post_step = np.where(zero12 & ~as_fsdp, post_gather, 0.0)  # DeepSpeed/Megatron: gather after the step
     overlap = system.efficiency.dp_overlap if opts.dp_overlap is None else opts.dp_overlap
     window_all = np.maximum(0.0, overlap * m * (stage_fwd + stage_bwd) - link_busy)
     window_last = np.maximum(0.0, overlap * stage_bwd - link_busy / np.maximum(m, 1.0))
@@ -719,8 +721,9 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     ag1 = collective_time_s(system, "allgather", param_bytes * block_share / layers, group, stride_dp)
     rs1 = collective_time_s(system, "reducescatter", grad_bytes * block_share / layers, group, stride_dp)
     fwd = ag1 + (layers - 1) * np.maximum(0.0, ag1 - c_f)
-    bwd = layers * np.maximum(0.0, ag1 - c_b)
-    bwd_sync = layers * np.maximum(0.0, ag1 + rs1 - c_b) + rs1
+    kept = as_fsdp & (kind >= 1)  # parameters still gathered from the forward: no backward re-gather
+    bwd = np.where(kept, 0.0, layers * np.maximum(0.0, ag1 - c_b))
+    bwd_sync = layers * np.maximum(0.0, np.where(kept, 0.0, ag1) + rs1 - c_b) + rs1
     per_layer = m * fwd + (m - 1) * bwd + bwd_sync + np.where(kind == 2, repl_ar, 0.0)
     exposed = np.where(kind >= 1, np.maximum(exposed, per_layer), exposed)
     total = gathers + reduces + post_step
@@ -732,11 +735,13 @@ def pipeline_bubble_s(sched, pp, v, m, fwd, bwd_input, bwd_weight):
 
     GPipe and 1F1B: (p-1) stage-times (Huang et al. 2019; Narayanan et al. 2021). Interleaved 1F1B with v
     chunks per device: (p-1)/v (Narayanan et al. 2021). ZB-V (Qi et al. 2024, two chunks): (p-1) *
-    (F + B - 2W) per chunk, zero when the weight-gradient pass W fills the gaps, never negative.
+    (F + B - 2W) per chunk, zero when the weight-gradient pass W fills the gaps, never negative. DualPipeV
+    (DeepSeek-AI 2024, the V-shaped half of DualPipe) is timed as ZB-V: the same V placement and split backward;
+    torch's ScheduleDualPipeV runs a paired F and B one after the other (no DualPipe overlap kernels).
     """
     full = fwd + bwd_input + bwd_weight
     zb = np.where(m >= 2 * pp, np.maximum(0.0, (fwd + bwd_input - 2 * bwd_weight) / 2.0), full / 2.0)
-    per = np.select([sched <= 1, sched == 2, sched == 3], [full, full / v, zb])
+    per = np.select([sched <= 1, sched == 2, sched >= 3], [full, full / v, zb])
     return np.where(pp > 1, (pp - 1) * per, 0.0)
 
 
@@ -782,7 +787,7 @@ def inflight_microbatches(sched, pp, v, m, rank=0):
     r = np.asarray(rank, dtype=float)
     one_f_one_b = np.minimum(pp - r, m)
     interleaved = np.minimum((2 * (pp - r - 1) + (v - 1) * pp + 1) / v, m)
-    return np.select([sched == 0, sched == 2, sched == 3], [m, interleaved, np.minimum(pp, m)], one_f_one_b)
+    return np.select([sched == 0, sched == 2, sched >= 3], [m, interleaved, np.minimum(pp, m)], one_f_one_b)
 
 
 def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sched, v, m, zero, dp_shard,
@@ -791,7 +796,7 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     holds its own schedule's microbatches in flight: the first rank the most, the last (with the head and its
     logits) the fewest, the inner ranks counted as the second, the most loaded of them. moe: plan.moe.memory_terms,
     the routed experts' bytes per layer on top of the dense view (`model`)."""
-    v_shape = np.asarray(sched) == 3
+    v_shape = np.asarray(sched) >= 3
     loads = loads or balanced_loads(model.layers, pp, v, v_shape)
 
     sp_part, tp_part, core = activation_bytes_per_token(model, seq / 1, opts.attention, opts.fp8)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 import os
 import random
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -51,6 +50,7 @@ from paratrain.train.metrics import (
     supersede_records,
     tracker_modules,
 )
+from paratrain.train.predict import measured_for_planner, planner_prediction
 from paratrain.train.preemption import Preemption
 from paratrain.train.profiling import StepTimer
 from paratrain.train.storage import RetryPolicy
@@ -435,7 +435,7 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
         "resumed_from": resumed.path if resumed else "", "failed_checkpoint_saves": ckpt.failed_saves,
         "world_size": env.world_size, "layout": degrees, "traces": timer.traces, "errors": errors,
         "preempted": preempted, "rollbacks": rollbacks, "watchdog_warnings": watchdog.warnings,
-        **measured_for_planner(cfg, model_cfg, degrees, breakdowns),
+        **measured_for_planner(cfg, model_cfg, degrees, breakdowns, WARMUP_STEPS),
     }
     if cfg.metrics.hardware and env.is_main:
         summary["predicted"] = predicted
@@ -457,58 +457,6 @@ def _nonfinite_action(ck, nonfinite: str, rollbacks: int, final: bool, ckpt, log
            "skip": "the final save is skipped", "stop": "checkpoint.nonfinite=\"stop\""}[ck.nonfinite]
     return (f"non-finite numbers at {nonfinite} ({why}): stopped without saving; the newest complete checkpoint "
             f"{latest or '(none)'} is kept")
-
-
-def planner_layout(cfg: TrainConfig, degrees: dict) -> dict:
-    """This run's layout in the planner's terms (paratrain.plan.api.Layout fields)."""
-    p = cfg.parallel
-    kind = p.dp_kind if degrees["dp"] > 1 else "ddp"
-    return {"tp": p.tp, "pp": p.pp, "cp": p.cp, "dp": degrees["dp"], "sp": p.sp, "microbatch": cfg.train.microbatch,
-            "recompute": p.recompute, "schedule": p.pp_schedule if p.pp > 1 else "1f1b",
-            "virtual_stages": p.virtual_stages, "dp_kind": kind, "zero_stage": 3 if kind != "ddp" else 0,
-            "pp_layers": tuple(p.pp_layers) if p.pp_layers else None}  # None: the balanced split the runtime uses
-
-
-def planner_options(cfg: TrainConfig) -> dict:
-    """The software choices of this run that the planner models (paratrain.plan.model.Options fields):
-    paratrain's runtime (PARATRAIN_RUNTIME) with this config's DDP bucket size, and eager kernels unless
-    train.compile fuses the blocks' elementwise ops; the bytes gathered and reduced follow train.dtype and
-    train.reduce_dtype (precision_bytes)."""
-    from paratrain.plan.model import PARATRAIN_RUNTIME
-
-    return {**PARATRAIN_RUNTIME, "bucket_bytes": cfg.parallel.ddp_bucket_bytes, "eager": not cfg.train.compile,
-            **precision_bytes(cfg.train)}
-
-
-def measured_for_planner(cfg: TrainConfig, model_cfg, degrees: dict, breakdowns: list[dict]) -> dict:
-    """Steady-state step time and breakdown (medians, first steps dropped as warm-up), with what the planner
-    needs to predict the same run: `paratrain calibrate` reads these fields from the summary."""
-    steady = breakdowns[min(WARMUP_STEPS, max(len(breakdowns) - 1, 0)):]
-    keys = sorted({k for b in steady for k in b})
-    # profiler-only keys (forward/backward split, communication by kind) over the profiled steps only
-    median = {k: statistics.median([b[k] for b in steady if k in b]) for k in keys} if steady else {}
-    return {"model_shape": model_cfg.model_dump(), "seq_len": cfg.train.seq_len,
-            "global_batch": cfg.train.global_batch, "planner_layout": planner_layout(cfg, degrees),
-            "planner_options": planner_options(cfg),
-            "step_time_s_median": median.pop("step_time_s", float("nan")), "breakdown_median_s": median}
-
-
-def planner_prediction(cfg: TrainConfig, model_cfg, degrees: dict, world_size: int) -> dict:
-    """What the planner predicts for this very run on `metrics.hardware` (the plan -> train -> measure loop)."""
-    from paratrain.hardware.catalog import resolve_system
-    from paratrain.plan.api import Layout, estimate
-    from paratrain.plan.model import Options
-
-    system = resolve_system(cfg.metrics.hardware)
-    if world_size < system.devices_per_node or system.chip.vendor == "local":  # the ranks in use on one node
-        from paratrain.calibrate.fit import sized_for
-
-        system = sized_for(system, world_size)
-    nodes = max(world_size // system.devices_per_node, 1)
-    est = estimate(model_cfg, system, nodes, cfg.train.seq_len, cfg.train.global_batch,
-                   Layout(**planner_layout(cfg, degrees)), Options.for_system(system, **planner_options(cfg)))
-    return {"system": system.name, "step_time_s": est.step_time_s, "breakdown_s": est.time_breakdown_s,
-            "memory_per_device_bytes": est.memory_per_device_bytes}
 
 
 def build_runner(cfg: TrainConfig, env):

@@ -22,7 +22,7 @@ def measure_peak_flops(device: torch.device, sizes=PEAK_SIZES, rounds: int = 3, 
     over several sizes, each timed for at least `min_time_s` (a single short probe read 0.02-0.10 TFLOP/s on
     the same 2-core machine under load; the best of several sizes and rounds is what the hardware can do).
     fp32 on the host, bf16 on an accelerator (paratrain.device.matmul_dtype); the same timing code as `paratrain probe` (calibrate.probe.probe_matmul)."""
-    from paratrain.calibrate.probe import probe_matmul
+    from paratrain.train.predict import probe_matmul
 
     return max(probe_matmul(list(sizes), str(device), repeats=2, rounds=rounds, min_time_s=min_time_s).values()) * 1e12
 
