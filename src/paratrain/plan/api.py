@@ -99,9 +99,8 @@ class Layout:
             fields["pp_layers"] = list(self.pp_layers)
         if self.dp_replicate is not None:
             fields["dp_replicate"] = self.dp_replicate
-        for key in ("ep", "etp"):  # MoE expert layout: the trainer's keys once its schema has them (plan/moe.py)
-            if key in ParallelSection.model_fields:
-                fields[key] = getattr(self, key)
+        if self.ep > 1 or self.etp > 1:  # MoE expert layout (plan/moe.py; the trainer's parallel.ep / etp)
+            fields.update(ep=self.ep, etp=self.etp)
         try:
             return ParallelSection(**fields)
         except ValidationError as err:
@@ -115,7 +114,7 @@ def layout_from_parallel(pcfg: ParallelSection, microbatch: int, dp: int | None 
                   virtual_stages=pcfg.virtual_stages, zero_stage=pcfg.zero_stage, dp_kind=pcfg.dp_kind,
                   pp_layers=tuple(pcfg.pp_layers) if pcfg.pp_layers else None,
                   dp_replicate=pcfg.dp_replicate if pcfg.dp_kind == "hsdp" and pcfg.dp_replicate > 1 else None,
-                  ep=getattr(pcfg, "ep", 1), etp=getattr(pcfg, "etp", 1))
+                  ep=pcfg.ep, etp=pcfg.etp)
 
 
 @dataclass
@@ -172,7 +171,8 @@ def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, glob
     if lay.microbatch < 1:
         raise ValueError(f"train.microbatch={lay.microbatch}: allowed: >= 1")
     try:
-        dp = resolve_degrees(pcfg, devices)["dp"]
+        # the expert layout is judged by the planner's EP view (plan/moe.py: ep may borrow tp and cp ranks too)
+        dp = resolve_degrees(pcfg.model_copy(update={"ep": 1}), devices)["dp"]
     except ValueError as exc:
         raise ValueError(f"{exc} ({devices} devices: {nodes} x {system.devices_per_node} {system.device_unit})") from None
     check_dp_fields(pcfg)

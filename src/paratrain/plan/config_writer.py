@@ -71,9 +71,6 @@ def training_config(est: Estimate, model: ModelConfig, model_spec: str, devices_
         shard = max(1, min(lay.dp, devices_per_node // (lay.tp * lay.cp)))
         lay = replace(lay, dp_replicate=lay.dp // shard)
     parallel = lay.to_parallel()
-    if (lay.ep > 1 or lay.etp > 1) and "ep" not in parallel.model_fields:
-        raise ValueError(f"the planned layout has expert parallelism (ep={lay.ep}, etp={lay.etp}), which the trainer's "
-                         f"[parallel] section cannot express yet; allowed: plan with --constraint ep=1 (docs/moe.md)")
     run_dir = fresh_run_dir(f"{model.name}-{layout_name({**parallel.model_dump(), 'microbatch': lay.microbatch})}")
     try:
         cfg = TrainConfig(model=ModelSection(**model_section), parallel=parallel,
