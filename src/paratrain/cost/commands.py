@@ -140,9 +140,8 @@ def _progress(total: int, quiet: bool):
 
 
 def run_compare(args) -> int | None:
-    from paratrain.cost.compare import Workload, compare, parse_targets, ratios_to_first, to_item
+    from paratrain.cost.compare import Workload, comparison, parse_targets
     from paratrain.cost.inputs import assumptions_from
-    from paratrain.cost.sensitivity import sensitivity
     from paratrain.cost.tables import print_comparison, write_sensitivity_plot
 
     if args.claims:
@@ -158,17 +157,10 @@ def run_compare(args) -> int | None:
         workload = Workload.from_steps(args.model, args.steps, args.seq, args.global_batch, args.fp8)
     else:
         workload = Workload(args.model, args.train_tokens, args.seq, args.global_batch, args.fp8)
-    name = workload.model_config().name  # an unknown model fails here, before any search
-    rows = compare(workload, targets, assumptions, progress=_progress(len(targets), args.json))
-    items = [to_item(r) for r in rows]
-    out = {"workload": {"model": name, "train_tokens": workload.train_tokens, "seq": args.seq,
-                        "global_batch": args.global_batch, "steps": workload.steps, "fp8": workload.fp8},
-           "purchase": assumptions.purchase, "assumptions": assumptions.describe(),
-           "rows": [r.to_dict() for r in rows], "ratios_to_first": ratios_to_first(rows),
-           "sensitivity": sensitivity(items, assumptions.purchase)}
+    out, rows, items = comparison(workload, targets, assumptions, progress=_progress(len(targets), args.json))
     if args.sensitivity_plot:
         out["sensitivity_plot"] = write_sensitivity_plot(args.sensitivity_plot, rows, items,
-                                                         f"{name}, {workload.train_tokens:.3g} tokens")
+                                                         f"{out['workload']['model']}, {workload.train_tokens:.3g} tokens")
     if args.report:
         from paratrain.cost.report import write_report
 

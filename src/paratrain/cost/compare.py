@@ -285,6 +285,22 @@ def compare(workload: Workload, targets: list[tuple[str, int]], assumptions: Ass
     return rows
 
 
+def comparison(workload: Workload, targets: list[tuple[str, int]], assumptions: Assumptions,
+               progress=None) -> tuple[dict, list[Row], list]:
+    """`paratrain compare`'s result: (its JSON document, the rows, their sensitivity items)."""
+    from paratrain.cost.sensitivity import sensitivity
+
+    name = workload.model_config().name  # an unknown model fails here, before any search
+    rows = compare(workload, targets, assumptions, progress=progress)
+    items = [to_item(r) for r in rows]
+    out = {"workload": {"model": name, "train_tokens": workload.train_tokens, "seq": workload.seq,
+                        "global_batch": workload.global_batch, "steps": workload.steps, "fp8": workload.fp8},
+           "purchase": assumptions.purchase, "assumptions": assumptions.describe(),
+           "rows": [r.to_dict() for r in rows], "ratios_to_first": ratios_to_first(rows),
+           "sensitivity": sensitivity(items, assumptions.purchase)}
+    return out, rows, items
+
+
 def break_even_price(row: Row, usd_per_million_tokens: float) -> float:
     """The price per node-hour at which `row` costs `usd_per_million_tokens`: cost per token is price x nodes x
     wall hours / tokens, so the price follows from the row's own time to train."""

@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.cli import PURCHASE_HELP, Output, UserError, Workload, command, flag_of, opt, print_json
+from paratrain.cli import PURCHASE_HELP, Output, UserError, Workload, command, opt, print_json
 from paratrain.hardware.catalog import PURCHASE_OPTIONS
 from paratrain.sim.config import (
     REPAIR_DISTRIBUTIONS,
     STRAGGLER_POLICIES,
-    SimConfig,
-    StragglerConfig,
+    config_from_options,
     parse_duration_s,
 )
 
@@ -132,7 +130,7 @@ def run_simulate(args) -> None:
                           progress=progress_bars(args.json)("Daly cases"))
         print_json(rows) if args.json else print_daly_check(rows)
         return
-    cfg = config_from_args(args)
+    cfg = config_from_options(args)
     from paratrain.sim.engine import simulate
     from paratrain.sim.results import summarize
 
@@ -145,60 +143,3 @@ def run_simulate(args) -> None:
         except OSError as exc:
             raise UserError(f"--plot {args.plot!r}: cannot write there ({exc.strerror})") from None
     print_json(report) if args.json else print(format_report(report))
-
-
-# ---- building the config: defaults < TOML < catalog < flags ------------------------------------------------
-def config_from_args(args) -> SimConfig:
-    """The simulation's inputs: built-in defaults < --config TOML < --hardware/--model (catalog, planner) < flags;
-    each flag's SimConfig field is named by its option (`to`), so an error names both."""
-    from paratrain.sim.config import load_sim_toml, parse_interval
-    from paratrain.sim.failures import llama3_causes, load_causes_toml, scale_rates
-
-    kwargs: dict = load_sim_toml(args.config) if args.config else {}
-    if args.hardware or args.model:  # --seq and --global-batch matter only to the planner, with --model
-        from paratrain.sim.catalog import fill_from_catalog
-
-        kwargs.update(fill_from_catalog(hardware=args.hardware, model=args.model, devices=args.devices or
-                                        kwargs.get("devices"), seq=args.seq, global_batch=args.global_batch,
-                                        purchase=args.purchase))
-    straggler = dict(vars(kwargs.pop("stragglers", StragglerConfig())))
-    for f in dataclasses.fields(SimulateArgs):
-        if "to" in f.metadata and (value := getattr(args, f.name)) is not None:
-            value = f.metadata["conv"](value, flag_of(f)) if "conv" in f.metadata else value
-            section, _, name = f.metadata["to"].rpartition(".")
-            (straggler if section else kwargs)[name] = value
-    if args.steps is not None and args.duration is not None:
-        raise UserError("give only one of --steps and --duration")
-    kwargs.pop("duration_s" if args.steps is not None else "steps" if args.duration is not None else "", None)
-    _require_inputs(kwargs)
-    if isinstance(kwargs.get("checkpoint_interval"), str) and kwargs["checkpoint_interval"] not in ("daly", "young"):
-        kwargs["checkpoint_interval"] = parse_interval(kwargs["checkpoint_interval"], kwargs["step_time_s"])
-    if args.failures_file:
-        kwargs["causes"] = load_causes_toml(args.failures_file)
-    if args.rate_scale is not None:
-        kwargs["causes"] = scale_rates(kwargs.get("causes", llama3_causes()), args.rate_scale)
-    try:
-        kwargs["stragglers"] = StragglerConfig(**straggler)
-        return SimConfig(**kwargs)
-    except ValueError as exc:
-        raise ValueError(with_flag(str(exc))) from None
-
-
-def with_flag(message: str) -> str:
-    """'step_time_s=0.0 is not allowed: ...' -> the same, then '(flag --step-time)': the user may have typed either
-    the flag or the TOML field (StragglerConfig's errors name its fields with a straggler_ prefix)."""
-    field = message.split("=", 1)[0]
-    flags = {f.metadata["to"].rpartition(".")[2]: flag_of(f) for f in dataclasses.fields(SimulateArgs)
-             if "to" in f.metadata}
-    flag = flags.get(field) or flags.get(field.removeprefix("straggler_"))
-    return f"{message} (flag {flag})" if flag and "=" in message else message
-
-
-def _require_inputs(kwargs: dict) -> None:
-    missing = [flag for key, flag in (("devices", "--devices"), ("step_time_s", "--step-time")) if key not in kwargs]
-    if missing:
-        raise UserError(f"missing {' and '.join(missing)} (or give them in --config, or use --hardware/--model)")
-    if "steps" not in kwargs and "duration_s" not in kwargs:
-        raise UserError("give --steps N (time to train) or --duration D (a fixed window such as 54d)")
-    if "steps" in kwargs and "duration_s" in kwargs:
-        raise UserError("give only one of --steps and --duration")

@@ -328,3 +328,62 @@ def load_causes_toml_tables(path: Path, tables: list) -> tuple[FailureCause, ...
     if not isinstance(tables, list) or not tables:
         raise ValueError(f"{str(path)!r}: [[cause]] must be a non-empty array of tables")
     return tuple(_cause_from_table(t, path) for t in tables)
+
+
+# ---- `paratrain simulate`'s options -> SimConfig: defaults < TOML < catalog < flags ---------------------------
+def config_from_options(args) -> SimConfig:
+    """The simulation's inputs: built-in defaults < --config TOML < --hardware/--model (catalog, planner) < flags;
+    `args` is the command's options (sim/commands.py): each flag's SimConfig field is named by its option
+    (`to`, with `conv` its unit), so an error names both."""
+    from paratrain.cli import flag_of  # the generator's one rule for an option's flag
+
+    kwargs: dict = load_sim_toml(args.config) if args.config else {}
+    if args.hardware or args.model:  # --seq and --global-batch matter only to the planner, with --model
+        from paratrain.sim.catalog import fill_from_catalog
+
+        kwargs.update(fill_from_catalog(hardware=args.hardware, model=args.model, devices=args.devices or
+                                        kwargs.get("devices"), seq=args.seq, global_batch=args.global_batch,
+                                        purchase=args.purchase))
+    straggler = dict(vars(kwargs.pop("stragglers", StragglerConfig())))
+    for f in fields(args):
+        if "to" in f.metadata and (value := getattr(args, f.name)) is not None:
+            value = f.metadata["conv"](value, flag_of(f)) if "conv" in f.metadata else value
+            section, _, name = f.metadata["to"].rpartition(".")
+            (straggler if section else kwargs)[name] = value
+    if args.steps is not None and args.duration is not None:
+        raise ValueError("give only one of --steps and --duration")
+    kwargs.pop("duration_s" if args.steps is not None else "steps" if args.duration is not None else "", None)
+    _require_inputs(kwargs)
+    if isinstance(kwargs.get("checkpoint_interval"), str) and kwargs["checkpoint_interval"] not in ("daly", "young"):
+        kwargs["checkpoint_interval"] = parse_interval(kwargs["checkpoint_interval"], kwargs["step_time_s"])
+    if args.failures_file:
+        kwargs["causes"] = load_causes_toml(args.failures_file)
+    if args.rate_scale is not None:
+        kwargs["causes"] = scale_rates(kwargs.get("causes", llama3_causes()), args.rate_scale)
+    try:
+        kwargs["stragglers"] = StragglerConfig(**straggler)
+        return SimConfig(**kwargs)
+    except ValueError as exc:
+        raise ValueError(with_flag(str(exc), args)) from None
+
+
+def with_flag(message: str, args) -> str:
+    """'step_time_s=0.0 is not allowed: ...' -> the same, then '(flag --step-time)': the user may have typed either
+    the flag or the TOML field (StragglerConfig's errors name its fields with a straggler_ prefix)."""
+    from paratrain.cli import flag_of
+
+    field = message.split("=", 1)[0]
+    flags = {f.metadata["to"].rpartition(".")[2]: flag_of(f) for f in fields(args)
+             if "to" in f.metadata}
+    flag = flags.get(field) or flags.get(field.removeprefix("straggler_"))
+    return f"{message} (flag {flag})" if flag and "=" in message else message
+
+
+def _require_inputs(kwargs: dict) -> None:
+    missing = [flag for key, flag in (("devices", "--devices"), ("step_time_s", "--step-time")) if key not in kwargs]
+    if missing:
+        raise ValueError(f"missing {' and '.join(missing)} (or give them in --config, or use --hardware/--model)")
+    if "steps" not in kwargs and "duration_s" not in kwargs:
+        raise ValueError("give --steps N (time to train) or --duration D (a fixed window such as 54d)")
+    if "steps" in kwargs and "duration_s" in kwargs:
+        raise ValueError("give only one of --steps and --duration")
