@@ -74,8 +74,8 @@ class PlanTarget(Workload, Output):
 # The layout flags are the trainer's [parallel] keys (names, types, bounds, help; defaults from the schema), so a
 # layout is spelled the same in `estimate` and `train` (--pp-schedule = --parallel.pp_schedule).
 LAYOUT = "layout (the trainer's parallel.* keys; docs/config.md)"
-LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "sp", "ep", "etp", "dp_kind", "zero_stage", "recompute", "pp_schedule",
-               "virtual_stages")
+LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "sp", "ep", "etp", "dp_kind", "dp_replicate", "zero_stage", "recompute",
+               "pp_schedule", "virtual_stages")
 EstimateArgs = dataclasses.make_dataclass("EstimateArgs", [*section_options("parallel", LAYOUT_KEYS, LAYOUT), (
     "microbatch", int, opt("sequences per microbatch (train.microbatch)", 1, ge=1, short="--train.microbatch",
                            group=LAYOUT)), (
