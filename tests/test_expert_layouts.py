@@ -15,6 +15,7 @@ import torch
 MOE = ['model.preset="tiny-moe"', "model.layers=3", "model.aux_loss_coef=0.1", "train.steps=3"]
 CAPACITY = "model.capacity_factor=1.0"
 EP2 = [['parallel.ep=2', 'parallel.dp_kind="ddp"'], ['parallel.ep=2', 'parallel.dp_kind="fsdp"', CAPACITY]]
+BF16 = ['parallel.ep=2', 'parallel.dp_kind="ddp"', 'train.dtype="bf16"']
 WORLD4 = [['parallel.ep=4', 'parallel.dp_kind="ddp"'],
           ['parallel.ep=4', 'parallel.dp_kind="fsdp"', CAPACITY],
           ['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=2', 'parallel.dp_kind="ddp"', CAPACITY],
@@ -41,9 +42,14 @@ def test_expert_layouts_match_single_device(dist_run):
     refs = {model: reference(make_config(MOE + list(model))) for model in ((), (CAPACITY,))}
     assert all(ref["grad_norms"][0] > 1.0 for ref in refs.values())
     assert refs[()]["losses"][0] != refs[(CAPACITY,)]["losses"][0]  # capacity 1.0 really drops assignments
-    for world, cases in ((2, EP2), (4, WORLD4)):
+    for world, cases in ((2, EP2 + [BF16]), (4, WORLD4)):
         per_rank = dist_run(world, _cases, cases)
-        for i, case in enumerate(cases):
+        if world == 2:  # bf16 autocast through the dispatch: the losses of the bf16 single-device run, within 1e-3
+            bf16 = reference(make_config(MOE + BF16[-1:]))["losses"]
+            torch.testing.assert_close(torch.tensor(per_rank[0].pop()["losses"]), torch.tensor(bf16), rtol=1e-3,
+                                       atol=0)
+            per_rank[1].pop()
+        for i, case in enumerate(cases[:len(per_rank[0])]):
             ref = refs[tuple(c for c in case if c.startswith("model."))]
             assert_cases_match(ref, [case], [[results[i]] for results in per_rank])
             for results in per_rank:

@@ -143,7 +143,8 @@ class MoE(nn.Module):
         y, assignment = routed
         w = routing.weights.flatten()[assignment].to(y.dtype)
         token = assignment // routing.experts.shape[1]
-        return torch.zeros_like(x).index_add_(0, token, y * w[:, None])
+        # in the experts' output dtype (under bf16 autocast they compute bf16 from fp32 rows, as a dense MLP does)
+        return torch.zeros_like(x, dtype=y.dtype).index_add_(0, token, y * w[:, None])
 
 
 def router_metrics(routing: Routing, n_exp: int) -> dict[str, float | list[int]]:

@@ -157,7 +157,8 @@ class ExpertParallelMoE(MoE):
         order = local_ids.argsort(stable=True)
         computed = self.compute(received[order], per_peer.sum(0).tolist())
         back = computed[order.argsort()]
-        return all_to_all_single(rows.new_empty(rows.shape), back, send_splits, recv_splits, group=self.ep_group)
+        # the outputs' dtype, not the rows': under autocast the experts compute in bf16 from fp32 rows
+        return all_to_all_single(back.new_empty(rows.shape), back, send_splits, recv_splits, group=self.ep_group)
 
     def compute(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """This rank's experts on their rows (grouped by local expert); under tp the slices' sums reduced."""
