@@ -154,6 +154,7 @@ def cmd_plan(args) -> None:
     from paratrain.cost.serving import serving_cost
     from paratrain.plan.serve import Target, plan
     from paratrain.plan.serve_report import print_plan
+    from paratrain.sim.serving import simulate_deployment
 
     model, system, eff = _load(args)
     target = Target(rate=args.rate, prompt=args.prompt_tokens, output=args.output_tokens, ttft_s=args.ttft_s,
@@ -165,20 +166,10 @@ def cmd_plan(args) -> None:
                         "fit, or one replica cannot reach the TTFT/ITL target): try a looser target, fp8/int4 "
                         "weights, or another system")
     costs = [serving_cost(p, system, target, price, args.purchase) for p in plans]
-    check = _simulate_best(model, system, plans[0], target, args.simulate, eff) if args.simulate else None
+    check = simulate_deployment(model, system, plans[0], target, args.simulate, eff) if args.simulate else None
     show(args, {"target": vars(target), "simulated": None if check is None else check.to_dict(),
                 "deployments": [{**p.to_dict(), "cost": c.to_dict()} for p, c in zip(plans, costs, strict=True)]},
          lambda: print_plan(model, system, target, plans, costs, check))
-
-
-def _simulate_best(model, system, deployment, target, requests: int, eff):
-    """The request-level simulator on one replica of the deployment at its share of the rate, with the
-    deployment's batch as the running-sequence limit."""
-    from paratrain.sim.serving import Engine, Requests, Slo, simulate
-
-    reqs = Requests.poisson(target.rate / deployment.replicas, requests, target.prompt, target.output)
-    return simulate(model, system, deployment.estimate.replica, reqs, Engine(max_seqs=deployment.estimate.batch),
-                    Slo(target.ttft_s, target.itl_s), eff)
 
 
 def cmd_recommend(args) -> None:
@@ -195,43 +186,12 @@ def cmd_recommend(args) -> None:
          lambda: print_recommendation(args.workload, args.model, target, cands))
 
 
-def _numbers(text: str, flag: str, cast, shapes: str) -> list:
-    """'N' or 'A:B[:C]' as numbers; a bad one names the flag and `shapes`, what is allowed."""
-    try:
-        return [cast(x) for x in text.split(":")]
-    except ValueError:
-        raise UserError(f"{flag} = {text!r}: allowed: {shapes}") from None
-
-
-def _rates(text: str) -> list[float]:
-    import numpy as np
-
-    shapes = "a rate > 0, or LO:HI:N (0 < LO <= HI, N >= 1 rates)"
-    p = _numbers(text, "--rate", float, shapes)
-    if len(p) == 1 and p[0] > 0:
-        return p
-    if len(p) == 3 and 0 < p[0] <= p[1] and p[2] >= 1 and p[2] == int(p[2]):
-        return [float(r) for r in np.linspace(p[0], p[1], int(p[2]))]
-    raise UserError(f"--rate = {text!r}: allowed: {shapes}")
-
-
-def _length(text: str, flag: str):
-    """N or LO:HI (uniform) tokens."""
-    shapes = "a token count >= 1, or LO:HI with 1 <= LO <= HI"
-    p = _numbers(text, flag, int, shapes)
-    if len(p) == 1 and p[0] >= 1:
-        return p[0]
-    if len(p) == 2 and 1 <= p[0] <= p[1]:
-        return tuple(p)
-    raise UserError(f"{flag} = {text!r}: allowed: {shapes}")
-
-
 def cmd_simulate(args) -> None:
     import time
 
     from paratrain.plan.serve import check_replica
     from paratrain.plan.serve_report import print_sweep
-    from paratrain.sim.serving import Engine, Requests, Slo, simulate, sweep
+    from paratrain.sim.serving import Engine, Requests, Slo, parse_length, parse_rates, simulate, sweep
 
     model, system, eff = _load(args)
     rep = _replica(args)
@@ -249,8 +209,8 @@ def cmd_simulate(args) -> None:
         results = [(rate, simulate(model, system, rep, reqs, engine, slo, eff))]
         requests, prompt, output = len(reqs.arrival_s), "trace", "trace"
     else:
-        lengths = _length(args.prompt_tokens, "--prompt-tokens"), _length(args.output_tokens, "--output-tokens")
-        results = sweep(model, system, rep, _rates(args.rate), args.requests, *lengths, engine, slo, args.seed, eff)
+        lengths = parse_length(args.prompt_tokens, "--prompt-tokens"), parse_length(args.output_tokens, "--output-tokens")
+        results = sweep(model, system, rep, parse_rates(args.rate, "--rate"), args.requests, *lengths, engine, slo, args.seed, eff)
         requests, prompt, output = args.requests, args.prompt_tokens, args.output_tokens
     seconds = time.perf_counter() - start
     show(args, {"seconds": seconds, "results": [{"rate": r, **res.to_dict()} for r, res in results]},

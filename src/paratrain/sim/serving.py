@@ -308,3 +308,42 @@ def sweep(model: ModelConfig, system: System, rep: Replica, rates, requests: int
     """simulate() at each arrival rate (the same seed: common random numbers across rates)."""
     return [(float(r), simulate(model, system, rep, Requests.poisson(float(r), requests, prompt, output, seed),
                                 engine, slo, eff)) for r in rates]
+
+
+def simulate_deployment(model, system, deployment, target, requests: int, eff):
+    """The request-level simulator on one replica of a planned deployment (plan.serve.plan) at its share of the
+    rate, with the deployment's batch as the running-sequence limit (`serve plan --simulate N`)."""
+    reqs = Requests.poisson(target.rate / deployment.replicas, requests, target.prompt, target.output)
+    return simulate(model, system, deployment.estimate.replica, reqs, Engine(max_seqs=deployment.estimate.batch),
+                    Slo(target.ttft_s, target.itl_s), eff)
+
+
+# ---- the command line's request shapes (`paratrain serve simulate`) -------------------------------------
+def _numbers(text: str, flag: str, cast, shapes: str) -> list:
+    """'N' or 'A:B[:C]' as numbers; a bad one names the flag and `shapes`, what is allowed."""
+    try:
+        return [cast(x) for x in text.split(":")]
+    except ValueError:
+        raise ValueError(f"{flag} = {text!r}: allowed: {shapes}") from None
+
+
+def parse_rates(text: str, flag: str) -> list[float]:
+    """One rate, or LO:HI:N for N rates from LO to HI (the simulator's sweep)."""
+    shapes = "a rate > 0, or LO:HI:N (0 < LO <= HI, N >= 1 rates)"
+    p = _numbers(text, flag, float, shapes)
+    if len(p) == 1 and p[0] > 0:
+        return p
+    if len(p) == 3 and 0 < p[0] <= p[1] and p[2] >= 1 and p[2] == int(p[2]):
+        return [float(r) for r in np.linspace(p[0], p[1], int(p[2]))]
+    raise ValueError(f"{flag} = {text!r}: allowed: {shapes}")
+
+
+def parse_length(text: str, flag: str):
+    """Tokens per request: N, or LO:HI (uniform)."""
+    shapes = "a token count >= 1, or LO:HI with 1 <= LO <= HI"
+    p = _numbers(text, flag, int, shapes)
+    if len(p) == 1 and p[0] >= 1:
+        return p[0]
+    if len(p) == 2 and 1 <= p[0] <= p[1]:
+        return tuple(p)
+    raise ValueError(f"{flag} = {text!r}: allowed: {shapes}")
