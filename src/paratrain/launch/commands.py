@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from dataclasses import dataclass
@@ -14,6 +15,7 @@ from paratrain.launch.torchrun import (
     check_layout,
     launch_env,
     parse_nnodes,
+    print_placement,
     resolve_config,
     resolve_nproc,
     shell_line,
@@ -143,11 +145,9 @@ def run_launch(args) -> None:
     rdzv_conf = args.rdzv_conf or [c for c in pet("RDZV_CONF", "").split(",") if c]
     nnodes, nproc = parse_nnodes(args.nnodes), resolve_nproc(args.nproc_per_node)
     cfg, extra_sets = resolve_config(args.config, args.set, args.hybrid_shard, nnodes, nproc)
-    spec = LaunchSpec(nnodes=nnodes, nproc_per_node=nproc, node_rank=args.node_rank,
-                      rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id, rdzv_backend=args.rdzv_backend,
-                      rdzv_conf=rdzv_conf, max_restarts=args.max_restarts,
-                      monitor_interval_s=args.monitor_interval_s, local_addr=args.local_addr, ifname=args.ifname,
-                      train_args=train_arguments(args, extra_sets))
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(LaunchSpec) if hasattr(args, f.name)}
+    spec = LaunchSpec(**given | {"nnodes": nnodes, "nproc_per_node": nproc, "rdzv_conf": rdzv_conf,
+                                 "train_args": train_arguments(args, extra_sets)})
     cmd = build_command(spec)  # validates the flags
     layouts = check_layout(cfg, nnodes, nproc)  # validates the layout for every allowed node count
     env = launch_env(spec)
@@ -155,11 +155,7 @@ def run_launch(args) -> None:
         print_json({"command": cmd, "env": env, "mode": spec.mode(), "nnodes": str(nnodes), "nproc_per_node": nproc,
                     "placement": {str(k): v for k, v in layouts.items()}, "warnings": warnings_for(cfg, spec)})
         return
-    for n, place in layouts.items():
-        shown = ", ".join(f"{d}: {where}" for d, where in place.items()) or "one rank, no parallel groups"
-        print(f"paratrain launch: {n} node(s) x {nproc}: {shown}", file=sys.stderr)
-    for note in warnings_for(cfg, spec):
-        print(f"paratrain launch: note: {note}", file=sys.stderr)
+    print_placement(layouts, nproc, warnings_for(cfg, spec))
     if args.dry_run:
         print(shell_line(cmd, env))
         return

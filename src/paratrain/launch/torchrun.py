@@ -280,3 +280,12 @@ def warnings_for(cfg, spec: LaunchSpec) -> list[str]:
         notes.append(f"checkpoints go to '{cfg.checkpoint.dir or cfg.metrics.run_dir + '/checkpoints'}': every "
                      "node must see the same folder (shared file system) for a restart to resume")
     return notes
+
+
+def print_placement(layouts: dict[int, dict[str, str]], nproc: int, notes: list[str]) -> None:
+    """Where each parallel dimension runs, for every allowed node count, and the notes (on stderr)."""
+    for n, place in layouts.items():
+        shown = ", ".join(f"{d}: {where}" for d, where in place.items()) or "one rank, no parallel groups"
+        print(f"paratrain launch: {n} node(s) x {nproc}: {shown}", file=sys.stderr)
+    for note in notes:
+        print(f"paratrain launch: note: {note}", file=sys.stderr)

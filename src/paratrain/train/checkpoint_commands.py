@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 from paratrain.cli import Output, UserError, command, group, opt, print_json, show
@@ -46,12 +45,8 @@ def run_list(args) -> None:
 
 
 def run_verify(args) -> int:
-    from paratrain.train.checkpoint import CheckpointManager
+    from paratrain.train.checkpoint_info import verify_checkpoint
 
-    mgr = CheckpointManager(args.path, log=lambda _msg: None)
-    storage, path = mgr._resolve_source(args.path)
-    t0 = time.perf_counter()
-    problem = mgr.verify(path, storage)
-    result = {"path": path, "ok": problem is None, "problem": problem, "seconds": time.perf_counter() - t0}
-    show(args, result, lambda: print(f"{path}: OK ({result['seconds']:.2f} s)" if problem is None else f"{path}: REFUSED: {problem}"))
-    return 0 if problem is None else 1
+    r = verify_checkpoint(args.path)
+    show(args, r, lambda: print(f"{r['path']}: OK ({r['seconds']:.2f} s)" if r["ok"] else f"{r['path']}: REFUSED: {r['problem']}"))
+    return 0 if r["ok"] else 1

@@ -24,6 +24,18 @@ def describe_dir(directory: str) -> list[dict]:
     return rows
 
 
+def verify_checkpoint(path: str) -> dict:
+    """`paratrain checkpoint verify`: a checkpoint folder (or a directory's newest complete one) against its
+    manifest: {path, ok, problem, seconds}."""
+    from paratrain.train.checkpoint import CheckpointManager
+
+    mgr = CheckpointManager(path, log=lambda _msg: None)
+    storage, path = mgr._resolve_source(path)
+    t0 = time.perf_counter()
+    problem = mgr.verify(path, storage)
+    return {"path": path, "ok": problem is None, "problem": problem, "seconds": time.perf_counter() - t0}
+
+
 def print_checkpoints(rows: list[dict]) -> None:
     from paratrain.train.checkpoint import format_layout
 
