@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -37,6 +38,22 @@ def resolve_checkpoint(source: str) -> tuple[object, str]:
     if problem:
         raise CheckpointError(f"--checkpoint {source}: {problem}")
     return storage, path
+
+
+def shard_progress(quiet: bool):
+    """export_hf's progress(done, total): a line on stderr that counts the safetensors files (none if quiet)."""
+    def progress(done: int, total: int) -> None:
+        if not quiet:
+            print(f"\rwriting safetensors {done}/{total}", end="" if done < total else "\n", file=sys.stderr,
+                  flush=True)
+
+    return progress
+
+
+def print_export(summary: dict) -> None:
+    print(f"exported {summary['checkpoint']} -> {summary['out']}: {summary['tensors']} tensors, "
+          f"{summary['bytes'] / 2**20:,.1f} MiB in {summary['files']} file(s), {summary['dtype']}"
+          + (", tokenizer.json" if summary["tokenizer"] else ""))
 
 
 def run_config_of(checkpoint_path: str) -> Path | None:

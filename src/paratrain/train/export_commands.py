@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 
 from paratrain.cli import ConfigArgs, Output, UserError, command, opt, show
@@ -40,21 +39,14 @@ def register(sub) -> None:
 
 def run_export(args) -> None:
     from paratrain.config import load_config
-    from paratrain.train.export import export_hf, run_config_of
+    from paratrain.train.export import export_hf, print_export, run_config_of, shard_progress
 
     config = args.config or run_config_of(args.checkpoint)
     if config is None and not args.set:
         raise UserError(f"--checkpoint {args.checkpoint}: no config.toml found above it; pass the training config "
                         f"with --config (the model shape is not stored in the checkpoint)")
     cfg = load_config(config, args.set)
-
-    def progress(done: int, total: int) -> None:
-        if not args.json:
-            print(f"\rwriting safetensors {done}/{total}", end="" if done < total else "\n", file=sys.stderr,
-                  flush=True)
-
-    summary = export_hf(args.checkpoint, cfg, args.hf_out, args.dtype, int(args.max_shard_gib * 2**30), progress)
+    summary = export_hf(args.checkpoint, cfg, args.hf_out, args.dtype, int(args.max_shard_gib * 2**30),
+                        shard_progress(quiet=args.json))
     summary["config"] = str(config) if config else None
-    show(args, summary, lambda: print(f"exported {summary['checkpoint']} -> {summary['out']}: {summary['tensors']} tensors, "
-                                      f"{summary['bytes'] / 2**20:,.1f} MiB in {summary['files']} file(s), "
-                                      f"{summary['dtype']}" + (", tokenizer.json" if summary["tokenizer"] else "")))
+    show(args, summary, lambda: print_export(summary))
