@@ -28,7 +28,9 @@ import torch.distributed.pipelining  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
 import torch.distributed.tensor.parallel  # noqa: F401
 
+import torch._inductor.config  # noqa: F401 - torch.use_deterministic_algorithms imports it: 0.7 CPU-s per rank
 import paratrain.model.llama  # noqa: F401
+import paratrain.train.loop  # noqa: F401
 
 TASK_TIMEOUT_S = float(os.environ.get("PARATRAIN_TEST_TIMEOUT_S", "240"))
 
