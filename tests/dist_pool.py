@@ -19,6 +19,7 @@ import traceback
 from datetime import timedelta
 
 import torch
+import torch._inductor.config  # noqa: F401 - torch.use_deterministic_algorithms imports it: 0.7 CPU-s per rank
 import torch.distributed as dist
 
 # Pre-import what the tests use, so forked workers start warm.
@@ -28,7 +29,6 @@ import torch.distributed.pipelining  # noqa: F401
 import torch.distributed.tensor  # noqa: F401
 import torch.distributed.tensor.parallel  # noqa: F401
 
-import torch._inductor.config  # noqa: F401 - torch.use_deterministic_algorithms imports it: 0.7 CPU-s per rank
 import paratrain.model.llama  # noqa: F401
 import paratrain.train.loop  # noqa: F401
 
