@@ -696,8 +696,10 @@ def _loop_overrides(tmp_path, extra):
 
 
 def test_training_loop_logs_staleness_and_evicts_a_slow_rank(dist_run, tmp_path):
+    # slowdown 8 (was 4): at load average 100-200 on 2 cores a descheduled rank 0 measured up to ~2.7x its
+    # compute, and a 4x rank 1 was then not flagged (threshold 1.5) within the window; the sleep costs no CPU
     overrides = _loop_overrides(tmp_path, [
-        "staleness.max_staleness=1", 'staleness.test_fault_injection="slowdown=4,rank=1"',
+        "staleness.max_staleness=1", 'staleness.test_fault_injection="slowdown=8,rank=1"',
         "staleness.straggler_window=3", "staleness.evict_stragglers=true", "checkpoint.interval=6"])
     results = dist_run(2, _train_loop, overrides)
     assert [r.get("evicted") for r in results] == [[1], [1]], results
@@ -764,7 +766,7 @@ def test_the_loop_reaches_runners_through_explicit_hooks():
 
 @pytest.mark.slow
 def test_torchrun_eviction_request_and_exit_code(tmp_path):
-    """As users run it: torchrun, 2 ranks, s = 1, rank 1 slowed 4x; the workers stop with exit code 75 after the
+    """As users run it: torchrun, 2 ranks, s = 1, rank 1 slowed 8x (see above); the workers stop with exit code 75 after the
     checkpoint of step 6 and leave the eviction request (torchrun reports the workers' exit code, exits non-zero)."""
     import os
     import subprocess
@@ -773,7 +775,7 @@ def test_torchrun_eviction_request_and_exit_code(tmp_path):
     from paratrain.train.data import prepare
 
     overrides = _loop_overrides(tmp_path, [
-        "staleness.max_staleness=1", 'staleness.test_fault_injection="slowdown=4,rank=1"',
+        "staleness.max_staleness=1", 'staleness.test_fault_injection="slowdown=8,rank=1"',
         "staleness.straggler_window=3", "staleness.evict_stragglers=true", "checkpoint.interval=6"])
     prepare(load_config(None, overrides).data, log=lambda *_: None)
     sets = [a for o in overrides for a in ("--set", o)]
