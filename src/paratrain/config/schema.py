@@ -54,7 +54,7 @@ class ModelSection(Section):
 
     def resolve(self) -> ModelConfig:
         if self.hf_path:
-            from paratrain.model.hf import config_from_hf
+            from paratrain.model.hf_config import config_from_hf
 
             base = config_from_hf(self.hf_path)
         elif self.preset in PRESETS or Path(self.preset).is_file():

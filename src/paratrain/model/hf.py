@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from paratrain.model.config import ModelConfig, RopeScaling
+from paratrain.model.config import ModelConfig
+from paratrain.model.hf_config import _check_supported, _rope_scaling, config_from_hf  # noqa: F401 - re-exported
 from paratrain.model.init import build_on_meta, read_all
 from paratrain.model.llama import Llama
 
@@ -27,60 +28,6 @@ _LAYER_NAMES = {
     "input_layernorm": "attention_norm",
     "post_attention_layernorm": "ffn_norm",
 }
-
-
-def config_from_hf(folder: str | Path, name: str | None = None) -> ModelConfig:
-    """The ModelConfig of a Hugging Face Llama folder's config.json (transformers 4.x keys `rope_theta` /
-    `rope_scaling`, or 5.x `rope_parameters`). What paratrain's Llama cannot reproduce is refused, never
-    silently approximated."""
-    path = Path(folder) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"model.hf_path='{folder}': no config.json there (need a Hugging Face Llama folder)")
-    hf = json.loads(path.read_text())
-    _check_supported(hf, folder)
-    rope = hf.get("rope_parameters") or {}
-    return ModelConfig(
-        name=name or Path(folder).name,
-        layers=hf["num_hidden_layers"],
-        hidden=hf["hidden_size"],
-        heads=hf["num_attention_heads"],
-        kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
-        ffn_hidden=hf["intermediate_size"],
-        vocab=hf["vocab_size"],
-        max_seq=hf.get("max_position_embeddings", 4096),
-        rope_theta=hf.get("rope_theta") or rope.get("rope_theta") or 10000.0,
-        norm_eps=hf.get("rms_norm_eps", 1e-5),
-        tie_embeddings=hf.get("tie_word_embeddings", False),
-        rope_scaling=_rope_scaling(hf),
-    )
-
-
-def _rope_scaling(hf: dict) -> RopeScaling | None:
-    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    kind = params.get("rope_type", params.get("type", "default"))
-    if kind == "default":
-        return None
-    return RopeScaling(factor=params["factor"], low_freq_factor=params.get("low_freq_factor", 1.0),
-                       high_freq_factor=params.get("high_freq_factor", 4.0),
-                       original_max_seq=params.get("original_max_position_embeddings", 8192))
-
-
-def _check_supported(hf: dict, folder) -> None:
-    """One clear error for a config.json this Llama would compute differently from transformers."""
-    params = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    heads = hf.get("num_attention_heads", 1)
-    checks = [
-        ("model_type", hf.get("model_type", "llama"), ("llama",)),
-        ("hidden_act", hf.get("hidden_act", "silu"), ("silu",)),
-        ("attention_bias", hf.get("attention_bias", False), (False,)),
-        ("mlp_bias", hf.get("mlp_bias", False), (False,)),
-        ("rope_type", params.get("rope_type", params.get("type", "default")), ("default", "llama3")),
-        ("head_dim", hf.get("head_dim") or hf.get("hidden_size", 0) // heads, (hf.get("hidden_size", 0) // heads,)),
-    ]
-    for key, value, allowed in checks:
-        if value not in allowed:
-            raise ValueError(f"model.hf_path='{folder}': config.json {key}={value!r} is not supported; allowed: "
-                             f"{', '.join(repr(a) for a in allowed)}")
 
 
 def _unpermute_rope(w: torch.Tensor, n_heads: int) -> torch.Tensor:
