@@ -19,13 +19,13 @@ within nodes ... IB across nodes"): the catalog's DGX H100 with the NVLink bandw
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import sys
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks.planner_accuracy import rows_by_set
 from paratrain.hardware.catalog import get_catalog
 from paratrain.model.config import load_model_config
 from paratrain.plan.api import Layout, estimate
@@ -97,12 +97,7 @@ def sets(catalog=None) -> dict[str, list[tuple]]:
     """Rows of moe_runs.csv grouped by their `set`, each (label, predicted s, published s, estimate, bound %).
     bound: the error bound claimed for the row (the `claim` column; None where the csv says why not)."""
     catalog = catalog or get_catalog()
-    with RUNS_CSV.open(encoding="utf-8") as fh:
-        rows = list(csv.DictReader(fh))
-    out: dict[str, list[tuple]] = {}
-    for r in rows:
-        out.setdefault(r["set"], []).append(predict(catalog, r))
-    return out
+    return rows_by_set(RUNS_CSV, lambda r: predict(catalog, r))
 
 
 def main() -> int:

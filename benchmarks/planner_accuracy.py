@@ -341,14 +341,19 @@ def _eval_row(catalog, r: dict):
 CAL_CSV = Path(__file__).parent / "data" / "calibration_runs.csv"
 
 
-def eval_sets(catalog, path: Path = EVAL_CSV) -> dict[str, list[tuple]]:
-    """The rows of a runs file grouped by data set (the csv's `set` column)."""
+def rows_by_set(path: Path, predict_row) -> dict[str, list[tuple]]:
+    """`predict_row(row)` for each row of a runs file, grouped by data set (the csv's `set` column)."""
     with path.open(encoding="utf-8") as fh:
         rows = list(csv.DictReader(fh))
     sets: dict[str, list[tuple]] = {}
     for r in rows:
-        sets.setdefault(r["set"], []).append(_eval_row(catalog, r))
+        sets.setdefault(r["set"], []).append(predict_row(r))
     return sets
+
+
+def eval_sets(catalog, path: Path = EVAL_CSV) -> dict[str, list[tuple]]:
+    """The rows of a runs file, predicted, grouped by data set."""
+    return rows_by_set(path, lambda r: _eval_row(catalog, r))
 
 
 def _size_bucket(model: str) -> str:
