@@ -161,14 +161,14 @@ def best_vs_defaults(hw: Path, steps: int, out: Path, reuse: bool = False) -> No
 
     system = sized_for(load_catalog([hw]).system("local"), 4)
     result = search("small", system, 1, 128, 16, top=5, any_stack=True,
-                    constraints={"cp": [1, 2], "dp_kind": ["ddp", "fsdp"], "schedule": ["gpipe", "1f1b"],
+                    constraints={"cp": [1, 2], "dp_kind": ["ddp", "fsdp"], "pp_schedule": ["gpipe", "1f1b"],
                                  "zero_stage": [0, 3], "recompute": ["none"]})
     best = result.candidates[0].layout
     print(f"\nplan's best layout for small on 4 ranks: tp={best.tp} pp={best.pp} dp={best.dp} sp={best.sp} "
           f"microbatch={best.microbatch} dp_kind={best.dp_kind} (searched {result.valid} valid layouts)")
     overrides = [f"parallel.tp={best.tp}", f"parallel.pp={best.pp}", f"parallel.sp={str(best.sp).lower()}",
                  f'parallel.dp_kind="{best.dp_kind if best.dp_kind != "hsdp" else "fsdp"}"',
-                 f"train.microbatch={best.microbatch}", f'parallel.pp_schedule="{best.schedule}"']
+                 f"train.microbatch={best.microbatch}", f'parallel.pp_schedule="{best.pp_schedule}"']
     if best.tp == 1 and best.pp == 1 and best.dp_kind == "ddp" and best.microbatch == 4:
         print("(the planned layout is the pure-DP default itself: the ratio below measures noise around 1.0)")
     # Interleaved rounds (planned, DP, TP, planned, ...), median per layout: the machine's load drifts.

@@ -69,7 +69,7 @@ def predict(catalog, r: dict):
     model = model_of(r["model"])
     seq, gbs, nodes = int(r["seq"]), int(r["global_batch"]), int(r["nodes"])
     fixed = {"tp": int(r["tp"]), "pp": int(r["pp"]), "cp": int(r["cp"]), "ep": int(r["ep"]), "etp": int(r["etp"]),
-             "virtual_stages": int(r["vp"]), "schedule": r["schedule"], "dp_kind": r["dp_kind"],
+             "virtual_stages": int(r["vp"]), "pp_schedule": r["schedule"], "dp_kind": r["dp_kind"],
              "zero_stage": 3 if r["dp_kind"] == "fsdp" else 1}
     opts = options_of(system, r)
     # fields not published: every choice is estimated and the fastest that fits is taken (the published

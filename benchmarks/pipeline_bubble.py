@@ -51,7 +51,7 @@ def layout_of(schedule: str, p: int, m: int):
 
     chunks = 1 if schedule in ("gpipe", "1f1b") else 2
     return PipelineLayout(pp=p, chunks_per_rank=chunks, layers_per_stage=(1,) * (p * chunks), microbatches=m,
-                          schedule=schedule)
+                          pp_schedule=schedule)
 
 
 def ideal(schedule: str, p: int, m: int) -> tuple[float, float]:

@@ -76,7 +76,7 @@ def narayanan(system) -> list[tuple[str, float, float]]:
         model = gpt_config(f"gpt-{r['params_B']}B", layers, h, heads, VOCAB, s)
         res = search(model, system, gpus // 8, s, gbs, top=1, options=MEGATRON, max_microbatch=8, any_stack=True,
                      constraints={"tp": [tp], "pp": [pp], "recompute": ["full"], "dp_kind": ["ddp"],
-                                  "zero_stage": [0], "schedule": ["1f1b", "interleaved_1f1b"] if pp > 1 else ["1f1b"],
+                                  "zero_stage": [0], "pp_schedule": ["1f1b", "interleaved_1f1b"] if pp > 1 else ["1f1b"],
                                   # Megatron-LM 2021 needed layers divisible by pp x v
                                   "virtual_stages": [v for v in range(1, 9) if layers % (pp * v) == 0]})
         pred = res.candidates[0].step_time_s if res.candidates else float("nan")
@@ -94,7 +94,7 @@ def korthikanti(system) -> list[tuple[str, float, float]]:
         sched = "interleaved_1f1b" if v > 1 else "1f1b"
         for label, rc, sp, col in (("full", "full", False, "iter_s_full_recompute"),
                                    ("sp+sel", "selective", True, "iter_s_sp_selective")):
-            lay = Layout(tp=tp, pp=pp, sp=sp, microbatch=mb, recompute=rc, schedule=sched, virtual_stages=v,
+            lay = Layout(tp=tp, pp=pp, sp=sp, microbatch=mb, recompute=rc, pp_schedule=sched, virtual_stages=v,
                          zero_stage=0)
             est = estimate(model, system, max(1, gpus // 8), 2048, gbs, lay, MEGATRON)
             out.append((f"{r['model']} {label}", est.step_time_s, float(r[col])))
@@ -127,7 +127,7 @@ def vtrain(system) -> list[tuple[str, float, float]]:
         res = evaluate(model, system, s, gbs, nodes=np.ones(n), tp=col("tensor parallelism"),
                        pp=col("pipeline parallelism"), dp=col("data parallelism"), cp=np.ones(n),
                        microbatch=col("micro batch"), sp=np.zeros(n, bool), recompute=np.full(n, RECOMPUTE.index("full")),
-                       schedule=np.full(n, SCHEDULES.index("1f1b")), virtual_stages=np.ones(n),
+                       pp_schedule=np.full(n, SCHEDULES.index("1f1b")), virtual_stages=np.ones(n),
                        zero_stage=np.zeros(n, int), dp_kind=np.full(n, DP_KINDS.index("ddp")), opts=MEGATRON)
         # a single node: `nodes` = 1 but the run may use only 2 or 4 of its 8 GPUs; the model only needs the
         # layout, and all groups of these runs stay inside the NVLink domain.
@@ -296,7 +296,7 @@ def _best_published(model, system, nodes, seq, gbs, fixed, free, opts):
         if fixed["pp"] == 1 and (sched != "1f1b" or vp > 1) or (sched == "1f1b") != (vp == 1):
             continue
         try:
-            est = estimate(model, system, nodes, seq, gbs, Layout(**fixed, microbatch=mb, recompute=rc, schedule=sched,
+            est = estimate(model, system, nodes, seq, gbs, Layout(**fixed, microbatch=mb, recompute=rc, pp_schedule=sched,
                                                                   virtual_stages=vp, pp_layers="balanced"), opts)
         except ValueError:  # a choice the published fields do not allow (microbatch vs batch, stages vs layers)
             continue
@@ -321,7 +321,7 @@ def _eval_row(catalog, r: dict):
         est = _best_published(model, system, nodes, seq, gbs, fixed, free, opts)
     else:
         lay = Layout(**{k: v for k, v in fixed.items()}, microbatch=int(r["microbatch"]), recompute=free["recompute"],
-                     schedule=r["schedule"], virtual_stages=int(r["vp"]), pp_layers="balanced")
+                     pp_schedule=r["schedule"], virtual_stages=int(r["vp"]), pp_layers="balanced")
         est = estimate(model, system, nodes, seq, gbs, lay, opts)
     devices = nodes * system.devices_per_node
     value = float(r["measured"])

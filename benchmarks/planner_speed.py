@@ -42,7 +42,7 @@ def main() -> int:
         worst = max(worst, best_time)
         top = res.candidates[0].layout if res.candidates else None
         desc = "none fits" if top is None else (f"tp{top.tp} pp{top.pp} cp{top.cp} dp{top.dp} mb{top.microbatch} "
-                                                f"{top.recompute} {top.schedule} {top.dp_kind}-z{top.zero_stage}")
+                                                f"{top.recompute} {top.pp_schedule} {top.dp_kind}-z{top.zero_stage}")
         label = model + (" (cost)" if kw.get("objective") == "cost" else "")
         print(f"{label:<14} {system:<17} {devices:>9,} {res.combinations:>9,} {res.valid:>8,} {res.fitting:>6,} "
               f"{best_time:>7.3f} {res.valid / best_time:>11,.0f}  {desc}")

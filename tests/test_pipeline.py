@@ -276,7 +276,7 @@ def test_schedule_action_lists_attain_the_closed_form_bubble(schedule, p):
         if schedule in ("zbv", "dualpipev") and m < 2 * p:
             continue
         layout = PipelineLayout(pp=p, chunks_per_rank=chunks, layers_per_stage=(1,) * (p * chunks),
-                                microbatches=m, schedule=schedule)
+                                microbatches=m, pp_schedule=schedule)
         cost = {"F": 1 / chunks, "B": 2 / chunks, "I": 1 / chunks, "W": 1 / chunks}
         simulated = ideal_idle_fraction(schedule_action_lists(layout), layout.num_stages, cost)
         assert simulated == pytest.approx(theory_idle_fraction(layout), abs=1e-12), (m, simulated)
@@ -293,7 +293,7 @@ def test_dualpipev_pairs_are_split_so_forward_outputs_leave_before_the_backward(
     from paratrain.parallel.pipeline import ideal_idle_fraction, schedule_action_lists, theory_idle_fraction
 
     layout = PipelineLayout(pp=p, chunks_per_rank=2, layers_per_stage=(1,) * (2 * p), microbatches=4 * p,
-                            schedule="dualpipev")
+                            pp_schedule="dualpipev")
     cost = {"F": 0.5, "B": 1.0, "I": 0.5, "W": 0.5}
     split = schedule_action_lists(layout)
     assert not any(a.sub_actions for acts in split.values() for a in acts)

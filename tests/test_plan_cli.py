@@ -53,7 +53,7 @@ def test_estimate_json_fields(capsys):
                           "--json"])
     for key in ("step_time_s", "tokens_per_s", "mfu", "hfu", "memory_per_device_bytes", "cost_usd_per_hour"):
         assert isinstance(data[key], float), key
-    assert {"tp", "pp", "dp", "sp", "microbatch", "recompute", "schedule"} <= set(data["layout"])
+    assert {"tp", "pp", "dp", "sp", "microbatch", "recompute", "pp_schedule"} <= set(data["layout"])
     assert data["layout"]["dp"] == 512
     assert data["cost_usd_per_hour"] == pytest.approx(128 * 21.50)
     assert data["tokens_per_s"] == pytest.approx(1024 * 4096 / data["step_time_s"])

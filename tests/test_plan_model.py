@@ -310,8 +310,8 @@ def test_step_time_grows_with_the_bubble():
     """Same work, 1F1B vs interleaved: interleaving cuts the bubble by v (p2p grows a little)."""
     model = PRESETS["llama2-13b"]
     base = dict(tp=8, pp=4, sp=True, recompute="selective")
-    one = estimate(model, "p5.48xlarge", 4, 4096, 64, Layout(**base, schedule="1f1b"))
-    inter = estimate(model, "p5.48xlarge", 4, 4096, 64, Layout(**base, schedule="interleaved_1f1b", virtual_stages=5))
+    one = estimate(model, "p5.48xlarge", 4, 4096, 64, Layout(**base, pp_schedule="1f1b"))
+    inter = estimate(model, "p5.48xlarge", 4, 4096, 64, Layout(**base, pp_schedule="interleaved_1f1b", virtual_stages=5))
     assert inter.time_breakdown_s["bubble"] == pytest.approx(one.time_breakdown_s["bubble"] / 5, rel=0.05)
     assert inter.step_time_s < one.step_time_s
 
@@ -449,7 +449,7 @@ def test_gradients_reduce_over_dp_times_cp(box):
 def test_zbv_with_zero3_and_sp_cp_shapes_are_refused(box):
     model = PRESETS["small"]
     with pytest.raises(ValueError, match="pp_schedule='zbv' with parallel.dp_kind='fsdp' and reshard_after_forward=true / zero_stage=3"):
-        estimate(model, box, 1, 256, 32, Layout(pp=2, schedule="zbv", virtual_stages=2, microbatch=1,
+        estimate(model, box, 1, 256, 32, Layout(pp=2, pp_schedule="zbv", virtual_stages=2, microbatch=1,
                                                dp_kind="fsdp", zero_stage=3))
     with pytest.raises(ValueError, match="train.seq_len/cp=6 must be divisible by parallel.tp=4"):
         estimate(model, box, 1, 12, 16, Layout(tp=4, sp=True, cp=2, microbatch=1))

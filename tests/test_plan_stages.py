@@ -59,7 +59,7 @@ def test_balanced_split_and_stage_placement_are_the_runtimes():
     assert pipeline.balanced_layers is balanced_layers  # one implementation, shared (plan/ stays torch-free)
     for pp, chunks, schedule in [(4, 1, "1f1b"), (3, 3, "interleaved_1f1b"), (4, 2, "zbv")]:
         lay = pipeline.PipelineLayout(pp=pp, chunks_per_rank=chunks, layers_per_stage=(1,) * (pp * chunks),
-                                      microbatches=8, schedule=schedule)
+                                      microbatches=8, pp_schedule=schedule)
         ours = stage_ranks(pp, chunks, schedule == "zbv")
         assert ours == [lay.rank_of_stage(s) for s in range(pp * chunks)], schedule
 
@@ -168,7 +168,7 @@ CASES = [("llama3-8b", 8, 8, "1f1b", 1), ("llama3-8b", 4, 4, "interleaved_1f1b",
 
 @pytest.mark.parametrize("model,nodes,pp,schedule,v", CASES)
 def test_chosen_split_is_never_slower_and_estimate_reproduces_it(model, nodes, pp, schedule, v):
-    base = dict(tp=8, pp=pp, sp=True, recompute="selective", schedule=schedule, virtual_stages=v)
+    base = dict(tp=8, pp=pp, sp=True, recompute="selective", pp_schedule=schedule, virtual_stages=v)
     balanced = estimate(model, "p5.48xlarge", nodes, 8192, 256, Layout(**base))
     auto = estimate(model, "p5.48xlarge", nodes, 8192, 256, Layout(**base, pp_layers="auto"))
     assert auto.step_time_s <= balanced.step_time_s * (1 + 1e-12)
@@ -179,7 +179,7 @@ def test_chosen_split_is_never_slower_and_estimate_reproduces_it(model, nodes, p
 
 def test_v_schedule_unloads_the_rank_with_embedding_and_head():
     """zbv puts stage 0 (embedding) and stage 2p-1 (head) on rank 0: that rank gets fewer layers."""
-    est = estimate("llama3-8b", "p5.48xlarge", 4, 8192, 256, Layout(tp=8, pp=4, sp=True, schedule="zbv",
+    est = estimate("llama3-8b", "p5.48xlarge", 4, 8192, 256, Layout(tp=8, pp=4, sp=True, pp_schedule="zbv",
                                                                    virtual_stages=2, pp_layers="auto"))
     split = est.layout.pp_layers
     assert split[0] + split[-1] < 8 and est.step_time_s < est.balanced_step_time_s

@@ -149,7 +149,10 @@ def predict(system: System, m: Measurement):
     from paratrain.plan.api import Layout, estimate
     from paratrain.plan.model import Options
 
-    layout = Layout(**{k: v for k, v in m.layout.items() if k in Layout.__dataclass_fields__})
+    fields = dict(m.layout)
+    if "schedule" in fields:  # run summaries written before Layout.schedule became pp_schedule (the trainer's name)
+        fields.setdefault("pp_schedule", fields.pop("schedule"))
+    layout = Layout(**{k: v for k, v in fields.items() if k in Layout.__dataclass_fields__})
     sized = sized_for(system, m.world_size)
     return estimate(m.model, sized, 1, m.seq, m.global_batch, layout, Options.for_system(sized, **m.options))
 
@@ -352,7 +355,7 @@ def candidate_layouts(system: System, like: Measurement, max_world: int | None =
                 mb = max(d for d in _divisors(per_rank) if d <= mb0)
                 for kind in (("ddp", "fsdp") if dp > 1 else ("ddp",)):
                     layout = {"tp": tp, "pp": pp, "dp": dp, "cp": 1, "sp": False, "microbatch": mb,
-                              "recompute": "none", "schedule": "1f1b", "virtual_stages": 1, "dp_kind": kind,
+                              "recompute": "none", "pp_schedule": "1f1b", "virtual_stages": 1, "dp_kind": kind,
                               "zero_stage": 0 if kind == "ddp" else 3, "pp_layers": None}
                     m = Measurement(like.model, like.seq, like.global_batch, layout, world, 1.0,
                                     name=layout_name(layout), options=like.options)

@@ -131,7 +131,7 @@ def suggestion_config(s: dict, like, runs_dir: Path) -> Path | None:
     for key in ("zero_stage", "pp_layers", "dp_replicate", "reshard_after_forward"):
         par.pop(key, None)
     par.update(tp=lay["tp"], pp=lay["pp"], cp=lay["cp"], dp=lay["dp"], dp_kind=lay["dp_kind"], sp=bool(lay["sp"]),
-               recompute=lay["recompute"], pp_schedule=lay["schedule"], virtual_stages=lay["virtual_stages"])
+               recompute=lay["recompute"], pp_schedule=lay["pp_schedule"], virtual_stages=lay["virtual_stages"])
     doc.setdefault("train", {})["microbatch"] = lay["microbatch"]
     metrics = doc.setdefault("metrics", {})
     metrics["run_dir"] = fresh_run_dir(s["name"], Path(metrics.get("run_dir", "runs/x")).parent)

@@ -71,7 +71,7 @@ class PipelineLayout:
     chunks_per_rank: int  # 1, or `virtual_stages` (interleaved), or 2 (V schedules)
     layers_per_stage: tuple[int, ...]
     microbatches: int  # per pp step on one dp rank: global_batch / (dp * microbatch)
-    schedule: str
+    pp_schedule: str  # parallel.pp_schedule
 
     @property
     def num_stages(self) -> int:
@@ -79,7 +79,7 @@ class PipelineLayout:
 
     @property
     def v_shape(self) -> bool:
-        return self.schedule in V_SCHEDULES
+        return self.pp_schedule in V_SCHEDULES
 
     def stages_of_rank(self, pp_rank: int) -> list[int]:
         """Stage indices held by `pp_rank`, in execution order of a forward pass."""
@@ -126,7 +126,7 @@ def plan_pipeline(cfg: TrainConfig, dp: int) -> PipelineLayout:
     view = view_of(cfg.model_shape(), p, cfg.train.seq_len, cfg.train.global_batch, cfg.train.microbatch, dp)
     check(view)
     return PipelineLayout(pp=p.pp, chunks_per_rank=chunks, layers_per_stage=tuple(counts),
-                          microbatches=int(view.microbatches), schedule=p.pp_schedule)
+                          microbatches=int(view.microbatches), pp_schedule=p.pp_schedule)
 
 
 def check_pipeline_layout(cfg: TrainConfig, dp: int | None) -> PipelineLayout | None:

@@ -155,7 +155,7 @@ class PipelineRunner(ParallelRunner):
         pipe_stages = [PipelineStage(module, s, self.layout.num_stages, self.device, group=self.pp_group)
                        for s, module in stages]
         loss_fn = self._microbatch_loss
-        name, m = self.layout.schedule, self.layout.microbatches
+        name, m = self.layout.pp_schedule, self.layout.microbatches
         if name in SINGLE_STAGE_SCHEDULES:
             return SINGLE_STAGE_SCHEDULES[name](pipe_stages[0], m, loss_fn=loss_fn, scale_grads=True)
         return MULTI_STAGE_SCHEDULES[name](pipe_stages, m, loss_fn=loss_fn, scale_grads=True)
@@ -275,7 +275,7 @@ def _recv_activation(group_src: int, group, device: torch.device) -> torch.Tenso
 # --------------------------------------------------------------------------------------------------------
 def schedule_action_lists(layout: PipelineLayout, schedule_cls: type | None = None) -> dict[int, list]:
     """pp rank -> the compute actions (torch `_Action`s) it executes, in order (`schedule_cls`: another
-    multi-stage schedule class than paratrain's for layout.schedule, to compare).
+    multi-stage schedule class than paratrain's for layout.pp_schedule, to compare).
 
     Multi-stage schedules: torch's own `pipeline_order` (what their runtime executes), built in this process on
     a fake process group, so call it where no process group is initialised. GPipe and 1F1B: their step loops
@@ -283,12 +283,12 @@ def schedule_action_lists(layout: PipelineLayout, schedule_cls: type | None = No
     from torch.distributed.pipelining.schedules import _Action, _ComputationType
 
     p, m = layout.pp, layout.microbatches
-    if layout.schedule in SINGLE_STAGE_SCHEDULES:
+    if layout.pp_schedule in SINGLE_STAGE_SCHEDULES:
         lists = {}
         for r in range(p):
             fwd = [_Action(r, _ComputationType.FORWARD, i) for i in range(m)]
             bwd = [_Action(r, _ComputationType.FULL_BACKWARD, i) for i in range(m)]
-            if layout.schedule == "gpipe":
+            if layout.pp_schedule == "gpipe":
                 lists[r] = fwd + bwd
                 continue
             warmup = min(m, p - r)  # as Schedule1F1B: then one backward, one forward, ...; then the rest
@@ -306,7 +306,7 @@ def schedule_action_lists(layout: PipelineLayout, schedule_cls: type | None = No
     try:
         ids = layout.stages_of_rank(0)
         stages = [PipelineStage(nn.Linear(1, 1), s, layout.num_stages, host()) for s in ids]
-        cls = schedule_cls or MULTI_STAGE_SCHEDULES[layout.schedule]
+        cls = schedule_cls or MULTI_STAGE_SCHEDULES[layout.pp_schedule]
         schedule = cls(stages, m, loss_fn=lambda out, _: out.sum())
         return {r: [a for a in acts if a is not None] for r, acts in schedule.pipeline_order.items()}
     finally:
@@ -372,9 +372,9 @@ def theory_idle_fraction(layout: PipelineLayout) -> float:
     """Closed forms: (p-1)/(m+p-1) for GPipe/1F1B; (p-1)/(v m+p-1) interleaved; (p-1)/(6m+p-1) for the V
     schedules with F = I = W per chunk (only the fill of p-1 chunk forwards is left; see docs/pipeline.md)."""
     p, m = layout.pp, layout.microbatches
-    if layout.schedule in SINGLE_STAGE_SCHEDULES:
+    if layout.pp_schedule in SINGLE_STAGE_SCHEDULES:
         return (p - 1) / (m + p - 1)
-    if layout.schedule == "interleaved_1f1b":
+    if layout.pp_schedule == "interleaved_1f1b":
         return (p - 1) / (layout.chunks_per_rank * m + p - 1)
     return (p - 1) / (6 * m + p - 1)
 

@@ -42,8 +42,8 @@ from paratrain.plan.stages import (
 class Layout:
     """A parallel layout: the trainer's [parallel] section (paratrain.config.ParallelSection) plus
     train.microbatch, with the same meanings, defaults and allowed values; `layout_from_parallel` and
-    `Layout.to_parallel` convert, and the rules of paratrain.config.rules decide what is valid. Two spellings
-    differ: `schedule` is parallel.pp_schedule, and dp=None is parallel.dp=-1 ('all remaining devices').
+    `Layout.to_parallel` convert, and the rules of paratrain.config.rules decide what is valid. One spelling
+    differs: dp=None is parallel.dp=-1 ('all remaining devices').
 
     dp_kind / zero_stage: DeepSpeed's ZeRO numbering (paratrain.config.dp): ddp with 0 (replicated), 1 (sharded
     optimizer state) or 2 (+ gradients); fsdp/hsdp with 2 (reshard_after_forward=false) or 3 (fully sharded, the
@@ -67,7 +67,7 @@ class Layout:
     sp: bool = False
     microbatch: int = 1
     recompute: str = "none"
-    schedule: str = "1f1b"
+    pp_schedule: str = "1f1b"
     virtual_stages: int = 1
     zero_stage: int | None = None
     dp_kind: str | None = None
@@ -89,7 +89,7 @@ class Layout:
     def to_parallel(self) -> ParallelSection:
         """The trainer's [parallel] section of this layout (the one conversion; ValueError naming the field)."""
         fields = {"dp": -1 if self.dp is None else self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp,
-                  "sp": self.sp, "recompute": self.recompute, "pp_schedule": self.schedule,
+                  "sp": self.sp, "recompute": self.recompute, "pp_schedule": self.pp_schedule,
                   "virtual_stages": self.virtual_stages}
         if self.dp_kind is not None:
             fields["dp_kind"] = self.dp_kind
@@ -110,7 +110,7 @@ class Layout:
 def layout_from_parallel(pcfg: ParallelSection, microbatch: int, dp: int | None = None) -> Layout:
     """The planner's Layout of a trainer [parallel] section (dp: the resolved size, else pcfg.dp / None)."""
     return Layout(tp=pcfg.tp, pp=pcfg.pp, dp=dp if dp is not None else (None if pcfg.dp == -1 else pcfg.dp),
-                  cp=pcfg.cp, sp=pcfg.sp, microbatch=microbatch, recompute=pcfg.recompute, schedule=pcfg.pp_schedule,
+                  cp=pcfg.cp, sp=pcfg.sp, microbatch=microbatch, recompute=pcfg.recompute, pp_schedule=pcfg.pp_schedule,
                   virtual_stages=pcfg.virtual_stages, zero_stage=pcfg.zero_stage, dp_kind=pcfg.dp_kind,
                   pp_layers=tuple(pcfg.pp_layers) if pcfg.pp_layers else None,
                   dp_replicate=pcfg.dp_replicate if pcfg.dp_kind == "hsdp" and pcfg.dp_replicate > 1 else None,
@@ -183,7 +183,7 @@ def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, glob
             raise ValueError(f"pp_layers = {lay.pp_layers!r}: allowed: {', '.join(STAGE_SPLITS)}, or one layer "
                              f"count per stage")
     elif lay.pp_layers is not None:
-        check_pp_layers(lay.pp_layers, model.layers, lay.pp, chunks_per_rank(lay.schedule, lay.virtual_stages),
+        check_pp_layers(lay.pp_layers, model.layers, lay.pp, chunks_per_rank(lay.pp_schedule, lay.virtual_stages),
                         "parallel.pp_layers")
     return replace(lay, dp=dp, zero_stage=zero_stage_of(pcfg), dp_kind=pcfg.dp_kind)
 
@@ -192,13 +192,13 @@ def _internal(layout: Layout) -> dict:
     """The physics' codes of a checked layout (plan.model.evaluate): schedule index and chunks per rank; one
     stage (pp = 1) has no schedule (the runtime ignores it: coded as 1f1b)."""
     if layout.pp == 1:
-        return {"schedule": SCHEDULES.index("1f1b"), "virtual_stages": 1}
-    return {"schedule": SCHEDULES.index(layout.schedule),
-            "virtual_stages": chunks_per_rank(layout.schedule, layout.virtual_stages)}
+        return {"pp_schedule": SCHEDULES.index("1f1b"), "virtual_stages": 1}
+    return {"pp_schedule": SCHEDULES.index(layout.pp_schedule),
+            "virtual_stages": chunks_per_rank(layout.pp_schedule, layout.virtual_stages)}
 
 
 def _v_shape(layout: Layout) -> bool:
-    return layout.pp > 1 and layout.schedule in V_SCHEDULES
+    return layout.pp > 1 and layout.pp_schedule in V_SCHEDULES
 
 
 def _resolve(model, system) -> tuple[ModelConfig, System]:
@@ -315,9 +315,9 @@ def _to_estimate(model, system, nodes, seq, global_batch, layout, r: dict, train
         est.notes.append(f"{model.layers} layers do not split evenly over {stages} pipeline stages (pp x chunks "
                          f"per rank): the busiest stage sets the pace")
     if stack is not None and (layout.dp_kind not in stack.dp_kinds or layout.zero_stage not in stack.zero_stages
-                              or (layout.pp > 1 and layout.schedule not in stack.schedules)):
+                              or (layout.pp > 1 and layout.pp_schedule not in stack.schedules)):
         est.notes.append(f"{stack.name} on {system.name} does not support this choice "
-                         f"(dp_kind {layout.dp_kind}, zero {layout.zero_stage}, schedule {layout.schedule})")
+                         f"(dp_kind {layout.dp_kind}, zero {layout.zero_stage}, schedule {layout.pp_schedule})")
     if price is None:
         est.notes.append(f"no public price for {system.name}: cost fields are null")
     return est
@@ -409,13 +409,13 @@ def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch
         ok &= np.isin(zero, stack.zero_stages) & np.isin(kind, [DP_KINDS.index(k) for k in stack.dp_kinds])
         ok &= (pp == 1) | np.isin(sched, [SCHEDULES.index(k) for k in stack.schedules])
     rc_ok = np.ones(3, bool)
-    named = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "microbatch": b, "sp": sp, "recompute": None, "schedule": sched,
+    named = {"tp": tp, "pp": pp, "cp": cp, "dp": dp, "microbatch": b, "sp": sp, "recompute": None, "pp_schedule": sched,
              "virtual_stages": v, "zero_stage": zero, "dp_kind": kind, "ep": None, "etp": None}
     later = {}  # constraints on the expert axes, applied once they exist
     for key, allowed in (constraints or {}).items():
         if key not in named:
             raise ValueError(f"constraint '{key}': unknown; allowed: {', '.join(named)}")
-        codes = {"recompute": RECOMPUTE, "schedule": SCHEDULES, "dp_kind": DP_KINDS}.get(key)
+        codes = {"recompute": RECOMPUTE, "pp_schedule": SCHEDULES, "dp_kind": DP_KINDS}.get(key)
         values = [codes.index(a) if codes else int(a) for a in allowed]
         if key == "recompute":
             rc_ok &= np.isin(np.arange(3), values)
@@ -433,7 +433,7 @@ def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch
     for key, values in later.items():
         ok = ok & np.isin({"ep": ep, "etp": etp}[key], values)
     sel = np.flatnonzero(ok)
-    keys = ("tp", "pp", "cp", "dp", "microbatch", "sp", "recompute", "schedule", "virtual_stages", "zero_stage",
+    keys = ("tp", "pp", "cp", "dp", "microbatch", "sp", "recompute", "pp_schedule", "virtual_stages", "zero_stage",
             "dp_kind")
     return {**{k: a[sel] for k, a in zip(keys, arrays, strict=True)}, "ep": ep[sel], "etp": etp[sel],
             "raw": np.int64(combinations)}
@@ -502,7 +502,7 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
     for rank, i in enumerate(order):
         layout = Layout(tp=int(grid["tp"][i]), pp=int(grid["pp"][i]), dp=int(grid["dp"][i]), cp=int(grid["cp"][i]),
                         sp=bool(grid["sp"][i]), microbatch=int(grid["microbatch"][i]),
-                        recompute=RECOMPUTE[grid["recompute"][i]], schedule=SCHEDULES[grid["schedule"][i]],
+                        recompute=RECOMPUTE[grid["recompute"][i]], pp_schedule=SCHEDULES[grid["pp_schedule"][i]],
                         virtual_stages=int(grid["virtual_stages"][i]), zero_stage=int(grid["zero_stage"][i]),
                         dp_kind=DP_KINDS[grid["dp_kind"][i]], pp_layers="auto", ep=int(grid["ep"][i]),
                         etp=int(grid["etp"][i]))

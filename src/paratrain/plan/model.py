@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from paratrain.config.names import DP_KINDS, PP_SCHEDULES, RECOMPUTE  # noqa: F401 - re-exported (plan.api, tests)
+from paratrain.config.schema import ParallelSection
 from paratrain.hardware.catalog import System
 from paratrain.model.config import ModelConfig
 from paratrain.plan.stages import Loads, balanced_loads, best_loads, rank_times, same_rank
@@ -45,7 +46,8 @@ ADAM_STEP_BYTES = 32  # per parameter per step: read p, g, m, v (fp32), write p,
 # (tests/test_plan_model.py counts them with a dispatch mode and checks this number)
 EAGER_ELEMENTWISE_KERNELS = 32
 EAGER_EXTRA_MATMULS = 3  # q, k, v and gate, up as separate matmuls (the model counts qkv and gate+up fused)
-RUNTIME_BUCKET_BYTES = 25 * 2**20  # paratrain.parallel.data.DEFAULT_BUCKET_BYTES (torch DDP's bucket_cap_mb)
+# the runtime's DDP bucket (parallel.ddp_bucket_mb's default, torch DDP's bucket_cap_mb), by the config's one conversion
+RUNTIME_BUCKET_BYTES = ParallelSection().ddp_bucket_bytes
 # How paratrain's own runtime runs (Options fields): the defaults on `paratrain probe` hosts, and what a
 # training run records for the planner (train.loop.planner_options overrides bucket and eager from its config).
 PARATRAIN_RUNTIME = {"bucket_bytes": RUNTIME_BUCKET_BYTES, "eager": True, "p2p_scatter_gather": False,
@@ -431,7 +433,7 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
 
 
 def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *, nodes, tp, pp, dp, cp,
-             microbatch, sp, recompute, schedule, virtual_stages, zero_stage, dp_kind, opts: Options,
+             microbatch, sp, recompute, pp_schedule, virtual_stages, zero_stage, dp_kind, opts: Options,
              split: str = "balanced", stage_loads: Loads | None = None, ep=1, etp=1, dp_replicate=None) -> dict:
     """Evaluate layouts (numpy arrays of equal length, or scalars). Integer codes index RECOMPUTE, SCHEDULES
     and DP_KINDS. Returns a dict of arrays (times in s, bytes, FLOPs); no validity filtering here.
@@ -453,7 +455,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     model = moe_plan.dense_view(model) if model.num_experts else model
     sp = np.asarray(sp, dtype=bool) & (tp > 1)
     rc = np.asarray(recompute)
-    sched = np.asarray(schedule)
+    sched = np.asarray(pp_schedule)
     zero = np.asarray(zero_stage)
     kind = np.asarray(dp_kind)
     eff_sys = system.efficiency
