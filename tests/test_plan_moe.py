@@ -210,3 +210,29 @@ def test_write_config_carries_the_expert_layout():
     assert (parallel["ep"], parallel["etp"], parallel["tp"], parallel["dp"]) == (8, 2, 2, 8)
     dense = estimate("llama3-8b", H100, 2, 4096, 256, Layout(tp=2, sp=True))
     assert "ep" not in training_config(dense, PRESETS["llama3-8b"], "llama3-8b", 8)["parallel"]
+
+
+def test_expert_gemms_run_in_the_runs_precision():
+    """The grouped expert GEMMs take the run's precision options like the dense layer matmuls: FP4 (NVFP4 /
+    MXFP4) on a chip with an FP4 rate is faster than FP8, which is faster than BF16 (issue #17: before, only a
+    bare fp8 flag reached them, so FP4 never applied)."""
+    system = get_catalog().system("p6-b200.48xlarge")
+    cfg = PRESETS["qwen3-30b-a3b"]
+    kw = {"T": 16384.0, "tp": 1, "sp": False, "ep": 8, "etp": 1, "rc": 0}
+    bf16, fp8, fp4 = (moe.layer_terms(cfg, system, o, **kw)[0]
+                      for o in (Options(), Options(fp8=True), Options(fp8=True, fp4=True)))
+    assert fp4 < 0.8 * fp8 < 0.8 * bf16
+
+
+def test_attention_projections_use_the_head_width():
+    """Where heads x head_dim is not the hidden size (Qwen3-MoE: 32 x 128 = 4096 queries on hidden 2048), the
+    QKV projection has heads x head_dim + 2 kv columns and the output projection that many rows."""
+    from paratrain.plan.model import layer_matmuls
+
+    cfg = PRESETS["qwen3-30b-a3b"]
+    shapes = {name: (n, k) for name, n, k, _ in layer_matmuls(cfg, 4096, "flash")}
+    assert shapes["qkv"] == (32 * 128 + 2 * 4 * 128, 2048) and shapes["proj"] == (2048, 32 * 128)
+    # the attention matmuls' parameters are the ones ModelConfig counts (its FLOPs): q, k, v, o
+    attn = sum(n * k for name, (n, k) in shapes.items() if name in ("qkv", "proj"))
+    h, q, kv = cfg.hidden, cfg.heads * cfg.head_dim, cfg.kv_dim
+    assert attn == 2 * h * q + 2 * h * kv

@@ -250,10 +250,16 @@ def p2p_time_s(system: System, nbytes, stride):
 def layer_matmuls(model: ModelConfig, seq: int, attention: str):
     """Forward matmuls of one layer as (name, N, K, shard) with M = tokens; shard "n" or "k" is the dim TP splits.
 
-    Attention core returned separately (it scales with seq)."""
-    h, f, kv = model.hidden, model.ffn, model.kv_dim
+    Attention core returned separately (it scales with seq). The query and attention-output width is
+    heads x head_dim, which is not the hidden size where the head dim is set apart (Qwen3, GPT-OSS)."""
+    h, f, kv, q = model.hidden, model.ffn, model.kv_dim, query_dim(model)
     mlp_in = 2 * f if model.arch == "llama" else f
-    return [("qkv", h + 2 * kv, h, "n"), ("proj", h, h, "k"), ("mlp_in", mlp_in, h, "n"), ("mlp_out", h, f, "k")]
+    return [("qkv", q + 2 * kv, h, "n"), ("proj", h, q, "k"), ("mlp_in", mlp_in, h, "n"), ("mlp_out", h, f, "k")]
+
+
+def query_dim(model: ModelConfig) -> int:
+    """Width of the queries and of the attention output (the output projection's input): heads x head_dim."""
+    return model.heads * model.head_dim
 
 
 def activation_bytes_per_token(model: ModelConfig, seq: int, attention: str, fp8: bool = False):
@@ -265,19 +271,19 @@ def activation_bytes_per_token(model: ModelConfig, seq: int, attention: str, fp8
     s*b*h*(34 + 5as/h). Llama: no dropout, RMSNorm, SwiGLU (gate, up and their product kept: 6f), GQA (K,V
     are 2kv each). fp8: the inputs of the FP8 matmuls are kept for backward in FP8, 1 byte (Transformer Engine
     saves the cast input for the weight gradient): QKV and MLP inputs (h each), the output projection's input
-    (h) and the second MLP matmul's input (f).
+    (heads x head_dim) and the second MLP matmul's input (f).
     """
-    h, f, kv, a = model.hidden, model.ffn, model.kv_dim, model.heads
+    h, f, kv, a, q = model.hidden, model.ffn, model.kv_dim, model.heads, query_dim(model)
     if model.arch == "gpt":
         sp_part = 4 * h + 2 * h + 2 * h + 2 * h  # 2 LayerNorm inputs, QKV input, MLP input, 2 dropout masks
-        tp_part = 2 * h + 2 * kv + 2 * kv + 2 * h + 2 * f + 2 * f  # Q, K, V, proj input, fc1 out, GeLU out
+        tp_part = 2 * q + 2 * kv + 2 * kv + 2 * q + 2 * f + 2 * f  # Q, K, V, proj input, fc1 out, GeLU out
         core = 5 * a * seq if attention == "unfused" else 4 * a  # softmax (2), dropout mask (1) and output (2)
     else:
         sp_part = 4 * h + 2 * h + 2 * h  # 2 RMSNorm inputs, QKV input, MLP input
-        tp_part = 2 * h + 2 * kv + 2 * kv + 2 * h + 6 * f  # Q, K, V, proj input, gate, up, gate*up
+        tp_part = 2 * q + 2 * kv + 2 * kv + 2 * q + 6 * f  # Q, K, V, proj input, gate, up, gate*up
         core = 2 * a * seq if attention == "unfused" else 4 * a  # softmax output, or fp32 log-sum-exp (flash)
     if fp8:  # QKV input, MLP input, projection input and second MLP input stored at 1 byte instead of 2
-        sp_part, tp_part = sp_part - 2 * h, tp_part - h - f
+        sp_part, tp_part = sp_part - 2 * h, tp_part - q - f
     return float(sp_part), float(tp_part), float(core)
 
 
@@ -304,7 +310,7 @@ def elementwise_bytes_per_token(model: ModelConfig, seq: int, attention: str):
     residual = 2 * (3 * h) * BF16_BYTES  # two residual (+bias+dropout) adds: read 2h, write h
     if model.arch == "llama":
         act = mlp_activation_bytes_per_token(model)  # SwiGLU: read gate and up, write product
-        rope = 2 * (h + kv) * BF16_BYTES
+        rope = 2 * (query_dim(model) + kv) * BF16_BYTES
         core = 2 * a * seq * BF16_BYTES  # fused scale-mask-softmax: read + write scores
         kernels = 6
     else:
@@ -395,7 +401,7 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     for name, n, k, shard in layer_matmuls(model, seq, opts.attention):
         n_dev, k_dev = (n / tp, k) if shard == "n" else (n, k / tp)
         if name == "qkv":  # GQA with tp > kv heads: each rank computes (a replica of) one K and one V head
-            n_dev = model.hidden / tp + 2 * model.kv_dim / np.minimum(tp, model.n_kv_heads)
+            n_dev = query_dim(model) / tp + 2 * model.kv_dim / np.minimum(tp, model.n_kv_heads)
         one = matmul_time_s(system, T, n_dev, k_dev, opts.fp8, opts)
         matmuls = matmuls + one
         mlp = mlp + (one if name.startswith("mlp") else 0.0)

@@ -28,7 +28,6 @@ from paratrain.model.config import ModelConfig
 
 BF16_BYTES = 2
 FP8_BYTES = 1
-FP8_CAST_BYTES = 5  # as plan.model: amax read (2) + cast read (2) + write (1) per element
 WEIGHT_BYTES = 2
 OPTIMIZER_BYTES = 12
 ADAM_STEP_BYTES = 32
@@ -163,7 +162,7 @@ def alltoall_time_s(system: System, nbytes, degree, stride, imbalance=1.0, dedup
 def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp, rc):
     """Per average layer, forward, on the busiest expert rank: (expert GEMMs s, elementwise s, all-to-all fwd s,
     all-to-all bwd s, all-to-all bytes per microbatch, routed rows). Backward GEMMs are 2x (plan.model)."""
-    from paratrain.plan.model import matmul_time_s, memory_time_s
+    from paratrain.plan.model import cast_cost, matmul_time_s, memory_time_s
 
     share = model.moe_layers / model.layers  # the average layer's share of a MoE block
     h, fm, k, E = model.hidden, model.moe_ffn, model.experts_per_token, model.num_experts
@@ -176,8 +175,10 @@ def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp,
     per_expert = rows * imb / local
     width = fm / etp
     overhead = system.chip.efficiency.kernel_overhead_s
-    gemm = local * (matmul_time_s(system, per_expert, 2 * width, h, opts.fp8)
-                    + matmul_time_s(system, per_expert, h, width, opts.fp8))
+    # the run's precision options (FP8 / MX block scaling / FP4, the stack's GEMM efficiency): Transformer
+    # Engine's GroupedLinear runs the expert GEMMs in the recipe's format, as the dense layer matmuls
+    gemm = local * (matmul_time_s(system, per_expert, 2 * width, h, opts.fp8, opts)
+                    + matmul_time_s(system, per_expert, h, width, opts.fp8, opts))
     # one grouped launch for all local experts: the fixed cost paid twice (once per GEMM), not 2 x local
     gemm = gemm - 2 * (local - 1) * overhead
     if opts.moe_gemm_per_expert:  # TE's multi-stream loop over the local experts (backward: 2x, as the GEMMs)
@@ -186,7 +187,7 @@ def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp,
     elem_bytes = (tokens * E * 4 * 3  # fp32 router scores: write, top-k read, softmax/sigmoid read+write
                   + routed * h * BF16_BYTES * 2 * 2  # permute and unpermute: read + write each
                   + routed * 3 * width * BF16_BYTES  # SwiGLU: read gate, up, write product
-                  + (FP8_CAST_BYTES * routed * (h + width) if opts.fp8 else 0.0))
+                  + (cast_cost(system, opts)[0] * routed * (h + width) if opts.fp8 else 0.0))
     elem = memory_time_s(system, elem_bytes, MOE_ELEMENTWISE_KERNELS)
     dispatch_bytes = FP8_BYTES if opts.fp8 and opts.moe_fp8_dispatch else BF16_BYTES
     stride = np.where(etp > 1, tp, 1.0)
