@@ -18,11 +18,12 @@ which is also what one microbatch of the single-device model sees), then
 4. the results return by the inverse all_to_all and are combined with the routing weights on the sending rank.
 torch.distributed.nn.functional.all_to_all_single carries the gradients back through both exchanges.
 
-Gradients: an expert's gradient is, after backward, the sum over the ep group's tokens; `ExpertGradReducer`
-adds the other dp_mod_ep replicas and divides by the whole dp degree (each rank's loss is its local mean and the
-global loss their average), so the step equals the single-device one. These parameters are excluded from the
-dense DDP / FSDP wrapper (parallel/data.py), which would average them over the wrong group. They stay replicated
-over dp_mod_ep (not FSDP-sharded there): at the sizes the tests run the all-reduce is simpler and exact.
+Gradients: an expert's gradient is, after backward, the sum over the ep group's tokens. Under fsdp/hsdp the
+experts are FSDP2-sharded over the dp ranks that hold the same experts (dp_mod_ep; parallel/data.py
+`shard_experts_fsdp`, torchtitan's layout), which reduce-scatters them there and divides by the whole dp degree.
+Under ddp `ExpertGradReducer` adds the other dp_mod_ep replicas and divides by the whole dp degree (each rank's
+loss is its local mean and the global loss their average), so the step equals the single-device one; these
+parameters are left out of the dense DDP buckets, which would average them over the wrong group.
 
 Pipeline parallelism never calls the runner's aux_loss(); `attach_aux_to_backward` puts each MoE layer's aux
 loss into backward through its output instead (Megatron-Core's MoEAuxLossAutoScaler).
@@ -105,6 +106,12 @@ class ShardedExperts(nn.Module):
                                     stride=full.stride())
             self.register_parameter(name, nn.Parameter(dt, requires_grad=full.requires_grad))
 
+    def forward(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """This rank's experts on `rows` (grouped by local expert). A module call, so that FSDP2 (which may shard
+        these weights further over the expert-data-parallel ranks: parallel/data.py) gathers them around it."""
+        w1, w3, w2 = (getattr(self, n).to_local().to(rows.dtype) for n in ("w1", "w3", "w2"))
+        return grouped_swiglu(rows, counts, w1, w3, w2)
+
 
 class ExpertParallelMoE(MoE):
     """The MoE block `moe` with this rank's slice of its experts (copied from `moe`, which may be on the meta
@@ -162,10 +169,9 @@ class ExpertParallelMoE(MoE):
 
     def compute(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """This rank's experts on their rows (grouped by local expert); under tp the slices' sums reduced."""
-        w1, w3, w2 = (getattr(self.experts, n).to_local().to(rows.dtype) for n in ("w1", "w3", "w2"))
         if self.tp_group is None:
-            return grouped_swiglu(rows, counts, w1, w3, w2)
-        out = grouped_swiglu(_CopyToTP.apply(rows, self.tp_group), counts, w1, w3, w2)
+            return self.experts(rows, counts)
+        out = self.experts(_CopyToTP.apply(rows, self.tp_group), counts)
         return _ReduceFromTP.apply(out, self.tp_group)
 
 
