@@ -74,43 +74,87 @@ def test_the_config_names_the_field_of_a_bad_expert_layout():
         resolve_degrees(make_config(MOE + ['parallel.ep=4']).parallel, 2)
 
 
+def _full_state(state: dict) -> dict:
+    from parity import full_tensor
+
+    return {k: full_tensor(v).clone() for part in state.values() for k, v in part.items()
+            if isinstance(v, torch.Tensor)}
+
+
 def _save_then_load(folder: str):
-    """Train one step under EP2 x FSDP2 (world 4), save with DCP; load under EP2 x TP2 and compare every
-    parameter; and the (global, local) shapes of the loaded layout's expert weights."""
+    """Train one step under EP2 x FSDP2 (world 4: experts FSDP-sharded over dp_mod_ep 2), save model and AdamW
+    state with DCP as the CheckpointManager does; load under EP4 x FSDP (another ep; model and optimizer) and
+    under EP2 x TP2 (model) and compare every tensor; and the (global, local) shapes of each layout's expert weights."""
     import torch.distributed.checkpoint as dcp
-    from parity import full_tensor, global_batch, make_config
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+    from parity import global_batch, make_config
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
 
     from paratrain.parallel.mesh import init_distributed
-    from paratrain.train.checkpoint import state_module
+    from paratrain.train.checkpoint import FORMAT_VERSION, state_dict_options, state_module
     from paratrain.train.loop import build_optimizer, build_runner
 
+    def shapes(runner):
+        return {n: (tuple(p.shape), tuple(p.to_local().shape)) for part in runner.parts
+                for n, p in part.named_parameters() if ".experts." in n}
+
     env = init_distributed("cpu")
-    cfg = make_config(MOE + ['parallel.ep=2', 'parallel.dp=4', 'parallel.dp_kind="fsdp"'])
+    model = MOE[:1] + ["model.layers=2"]  # layer 1 MoE: enough to reshard, half the tensors of MOE
+    cfg = make_config(model + ['parallel.ep=2', 'parallel.dp=4', 'parallel.dp_kind="fsdp"'])
     runner = build_runner(cfg, env)
     opt = build_optimizer(runner, cfg.optim)
     x, y = global_batch(cfg, 0)
     runner.forward_backward(x[env.rank * 2:env.rank * 2 + 2], y[env.rank * 2:env.rank * 2 + 2])
     opt.step()
-    saved = {k: full_tensor(v).clone() for k, v in get_model_state_dict(state_module(runner.parts)).items()}
-    dcp.save(get_model_state_dict(state_module(runner.parts)), checkpoint_id=folder)
-    other = build_runner(make_config(MOE + ['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=2']), env)
-    state = get_model_state_dict(state_module(other.parts))
-    dcp.load(state, checkpoint_id=folder)
-    set_model_state_dict(state_module(other.parts), state)
-    loaded = {k: full_tensor(v) for k, v in get_model_state_dict(state_module(other.parts)).items()}
-    shapes = {n: (tuple(p.shape), tuple(p.to_local().shape)) for part in other.parts
-              for n, p in part.named_parameters() if ".experts." in n}
-    same = {k: bool(torch.equal(saved[k], loaded[k])) for k in saved} if set(saved) == set(loaded) else None
-    return same, shapes
+    options = state_dict_options(FORMAT_VERSION)
+    model_sd, optim_sd = get_state_dict(state_module(runner.parts), opt, options=options)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=folder)
+    saved = _full_state({"model": model_sd, "optim": optim_sd})
+    out = {"saved": shapes(runner)}
+    # EP4 with its optimizer (another ep: every tensor moves); EP2 x TP2 the model only (each expert split in two)
+    for name, layout, with_optim in (("ep4", ['parallel.ep=4', 'parallel.dp_kind="fsdp"'], True),
+                                     ("ep2_tp2", ['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=2'], False)):
+        other_cfg = make_config(model + layout)
+        other = build_runner(other_cfg, env)
+        if with_optim:
+            other_opt = build_optimizer(other, other_cfg.optim)
+            model_sd, optim_sd = get_state_dict(state_module(other.parts), other_opt, options=options)
+            state = {"model": model_sd, "optim": optim_sd}
+        else:
+            state = {"model": get_model_state_dict(state_module(other.parts))}
+        dcp.load(state, checkpoint_id=folder)
+        if with_optim:
+            set_state_dict(state_module(other.parts), other_opt, model_state_dict=state["model"],
+                           optim_state_dict=state["optim"], options=options)
+            model_sd, optim_sd = get_state_dict(state_module(other.parts), other_opt, options=options)
+            loaded = _full_state({"model": model_sd, "optim": optim_sd})
+        else:
+            set_model_state_dict(state_module(other.parts), state["model"])
+            loaded = _full_state({"model": get_model_state_dict(state_module(other.parts))})
+        want = {k: v for k, v in saved.items() if with_optim or k in loaded}
+        same = {k: bool(torch.equal(want[k], loaded[k])) for k in want} if set(want) == set(loaded) else None
+        out[name] = (same, shapes(other))
+    return out
 
 
 def test_dcp_checkpoint_reshards_expert_weights_and_ranks_hold_their_slice(dist_run, tmp_path):
-    """Saved under EP2 x FSDP2, loaded under EP2 x TP2: every parameter bitwise; meta-init and loading put only
-    this rank's slice in memory: 4 of the 8 experts, half of each expert's width (w1 (E, ffn, h) = (8, 96, 128))."""
-    same, shapes = dist_run(4, _save_then_load, str(tmp_path / "ckpt"))[0]
-    assert same is not None, "parameter names differ between the two layouts"
-    assert any(".experts." in k for k in same)
-    assert all(same.values()), [k for k, ok in same.items() if not ok]
-    assert shapes["layers.1.feed_forward.experts.w1"] == ((8, 96, 128), (4, 48, 128))
-    assert shapes["layers.1.feed_forward.experts.w2"] == ((8, 128, 96), (4, 128, 48))
+    """Saved under EP2 x FSDP2 (dp 4), loaded under EP4 x FSDP (every parameter and AdamW moment bitwise) and
+    under EP2 x TP2 (every parameter bitwise). Each rank holds only its slice: under EP2 x FSDP2 2 of the 8 experts (4 per ep rank,
+    FSDP-sharded over the 2 dp_mod_ep replicas, not replicated); under EP4 2; under EP2 x TP2 4 of the 8 experts,
+    half of each expert's width (w1 (E, ffn, h) = (8, 96, 128))."""
+    out = dist_run(4, _save_then_load, str(tmp_path / "ckpt"))[0]
+    for name in ("ep4", "ep2_tp2"):
+        same, _ = out[name]
+        assert same is not None, f"{name}: parameter names differ between the two layouts"
+        assert any(".experts." in k for k in same), sorted(same)[:5]
+        assert all(same.values()), (name, [k for k, ok in same.items() if not ok])
+    assert any(k.startswith("state.") and ".experts." in k for k in out["ep4"][0])  # the AdamW moments too
+    w1, w2 = "layers.1.feed_forward.experts.w1", "layers.1.feed_forward.experts.w2"
+    assert out["saved"][w1] == ((8, 96, 128), (2, 96, 128))
+    assert out["ep4"][1][w1] == ((8, 96, 128), (2, 96, 128))
+    assert out["ep2_tp2"][1][w1] == ((8, 96, 128), (4, 48, 128))
+    assert out["ep2_tp2"][1][w2] == ((8, 128, 96), (4, 128, 48))

@@ -178,7 +178,24 @@ def apply_data_parallel(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMe
     kind, _ = effective_dp(pcfg)
     # the zero-bubble schedules need the parameters gathered from forward to backward (config/pipeline.py)
     return apply_dp(parts, dp_mesh, kind, stage_reshard_after_forward(pcfg), bucket_bytes=pcfg.ddp_bucket_bytes,
-                    precision=Precision.from_train(cfg.train), ignored=ignored, experts=experts)
+                    precision=Precision.from_train(cfg.train), ignored=ignored, experts=experts,
+                    expert_shards=expert_shards_of(mesh, cfg, dp_mesh.size()) if experts is not None else None)
+
+
+def expert_shards_of(mesh: DeviceMesh, cfg: TrainConfig, divide: int):
+    """How fsdp/hsdp shards the expert-parallel experts (parallel/data.py ExpertShards): over the data-parallel
+    ranks that hold the same experts, dp_mod_ep (with hsdp: dp_replicate x dp_shard_mod_ep), even when that is one
+    rank (the unit then still divides the gradients and applies the mixed-precision policy). None with ep = 1: the
+    experts (sharded over tp only) are FSDP-sharded with their block over dp like any tensor-parallel weight."""
+    from paratrain.parallel.data import ExpertShards
+
+    if cfg.parallel.ep == 1:
+        return None
+    names = ("dp_replicate", "dp_shard_mod_ep") if cfg.parallel.dp_kind == "hsdp" else ("dp_mod_ep",)
+    edp = mesh[names] if len(names) > 1 else mesh[names[0]]
+    # torchtitan's rule: dim-0 sharding leaves ranks empty once edp x ep exceeds the number of experts
+    dim = 1 if edp.size() * cfg.parallel.ep > cfg.model_shape().num_experts else 0
+    return ExpertShards(edp, divide, dim)
 
 
 def make_runner(stages: list[tuple[int, nn.Module]], layout, cfg: TrainConfig, mesh: DeviceMesh | None,

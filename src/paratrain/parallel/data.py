@@ -12,19 +12,25 @@
   earlier layers' backward computes (as torch DDP and Megatron's DDP do). It works on plain and DTensor
   (tensor-parallel) parameters alike: it reduces each gradient's local shard over the dp group only, which is
   what TP x DP needs and what torch DDP does not support.
+- mixture-of-experts experts (parallel/expert.py, already sharded over ep and tp): under fsdp/hsdp each block's
+  experts are one more FSDP2 unit over the expert-data-parallel mesh (the dp ranks holding the same experts:
+  dp_mod_ep, or dp_replicate x dp_shard_mod_ep), fully_shard'ed before their block as torchtitan does, with
+  gradients divided by the whole dp degree (`ExpertShards`); under ddp they stay replicated and
+  parallel/expert.py's reducer sums them over dp_mod_ep.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 
 from paratrain.config import ParallelSection
 from paratrain.device import host
@@ -245,41 +251,86 @@ def dp_group(dp_mesh: DeviceMesh) -> dist.ProcessGroup:
     return dp_mesh._flatten().get_group()
 
 
+@dataclass(frozen=True)
+class ExpertShards:
+    """How FSDP/HSDP shards the expert-parallel experts (torchtitan's llama4/deepseek_v3 apply_fsdp): over `mesh`,
+    the data-parallel ranks that hold the same experts (dp_mod_ep; dp_replicate x dp_shard_mod_ep for hsdp), on
+    tensor dim `dim` (0, or 1 where edp x ep > num_experts: dim 0 would leave ranks empty), with gradients
+    divided by `divide`, the whole data-parallel degree (each rank's loss is its local mean, the global loss their
+    average), not by the mesh's size as FSDP would."""
+
+    mesh: DeviceMesh
+    divide: int
+    dim: int = 0
+
+
 def apply_fsdp(model: nn.Module, dp_mesh: DeviceMesh, reshard_after_forward: bool,
-               precision: Precision = FP32, ignored: set[nn.Parameter] | None = None) -> list[FSDPModule]:
+               precision: Precision = FP32, ignored: set[nn.Parameter] | None = None,
+               experts: ExpertShards | None = None) -> list[FSDPModule]:
     """fully_shard each block, then the root (embedding, final norm, head): one all-gather unit per block.
     Under bf16 every unit gathers bf16 copies and reduces in precision.reduce (parallel/precision.py).
-    `ignored`: parameters FSDP must leave alone (a vocab-parallel embedding/head: parallel/vocab.py; expert-parallel
-    experts, which parallel/expert.py reduces)."""
+    `ignored`: parameters FSDP must leave alone (a vocab-parallel embedding/head: parallel/vocab.py).
+    `experts`: each block's expert-parallel experts get their own unit over the expert-data-parallel mesh first
+    (`shard_experts_fsdp`); the block's unit then skips them (FSDP2 leaves a sub-unit's parameters to it)."""
     units = []
     mp = {"mp_policy": policy} if (policy := precision.fsdp_policy()) is not None else {}
     if ignored:
         mp["ignored_params"] = ignored
     for block in model.layers.values():
+        if experts is not None:
+            units.extend(shard_experts_fsdp(block, experts, reshard_after_forward, precision))
         units.append(fully_shard(block, mesh=dp_mesh, reshard_after_forward=reshard_after_forward, **mp))
     # The root's parameters are needed again first in backward (the head): resharding them buys nothing.
     units.append(fully_shard(model, mesh=dp_mesh, reshard_after_forward=False, **mp))
     return units
 
 
+def shard_experts_fsdp(block: nn.Module, experts: ExpertShards, reshard_after_forward: bool,
+                       precision: Precision = FP32) -> list[FSDPModule]:
+    """fully_shard the expert module of `block` (parallel/expert.py ShardedExperts, already sharded over ep and
+    tp) over experts.mesh: FSDP2 composes the placements into one DTensor over (edp..., ep, tp). Its gradients are
+    reduce-scattered over that mesh only (the ep ranks hold other experts)."""
+    from paratrain.parallel.expert import ShardedExperts
+
+    mp = {"mp_policy": policy} if (policy := precision.fsdp_policy()) is not None else {}
+    if experts.dim:
+        mp["shard_placement_fn"] = lambda _param: Shard(experts.dim)
+    units = []
+    for module in block.modules():
+        if not isinstance(module, ShardedExperts):
+            continue
+        unit = fully_shard(module, mesh=experts.mesh, reshard_after_forward=reshard_after_forward, **mp)
+        unit.set_gradient_divide_factor(float(experts.divide))
+        # Sum, then divide: a divide factor other than the shard group's size is a PREMUL_SUM otherwise, which
+        # gloo lacks. Not with a one-rank shard group: torch 2.13 then divides while copying (no reduce-scatter)
+        # and, forced to sum, divides again after (gradients 1/divide too small; the parity test caught it).
+        unit.set_force_sum_reduction_for_comms(experts.mesh.size(experts.mesh.ndim - 1) > 1)
+        units.append(unit)
+    return units
+
+
 def apply_dp(parts: list[nn.Module], dp_mesh: DeviceMesh, kind: str, reshard_after_forward: bool = True,
              bucket_bytes: int = DEFAULT_BUCKET_BYTES, precision: Precision = FP32,
-             ignored: set[nn.Parameter] | None = None, experts=None) -> DataParallel:
+             ignored: set[nn.Parameter] | None = None, experts=None,
+             expert_shards: ExpertShards | None = None) -> DataParallel:
     """Apply data parallelism of `kind` ("ddp" | "fsdp" | "hsdp") over `dp_mesh` to every model part.
 
     For "hsdp" pass a 2-D mesh (replicate, shard); FSDP2 then shards over the inner and replicates over the
     outer dimension. `ignored` parameters are neither sharded nor reduced (already sharded over dp, gradients
-    complete on each rank: parallel/vocab.py). `experts` (parallel/expert.py ExpertGradReducer): its parameters
-    are left out of the dense wrapper too and reduced by it when the step's backward is done."""
+    complete on each rank: parallel/vocab.py). `experts` (parallel/expert.py ExpertGradReducer): the expert
+    parameters. Under fsdp/hsdp they are FSDP-sharded: over `expert_shards.mesh` in their own units (ep > 1), or
+    with their block over dp like any tensor-parallel weight (ep = 1, expert_shards None). Under ddp they stay
+    replicated, left out of the buckets and reduced by `experts` when the step's backward is done."""
     group = dp_group(dp_mesh)
-    ignored = set(ignored or ()) | set(experts.params if experts is not None else ())
+    ignored = set(ignored or ())
     if kind in ("fsdp", "hsdp"):
         if kind == "hsdp" and dp_mesh.ndim != 2:
             raise ValueError("parallel.dp_kind='hsdp' needs a 2-D dp mesh (dp_replicate x dp_shard)")
-        units = [u for part in parts for u in apply_fsdp(part, dp_mesh, reshard_after_forward, precision, ignored)]
-        return DataParallel(kind, group, fsdp_modules=units, experts=experts)
+        units = [u for part in parts
+                 for u in apply_fsdp(part, dp_mesh, reshard_after_forward, precision, ignored, expert_shards)]
+        return DataParallel(kind, group, fsdp_modules=units)
     if kind == "ddp":
-        skip = {id(p) for p in ignored}
+        skip = {id(p) for p in ignored} | {id(p) for p in (experts.params if experts is not None else ())}
         params = [p for part in parts for p in part.parameters() if id(p) not in skip]
         dp = DataParallel(kind, group, experts=experts)
         dp.pending_ddp = (params, bucket_bytes, precision.reduce)
