@@ -4,11 +4,10 @@ cache; tensor parallel when launched by torchrun (tp = the number of ranks)."""
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.cli import ConfigArgs, Output, command, opt
+from paratrain.cli import ConfigArgs, Output, command, opt, show
 
 HELP = """\
 Generate from a model trained by paratrain (a checkpoint of its run) or imported (model.hf_path), with a KV
@@ -47,42 +46,15 @@ def register(sub) -> None:
 
 
 def run_generate(args) -> None:
-    from paratrain.config import ParallelSection, load_config
-    from paratrain.infer.generate import Sampling, generate
-    from paratrain.infer.session import (
-        encode_prompts,
-        eos_id,
-        generation_summary,
-        load_model,
-        load_tokenizer,
-        print_generation,
-    )
-    from paratrain.parallel.mesh import build_mesh, init_distributed, shutdown_distributed
+    from paratrain.config import load_config
+    from paratrain.infer.generate import Sampling
+    from paratrain.infer.session import generate_from_config, print_generation
 
-    cfg = load_config(args.config, args.set)
     sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
-    tok = load_tokenizer(cfg)
-    prompts = encode_prompts(args.prompt, args.prompt_ids, tok, cfg.model_shape().vocab)
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1:
-        from paratrain.config import check_tp_layout
-
-        check_tp_layout(cfg.model_shape(), world, False, 1)  # before any process group or weights
-    env = init_distributed(cfg.train.device)
-    model = load_model(cfg, args.checkpoint)
-    if world > 1:
-        from paratrain.parallel.tensor import apply_tp
-
-        model = apply_tp(model, build_mesh(ParallelSection(tp=world), env)["tp"], sp=False, loss_parallel=False)
-    model.to(env.device)
-    result = generate(model, prompts, args.max_new_tokens, sampling, eos_id=eos_id(tok), use_cache=not args.no_cache)
-    summary = generation_summary(cfg.model_shape(), result, world, env.device.type, sampling,
-                                 next(model.parameters()).dtype)
-    if world > 1:
-        shutdown_distributed()
-    if env.rank == 0:
-        if tok is not None:
-            summary["texts"] = [tok.decode(t) for t in result.tokens]
-        if args.summary_json:
-            Path(args.summary_json).write_text(json.dumps(summary, indent=2))
-        print(json.dumps(summary)) if args.json else print_generation(summary)
+    summary = generate_from_config(load_config(args.config, args.set), args.checkpoint, args.prompt, args.prompt_ids,
+                                   args.max_new_tokens, sampling, use_cache=not args.no_cache)
+    if summary is None:  # not the main rank
+        return
+    if args.summary_json:
+        Path(args.summary_json).write_text(json.dumps(summary, indent=2))
+    show(args, summary, lambda: print_generation(summary))

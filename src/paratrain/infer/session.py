@@ -78,6 +78,42 @@ def load_model(cfg, checkpoint: str | None):
     return model
 
 
+def generate_from_config(cfg, checkpoint: str | None, texts: list[str], id_lists: list[str], max_new_tokens: int,
+                         sampling, use_cache: bool = True) -> dict | None:
+    """Generate from the run's weights: one process, or tensor parallel over every rank under torchrun. The
+    summary (with the decoded texts when there is a tokenizer) on rank 0, None on the other ranks."""
+    import os
+
+    from paratrain.config import ParallelSection
+    from paratrain.infer.generate import generate
+    from paratrain.parallel.mesh import build_mesh, init_distributed, shutdown_distributed
+
+    tok = load_tokenizer(cfg)
+    prompts = encode_prompts(texts, id_lists, tok, cfg.model_shape().vocab)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1:
+        from paratrain.config import check_tp_layout
+
+        check_tp_layout(cfg.model_shape(), world, False, 1)  # before any process group or weights
+    env = init_distributed(cfg.train.device)
+    model = load_model(cfg, checkpoint)
+    if world > 1:
+        from paratrain.parallel.tensor import apply_tp
+
+        model = apply_tp(model, build_mesh(ParallelSection(tp=world), env)["tp"], sp=False, loss_parallel=False)
+    model.to(env.device)
+    result = generate(model, prompts, max_new_tokens, sampling, eos_id=eos_id(tok), use_cache=use_cache)
+    summary = generation_summary(cfg.model_shape(), result, world, env.device.type, sampling,
+                                 next(model.parameters()).dtype)
+    if world > 1:
+        shutdown_distributed()
+    if env.rank != 0:
+        return None
+    if tok is not None:
+        summary["texts"] = [tok.decode(t) for t in result.tokens]
+    return summary
+
+
 DTYPE_NAMES = {"torch.float32": "fp32", "torch.bfloat16": "bf16"}
 
 

@@ -191,27 +191,17 @@ def cmd_simulate(args) -> None:
 
     from paratrain.plan.serve import check_replica
     from paratrain.plan.serve_report import print_sweep
-    from paratrain.sim.serving import Engine, Requests, Slo, parse_length, parse_rates, simulate, sweep
+    from paratrain.sim.serving import Engine, Slo, simulate_requests
 
     model, system, eff = _load(args)
     rep = _replica(args)
     check_replica(model, system, rep)
-    engine, slo = Engine(token_budget=args.token_budget, max_seqs=args.max_seqs), Slo(args.ttft_s, args.itl_s)
-    if (args.trace is None) == (args.rate is None):
-        raise UserError("give either --rate (Poisson arrivals, with --prompt-tokens and --output-tokens) or "
-                        "--trace CSV")
-    if args.rate is not None and (args.prompt_tokens is None or args.output_tokens is None):
-        raise UserError("--rate needs --prompt-tokens and --output-tokens (N or LO:HI tokens)")
     start = time.perf_counter()
-    if args.trace:
-        reqs = Requests.from_csv(args.trace)
-        rate = (len(reqs.arrival_s) - 1) / max(reqs.arrival_s[-1] - reqs.arrival_s[0], 1e-9)
-        results = [(rate, simulate(model, system, rep, reqs, engine, slo, eff))]
-        requests, prompt, output = len(reqs.arrival_s), "trace", "trace"
-    else:
-        lengths = parse_length(args.prompt_tokens, "--prompt-tokens"), parse_length(args.output_tokens, "--output-tokens")
-        results = sweep(model, system, rep, parse_rates(args.rate, "--rate"), args.requests, *lengths, engine, slo, args.seed, eff)
-        requests, prompt, output = args.requests, args.prompt_tokens, args.output_tokens
+    results, requests = simulate_requests(model, system, rep, Engine(token_budget=args.token_budget,
+                                          max_seqs=args.max_seqs), Slo(args.ttft_s, args.itl_s), eff,
+                                          trace=args.trace, rate=args.rate, prompt=args.prompt_tokens,
+                                          output=args.output_tokens, requests=args.requests, seed=args.seed)
     seconds = time.perf_counter() - start
+    prompt, output = ("trace", "trace") if args.trace else (args.prompt_tokens, args.output_tokens)
     show(args, {"seconds": seconds, "results": [{"rate": r, **res.to_dict()} for r, res in results]},
          lambda: print_sweep(model, system, rep, requests, prompt, output, seconds, results))

@@ -319,6 +319,25 @@ def simulate_deployment(model, system, deployment, target, requests: int, eff):
 
 
 # ---- the command line's request shapes (`paratrain serve simulate`) -------------------------------------
+def simulate_requests(model, system, rep: Replica, engine: Engine, slo: Slo, eff, *, trace: str | None = None,
+                      rate: str | None = None, prompt: str | None = None, output: str | None = None,
+                      requests: int = 1000, seed: int = 0) -> tuple[list[tuple[float, SimResult]], int]:
+    """`serve simulate`: the arrivals of a CSV trace (at its mean rate), or Poisson arrivals at each rate of
+    `rate` ('R' or 'LO:HI:N') with `prompt`/`output` tokens ('N' or 'LO:HI'); (rate, result) pairs and the
+    requests per rate. Bad input names the flag."""
+    if (trace is None) == (rate is None):
+        raise ValueError("give either --rate (Poisson arrivals, with --prompt-tokens and --output-tokens) or "
+                         "--trace CSV")
+    if trace is not None:
+        reqs = Requests.from_csv(trace)
+        mean_rate = (len(reqs.arrival_s) - 1) / max(reqs.arrival_s[-1] - reqs.arrival_s[0], 1e-9)
+        return [(mean_rate, simulate(model, system, rep, reqs, engine, slo, eff))], len(reqs.arrival_s)
+    if prompt is None or output is None:
+        raise ValueError("--rate needs --prompt-tokens and --output-tokens (N or LO:HI tokens)")
+    lengths = parse_length(prompt, "--prompt-tokens"), parse_length(output, "--output-tokens")
+    return sweep(model, system, rep, parse_rates(rate, "--rate"), requests, *lengths, engine, slo, seed, eff), requests
+
+
 def _numbers(text: str, flag: str, cast, shapes: str) -> list:
     """'N' or 'A:B[:C]' as numbers; a bad one names the flag and `shapes`, what is allowed."""
     try:
