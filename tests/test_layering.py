@@ -23,11 +23,7 @@ TORCH_FREE = ("paratrain.config", "paratrain.plan", "paratrain.hardware", "parat
 LAZY_TORCH = {"paratrain.device"}
 # Known violations in files owned by other work, each with its reason (reported to the lead; remove when fixed):
 # (module of a torch-free part, the module through which it reaches torch).
-ALLOWED = {
-    # cli's launch/commands.py builds `paratrain launch`'s options from train/commands.py's TrainArgs (inside
-    # register); train/commands.py imports the trainer. Fix: TrainArgs in a torch-free module.
-    ("paratrain.launch.commands", "paratrain.train.commands"),
-}
+ALLOWED: set[tuple[str, str]] = set()
 
 
 def _module_name(path: Path) -> str:

@@ -60,9 +60,9 @@ class UserError(Exception):
 def opt(help: str, default=None, **meta):
     """A command option as a dataclass field. meta: flag, short (or another spelling), choices, metavar, nargs, const, required,
     positional, group, exclusive (a name: at most one option of that name), ge/gt/le/lt (bounds checked before the
-    command runs; of each item of a tuple[X, ...] option, a comma-separated list), factory (a mutable default), default_at_parse (a function giving the default when the parser
-    is built, e.g. from an environment variable), refused (an old flag, hidden: given, it is refused with this
-    pointer to what replaced it)."""
+    command runs; of each item of a tuple[X, ...] option, a comma-separated list), factory (a mutable default), env
+    (an environment variable that, set when the parser is built, is the default), refused (an old flag, hidden:
+    given, it is refused with this pointer to what replaced it)."""
     factory = meta.pop("factory", None)
     meta["help"] = argparse.SUPPRESS if "refused" in meta else help
     if factory is not None:
@@ -115,7 +115,7 @@ def add_options(parser: argparse.ArgumentParser, cls) -> None:
             where = groups.get(key) or groups.setdefault(key, where.add_mutually_exclusive_group())
         kind, base, choices = _kind(hints[f.name])
         default = f.default_factory() if f.default is MISSING else f.default
-        default = m["default_at_parse"]() if "default_at_parse" in m else default  # e.g. from the environment
+        default = os.environ.get(m["env"], default) if "env" in m else default  # e.g. torchrun's PET_NNODES
         kw = {"help": _help(f, default)}
         if kind == "csv":  # the text is split (and its items checked) by check_options
             default = ",".join(map(str, default)) if isinstance(default, tuple) else default
@@ -201,6 +201,16 @@ class ConfigArgs:
                              metavar="FILE")
     set: list[str] = opt("override one config key (repeatable); the value is parsed as TOML; every key is also a "
                          "flag: --parallel.tp 2 = --set parallel.tp=2", factory=list, metavar="SECTION.KEY=VALUE")
+
+
+@dataclass(kw_only=True)
+class RunFiles:
+    """The files of one training run beside its config (`train`; `launch` passes them on)."""
+    resume_from: str | None = opt("resume from this checkpoint folder (.../step_00000100) or checkpoint directory "
+                                  "(its newest complete one); local, shared filesystem or s3://bucket/prefix. "
+                                  "Default: checkpoint.resume (\"auto\": the newest complete one in checkpoint.dir)",
+                                  metavar="PATH")
+    summary_json: str | None = opt("write the run summary as JSON to this file (main rank)", metavar="FILE")
 
 
 @dataclass(kw_only=True)

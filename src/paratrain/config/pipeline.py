@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from paratrain.config.dp import stage_reshard_after_forward  # noqa: F401 - re-exported for the runtime
-from paratrain.config.layout import view_of
+from paratrain.config.layout import resolve_degrees, view_of
 from paratrain.config.names import V_SCHEDULES
 from paratrain.config.rules import View, check
 
@@ -152,3 +152,9 @@ def check_batch_layout(cfg: TrainConfig, dp: int) -> None:
           groups=("global_batch_dp", "microbatch_divides"))
     if cfg.parallel.pp > 1 or cfg.parallel.pp_layers is not None:  # stages, schedule, microbatches
         check_pipeline_layout(cfg, dp)
+
+
+def check_launch(cfg: TrainConfig, world_size: int) -> None:
+    """The checks that need the number of ranks (degrees vs world size, batch vs dp), before a rank joins a
+    process group: under torchrun every rank refuses a bad layout at once, with one line."""
+    check_batch_layout(cfg, resolve_degrees(cfg.parallel, world_size)["dp"])

@@ -8,7 +8,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from paratrain.cli import ConfigArgs, Output, add_config_keys, add_options, command, opt, print_json
+from paratrain.cli import ConfigArgs, Output, RunFiles, add_config_keys, add_options, command, opt, print_json
 from paratrain.launch.torchrun import (
     LaunchSpec,
     build_command,
@@ -19,6 +19,7 @@ from paratrain.launch.torchrun import (
     resolve_config,
     resolve_nproc,
     shell_line,
+    train_arguments,
     warnings_for,
 )
 
@@ -60,45 +61,33 @@ Kubernetes, AWS trn1/p5) are in recipes/ and explained in docs/multinode.md.
 """
 
 
-def pet(name: str, default=None):
-    """torchrun's environment default for a flag (PET_<NAME>), as the Kubeflow training operator sets them."""
-    return os.environ.get(f"PET_{name}", default)
-
-
-def pet_default(name: str, default=None) -> dict:
-    """opt() keywords: the default is PET_<NAME> when set at the time the parser is built, else `default`."""
-    return {"default": default, "default_at_parse": lambda: pet(name, default)}
-
-
-NODES, RDZV, NET, TRAIN = "nodes and processes", "rendezvous and restarts", "network", "training"
+NODES, RDZV, NET = "nodes and processes", "rendezvous and restarts", "network"
 
 
 @dataclass(kw_only=True)
-class LaunchArgs(ConfigArgs, Output):
-    nnodes: str = opt("node count N, or MIN:MAX for an elastic job", **pet_default("NNODES", "1"), group=NODES)
+class LaunchArgs(ConfigArgs, RunFiles, Output):
+    nnodes: str = opt("node count N, or MIN:MAX for an elastic job", "1", env="PET_NNODES", group=NODES)
     nproc_per_node: str = opt("processes per node: a number, 'gpu' (one per accelerator device: CUDA GPU, logical "
                               "NeuronCore), 'auto' (one per accelerator device, else 1), or a catalog system (its "
-                              "devices per node, e.g. trn2.48xlarge: 64)", **pet_default("NPROC_PER_NODE", "auto"),
+                              "devices per node, e.g. trn2.48xlarge: 64)", "auto", env="PET_NPROC_PER_NODE",
                               group=NODES)
     node_rank: int | None = opt("this node's rank for a static (non-elastic) rendezvous; omit for c10d",
-                                **pet_default("NODE_RANK"), group=NODES)
+                                env="PET_NODE_RANK", group=NODES)
     rdzv_endpoint: str | None = opt("HOST[:PORT] of the rendezvous (c10d store; or the master for static)",
-                                    **pet_default("RDZV_ENDPOINT"), group=RDZV)
-    rdzv_id: str = opt("job id shared by all nodes of one job", **pet_default("RDZV_ID", "paratrain"), group=RDZV)
-    rdzv_backend: str = opt("elastic rendezvous backend (c10d: no extra service)", **pet_default("RDZV_BACKEND", "c10d"),
+                                    env="PET_RDZV_ENDPOINT", group=RDZV)
+    rdzv_id: str = opt("job id shared by all nodes of one job", "paratrain", env="PET_RDZV_ID", group=RDZV)
+    rdzv_backend: str = opt("elastic rendezvous backend (c10d: no extra service)", "c10d", env="PET_RDZV_BACKEND",
                             choices=["c10d", "etcd-v2"], group=RDZV)
     rdzv_conf: list[str] = opt("rendezvous option, repeatable: join_timeout=900, last_call_timeout=30, is_host=1, "
-                               "...", factory=list, metavar="KEY=VALUE", group=RDZV)
+                               "... (default: PET_RDZV_CONF, comma-separated)", factory=list, metavar="KEY=VALUE",
+                               group=RDZV)
     max_restarts: int = opt("worker-group restarts before the job fails; each restart resumes from the newest "
-                            "complete checkpoint", **pet_default("MAX_RESTARTS", 0), group=RDZV)
+                            "complete checkpoint", 0, env="PET_MAX_RESTARTS", group=RDZV)
     monitor_interval_s: float | None = opt("time between worker health checks", group=RDZV)
     local_addr: str | None = opt("address this node advertises to the others (default: its FQDN)", group=NET)
     ifname: str | None = opt("network interface for gloo/NCCL bootstrap (sets GLOO_SOCKET_IFNAME and "
                              "NCCL_SOCKET_IFNAME), e.g. eth0 or ens5", group=NET)
-    hybrid_shard: bool = opt("HSDP across nodes: parallel.dp_kind=hsdp, dp_replicate = nnodes (nnodes/pp)",
-                             group=TRAIN)
-    resume_from: str | None = opt("passed to `paratrain train --resume-from`", group=TRAIN, metavar="PATH")
-    summary_json: str | None = opt("passed to `paratrain train --summary-json`", group=TRAIN, metavar="FILE")
+    hybrid_shard: bool = opt("HSDP across nodes: parallel.dp_kind=hsdp, dp_replicate = nnodes (nnodes/pp)")
     dry_run: bool = opt("print the torchrun command and placement; run nothing")
     extra: list[str] = opt("more `paratrain train` arguments, after --", positional=True, nargs="*", factory=list)
 
@@ -111,13 +100,11 @@ def register(sub) -> None:
 def merge_extra(args) -> None:
     """Fold `paratrain train` arguments given after `--` into args, so the layout check sees the same config
     the workers will load."""
-    extra = args.extra[1:] if args.extra[:1] == ["--"] else list(args.extra)
-    from paratrain.train.commands import TrainArgs
-
     p = argparse.ArgumentParser(prog="paratrain launch ... --", add_help=False)
-    add_options(p, TrainArgs)  # train's own options, and its config keys
+    add_options(p, ConfigArgs)  # train's own options (those launch passes on), and its config keys
+    add_options(p, RunFiles)
     add_config_keys(p)
-    known, rest = p.parse_known_args(extra)
+    known, rest = p.parse_known_args(args.extra[1:] if args.extra[:1] == ["--"] else args.extra)
     if rest:
         raise ValueError(f"arguments after --: {' '.join(rest)}: allowed: paratrain train's --config, --set, "
                          "--SECTION.KEY, --resume-from, --summary-json")
@@ -129,25 +116,17 @@ def merge_extra(args) -> None:
     args.set, args.extra = [*args.set, *known.set], []
 
 
-def train_arguments(args, extra_sets: list[str]) -> list[str]:
-    out = ["--config", args.config] if args.config else []
-    for item in [*args.set, *extra_sets]:
-        out += ["--set", item]
-    for flag, value in (("--resume-from", args.resume_from), ("--summary-json", args.summary_json)):
-        out += [flag, value] if value else []
-    return out
-
-
 def run_launch(args) -> None:
     if args.json and not args.dry_run:
         raise ValueError("--json: allowed only with --dry-run (a real launch hands the terminal to torchrun)")
     merge_extra(args)
-    rdzv_conf = args.rdzv_conf or [c for c in pet("RDZV_CONF", "").split(",") if c]
+    rdzv_conf = args.rdzv_conf or [c for c in os.environ.get("PET_RDZV_CONF", "").split(",") if c]
     nnodes, nproc = parse_nnodes(args.nnodes), resolve_nproc(args.nproc_per_node)
     cfg, extra_sets = resolve_config(args.config, args.set, args.hybrid_shard, nnodes, nproc)
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(LaunchSpec) if hasattr(args, f.name)}
     spec = LaunchSpec(**given | {"nnodes": nnodes, "nproc_per_node": nproc, "rdzv_conf": rdzv_conf,
-                                 "train_args": train_arguments(args, extra_sets)})
+                                 "train_args": train_arguments(args.config, [*args.set, *extra_sets],
+                                                               args.resume_from, args.summary_json)})
     cmd = build_command(spec)  # validates the flags
     layouts = check_layout(cfg, nnodes, nproc)  # validates the layout for every allowed node count
     env = launch_env(spec)

@@ -271,6 +271,16 @@ def resolve_config(config: str | None, sets: list[str], hybrid_shard: bool, nnod
     return load_config(config, [*sets, *hybrid]), hybrid
 
 
+def train_arguments(config: str | None, sets: list[str], resume_from: str | None, summary_json: str | None):
+    """The `paratrain train` arguments every worker gets."""
+    out = ["--config", config] if config else []
+    for item in sets:
+        out += ["--set", item]
+    for flag, value in (("--resume-from", resume_from), ("--summary-json", summary_json)):
+        out += [flag, value] if value else []
+    return out
+
+
 def warnings_for(cfg, spec: LaunchSpec) -> list[str]:
     notes = []
     if spec.max_restarts and not cfg.checkpoint.interval:

@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from paratrain.cli import ConfigArgs, Output, command, group, opt
+from paratrain.cli import ConfigArgs, Output, RunFiles, command, group, opt
 
 TRAIN_HELP = """\
 Train a Llama-style model from a TOML config (see configs/ and docs/config.md).
@@ -58,12 +58,8 @@ tokenizer.json when that is set.
 
 
 @dataclass(kw_only=True)
-class TrainArgs(ConfigArgs, Output):
-    resume_from: str | None = opt("resume from this checkpoint folder (.../step_00000100) or checkpoint directory "
-                                  "(its newest complete one); local, shared filesystem or s3://bucket/prefix. "
-                                  "Default: checkpoint.resume (\"auto\": the newest complete one in checkpoint.dir)",
-                                  metavar="PATH")
-    summary_json: str | None = opt("write the run summary as JSON to this file (main rank)", metavar="FILE")
+class TrainArgs(ConfigArgs, RunFiles, Output):
+    pass
 
 
 @dataclass(kw_only=True)
@@ -122,7 +118,7 @@ def run_train(args, faults=None) -> int:
     (parsed here, before any work)."""
     import torch.distributed as dist
 
-    from paratrain.config import load_config
+    from paratrain.config import check_launch, load_config
     from paratrain.parallel.mesh import shutdown_distributed
     from paratrain.train.faults import FaultInjector
     from paratrain.train.loop import train
@@ -148,12 +144,3 @@ def run_train(args, faults=None) -> int:
     for error in summary.get("errors", []):  # e.g. the final save failed: the run did not end well
         print(f"paratrain train: error: {error}", file=sys.stderr)
     return 1 if summary.get("errors") else 0
-
-
-def check_launch(cfg, world_size: int) -> None:
-    """The checks that need the number of ranks (degrees vs world size, batch vs dp), before this rank joins
-    a process group: under torchrun every rank refuses a bad layout at once, with one line."""
-    from paratrain.config import resolve_degrees
-    from paratrain.train.loop import check_batch_layout
-
-    check_batch_layout(cfg, resolve_degrees(cfg.parallel, world_size)["dp"])

@@ -179,9 +179,8 @@ def plan_runs(args) -> tuple[list[str], int, list[str], int, str, bool]:
     """(test overrides, test ranks, reference overrides, reference ranks, test device, same layout), checked
     before any work."""
     from paratrain.cli import UserError
-    from paratrain.config import load_config
+    from paratrain.config import check_launch, load_config
     from paratrain.device import CPU, Accelerator, load_extension, resolve_device_type
-    from paratrain.train.commands import check_launch
 
     load_extension(args.device)  # e.g. torch_neuronx for --device neuron, as the ranks do
     device = resolve_device_type(args.device, Accelerator.detect())
