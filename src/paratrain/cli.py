@@ -182,6 +182,12 @@ def command(sub, name: str, cls, run, help: str, description: str = "", epilog: 
     return p
 
 
+def from_options(cls, opts, **given):
+    """An instance of the dataclass `cls` (a part's own schema) from the options of the same names; `given` wins."""
+    names = {f.name for f in dataclasses.fields(cls)} & vars(opts).keys()
+    return cls(**{name: getattr(opts, name) for name in names} | given)
+
+
 def group(sub, name: str, help: str, description: str = ""):
     """A command with subcommands (`hardware list|show`): prints its help when given none."""
     p = sub.add_parser(name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.cli import PURCHASE_HELP, Output, UserError, Workload, command, opt, print_json
+from paratrain.cli import PURCHASE_HELP, Output, UserError, Workload, command, from_options, opt, show
 from paratrain.cost.inputs import parse_prices  # noqa: F401  (serve plan/recommend parse the same flag)
 from paratrain.device import CUDA
 from paratrain.hardware.catalog import PURCHASE_OPTIONS
@@ -116,10 +116,12 @@ class RecommendArgs(CostArgs):
     max_days: float | None = opt("deadline: drop candidates slower than this", gt=0)
     max_usd: float | None = opt("budget: drop candidates whose total (compute + porting) is higher", gt=0)
     current_stack: str = opt("the team's stack today: cuda or neuron; the other stack costs --porting-days", CUDA)
-    porting_days: float = opt("engineer-days to move the code base to the other stack (assumption)", 20.0, ge=0)
+    porting_engineer_days: float = opt("engineer-days to move the code base to the other stack (assumption)", 20.0,
+                                       ge=0, flag="--porting-days", metavar="DAYS")
     engineer_usd_per_day: float = opt("loaded cost of an engineer-day (assumption)", 1200.0, ge=0)
-    constraint: list[str] = opt("a hard constraint on top of the kind's own: cuda-kernels, multicloud or onprem "
-                                "(repeatable), e.g. pretrain --constraint multicloud", factory=list, metavar="NAME")
+    constraints: list[str] = opt("a hard constraint on top of the kind's own: cuda-kernels, multicloud or onprem "
+                                 "(repeatable), e.g. pretrain --constraint multicloud", factory=list, metavar="NAME",
+                                 flag="--constraint")
     systems: tuple[str, ...] | None = opt("comma list of candidate systems (default: every catalog system; those without a "
                               "price get a break-even price instead of a rank)")
 
@@ -153,10 +155,8 @@ def run_compare(args) -> int | None:
     if missing:
         raise UserError(f"compare needs {', '.join(missing)} (or --claims)")
     targets, assumptions = parse_targets(args.targets), assumptions_from(args)
-    if args.steps is not None:
-        workload = Workload.from_steps(args.model, args.steps, args.seq, args.global_batch, args.fp8)
-    else:
-        workload = Workload(args.model, args.train_tokens, args.seq, args.global_batch, args.fp8)
+    workload = Workload.from_steps(args.model, args.steps, args.seq, args.global_batch, args.fp8) if args.steps \
+        else from_options(Workload, args)
     out, rows, items = comparison(workload, targets, assumptions, progress=_progress(len(targets), args.json))
     if args.sensitivity_plot:
         out["sensitivity_plot"] = write_sensitivity_plot(args.sensitivity_plot, rows, items,
@@ -167,7 +167,7 @@ def run_compare(args) -> int | None:
         # the report plans each system at 1/4 to 4x its size too (Pareto and scaling plots)
         bar = _progress(4 * len(targets), args.json)
         out["report"] = str(write_report(args.report, workload, rows, targets, assumptions, progress=bar))
-    print_json(out) if args.json else print_comparison(out, rows)
+    show(args, out, lambda: print_comparison(out, rows))
 
 
 def run_recommend(args) -> None:
@@ -181,13 +181,9 @@ def run_recommend(args) -> None:
         raise UserError(f"recommend {args.kind}: a serving workload; run `paratrain serve recommend {args.kind} "
                         "--model M --rate REQ_PER_S` (chips, latency and $/M tokens per system, docs/serving.md)")
     systems = list(args.systems) if args.systems else None
-    req = Request(kind=args.kind, model=args.model, train_tokens=args.train_tokens, nodes=args.nodes,
-                  chips=args.chips, seq=args.seq, global_batch=args.global_batch, current_stack=args.current_stack,
-                  porting_engineer_days=args.porting_days, engineer_usd_per_day=args.engineer_usd_per_day,
-                  max_days=args.max_days, max_usd=args.max_usd, systems=systems, constraints=args.constraint,
-                  assumptions=assumptions_from(args))
+    req = from_options(Request, args, systems=systems, assumptions=assumptions_from(args))
     rec = recommend(req, progress=_progress(len(systems or get_catalog().systems), args.json))
     out = {k: v for k, v in rec.__dict__.items() if k != "items"}
     if args.sensitivity_plot and rec.items:
         out["sensitivity_plot"] = write_recommendation_plot(args.sensitivity_plot, rec, args.kind, req)
-    print_json(out) if args.json else print_recommendation(args.kind, req, rec, out)
+    show(args, out, lambda: print_recommendation(args.kind, req, rec, out))
