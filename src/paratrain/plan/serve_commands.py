@@ -4,7 +4,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.cli import PURCHASE_HELP, Output, UserError, command, group, opt, print_json, show
+from paratrain.cli import (
+    PURCHASE_HELP,
+    Output,
+    UserError,
+    command,
+    from_options,
+    group,
+    opt,
+    print_json,
+    show,
+)
 from paratrain.hardware.catalog import PURCHASE_OPTIONS
 from paratrain.plan.serve import KV_PRECISIONS, WEIGHT_PRECISIONS, serving_stacks
 
@@ -63,17 +73,19 @@ class Prices:
 
 
 @dataclass(kw_only=True)
-class EstimateArgs(ReplicaArgs):
+class Lengths:
     prompt_tokens: int = opt("input tokens per request", required=True, ge=1)
     output_tokens: int = opt("output tokens per request", required=True, ge=1)
+
+
+@dataclass(kw_only=True)
+class EstimateArgs(ReplicaArgs, Lengths):
     batch: tuple[int, ...] = opt("concurrent sequences on the replica; a comma list (1,8,32,128) prints one row "
                                  "each", (1,), ge=1)
 
 
 @dataclass(kw_only=True)
-class PlanArgs(ServeOn, Latency, Prices):
-    prompt_tokens: int = opt("input tokens per request", required=True, ge=1)
-    output_tokens: int = opt("output tokens per request", required=True, ge=1)
+class PlanArgs(ServeOn, Lengths, Latency, Prices):
     rate: float = opt("requests per second to serve", required=True, gt=0)
     max_utilization: float = opt("share of replica capacity to plan for (queueing headroom)", 0.8, gt=0)
     weights: tuple[str, ...] = opt("weight precisions to search, comma-separated (bf16,fp8,int8,int4)", ("bf16",),
@@ -128,19 +140,12 @@ def _load(args):
     return load_serving_model(args.model), system, serving_efficiency(system, args.stack)
 
 
-def _replica(args):
-    from paratrain.plan.serve import Replica
-
-    return Replica(tp=args.tp, pp=args.pp, ep=args.ep, weights=args.weights, kv=args.kv, spec_tokens=args.spec_tokens,
-                   spec_accept=args.spec_accept, draft=args.draft)
-
-
 def cmd_estimate(args) -> None:
-    from paratrain.plan.serve import estimate
+    from paratrain.plan.serve import Replica, estimate
     from paratrain.plan.serve_report import print_estimate, print_estimates
 
     model, system, eff = _load(args)
-    ests = [estimate(model, system, _replica(args), b, args.prompt_tokens, args.output_tokens, eff) for b in args.batch]
+    ests = [estimate(model, system, from_options(Replica, args), b, args.prompt_tokens, args.output_tokens, eff) for b in args.batch]
     if args.json:
         print_json(ests[0].to_dict() if len(ests) == 1 else [e.to_dict() for e in ests])
     elif len(ests) == 1:
@@ -157,8 +162,7 @@ def cmd_plan(args) -> None:
     from paratrain.sim.serving import simulate_deployment
 
     model, system, eff = _load(args)
-    target = Target(rate=args.rate, prompt=args.prompt_tokens, output=args.output_tokens, ttft_s=args.ttft_s,
-                    itl_s=args.itl_s, max_utilization=args.max_utilization)
+    target = from_options(Target, args, prompt=args.prompt_tokens, output=args.output_tokens)
     price = parse_prices(args.price_per_node_hour_usd, system=system.name).get(system.name)
     plans = plan(model, system, target, weights=args.weights, kv=args.kv, top=args.top, eff=eff)
     if not plans:
@@ -189,17 +193,16 @@ def cmd_recommend(args) -> None:
 def cmd_simulate(args) -> None:
     import time
 
-    from paratrain.plan.serve import check_replica
+    from paratrain.plan.serve import Replica, check_replica
     from paratrain.plan.serve_report import print_sweep
     from paratrain.sim.serving import Engine, Slo, simulate_requests
 
     model, system, eff = _load(args)
-    rep = _replica(args)
+    rep = from_options(Replica, args)
     check_replica(model, system, rep)
     start = time.perf_counter()
-    results, requests = simulate_requests(model, system, rep, Engine(token_budget=args.token_budget,
-                                          max_seqs=args.max_seqs), Slo(args.ttft_s, args.itl_s), eff,
-                                          trace=args.trace, rate=args.rate, prompt=args.prompt_tokens,
+    results, requests = simulate_requests(model, system, rep, from_options(Engine, args), Slo(args.ttft_s, args.itl_s),
+                                          eff, trace=args.trace, rate=args.rate, prompt=args.prompt_tokens,
                                           output=args.output_tokens, requests=args.requests, seed=args.seed)
     seconds = time.perf_counter() - start
     prompt, output = ("trace", "trace") if args.trace else (args.prompt_tokens, args.output_tokens)
