@@ -1,7 +1,7 @@
 """The `paratrain` command, and the small generator its subcommands are built with.
 
-Each part registers its subcommands from `<part>/commands.py` (a `register(subparsers)` function), so the CLI
-mirrors the architecture. A command's options are a dataclass whose fields carry their help (`opt`): the flag,
+Each part declares its subcommands in `<part>/commands.py` (`@command(...)` on the function that runs one), so
+the CLI mirrors the architecture. A command's options are a dataclass whose fields carry their help (`opt`): the flag,
 its type, choices, default, bounds and unit come from the field (name, annotation, metadata), so one option means
 one thing and is checked one way everywhere. The shared groups (`ConfigArgs`, `Output`, `Workload`, ...) are
 defined once, below. Config-driven commands (train, data prepare, config, verify, export, generate, launch) also
@@ -169,17 +169,24 @@ def check_options(cls, args) -> typing.Any:
     return cls(**values)
 
 
-def command(sub, name: str, cls, run, help: str, description: str = "", epilog: str | None = None,
-            config_keys: bool = False):
-    """A subcommand whose options are the dataclass `cls`; `run` gets the checked options (an instance)."""
+def command(name: str, cls, help: str, description: str = "", epilog: str | None = None, config_keys: bool = False):
+    """Declares the function below it as the subcommand `name` (`plan`; `serve plan` under the module's GROUPS
+    entry `serve`), run with the checked options (an instance of the dataclass `cls`)."""
+    def declare(run):
+        run.cli_command = dict(name=name, cls=cls, help=help, description=description, epilog=epilog,
+                               config_keys=config_keys)
+        return run
+    return declare
+
+
+def _add_command(sub, run, name: str, cls, help: str, description: str, epilog: str | None, config_keys: bool):
     usage = "%(prog)s [options] [--SECTION.KEY VALUE ...]" if config_keys else None  # not 100 keys in the usage
-    p = sub.add_parser(name, help=help, description=description, usage=usage, epilog=epilog,
+    p = sub.add_parser(name.split()[-1], help=help, description=description, usage=usage, epilog=epilog,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(p, cls)
     if config_keys:
         add_config_keys(p)
     p.set_defaults(func=lambda args: run(check_options(cls, args)))
-    return p
 
 
 def from_options(cls, opts, **given):
@@ -188,11 +195,11 @@ def from_options(cls, opts, **given):
     return cls(**{name: getattr(opts, name) for name in names} | given)
 
 
-def group(sub, name: str, help: str, description: str = ""):
+def _group(sub, name: str, help: str, description: str = ""):
     """A command with subcommands (`hardware list|show`): prints its help when given none."""
     p = sub.add_parser(name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.set_defaults(func=lambda args: p.print_help() or 0)
-    return p, p.add_subparsers(dest=f"{name}_command", metavar="ACTION")
+    return p.add_subparsers(dest=f"{name}_command", metavar="ACTION")
 
 
 # ---- the shared option groups --------------------------------------------------------------------------------
@@ -306,9 +313,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      description="Plan, run and survive large-scale LLM training (Trainium, GPU).")
     parser.add_argument("--version", action="version", version=f"paratrain {version()}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name in COMMAND_MODULES:
-        importlib.import_module(name).register(sub)
+    subs = {(): parser.add_subparsers(dest="command", metavar="COMMAND")}
+    for module in map(importlib.import_module, COMMAND_MODULES):
+        groups = {name: spec for name, *spec in getattr(module, "GROUPS", ())}  # (name, help, description)
+        for run in vars(module).values():  # in the order the module defines them
+            if getattr(run, "__module__", None) == module.__name__ and hasattr(run, "cli_command"):
+                above = tuple(run.cli_command["name"].split()[:-1])  # () or ("serve",)
+                if above not in subs:
+                    subs[above] = _group(subs[()], above[0], *groups[above[0]])
+                _add_command(subs[above], run, **run.cli_command)
     return parser
 
 

@@ -76,20 +76,7 @@ class CalibrateArgs(Output):
     dry_run: bool = opt("fit and report, do not write a file")
 
 
-def register(sub) -> None:
-    command(sub, "probe", ProbeArgs, run_probe_cmd, "measure this machine and write a hardware file for the planner",
-            PROBE_HELP)
-    command(sub, "calibrate", CalibrateArgs, run_calibrate_cmd,
-            "fit the planner to measured runs; write a calibrated hardware file", CALIBRATE_HELP)
-
-
-def run_calibrate_cmd(args) -> None:
-    from paratrain.calibrate.session import print_calibration, run_calibration
-
-    out = run_calibration(args)
-    print_json(out) if args.json else print_calibration(out)
-
-
+@command("probe", ProbeArgs, "measure this machine and write a hardware file for the planner", PROBE_HELP)
 def run_probe_cmd(args) -> None:
     from paratrain.calibrate.probe import hardware_toml, probe_json, run_probe
     from paratrain.calibrate.session import print_probe
@@ -102,3 +89,12 @@ def run_probe_cmd(args) -> None:
     show(args, {"matmul_tflops_by_size": res.matmul_tflops_by_size, "link_fit": res.link_fit, "hardware_file": str(out),
                 "memory_bw_gbytes_per_s": res.memory_bw_gbytes_per_s, "collective_fits": res.fits},
          lambda: print_probe(res, out))
+
+
+@command("calibrate", CalibrateArgs, "fit the planner to measured runs; write a calibrated hardware file",
+         CALIBRATE_HELP)
+def run_calibrate_cmd(args) -> None:
+    from paratrain.calibrate.session import print_calibration, run_calibration
+
+    out = run_calibration(args)
+    print_json(out) if args.json else print_calibration(out)

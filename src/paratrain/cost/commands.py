@@ -126,13 +126,6 @@ class RecommendArgs(CostArgs):
                               "price get a break-even price instead of a rank)")
 
 
-def register(sub) -> None:
-    command(sub, "compare", CompareArgs, run_compare, "time, cost and energy to train a workload across clusters",
-            COMPARE_HELP)
-    command(sub, "recommend", RecommendArgs, run_recommend, "which infrastructure for a workload, with the reasons",
-            RECOMMEND_HELP)
-
-
 def _progress(total: int, quiet: bool):
     if quiet:
         return None
@@ -141,6 +134,7 @@ def _progress(total: int, quiet: bool):
     return tqdm(total=total, unit="cluster", leave=False).update
 
 
+@command("compare", CompareArgs, "time, cost and energy to train a workload across clusters", COMPARE_HELP)
 def run_compare(args) -> int | None:
     from paratrain.cost.compare import Workload, comparison, parse_targets
     from paratrain.cost.inputs import assumptions_from
@@ -170,6 +164,7 @@ def run_compare(args) -> int | None:
     show(args, out, lambda: print_comparison(out, rows))
 
 
+@command("recommend", RecommendArgs, "which infrastructure for a workload, with the reasons", RECOMMEND_HELP)
 def run_recommend(args) -> None:
     from paratrain.cost.inputs import assumptions_from
     from paratrain.cost.recommend import Request, recommend

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.cli import Output, command, group, opt, print_json
+from paratrain.cli import Output, command, opt, print_json
 from paratrain.hardware.catalog import ENV_DIR, get_catalog
 
 HELP = f"""\
@@ -32,12 +32,10 @@ class ShowArgs(CatalogArgs):
     name: str = opt("system or chip name (see `paratrain hardware list`)", positional=True)
 
 
-def register(subparsers) -> None:
-    _, sub = group(subparsers, "hardware", "the accelerator catalog (list, show)", HELP)
-    command(sub, "list", CatalogArgs, cmd_list, "one line per system and chip")
-    command(sub, "show", ShowArgs, cmd_show, "every field of one system or chip, with sources")
+GROUPS = [("hardware", "the accelerator catalog (list, show)", HELP)]
 
 
+@command("hardware list", CatalogArgs, "one line per system and chip")
 def cmd_list(args) -> None:
     from paratrain.hardware.describe import chip_rows, print_list, system_summary
 
@@ -46,6 +44,7 @@ def cmd_list(args) -> None:
     print_json({"systems": rows, "chips": chips}) if args.json else print_list(rows, chips)
 
 
+@command("hardware show", ShowArgs, "every field of one system or chip, with sources")
 def cmd_show(args) -> None:
     from paratrain.hardware.describe import describe, print_tree
 

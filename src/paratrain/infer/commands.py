@@ -39,12 +39,9 @@ class GenerateArgs(ConfigArgs, Output):
     summary_json: str | None = opt("write the timings and tokens as JSON (main rank)", metavar="FILE")
 
 
-def register(sub) -> None:
-    command(sub, "generate", GenerateArgs, run_generate,
-            "generate text with a KV cache (checkpoint or Hugging Face model; TP under torchrun)", HELP,
-            config_keys=True)
-
-
+@command("generate", GenerateArgs,
+         "generate text with a KV cache (checkpoint or Hugging Face model; TP under torchrun)", HELP,
+         config_keys=True)
 def run_generate(args) -> None:
     from paratrain.config import load_config
     from paratrain.infer.generate import Sampling

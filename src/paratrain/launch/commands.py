@@ -92,11 +92,6 @@ class LaunchArgs(ConfigArgs, RunFiles, Output):
     extra: list[str] = opt("more `paratrain train` arguments, after --", positional=True, nargs="*", factory=list)
 
 
-def register(sub) -> None:
-    command(sub, "launch", LaunchArgs, run_launch, "run training on one node of a multi-node job (torchrun wrapper)",
-            HELP, config_keys=True)
-
-
 def merge_extra(args) -> None:
     """Fold `paratrain train` arguments given after `--` into args, so the layout check sees the same config
     the workers will load."""
@@ -116,6 +111,8 @@ def merge_extra(args) -> None:
     args.set, args.extra = [*args.set, *known.set], []
 
 
+@command("launch", LaunchArgs, "run training on one node of a multi-node job (torchrun wrapper)", HELP,
+         config_keys=True)
 def run_launch(args) -> None:
     if args.json and not args.dry_run:
         raise ValueError("--json: allowed only with --dry-run (a real launch hands the terminal to torchrun)")

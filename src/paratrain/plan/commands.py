@@ -94,11 +94,6 @@ class PlanArgs(PlanTarget):
                                  gt=0)
 
 
-def register(sub) -> None:
-    command(sub, "estimate", EstimateArgs, cmd_estimate, "predict time, memory and cost of one layout", ESTIMATE_HELP)
-    command(sub, "plan", PlanArgs, cmd_plan, "search all layouts, rank by time or cost", PLAN_HELP)
-
-
 def _load(args):
     from paratrain.hardware.catalog import resolve_system
     from paratrain.model.config import load_model_config
@@ -114,6 +109,7 @@ def _load(args):
     return model, system, Options.for_system(system, attention=args.attention, stack=args.stack, **kw)
 
 
+@command("estimate", EstimateArgs, "predict time, memory and cost of one layout", ESTIMATE_HELP)
 def cmd_estimate(args) -> None:
     from paratrain.plan.api import estimate
     from paratrain.plan.report import print_estimate
@@ -154,6 +150,7 @@ def _pp_layers(text: str) -> str | tuple[int, ...]:
                         f"8,9,8,7") from None
 
 
+@command("plan", PlanArgs, "search all layouts, rank by time or cost", PLAN_HELP)
 def cmd_plan(args) -> None:
     from paratrain.plan.api import search
     from paratrain.plan.report import print_plan, why_nothing_fits

@@ -4,17 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.cli import (
-    PURCHASE_HELP,
-    Output,
-    UserError,
-    command,
-    from_options,
-    group,
-    opt,
-    print_json,
-    show,
-)
+from paratrain.cli import PURCHASE_HELP, Output, UserError, command, from_options, opt, show
 from paratrain.hardware.catalog import PURCHASE_OPTIONS
 from paratrain.plan.serve import KV_PRECISIONS, WEIGHT_PRECISIONS, serving_stacks
 
@@ -121,17 +111,6 @@ class SimulateArgs(ReplicaArgs, Latency):
     seed: int = opt("random seed", 0)
 
 
-def register(subparsers) -> None:
-    _, sub = group(subparsers, "serve", "serving capacity, latency and cost (estimate/plan/recommend/simulate)",
-                   SERVE_HELP)
-    command(sub, "estimate", EstimateArgs, cmd_estimate, "latency, throughput and memory of one replica at one batch")
-    command(sub, "plan", PlanArgs, cmd_plan, "the cheapest replica layout and count meeting a latency target at a rate")
-    command(sub, "recommend", RecommendArgs, cmd_recommend,
-            "which hardware serves a workload (chat, rag, batch) cheapest, with reasons")
-    command(sub, "simulate", SimulateArgs, cmd_simulate,
-            "request-level simulation: p50/p90/p99 TTFT and ITL, goodput, over rates")
-
-
 def _load(args):
     from paratrain.hardware.catalog import resolve_system
     from paratrain.plan.serve import load_serving_model, serving_efficiency
@@ -140,20 +119,23 @@ def _load(args):
     return load_serving_model(args.model), system, serving_efficiency(system, args.stack)
 
 
+GROUPS = [("serve", "serving capacity, latency and cost (estimate/plan/recommend/simulate)", SERVE_HELP)]
+
+
+@command("serve estimate", EstimateArgs, "latency, throughput and memory of one replica at one batch")
 def cmd_estimate(args) -> None:
     from paratrain.plan.serve import Replica, estimate
     from paratrain.plan.serve_report import print_estimate, print_estimates
 
     model, system, eff = _load(args)
-    ests = [estimate(model, system, from_options(Replica, args), b, args.prompt_tokens, args.output_tokens, eff) for b in args.batch]
-    if args.json:
-        print_json(ests[0].to_dict() if len(ests) == 1 else [e.to_dict() for e in ests])
-    elif len(ests) == 1:
-        print_estimate(ests[0])
-    else:
-        print_estimates(ests, args.prompt_tokens, args.output_tokens)
+    rep = from_options(Replica, args)
+    ests = [estimate(model, system, rep, b, args.prompt_tokens, args.output_tokens, eff) for b in args.batch]
+    if len(ests) == 1:
+        return show(args, ests[0].to_dict(), lambda: print_estimate(ests[0]))
+    show(args, [e.to_dict() for e in ests], lambda: print_estimates(ests, args.prompt_tokens, args.output_tokens))
 
 
+@command("serve plan", PlanArgs, "the cheapest replica layout and count meeting a latency target at a rate")
 def cmd_plan(args) -> None:
     from paratrain.cost.commands import parse_prices
     from paratrain.cost.serving import serving_cost
@@ -176,6 +158,8 @@ def cmd_plan(args) -> None:
          lambda: print_plan(model, system, target, plans, costs, check))
 
 
+@command("serve recommend", RecommendArgs,
+         "which hardware serves a workload (chat, rag, batch) cheapest, with reasons")
 def cmd_recommend(args) -> None:
     from paratrain.cost.commands import parse_prices
     from paratrain.cost.serving import DEFAULT_SYSTEMS, recommend
@@ -190,6 +174,8 @@ def cmd_recommend(args) -> None:
          lambda: print_recommendation(args.workload, args.model, target, cands))
 
 
+@command("serve simulate", SimulateArgs,
+         "request-level simulation: p50/p90/p99 TTFT and ITL, goodput, over rates")
 def cmd_simulate(args) -> None:
     import time
 

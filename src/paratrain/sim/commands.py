@@ -116,12 +116,9 @@ class SimulateArgs(Workload, Output):
                            group="output")
 
 
-def register(sub) -> None:
-    command(sub, "simulate", SimulateArgs, run_simulate,
-            "failures, checkpoints, spares and stragglers at cluster scale (goodput, time, cost)",
-            DESCRIPTION, EXAMPLES)
-
-
+@command("simulate", SimulateArgs,
+         "failures, checkpoints, spares and stragglers at cluster scale (goodput, time, cost)", DESCRIPTION,
+         EXAMPLES)
 def run_simulate(args) -> None:
     from paratrain.sim.report import daly_check, format_report, print_daly_check, progress_bars, write_plots
 

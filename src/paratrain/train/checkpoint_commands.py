@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.cli import Output, UserError, command, group, opt, print_json, show
+from paratrain.cli import Output, UserError, command, opt, print_json, show
 
 HELP = """\
 Inspect checkpoints written by `paratrain train` (local path, shared filesystem or s3://bucket/prefix).
@@ -29,12 +29,10 @@ class VerifyArgs(Output):
     path: str = opt("a checkpoint folder (step_*) or a directory (its newest complete checkpoint)", positional=True)
 
 
-def register(sub) -> None:
-    _, csub = group(sub, "checkpoint", "list and verify training checkpoints", HELP)
-    command(csub, "list", ListArgs, run_list, "checkpoints in a directory: step, status, size, layout")
-    command(csub, "verify", VerifyArgs, run_verify, "check a checkpoint's files against its manifest (sizes and sha256)")
+GROUPS = [("checkpoint", "list and verify training checkpoints", HELP)]
 
 
+@command("checkpoint list", ListArgs, "checkpoints in a directory: step, status, size, layout")
 def run_list(args) -> None:
     from paratrain.train.checkpoint_info import describe_dir, print_checkpoints
 
@@ -44,6 +42,8 @@ def run_list(args) -> None:
     print_json(rows) if args.json else print_checkpoints(rows)
 
 
+@command("checkpoint verify", VerifyArgs,
+         "check a checkpoint's files against its manifest (sizes and sha256)")
 def run_verify(args) -> int:
     from paratrain.train.checkpoint_info import verify_checkpoint
 

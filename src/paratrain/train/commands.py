@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from paratrain.cli import ConfigArgs, Output, RunFiles, command, group, opt
+from paratrain.cli import ConfigArgs, Output, RunFiles, command, opt
 
 TRAIN_HELP = """\
 Train a Llama-style model from a TOML config (see configs/ and docs/config.md).
@@ -74,45 +74,10 @@ class ConfigCheckArgs(ConfigArgs):
     reference: bool = opt("print the reference of every key (markdown)")
 
 
-def register(sub) -> None:
-    command(sub, "train", TrainArgs, run_train, "train a model (single process or under torchrun)", TRAIN_HELP,
-            config_keys=True)
-    _, data = group(sub, "data", "prepare training data (tokenize into a memory-mapped token file)")
-    command(data, "prepare", PrepareArgs, run_prepare, "tokenize data.source into data.prepared_dir", PREPARE_HELP,
-            config_keys=True)
-    command(sub, "config", ConfigCheckArgs, run_config,
-            "validate a config and print it fully resolved (defaults filled in)", config_keys=True)
+GROUPS = [("data", "prepare training data (tokenize into a memory-mapped token file)")]
 
 
-def run_config(args) -> None:
-    from paratrain.config import check_pipeline_layout, dump_config, load_config, reference_markdown
-
-    if args.reference:
-        print(reference_markdown())
-        return
-    cfg = load_config(args.config, args.set)
-    if cfg.parallel.pp > 1 or cfg.parallel.pp_layers is not None:  # stages vs layers, schedule, microbatches
-        check_pipeline_layout(cfg, cfg.parallel.dp if cfg.parallel.dp > 0 else None)  # dp=-1: known at launch
-    print(dump_config(cfg), end="")
-    shape = cfg.model_shape()
-    print(f"# model: {shape.name}, {shape.num_params() / 1e6:,.2f}M parameters")
-
-
-def run_prepare(args) -> None:
-    from paratrain.config import load_config
-    from paratrain.train.data import prepare, read_meta, summary_line
-    from paratrain.train.data.tokenize import check_model_tokenizer
-
-    cfg = load_config(args.config, args.set)
-    if cfg.model.hf_path:
-        check_model_tokenizer(cfg.data, cfg.model.hf_path, cfg.model_shape().vocab)
-    progress = None if args.progress is None else args.progress == "on"
-    out = prepare(cfg.data, force=args.force, hf_path=cfg.model.hf_path, progress=progress,
-                  log=lambda msg: print(msg, file=sys.stderr) if not args.json else None)
-    meta = read_meta(out)
-    print(json.dumps(meta, indent=2) if args.json else summary_line(out, meta))
-
-
+@command("train", TrainArgs, "train a model (single process or under torchrun)", TRAIN_HELP, config_keys=True)
 def run_train(args, faults=None) -> int:
     """`paratrain train`. `faults`: test-only fault injection; by default what PARATRAIN_FAULT_KILL asks for
     (parsed here, before any work)."""
@@ -144,3 +109,37 @@ def run_train(args, faults=None) -> int:
     for error in summary.get("errors", []):  # e.g. the final save failed: the run did not end well
         print(f"paratrain train: error: {error}", file=sys.stderr)
     return 1 if summary.get("errors") else 0
+
+
+@command("data prepare", PrepareArgs, "tokenize data.source into data.prepared_dir", PREPARE_HELP,
+         config_keys=True)
+def run_prepare(args) -> None:
+    from paratrain.config import load_config
+    from paratrain.train.data import prepare, read_meta, summary_line
+    from paratrain.train.data.tokenize import check_model_tokenizer
+
+    cfg = load_config(args.config, args.set)
+    if cfg.model.hf_path:
+        check_model_tokenizer(cfg.data, cfg.model.hf_path, cfg.model_shape().vocab)
+    progress = None if args.progress is None else args.progress == "on"
+    out = prepare(cfg.data, force=args.force, hf_path=cfg.model.hf_path, progress=progress,
+                  log=lambda msg: print(msg, file=sys.stderr) if not args.json else None)
+    meta = read_meta(out)
+    print(json.dumps(meta, indent=2) if args.json else summary_line(out, meta))
+
+
+
+@command("config", ConfigCheckArgs, "validate a config and print it fully resolved (defaults filled in)",
+         config_keys=True)
+def run_config(args) -> None:
+    from paratrain.config import check_pipeline_layout, dump_config, load_config, reference_markdown
+
+    if args.reference:
+        print(reference_markdown())
+        return
+    cfg = load_config(args.config, args.set)
+    if cfg.parallel.pp > 1 or cfg.parallel.pp_layers is not None:  # stages vs layers, schedule, microbatches
+        check_pipeline_layout(cfg, cfg.parallel.dp if cfg.parallel.dp > 0 else None)  # dp=-1: known at launch
+    print(dump_config(cfg), end="")
+    shape = cfg.model_shape()
+    print(f"# model: {shape.name}, {shape.num_params() / 1e6:,.2f}M parameters")

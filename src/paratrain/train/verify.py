@@ -60,11 +60,6 @@ class VerifyArgs(ConfigArgs, Output):
                              "docs/devices.md)", gt=0)
 
 
-def register(sub) -> None:
-    command(sub, "verify", VerifyArgs, run_verify, "the same job on CPU and on the device (or two layouts), compared",
-            VERIFY_HELP, config_keys=True)
-
-
 # -- what each rank records ---------------------------------------------------------------------------------
 def checksums(runner) -> dict[str, float]:
     """Global parameter norm (layout-independent) and this rank's local shard sum and norm."""
@@ -203,6 +198,8 @@ def plan_runs(args) -> tuple[list[str], int, list[str], int, str, bool]:
     return list(args.set), args.nproc, ref_sets, ref_nproc, device, not against
 
 
+@command("verify", VerifyArgs, "the same job on CPU and on the device (or two layouts), compared",
+         VERIFY_HELP, config_keys=True)
 def run_verify(args) -> int:
     from paratrain.config import load_config
     from paratrain.device import CPU
