@@ -483,7 +483,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     # (Dao 2023, FlashAttention-2 sec. 3.2); unfused attention keeps P and runs 4 (dP, dV, dQ, dK)
     core_bwd = FLASH_BWD_MATMULS / 2.0 if opts.attention == "flash" else 2.0
     bwd_compute = 2 * mm + core_bwd * core + 2 * elem + recompute_fwd
-    a2a_fwd, a2a_bwd = moe_plan.exposed_alltoall(opts, moe[2], moe[3], fwd_compute, bwd_compute) \
+    a2a_fwd, a2a_bwd = moe_plan.exposed_alltoall(opts, moe[2], moe[3], fwd_compute, bwd_compute,
+                                                 *moe_plan.overlap_limits(system, opts, sched, pp, v, m)) \
         if moe is not None else (0.0, 0.0)
 
     # -- tensor parallel, per layer: 2 all-reduces forward and 2 backward (Megatron's f/g), or with SP an

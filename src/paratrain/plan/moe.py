@@ -35,6 +35,13 @@ ADAM_STEP_BYTES = 32
 # dispatcher and torchtitan's MoE: router softmax/sigmoid, top-k, score normalisation, histogram of tokens per
 # expert, permute, unpermute + weighted sum, SwiGLU on the expert rows, aux-loss terms)
 MOE_ELEMENTWISE_KERNELS = 8
+# A flat all-to-all dispatch (Megatron-Core's MoEAlltoAllTokenDispatcher, torchtitan's all_to_all_single path)
+# copies the routed rows twice more than a hierarchical one: what arrives from the ep ranks is ordered by source
+# rank, so "Permutation 2" (sort_chunks_by_idxs, when num_local_experts > 1) regroups it by local expert before
+# the GEMMs and "Unpermutation 2" restores the rank order before the combine, each a read + write of every
+# routed row. DeepEP / HybridEP (the flex dispatcher) deliver the tokens once per rank and permute them by local
+# expert once (the 2 copies every dispatcher pays: permute, unpermute).
+FLAT_DISPATCH_EXTRA_COPIES = 2
 # Load imbalance of a learned router, as the coefficient of variation of tokens per expert in one microbatch.
 # Wang et al. 2024 ("Auxiliary-Loss-Free Load Balancing Strategy for Mixture-of-Experts", Table 1/Fig. 3):
 # batch-level MaxVio (max load / mean - 1) of 0.2-0.7 for 1B-3B MoEs with 64 experts trained with an aux loss or
@@ -58,6 +65,12 @@ HOST_SYNC_LAUNCHES = 4
 # taken as the cost of the path itself (cuBLASLt call, stream/event hand-offs), not of the chip's math: an
 # assumption for Hopper, where no such measurement was found.
 MULTISTREAM_GEMM_S = (0.267e-3 - 0.069e-3) / 8
+# SMs the all-to-all kernels hold while they run (what the compute overlapped with them loses). DeepEP /
+# HybridEP: Megatron-Core's moe_deepep_num_sms = 20 (TransformerConfig; DeepSeek-V3 report sec. 3.2.2: "only
+# 20 SMs" for dispatch and combine on H800). NCCL's all-to-all runs one CTA per channel; 32 channels is an
+# assumption (NCCL's channel count for a large p2p operation on Hopper), not measured here.
+DEEPEP_SMS = 20
+NCCL_ALLTOALL_SMS = 32
 
 
 def is_moe(model: ModelConfig) -> bool:
@@ -184,11 +197,13 @@ def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp,
     if opts.moe_gemm_per_expert:  # TE's multi-stream loop over the local experts (backward: 2x, as the GEMMs)
         gemm = gemm + 2 * local * MULTISTREAM_GEMM_S
     routed = rows * imb
+    flat = not opts.moe_hierarchical_dispatch
+    copies = 2 + np.where((ep > 1) & (local > 1) & flat, FLAT_DISPATCH_EXTRA_COPIES, 0)
     elem_bytes = (tokens * E * 4 * 3  # fp32 router scores: write, top-k read, softmax/sigmoid read+write
-                  + routed * h * BF16_BYTES * 2 * 2  # permute and unpermute: read + write each
+                  + routed * h * BF16_BYTES * 2 * copies  # permute, unpermute (+ sort/unsort chunks): read + write
                   + routed * 3 * width * BF16_BYTES  # SwiGLU: read gate, up, write product
                   + (cast_cost(system, opts)[0] * routed * (h + width) if opts.fp8 else 0.0))
-    elem = memory_time_s(system, elem_bytes, MOE_ELEMENTWISE_KERNELS)
+    elem = memory_time_s(system, elem_bytes, MOE_ELEMENTWISE_KERNELS + copies - 2)
     dispatch_bytes = FP8_BYTES if opts.fp8 and opts.moe_fp8_dispatch else BF16_BYTES
     stride = np.where(etp > 1, tp, 1.0)
     dedup = k if opts.moe_hierarchical_dispatch else None
@@ -205,16 +220,39 @@ def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp,
     return share * gemm, share * elem, share * a2a_fwd, share * a2a_bwd, share * a2a_bytes, routed
 
 
-def exposed_alltoall(opts, a2a_fwd, a2a_bwd, fwd_compute, bwd_compute):
+def exposed_alltoall(opts, a2a_fwd, a2a_bwd, fwd_compute, bwd_compute, unpaired=0.0, comm_sm_fraction=0.0):
     """(forward, backward) all-to-all time left after overlap. Options.ep_overlap is the fraction of the layer's
     compute it can hide behind: both schedules that overlap it pair one microbatch's forward with another's
     backward (Megatron-Core's moe_a2a_overlap, DeepSeek-V3's DualPipe, sec. 3.2.1), so the forward and backward
-    all-to-alls together hide behind forward + backward compute; what that cannot cover stays exposed, split
-    between forward and backward as the traffic is."""
+    all-to-alls together hide behind forward + backward compute. Two limits (plan.model.evaluate passes them):
+    - `unpaired`: the fraction of a step's microbatches whose forward (warm-up) or backward (cool-down) has no
+      partner to pair with: their all-to-all is exposed whole.
+    - `comm_sm_fraction` f: the communication kernels occupy f of the SMs while they run, so the compute they
+      hide behind runs at 1 - f meanwhile: a pair with all-to-all time C and overlappable compute X takes
+      max(C, X + f C), i.e. exposed max(C - X, f C).
+    What is exposed is split between forward and backward as the traffic is."""
     total = a2a_fwd + a2a_bwd
-    left = np.maximum(0.0, total - opts.ep_overlap * (fwd_compute + bwd_compute))
+    window = opts.ep_overlap * (fwd_compute + bwd_compute)
+    paired = np.maximum(total - window, np.where(window > 0, comm_sm_fraction * total, total))
+    left = unpaired * total + (1.0 - unpaired) * paired
     scale = np.where(total > 0, left / np.where(total > 0, total, 1.0), 0.0)
     return a2a_fwd * scale, a2a_bwd * scale
+
+
+def overlap_limits(system: System, opts, sched, pp, v, m):
+    """(unpaired, comm_sm_fraction) for exposed_alltoall. Unpaired: the warm-up forwards before the first
+    backward on the first pipeline rank (plan.model.inflight_microbatches: 1F1B p, interleaved
+    (2(p-1) + (v-1)p + 1)/v stages, one at pp = 1) over the step's m microbatches; the cool-down backwards
+    mirror them. The V schedules (DualPipe, ZB-V standing in for it) feed microbatches from both ends and
+    overlap from the start (DeepSeek-V3 Fig. 5): none. SMs: the dispatcher's kernels over the chip's SMs
+    (cores_per_chip on NVIDIA parts); Trainium's collectives run on their own engines: 0."""
+    from paratrain.plan.model import inflight_microbatches
+
+    sched = np.asarray(sched)
+    unpaired = np.where(sched >= 3, 0.0, np.minimum(1.0, inflight_microbatches(sched, pp, v, m, 0) / m))
+    sms = DEEPEP_SMS if opts.moe_hierarchical_dispatch else NCCL_ALLTOALL_SMS
+    fraction = sms / system.chip.cores_per_chip if system.chip.vendor == "nvidia" else 0.0
+    return unpaired, fraction
 
 
 def activation_bytes_per_layer(model: ModelConfig, T, tp, ep, etp, routed, fp8: bool = False):
