@@ -90,4 +90,4 @@ def test_estimate_takes_the_expert_layout(capsys):
     assert main([*argv, "--ep", "4"]) == 0
     assert json.loads(capsys.readouterr().out)["layout"]["ep"] == 4
     assert main(["estimate", "--model", "llama2-7b", "--hardware", "p5.48xlarge", "--nodes", "2", "--ep", "4"]) == 2
-    assert "has no experts" in capsys.readouterr().err
+    assert "needs a mixture-of-experts model" in capsys.readouterr().err

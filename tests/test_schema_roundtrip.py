@@ -147,3 +147,81 @@ def test_estimate_default_dp_kind_is_the_trainers():
     est = estimate("small", SYSTEM, NODES, SEQ, BATCH, Layout())
     default = load_config(None, []).parallel
     assert (est.layout.dp_kind, est.layout.zero_stage) == (default.dp_kind, 3)
+
+
+# -- mixture of experts: the one expert-parallel rule set (paratrain.config.rules, EXPERT groups) ---------------
+MOE_MODEL = 'model.preset="tiny-moe"'
+
+
+def _moe_layouts():
+    """A seeded sample of MoE layouts: ep (every divisor of the 8 experts, and 3), etp 1 / tp / 4, tp, cp, sp, pp,
+    DP kinds; the trainer accepts some and refuses others (runtime_only rules among them)."""
+    grid = itertools.product((1, 2, 4), (1, 2), (1, 2), (False, True), (1, 2, 3, 4, 8), ("one", "tp", 4),
+                             ("ddp", "fsdp", "hsdp"))
+    rng = random.Random(22)
+    for tp, pp, cp, sp, ep, etp, kind in (c for c in grid if rng.random() < 0.5):
+        etp = {"one": 1, "tp": tp}.get(etp, etp)
+        sets = [MOE_MODEL, f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.cp={cp}",
+                f"parallel.sp={str(sp).lower()}", f"parallel.ep={ep}", f"parallel.etp={etp}",
+                f'parallel.dp_kind="{kind}"', f"train.seq_len={SEQ}", f"train.global_batch={BATCH}",
+                f'metrics.hardware="{SYSTEM}"']
+        if kind == "hsdp":
+            sets.append("parallel.dp_replicate=2")
+        yield sets
+
+
+MOE_CASES = list(_moe_layouts())
+MOE_ACCEPTED = [(sets, got) for sets in MOE_CASES if (got := _accepted(sets)) is not None]
+
+
+def test_moe_layouts_the_trainer_accepts_get_a_prediction_and_round_trip():
+    """Every MoE layout the trainer accepts (ep/etp included) gets a planner prediction with the same expert
+    layout, and what the planner writes loads back unchanged. Not vacuous: ep > 1, etp = tp > 1, pp > 1."""
+    cfgs = [cfg for _, (cfg, _) in MOE_ACCEPTED]
+    assert any(c.parallel.ep > 1 and c.parallel.etp == c.parallel.tp > 1 for c in cfgs)
+    assert any(c.parallel.ep > 1 and c.parallel.pp > 1 for c in cfgs) and len(MOE_CASES) - len(MOE_ACCEPTED) >= 50
+    for sets, (cfg, dp) in MOE_ACCEPTED:
+        layout = layout_from_parallel(cfg.parallel, cfg.train.microbatch, dp)
+        est = estimate(cfg.model_shape(), SYSTEM, NODES, SEQ, BATCH, layout)
+        assert est.step_time_s > 0 and (est.layout.ep, est.layout.etp) == (cfg.parallel.ep, cfg.parallel.etp), sets
+        written = training_config(est, cfg.model_shape(), "tiny-moe", 8, SYSTEM)
+        reloaded = load_config(None, [f"{s}.{k}={_toml(v)}" for s, sec in written.items() if s != "model"
+                                      for k, v in sec.items()] + [MOE_MODEL])
+        want = cfg.parallel.model_copy(update={"dp": dp})
+        assert _canonical(reloaded.parallel, 4) == _canonical(want, 4), sets
+
+
+def test_moe_layouts_the_planner_accepts_load_in_the_trainer_or_hit_a_runtime_only_rule():
+    """Every MoE layout of the sample the planner estimates is written as a training config that loads, or is
+    refused by one of the rules marked runtime_only (what the planner models and the runtime does not run yet),
+    with that rule's message; a layout the planner refuses the trainer refuses too (one rule set)."""
+    from paratrain.config import view_of
+    from paratrain.config.rules import RULES
+
+    written = refused = 0
+    for sets in MOE_CASES:
+        cfg = load_config(None, [s for s in sets if not s.startswith(("parallel.", "metrics."))])
+        pcfg = _parallel_of(sets)
+        try:
+            est = estimate(cfg.model_shape(), SYSTEM, NODES, SEQ, BATCH, layout_from_parallel(pcfg, 1))
+        except ValueError:
+            assert _accepted(sets) is None, sets  # the planner refuses: so does the trainer
+            continue
+        try:
+            training_config(est, cfg.model_shape(), "tiny-moe", 8, SYSTEM)
+            written += 1
+        except ValueError as exc:
+            view = view_of(cfg.model_shape(), est.layout.to_parallel(), SEQ, BATCH, 1, est.layout.dp)
+            broken = [r for r in RULES if r.runtime_only and not bool(r.ok(view))]
+            assert broken and broken[0].message(view) in str(exc), (sets, str(exc))
+            refused += 1
+    assert written >= 20 and refused >= 20, (written, refused)
+
+
+def _parallel_of(sets):
+    """The [parallel] section of `sets` without the trainer's model-dependent checks (the planner judges it)."""
+    from paratrain.config import ParallelSection
+    from paratrain.config.load import parse_override
+
+    fields = (parse_override(s) for s in sets if s.startswith("parallel."))
+    return ParallelSection(**{key[1]: value for key, value in fields})

@@ -32,10 +32,8 @@ def resolve_degrees(pcfg: ParallelSection, world_size: int) -> dict[str, int]:
     if pcfg.dp_kind == "hsdp" and dp % pcfg.dp_replicate:
         raise ValueError(f"parallel.dp_replicate={pcfg.dp_replicate} must divide the data-parallel size {dp} "
                          f"(hsdp: dp = dp_replicate x dp_shard)")
-    if dp % pcfg.ep:  # expert parallelism borrows ep of the dp ranks (torchtitan's dp2ep)
-        raise ValueError(f"parallel.ep={pcfg.ep} must divide the data-parallel size {dp} (ep borrows dp ranks: "
-                         f"dp = dp_mod_ep x ep); allowed: divisors of {dp}")
-    return {"pp": pcfg.pp, "dp": dp, "cp": pcfg.cp, "tp": pcfg.tp}  # ep is a split of dp (parallel/mesh.py)
+    check(view_of(None, pcfg, 0, dp=dp), groups=("ep_fold",))  # ep borrows dp, cp (and tp when etp = 1) ranks
+    return {"pp": pcfg.pp, "dp": dp, "cp": pcfg.cp, "tp": pcfg.tp}  # ep: a refold of dp x cp x tp (mesh.py)
 
 
 def view_of(model_cfg: ModelConfig, pcfg: ParallelSection, seq_len: int, global_batch: int | None = None,
@@ -44,7 +42,7 @@ def view_of(model_cfg: ModelConfig, pcfg: ParallelSection, seq_len: int, global_
     return View(tp=pcfg.tp, pp=pcfg.pp, cp=pcfg.cp, sp=pcfg.sp, schedule=pcfg.pp_schedule,
                 virtual_stages=pcfg.virtual_stages, dp_kind=pcfg.dp_kind, zero=zero_stage_of(pcfg), seq=seq_len,
                 model=model_cfg, dp=dp if dp is not None else (pcfg.dp if pcfg.dp > 0 else None),
-                microbatch=microbatch, global_batch=global_batch)
+                microbatch=microbatch, global_batch=global_batch, ep=pcfg.ep, etp=pcfg.etp)
 
 
 def check_tp_layout(model_cfg: ModelConfig, tp: int, sp: bool, seq_len: int) -> None:
@@ -89,36 +87,8 @@ def check_cp_layout(seq_len: int, cp: int, tp: int = 1, sp: bool = False, pp: in
                model=None), groups=("cp",))
 
 
-def check_expert_layout(model_cfg: ModelConfig, pcfg: ParallelSection) -> None:
-    """Expert parallelism (parallel/expert.py): ep divides num_experts (and dp: resolve_degrees), etp = tp, and
-    the MoE compositions the runtime does not implement yet refused with one error each."""
-    n_exp = model_cfg.num_experts
-    if not n_exp:
-        if pcfg.ep > 1 or pcfg.etp > 1:
-            raise ValueError(f"parallel.ep={pcfg.ep}, parallel.etp={pcfg.etp} with model.num_experts=0: expert "
-                             f"parallelism needs a mixture-of-experts model; allowed: ep = etp = 1")
-        return
-    if n_exp % pcfg.ep:
-        raise ValueError(f"parallel.ep={pcfg.ep} must divide model.num_experts={n_exp}")
-    if pcfg.etp != pcfg.tp:
-        raise ValueError(f"parallel.etp={pcfg.etp} with parallel.tp={pcfg.tp}: the runtime shards each expert over "
-                         f"the tp ranks (etp = tp; etp = 1, ep borrowing tp ranks, is not implemented); "
-                         f"allowed: etp={pcfg.tp}")
-    if pcfg.tp > 1 and model_cfg.moe_ffn % pcfg.tp:
-        raise ValueError(f"parallel.tp={pcfg.tp} must divide model.moe_ffn_hidden={model_cfg.moe_ffn} (each expert "
-                         f"is split over tp)")
-    refused = [("cp", pcfg.cp, pcfg.cp > 1), ("sp", pcfg.sp, pcfg.sp),
-               ("dp_kind", f"'{pcfg.dp_kind}'", pcfg.ep > 1 and pcfg.dp_kind == "hsdp")]
-    for field, value, bad in refused:
-        if bad:
-            raise ValueError(f"parallel.{field}={value} with model.num_experts={n_exp}: not implemented for "
-                             f"mixture-of-experts models yet (docs/moe.md); allowed: cp=1, sp=false, dp_kind "
-                             f"ddp/fsdp with ep > 1")
-
-
 def check_parallel_config(model_cfg: ModelConfig, pcfg: ParallelSection, seq_len: int) -> None:
     """Every rule that needs the model shape but not the world size (the batch rules wait for dp)."""
-    check_expert_layout(model_cfg, pcfg)
     check_dp_fields(pcfg)
     check(view_of(model_cfg, pcfg, seq_len))
     check_vocab_parallel(model_cfg, pcfg)

@@ -4,10 +4,18 @@ a layout that breaks it (torch-free).
 
 A rule's `ok(v)` reads a `View`: the parallel degrees, the schedule, the DP kind and canonical ZeRO stage
 (paratrain.config.dp.zero_stage_of), the batch numbers and the model shape. `needs_dp` rules wait for the
-data-parallel size (known once the world size is); `runtime_only` rules are what paratrain's runtime does not
-implement (yet) although the planner models it (ZeRO-1/2 on DDP, tied embeddings under PP). The expert-parallel
-rules (parallel.ep / etp) are paratrain.config.layout.check_expert_layout's (the planner has its own EP view:
-plan/moe.py).
+data-parallel size (known once the world size is), `needs_batch` rules the global batch too; `runtime_only` rules
+are what paratrain's runtime does not implement (yet) although the planner models it (ZeRO-1/2 on DDP, tied
+embeddings under PP, expert-parallel compositions).
+
+Expert parallelism (parallel.ep / parallel.etp, MoE models): the one fold of torchtitan's and Megatron-Core's "MoE
+parallel folding" (Liu et al. 2025), for the trainer and the planner alike. The dp x cp x tp ranks of one pipeline
+stage, in mesh order (tp innermost), are refolded for the routed experts as edp x ep x etp (etp innermost): ep
+consecutive groups of etp ranks exchange tokens, each holding E/ep experts (each split etp ways); edp replicas of
+every expert shard. etp = tp: experts TP-sharded like the dense MLP, ep borrows cp and dp ranks; etp = 1 (the
+default, torchtitan's expert_tensor_parallel_degree = 1): experts keep their full width, ep also borrows tp ranks
+and each tp rank routes its 1/tp of the tokens. Rules: ep divides num_experts and dp*cp*tp/etp, etp in {1, tp}
+divides moe_ffn_hidden; ep = etp = 1 without experts.
 Predicates use numpy's element-wise functions only (no `and`/`or`/`if`), so one definition serves both.
 """
 
@@ -46,6 +54,8 @@ class View:
     dp: object = None
     microbatch: object = 1
     global_batch: object = None
+    ep: object = 1
+    etp: object = 1
 
     @property
     def chunks(self):
@@ -67,6 +77,7 @@ class Rule:
     message: Callable
     needs_dp: bool = False
     runtime_only: bool = False
+    needs_batch: bool = False
 
 
 def _divides(tp, n):
@@ -121,6 +132,11 @@ RULES: tuple[Rule, ...] = (
     Rule("sp_needs_tp", lambda v: _or(_not(v.sp), v.tp > 1),
          lambda v: "parallel.sp=true needs parallel.tp > 1 (sequence parallelism shards the TP regions)"),
     *(_tp_divides(key, attr) for key, attr in (("heads", "heads"), ("ffn_hidden", "ffn"), ("vocab", "vocab"))),
+    Rule("tp_divides_shared_experts",
+         lambda v: _or(v.model.shared_experts == 0, _divides(v.tp, v.model.shared_experts * v.model.moe_ffn)),
+         lambda v: f"parallel.tp={v.tp} must divide the shared experts' width model.shared_experts x moe_ffn_hidden = "
+                   f"{v.model.shared_experts * v.model.moe_ffn} (split over tp like the dense MLP); allowed: tp "
+                   f"dividing {v.model.shared_experts * v.model.moe_ffn}"),
     Rule("tp_kv_heads", lambda v: _or(_divides(v.tp, v.model.n_kv_heads), v.tp % v.model.n_kv_heads == 0),
          lambda v: f"parallel.tp={v.tp} and model.kv_heads={v.model.n_kv_heads}: tp must divide kv_heads, or "
                    f"kv_heads must divide tp (then each kv head is replicated on tp/kv_heads ranks)"),
@@ -169,31 +185,87 @@ RULES: tuple[Rule, ...] = (
     Rule("pp_tied_embeddings", lambda v: _or(_not(_pipelined(v)), not v.model.tie_embeddings),
          lambda v: "model.tie_embeddings=true with parallel.pp > 1: the embedding and the output head sit "
                    "on different stages; allowed: tie_embeddings=false for pipeline parallelism", runtime_only=True),
+    # -- expert parallelism (MoE; the fold is in the module docstring) ------------------------------------------
+    Rule("ep_needs_experts", lambda v: _or(v.model.num_experts > 0, _and(v.ep == 1, v.etp == 1)),
+         lambda v: f"parallel.ep={v.ep}, parallel.etp={v.etp} with model.num_experts=0: expert parallelism needs a "
+                   f"mixture-of-experts model; allowed: ep = etp = 1"),
+    Rule("etp_one_or_tp", lambda v: _or(v.model.num_experts == 0, _etp_valid(v)),
+         lambda v: f"parallel.etp={v.etp} with parallel.tp={v.tp}: allowed: etp=1 (experts keep their full width, "
+                   f"ep borrows the tp ranks) or etp={v.tp} = tp (experts split over tp like the dense MLP)"),
+    Rule("ep_divides_experts", lambda v: _or(v.model.num_experts == 0, v.model.num_experts % np.maximum(v.ep, 1) == 0),
+         lambda v: f"parallel.ep={v.ep} must divide model.num_experts={v.model.num_experts}; allowed: "
+                   f"{_divisors(v.model.num_experts)}"),
+    Rule("etp_divides_moe_ffn", lambda v: _or(v.model.num_experts == 0, v.model.moe_ffn % np.maximum(v.etp, 1) == 0),
+         lambda v: f"parallel.etp={v.etp} must divide model.moe_ffn_hidden={v.model.moe_ffn} (each expert is split "
+                   f"over etp ranks); allowed: etp=1, or a tp dividing {v.model.moe_ffn}"),
+    Rule("ep_fold", lambda v: _or(_not(_etp_valid(v)), _stage_ranks(v) % np.maximum(v.ep, 1) == 0),
+         lambda v: f"parallel.ep={v.ep} must divide the ranks of a pipeline stage refolded for the experts, "
+                   f"dp*cp*tp/etp = {v.dp}*{v.cp}*{v.tp}/{v.etp} = {_stage_ranks(v)}; allowed: divisors of "
+                   f"{_stage_ranks(v)} (that also divide model.num_experts)", needs_dp=True),
+    # what paratrain's runtime does not run with experts yet (the planner models it)
+    Rule("ep_cp", lambda v: _or(v.model.num_experts == 0, v.cp == 1),
+         lambda v: _not_yet(v, f"parallel.cp={v.cp}", "cp=1"), runtime_only=True),
+    Rule("ep_sp", lambda v: _or(v.model.num_experts == 0, _not(v.sp)),
+         lambda v: _not_yet(v, "parallel.sp=true", "sp=false"), runtime_only=True),
+    Rule("etp_token_split", lambda v: _or(v.model.num_experts == 0, _or(v.tp == 1, v.etp == v.tp)),
+         lambda v: _not_yet(v, f"parallel.etp=1 with parallel.tp={v.tp} (ep borrowing tp ranks)", f"etp={v.tp}"),
+         runtime_only=True),
+    Rule("ep_hsdp", lambda v: _or(v.ep == 1, _not(_coded(v.dp_kind, ("hsdp",), DP_KINDS))),
+         lambda v: _not_yet(v, f"parallel.dp_kind='hsdp' with parallel.ep={v.ep}", "dp_kind ddp or fsdp"),
+         runtime_only=True),
     # -- batch and microbatches (need dp) ---------------------------------------------------------------------
     Rule("global_batch_dp", lambda v: v.global_batch % np.maximum(v.dp, 1) == 0,
          lambda v: f"train.global_batch={v.global_batch} must be divisible by the data-parallel size {v.dp}; "
-                   f"allowed: a multiple of {v.dp}", needs_dp=True),
+                   f"allowed: a multiple of {v.dp}", needs_dp=True, needs_batch=True),
     Rule("microbatch_divides", lambda v: (v.global_batch // np.maximum(v.dp, 1)) % v.microbatch == 0,
          lambda v: f"train.microbatch={v.microbatch} must divide the per-rank batch global_batch/dp = "
                    f"{v.global_batch // v.dp}; allowed: "
                    f"{', '.join(str(d) for d in range(1, v.global_batch // v.dp + 1) if v.global_batch // v.dp % d == 0)}",
-         needs_dp=True),
+         needs_dp=True, needs_batch=True),
     Rule("1f1b_microbatches", lambda v: _or(_not(_and(_pipelined(v), _is(v, ("1f1b",)))), v.microbatches >= v.pp),
          lambda v: f"{_where(v)}: 1f1b needs microbatches >= pp={v.pp}; allowed: a larger global_batch or a "
-                   f"smaller microbatch, or pp_schedule='gpipe'", needs_dp=True),
+                   f"smaller microbatch, or pp_schedule='gpipe'", needs_dp=True, needs_batch=True),
     Rule("interleaved_microbatches", lambda v: _or(_not(_and(_pipelined(v), _is(v, ("interleaved_1f1b",)))),
                                                    v.microbatches >= v.pp),
          lambda v: f"{_where(v)}: interleaved_1f1b needs microbatches >= pp={v.pp}; allowed: a larger "
-                   f"global_batch or a smaller microbatch, or pp_schedule='gpipe'", needs_dp=True),
+                   f"global_batch or a smaller microbatch, or pp_schedule='gpipe'", needs_dp=True, needs_batch=True),
     Rule("interleaved_rounds", lambda v: _or(_not(_and(_pipelined(v), _is(v, ("interleaved_1f1b",)))),
                                              _interleaved_rounds_ok(v)),
          lambda v: f"{_where(v)}: interleaved_1f1b runs microbatches in rounds of m // pp = "
                    f"{v.microbatches // v.pp}; allowed: microbatch counts divisible by {v.microbatches // v.pp} "
-                   f"(e.g. a multiple of pp={v.pp})", needs_dp=True),
+                   f"(e.g. a multiple of pp={v.pp})", needs_dp=True, needs_batch=True),
     Rule("v_microbatches", lambda v: _or(_not(_and(_pipelined(v), _is(v, V_SCHEDULES))), v.microbatches >= 2 * v.pp),
          lambda v: f"{_where(v)}: {v.schedule} needs microbatches >= 2*pp = {2 * v.pp} (its V holds 2 stages per "
-                   f"rank); allowed: a larger global_batch or a smaller microbatch", needs_dp=True),
+                   f"rank); allowed: a larger global_batch or a smaller microbatch", needs_dp=True, needs_batch=True),
 )
+
+
+def _etp_valid(v):
+    return _or(v.etp == 1, v.etp == v.tp)
+
+
+def _stage_ranks(v):
+    """The dp x cp x tp ranks of one pipeline stage over etp: what ep must divide."""
+    return v.dp * v.cp * v.tp // np.maximum(v.etp, 1)
+
+
+def _divisors(n: int) -> str:
+    return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def _not_yet(v, what: str, allowed: str) -> str:
+    return (f"{what} with model.num_experts={v.model.num_experts}: not implemented by paratrain's runtime for "
+            f"mixture-of-experts models yet (the planner models it; docs/moe.md); allowed: {allowed}")
+
+
+def expert_view(model, tp, cp, dp, ep, etp, sp=False, dp_kind="fsdp") -> View:
+    """A View for the expert-parallel rules alone (the planner's (ep, etp) axes; `check(..., groups=EXPERT)`):
+    the fields those rules do not read hold neutral values."""
+    return View(tp=tp, pp=1, cp=cp, sp=sp, schedule="1f1b", virtual_stages=1, dp_kind=dp_kind, zero=3, seq=0,
+                model=model, dp=dp, ep=ep, etp=etp)
+
+
+EXPERT = ("ep", "etp")  # the groups of the expert-parallel rules
 
 
 def _where(v: View) -> str:
@@ -204,7 +276,7 @@ def _where(v: View) -> str:
 def _applies(rule: Rule, v: View, runtime: bool, groups) -> bool:
     if rule.runtime_only and not runtime:
         return False
-    if rule.needs_dp and (v.dp is None or v.global_batch is None):
+    if (rule.needs_dp and v.dp is None) or (rule.needs_batch and v.global_batch is None):
         return False
     return groups is None or rule.name.split("_")[0] in groups or rule.name in groups
 
@@ -217,13 +289,13 @@ def check(v: View, runtime: bool = True, groups=None) -> None:
             raise ValueError(rule.message(v))
 
 
-def mask(v: View, runtime: bool = False):
-    """Many layouts (arrays): True where every rule holds."""
-    ok = np.ones(np.shape(v.tp), bool)
+def mask(v: View, runtime: bool = False, groups=None):
+    """Many layouts (arrays): True where every rule (of `groups`, as in `check`) holds."""
+    ok = np.ones(np.broadcast(v.tp, v.cp, v.ep, v.etp).shape, bool)
     for rule in RULES:
-        if _applies(rule, v, runtime, None):
+        if _applies(rule, v, runtime, groups):
             ok &= np.asarray(rule.ok(v), bool)
     return ok
 
 
-__all__ = ["MULTI_STAGE_SCHEDULES", "RULES", "Rule", "View", "check", "mask"]
+__all__ = ["EXPERT", "MULTI_STAGE_SCHEDULES", "RULES", "Rule", "View", "check", "expert_view", "mask"]

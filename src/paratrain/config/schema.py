@@ -124,9 +124,10 @@ class ParallelSection(Section):
     pp: int = Field(default=1, ge=1)
     cp: int = Field(default=1, ge=1)
     ep: int = Field(default=1, ge=1, description="expert parallelism (MoE): the routed experts of each layer split "
-                    "over ep ranks borrowed from dp; divides dp and model.num_experts")
-    etp: int = Field(default=1, ge=1, description="expert tensor parallelism (MoE): 1 or tp; the runtime "
-                     "implements etp = tp (experts TP-sharded like the dense MLP)")
+                    "over ep ranks, borrowed from the dp x cp x tp ranks of a pipeline stage (paratrain.config.rules); "
+                    "divides model.num_experts and dp*cp*tp/etp")
+    etp: int = Field(default=1, ge=1, description="expert tensor parallelism (MoE): 1 (torchtitan's default: experts "
+                     "keep their full width, ep also borrows tp ranks) or tp (experts TP-sharded like the dense MLP)")
     cp_attention: Literal["auto", "flash_cpu", "efficient", "math"] = Field(
         default="auto", description="cp block kernel: auto = the fused kernel (returns the log-sum-exp, no s x s "
         "scores) registered for the device; math = plain matmuls (reference)")

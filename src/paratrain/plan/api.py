@@ -23,11 +23,11 @@ from paratrain.config import (
     zero_stage_of,
 )
 from paratrain.config.dp import check_dp_fields
-from paratrain.config.rules import View, check, mask
+from paratrain.config.rules import EXPERT, View, check, mask
 from paratrain.hardware.catalog import System, resolve_system
 from paratrain.model.config import ModelConfig, load_model_config
 from paratrain.plan.model import DP_KINDS, RECOMPUTE, SCHEDULES, STAGE_SPLITS, Options, evaluate
-from paratrain.plan.moe import check_expert_layout, expert_axes
+from paratrain.plan.moe import expert_axes
 from paratrain.plan.stages import (
     Loads,
     balanced_layers,
@@ -170,14 +170,13 @@ def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, glob
     TrainSection(seq_len=max(seq, 2), global_batch=global_batch, microbatch=max(lay.microbatch, 1))
     if lay.microbatch < 1:
         raise ValueError(f"train.microbatch={lay.microbatch}: allowed: >= 1")
+    check(view_of(model, pcfg, seq), runtime=False, groups=EXPERT)  # ep vs the model before ep vs the ranks
     try:
-        # the expert layout is judged by the planner's EP view (plan/moe.py: ep may borrow tp and cp ranks too)
-        dp = resolve_degrees(pcfg.model_copy(update={"ep": 1}), devices)["dp"]
+        dp = resolve_degrees(pcfg, devices)["dp"]
     except ValueError as exc:
         raise ValueError(f"{exc} ({devices} devices: {nodes} x {system.devices_per_node} {system.device_unit})") from None
     check_dp_fields(pcfg)
-    check(view_of(model, pcfg, seq, global_batch, lay.microbatch, dp), runtime=False)
-    check_expert_layout(model, lay.tp, lay.cp, dp, lay.ep, lay.etp)
+    check(view_of(model, pcfg, seq, global_batch, lay.microbatch, dp), runtime=False)  # expert layout included
     if isinstance(lay.pp_layers, str):
         if lay.pp_layers not in STAGE_SPLITS:
             raise ValueError(f"pp_layers = {lay.pp_layers!r}: allowed: {', '.join(STAGE_SPLITS)}, or one layer "

@@ -16,13 +16,15 @@ pipeline stage, tp x cp x dp of them, are refolded for the expert layers as etp 
 etp = 1 (torchtitan's default expert_tensor_parallel_degree, Megatron-Core's expert_tensor_parallel_size = 1 in
 the Megatron-Bridge MoE recipes): ep borrows from tp, cp and dp, each expert holds its full width and each rank
 routes its 1/tp of the tokens (sequence parallel); etp = tp: experts are TP-sharded like the dense MLP and ep
-borrows from cp and dp only. ep divides num_experts; edp = tp*cp*dp / (etp*ep) replicas of each expert shard.
+borrows from cp and dp only. edp = tp*cp*dp / (etp*ep) replicas of each expert shard. Which (ep, etp) are valid is
+paratrain.config.rules' (the trainer's rules, written once); this module only times and sizes them.
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from paratrain.config.rules import EXPERT, expert_view, mask
 from paratrain.hardware.catalog import System
 from paratrain.model.config import ModelConfig
 
@@ -89,34 +91,6 @@ def dense_view(model: ModelConfig) -> ModelConfig:
 def expert_params_per_layer(model: ModelConfig) -> float:
     """Routed-expert parameters of an average layer (all experts; MoE layers only hold them)."""
     return model.moe_layers / model.layers * model.num_experts * 3 * model.hidden * model.moe_ffn
-
-
-def check_expert_layout(model: ModelConfig, tp: int, cp: int, dp: int, ep: int, etp: int) -> None:
-    """One ValueError naming the field, the value and what is allowed."""
-    if ep < 1 or etp < 1:
-        raise ValueError(f"ep = {ep}, etp = {etp}: must be >= 1")
-    if not model.num_experts:
-        if ep > 1 or etp > 1:
-            raise ValueError(f"ep = {ep}, etp = {etp}: model '{model.name}' has no experts; allowed: ep = etp = 1")
-        return
-    if etp not in (1, tp):
-        raise ValueError(f"etp = {etp}: allowed: 1 (experts unsharded, ep borrows tp ranks) or tp = {tp}")
-    if model.num_experts % ep:
-        raise ValueError(f"ep = {ep}: must divide num_experts = {model.num_experts}")
-    if model.moe_ffn % etp:
-        raise ValueError(f"etp = {etp}: must divide moe_ffn_hidden = {model.moe_ffn}")
-    ranks = tp * cp * dp // etp
-    if ranks % ep:
-        raise ValueError(f"ep = {ep}: must divide tp*cp*dp/etp = {tp}*{cp}*{dp}/{etp} = {ranks} (the ranks of a "
-                         f"pipeline stage refolded for the experts)")
-
-
-def ep_options(model: ModelConfig, stage_ranks: int, etp: int) -> list[int]:
-    """Expert-parallel degrees the search tries: divisors of num_experts that divide the stage's ranks / etp."""
-    if not model.num_experts:
-        return [1]
-    ranks = stage_ranks // etp
-    return [e for e in range(1, model.num_experts + 1) if model.num_experts % e == 0 and ranks % e == 0]
 
 
 def routing_imbalance(model: ModelConfig, opts, rows_per_rank, ep):
@@ -322,8 +296,9 @@ def memory_terms(model: ModelConfig, opts, *, T, tp, cp, dp, ep, etp, zero, rc, 
 
 def expert_axes(model: ModelConfig, arrays: tuple, ok):
     """The search grid (tp, pp, cp, dp first, then the other axes) with (ep, etp) added: a dense model gets
-    ep = etp = 1; a MoE model every layout that passed (`ok`) once per valid pair, ep a divisor of num_experts
-    dividing tp*cp*dp/etp, etp 1 or tp. Returns (*arrays, ep, etp, ok)."""
+    ep = etp = 1; a MoE model every layout that passed (`ok`) once per (ep, etp) pair the expert-parallel rules
+    allow (paratrain.config.rules, the trainer's too: ep a divisor of num_experts dividing tp*cp*dp/etp, etp 1
+    or tp). Returns (*arrays, ep, etp, ok)."""
     if not model.num_experts:
         ones = np.ones(np.shape(arrays[0]), dtype=int)
         return (*arrays, ones, ones, ok)
@@ -336,6 +311,6 @@ def expert_axes(model: ModelConfig, arrays: tuple, ok):
                                                     indexing="ij"))
     ep = eps[j]
     etp = np.where(sharded == 1, tp[i], 1)
-    ranks = tp[i] * cp[i] * dp[i] // etp
-    valid = ((sharded == 0) | (tp[i] > 1)) & (model.moe_ffn % etp == 0) & (ranks % ep == 0)
+    # search policy: at tp = 1 the two etp choices are one layout (keep it once)
+    valid = ((sharded == 0) | (tp[i] > 1)) & mask(expert_view(model, tp[i], cp[i], dp[i], ep, etp), groups=EXPERT)
     return (*(a[i] for a in arrays), ep, etp, valid)
