@@ -279,10 +279,13 @@ def _system(catalog, name: str):
 def _eval_options(system, r: dict) -> Options:
     """The software of the run: its stack's defaults (plan.stacks, the same as `plan --stack`), attention
     kernel, FP8, TP comm overlap where the run names it (async TP / TE), eager PyTorch for torchtitan without
-    torch.compile."""
+    torch.compile, and the context-parallel K/V exchange where the run names one (csv column cp_comm: Llama 3's
+    all-gather; empty = the stack's)."""
+    cp_comm = {"cp_comm": r["cp_comm"]} if r.get("cp_comm") else {}
     return Options.for_system(system, attention=r["attention"], stack=r["stack"], fp8=r["precision"] == "fp8",
                               eager=r["stack"] == "fsdp2" and r["compile"] == "0",
-                              tp_comm_overlap=r["tp_overlap"] == "1", recompute_mlp=r["recompute"] == "selective_mlp")
+                              tp_comm_overlap=r["tp_overlap"] == "1", recompute_mlp=r["recompute"] == "selective_mlp",
+                              **cp_comm)
 
 
 def _best_published(model, system, nodes, seq, gbs, fixed, free, opts):

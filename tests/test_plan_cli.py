@@ -218,6 +218,28 @@ def test_stack_flag_restricts_the_search_and_sets_how_it_runs(capsys):
         search("llama2-7b", "p5.48xlarge", 4, 4096, 256, stack="jax")
 
 
+def test_gpu_usable_memory_is_hbm_less_the_cuda_context_and_nccl_buffers_per_group():
+    """GPUs: HBM as the device reports it less the CUDA context (287,047,680 bytes with lazy loading, pytorch PR
+    #86509) and 688 MiB of NCCL buffers per communicator the rank uses (NVIDIA/nccl issue #964): the world group
+    plus one per parallel dimension it communicates in (TP, DP over dp x cp, CP, PP, HSDP's replica group), so a
+    3D layout has less room than pure data parallelism; no fraction on top (fragmentation is not sized)."""
+    from paratrain.plan.model import process_groups
+
+    p5 = resolve_system("p5.48xlarge")
+    context, per_group = 287_047_680, 688 * 2**20
+    assert (p5.efficiency.runtime_reserved_bytes, p5.efficiency.comm_buffer_bytes_per_group) == (context, per_group)
+    assert p5.efficiency.memory_usable_fraction == 1.0
+    for layout, groups in ((Layout(tp=1, dp=16), 2), (Layout(tp=8, pp=2, sp=True), 3), (Layout(tp=4, pp=2, sp=True), 4),
+                           (Layout(tp=4, cp=2, dp=2), 4),
+                           (Layout(dp_kind="hsdp", zero_stage=3), 3)):
+        est = estimate("llama2-7b", "p5.48xlarge", 2, 4096, 32, layout)
+        assert est.memory_capacity_bytes == p5.device_memory_bytes - context - groups * per_group, layout
+    assert process_groups(8, 16, 128, 1, 128) == 4.0  # Llama 3 405B at 16,384 GPUs: world, TP, DP, PP
+    assert process_groups(1, 2, 8, 1, 8, ep=8) == 4.0  # MoE, EP 8 = DP 8: + the all-to-all group, no expert DP
+    assert process_groups(2, 8, 32, 1, 32, ep=32) == 6.0  # TP 2 x DP 32 over EP 32: expert DP 2 as well
+    assert resolve_system("trn1.32xlarge").efficiency.comm_buffer_bytes_per_group == 0  # Neuron: DMA rings, KBs
+
+
 def test_usable_memory_is_hbm_less_runtime_reservations_times_the_usable_fraction():
     """Neuron: 96 MiB microcode per physical NeuronCore (Neuron docs, device-memory.rst): one per trn1 rank, two
     per trn2 rank (LNC=2); the usable fraction applies to the rest."""

@@ -480,3 +480,27 @@ def test_recompute_mlp_sits_between_selective_and_full():
     assert mlp.memory_breakdown_bytes["activations"] < 0.6 * sel.memory_breakdown_bytes["activations"]
     assert sel.hfu * sel.step_time_s < mlp.hfu * mlp.step_time_s < full.hfu * full.step_time_s
     assert mlp.model_flops_per_step == sel.model_flops_per_step
+
+
+def test_context_parallel_kv_exchange_per_stack():
+    """Options.cp_comm: the ring (Megatron p2p) hides behind the attention blocks; Llama 3's all-gather is exposed
+    (forward all-gather, backward reduce-scatter of the gathered K/V bytes); torch's allgather rotate method
+    (torchtitan's default) hides its gather behind the local block only, so it costs less than the exposed
+    all-gather and more than nothing. The fsdp2 stack runs allgather_rotate, megatron the ring."""
+    from paratrain.plan.stacks import stack_options
+
+    p5 = resolve_system("p5.48xlarge")
+    model = PRESETS["llama3-8b"]
+    seq, cp, tp, m = 65536, 4, 8, 2
+    lay = Layout(tp=tp, cp=cp, sp=True, microbatch=1, recompute="full", zero_stage=1)
+    times = {kind: estimate(model, p5, cp * tp // 8, seq, m, lay, Options(cp_comm=kind)).time_breakdown_s["cp_comm"]
+             for kind in ("ring", "allgather", "allgather_rotate")}
+    kv_local = 2 * (seq / cp) * model.kv_dim / min(tp, model.n_kv_heads) * 2
+    gather = collective_time_s(p5, "allgather", cp * kv_local, cp, tp)
+    scatter = collective_time_s(p5, "reducescatter", cp * kv_local, cp, tp)
+    assert times["allgather"] == pytest.approx(m * model.layers * (gather + scatter))
+    assert times["ring"] == 0.0 < times["allgather_rotate"] < times["allgather"]
+    assert stack_options("fsdp2", p5.chip)["cp_comm"] == "allgather_rotate"
+    assert "cp_comm" not in stack_options("megatron", p5.chip) and Options().cp_comm == "ring"
+    with pytest.raises(ValueError, match="cp_comm = 'a2a': allowed: ring, allgather, allgather_rotate"):
+        Options(cp_comm="a2a")

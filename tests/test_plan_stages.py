@@ -199,7 +199,8 @@ def test_faster_split_that_would_not_fit_falls_back_to_balanced():
     even = estimate("llama3-8b", p5, 4, 8192, 256, Layout(**layout))
     assert auto.layout.pp_layers != even.layout.pp_layers
     assert auto.memory_per_device_bytes > even.memory_per_device_bytes and auto.fits
-    middle = (auto.memory_per_device_bytes + even.memory_per_device_bytes) / 2 / p5.device_memory_bytes
+    room = auto.memory_capacity_bytes / p5.efficiency.memory_usable_fraction  # HBM less the runtime's reservations
+    middle = (auto.memory_per_device_bytes + even.memory_per_device_bytes) / 2 / room
     tight = dataclasses.replace(p5, efficiency=dataclasses.replace(p5.efficiency, memory_usable_fraction=middle))
     kept = estimate("llama3-8b", tight, 4, 8192, 256, Layout(**layout, pp_layers="auto"))
     assert kept.layout.pp_layers == even.layout.pp_layers and kept.fits

@@ -107,8 +107,12 @@ class SystemEfficiency:
     memory_usable_fraction: float
     source: str
     # device memory the runtime holds before the training job allocates anything (Neuron: microcode per physical
-    # NeuronCore; GPUs: CUDA context, cuBLAS workspace, NCCL buffers); the usable fraction applies to the rest
+    # NeuronCore; GPUs: the CUDA context); the usable fraction applies to the rest
     runtime_reserved_bytes: int = 0
+    # device memory each communicator (process group) a rank communicates in holds for its buffers (NCCL's
+    # channels x buffers; plan.model counts the groups of the layout); 0 where the runtime's collectives need
+    # no sizeable buffers of their own (Neuron: DMA rings of a few KB, device-memory.rst)
+    comm_buffer_bytes_per_group: int = 0
 
 
 @dataclass(frozen=True)
@@ -287,6 +291,7 @@ STACK_FIELDS = {
 SYSTEM_EFF_FIELDS = {
     "dp_overlap": ("frac0", True), "tp_overlap": ("frac0", True), "memory_usable_fraction": ("frac", True),
     "source": ("str", True), "runtime_reserved_bytes": ("nonneg_int", False),
+    "comm_buffer_bytes_per_group": ("nonneg_int", False),
 }
 # The older form, a [systems.X.prices] table inside a system (still read from user files): each field becomes
 # one quote of the matching purchase option.

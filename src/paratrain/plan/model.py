@@ -31,6 +31,7 @@ SCHEDULES = PP_SCHEDULES
 ATTENTION_CONVENTION = "causal"
 CAUSAL_ATTENTION_FLOPS = 2.0
 ATTENTION = ("flash", "unfused")
+CP_COMM = ("ring", "allgather", "allgather_rotate")  # how context parallelism exchanges K/V (Options.cp_comm)
 
 BF16_BYTES = 2
 FLASH_BWD_MATMULS = 5  # per attention block in FlashAttention-2's backward (forward: 2)
@@ -113,6 +114,9 @@ class Options:
     (DeepEP / HybridEP, Megatron-Core's flex dispatcher); otherwise a flat all-to-all sends all k copies;
     moe_gemm_per_expert: the grouped expert GEMM is one GEMM launch per local expert (Transformer Engine's
     GroupedLinear on Hopper: multi-stream cuBLASLt), otherwise one launch for all (torch._grouped_mm, DeepGEMM).
+    cp_comm: how context parallelism exchanges K/V (CP_COMM; _context_parallel_s): "ring" (Megatron-Core's p2p,
+    hidden behind the attention blocks), "allgather" (one exposed all-gather, Llama 3's), "allgather_rotate"
+    (torch's context_parallel as torchtitan runs it: gathered behind the first block, dK/dV on a ring).
     """
 
     attention: str = "flash"
@@ -137,6 +141,7 @@ class Options:
     moe_fp8_dispatch: bool = False
     moe_hierarchical_dispatch: bool = False
     moe_gemm_per_expert: bool = False
+    cp_comm: str = "ring"
 
     @classmethod
     def for_system(cls, system: System, attention: str | None = None, stack: str | None = None, **kw) -> Options:
@@ -155,6 +160,8 @@ class Options:
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:
             raise ValueError(f"attention = {self.attention!r}: allowed: {', '.join(ATTENTION)}")
+        if self.cp_comm not in CP_COMM:
+            raise ValueError(f"cp_comm = {self.cp_comm!r}: allowed: {', '.join(CP_COMM)}")
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"grad_bytes = {self.grad_bytes}: allowed: 2, 4")
         if self.dp_overlap is not None and not 0 <= self.dp_overlap <= 1:
@@ -518,11 +525,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     tp_head_fwd = np.where(tp > 1, np.where(sp, half_ag_rs, 0.0) + 3 * ar_small, 0.0) * tp_exposed
     tp_head_bwd = np.where(tp > 1, np.where(sp, ag_rs, ar), 0.0) * tp_exposed
 
-    # -- context parallel: ring attention passes K and V (cp - 1) times; hidden behind attention compute --
-    kv_bytes = 2 * T * model.kv_dim / np.minimum(tp, model.n_kv_heads) * BF16_BYTES
-    cp_comm = np.where(cp > 1, (cp - 1) * p2p_time_s(system, kv_bytes, tp), 0.0)
-    cp_fwd = np.maximum(0.0, cp_comm - core)
-    cp_bwd = np.maximum(0.0, 2 * cp_comm - 2 * core)
+    # -- context parallel: the K/V exchange of the attention core, as the stack runs it (Options.cp_comm) --
+    cp_fwd, cp_bwd = _context_parallel_s(system, model, opts, T, tp, cp, core, core_bwd * core)
 
     layer_fwd = fwd_compute + tp_fwd + cp_fwd + a2a_fwd
     layer_bwd = bwd_compute + tp_bwd + cp_bwd + a2a_bwd
@@ -557,7 +561,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
 
     def memory_of(loads):
         return memory_per_device(model, system, seq, opts, T=T, tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, rc=rc,
-                                 sched=sched, v=v, m=m, zero=zero, dp_shard=dp_shard, loads=loads, moe=moe_mem)
+                                 sched=sched, v=v, m=m, zero=zero, dp_shard=dp_shard, loads=loads, moe=moe_mem,
+                                 ep=ep, etp=etp)
 
     balanced = balanced_loads(L, pp, v, v_shape)
     memory = None
@@ -672,6 +677,35 @@ def _calls_s(system, kind, total_bytes, calls, degree, stride):
     """`calls` collectives of equal size sharing `total_bytes`: the volume is paid once, the latency and
     per-call overhead `calls` times (what makes many small collectives slower than one large one)."""
     return calls * collective_time_s(system, kind, total_bytes / np.maximum(calls, 1), degree, stride)  # 0 calls: 0
+
+
+def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd):
+    """(forward, backward) exposed time of one layer's context-parallel K/V exchange (Options.cp_comm).
+
+    ring (Megatron-Core cp_comm_type p2p, ring attention): the K/V of the local tokens pass (cp - 1) times
+    between neighbours while the attention blocks compute; backward passes K/V and dK/dV. allgather (Dubey et al.
+    2024, Llama 3 sec. 3.3.2: "we first all-gather the key (K) and value (V) tensors, and then compute attention
+    output for the local query (Q) tensor chunk"; "the all-gather communication latency is exposed in the critical
+    path"): one all-gather of K/V before the attention forward, the reduce-scatter of dK/dV after its backward,
+    both exposed. allgather_rotate (torch.distributed.tensor context_parallel with rotate method "allgather",
+    torchtitan's default context_parallel_rotate_method: "all-gather all kv shards on ranks after the first
+    sub-SDPA computation"): the gather hides only behind the local block's attention (1/cp of it); backward
+    gathers K/V again the same way and rotates dK/dV around a ring in fp32 (its dkv_rotater is always
+    ALL_TO_ALL, convert_to_f32), hidden behind the other blocks' backward."""
+    kv_local = 2 * T * model.kv_dim / np.minimum(tp, model.n_kv_heads) * BF16_BYTES  # K and V of local tokens
+    if opts.cp_comm == "ring":
+        ring = (cp - 1) * p2p_time_s(system, kv_local, tp)
+        fwd, bwd = np.maximum(0.0, ring - core_fwd), np.maximum(0.0, 2 * ring - 2 * core_fwd)
+    else:
+        gather = collective_time_s(system, "allgather", cp * kv_local, cp, tp)
+        if opts.cp_comm == "allgather":
+            fwd = gather
+            bwd = collective_time_s(system, "reducescatter", cp * kv_local, cp, tp)
+        else:
+            dkv_ring = (cp - 1) * p2p_time_s(system, 2 * kv_local, tp)  # fp32: twice the bf16 K/V bytes
+            fwd = np.maximum(0.0, gather - core_fwd / cp)
+            bwd = np.maximum(0.0, gather - core_bwd / cp) + np.maximum(0.0, dkv_ring - core_bwd * (cp - 1) / cp)
+    return np.where(cp > 1, fwd, 0.0), np.where(cp > 1, bwd, 0.0)
 
 
 def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, kind, m, stage_fwd, stage_bwd,
@@ -799,8 +833,22 @@ def inflight_microbatches(sched, pp, v, m, rank=0):
     return np.select([sched == 0, sched == 2, sched >= 3], [m, interleaved, np.minimum(pp, m)], one_f_one_b)
 
 
+def process_groups(tp, pp, dp, cp, dp_shard, ep=1, etp=1):
+    """Communicators one rank holds buffers for: the default (world) group, which every launcher's barrier
+    uses, plus each parallel dimension it communicates in: TP, data parallel (dp x cp ranks reduce gradients
+    together), CP's attention exchange, PP's sends (one group of neighbours), HSDP's replica group across the
+    shards, and for a MoE model the expert all-to-all group and the experts' own data-parallel group
+    (tp x cp x dp / (etp x ep) ranks). NCCL allocates each communicator's buffers at its first collective
+    (NVIDIA/nccl issue #986: more communicators, more memory)."""
+    tp, cp, ep = (np.asarray(x, dtype=float) for x in (tp, cp, ep))
+    dp_group = np.asarray(dp) * cp
+    expert_dp = tp * dp_group / (np.asarray(etp) * ep)
+    return (1.0 + (tp > 1) + (dp_group > 1) + (cp > 1) + (np.asarray(pp) > 1) + (np.asarray(dp_shard) < dp_group)
+            + (ep > 1) + ((ep > 1) & (expert_dp > 1)))
+
+
 def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sched, v, m, zero, dp_shard,
-                      loads: Loads | None = None, moe: dict | None = None):
+                      loads: Loads | None = None, moe: dict | None = None, ep=1, etp=1):
     """Memory of the rank that needs the most (loads: layers per rank, default the balanced split). Each rank
     holds its own schedule's microbatches in flight: the first rank the most, the last (with the head and its
     logits) the fewest, the inner ranks counted as the second, the most loaded of them. moe: plan.moe.memory_terms,
@@ -841,7 +889,9 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     weights, grads, optimizer, activations = np.take_along_axis(parts, worst[None, None], axis=0)[0]
     total = weights + grads + optimizer + activations
     eff = system.efficiency
-    capacity = (system.device_memory_bytes - eff.runtime_reserved_bytes) * eff.memory_usable_fraction
+    groups = process_groups(tp, pp, dp, cp, dp_shard, ep, etp)
+    reserved = eff.runtime_reserved_bytes + groups * eff.comm_buffer_bytes_per_group
+    capacity = (system.device_memory_bytes - reserved) * eff.memory_usable_fraction
     return {"memory_weights_bytes": weights, "memory_grads_bytes": grads, "memory_optimizer_bytes": optimizer,
             "memory_activations_bytes": activations, "memory_per_device_bytes": total,
             "memory_capacity_bytes": capacity * np.ones_like(total), "fits": total <= capacity}

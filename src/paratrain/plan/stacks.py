@@ -41,11 +41,14 @@ STACKS: dict[str, Stack] = {
 # moe_gemm_per_expert: Megatron-Core's TEGroupedMLP runs Transformer Engine's GroupedLinear, which on Hopper
 # launches one cuBLASLt GEMM per local expert over several streams (TE PR #853 "Grouped GEMM via multi-stream
 # cuBLAS"; TE issue #1386: cuBLAS grouped/CUTLASS were slower for the MoE shapes measured, so not used).
+# cp_comm (plan.model._context_parallel_s): torchtitan runs torch's context_parallel with its default rotate method
+# (job_config parallelism.context_parallel_rotate_method = "allgather"); Megatron-Core's default cp_comm_type is
+# "p2p", the ring (the Options default).
 STACK_OPTIONS: dict[str, dict] = {
     "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
     "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "overlap_param_gather": True, "fp8_weight_cache": True,
                  "moe_gemm_per_expert": True},
-    "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
+    "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "cp_comm": "allgather_rotate"},
     "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
 }
 GPU_ONLY = {"tp_comm_overlap", "moe_gemm_per_expert"}  # NVIDIA userbuffers / symmetric memory; Transformer Engine
