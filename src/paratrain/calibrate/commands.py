@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 from paratrain.cli import Output, command, opt, print_json, show
 from paratrain.device import CPU, CUDA, NEURON
@@ -78,14 +76,11 @@ class CalibrateArgs(Output):
 
 @command("probe", ProbeArgs, "measure this machine and write a hardware file for the planner", PROBE_HELP)
 def run_probe_cmd(args) -> None:
-    from paratrain.calibrate.probe import hardware_toml, probe_json, run_probe
+    from paratrain.calibrate.probe import run_probe, write_probe
     from paratrain.calibrate.session import print_probe
 
     res = run_probe(args.device, list(args.groups), quick=args.quick, log=lambda m: None if args.json else print(m))
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(hardware_toml(res, args.name, args.ranks))
-    out.with_suffix(".probe.json").write_text(json.dumps(probe_json(res), indent=2))
+    out = write_probe(res, args.out, args.name, args.ranks)
     show(args, {"matmul_tflops_by_size": res.matmul_tflops_by_size, "link_fit": res.link_fit, "hardware_file": str(out),
                 "memory_bw_gbytes_per_s": res.memory_bw_gbytes_per_s, "collective_fits": res.fits},
          lambda: print_probe(res, out))

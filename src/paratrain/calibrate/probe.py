@@ -17,6 +17,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 
@@ -301,6 +302,17 @@ def probe_json(res: ProbeResult) -> dict:
             "matmul_tflops_by_size": {str(k): v for k, v in res.matmul_tflops_by_size.items()},
             "memory_bw_gbytes_per_s": res.memory_bw_gbytes_per_s, "collective_fits": res.fits,
             "collectives": res.collectives}
+
+
+def write_probe(res: ProbeResult, out: str, name: str, ranks: int | None) -> Path:
+    """The hardware file `out` (for the planner) and the raw measurements beside it (<out>.probe.json)."""
+    import json
+
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(hardware_toml(res, name, ranks))
+    path.with_suffix(".probe.json").write_text(json.dumps(probe_json(res), indent=2))
+    return path
 
 
 def _memory_bytes() -> int:

@@ -19,7 +19,13 @@ from paratrain.config.layout import (
     resolve_degrees,
     view_of,
 )
-from paratrain.config.load import dump_config, format_validation_error, load_config, parse_override
+from paratrain.config.load import (
+    dump_config,
+    format_validation_error,
+    load_config,
+    parse_override,
+    resolved_config,
+)
 from paratrain.config.pipeline import (
     PipelineLayout,
     balanced_layers,
@@ -64,6 +70,6 @@ __all__ = [
     "ModelSection", "OptimSection", "ParallelSection", "PipelineLayout", "Section", "StalenessSection",
     "TrainConfig", "TrainSection", "balanced_layers", "check_batch_layout", "check_launch", "check_cp_layout",
     "check_parallel_config", "check_pipeline_layout", "check_pp_layers", "check_stages", "check_tp_layout",
-    "chunks_per_rank", "dump_config", "effective_dp", "format_validation_error", "load_config", "parse_override",
+    "chunks_per_rank", "dump_config", "effective_dp", "format_validation_error", "load_config", "parse_override", "resolved_config",
     "plan_pipeline", "precision_bytes", "reference_markdown", "resolve_degrees", "stage_reshard_after_forward",
 ]

@@ -63,3 +63,14 @@ def dump_config(cfg: TrainConfig) -> str:
     import tomli_w
 
     return tomli_w.dumps(cfg.model_dump(exclude_none=True))
+
+
+def resolved_config(cfg: TrainConfig) -> str:
+    """`paratrain config`'s output: the config with every default filled in, after the checks that need no world
+    size (pipeline stages vs layers, schedule, microbatches), and the model's size as a comment."""
+    from paratrain.config.pipeline import check_pipeline_layout
+
+    if cfg.parallel.pp > 1 or cfg.parallel.pp_layers is not None:
+        check_pipeline_layout(cfg, cfg.parallel.dp if cfg.parallel.dp > 0 else None)  # dp=-1: known at launch
+    shape = cfg.model_shape()
+    return dump_config(cfg) + f"# model: {shape.name}, {shape.num_params() / 1e6:,.2f}M parameters\n"

@@ -6,6 +6,7 @@ import json
 import os
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 from paratrain.cli import ConfigArgs, Output, RunFiles, command, opt
 
@@ -96,16 +97,14 @@ def run_train(args, faults=None) -> int:
     summary = train(cfg, resume_from=args.resume_from, faults=faults)
     if joined_here:
         shutdown_distributed()  # torchrun's ranks exit together, with no gloo thread left running
+    ran = not summary.get("nothing_to_train")  # said in one line by the loop; no summary of a run that did not run
     if summary["rank"] == 0:
         if args.json:
             print(json.dumps(summary))
-        if summary.get("nothing_to_train"):  # said in one line by the loop; no summary of a run that did not run
-            return 0
-        if not args.json:
+        elif ran:
             print_summary(summary)
-        if args.summary_json:
-            with open(args.summary_json, "w") as fh:
-                json.dump(summary, fh, indent=2)
+        if args.summary_json and ran:
+            Path(args.summary_json).write_text(json.dumps(summary, indent=2))
     for error in summary.get("errors", []):  # e.g. the final save failed: the run did not end well
         print(f"paratrain train: error: {error}", file=sys.stderr)
     return 1 if summary.get("errors") else 0
@@ -132,14 +131,8 @@ def run_prepare(args) -> None:
 @command("config", ConfigCheckArgs, "validate a config and print it fully resolved (defaults filled in)",
          config_keys=True)
 def run_config(args) -> None:
-    from paratrain.config import check_pipeline_layout, dump_config, load_config, reference_markdown
+    from paratrain.config import load_config, reference_markdown, resolved_config
 
     if args.reference:
-        print(reference_markdown())
-        return
-    cfg = load_config(args.config, args.set)
-    if cfg.parallel.pp > 1 or cfg.parallel.pp_layers is not None:  # stages vs layers, schedule, microbatches
-        check_pipeline_layout(cfg, cfg.parallel.dp if cfg.parallel.dp > 0 else None)  # dp=-1: known at launch
-    print(dump_config(cfg), end="")
-    shape = cfg.model_shape()
-    print(f"# model: {shape.name}, {shape.num_params() / 1e6:,.2f}M parameters")
+        return print(reference_markdown())
+    print(resolved_config(load_config(args.config, args.set)), end="")
