@@ -32,7 +32,8 @@ def resolve_degrees(pcfg: ParallelSection, world_size: int) -> dict[str, int]:
     if pcfg.dp_kind == "hsdp" and dp % pcfg.dp_replicate:
         raise ValueError(f"parallel.dp_replicate={pcfg.dp_replicate} must divide the data-parallel size {dp} "
                          f"(hsdp: dp = dp_replicate x dp_shard)")
-    check(view_of(None, pcfg, 0, dp=dp), groups=("ep_fold",))  # ep borrows dp, cp (and tp when etp = 1) ranks
+    # ep borrows dp, cp (and tp when etp = 1) ranks; with hsdp of one shard group
+    check(view_of(None, pcfg, 0, dp=dp), groups=("ep_fold", "ep_hsdp"))
     return {"pp": pcfg.pp, "dp": dp, "cp": pcfg.cp, "tp": pcfg.tp}  # ep: a refold of dp x cp x tp (mesh.py)
 
 
@@ -42,7 +43,8 @@ def view_of(model_cfg: ModelConfig, pcfg: ParallelSection, seq_len: int, global_
     return View(tp=pcfg.tp, pp=pcfg.pp, cp=pcfg.cp, sp=pcfg.sp, schedule=pcfg.pp_schedule,
                 virtual_stages=pcfg.virtual_stages, dp_kind=pcfg.dp_kind, zero=zero_stage_of(pcfg), seq=seq_len,
                 model=model_cfg, dp=dp if dp is not None else (pcfg.dp if pcfg.dp > 0 else None),
-                microbatch=microbatch, global_batch=global_batch, ep=pcfg.ep, etp=pcfg.etp)
+                microbatch=microbatch, global_batch=global_batch, ep=pcfg.ep, etp=pcfg.etp,
+                dp_replicate=pcfg.dp_replicate)
 
 
 def check_tp_layout(model_cfg: ModelConfig, tp: int, sp: bool, seq_len: int) -> None:

@@ -56,6 +56,7 @@ class View:
     global_batch: object = None
     ep: object = 1
     etp: object = 1
+    dp_replicate: object = 1  # hsdp's replica groups (dp = dp_replicate x dp_shard)
 
     @property
     def chunks(self):
@@ -210,9 +211,11 @@ RULES: tuple[Rule, ...] = (
     Rule("etp_token_split", lambda v: _or(v.model.num_experts == 0, _or(v.tp == 1, v.etp == v.tp)),
          lambda v: _not_yet(v, f"parallel.etp=1 with parallel.tp={v.tp} (ep borrowing tp ranks)", f"etp={v.tp}"),
          runtime_only=True),
-    Rule("ep_hsdp", lambda v: _or(v.ep == 1, _not(_coded(v.dp_kind, ("hsdp",), DP_KINDS))),
-         lambda v: _not_yet(v, f"parallel.dp_kind='hsdp' with parallel.ep={v.ep}", "dp_kind ddp or fsdp"),
-         runtime_only=True),
+    # hsdp: ep borrows ranks of one shard group, never across replicas (torchtitan's dp_shard_in_ep, mesh.py)
+    Rule("ep_hsdp", lambda v: _or(_not(_coded(v.dp_kind, ("hsdp",), DP_KINDS)), _shard_ranks(v) % np.maximum(v.ep, 1) == 0),
+         lambda v: f"parallel.ep={v.ep} with parallel.dp_kind='hsdp': ep must divide the ranks of one shard group "
+                   f"refolded for the experts, dp/dp_replicate*cp*tp/etp = {_shard_ranks(v)}; allowed: divisors of "
+                   f"{_shard_ranks(v)}", needs_dp=True, runtime_only=True),
     # -- batch and microbatches (need dp) ---------------------------------------------------------------------
     Rule("global_batch_dp", lambda v: v.global_batch % np.maximum(v.dp, 1) == 0,
          lambda v: f"train.global_batch={v.global_batch} must be divisible by the data-parallel size {v.dp}; "
@@ -247,6 +250,11 @@ def _etp_valid(v):
 def _stage_ranks(v):
     """The dp x cp x tp ranks of one pipeline stage over etp: what ep must divide."""
     return v.dp * v.cp * v.tp // np.maximum(v.etp, 1)
+
+
+def _shard_ranks(v):
+    """hsdp: the ranks of one shard group (dp / dp_replicate x cp x tp) over etp."""
+    return _stage_ranks(v) // np.maximum(v.dp_replicate, 1)
 
 
 def _divisors(n: int) -> str:
