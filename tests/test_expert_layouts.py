@@ -75,7 +75,7 @@ def test_the_config_names_the_field_of_a_bad_expert_layout():
     with pytest.raises(ValueError, match="parallel.ep=4 must divide the ranks of a pipeline stage .* = 2"):
         resolve_degrees(make_config(MOE + ['parallel.ep=4']).parallel, 2)
     hsdp = make_config(MOE + ['parallel.ep=4', 'parallel.dp_kind="hsdp"', 'parallel.dp_replicate=2']).parallel
-    with pytest.raises(ValueError, match="parallel.ep=4 must divide the hsdp shard size dp / dp_replicate = 2"):
+    with pytest.raises(ValueError, match="parallel.ep=4 with parallel.dp_kind=.hsdp.: ep must divide the ranks of one shard group .* = 2"):
         resolve_degrees(hsdp, 4)  # ep borrows ranks of one shard group, never across replicas
 
 
