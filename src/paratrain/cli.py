@@ -189,6 +189,21 @@ def _add_command(sub, run, name: str, cls, help: str, description: str, epilog: 
     p.set_defaults(func=lambda args: run(check_options(cls, args)))
 
 
+def options_of(cls, names=None, **meta):
+    """The options of a part's own schema dataclass `cls`: one per field with a help text (in its metadata, with
+    any other `opt` keyword: bounds, env, ...), same name, type and default, so nothing is restated
+    (`from_options` builds the object back); a dataclass to inherit from. `names`: only these; `meta`: for each."""
+    hints, fields = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        if "help" in f.metadata and (names is None or f.name in names):
+            kw = {k: v for k, v in f.metadata.items() if k != "help"} | meta
+            if f.default is MISSING and f.default_factory is not MISSING:
+                kw["factory"] = f.default_factory
+            default = None if f.default is MISSING else f.default
+            fields.append((f.name, hints[f.name], opt(f.metadata["help"], default, **kw)))
+    return dataclasses.make_dataclass(f"{cls.__name__}Options", fields, kw_only=True)
+
+
 def from_options(cls, opts, **given):
     """An instance of the dataclass `cls` (a part's own schema) from the options of the same names; `given` wins."""
     names = {f.name for f in dataclasses.fields(cls)} & vars(opts).keys()

@@ -8,7 +8,7 @@ import os
 import sys
 from dataclasses import dataclass
 
-from paratrain.cli import ConfigArgs, Output, RunFiles, add_config_keys, add_options, command, opt, print_json
+from paratrain.cli import ConfigArgs, Output, RunFiles, command, opt, options_of, print_json
 from paratrain.launch.torchrun import (
     LaunchSpec,
     build_command,
@@ -61,32 +61,19 @@ Kubernetes, AWS trn1/p5) are in recipes/ and explained in docs/multinode.md.
 """
 
 
-NODES, RDZV, NET = "nodes and processes", "rendezvous and restarts", "network"
+NODES, RDZV = "nodes and processes", "rendezvous and restarts"
+RDZV_KEYS = ("rdzv_endpoint", "rdzv_id", "rdzv_backend", "rdzv_conf", "max_restarts", "monitor_interval_s")
 
 
 @dataclass(kw_only=True)
-class LaunchArgs(ConfigArgs, RunFiles, Output):
+class LaunchArgs(ConfigArgs, RunFiles, Output, options_of(LaunchSpec, ("local_addr", "ifname"), group="network"),
+                 options_of(LaunchSpec, RDZV_KEYS, group=RDZV), options_of(LaunchSpec, ("node_rank",), group=NODES)):
+    """The torchrun options of LaunchSpec (launch/torchrun.py), node counts as given (resolved at launch)."""
     nnodes: str = opt("node count N, or MIN:MAX for an elastic job", "1", env="PET_NNODES", group=NODES)
     nproc_per_node: str = opt("processes per node: a number, 'gpu' (one per accelerator device: CUDA GPU, logical "
                               "NeuronCore), 'auto' (one per accelerator device, else 1), or a catalog system (its "
                               "devices per node, e.g. trn2.48xlarge: 64)", "auto", env="PET_NPROC_PER_NODE",
                               group=NODES)
-    node_rank: int | None = opt("this node's rank for a static (non-elastic) rendezvous; omit for c10d",
-                                env="PET_NODE_RANK", group=NODES)
-    rdzv_endpoint: str | None = opt("HOST[:PORT] of the rendezvous (c10d store; or the master for static)",
-                                    env="PET_RDZV_ENDPOINT", group=RDZV)
-    rdzv_id: str = opt("job id shared by all nodes of one job", "paratrain", env="PET_RDZV_ID", group=RDZV)
-    rdzv_backend: str = opt("elastic rendezvous backend (c10d: no extra service)", "c10d", env="PET_RDZV_BACKEND",
-                            choices=["c10d", "etcd-v2"], group=RDZV)
-    rdzv_conf: list[str] = opt("rendezvous option, repeatable: join_timeout=900, last_call_timeout=30, is_host=1, "
-                               "... (default: PET_RDZV_CONF, comma-separated)", factory=list, metavar="KEY=VALUE",
-                               group=RDZV)
-    max_restarts: int = opt("worker-group restarts before the job fails; each restart resumes from the newest "
-                            "complete checkpoint", 0, env="PET_MAX_RESTARTS", group=RDZV)
-    monitor_interval_s: float | None = opt("time between worker health checks", group=RDZV)
-    local_addr: str | None = opt("address this node advertises to the others (default: its FQDN)", group=NET)
-    ifname: str | None = opt("network interface for gloo/NCCL bootstrap (sets GLOO_SOCKET_IFNAME and "
-                             "NCCL_SOCKET_IFNAME), e.g. eth0 or ens5", group=NET)
     hybrid_shard: bool = opt("HSDP across nodes: parallel.dp_kind=hsdp, dp_replicate = nnodes (nnodes/pp)")
     dry_run: bool = opt("print the torchrun command and placement; run nothing")
     extra: list[str] = opt("more `paratrain train` arguments, after --", positional=True, nargs="*", factory=list)
@@ -95,6 +82,8 @@ class LaunchArgs(ConfigArgs, RunFiles, Output):
 def merge_extra(args) -> None:
     """Fold `paratrain train` arguments given after `--` into args, so the layout check sees the same config
     the workers will load."""
+    from paratrain.cli import add_config_keys, add_options
+
     p = argparse.ArgumentParser(prog="paratrain launch ... --", add_help=False)
     add_options(p, ConfigArgs)  # train's own options (those launch passes on), and its config keys
     add_options(p, RunFiles)

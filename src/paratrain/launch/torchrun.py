@@ -68,15 +68,25 @@ class LaunchSpec:
 
     nnodes: NodeRange
     nproc_per_node: int
-    node_rank: int | None = None  # set = static rendezvous (every node knows its rank)
-    rdzv_endpoint: str | None = None
-    rdzv_id: str = "paratrain"
-    rdzv_backend: str = "c10d"
-    rdzv_conf: list[str] = field(default_factory=list)
-    max_restarts: int = 0
-    monitor_interval_s: float | None = None
-    local_addr: str | None = None
-    ifname: str | None = None
+    # Each field's help is its `paratrain launch` option's; env: torchrun's variable that is its default when set.
+    node_rank: int | None = field(default=None, metadata={  # set = static rendezvous (every node knows its rank)
+        "help": "this node's rank for a static (non-elastic) rendezvous; omit for c10d", "env": "PET_NODE_RANK"})
+    rdzv_endpoint: str | None = field(default=None, metadata={
+        "help": "HOST[:PORT] of the rendezvous (c10d store; or the master for static)", "env": "PET_RDZV_ENDPOINT"})
+    rdzv_id: str = field(default="paratrain", metadata={"help": "job id shared by all nodes of one job",
+                                                        "env": "PET_RDZV_ID"})
+    rdzv_backend: str = field(default="c10d", metadata={"help": "elastic rendezvous backend (c10d: no extra service)",
+                                                        "env": "PET_RDZV_BACKEND", "choices": ["c10d", "etcd-v2"]})
+    rdzv_conf: list[str] = field(default_factory=list, metadata={
+        "help": "rendezvous option, repeatable: join_timeout=900, last_call_timeout=30, is_host=1, ... (default: "
+                "PET_RDZV_CONF, comma-separated)", "metavar": "KEY=VALUE"})
+    max_restarts: int = field(default=0, metadata={"help": "worker-group restarts before the job fails; each restart "
+                              "resumes from the newest complete checkpoint", "env": "PET_MAX_RESTARTS"})
+    monitor_interval_s: float | None = field(default=None, metadata={"help": "time between worker health checks"})
+    local_addr: str | None = field(default=None, metadata={
+        "help": "address this node advertises to the others (default: its FQDN)"})
+    ifname: str | None = field(default=None, metadata={"help": "network interface for gloo/NCCL bootstrap (sets "
+                               "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME), e.g. eth0 or ens5"})
     train_args: list[str] = field(default_factory=list)
     python: str = sys.executable
 

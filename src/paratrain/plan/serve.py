@@ -173,7 +173,8 @@ def serving_efficiency(system: System, stack: str | None = None, path: Path | No
 
 @dataclass(frozen=True)
 class Replica:
-    """One serving replica: tp x pp devices, weight / KV-cache precision, optional speculative decoding.
+    """One serving replica: tp x pp devices, weight / KV-cache precision, optional speculative decoding (each
+    field's help is its `paratrain serve` option's).
 
     ep (mixture-of-experts models): the experts of a layer are spread whole over ep of the stage's tp devices
     (expert parallelism; ep must divide tp and the experts), each token's hidden state sent to the devices of
@@ -183,14 +184,14 @@ class Replica:
     spec_tokens: draft tokens per step (0 = off); spec_accept: probability each is accepted; draft: the
     draft model (a preset name or ModelConfig), run on the same devices with the same tp."""
 
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    weights: str = "bf16"
-    kv: str = "bf16"
-    spec_tokens: int = 0
-    spec_accept: float = 0.7
-    draft: str | None = None
+    tp: int = field(default=1, metadata={"help": "tensor parallel degree of a replica"})
+    pp: int = field(default=1, metadata={"help": "pipeline parallel degree of a replica"})
+    ep: int = field(default=1, metadata={"help": "expert parallel degree (mixture-of-experts models; divides tp)"})
+    weights: str = field(default="bf16", metadata={"help": "weight precision: bf16, fp8, int8, int4 (weight-only)"})
+    kv: str = field(default="bf16", metadata={"help": "KV-cache precision: bf16, fp8, int8"})
+    spec_tokens: int = field(default=0, metadata={"help": "speculative decoding: draft tokens per step"})
+    spec_accept: float = field(default=0.7, metadata={"help": "probability a draft token is accepted"})
+    draft: str | None = field(default=None, metadata={"help": "draft model (preset or TOML) for speculative decoding"})
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep"):
@@ -509,9 +510,11 @@ class Target:
     rate: float
     prompt: int
     output: int
-    ttft_s: float | None = None
-    itl_s: float | None = None
-    max_utilization: float = 0.8
+    ttft_s: float | None = field(default=None, metadata={"help": "time-to-first-token target", "gt": 0})
+    itl_s: float | None = field(default=None, metadata={"help": "inter-token latency target (time per output token)",
+                                                        "gt": 0})
+    max_utilization: float = field(default=0.8, metadata={"help": "share of replica capacity to plan for (queueing "
+                                                                  "headroom)", "gt": 0})
 
     def __post_init__(self) -> None:
         if not self.rate > 0:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.cli import PURCHASE_HELP, Output, UserError, command, from_options, opt, show
+from paratrain.cli import PURCHASE_HELP, Output, UserError, command, from_options, opt, options_of, show
 from paratrain.hardware.catalog import PURCHASE_OPTIONS
-from paratrain.plan.serve import KV_PRECISIONS, WEIGHT_PRECISIONS, serving_stacks
+from paratrain.plan.serve import KV_PRECISIONS, WEIGHT_PRECISIONS, Replica, Target, serving_stacks
+from paratrain.sim.serving import Engine
 
 SERVE_HELP = """\
 Serving: how many chips of which kind serve a request rate at a latency target, and what a million tokens
@@ -37,21 +38,11 @@ class ServeOn(ServeModel):
 
 
 @dataclass(kw_only=True)
-class ReplicaArgs(ServeOn):
-    tp: int = opt("tensor parallel degree of a replica", 1)
-    pp: int = opt("pipeline parallel degree of a replica", 1)
-    ep: int = opt("expert parallel degree (mixture-of-experts models; divides tp)", 1)
-    weights: str = opt("weight precision: bf16, fp8, int8, int4 (weight-only)", "bf16")
-    kv: str = opt("KV-cache precision: bf16, fp8, int8", "bf16")
-    spec_tokens: int = opt("speculative decoding: draft tokens per step", 0)
-    spec_accept: float = opt("probability a draft token is accepted", 0.7)
-    draft: str | None = opt("draft model (preset or TOML) for speculative decoding")
+class ReplicaArgs(ServeOn, options_of(Replica)):
+    """One replica: the serving Replica's fields (plan/serve.py) are the options."""
 
 
-@dataclass(kw_only=True)
-class Latency:
-    ttft_s: float | None = opt("time-to-first-token target", gt=0)
-    itl_s: float | None = opt("inter-token latency target (time per output token)", gt=0)
+Latency = options_of(Target, ("ttft_s", "itl_s"))
 
 
 @dataclass(kw_only=True)
@@ -75,9 +66,8 @@ class EstimateArgs(ReplicaArgs, Lengths):
 
 
 @dataclass(kw_only=True)
-class PlanArgs(ServeOn, Lengths, Latency, Prices):
+class PlanArgs(ServeOn, Lengths, Prices, options_of(Target)):
     rate: float = opt("requests per second to serve", required=True, gt=0)
-    max_utilization: float = opt("share of replica capacity to plan for (queueing headroom)", 0.8, gt=0)
     weights: tuple[str, ...] = opt("weight precisions to search, comma-separated (bf16,fp8,int8,int4)", ("bf16",),
                                    choices=tuple(WEIGHT_PRECISIONS))
     kv: tuple[str, ...] = opt("KV-cache precisions to search, comma-separated", ("bf16",), choices=tuple(KV_PRECISIONS))
@@ -99,15 +89,13 @@ class RecommendArgs(ServeModel, Latency, Prices):
 
 
 @dataclass(kw_only=True)
-class SimulateArgs(ReplicaArgs, Latency):
+class SimulateArgs(ReplicaArgs, Latency, options_of(Engine)):
     prompt_tokens: str | None = opt("input tokens per request: N, or LO:HI (uniform)")
     output_tokens: str | None = opt("output tokens per request: N, or LO:HI (uniform)")
     rate: str | None = opt("Poisson requests/s: one value, or LO:HI:N for N rates")
     trace: str | None = opt("given arrivals instead of --rate: a CSV with columns arrival_s,prompt,output",
                             metavar="CSV")
     requests: int = opt("requests per rate", 1000, ge=1)
-    token_budget: int = opt("tokens per iteration (chunked prefill)", 8192, ge=1)
-    max_seqs: int = opt("most sequences running at once", 256, ge=1)
     seed: int = opt("random seed", 0)
 
 
@@ -124,7 +112,7 @@ GROUPS = [("serve", "serving capacity, latency and cost (estimate/plan/recommend
 
 @command("serve estimate", EstimateArgs, "latency, throughput and memory of one replica at one batch")
 def cmd_estimate(args) -> None:
-    from paratrain.plan.serve import Replica, estimate
+    from paratrain.plan.serve import estimate
     from paratrain.plan.serve_report import print_estimate, print_estimates
 
     model, system, eff = _load(args)
@@ -139,7 +127,7 @@ def cmd_estimate(args) -> None:
 def cmd_plan(args) -> None:
     from paratrain.cost.commands import parse_prices
     from paratrain.cost.serving import serving_cost
-    from paratrain.plan.serve import Target, plan
+    from paratrain.plan.serve import plan
     from paratrain.plan.serve_report import print_plan
     from paratrain.sim.serving import simulate_deployment
 
@@ -179,9 +167,9 @@ def cmd_recommend(args) -> None:
 def cmd_simulate(args) -> None:
     import time
 
-    from paratrain.plan.serve import Replica, check_replica
+    from paratrain.plan.serve import check_replica
     from paratrain.plan.serve_report import print_sweep
-    from paratrain.sim.serving import Engine, Slo, simulate_requests
+    from paratrain.sim.serving import Slo, simulate_requests
 
     model, system, eff = _load(args)
     rep = from_options(Replica, args)

@@ -46,8 +46,8 @@ class Engine:
     """Scheduler limits: token_budget tokens per iteration (vLLM max_num_batched_tokens), max_seqs running
     sequences (max_num_seqs); kv_tokens: KV-cache capacity in tokens per replica (None: from memory)."""
 
-    token_budget: int = 8192
-    max_seqs: int = 256
+    token_budget: int = field(default=8192, metadata={"help": "tokens per iteration (chunked prefill)", "ge": 1})
+    max_seqs: int = field(default=256, metadata={"help": "most sequences running at once", "ge": 1})
     kv_tokens: int | None = None
 
     def __post_init__(self) -> None:
