@@ -504,3 +504,19 @@ def test_context_parallel_kv_exchange_per_stack():
     assert "cp_comm" not in stack_options("megatron", p5.chip) and Options().cp_comm == "ring"
     with pytest.raises(ValueError, match="cp_comm = 'a2a': allowed: ring, allgather, allgather_rotate"):
         Options(cp_comm="a2a")
+
+
+def test_nxd_pipeline_sends_are_pair_allgathers(box):
+    """NxD sends a stage's activation as an all-gather over the [sender, receiver] pair, the receiver
+    contributing zeros of the same size (neuronx_distributed/pipeline/comm.py): every rank's links carry twice
+    the bytes, so the pipeline's send time is that of a point-to-point send of twice the activation."""
+    from paratrain.plan.stacks import stack_options
+
+    model = PRESETS["small"]
+    lay, seq, m = Layout(tp=2, pp=4, dp=1, sp=True, microbatch=1), 256, 4
+    plain = estimate(model, box, 1, seq, m, lay, Options()).time_breakdown_s["pp_comm"]
+    pair = estimate(model, box, 1, seq, m, lay, Options(p2p_pair_allgather=True)).time_breakdown_s["pp_comm"]
+    shard = seq * model.hidden * 2 / 2  # the SP shard of one microbatch's activation, bf16, tp 2
+    assert plain == pytest.approx(m * 2 * p2p_time_s(box, shard, 2))
+    assert pair == pytest.approx(m * 2 * p2p_time_s(box, 2 * shard, 2))
+    assert stack_options("nxd", box.chip)["p2p_pair_allgather"] is True

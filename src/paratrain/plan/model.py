@@ -117,6 +117,10 @@ class Options:
     cp_comm: how context parallelism exchanges K/V (CP_COMM; _context_parallel_s): "ring" (Megatron-Core's p2p,
     hidden behind the attention blocks), "allgather" (one exposed all-gather, Llama 3's), "allgather_rotate"
     (torch's context_parallel as torchtitan runs it: gathered behind the first block, dK/dV on a ring).
+    p2p_pair_allgather: each pipeline send is an all-gather over the [sender, receiver] pair in which the
+    receiver contributes a zero buffer of the same size (neuronx_distributed/pipeline/comm.py send/recv_from:
+    "Use all_gather instead of all_reduce for send/recv", the default; XLA has no point-to-point), so a rank
+    transmits twice the activation bytes a point-to-point send would.
     """
 
     attention: str = "flash"
@@ -142,6 +146,7 @@ class Options:
     moe_hierarchical_dispatch: bool = False
     moe_gemm_per_expert: bool = False
     cp_comm: str = "ring"
+    p2p_pair_allgather: bool = False
 
     @classmethod
     def for_system(cls, system: System, attention: str | None = None, stack: str | None = None, **kw) -> Options:
@@ -543,7 +548,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     # what a stage sends per rank: the SP shard, or with Megatron's scatter/gather 1/t of the replicated
     # activation; paratrain's runtime without SP sends it whole
     p2p_bytes = act_bytes / np.where(sp | opts.p2p_scatter_gather, tp, 1.0)
-    p2p = np.where(pp > 1, p2p_time_s(system, p2p_bytes, stride_pp), 0.0)
+    # NxD's pipeline sends are 2-rank all-gathers in which the receiver transmits a buffer of the same size too
+    # (Options.p2p_pair_allgather): every rank's links carry twice the bytes it sends
+    p2p = np.where(pp > 1, p2p_time_s(system, p2p_bytes * (2.0 if opts.p2p_pair_allgather else 1.0), stride_pp), 0.0)
     chunks = np.where(sched >= 2, v, 1.0)
     p2p_per_mb = 2 * chunks * p2p  # forward send + backward send per chunk
 
