@@ -91,3 +91,24 @@ def test_estimate_takes_the_expert_layout(capsys):
     assert json.loads(capsys.readouterr().out)["layout"]["ep"] == 4
     assert main(["estimate", "--model", "llama2-7b", "--hardware", "p5.48xlarge", "--nodes", "2", "--ep", "4"]) == 2
     assert "needs a mixture-of-experts model" in capsys.readouterr().err
+
+
+def test_schema_options_are_the_schemas_fields(capsys):
+    """serve's replica options are generated from plan.serve.Replica (options_of): the same names and defaults,
+    so the options build the schema object back unchanged (from_options), and a schema bound is checked."""
+    import dataclasses
+
+    from paratrain.cli import check_options, from_options
+    from paratrain.plan.serve import Replica
+    from paratrain.plan.serve_commands import SimulateArgs
+    from paratrain.sim.serving import Engine
+
+    def parsed(*flags):
+        argv = ["serve", "simulate", "--model", "llama3-8b", "--hardware", "p5.48xlarge", *flags]
+        return check_options(SimulateArgs, build_parser().parse_args(argv))
+
+    assert from_options(Replica, parsed()) == Replica() and from_options(Engine, parsed()) == Engine()
+    assert from_options(Replica, parsed("--tp", "2", "--kv", "fp8")) == Replica(tp=2, kv="fp8")
+    assert {f.name for f in dataclasses.fields(Replica)} <= {f.name for f in dataclasses.fields(SimulateArgs)}
+    assert main(["serve", "simulate", "--model", "llama3-8b", "--hardware", "p5.48xlarge", "--max-seqs", "0"]) == 2
+    assert "--max-seqs = 0: must be >= 1" in capsys.readouterr().err
