@@ -70,6 +70,7 @@ __all__ = [
     "ModelSection", "OptimSection", "ParallelSection", "PipelineLayout", "Section", "StalenessSection",
     "TrainConfig", "TrainSection", "balanced_layers", "check_batch_layout", "check_launch", "check_cp_layout",
     "check_parallel_config", "check_pipeline_layout", "check_pp_layers", "check_stages", "check_tp_layout",
-    "chunks_per_rank", "dump_config", "effective_dp", "format_validation_error", "load_config", "parse_override", "resolved_config",
-    "plan_pipeline", "precision_bytes", "reference_markdown", "resolve_degrees", "stage_reshard_after_forward",
+    "chunks_per_rank", "dump_config", "effective_dp", "format_validation_error", "load_config", "parse_override",
+    "plan_pipeline", "precision_bytes", "reference_markdown", "resolve_degrees", "resolved_config",
+    "stage_reshard_after_forward",
 ]
