@@ -7,7 +7,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.cli import ConfigArgs, Output, command, opt, show
+from paratrain.cli import ConfigArgs, Output, command, from_options, opt, options_of, show
+from paratrain.infer.sampling import Sampling
 
 HELP = """\
 Generate from a model trained by paratrain (a checkpoint of its run) or imported (model.hf_path), with a KV
@@ -25,16 +26,12 @@ serving model's calibration input, docs/serving.md).
 
 
 @dataclass(kw_only=True)
-class GenerateArgs(ConfigArgs, Output):
+class GenerateArgs(ConfigArgs, Output, options_of(Sampling)):
     checkpoint: str | None = opt("'latest' (newest complete checkpoint of the run's checkpoint.dir) or a step "
                                  "folder; not needed with model.hf_path")
     prompt: list[str] = opt("a text prompt (needs data.tokenizer); repeatable", factory=list)
     prompt_ids: list[str] = opt("a prompt as token ids", factory=list, metavar="ID,ID,...")
     max_new_tokens: int = opt("tokens to generate per prompt", 32, ge=1)
-    temperature: float = opt("0 = greedy", 0.0)
-    top_k: int = opt("sample among the k most likely tokens (0 = all)", 0)
-    top_p: float = opt("nucleus sampling threshold", 1.0)
-    seed: int = opt("random seed of the sampling", 0)
     no_cache: bool = opt("recompute the whole sequence each step (baseline)")
     summary_json: str | None = opt("write the timings and tokens as JSON (main rank)", metavar="FILE")
 
@@ -44,12 +41,10 @@ class GenerateArgs(ConfigArgs, Output):
          config_keys=True)
 def run_generate(args) -> None:
     from paratrain.config import load_config
-    from paratrain.infer.generate import Sampling
     from paratrain.infer.session import generate_from_config, print_generation
 
-    sampling = Sampling(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed)
     summary = generate_from_config(load_config(args.config, args.set), args.checkpoint, args.prompt, args.prompt_ids,
-                                   args.max_new_tokens, sampling, use_cache=not args.no_cache)
+                                   args.max_new_tokens, from_options(Sampling, args), use_cache=not args.no_cache)
     if summary is None:  # not the main rank
         return
     if args.summary_json:

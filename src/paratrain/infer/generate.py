@@ -16,25 +16,7 @@ from torch import nn
 
 from paratrain.device import synchronize as _sync
 from paratrain.infer.kv_cache import KVCache, attach
-
-
-@dataclass(frozen=True)
-class Sampling:
-    """temperature 0: greedy (argmax). Otherwise softmax(logits / temperature) over the top_k tokens (0: all)
-    whose cumulative probability first reaches top_p, drawn with a generator seeded by `seed`."""
-
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0
-
-    def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature = {self.temperature}: must be >= 0 (0 = greedy)")
-        if self.top_k < 0:
-            raise ValueError(f"top_k = {self.top_k}: must be >= 0 (0 = no limit)")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p = {self.top_p}: must be in (0, 1]")
+from paratrain.infer.sampling import Sampling
 
 
 @dataclass
