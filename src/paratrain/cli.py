@@ -169,17 +169,18 @@ def check_options(cls, args) -> typing.Any:
     return cls(**values)
 
 
-def command(name: str, cls, help: str, description: str = "", epilog: str | None = None, config_keys: bool = False):
+def command(name: str, cls, help: str, description: str = "", epilog: str | None = None):
     """Declares the function below it as the subcommand `name` (`plan`; `serve plan` under the module's GROUPS
-    entry `serve`), run with the checked options (an instance of the dataclass `cls`)."""
+    entry `serve`), run with the checked options (an instance of the dataclass `cls`). A command with the
+    training config's options (`ConfigArgs`) also gets one flag per config key."""
     def declare(run):
-        run.cli_command = dict(name=name, cls=cls, help=help, description=description, epilog=epilog,
-                               config_keys=config_keys)
+        run.cli_command = dict(name=name, cls=cls, help=help, description=description, epilog=epilog)
         return run
     return declare
 
 
-def _add_command(sub, run, name: str, cls, help: str, description: str, epilog: str | None, config_keys: bool):
+def _add_command(sub, run, name: str, cls, help: str, description: str, epilog: str | None):
+    config_keys = issubclass(cls, ConfigArgs)
     usage = "%(prog)s [options] [--SECTION.KEY VALUE ...]" if config_keys else None  # not 100 keys in the usage
     p = sub.add_parser(name.split()[-1], help=help, description=description, usage=usage, epilog=epilog,
                        formatter_class=argparse.RawDescriptionHelpFormatter)

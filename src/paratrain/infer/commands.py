@@ -37,8 +37,7 @@ class GenerateArgs(ConfigArgs, Output, options_of(Sampling)):
 
 
 @command("generate", GenerateArgs,
-         "generate text with a KV cache (checkpoint or Hugging Face model; TP under torchrun)", HELP,
-         config_keys=True)
+         "generate text with a KV cache (checkpoint or Hugging Face model; TP under torchrun)", HELP)
 def run_generate(args) -> None:
     from paratrain.config import load_config
     from paratrain.infer.session import generate_from_config, print_generation

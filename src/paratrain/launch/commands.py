@@ -100,8 +100,7 @@ def merge_extra(args) -> None:
     args.set, args.extra = [*args.set, *known.set], []
 
 
-@command("launch", LaunchArgs, "run training on one node of a multi-node job (torchrun wrapper)", HELP,
-         config_keys=True)
+@command("launch", LaunchArgs, "run training on one node of a multi-node job (torchrun wrapper)", HELP)
 def run_launch(args) -> None:
     if args.json and not args.dry_run:
         raise ValueError("--json: allowed only with --dry-run (a real launch hands the terminal to torchrun)")

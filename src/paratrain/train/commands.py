@@ -78,7 +78,7 @@ class ConfigCheckArgs(ConfigArgs):
 GROUPS = [("data", "prepare training data (tokenize into a memory-mapped token file)")]
 
 
-@command("train", TrainArgs, "train a model (single process or under torchrun)", TRAIN_HELP, config_keys=True)
+@command("train", TrainArgs, "train a model (single process or under torchrun)", TRAIN_HELP)
 def run_train(args, faults=None) -> int:
     """`paratrain train`. `faults`: test-only fault injection; by default what PARATRAIN_FAULT_KILL asks for
     (parsed here, before any work)."""
@@ -110,8 +110,7 @@ def run_train(args, faults=None) -> int:
     return 1 if summary.get("errors") else 0
 
 
-@command("data prepare", PrepareArgs, "tokenize data.source into data.prepared_dir", PREPARE_HELP,
-         config_keys=True)
+@command("data prepare", PrepareArgs, "tokenize data.source into data.prepared_dir", PREPARE_HELP)
 def run_prepare(args) -> None:
     from paratrain.config import load_config
     from paratrain.train.data import prepare, read_meta, summary_line
@@ -128,8 +127,7 @@ def run_prepare(args) -> None:
 
 
 
-@command("config", ConfigCheckArgs, "validate a config and print it fully resolved (defaults filled in)",
-         config_keys=True)
+@command("config", ConfigCheckArgs, "validate a config and print it fully resolved (defaults filled in)")
 def run_config(args) -> None:
     from paratrain.config import load_config, reference_markdown, resolved_config
 

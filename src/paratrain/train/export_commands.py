@@ -32,7 +32,7 @@ class ExportArgs(ConfigArgs, Output):
     max_shard_gib: float = opt("size of one safetensors file", 2.0, gt=0)
 
 
-@command("export", ExportArgs, "export a checkpoint as a Hugging Face Llama folder", HELP, config_keys=True)
+@command("export", ExportArgs, "export a checkpoint as a Hugging Face Llama folder", HELP)
 def run_export(args) -> None:
     from paratrain.config import load_config
     from paratrain.train.export import export_hf, print_export, run_config_of, shard_progress

@@ -199,7 +199,7 @@ def plan_runs(args) -> tuple[list[str], int, list[str], int, str, bool]:
 
 
 @command("verify", VerifyArgs, "the same job on CPU and on the device (or two layouts), compared",
-         VERIFY_HELP, config_keys=True)
+         VERIFY_HELP)
 def run_verify(args) -> int:
     from paratrain.config import load_config
     from paratrain.device import CPU
