@@ -134,6 +134,7 @@ class ExpertParallelMoE(MoE):
         self.experts = ShardedExperts(moe.experts, mesh, dims)
         self.last_aux_loss = None
         self.last_routing = None
+        self.router_stats = None  # MoE.record_routing adds each forward's routing (router metrics)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -145,7 +146,7 @@ class ExpertParallelMoE(MoE):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         self.last_aux_loss = self.cfg.aux_loss_coef * routing.aux_loss
-        self.last_routing = routing
+        self.record_routing(routing)
         return out.view(shape)
 
     def dispatch_compute_combine(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
