@@ -152,8 +152,8 @@ def test_paratrain_train_logs_router_metrics(tmp_path, capsys):
     capsys.readouterr()
     steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert len(steps) == 2
-    for r in steps:  # last microbatch: 2 x 32 tokens, top 2, one MoE layer (layer 0 dense), dropless
-        assert sum(r["moe_tokens_per_expert"]) == 2 * 32 * 2 and r["moe_dropped_tokens"] == 0
+    for r in steps:  # the step's 2 microbatches: 4 x 32 tokens, top 2, one MoE layer (layer 0 dense), dropless
+        assert sum(r["moe_tokens_per_expert"]) == 4 * 32 * 2 and r["moe_dropped_tokens"] == 0
         assert r["moe_load_imbalance"] >= 1 and 0 < r["moe_router_entropy"] <= math.log(8)
 
 

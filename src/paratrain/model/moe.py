@@ -119,7 +119,8 @@ class MoE(nn.Module):
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden, cfg.moe_ffn)
         self.shared_experts = (FeedForward(cfg, cfg.shared_experts * cfg.moe_ffn) if cfg.shared_experts else None)
         self.last_aux_loss: torch.Tensor | None = None  # aux_loss_coef * aux loss of the latest forward
-        self.last_routing: Routing | None = None  # for router metrics (paratrain.model.moe.router_metrics)
+        self.last_routing: Routing | None = None  # the latest forward's routing
+        self.router_stats: RouterStats | None = None  # summed over forwards since reset_router_stats
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -129,8 +130,16 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         self.last_aux_loss = self.cfg.aux_loss_coef * routing.aux_loss
-        self.last_routing = routing
+        self.record_routing(routing)
         return out.view(shape)
+
+    def record_routing(self, routing: Routing) -> None:
+        """Keep `routing` as last_routing and add it to router_stats (device ops only, no host sync). Not while
+        backward recomputes this forward (activation recomputation): its tokens were counted when it first ran."""
+        self.last_routing = routing
+        if torch._C._current_graph_task_id() == -1:  # -1: not inside a backward pass (torch.utils.checkpoint's test)
+            stats = routing_stats(routing, self.cfg.num_experts)
+            self.router_stats = stats if self.router_stats is None else self.router_stats + stats
 
     def routed(self, x: torch.Tensor, routing: Routing) -> tuple[torch.Tensor, torch.Tensor]:
         """Expert outputs of the kept assignments, grouped by expert, and their flat assignment indices."""
@@ -147,28 +156,86 @@ class MoE(nn.Module):
         return torch.zeros_like(x, dtype=y.dtype).index_add_(0, token, y * w[:, None])
 
 
+@dataclass
+class RouterStats:
+    """Router statistics of some tokens, additive (over microbatches, then over ranks): `counts` (E + 2,) int64 =
+    kept assignments per expert, then dropped assignments, then tokens routed; `entropy_sum` 0-dim fp32 = the sum
+    of the tokens' router entropies (nats; of the softmax probabilities, or of the normalised sigmoid scores)."""
+
+    counts: torch.Tensor
+    entropy_sum: torch.Tensor
+
+    def __add__(self, other: RouterStats) -> RouterStats:
+        return RouterStats(self.counts + other.counts, self.entropy_sum + other.entropy_sum)
+
+
+def routing_stats(routing: Routing, n_exp: int) -> RouterStats:
+    """The RouterStats of one routing, on its device without a host synchronisation (scatter_add, not a masked
+    bincount, whose output size would be read on the host)."""
+    kept = routing.kept.flatten()
+    per_expert = torch.zeros(n_exp, dtype=torch.int64, device=kept.device)
+    per_expert.scatter_add_(0, routing.experts.flatten(), kept.long())
+    dropped = (~kept).sum().reshape(1)
+    tokens = torch.full((1,), routing.experts.shape[0], dtype=torch.int64, device=kept.device)
+    probs = routing.probs.detach().float()
+    entropy = -(probs * probs.clamp_min(1e-30).log()).sum()
+    return RouterStats(torch.cat([per_expert, dropped, tokens]), entropy)
+
+
+def metrics_of(counts: list[int], entropy_sum: float) -> dict[str, float | list[int]]:
+    """Per-expert kept assignments, load imbalance (max / mean kept count), dropped assignments and the mean
+    router entropy per token, from one layer's RouterStats (read on the host: counts as a list)."""
+    per_expert, dropped, tokens = counts[:-2], counts[-2], counts[-1]
+    mean = sum(per_expert) / len(per_expert)
+    return {"tokens_per_expert": per_expert,
+            "load_imbalance": max(per_expert) / mean if mean > 0 else 0.0,
+            "dropped_tokens": dropped,
+            "router_entropy": entropy_sum / tokens if tokens else 0.0}
+
+
 def router_metrics(routing: Routing, n_exp: int) -> dict[str, float | list[int]]:
-    """Per-expert assignment counts (kept), load imbalance (max / mean kept count), dropped assignments and the
-    mean router entropy in nats (of the softmax probabilities, or of the normalised sigmoid scores)."""
-    counts = torch.bincount(routing.experts.flatten()[routing.kept.flatten()], minlength=n_exp).tolist()
-    mean = sum(counts) / n_exp
-    probs = routing.probs.detach()
-    entropy = -(probs * probs.clamp_min(1e-30).log()).sum(-1).mean()
-    return {"tokens_per_expert": counts,
-            "load_imbalance": max(counts) / mean if mean > 0 else 0.0,
-            "dropped_tokens": int((~routing.kept).sum()),
-            "router_entropy": float(entropy)}
+    """`metrics_of` one routing (a host synchronisation)."""
+    stats = routing_stats(routing, n_exp)
+    return metrics_of(stats.counts.tolist(), float(stats.entropy_sum))
 
 
-def moe_metrics(modules) -> dict[str, float | list[int]]:
-    """Router metrics of every MoE layer's latest forward among `modules` (an iterable of nn.Modules): assignment
-    counts per expert summed over layers, the worst layer's load imbalance, dropped assignments summed, the mean
-    router entropy. Empty for a dense model. Reads device values (a host synchronisation): call it when logging."""
-    layers = [router_metrics(m.last_routing, m.cfg.num_experts) for part in modules for m in part.modules()
-              if getattr(m, "last_routing", None) is not None]
-    if not layers:
+def moe_layers(parts) -> dict[int, MoE]:
+    """The MoE feed-forward of each layer the model parts hold, by its single-device layer number (pipeline
+    stages keep the single-device keys of `layers`)."""
+    return {int(key): block.feed_forward for part in parts for key, block in getattr(part, "layers", {}).items()
+            if isinstance(getattr(block, "feed_forward", None), MoE)}
+
+
+def reset_router_stats(parts) -> None:
+    """Start a new count (the training loop calls it before each step)."""
+    for moe in moe_layers(parts).values():
+        moe.router_stats = None
+
+
+def moe_metrics(parts, cfg: ModelConfig, reduce=None) -> dict[str, float | list[int]]:
+    """Router metrics of the tokens counted since `reset_router_stats` (every microbatch of the step), over all
+    ranks: each layer's RouterStats in its slot of one (cfg.layers, E + 2) int64 tensor and one (cfg.layers,) fp32
+    tensor, zeros where this rank holds no such layer, summed by `reduce(tensor) -> tensor` (the runner's
+    `reduce_layer_sums`: over the ranks that see other tokens and that hold other layers; None: this rank only).
+    Then: assignment counts per expert summed over layers, the worst layer's load imbalance, dropped assignments
+    summed, the per-token router entropy averaged over layers. Empty for a dense model. With a communicating
+    `reduce` every rank must call it (a pipeline stage without MoE layers too); the one host synchronisation is
+    reading the two reduced tensors."""
+    if not cfg.num_experts:
         return {}
-    return {"moe_tokens_per_expert": [sum(c) for c in zip(*(m["tokens_per_expert"] for m in layers), strict=True)],
-            "moe_load_imbalance": max(m["load_imbalance"] for m in layers),
-            "moe_dropped_tokens": sum(m["dropped_tokens"] for m in layers),
-            "moe_router_entropy": sum(m["router_entropy"] for m in layers) / len(layers)}
+    layers = moe_layers(parts)
+    device = next(p for part in parts for p in part.parameters()).device
+    counts = torch.zeros(cfg.layers, cfg.num_experts + 2, dtype=torch.int64, device=device)
+    entropy = torch.zeros(cfg.layers, dtype=torch.float32, device=device)
+    for i, moe in layers.items():
+        if moe.router_stats is not None:
+            counts[i], entropy[i] = moe.router_stats.counts, moe.router_stats.entropy_sum
+    if reduce is not None:
+        counts, entropy = reduce(counts), reduce(entropy)
+    per_layer = [metrics_of(c, e) for c, e in zip(counts.tolist(), entropy.tolist(), strict=True) if c[-1] > 0]
+    if not per_layer:
+        return {}
+    return {"moe_tokens_per_expert": [sum(c) for c in zip(*(m["tokens_per_expert"] for m in per_layer), strict=True)],
+            "moe_load_imbalance": max(m["load_imbalance"] for m in per_layer),
+            "moe_dropped_tokens": sum(m["dropped_tokens"] for m in per_layer),
+            "moe_router_entropy": sum(m["router_entropy"] for m in per_layer) / len(per_layer)}

@@ -47,6 +47,7 @@ from paratrain.config.pipeline import (  # noqa: F401 - the layout rules (torch-
     stage_reshard_after_forward,
 )
 from paratrain.device import host, to_device
+from paratrain.model.moe import reset_router_stats
 from paratrain.parallel.mesh import DistEnv
 from paratrain.parallel.runner import ParallelRunner, plain
 
@@ -106,6 +107,15 @@ def split_model(model: nn.Module, layout: PipelineLayout, pp_rank: int) -> list[
 # --------------------------------------------------------------------------------------------------------
 # The runner
 # --------------------------------------------------------------------------------------------------------
+class _Stage(PipelineStage):
+    """A PipelineStage whose metadata inference (torch 2.13 runs one real forward of each stage on the first
+    step, before the microbatches) is not counted in the MoE router statistics of the step."""
+
+    def _post_metadata_inference_cleanup(self) -> None:
+        super()._post_metadata_inference_cleanup()
+        reset_router_stats([self.submod])
+
+
 class PipelineRunner(ParallelRunner):
     """Runs one optimizer step's microbatches through the pipeline schedule.
 
@@ -152,7 +162,7 @@ class PipelineRunner(ParallelRunner):
         return slots, sum(every.values())
 
     def _build_schedule(self, stages):
-        pipe_stages = [PipelineStage(module, s, self.layout.num_stages, self.device, group=self.pp_group)
+        pipe_stages = [_Stage(module, s, self.layout.num_stages, self.device, group=self.pp_group)
                        for s, module in stages]
         loss_fn = self._microbatch_loss
         name, m = self.layout.pp_schedule, self.layout.microbatches

@@ -114,6 +114,12 @@ class Runner:
                 losses.append(plain(self.loss_fn(self.model(x), y)))
         return self.reduce_loss(torch.stack(losses).mean())
 
+    def reduce_layer_sums(self, t: torch.Tensor) -> torch.Tensor:
+        """Sum a per-layer statistic (a tensor indexed by the single-device layer number, zeros for layers this
+        rank does not hold; e.g. router token counts) over the ranks that see other tokens and hold other
+        layers: none in one process."""
+        return t
+
     def parameters(self):
         for part in self.parts:
             yield from part.parameters()
@@ -194,3 +200,15 @@ class ParallelRunner(Runner):
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         return grad_norm.clip_grad_norm_([p.grad for p in self.parameters()], max_norm, self.device,
                                          self.norm_groups, *self.norm_slots)
+
+    def reduce_layer_sums(self, t: torch.Tensor) -> torch.Tensor:
+        """Summed over the data-parallel group the loss is averaged over (dp, and cp: ranks that see other
+        tokens; expert-parallel ranks are dp ranks; tp ranks see the same tokens and are not summed) and over
+        `norm_groups` (pipeline stages: other layers, whose slots are zeros here)."""
+        import torch.distributed as dist
+
+        t = t.clone()
+        groups = ((self.dp.group,) if self.dp is not None else ()) + tuple(self.norm_groups)
+        for group in groups:
+            dist.all_reduce(t, group=group)
+        return t

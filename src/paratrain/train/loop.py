@@ -25,7 +25,7 @@ from paratrain.config import (  # noqa: F401 - check_batch_layout re-exported (c
 )
 from paratrain.device import HostValues, is_host, sync_fn
 from paratrain.model.llama import Llama
-from paratrain.model.moe import moe_metrics
+from paratrain.model.moe import moe_metrics, reset_router_stats
 from paratrain.parallel import parallelize
 from paratrain.parallel.materialize import build_on_meta, materialize, random_init
 from paratrain.parallel.mesh import build_mesh, init_distributed, resolve_degrees
@@ -310,6 +310,7 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
             with timer.phase("data"):
                 inputs, targets = train_data.batch(sampler.next_indices(runner.dp_rank, runner.dp_size))
             watchdog.mark(step + 1, "data_loading")
+            reset_router_stats(runner.parts)  # MoE: router metrics count this step's tokens (nothing when dense)
             values = HostValues(run_step(runner, optimizer, scheduler, inputs, targets, cfg.optim.grad_clip, timer),
                                 env.device)
         watchdog.mark(step + 1, "compute")
@@ -336,7 +337,7 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
         record = {"lr": lr_used, "tokens_per_s": tokens_per_s, "mfu": mfu, "step_time_s": dt,
                   "memory_bytes": peak_memory_bytes(env.device)}
         if model_cfg.num_experts and (step + 1) % cfg.train.log_every == 0:  # one host sync, on log steps only
-            record.update(moe_metrics(runner.parts))  # this rank's last microbatch
+            record.update(moe_metrics(runner.parts, model_cfg, runner.reduce_layer_sums))  # the global batch
         phases = timer.take()
         if "backward" in phases:  # a profiled step: split forward from backward
             phases["forward"] = phases["forward_backward"] - phases["backward"]
