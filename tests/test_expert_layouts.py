@@ -1,4 +1,5 @@
-"""parallel.ep in parallelize(): the tiny MoE Llama under EP2, EP4, EP2 x TP2, EP2 x FSDP2, PP2 x EP2 and HSDP x EP against
+"""parallel.ep in parallelize(): the tiny MoE Llama under EP2, EP4, EP2 x TP2 (etp 2, and etp 1: ep borrowing the tp
+ranks), EP2 x FSDP2, PP2 x EP2, HSDP x EP, sequence parallelism with either etp, against
 the single-device model through the parity harness (tests/parity.py: first loss, every gradient after one
 backward, the losses of 3 AdamW steps with clipping; fp32, fixed seeds; loss rtol 1e-5 / atol 1e-6, gradients
 within 1e-5 relative norm), dropless and with capacity factor 1.0 (which drops assignments on these batches).
@@ -20,12 +21,12 @@ WORLD4 = [['parallel.ep=4', 'parallel.dp_kind="ddp"'],
           ['parallel.ep=4', 'parallel.dp_kind="fsdp"', CAPACITY],
           ['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=2', 'parallel.dp_kind="ddp"', CAPACITY],
           ['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=2', 'parallel.dp_kind="fsdp"'],
-          ['parallel.ep=2', 'parallel.dp=4', 'parallel.dp_kind="fsdp"'],  # EP2 x FSDP2: dp_mod_ep = 2
+          ['parallel.ep=2', 'parallel.dp=4', 'parallel.dp_kind="fsdp"'],  # EP2 x FSDP2: edp = 2
           ['parallel.ep=2', 'parallel.dp=4', 'parallel.dp_kind="ddp"', CAPACITY],
           ['parallel.ep=2', 'parallel.pp=2', 'parallel.dp_kind="ddp"', CAPACITY],
           ['parallel.ep=2', 'parallel.pp=2', 'parallel.dp_kind="fsdp"'],
-          # HSDP x EP: dense weights (dp_replicate 2) x (dp_shard 2 = ep); experts on the 2-D (dp_replicate 2,
-          # dp_shard_mod_ep 1) mesh. The 8-rank layout with both above 1 is checked once by hand (docs/moe.md).
+          # HSDP x EP: dense weights (dp_replicate 2) x (dp_shard 2 = ep); experts on the 2-D (edp_replicate 2,
+          # edp 1) mesh. The 8-rank layout with both above 1 is checked once by hand (docs/moe.md).
           ['parallel.ep=2', 'parallel.dp=4', 'parallel.dp_kind="hsdp"', 'parallel.dp_replicate=2', CAPACITY]]
 
 
@@ -35,16 +36,35 @@ def _cases(cases):
     return [parallel_run(MOE + c) for c in cases]
 
 
-def test_expert_layouts_match_single_device(dist_run):
-    """EP2 on 2 ranks, the rest on 4, each against the single-device run of its model section; the gradient norm
-    of the first step too (parallel/grad_norm.py: expert shards' squares summed over ep, tp and the pp stages,
-    never over the dp_mod_ep replicas; within 1e-5). The reference norm is above 1, so clipping at 1.0 is active
-    and a wrong norm would also change the later losses; dropping the expert gradients' 1/dp fails both."""
-    from parity import assert_cases_match, make_config, reference
+def _references():
+    from parity import make_config, reference
 
     refs = {model: reference(make_config(MOE + list(model))) for model in ((), (CAPACITY,))}
     assert all(ref["grad_norms"][0] > 1.0 for ref in refs.values())
     assert refs[()]["losses"][0] != refs[(CAPACITY,)]["losses"][0]  # capacity 1.0 really drops assignments
+    return refs
+
+
+def _assert_layouts_match(refs, cases, per_rank):
+    """Each case on every rank against the reference of its model section; the first step's gradient norm too."""
+    from parity import assert_cases_match
+
+    for i, case in enumerate(cases):
+        ref = refs[tuple(c for c in case if c.startswith("model."))]
+        assert_cases_match(ref, [case], [[results[i]] for results in per_rank])
+        for results in per_rank:
+            got = results[i]["grad_norms"][0]
+            assert abs(got - ref["grad_norms"][0]) <= 1e-5 * ref["grad_norms"][0], (case, got)
+
+
+def test_expert_layouts_match_single_device(dist_run):
+    """EP2 on 2 ranks, the rest on 4, each against the single-device run of its model section; the gradient norm
+    of the first step too (parallel/grad_norm.py: expert shards' squares summed over ep, tp and the pp stages,
+    never over the edp replicas; within 1e-5). The reference norm is above 1, so clipping at 1.0 is active
+    and a wrong norm would also change the later losses; dropping the expert gradients' 1/dp fails both."""
+    from parity import make_config, reference
+
+    refs = _references()
     for world, cases in ((2, EP2 + [BF16]), (4, WORLD4)):
         per_rank = dist_run(world, _cases, cases)
         if world == 2:  # bf16 autocast through the dispatch: the losses of the bf16 single-device run, within 1e-3
@@ -52,12 +72,23 @@ def test_expert_layouts_match_single_device(dist_run):
             torch.testing.assert_close(torch.tensor(per_rank[0].pop()["losses"]), torch.tensor(bf16), rtol=1e-3,
                                        atol=0)
             per_rank[1].pop()
-        for i, case in enumerate(cases[:len(per_rank[0])]):
-            ref = refs[tuple(c for c in case if c.startswith("model."))]
-            assert_cases_match(ref, [case], [[results[i]] for results in per_rank])
-            for results in per_rank:
-                got = results[i]["grad_norms"][0]
-                assert abs(got - ref["grad_norms"][0]) <= 1e-5 * ref["grad_norms"][0], (case, got)
+        _assert_layouts_match(refs, cases[:len(per_rank[0])], per_rank)
+
+
+# etp = 1 with tp = 2: ep borrows the tp ranks, each tp rank routes its half of every sequence (capacity and the
+# aux loss still over the whole microbatch); and sequence parallelism with either etp
+TOKEN_SPLIT = [['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=1', 'parallel.dp_kind="fsdp"', CAPACITY],
+               ['parallel.ep=4', 'parallel.tp=2', 'parallel.etp=1', 'parallel.sp=true', 'parallel.dp_kind="ddp"',
+                CAPACITY],
+               ['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=2', 'parallel.sp=true', 'parallel.dp_kind="fsdp"'],
+               ['parallel.ep=2', 'parallel.tp=2', 'parallel.pp=2', 'parallel.etp=1', 'parallel.sp=true',
+                'parallel.dp_kind="ddp"']]
+
+
+def test_expert_layouts_with_tp_ranks_borrowed_and_sp_match_single_device(dist_run):
+    """EP2 borrowing TP2 (etp=1, FSDP, capacity), EP4 over TP2 x DP2 with SP (etp=1, DDP, capacity), EP2 x TP2
+    with SP (etp=2, FSDP), PP2 x EP2 borrowing TP2 with SP (DDP): the parity harness on 4 ranks, as above."""
+    _assert_layouts_match(_references(), TOKEN_SPLIT, dist_run(4, _cases, TOKEN_SPLIT))
 
 
 def test_the_config_names_the_field_of_a_bad_expert_layout():
@@ -66,7 +97,7 @@ def test_the_config_names_the_field_of_a_bad_expert_layout():
     from paratrain.config import resolve_degrees
 
     for overrides, match in ((['parallel.ep=3'], "parallel.ep=3 must divide model.num_experts=8"),
-                             (['parallel.tp=2'], "parallel.etp=1 with parallel.tp=2"),
+                             (['parallel.tp=4', 'train.seq_len=30'], "train.seq_len/cp = 30 must be divisible by tp=4"),
                              (['parallel.cp=2'], "parallel.cp=2 with model.num_experts=8")):
         with pytest.raises(ValueError, match=match):
             make_config(MOE + overrides)

@@ -13,7 +13,9 @@ MOE = ['model.preset="tiny-moe"', "model.layers=3", "model.aux_loss_coef=0.1", "
 # EP2 x FSDP on 2 ranks, with full recomputation (a recomputed forward must not count its tokens again);
 # PP2 x EP2 on 4 ranks (layer 1 on stage 0, layer 2 on stage 1: the stages' slots are summed over pp)
 LAYOUTS = [(2, ['parallel.ep=2', 'parallel.dp_kind="fsdp"', 'parallel.recompute="full"']),
-           (4, ['parallel.ep=2', 'parallel.pp=2', 'parallel.dp_kind="ddp"'])]
+           (4, ['parallel.ep=2', 'parallel.pp=2', 'parallel.dp_kind="ddp"']),
+           # etp=1 x TP2 x SP: each tp rank routes half of every sequence (its statistics summed over tp)
+           (4, ['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=1', 'parallel.sp=true', 'parallel.dp_kind="ddp"'])]
 
 
 def _step_metrics(overrides: list[str], world: int) -> tuple[dict, dict]:
@@ -51,7 +53,7 @@ def _check(got: dict, want: dict) -> None:
     assert got["moe_router_entropy"] == pytest.approx(want["moe_router_entropy"], rel=1e-6)
 
 
-@pytest.mark.parametrize("world, layout", LAYOUTS, ids=["ep2_fsdp_recompute", "pp2_ep2"])
+@pytest.mark.parametrize("world, layout", LAYOUTS, ids=["ep2_fsdp_recompute", "pp2_ep2", "ep2_tp2_etp1_sp"])
 def test_router_metrics_describe_the_global_batch(dist_run, world, layout):
     want, _ = _step_metrics(MOE, 1)
     # every assignment of the step's 8 rows x 32 tokens x top 2, in the two MoE layers, kept or dropped

@@ -203,14 +203,14 @@ RULES: tuple[Rule, ...] = (
          lambda v: f"parallel.ep={v.ep} must divide the ranks of a pipeline stage refolded for the experts, "
                    f"dp*cp*tp/etp = {v.dp}*{v.cp}*{v.tp}/{v.etp} = {_stage_ranks(v)}; allowed: divisors of "
                    f"{_stage_ranks(v)} (that also divide model.num_experts)", needs_dp=True),
+    Rule("etp_split_seq", lambda v: _or(_or(v.model.num_experts == 0, v.tp == 1),
+                                        _or(v.etp != 1, _divides(v.tp, v.seq // np.maximum(v.cp, 1)))),
+         lambda v: f"parallel.etp=1 with parallel.tp={v.tp}: each tp rank routes its slice of the sequence, so "
+                   f"train.seq_len/cp = {v.seq // v.cp} must be divisible by tp={v.tp}; allowed: such a seq_len, "
+                   f"or etp={v.tp}"),
     # what paratrain's runtime does not run with experts yet (the planner models it)
     Rule("ep_cp", lambda v: _or(v.model.num_experts == 0, v.cp == 1),
          lambda v: _not_yet(v, f"parallel.cp={v.cp}", "cp=1"), runtime_only=True),
-    Rule("ep_sp", lambda v: _or(v.model.num_experts == 0, _not(v.sp)),
-         lambda v: _not_yet(v, "parallel.sp=true", "sp=false"), runtime_only=True),
-    Rule("etp_token_split", lambda v: _or(v.model.num_experts == 0, _or(v.tp == 1, v.etp == v.tp)),
-         lambda v: _not_yet(v, f"parallel.etp=1 with parallel.tp={v.tp} (ep borrowing tp ranks)", f"etp={v.tp}"),
-         runtime_only=True),
     # hsdp: ep borrows ranks of one shard group, never across replicas (torchtitan's dp_shard_in_ep, mesh.py)
     Rule("ep_hsdp", lambda v: _or(_not(_coded(v.dp_kind, ("hsdp",), DP_KINDS)), _shard_ranks(v) % np.maximum(v.ep, 1) == 0),
          lambda v: f"parallel.ep={v.ep} with parallel.dp_kind='hsdp': ep must divide the ranks of one shard group "

@@ -50,20 +50,26 @@ def capacity(tokens: int, cfg: ModelConfig) -> int | None:
 
 def route(logits: torch.Tensor, cfg: ModelConfig) -> Routing:
     """Top-k gating of router logits (T, E) (fp32 inside, as Megatron and DeepSeek compute the router)."""
-    logits = logits.float()
-    k, n_exp = cfg.experts_per_token, cfg.num_experts
-    scores = logits.softmax(-1) if cfg.router_score == "softmax" else logits.sigmoid()
-    weights, experts = scores.topk(k, dim=-1)
-    if cfg.router_norm_topk:
-        weights = weights / weights.sum(-1, keepdim=True)
-    probs = scores if cfg.router_score == "softmax" else scores / scores.sum(-1, keepdim=True)
-    kept = _within_capacity(experts, capacity(logits.shape[0], cfg), n_exp)
+    weights, experts, probs = gate(logits, cfg)
+    n_exp = cfg.num_experts
+    kept = within_capacity(experts, capacity(logits.shape[0], cfg), n_exp)
     tokens_per_expert = F.one_hot(experts, n_exp).float().sum((0, 1)) / logits.shape[0]
     aux = n_exp * (tokens_per_expert * probs.mean(0)).sum()
     return Routing(experts, weights, kept, probs, aux)
 
 
-def _within_capacity(experts: torch.Tensor, cap: int | None, n_exp: int) -> torch.Tensor:
+def gate(logits: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(T, k) combine weights and expert ids, (T, E) router probabilities of router logits (T, E), in fp32."""
+    logits = logits.float()
+    scores = logits.softmax(-1) if cfg.router_score == "softmax" else logits.sigmoid()
+    weights, experts = scores.topk(cfg.experts_per_token, dim=-1)
+    if cfg.router_norm_topk:
+        weights = weights / weights.sum(-1, keepdim=True)
+    probs = scores if cfg.router_score == "softmax" else scores / scores.sum(-1, keepdim=True)
+    return weights, experts, probs
+
+
+def within_capacity(experts: torch.Tensor, cap: int | None, n_exp: int) -> torch.Tensor:
     """(T, k) bool: the assignment's position among its expert's assignments (token order, then slot) < cap."""
     if cap is None:
         return torch.ones_like(experts, dtype=torch.bool)

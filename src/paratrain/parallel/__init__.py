@@ -155,10 +155,10 @@ def apply_expert_parallel(parts: list[nn.Module], cfg: TrainConfig, mesh: Device
         return None
     from paratrain.parallel import expert
 
-    params = expert.shard_experts(parts, mesh)
+    params, emesh = expert.shard_experts(parts, mesh, cfg.parallel)
     if cfg.parallel.pp > 1:  # after sharding: the hooks go on the modules that run
         expert.attach_aux_to_backward(parts)
-    return expert.expert_reducer(params, mesh, mesh["dp"].size() * mesh["cp"].size())
+    return expert.expert_reducer(params, emesh, mesh["dp"].size() * mesh["cp"].size())
 
 
 def apply_data_parallel(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh | None, ignored=None,
@@ -179,20 +179,17 @@ def apply_data_parallel(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMe
     # the zero-bubble schedules need the parameters gathered from forward to backward (config/pipeline.py)
     return apply_dp(parts, dp_mesh, kind, stage_reshard_after_forward(pcfg), bucket_bytes=pcfg.ddp_bucket_bytes,
                     precision=Precision.from_train(cfg.train), ignored=ignored, experts=experts,
-                    expert_shards=expert_shards_of(mesh, cfg, dp_mesh.size()) if experts is not None else None)
+                    expert_shards=expert_shards_of(experts, cfg, dp_mesh.size()) if experts is not None else None)
 
 
-def expert_shards_of(mesh: DeviceMesh, cfg: TrainConfig, divide: int):
-    """How fsdp/hsdp shards the expert-parallel experts (parallel/data.py ExpertShards): over the data-parallel
-    ranks that hold the same experts, dp_mod_ep (with hsdp: dp_replicate x dp_shard_mod_ep), even when that is one
-    rank (the unit then still divides the gradients and applies the mixed-precision policy). None with ep = 1: the
-    experts (sharded over tp only) are FSDP-sharded with their block over dp like any tensor-parallel weight."""
+def expert_shards_of(experts, cfg: TrainConfig, divide: int):
+    """How fsdp/hsdp shards the experts (parallel/data.py ExpertShards): over the expert-data-parallel ranks that
+    hold the same expert shards (the expert mesh's edp: dp x cp x tp / (ep x etp), parallel/expert.py; with hsdp
+    edp_replicate x edp), even when that is one rank (the unit then still divides the gradients and applies the mixed-precision policy)."""
     from paratrain.parallel.data import ExpertShards
+    from paratrain.parallel.expert import expert_data_mesh
 
-    if cfg.parallel.ep == 1:
-        return None
-    names = ("dp_replicate", "dp_shard_mod_ep") if cfg.parallel.dp_kind == "hsdp" else ("dp_mod_ep",)
-    edp = mesh[names] if len(names) > 1 else mesh[names[0]]
+    edp = expert_data_mesh(experts.mesh)
     # torchtitan's rule: dim-0 sharding leaves ranks empty once edp x ep exceeds the number of experts
     dim = 1 if edp.size() * cfg.parallel.ep > cfg.model_shape().num_experts else 0
     return ExpertShards(edp, divide, dim)

@@ -13,10 +13,10 @@
   (tensor-parallel) parameters alike: it reduces each gradient's local shard over the dp group only, which is
   what TP x DP needs and what torch DDP does not support.
 - mixture-of-experts experts (parallel/expert.py, already sharded over ep and tp): under fsdp/hsdp each block's
-  experts are one more FSDP2 unit over the expert-data-parallel mesh (the dp ranks holding the same experts:
-  dp_mod_ep, or dp_replicate x dp_shard_mod_ep), fully_shard'ed before their block as torchtitan does, with
-  gradients divided by the whole dp degree (`ExpertShards`); under ddp they stay replicated and
-  parallel/expert.py's reducer sums them over dp_mod_ep.
+  experts are one more FSDP2 unit over the expert-data-parallel mesh (the ranks holding the same expert shards:
+  the expert mesh's edp, or edp_replicate x edp with hsdp; parallel/expert.py expert_mesh), fully_shard'ed before
+  their block as torchtitan does, with gradients divided by the whole dp degree (`ExpertShards`); under ddp they
+  stay replicated and parallel/expert.py's reducer sums them over edp.
 """
 
 from __future__ import annotations
@@ -254,7 +254,7 @@ def dp_group(dp_mesh: DeviceMesh) -> dist.ProcessGroup:
 @dataclass(frozen=True)
 class ExpertShards:
     """How FSDP/HSDP shards the expert-parallel experts (torchtitan's llama4/deepseek_v3 apply_fsdp): over `mesh`,
-    the data-parallel ranks that hold the same experts (dp_mod_ep; dp_replicate x dp_shard_mod_ep for hsdp), on
+    the ranks that hold the same expert shards (edp; edp_replicate x edp for hsdp), on
     tensor dim `dim` (0, or 1 where edp x ep > num_experts: dim 0 would leave ranks empty), with gradients
     divided by `divide`, the whole data-parallel degree (each rank's loss is its local mean, the global loss their
     average), not by the mesh's size as FSDP would."""

@@ -1,6 +1,7 @@
 """Distributed environment and the device mesh, built from the config and passed explicitly.
 
-Mesh dimensions, outermost to innermost: pp, dp, cp, tp (with expert parallelism dp = dp_mod_ep x ep). Consecutive ranks share a tp group, so tensor
+Mesh dimensions, outermost to innermost: pp, dp, cp, tp (expert parallelism refolds dp x cp x tp as edp x ep x etp:
+parallel/expert.py expert_mesh). Consecutive ranks share a tp group, so tensor
 parallelism lands on the fastest links (the same NeuronLink ring / NVLink island); pipeline stages are
 furthest apart, since they exchange the least (one activation per microbatch).
 """
@@ -56,8 +57,6 @@ def build_mesh(pcfg: ParallelSection, env: DistEnv) -> DeviceMesh | None:
     degrees = resolve_degrees(pcfg, env.world_size)
     if env.world_size == 1:
         return None
-    if pcfg.ep > 1:
-        return _expert_mesh(env.device.type, degrees, pcfg.ep, pcfg.dp_replicate if pcfg.dp_kind == "hsdp" else 0)
     if pcfg.dp_kind == "hsdp":
         # dp split into (dp_replicate: across nodes) x (dp_shard: within); "dp" stays addressable as a whole.
         dims = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -66,27 +65,3 @@ def build_mesh(pcfg: ParallelSection, env: DistEnv) -> DeviceMesh | None:
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return mesh
     return init_device_mesh(env.device.type, tuple(degrees[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
-
-
-def _expert_mesh(device_type: str, degrees: dict[str, int], ep: int, dp_replicate: int = 0) -> DeviceMesh:
-    """Expert parallelism borrows ep of the dp ranks (torchtitan's dp2ep): dp is split into dp_mod_ep x ep, ep
-    inner (neighbouring dp ranks exchange tokens), and "dp" stays addressable as their flattened product. The
-    dense weights are data-parallel over dp; each expert shard lives on one ep rank and is FSDP-sharded (fsdp) or
-    replicated (ddp) over dp_mod_ep (parallel/data.py). One root mesh, so FSDP2 and DTensor accept the expert
-    (ep, tp) and dense (dp, tp) submeshes side by side.
-    With hsdp (dp_replicate > 0) ep borrows from the shard part only, as in torchtitan: (pp, dp_replicate,
-    dp_shard_mod_ep, ep, cp, tp), dp_shard = dp_shard_mod_ep x ep (the dense weights' shard group), dp = all
-    three; the experts are HSDP over (dp_replicate, dp_shard_mod_ep)."""
-    if dp_replicate:
-        shard = degrees["dp"] // dp_replicate
-        dims = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "cp", "tp")
-        sizes = (degrees["pp"], dp_replicate, shard // ep, ep, degrees["cp"], degrees["tp"])
-        mesh = init_device_mesh(device_type, sizes, mesh_dim_names=dims)
-        mesh["dp_shard_mod_ep", "ep"]._flatten("dp_shard")
-        mesh["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp")
-        return mesh
-    dims = ("pp", "dp_mod_ep", "ep", "cp", "tp")
-    sizes = (degrees["pp"], degrees["dp"] // ep, ep, degrees["cp"], degrees["tp"])
-    mesh = init_device_mesh(device_type, sizes, mesh_dim_names=dims)
-    mesh["dp_mod_ep", "ep"]._flatten("dp")
-    return mesh

@@ -90,7 +90,7 @@ def block_plan(model_cfg: ModelConfig, tp: int, sp: bool, moe: bool = False) -> 
     if sp:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
-    if moe:  # the block's input stays a plain replicated tensor (sp is refused with experts: layout.py)
+    if moe:  # parallel/expert.py takes the block's input as it comes (replicated, or the sp shard)
         for key in ("feed_forward", "feed_forward.w1", "feed_forward.w3", "feed_forward.w2"):
             del plan[key]
         if model_cfg.shared_experts:
