@@ -252,6 +252,12 @@ def _stage_ranks(v):
     return v.dp * v.cp * v.tp // np.maximum(v.etp, 1)
 
 
+def edp_degree(tp, cp, dp, ep, etp):
+    """Expert data parallelism: the replicas (or FSDP shards) of each expert shard, tp*cp*dp / (ep*etp) by the
+    fold (at least 1; scalars or arrays, as float)."""
+    return np.maximum(1.0, np.asarray(tp, dtype=float) * cp * dp / (np.asarray(ep, dtype=float) * etp))
+
+
 def _shard_ranks(v):
     """hsdp: the ranks of one shard group (dp / dp_replicate x cp x tp) over etp."""
     return _stage_ranks(v) // np.maximum(v.dp_replicate, 1)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from paratrain.config.rules import EXPERT, expert_view, mask
+from paratrain.config.rules import EXPERT, edp_degree, expert_view, mask  # noqa: F401 - edp_degree re-exported
 from paratrain.hardware.catalog import System
 from paratrain.model.config import ModelConfig
 
@@ -258,10 +258,6 @@ def expert_memory_per_layer(model: ModelConfig, opts, tp, cp, dp, ep, etp, zero)
     grads = params * opts.grad_bytes / np.where(zero >= 2, edp, 1.0)
     optimizer = params * OPTIMIZER_BYTES / np.where(zero >= 1, edp, 1.0)
     return weights, grads, optimizer
-
-
-def edp_degree(tp, cp, dp, ep, etp):
-    return np.maximum(1.0, np.asarray(tp, dtype=float) * cp * dp / (np.asarray(ep, dtype=float) * etp))
 
 
 def expert_data_parallel_s(model: ModelConfig, system: System, opts, *, tp, cp, dp, ep, etp, zero, kind, m,
