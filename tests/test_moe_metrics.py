@@ -83,3 +83,39 @@ def test_router_metrics_of_one_routing_add_up():
     assert two["tokens_per_expert"] == [2 * c for c in one["tokens_per_expert"]]
     assert two["dropped_tokens"] == 2 * one["dropped_tokens"] > 0
     assert two["router_entropy"] == pytest.approx(one["router_entropy"], rel=1e-6)
+
+
+def _train_ep2(sets: list[str]) -> tuple[dict, str]:
+    import contextlib
+    import io
+
+    from paratrain.config import load_config
+    from paratrain.train.loop import train
+
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        summary = train(load_config(None, sets))
+    return summary, err.getvalue()
+
+
+def test_an_expert_parallel_run_reports_its_layout_and_the_global_router_counts(dist_run, tmp_path):
+    """`paratrain train`'s loop under EP2 x FSDP on 2 ranks: the summary, the checkpoint manifest and the start-up
+    banner carry ep, etp and edp beside pp/dp/cp/tp; metrics.jsonl counts every assignment of the global batch
+    (4 rows x 32 tokens x top 2 in the one MoE layer), not rank 0's half."""
+    import json
+
+    sets = ['model.preset="tiny-moe"', "model.layers=2", "model.vocab=320", "data.vocab_size=300",
+            "data.max_source_bytes=60000", f'data.prepared_dir="{tmp_path / "data"}"', "train.steps=2",
+            "train.log_every=1", "train.global_batch=4", "train.microbatch=2", "train.seq_len=32",
+            "train.progress=false", 'train.device="cpu"', "metrics.tensorboard=false",
+            f'metrics.run_dir="{tmp_path / "run"}"', "parallel.ep=2", 'parallel.dp_kind="fsdp"']
+    (summary, log), _ = dist_run(2, _train_ep2, sets)
+    layout = {"pp": 1, "dp": 2, "cp": 1, "tp": 1, "ep": 2, "etp": 1, "edp": 1}
+    assert summary["layout"] == layout
+    assert "layout      dp 2 x ep 2 on 2 rank(s)" in log, log
+    manifest = json.loads(next((tmp_path / "run" / "checkpoints").glob("step_*/MANIFEST.json")).read_text())
+    assert manifest["layout"] == layout
+    steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert len(steps) == 2
+    for r in steps:
+        assert sum(r["moe_tokens_per_expert"]) + r["moe_dropped_tokens"] == 4 * 32 * 2

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from paratrain.config.dp import check_dp_fields, effective_dp, zero_stage_of  # noqa: F401 - effective_dp re-exported
-from paratrain.config.rules import View, check
+from paratrain.config.rules import View, check, edp_degree
 
 if TYPE_CHECKING:
     from paratrain.config.schema import ParallelSection
@@ -35,6 +35,16 @@ def resolve_degrees(pcfg: ParallelSection, world_size: int) -> dict[str, int]:
     # ep borrows dp, cp (and tp when etp = 1) ranks; with hsdp of one shard group
     check(view_of(None, pcfg, 0, dp=dp), groups=("ep_fold", "ep_hsdp"))
     return {"pp": pcfg.pp, "dp": dp, "cp": pcfg.cp, "tp": pcfg.tp}  # ep: a refold of dp x cp x tp (mesh.py)
+
+
+def run_layout(pcfg: ParallelSection, degrees: dict[str, int], num_experts: int = 0) -> dict[str, int]:
+    """The degrees a run reports (summary, checkpoint manifest, start-up banner): the mesh's pp/dp/cp/tp and, for
+    a mixture-of-experts model, ep, etp and edp (each expert shard's data-parallel degree, config.rules'
+    fold). A checkpoint's layout compares equal only under the same ep/etp too."""
+    if not num_experts:
+        return dict(degrees)
+    edp = int(edp_degree(degrees["tp"], degrees["cp"], degrees["dp"], pcfg.ep, pcfg.etp))
+    return {**degrees, "ep": pcfg.ep, "etp": pcfg.etp, "edp": edp}
 
 
 def view_of(model_cfg: ModelConfig, pcfg: ParallelSection, seq_len: int, global_batch: int | None = None,

@@ -23,6 +23,7 @@ from paratrain.config import (  # noqa: F401 - check_batch_layout re-exported (c
     dump_config,
     precision_bytes,
 )
+from paratrain.config.layout import run_layout
 from paratrain.device import HostValues, is_host, sync_fn
 from paratrain.model.llama import Llama
 from paratrain.model.moe import moe_metrics, reset_router_stats
@@ -216,7 +217,8 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
                            trackers=_trackers(cfg, trackers, run_dir) if env.is_main else None)
     ck = cfg.checkpoint
     saves = bool(ck.interval or ck.save_final)
-    ckpt = CheckpointManager(ckpt_dir, env.rank, keep=ck.keep, layout=degrees, async_save=ck.async_save,
+    layout = run_layout(cfg.parallel, degrees, model_cfg.num_experts)  # as reported: pp/dp/cp/tp (+ ep/etp/edp)
+    ckpt = CheckpointManager(ckpt_dir, env.rank, keep=ck.keep, layout=layout, async_save=ck.async_save,
                              verify=ck.verify, retry=RetryPolicy(ck.retries, ck.retry_base_s), log=logger.write,
                              timeout_s=ck.collective_timeout_s, partial_load=ck.partial_load,
                              allow_fresh_start=ck.allow_fresh_start, faults=faults)
@@ -235,7 +237,7 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
         scheduler.load_state_dict(resumed.extra["scheduler"])
         sampler.load_state_dict(resumed.extra["sampler"])
         start_step = resumed.extra["step"]
-        logger.write(f"{resumed.describe(degrees, env.world_size)}; sampler at global sample "
+        logger.write(f"{resumed.describe(layout, env.world_size)}; sampler at global sample "
                      f"{sampler.step * cfg.train.global_batch}")
         if start_step >= cfg.train.steps:  # one line, no summary of a run that did not run
             logger.write(f"nothing left to train: the checkpoint is at step {start_step}, train.steps="
@@ -245,7 +247,7 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
             logger.close()
             return {"nothing_to_train": True, "steps": 0, "rank": env.rank, "run_dir": str(run_dir),
                     "checkpoint": str(ckpt.latest() or ""), "resumed_from": resumed.path,
-                    "world_size": env.world_size, "layout": degrees}
+                    "world_size": env.world_size, "layout": layout}
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(dump_config(cfg))
@@ -256,7 +258,7 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
 
     peak = _peak_flops(cfg, env)
     peak_flops, peak_label = peak.flops, peak.label
-    logger.write(banner(cfg, model_cfg, degrees, env, read_meta(cfg.data.prepared_dir), ckpt_dir, resumed, peak))
+    logger.write(banner(cfg, model_cfg, layout, env, read_meta(cfg.data.prepared_dir), ckpt_dir, resumed, peak))
     # The start-up draws (the matmul probe above, model init) are done: the first step starts from exactly the
     # saved generators (bit-for-bit continuation), or from the seed on a fresh start.
     if resumed is not None:
@@ -434,7 +436,7 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
         "wall_s": wall, "peak_flops": peak_flops, "peak_label": peak_label,
         "run_dir": str(run_dir), "checkpoint": str(ckpt.latest() or ""), "rank": env.rank,
         "resumed_from": resumed.path if resumed else "", "failed_checkpoint_saves": ckpt.failed_saves,
-        "world_size": env.world_size, "layout": degrees, "traces": timer.traces, "errors": errors,
+        "world_size": env.world_size, "layout": layout, "traces": timer.traces, "errors": errors,
         "preempted": preempted, "rollbacks": rollbacks, "watchdog_warnings": watchdog.warnings,
         **measured_for_planner(cfg, model_cfg, degrees, breakdowns, WARMUP_STEPS),
     }
@@ -533,7 +535,7 @@ def banner(cfg: TrainConfig, model_cfg, degrees: dict, env, meta: dict, ckpt_dir
     """What this run is about to do, before its first step."""
     t = cfg.train
     tokens = t.steps * t.global_batch * t.seq_len
-    order = [d for d in ("pp", "dp", "cp", "tp") if degrees[d] > 1]
+    order = [d for d in ("pp", "dp", "cp", "tp", "ep", "etp", "edp") if degrees.get(d, 1) > 1]
     lines = [
         f"model       {model_cfg.name}: {model_cfg.num_params() / 1e6:,.2f}M parameters ({model_cfg.layers} layers, "
         f"hidden {model_cfg.hidden}, {model_cfg.heads} heads, vocab {model_cfg.vocab:,})",
