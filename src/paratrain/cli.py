@@ -190,14 +190,16 @@ def _add_command(sub, run, name: str, cls, help: str, description: str, epilog: 
     p.set_defaults(func=lambda args: run(check_options(cls, args)))
 
 
-def options_of(cls, names=None, **meta):
+def options_of(cls, names=None, group: str | None = None, **per_field):
     """The options of a part's own schema dataclass `cls`: one per field with a help text (in its metadata, with
     any other `opt` keyword: bounds, env, ...), same name, type and default, so nothing is restated
-    (`from_options` builds the object back); a dataclass to inherit from. `names`: only these; `meta`: for each."""
+    (`from_options` builds the object back); a dataclass to inherit from. `names`: only these fields; `group`:
+    their help section; `per_field`: more `opt` keywords for one field, e.g. chips={"exclusive": "size"}."""
     hints, fields = typing.get_type_hints(cls), []
     for f in dataclasses.fields(cls):
         if "help" in f.metadata and (names is None or f.name in names):
-            kw = {k: v for k, v in f.metadata.items() if k != "help"} | meta
+            kw = {k: v for k, v in f.metadata.items() if k != "help"} | per_field.get(f.name, {})
+            kw |= {"group": group} if group else {}
             if f.default is MISSING and f.default_factory is not MISSING:
                 kw["factory"] = f.default_factory
             default = None if f.default is MISSING else f.default
@@ -266,9 +268,6 @@ def section_options(section: str, keys, group: str) -> list[tuple]:
         meta = {"metavar": "N"} if f.annotation is int else {}
         out.append((key, f.annotation | None, opt(help, short=f"--{section}.{key}", group=group, **bounds, **meta)))
     return out
-
-
-PURCHASE_HELP = "which catalog price the cost uses: on-demand, capacity-block, savings-1y, savings-3y or spot"
 
 
 class _ConfigKey(argparse.Action):

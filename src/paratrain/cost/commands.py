@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.cli import PURCHASE_HELP, Output, UserError, Workload, command, from_options, opt, show
+from paratrain.cli import Output, UserError, Workload, command, from_options, opt, options_of, show
 from paratrain.cost.inputs import parse_prices  # noqa: F401  (serve plan/recommend parse the same flag)
-from paratrain.device import CUDA
-from paratrain.hardware.catalog import PURCHASE_OPTIONS
+from paratrain.cost.recommend import Request
+from paratrain.hardware.catalog import PURCHASE_HELP, PURCHASE_OPTIONS
 
 COMPARE_HELP = """\
 Time, dollars and energy to train one workload on several clusters, each with the planner's best layout;
@@ -104,26 +104,15 @@ class CompareArgs(CostArgs):
 
 
 @dataclass(kw_only=True)
-class RecommendArgs(CostArgs):
+class RecommendArgs(CostArgs, options_of(Request, chips={"exclusive": "size"}, nodes={"exclusive": "size"},
+                                          porting_engineer_days={"flag": "--porting-days", "metavar": "DAYS"},
+                                          constraints={"flag": "--constraint"})):
+    """recommend's options: the cost Request's fields (cost/recommend.py), the kind, and the defaults per kind."""
     kind: str = opt("pretrain, finetune, research, experiment, multicloud or onprem", positional=True)
     model: str | None = opt("model preset or model TOML file (default: per kind)")
     train_tokens: float | None = opt("tokens to train (default: per kind)", gt=0, exclusive="length")
-    chips: int | None = opt("accelerator chips per candidate cluster, the same for every system (default: per kind; "
-                            "nodes = chips / chips per node, rounded up)", ge=1,
-                            exclusive="size")
-    nodes: int | None = opt("one node count for every candidate system instead of --chips", ge=1,
-                            exclusive="size")
-    max_days: float | None = opt("deadline: drop candidates slower than this", gt=0)
-    max_usd: float | None = opt("budget: drop candidates whose total (compute + porting) is higher", gt=0)
-    current_stack: str = opt("the team's stack today: cuda or neuron; the other stack costs --porting-days", CUDA)
-    porting_engineer_days: float = opt("engineer-days to move the code base to the other stack (assumption)", 20.0,
-                                       ge=0, flag="--porting-days", metavar="DAYS")
-    engineer_usd_per_day: float = opt("loaded cost of an engineer-day (assumption)", 1200.0, ge=0)
-    constraints: list[str] = opt("a hard constraint on top of the kind's own: cuda-kernels, multicloud or onprem "
-                                 "(repeatable), e.g. pretrain --constraint multicloud", factory=list, metavar="NAME",
-                                 flag="--constraint")
-    systems: tuple[str, ...] | None = opt("comma list of candidate systems (default: every catalog system; those without a "
-                              "price get a break-even price instead of a rank)")
+    systems: tuple[str, ...] | None = opt("comma list of candidate systems (default: every catalog system; those "
+                                          "without a price get a break-even price instead of a rank)")
 
 
 def _progress(total: int, quiet: bool):
@@ -167,7 +156,7 @@ def run_compare(args) -> int | None:
 @command("recommend", RecommendArgs, "which infrastructure for a workload, with the reasons", RECOMMEND_HELP)
 def run_recommend(args) -> None:
     from paratrain.cost.inputs import assumptions_from
-    from paratrain.cost.recommend import Request, recommend
+    from paratrain.cost.recommend import recommend
     from paratrain.cost.serving import WORKLOADS  # serving workloads are planned by `serve recommend`
     from paratrain.cost.tables import print_recommendation, write_recommendation_plot
     from paratrain.hardware.catalog import get_catalog

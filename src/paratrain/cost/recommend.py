@@ -67,17 +67,27 @@ class Request:
     kind: str
     model: str | None = None
     train_tokens: float | None = None
-    nodes: int | None = None  # one node count for every candidate (overrides chips)
-    chips: int | None = None  # accelerator chips per candidate cluster (default: per kind)
+    # Each help is the `paratrain recommend` option's (cli.options_of), with its bounds.
+    chips: int | None = field(default=None, metadata={"help": "accelerator chips per candidate cluster, the same for "
+                              "every system (default: per kind; nodes = chips / chips per node, rounded up)", "ge": 1})
+    nodes: int | None = field(default=None, metadata={  # overrides chips
+        "help": "one node count for every candidate system instead of --chips", "ge": 1})
     seq: int = 4096
     global_batch: int = 1024
-    current_stack: str = CUDA  # what the team's code runs on today: a device type, CUDA or NEURON
-    porting_engineer_days: float = 20.0  # assumption: moving a training code base to the other stack
-    engineer_usd_per_day: float = 1200.0  # assumption: loaded cost of an ML engineer-day
-    max_days: float | None = None
-    max_usd: float | None = None  # budget: candidates whose total (compute + porting) exceeds it are excluded
+    max_days: float | None = field(default=None, metadata={"help": "deadline: drop candidates slower than this",
+                                                           "gt": 0})
+    max_usd: float | None = field(default=None, metadata={
+        "help": "budget: drop candidates whose total (compute + porting) is higher", "gt": 0})
+    current_stack: str = field(default=CUDA, metadata={  # a device type: CUDA or NEURON
+        "help": "the team's stack today: cuda or neuron; the other stack costs --porting-days"})
+    porting_engineer_days: float = field(default=20.0, metadata={
+        "help": "engineer-days to move the code base to the other stack (assumption)", "ge": 0})
+    engineer_usd_per_day: float = field(default=1200.0, metadata={
+        "help": "loaded cost of an engineer-day (assumption)", "ge": 0})
     systems: list[str] | None = None  # candidates; default: every catalog system
-    constraints: list[str] = field(default_factory=list)  # from CONSTRAINTS, on top of the kind's own
+    constraints: list[str] = field(default_factory=list, metadata={  # from CONSTRAINTS, on top of the kind's own
+        "help": "a hard constraint on top of the kind's own: cuda-kernels, multicloud or onprem (repeatable), e.g. "
+                "pretrain --constraint multicloud", "metavar": "NAME"})
     assumptions: Assumptions = field(default_factory=Assumptions)
 
     def __post_init__(self) -> None:

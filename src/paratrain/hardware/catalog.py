@@ -130,6 +130,7 @@ class Stack:
 
 # How a node-hour is bought (prices.toml documents each). The order is the order tables and plots use.
 PURCHASE_OPTIONS = ("on-demand", "capacity-block", "savings-1y", "savings-3y", "spot")
+PURCHASE_HELP = "which catalog price the cost uses: on-demand, capacity-block, savings-1y, savings-3y or spot"
 PURCHASE_LABELS = {"on-demand": "on demand", "capacity-block": "EC2 Capacity Block", "savings-1y": "1-year commitment",
                    "savings-3y": "3-year commitment", "spot": "spot"}
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from paratrain.cli import PURCHASE_HELP, Output, UserError, command, from_options, opt, options_of, show
-from paratrain.hardware.catalog import PURCHASE_OPTIONS
+from paratrain.cli import Output, UserError, command, from_options, opt, options_of, show
+from paratrain.hardware.catalog import PURCHASE_HELP, PURCHASE_OPTIONS
 from paratrain.plan.serve import KV_PRECISIONS, WEIGHT_PRECISIONS, Replica, Target, serving_stacks
 from paratrain.sim.serving import Engine
 

@@ -6,8 +6,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.cli import PURCHASE_HELP, Output, UserError, Workload, command, opt, print_json
-from paratrain.hardware.catalog import PURCHASE_OPTIONS
+from paratrain.cli import Output, UserError, Workload, command, opt, print_json
+from paratrain.hardware.catalog import PURCHASE_HELP, PURCHASE_OPTIONS
 from paratrain.sim.config import (
     REPAIR_DISTRIBUTIONS,
     STRAGGLER_POLICIES,
