@@ -486,15 +486,17 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     mm, core, elem, mlp_fwd = _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero)
     moe = moe_plan.layer_terms(flops_model, system, opts, T=T, tp=tp, sp=sp, ep=ep, etp=etp, rc=rc) \
         if flops_model.num_experts else None
+    quantize = 0.0  # per-expert operand quantization launches (plan.moe), once forward and once backward
     if moe is not None:  # routed experts: grouped GEMMs (their weight gradients too) and permute/router kernels
-        mm, elem, mlp_fwd = mm + moe[0], elem + moe[1], mlp_fwd + moe[0] + moe[1]
-    fwd_compute = mm + core + elem
+        quantize = moe[6]
+        mm, elem, mlp_fwd = mm + moe[0], elem + moe[1], mlp_fwd + moe[0] + moe[1] + quantize
+    fwd_compute = mm + core + elem + quantize
     selective = core + (mlp_fwd if opts.recompute_mlp else 0.0)
     recompute_fwd = np.where(rc == 2, fwd_compute, np.where(rc == 1, selective, 0.0))
     # FlashAttention's backward recomputes the scores and probabilities and runs 5 matmuls to the forward's 2
     # (Dao 2023, FlashAttention-2 sec. 3.2); unfused attention keeps P and runs 4 (dP, dV, dQ, dK)
     core_bwd = FLASH_BWD_MATMULS / 2.0 if opts.attention == "flash" else 2.0
-    bwd_compute = 2 * mm + core_bwd * core + 2 * elem + recompute_fwd
+    bwd_compute = 2 * mm + core_bwd * core + 2 * elem + quantize + recompute_fwd
     a2a_fwd, a2a_bwd = moe_plan.exposed_alltoall(opts, moe[2], moe[3], fwd_compute, bwd_compute,
                                                  *moe_plan.overlap_limits(system, opts, sched, pp, v, m)) \
         if moe is not None else (0.0, 0.0)

@@ -67,6 +67,16 @@ HOST_SYNC_LAUNCHES = 4
 # taken as the cost of the path itself (cuBLASLt call, stream/event hand-offs), not of the chip's math: an
 # assumption for Hopper, where no such measurement was found.
 MULTISTREAM_GEMM_S = (0.267e-3 - 0.069e-3) / 8
+# Transformer Engine's GroupedLinear quantizes the operands of its per-expert GEMMs one local expert at a time
+# (tex.split_quantize, one quantizer per expert; TE v2.12 csrc/extensions/cast.cpp multi_tensor_quantize_impl:
+# "Quantize kernels individually" unless every quantizer is delayed-scaling FP8): per GEMM layer, the input in
+# the forward and the output gradient in the backward, fc1 and fc2. Per-tensor current scaling (what Megatron-
+# Bridge's FP8-CS recipes run) launches 3 kernels per expert tensor (Float8CurrentScalingQuantizer::quantize_impl:
+# nvte_compute_amax, nvte_compute_scale_from_amax, nvte_quantize_v2); block-scaled formats (MXFP8, FP8
+# blockwise) find their scales while casting: 1. Each pays the chip's kernel_overhead_s like every other kernel.
+QUANTIZED_TENSORS_PER_DIRECTION = 2  # fc1 and fc2: inputs forward, output gradients backward
+CURRENT_SCALING_QUANTIZE_KERNELS = 3
+BLOCK_SCALED_QUANTIZE_KERNELS = 1
 # SMs the all-to-all kernels hold while they run (what the compute overlapped with them loses). DeepEP /
 # HybridEP: Megatron-Core's moe_deepep_num_sms = 20 (TransformerConfig; DeepSeek-V3 report sec. 3.2.2: "only
 # 20 SMs" for dispatch and combine on H800). NCCL's all-to-all runs one CTA per channel; 32 channels is an
@@ -146,9 +156,24 @@ def alltoall_time_s(system: System, nbytes, degree, stride, imbalance=1.0, dedup
     return np.where(degree > 1, slowest + fixed, 0.0)
 
 
+def per_expert_quantize_s(system: System, opts, local):
+    """Launch time of the per-expert operand quantization of Transformer Engine's GroupedLinear, per direction
+    (the forward's and the backward's are equal: QUANTIZED_TENSORS_PER_DIRECTION tensors each), per MoE block.
+    Only on the per-expert GEMM path (Options.moe_gemm_per_expert) with low-precision matmuls; a grouped kernel
+    for all experts (DeepGEMM, torch._grouped_mm) quantizes the routed rows in one pass (in cast_cost's bytes)."""
+    from paratrain.plan.model import block_scaled
+
+    if not (opts.fp8 and opts.moe_gemm_per_expert):
+        return 0.0 * np.asarray(local, dtype=float)
+    kernels = BLOCK_SCALED_QUANTIZE_KERNELS if block_scaled(system, opts) else CURRENT_SCALING_QUANTIZE_KERNELS
+    return QUANTIZED_TENSORS_PER_DIRECTION * np.asarray(local, dtype=float) * kernels \
+        * system.chip.efficiency.kernel_overhead_s
+
+
 def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp, rc):
     """Per average layer, forward, on the busiest expert rank: (expert GEMMs s, elementwise s, all-to-all fwd s,
-    all-to-all bwd s, all-to-all bytes per microbatch, routed rows). Backward GEMMs are 2x (plan.model)."""
+    all-to-all bwd s, all-to-all bytes per microbatch, routed rows, per-expert quantize launches s). Backward
+    GEMMs and elementwise traffic are 2x (plan.model); the quantize launches are once per direction."""
     from paratrain.plan.model import cast_cost, matmul_time_s, memory_time_s
 
     share = model.moe_layers / model.layers  # the average layer's share of a MoE block
@@ -191,7 +216,8 @@ def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp,
     # combine, both bf16; full recompute replays the forward's pair first
     a2a_bwd = 2 * combine + np.where(rc == 2, a2a_fwd, 0.0)
     a2a_bytes = rows * h * (dispatch_bytes + 3 * BF16_BYTES) * np.where(ep > 1, 1.0, 0.0)
-    return share * gemm, share * elem, share * a2a_fwd, share * a2a_bwd, share * a2a_bytes, routed
+    quantize = per_expert_quantize_s(system, opts, local)
+    return share * gemm, share * elem, share * a2a_fwd, share * a2a_bwd, share * a2a_bytes, routed, share * quantize
 
 
 def exposed_alltoall(opts, a2a_fwd, a2a_bwd, fwd_compute, bwd_compute, unpaired=0.0, comm_sm_fraction=0.0):
