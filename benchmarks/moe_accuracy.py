@@ -14,7 +14,9 @@ GroupedLinear, which Megatron-Core runs on Hopper; fused = one launch for all lo
 The DeepSeek-V3 cluster (2048 H800): H800 = H100 SXM compute and memory with NVLink cut to 400 GB/s
 bidirectional (200 GB/s per direction; DeepSeek-V3 report sec. 3.3.1 and NVIDIA's H800 export specification)
 and 8 x 400 Gb/s InfiniBand per node (report sec. 3.1: "each node ... 8 GPUs connected by NVLink and NVSwitch
-within nodes ... IB across nodes"): the catalog's DGX H100 with the NVLink bandwidth halved.
+within nodes ... IB across nodes"): the catalog's DGX H100 with the NVLink bandwidth halved. The DGX-B200 rows
+run on `dgx_b200` (the catalog's 8 x B200 NVLink 5 node with InfiniBand rails); precision "mxfp8" is FP8 with MX
+block scaling (Options.block_scaling), what the Blackwell rows publish as MXFP8.
 """
 
 from __future__ import annotations
@@ -45,8 +47,20 @@ def h800_cluster(catalog):
                                                                    *base.tiers[1:]))
 
 
+def dgx_b200(catalog):
+    """DGX B200: 8 B200 (180 GB) on NVLink 5 with 8 x 400 Gb/s ConnectX-7 InfiniBand (NVIDIA DGX B200 datasheet),
+    the system of the Megatron-Bridge DGX-B200 rows: the catalog's p6-b200 node (8 B200, NVLink 5) with DGX H100's
+    8 x NDR 400 Gb/s InfiniBand rails in place of EFA."""
+    base = catalog.system("p6-b200.48xlarge")
+    ib = catalog.system("dgx-h100").tiers[1]
+    return dataclasses.replace(base, name="dgx-b200", tiers=(base.tiers[0], ib))
+
+
+SYSTEMS = {"h800-deepseek": h800_cluster, "dgx-b200": dgx_b200}
+
+
 def system_of(catalog, name: str):
-    return h800_cluster(catalog) if name == "h800-deepseek" else catalog.system(name)
+    return SYSTEMS[name](catalog) if name in SYSTEMS else catalog.system(name)
 
 
 def model_of(name: str):
@@ -55,7 +69,9 @@ def model_of(name: str):
 
 
 def options_of(system, r: dict) -> Options:
-    return Options.for_system(system, stack="megatron", fp8=r["precision"] == "fp8",
+    # mxfp8: FP8 with MX block scaling (one E8M0 scale per 32 elements), what Blackwell runs as "MXFP8"
+    return Options.for_system(system, stack="megatron", fp8=r["precision"] in ("fp8", "mxfp8"),
+                              block_scaling=True if r["precision"] == "mxfp8" else None,
                               moe_imbalance=1.0 if r["routing"] == "balanced" else None,
                               ep_overlap=float(r["ep_overlap"]), moe_fp8_dispatch=r["fp8_dispatch"] == "1",
                               moe_hierarchical_dispatch=r["dispatcher"] == "hierarchical",
