@@ -15,7 +15,7 @@ MOE = dict(model__preset='"tiny-moe"', model__aux_loss_coef=0.1, model__capacity
 def test_torchrun_ep2_matches_single_process(tmp_path):
     ref = run_single(train_args(tmp_path, "single", **MOE))
     got = run_torchrun(2, train_args(tmp_path, "ep2", parallel__ep=2, parallel__dp_kind='"fsdp"', **MOE))
-    assert got["layout"] == {"pp": 1, "dp": 2, "cp": 1, "tp": 1} and got["world_size"] == 2
+    assert got["layout"] == {"pp": 1, "dp": 2, "cp": 1, "tp": 1, "ep": 2, "etp": 1, "edp": 1} and got["world_size"] == 2
     assert_losses_close(got["losses"], ref["losses"])
     steps = [r for r in map(json.loads, (tmp_path / "ep2" / "metrics.jsonl").read_text().splitlines())
              if "loss" in r]
