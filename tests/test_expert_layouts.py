@@ -16,7 +16,8 @@ import torch
 MOE = ['model.preset="tiny-moe"', "model.layers=3", "model.aux_loss_coef=0.1", "train.steps=3"]
 CAPACITY = "model.capacity_factor=1.0"
 EP2 = [['parallel.ep=2', 'parallel.dp_kind="ddp"'], ['parallel.ep=2', 'parallel.dp_kind="fsdp"', CAPACITY]]
-BF16 = ['parallel.ep=2', 'parallel.dp_kind="ddp"', 'train.dtype="bf16"']
+BF16 = [['parallel.ep=2', 'parallel.dp_kind="ddp"', 'train.dtype="bf16"'],  # autocast
+        ['parallel.ep=2', 'parallel.dp_kind="fsdp"', 'train.dtype="bf16"']]  # FSDP2 bf16 policy, expert units too
 WORLD4 = [['parallel.ep=4', 'parallel.dp_kind="ddp"'],
           ['parallel.ep=4', 'parallel.dp_kind="fsdp"', CAPACITY],
           ['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=2', 'parallel.dp_kind="ddp"', CAPACITY],
@@ -65,13 +66,14 @@ def test_expert_layouts_match_single_device(dist_run):
     from parity import make_config, reference
 
     refs = _references()
-    for world, cases in ((2, EP2 + [BF16]), (4, WORLD4)):
+    for world, cases in ((2, EP2 + BF16), (4, WORLD4)):
         per_rank = dist_run(world, _cases, cases)
-        if world == 2:  # bf16 autocast through the dispatch: the losses of the bf16 single-device run, within 1e-3
-            bf16 = reference(make_config(MOE + BF16[-1:]))["losses"]
-            torch.testing.assert_close(torch.tensor(per_rank[0].pop()["losses"]), torch.tensor(bf16), rtol=1e-3,
-                                       atol=0)
-            per_rank[1].pop()
+        if world == 2:  # bf16 through the dispatch: the losses of the bf16 single-device run, within 1e-3
+            bf16 = reference(make_config(MOE + BF16[0][-1:]))["losses"]
+            for results in per_rank:
+                for got in results[len(EP2):]:
+                    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(bf16), rtol=1e-3, atol=0)
+            per_rank = [results[:len(EP2)] for results in per_rank]
         _assert_layouts_match(refs, cases[:len(per_rank[0])], per_rank)
 
 
