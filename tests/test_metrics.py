@@ -72,13 +72,14 @@ def test_trackers_get_every_scalar_with_its_step(tmp_path):
     trackers = [Tracker("wandb", wandb, "proj", "run-a", tmp_path, config),
                 Tracker("mlflow", mlflow, "exp", "run-a", tmp_path, config)]
     logger = MetricsLogger(tmp_path / "run", True, tensorboard=False, progress=False, trackers=trackers)
-    logger.log(3, {"loss": 2.5, "mfu": 0.4, "note": "text is not a metric"})
+    logger.log(3, {"loss": 2.5, "mfu": 0.4, "note": "text is not a metric", "moe_tokens_per_expert": [7, 9]})
     logger.close()
     assert wandb.calls[0] == ("init", {"project": "proj", "name": "run-a", "dir": str(tmp_path), "config": config})
-    assert ("log", 3, {"loss": 2.5, "mfu": 0.4}) in wandb.calls and wandb.calls[-1] == ("finish",)
+    scalars = {"loss": 2.5, "mfu": 0.4, "moe_tokens_per_expert/0": 7, "moe_tokens_per_expert/1": 9}
+    assert ("log", 3, scalars) in wandb.calls and wandb.calls[-1] == ("finish",)
     names = [c[0] for c in mlflow.calls]
     assert names[:3] == ["set_experiment", "start_run", "log_params"] and names[-1] == "end_run"
-    assert ("log_metrics", ({"loss": 2.5, "mfu": 0.4},), {"step": 3}) in mlflow.calls
+    assert ("log_metrics", (scalars,), {"step": 3}) in mlflow.calls
     assert mlflow.calls[2][1][0]["train.steps"] == config["train"]["steps"]  # the config, flattened
     record = json.loads((tmp_path / "run" / "metrics.jsonl").read_text())
     assert record["step"] == 3 and record["time_unix_s"] > 1.7e9 and record["elapsed_s"] >= 0

@@ -115,7 +115,7 @@ class Tracker:
             module.log_params({k: v for k, v in _flat(config).items() if len(str(v)) < 500})
 
     def log(self, step: int, values: dict) -> None:
-        scalars = {k: v for k, v in values.items() if isinstance(v, int | float) and not isinstance(v, bool)}
+        scalars = scalars_of(values)
         if self.kind == "wandb":
             self.run.log(scalars, step=step)
         else:
@@ -126,6 +126,18 @@ class Tracker:
             self.run.finish()
         else:
             self.module.end_run()
+
+
+def scalars_of(values: dict) -> dict[str, int | float]:
+    """The numeric entries of a metrics record; a list of numbers (e.g. moe_tokens_per_expert) as one scalar per
+    element, `key/i`, as tensorboard and the trackers take them."""
+    out = {}
+    for k, v in values.items():
+        if isinstance(v, int | float) and not isinstance(v, bool):
+            out[k] = v
+        elif isinstance(v, list | tuple) and v and all(isinstance(x, int | float) and not isinstance(x, bool) for x in v):
+            out.update({f"{k}/{i}": x for i, x in enumerate(v)})
+    return out
 
 
 def _flat(d: dict, prefix: str = "") -> dict:
@@ -192,9 +204,8 @@ class MetricsLogger:
         if self._jsonl:
             self._jsonl.write(json.dumps(record) + "\n")
         if self._tb:
-            for key, val in values.items():
-                if isinstance(val, int | float):
-                    self._tb.add_scalar(key, val, step)
+            for key, val in scalars_of(values).items():
+                self._tb.add_scalar(key, val, step)
         for tracker in self._trackers:
             tracker.log(step, values)
 
