@@ -169,19 +169,40 @@ def check_options(cls, args) -> typing.Any:
     return cls(**values)
 
 
-def command(name: str, cls, help: str, description: str = "", epilog: str | None = None):
+def command(name: str, cls, help: str):
     """Declares the function below it as the subcommand `name` (`plan`; `serve plan` under the module's GROUPS
-    entry `serve`), run with the checked options (an instance of the dataclass `cls`). A command with the
-    training config's options (`ConfigArgs`) also gets one flag per config key."""
+    entry `serve`), run with the checked options (an instance of the dataclass `cls`); `help` is its line in the
+    list of commands, its long help the section `## name` of cli_help.md. A command with the training config's
+    options (`ConfigArgs`) also gets one flag per config key."""
     def declare(run):
-        run.cli_command = dict(name=name, cls=cls, help=help, description=description, epilog=epilog)
+        run.cli_command = dict(name=name, cls=cls, help=help)
         return run
     return declare
 
 
-def _add_command(sub, run, name: str, cls, help: str, description: str, epilog: str | None):
+def command_help() -> dict[str, list[str]]:
+    """The long help of each command, from the package's cli_help.md (also the commands' documentation):
+    `## COMMAND` sections, each with one or two ```text blocks (the text above the options, and below them)."""
+    from importlib.resources import files
+
+    sections: dict[str, list[str]] = {}
+    blocks, inside = None, False  # the current section's blocks; within a block
+    for line in files("paratrain").joinpath("cli_help.md").read_text(encoding="utf-8").splitlines(keepends=True):
+        if inside:  # verbatim up to the closing fence
+            inside = line.rstrip() != "```"
+            blocks[-1] += line if inside else ""
+        elif line.startswith("## "):
+            blocks = sections.setdefault(line[3:].strip(), [])
+        elif line.rstrip() == "```text" and blocks is not None:
+            inside = True
+            blocks.append("")
+    return sections
+
+
+def _add_command(sub, run, name: str, cls, help: str, text: list[str]):
     config_keys = issubclass(cls, ConfigArgs)
     usage = "%(prog)s [options] [--SECTION.KEY VALUE ...]" if config_keys else None  # not 100 keys in the usage
+    description, epilog = (text + ["", None])[:2]
     p = sub.add_parser(name.split()[-1], help=help, description=description, usage=usage, epilog=epilog,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(p, cls)
@@ -213,9 +234,10 @@ def from_options(cls, opts, **given):
     return cls(**{name: getattr(opts, name) for name in names} | given)
 
 
-def _group(sub, name: str, help: str, description: str = ""):
+def _group(sub, name: str, help: str, text: list[str]):
     """A command with subcommands (`hardware list|show`): prints its help when given none."""
-    p = sub.add_parser(name, help=help, description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = sub.add_parser(name, help=help, description="".join(text),
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.set_defaults(func=lambda args: p.print_help() or 0)
     return p.add_subparsers(dest=f"{name}_command", metavar="ACTION")
 
@@ -328,15 +350,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="paratrain", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      description="Plan, run and survive large-scale LLM training (Trainium, GPU).")
     parser.add_argument("--version", action="version", version=f"paratrain {version()}")
-    subs = {(): parser.add_subparsers(dest="command", metavar="COMMAND")}
+    subs, texts = {(): parser.add_subparsers(dest="command", metavar="COMMAND")}, command_help()
     for module in map(importlib.import_module, COMMAND_MODULES):
-        groups = {name: spec for name, *spec in getattr(module, "GROUPS", ())}  # (name, help, description)
+        groups = dict(getattr(module, "GROUPS", ()))  # (name, help)
         for run in vars(module).values():  # in the order the module defines them
             if getattr(run, "__module__", None) == module.__name__ and hasattr(run, "cli_command"):
                 above = tuple(run.cli_command["name"].split()[:-1])  # () or ("serve",)
                 if above not in subs:
-                    subs[above] = _group(subs[()], above[0], *groups[above[0]])
-                _add_command(subs[above], run, **run.cli_command)
+                    subs[above] = _group(subs[()], above[0], groups[above[0]], texts.get(above[0], []))
+                _add_command(subs[above], run, **run.cli_command, text=texts.get(run.cli_command["name"], []))
     return parser
 
 

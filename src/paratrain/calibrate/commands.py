@@ -9,42 +9,6 @@ from paratrain.device import CPU, CUDA, NEURON
 
 PROBE_DEVICES = (CPU, CUDA, NEURON)
 
-PROBE_HELP = """\
-Measure this machine the way training ranks use it and write a hardware file for the planner:
-matmul throughput by size, memory bandwidth, and gloo collectives (all-reduce, reduce-scatter, all-gather,
-send/recv) by message size and group size, fitted to the planner's own collective model: latency per ring
-step, bandwidth, and on CPU hosts the extra wait per step when more ranks than cores take turns (probe
-groups larger than the core count, e.g. --groups 2,4,8 on 2 cores, to measure it).
-
-  paratrain probe --out hardware/local.toml
-  PARATRAIN_HARDWARE_DIR=hardware paratrain plan --hardware local --nodes 1 ...
-"""
-
-
-CALIBRATE_HELP = """\
-Fit the planner's efficiency parameters of a hardware entry (a TOML file, e.g. the one `paratrain probe`
-wrote) to measured runs (`paratrain train --summary-json FILE` writes one per run), and write a NEW hardware
-file (default: <input>.calibrated.toml beside the input; --in-place rewrites the input).
-Only physical parameters are fitted (matmul efficiency and per-kernel overhead, memory-bound efficiency
-(held at the probe's measurement on a probed machine), link bandwidth and latency scale, the fixed software
-cost of one collective call, data-parallel overlap), and only those the runs identify: at most one fewer than
-the runs (one run: the single most sensitive one), none that no run depends on, none the runs cannot tell from
-another. Each parameter held says why. The error shown is leave-one-out: each run predicted by a fit without it.
-Every run calibrate proposes (the layouts that would identify the parameters still held; --suggest N for N of
-them) comes with a config to train it: the run's own config.toml with that layout, in <runs folder>/next/.
-`paratrain generate --summary-json FILE` summaries (mixed with training ones or alone) fit the serving
-model instead (decode and KV bandwidth efficiency, prefill matmul efficiency, per-layer and per-collective
-cost; the same rules: only what the runs identify, leave-one-out error), written as [systems.X.serving] in
-the new file, which `paratrain serve ... --hardware NEW_FILE` uses (calibrate/serving.py, docs/serving.md).
-See src/paratrain/calibrate/fit.py and docs/calibration.md.
-
-  paratrain calibrate --hardware runs/hardware/local.toml runs/*.json
-  paratrain calibrate --hardware runs/hardware/local.toml runs/*.json --suggest      # which runs next
-  paratrain calibrate --hardware runs/hardware/local.toml --out runs/hardware/fit.toml runs/*.json
-  paratrain calibrate --hardware runs/hardware/local.toml runs/gen/*.json    # generate runs: serving model
-"""
-
-
 @dataclass(kw_only=True)
 class ProbeArgs(Output):
     out: str = opt("hardware TOML to write", "runs/hardware/local.toml", metavar="FILE")
@@ -74,7 +38,7 @@ class CalibrateArgs(Output):
     dry_run: bool = opt("fit and report, do not write a file")
 
 
-@command("probe", ProbeArgs, "measure this machine and write a hardware file for the planner", PROBE_HELP)
+@command("probe", ProbeArgs, "measure this machine and write a hardware file for the planner")
 def run_probe_cmd(args) -> None:
     from paratrain.calibrate.probe import run_probe, write_probe
     from paratrain.calibrate.session import print_probe
@@ -86,8 +50,7 @@ def run_probe_cmd(args) -> None:
          lambda: print_probe(res, out))
 
 
-@command("calibrate", CalibrateArgs, "fit the planner to measured runs; write a calibrated hardware file",
-         CALIBRATE_HELP)
+@command("calibrate", CalibrateArgs, "fit the planner to measured runs; write a calibrated hardware file")
 def run_calibrate_cmd(args) -> None:
     from paratrain.calibrate.session import print_calibration, run_calibration
 

@@ -9,65 +9,6 @@ from paratrain.cost.inputs import parse_prices  # noqa: F401  (serve plan/recomm
 from paratrain.cost.recommend import Request
 from paratrain.hardware.catalog import PURCHASE_HELP, PURCHASE_OPTIONS
 
-COMPARE_HELP = """\
-Time, dollars and energy to train one workload on several clusters, each with the planner's best layout;
-failures and checkpoints from the simulator (or Daly's formula with --failures daly).
-
-  paratrain compare --model llama2-7b --train-tokens 1e12 --seq 4096 --global-batch 1024 \\
-      --targets trn1.32xlarge:16,p4d.24xlarge:16 --report runs/compare
-  paratrain compare --model llama3-70b --train-tokens 15e12 --targets p5.48xlarge:128,trn2-ultraserver:32 \\
-      --price-per-node-hour-usd trn2-ultraserver=180 --json
-  paratrain compare --model llama3-8b --steps 20000 --seq 8192 --global-batch 512 \\
-      --targets p5.48xlarge:16,p6-b200.48xlarge:8 --failures daly --purchase capacity-block
-  paratrain compare --claims          # the source documents' cost claims, each beside ours (docs/cost.md)
-
-The run length is --train-tokens or --steps (tokens = steps x seq x global batch). Per target: the planner's best
-layout, MFU, days to train including failures, restarts and checkpoints (`overhead` = the share they add),
-accelerator-hours (chips x wall hours), the cost at --purchase (on-demand, capacity-block, savings-1y,
-savings-3y or spot; the catalog's price per node-hour, its region and the date it was read are printed beside
-it), price per chip-hour and per peak BF16 PFLOP-hour, cost per million tokens, energy (accelerators + host
-share, x PUE) and tokens per MWh. A system without a price at that option (Trn2/Trn3 UltraServers publish
-none) gets, in place of its cost, the break-even price per node-hour at which it would tie the cheapest
-priced target; --price-per-node-hour-usd SYSTEM=USD gives it one. Then the sensitivity: $ per million tokens
-at every purchase option, and each target's rank with its own price -30% .. +30% (--sensitivity-plot PNG).
---config FILE reads the same choices from a [cost] table (flags win):
-
-  [cost]
-  purchase = "capacity-block"
-  pue = 1.2
-  failures = "daly"
-  price_per_node_hour_usd = { trn3-ultraserver = 400.0 }
-
-Every assumption is printed with the table; --json has every field, --report DIR an HTML page with plots.
-"""
-
-RECOMMEND_HELP = """\
-Recommend an infrastructure for a workload, with every rule and number that decided it. Kinds:
-  pretrain    pre-training from scratch (weeks or more)
-  finetune    large fine-tuning (SFT, RLHF), cost-sensitive
-  research    research prototyping that needs custom CUDA kernels
-  experiment  short, small experiments (hours to days)
-  multicloud  must run on several clouds
-  onprem      must also run on-premises
-
-How it decides (all printed): rules first (custom CUDA kernels, multi-cloud and on-premises need NVIDIA);
-then, among what remains, the lowest total of compute (planner's best layout x simulator's goodput x the price
-at --purchase, default on-demand; its option, region and date are printed beside it) plus porting the code to
-the other software stack (--porting-days x --engineer-usd-per-day, paid only by systems on the stack the team
-does not use, --current-stack). Every candidate gets the same number of accelerator chips (--chips; --nodes
-for equal node counts). Systems without a price at that option (Trn2/Trn3 UltraServers publish none) are
-planned but not ranked: their break-even price per node-hour is shown, as for every losing candidate;
---price-per-node-hour-usd SYSTEM=USD ranks them. The sensitivity tables show the ranking at every purchase
-option and with each price -30% .. +30% (--sensitivity-plot PNG); --config FILE reads a [cost] table.
-
-  paratrain recommend pretrain --model llama2-70b --train-tokens 2e12 --chips 512 --max-days 60
-  paratrain recommend experiment
-  paratrain recommend finetune --current-stack neuron
-  paratrain recommend pretrain --constraint multicloud
-  paratrain recommend pretrain --price-per-node-hour-usd trn3-ultraserver=500 --porting-days 30 --json
-  paratrain recommend pretrain --purchase savings-3y --sensitivity-plot runs/rec.png
-"""
-
 
 @dataclass(kw_only=True)
 class CostArgs(Workload, Output):
@@ -123,7 +64,7 @@ def _progress(total: int, quiet: bool):
     return tqdm(total=total, unit="cluster", leave=False).update
 
 
-@command("compare", CompareArgs, "time, cost and energy to train a workload across clusters", COMPARE_HELP)
+@command("compare", CompareArgs, "time, cost and energy to train a workload across clusters")
 def run_compare(args) -> int | None:
     from paratrain.cost.compare import Workload, comparison, parse_targets
     from paratrain.cost.inputs import assumptions_from
@@ -153,7 +94,7 @@ def run_compare(args) -> int | None:
     show(args, out, lambda: print_comparison(out, rows))
 
 
-@command("recommend", RecommendArgs, "which infrastructure for a workload, with the reasons", RECOMMEND_HELP)
+@command("recommend", RecommendArgs, "which infrastructure for a workload, with the reasons")
 def run_recommend(args) -> None:
     from paratrain.cost.inputs import assumptions_from
     from paratrain.cost.recommend import recommend

@@ -6,20 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.cli import Output, command, opt, print_json
-from paratrain.hardware.catalog import ENV_DIR, get_catalog
-
-HELP = f"""\
-The accelerator catalog: chips, interconnects and the systems (instances, UltraServers) you rent.
-Every number names its source (`show` prints them). Add your own hardware by dropping a TOML file with
-[chips.X] / [interconnects.X] / [systems.X] tables into ${ENV_DIR}, or pass `--hardware FILE.toml` to
-estimate/plan (`--hardware-file FILE.toml` here). The built-in files (src/paratrain/hardware/catalog/*.toml) show the format.
-
-examples:
-  paratrain hardware list
-  paratrain hardware list --json
-  paratrain hardware show trn1.32xlarge
-  paratrain hardware show h100 --json          # a chip works too
-"""
+from paratrain.hardware.catalog import get_catalog
 
 
 @dataclass(kw_only=True)
@@ -32,7 +19,7 @@ class ShowArgs(CatalogArgs):
     name: str = opt("system or chip name (see `paratrain hardware list`)", positional=True)
 
 
-GROUPS = [("hardware", "the accelerator catalog (list, show)", HELP)]
+GROUPS = [("hardware", "the accelerator catalog (list, show)")]
 
 
 @command("hardware list", CatalogArgs, "one line per system and chip")

@@ -10,20 +10,6 @@ from pathlib import Path
 from paratrain.cli import ConfigArgs, Output, command, from_options, opt, options_of, show
 from paratrain.infer.sampling import Sampling
 
-HELP = """\
-Generate from a model trained by paratrain (a checkpoint of its run) or imported (model.hf_path), with a KV
-cache: greedy (--temperature 0, the default) or sampled (--temperature/--top-k/--top-p, --seed). Several
---prompt flags make one batch (left-padded). Under torchrun every rank holds 1/N of the weights (tensor
-parallelism over all N ranks). The measured prefill and per-step decode times go to --summary-json (the
-serving model's calibration input, docs/serving.md).
-
-  paratrain generate --config configs/tiny.toml --set metrics.run_dir=runs/demo --checkpoint latest \\
-      --prompt "def main(" --max-new-tokens 40
-  paratrain generate --set model.hf_path=path/to/llama --set data.tokenizer=path/to/llama/tokenizer.json \\
-      --prompt "The capital of France is" --prompt "1, 2, 3," --max-new-tokens 16 --json
-  torchrun --nproc-per-node 2 -m paratrain generate --set model.hf_path=path/to/llama --prompt-ids 1,15043
-"""
-
 
 @dataclass(kw_only=True)
 class GenerateArgs(ConfigArgs, Output, options_of(Sampling)):
@@ -37,7 +23,7 @@ class GenerateArgs(ConfigArgs, Output, options_of(Sampling)):
 
 
 @command("generate", GenerateArgs,
-         "generate text with a KV cache (checkpoint or Hugging Face model; TP under torchrun)", HELP)
+         "generate text with a KV cache (checkpoint or Hugging Face model; TP under torchrun)")
 def run_generate(args) -> None:
     from paratrain.config import load_config
     from paratrain.infer.session import generate_from_config, print_generation

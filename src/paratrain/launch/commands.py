@@ -23,44 +23,6 @@ from paratrain.launch.torchrun import (
     warnings_for,
 )
 
-HELP = """\
-Run `paratrain train` on this node through torchrun (torch.distributed.run). Start the same command on
-every node; torchrun rendezvouses the nodes, numbers the ranks node by node and restarts workers after a
-failure. Use --dry-run to see the exact torchrun command instead of running it.
-
-Placement: ranks fill a node before the next one, and tp is the innermost mesh dimension, so with
---nproc-per-node a multiple of parallel.tp every tensor-parallel group stays inside a node; dp and pp
-span nodes. A layout that would put a TP group across hosts is refused.
-
-examples:
-  # one node, 8 processes (same as torchrun --standalone)
-  paratrain launch --nproc-per-node 8 -- --config configs/tiny.toml --set parallel.tp=2 --set train.microbatch=4
-
-  # 4 nodes, elastic c10d rendezvous on node001 (run on every node, same command)
-  paratrain launch --nnodes 4 --nproc-per-node 8 --rdzv-endpoint node001:29400 --rdzv-id $JOB_ID \\
-      -- --config run.toml --set parallel.tp=8
-
-  # survive node loss: 2..4 nodes, 3 restarts, resume from the newest checkpoint (checkpoint.interval > 0,
-  # checkpoint.dir on storage every node sees: shared file system or s3://)
-  paratrain launch --nnodes 2:4 --nproc-per-node 8 --rdzv-endpoint node001:29400 --rdzv-id $JOB_ID \\
-      --max-restarts 3 -- --config run.toml --set checkpoint.interval=100
-
-  # static ranks (no elasticity), e.g. when a scheduler hands out node ranks
-  paratrain launch --nnodes 2 --node-rank $NODE_RANK --rdzv-endpoint $MASTER_ADDR:29500 --nproc-per-node 8 \\
-      -- --config run.toml
-
-  # hybrid sharding: FSDP shards inside each node, replicas across nodes (dp_kind=hsdp, dp_replicate=nnodes)
-  paratrain launch --nnodes 4 --nproc-per-node 8 --rdzv-endpoint node001:29400 --hybrid-shard -- --config run.toml
-
-Defaults come from torchrun's own PET_* variables when set (PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
-PET_RDZV_ENDPOINT, PET_RDZV_ID, PET_RDZV_BACKEND, PET_RDZV_CONF, PET_MAX_RESTARTS), which the Kubeflow
-training operator sets in every PyTorchJob pod: there `paratrain launch -- --config run.toml` is enough.
-
-Arguments after `--` (or the --config/--set given here) go to `paratrain train`. Cluster recipes (Slurm,
-Kubernetes, AWS trn1/p5) are in recipes/ and explained in docs/multinode.md.
-"""
-
-
 NODES, RDZV = "nodes and processes", "rendezvous and restarts"
 RDZV_KEYS = ("rdzv_endpoint", "rdzv_id", "rdzv_backend", "rdzv_conf", "max_restarts", "monitor_interval_s")
 
@@ -100,7 +62,7 @@ def merge_extra(args) -> None:
     args.set, args.extra = [*args.set, *known.set], []
 
 
-@command("launch", LaunchArgs, "run training on one node of a multi-node job (torchrun wrapper)", HELP)
+@command("launch", LaunchArgs, "run training on one node of a multi-node job (torchrun wrapper)")
 def run_launch(args) -> None:
     if args.json and not args.dry_run:
         raise ValueError("--json: allowed only with --dry-run (a real launch hands the terminal to torchrun)")

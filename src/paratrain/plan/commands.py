@@ -8,49 +8,6 @@ from typing import Literal
 
 from paratrain.cli import Output, UserError, Workload, command, opt, print_json, section_options, show
 
-ESTIMATE_HELP = """\
-Predict step time, MFU/HFU, memory per device, communication and cost of ONE parallel layout, from the
-analytic model in docs/planner.md (no accelerator needed, milliseconds).
-
---model is a preset (llama2-7b, llama3-8b, ...) or a TOML file with arch (llama|gpt), layers, hidden, heads,
-kv_heads, ffn_hidden, vocab. --hardware is a system from `paratrain hardware list` (or a TOML file); --nodes
-counts that system's units (instances or UltraServers). Ranks map to the system's device unit (a NeuronCore
-on Trn1: 32 per trn1.32xlarge; a GPU on p4d/p5).
-
-examples:
-  paratrain estimate --model llama2-7b --hardware trn1.32xlarge --nodes 128 --seq 4096 --global-batch 1024 \\
-      --tp 8 --pp 1 --sp --recompute selective
-  paratrain estimate --model llama3-70b --hardware p5.48xlarge --nodes 64 --seq 8192 --global-batch 512 \\
-      --tp 8 --pp 4 --sp --pp-schedule interleaved_1f1b --virtual-stages 5 --json
-
-With pp > 1 the planner also picks the layers per pipeline stage (--pp-layers auto, the default): fewer on the
-stage that runs the output head (or embedding) when that makes the slowest stage faster; --pp-layers balanced
-is the runtime's default split, --pp-layers 8,9,8,7 a split of your own (one count per (virtual) stage).
-"""
-
-PLAN_HELP = """\
-Search every valid layout (tp, pp, cp, sp, dp, microbatch, recompute, ZeRO stage / FSDP, pipeline schedule,
-virtual stages) that fits in memory, and rank by step time (or by USD per token with --objective cost, which
-also tries fewer nodes: powers of two down from --nodes). Only the choices the system's usual training stack
-supports are searched (NxD on Trn1: ZeRO-1, 1F1B/interleaved); --any-stack lifts that, --stack NAME searches
-what that software supports and times it as it runs (nxd: ZeRO-1 with the post-step gather exposed; megatron:
-distributed optimizer with overlapped gathers, bf16 gradients, Transformer Engine TP overlap; fsdp2: torchtitan's
-FSDP/HSDP layer by layer; deepspeed: ZeRO-1..3). --fp8 runs the layer matmuls at the FP8 peak. MFU counts
-attention causally (the timing convention); the full-square MFU of papers is printed beside it.
-
-examples:
-  paratrain plan --model llama2-7b --hardware trn1.32xlarge --nodes 128 --seq 4096 --global-batch 1024
-  paratrain plan --model llama3-70b --hardware p5.48xlarge --nodes 128 --seq 8192 --global-batch 1024 --top 5 --json
-  paratrain plan --model llama2-7b --hardware p4d.24xlarge --nodes 64 --seq 4096 --global-batch 1024 \\
-      --objective cost --train-tokens 2e12 --max-days 30
-  paratrain plan --model llama3-70b --hardware trn1.32xlarge --nodes 16 --seq 8192 --global-batch 1024 --stack nxd
-  paratrain plan --model llama3-70b --hardware dgx-h100 --nodes 8 --seq 8192 --global-batch 256 --stack megatron --fp8
-  paratrain plan ... --write-config configs/planned.toml   # then: paratrain train --config configs/planned.toml
-
-Each pipelined layout is ranked with its best layers-per-stage split (parallel.pp_layers, written by
---write-config when it is not the balanced default); see docs/planner.md "Pipeline stage sizes".
-"""
-
 
 @dataclass(kw_only=True)
 class PlanTarget(Workload, Output):
@@ -109,7 +66,7 @@ def _load(args):
     return model, system, Options.for_system(system, attention=args.attention, stack=args.stack, **kw)
 
 
-@command("estimate", EstimateArgs, "predict time, memory and cost of one layout", ESTIMATE_HELP)
+@command("estimate", EstimateArgs, "predict time, memory and cost of one layout")
 def cmd_estimate(args) -> None:
     from paratrain.plan.api import estimate
     from paratrain.plan.report import print_estimate
@@ -150,7 +107,7 @@ def _pp_layers(text: str) -> str | tuple[int, ...]:
                         f"8,9,8,7") from None
 
 
-@command("plan", PlanArgs, "search all layouts, rank by time or cost", PLAN_HELP)
+@command("plan", PlanArgs, "search all layouts, rank by time or cost")
 def cmd_plan(args) -> None:
     from paratrain.plan.api import search
     from paratrain.plan.report import print_plan, why_nothing_fits

@@ -9,20 +9,6 @@ from paratrain.hardware.catalog import PURCHASE_HELP, PURCHASE_OPTIONS
 from paratrain.plan.serve import KV_PRECISIONS, WEIGHT_PRECISIONS, Replica, Target, serving_stacks
 from paratrain.sim.serving import Engine
 
-SERVE_HELP = """\
-Serving: how many chips of which kind serve a request rate at a latency target, and what a million tokens
-costs. The model (prefill compute-bound, decode bandwidth-bound, KV cache paged, TP/PP replicas) and its
-accuracy against published vLLM / TensorRT-LLM / Neuron measurements: docs/serving.md.
-
-  paratrain serve estimate --model llama3-70b --hardware p5.48xlarge --tp 4 --batch 32 \\
-      --prompt-tokens 1024 --output-tokens 256
-  paratrain serve plan --model llama3-70b --hardware trn2.48xlarge --rate 20 --prompt-tokens 1024 --output-tokens 256 \\
-      --ttft-s 1.0 --itl-s 0.05 --weights bf16,fp8 --price-per-node-hour-usd 40
-  paratrain serve recommend chat --model llama3-70b --rate 50
-  paratrain serve simulate --model llama3-8b --hardware p5.48xlarge --tp 1 --rate 5:60:20 \\
-      --prompt-tokens 512 --output-tokens 128
-"""
-
 
 @dataclass(kw_only=True)
 class ServeModel(Output):
@@ -107,7 +93,7 @@ def _load(args):
     return load_serving_model(args.model), system, serving_efficiency(system, args.stack)
 
 
-GROUPS = [("serve", "serving capacity, latency and cost (estimate/plan/recommend/simulate)", SERVE_HELP)]
+GROUPS = [("serve", "serving capacity, latency and cost (estimate/plan/recommend/simulate)")]
 
 
 @command("serve estimate", EstimateArgs, "latency, throughput and memory of one replica at one batch")

@@ -15,46 +15,6 @@ from paratrain.sim.config import (
     parse_duration_s,
 )
 
-DESCRIPTION = """\
-Simulate a whole training run on a cluster with failures (by cause), checkpoints, detection, restart and
-restore, hot spares and repairs, and stragglers; report goodput, effective training time, interruptions by
-cause, lost work, time and cost, each with a Monte-Carlo 95% confidence interval, beside Young's and Daly's
-analytic checkpoint models.
-
-Failure rates default to the Llama 3 405B table (Dubey et al. 2024, Table 5: 419 unexpected interruptions in
-54 days on 16,384 H100), read as a rate per device-hour = count / (16,384 * 54 * 24); --rate-scale and
---failures-file change them. Precedence: built-in defaults < --config TOML < --hardware/--model (catalog,
-planner) < flags.
-"""
-
-EXAMPLES = """\
-examples:
-  # Llama 3's 54-day snapshot: ~419 interruptions, effective training time and goodput
-  paratrain simulate --devices 16384 --step-time 10s --duration 54d --checkpoint-gb 6500 --write-gbps 2000
-
-  # time and cost to train 1.2M steps on 65,536 chips, checkpoint interval from Daly, 2% spares
-  paratrain simulate --devices 65536 --step-time 6s --steps 1200000 --spare-nodes 160 --price-per-device-hour-usd 2.5 --json
-
-  # stragglers: 1e-4 episodes per device-hour, 30 min each, compare policies
-  paratrain simulate --devices 16384 --step-time 10s --duration 30d --straggler-rate 1e-4 \\
-      --straggler-policy bounded_staleness --staleness-steps 4
-
-  # plots: goodput vs checkpoint interval and vs cluster size (PNG files)
-  paratrain simulate --devices 16384 --step-time 10s --duration 54d --plot sim-plots/
-
-  # Daly's published examples, analytic and simulated
-  paratrain simulate --daly-check
-
-straggler policies:
-  wait               synchronous: every step waits for the slowest rank (job speed = 1 / max slowdown)
-  bounded_staleness  a slow data-parallel rank may lag up to --staleness-steps steps before the job slows
-  evict_replace      a straggler persisting for --evict-after is evicted at the next checkpoint and its node
-                     replaced from the spares (one restart, no lost work)
-
-durations accept s, m, h, d suffixes (90s, 20m, 2.5h, 54d); --interval also takes daly, young or 500steps.
-"""
-
-
 DURATION = parse_duration_s  # '90s', '20m', '2.5h', '54d' -> seconds
 
 
@@ -117,8 +77,7 @@ class SimulateArgs(Workload, Output):
 
 
 @command("simulate", SimulateArgs,
-         "failures, checkpoints, spares and stragglers at cluster scale (goodput, time, cost)", DESCRIPTION,
-         EXAMPLES)
+         "failures, checkpoints, spares and stragglers at cluster scale (goodput, time, cost)")
 def run_simulate(args) -> None:
     from paratrain.sim.report import daly_check, format_report, print_daly_check, progress_bars, write_plots
 

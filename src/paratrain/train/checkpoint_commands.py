@@ -6,18 +6,6 @@ from dataclasses import dataclass
 
 from paratrain.cli import Output, UserError, command, opt, print_json, show
 
-HELP = """\
-Inspect checkpoints written by `paratrain train` (local path, shared filesystem or s3://bucket/prefix).
-
-  paratrain checkpoint list runs/default/checkpoints          steps, status, size, layout
-  paratrain checkpoint verify runs/default/checkpoints        check the newest complete one against its manifest
-  paratrain checkpoint verify s3://bucket/run/step_00000100   check one checkpoint (sha256 of every file)
-
-Status: complete (has MANIFEST.json, written last at save), interrupted (no manifest: a save that never
-finished; removed at the next resume), refused (failed verification at a resume; kept for inspection).
-S3 endpoint/credentials/region come from the usual AWS environment (AWS_ENDPOINT_URL, AWS_PROFILE, ...).
-"""
-
 
 @dataclass(kw_only=True)
 class ListArgs(Output):
@@ -29,7 +17,7 @@ class VerifyArgs(Output):
     path: str = opt("a checkpoint folder (step_*) or a directory (its newest complete checkpoint)", positional=True)
 
 
-GROUPS = [("checkpoint", "list and verify training checkpoints", HELP)]
+GROUPS = [("checkpoint", "list and verify training checkpoints")]
 
 
 @command("checkpoint list", ListArgs, "checkpoints in a directory: step, status, size, layout")

@@ -10,53 +10,6 @@ from pathlib import Path
 
 from paratrain.cli import ConfigArgs, Output, RunFiles, command, opt
 
-TRAIN_HELP = """\
-Train a Llama-style model from a TOML config (see configs/ and docs/config.md).
-
-One process:          paratrain train --config configs/tiny.toml
-TP2 x DP2 with SP:    torchrun --nproc-per-node 4 -m paratrain train --config configs/tiny.toml \\
-                          --set parallel.tp=2 --set parallel.sp=true --set parallel.dp_kind=ddp \\
-                          --set train.microbatch=8 --set metrics.run_dir=runs/tp2dp2
-PP2 x TP2 x DP2:      torchrun --nproc-per-node 8 -m paratrain train --config configs/tiny.toml \\
-                          --set parallel.tp=2 --set parallel.pp=2 --set train.microbatch=4 \\
-                          --set metrics.run_dir=runs/3d
-Override any key:     --set optim.lr=1e-3 --set train.steps=50 --set parallel.recompute=selective
-Start from Hugging Face weights:  --set model.hf_path=path/to/llama   (config.json + *.safetensors)
-Check a config only:  paratrain config --config my.toml --set parallel.tp=4
-
-The layout (tp, sp, pp, cp, dp, dp_kind, recompute) is checked against the model and the number of ranks
-before any work; a bad one is one line naming the key, its value and what is allowed.
-Resumes automatically from the newest complete checkpoint in checkpoint.dir (checkpoint.resume="auto"; by
-default <metrics.run_dir>/checkpoints, so a new experiment wants a new metrics.run_dir); one run per
-checkpoint.dir (a lease); SIGTERM/SIGUSR1 save at the next step and exit 0. Exit status 1: the run trained but
-did not end well (its final checkpoint not saved, non-finite numbers); see docs/checkpoints.md. train.microbatch
-must divide the per-rank batch train.global_batch / dp.
-Metrics: <metrics.run_dir>/metrics.jsonl (loss, lr, grad_norm, tokens_per_s, mfu, memory_bytes per step) and
-TensorBoard logs in <metrics.run_dir>/tensorboard. MFU is against metrics.hardware's catalog peak, or else
-against a matmul probe of this machine (the summary says which).
-"""
-
-
-PREPARE_HELP = """\
-Tokenize data.source (or the weighted data.mix) into memory-mapped token shards with an index under
-data.prepared_dir (plus tokenizer.json and meta.json). `paratrain train` prepares the data itself when needed;
-run this first to see the corpus, or before torchrun so ranks never wait for it. Streaming (memory does not grow
-with the corpus), data.workers tokenizer processes, resumable after an interruption, re-prepared when a file of
-the corpus changes. Formats (from extension and content): UTF-8 text, JSONL/JSON and Parquet/Arrow records
-(data.text_field, or chat messages in data.messages_field through the tokenizer's chat template), a Hugging Face
-datasets save_to_disk folder, .npy tokens, Megatron .bin/.idx. See docs/data.md.
-
-Default source 'stdlib': this Python's standard library source (nothing downloaded), tokenized with a
-byte-level BPE tokenizer trained locally (data.vocab_size tokens). data.tokenizer='auto' uses model.hf_path's
-tokenizer.json when that is set.
-
-  paratrain data prepare                                           # the embedded default
-  paratrain data prepare --set data.source=corpus/ --set data.prepared_dir=data/mine --progress on
-  paratrain data prepare --set data.source=a.jsonl --set data.text_field=body --set data.tokenizer=path/to/model
-  paratrain data prepare --set 'data.mix=[{source="web/", weight=0.8}, {source="code.jsonl", weight=0.2}]'
-(--set values are TOML; a value that is not valid TOML, like a bare path, is taken as a string.)
-"""
-
 
 @dataclass(kw_only=True)
 class TrainArgs(ConfigArgs, RunFiles, Output):
@@ -78,7 +31,7 @@ class ConfigCheckArgs(ConfigArgs):
 GROUPS = [("data", "prepare training data (tokenize into a memory-mapped token file)")]
 
 
-@command("train", TrainArgs, "train a model (single process or under torchrun)", TRAIN_HELP)
+@command("train", TrainArgs, "train a model (single process or under torchrun)")
 def run_train(args, faults=None) -> int:
     """`paratrain train`. `faults`: test-only fault injection; by default what PARATRAIN_FAULT_KILL asks for
     (parsed here, before any work)."""
@@ -110,7 +63,7 @@ def run_train(args, faults=None) -> int:
     return 1 if summary.get("errors") else 0
 
 
-@command("data prepare", PrepareArgs, "tokenize data.source into data.prepared_dir", PREPARE_HELP)
+@command("data prepare", PrepareArgs, "tokenize data.source into data.prepared_dir")
 def run_prepare(args) -> None:
     from paratrain.config import load_config
     from paratrain.train.data import prepare, read_meta, summary_line

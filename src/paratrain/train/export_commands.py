@@ -6,21 +6,6 @@ from dataclasses import dataclass
 
 from paratrain.cli import ConfigArgs, Output, UserError, command, opt, show
 
-HELP = """\
-Write a Hugging Face Llama folder (config.json, sharded safetensors + index, tokenizer if the run has one) from a
-paratrain checkpoint saved under any layout (TP, PP, FSDP, ...). transformers loads it with
-AutoModelForCausalLM.from_pretrained(DIR) and computes the same logits.
-
-  paratrain export --checkpoint runs/default/checkpoints --hf-out out/my-llama
-  paratrain export --checkpoint runs/default/checkpoints/step_00000100 --hf-out out/my-llama --dtype bf16
-  paratrain export --checkpoint s3://bucket/run/checkpoints --config run.toml --hf-out out/my-llama
-
---checkpoint: a checkpoint folder (step_*) or a checkpoint directory (its newest complete checkpoint); it is
-verified against its manifest first. The model shape comes from the run's config.toml (found above the
-checkpoint, where `paratrain train` writes it) or --config/--set. Runs in one process, no process group; memory:
-one output shard (--max-shard-gib).
-"""
-
 
 @dataclass(kw_only=True)
 class ExportArgs(ConfigArgs, Output):
@@ -32,7 +17,7 @@ class ExportArgs(ConfigArgs, Output):
     max_shard_gib: float = opt("size of one safetensors file", 2.0, gt=0)
 
 
-@command("export", ExportArgs, "export a checkpoint as a Hugging Face Llama folder", HELP)
+@command("export", ExportArgs, "export a checkpoint as a Hugging Face Llama folder")
 def run_export(args) -> None:
     from paratrain.config import load_config
     from paratrain.train.export import export_hf, print_export, run_config_of, shard_progress

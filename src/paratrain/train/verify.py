@@ -30,17 +30,6 @@ from pathlib import Path
 
 from paratrain.cli import ConfigArgs, Output, command, opt
 
-VERIFY_HELP = """\
-Run the same job on CPU/gloo and on an accelerator with the same ranks and layout, and compare per step and
-rank: loss, gradient norm, parameter checksums (after the update), with a pass/fail tolerance (exit 1 on fail).
-
-  paratrain verify --config my.toml --device neuron --nproc 8 --steps 5     # Trainium vs CPU, rank by rank
-  paratrain verify --config my.toml --device cuda --nproc 2 --steps 10
-On a machine without an accelerator, compare two layouts of the job (on CPU):
-  paratrain verify --config configs/tiny.toml --set parallel.dp_kind=fsdp --nproc 2 --against-layout single
-  paratrain verify --config my.toml --nproc 4 --set parallel.tp=2 --against-layout parallel.tp=1
-"""
-
 FP32_RTOL = 1e-4
 GLOBAL_KEYS = ("loss", "grad_norm", "param_norm")  # the same on every rank and in every layout
 LOCAL_KEYS = ("local_norm", "local_sum")  # this rank's shards: compared only between runs of one layout
@@ -198,8 +187,7 @@ def plan_runs(args) -> tuple[list[str], int, list[str], int, str, bool]:
     return list(args.set), args.nproc, ref_sets, ref_nproc, device, not against
 
 
-@command("verify", VerifyArgs, "the same job on CPU and on the device (or two layouts), compared",
-         VERIFY_HELP)
+@command("verify", VerifyArgs, "the same job on CPU and on the device (or two layouts), compared")
 def run_verify(args) -> int:
     from paratrain.config import load_config
     from paratrain.device import CPU
