@@ -112,7 +112,7 @@ def test_an_expert_parallel_run_reports_its_layout_and_the_global_router_counts(
     (summary, log), _ = dist_run(2, _train_ep2, sets)
     layout = {"pp": 1, "dp": 2, "cp": 1, "tp": 1, "ep": 2, "etp": 1, "edp": 1}
     assert summary["layout"] == layout
-    assert "layout      dp 2 x ep 2 on 2 rank(s)" in log, log
+    assert "layout      dp 2 x ep 2 on 2 rank(s)" in log and "rank 0: dp0 ep0, rank 1: dp1 ep1" in log, log
     manifest = json.loads(next((tmp_path / "run" / "checkpoints").glob("step_*/MANIFEST.json")).read_text())
     assert manifest["layout"] == layout
     steps = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) if "loss" in r]

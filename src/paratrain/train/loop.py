@@ -557,15 +557,20 @@ def banner(cfg: TrainConfig, model_cfg, degrees: dict, env, meta: dict, ckpt_dir
 
 
 def _ranks_lines(degrees: dict, world: int, limit: int = 8) -> list[str]:
-    """Each rank's coordinates in the mesh (pp, dp, cp, tp; tp innermost), the first `limit` ranks."""
+    """Each rank's coordinates in the mesh (pp, dp, cp, tp; tp innermost), the first `limit` ranks; with expert
+    parallelism also its ep and edp coordinates: a stage's dp x cp x tp ranks in that order refolded as
+    (edp, ep, etp), etp innermost (config.rules; the etp coordinate is the tp one or none)."""
     if world == 1:
         return []
-    dims = [d for d in ("pp", "dp", "cp", "tp") if degrees[d] > 1]
+    dims = [d for d in ("pp", "dp", "cp", "tp", "edp", "ep") if degrees.get(d, 1) > 1]
     out = []
     for rank in range(min(world, limit)):
         rest, coords = rank, {}
         for d in reversed(("pp", "dp", "cp", "tp")):
             rest, coords[d] = divmod(rest, degrees[d])
+        if degrees.get("ep", 1) > 1:
+            in_stage = rank % (degrees["dp"] * degrees["cp"] * degrees["tp"])
+            coords["edp"], coords["ep"] = divmod(in_stage // degrees["etp"], degrees["ep"])
         out.append(f"rank {rank}: " + " ".join(f"{d}{coords[d]}" for d in dims))
     if world > limit:
         out.append(f"... ({world - limit} more ranks)")
