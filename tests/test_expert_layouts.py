@@ -1,5 +1,5 @@
 """parallel.ep in parallelize(): the tiny MoE Llama under EP2, EP4, EP2 x TP2 (etp 2, and etp 1: ep borrowing the tp
-ranks), EP2 x FSDP2, PP2 x EP2, HSDP x EP, sequence parallelism with either etp, against
+ranks), EP2 x FSDP2, PP2 x EP2, HSDP x EP, sequence parallelism with either etp, CP x EP, against
 the single-device model through the parity harness (tests/parity.py: first loss, every gradient after one
 backward, the losses of 3 AdamW steps with clipping; fp32, fixed seeds; loss rtol 1e-5 / atol 1e-6, gradients
 within 1e-5 relative norm), dropless and with capacity factor 1.0 (which drops assignments on these batches).
@@ -37,12 +37,12 @@ def _cases(cases):
     return [parallel_run(MOE + c) for c in cases]
 
 
-def _references():
+def _references(*models):
+    """The single-device run of each model section (MOE plus `models` entries, each a tuple of model.* keys)."""
     from parity import make_config, reference
 
-    refs = {model: reference(make_config(MOE + list(model))) for model in ((), (CAPACITY,))}
+    refs = {model: reference(make_config(MOE + list(model))) for model in models or ((), (CAPACITY,))}
     assert all(ref["grad_norms"][0] > 1.0 for ref in refs.values())
-    assert refs[()]["losses"][0] != refs[(CAPACITY,)]["losses"][0]  # capacity 1.0 really drops assignments
     return refs
 
 
@@ -66,6 +66,7 @@ def test_expert_layouts_match_single_device(dist_run):
     from parity import make_config, reference
 
     refs = _references()
+    assert refs[()]["losses"][0] != refs[(CAPACITY,)]["losses"][0]  # capacity 1.0 really drops assignments
     for world, cases in ((2, EP2 + BF16), (4, WORLD4)):
         per_rank = dist_run(world, _cases, cases)
         if world == 2:  # bf16 through the dispatch: the losses of the bf16 single-device run, within 1e-3
@@ -78,19 +79,28 @@ def test_expert_layouts_match_single_device(dist_run):
 
 
 # etp = 1 with tp = 2: ep borrows the tp ranks, each tp rank routes its half of every sequence (capacity and the
-# aux loss still over the whole microbatch); and sequence parallelism with either etp
-TOKEN_SPLIT = [['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=1', 'parallel.dp_kind="fsdp"', CAPACITY],
-               ['parallel.ep=4', 'parallel.tp=2', 'parallel.etp=1', 'parallel.sp=true', 'parallel.dp_kind="ddp"',
-                CAPACITY],
-               ['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=2', 'parallel.sp=true', 'parallel.dp_kind="fsdp"'],
-               ['parallel.ep=2', 'parallel.tp=2', 'parallel.pp=2', 'parallel.etp=1', 'parallel.sp=true',
-                'parallel.dp_kind="ddp"']]
+# aux loss still over the whole microbatch); sequence parallelism with either etp; context parallelism: ep borrows
+# the cp ranks (each routes its zig-zag half of every sequence), and cp x tp with etp = 1 under SP (capacity over
+# the microbatch, its expert ids gathered over cp x tp). Two layers (one MoE): these layouts have no pp.
+SMALL = "model.layers=2"
+SPLIT = [['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=1', 'parallel.dp_kind="fsdp"', SMALL, CAPACITY],
+         ['parallel.ep=4', 'parallel.tp=2', 'parallel.etp=1', 'parallel.sp=true', 'parallel.dp_kind="ddp"', SMALL],
+         ['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=2', 'parallel.sp=true', 'parallel.dp_kind="fsdp"', SMALL,
+          CAPACITY],
+         ['parallel.cp=2', 'parallel.ep=2', 'parallel.dp_kind="ddp"', SMALL, CAPACITY],
+         ['parallel.cp=2', 'parallel.tp=2', 'parallel.etp=1', 'parallel.ep=4', 'parallel.sp=true',
+          'parallel.dp_kind="fsdp"', SMALL, CAPACITY]]
 
 
-def test_expert_layouts_with_tp_ranks_borrowed_and_sp_match_single_device(dist_run):
-    """EP2 borrowing TP2 (etp=1, FSDP, capacity), EP4 over TP2 x DP2 with SP (etp=1, DDP, capacity), EP2 x TP2
-    with SP (etp=2, FSDP), PP2 x EP2 borrowing TP2 with SP (DDP): the parity harness on 4 ranks, as above."""
-    _assert_layouts_match(_references(), TOKEN_SPLIT, dist_run(4, _cases, TOKEN_SPLIT))
+def test_expert_layouts_with_tp_or_cp_ranks_borrowed_and_sp_match_single_device(dist_run):
+    """EP2 borrowing TP2 (etp=1, FSDP, capacity), EP4 over TP2 x DP2 with SP (etp=1, DDP), EP2 x TP2 with SP
+    (etp=2, FSDP, capacity), CP2 x EP2 borrowing CP (DDP, capacity), EP4 over CP2 x TP2 with SP (etp=1, FSDP,
+    capacity): the parity harness on 4 ranks, as above. Making the aux loss's reduction over cp differentiate
+    like tp's (identity) fails the CP2 x EP2 case; ranking capacity per rank instead of over the microbatch fails
+    the capacity cases."""
+    refs = _references((SMALL,), (SMALL, CAPACITY))
+    assert refs[(SMALL,)]["losses"][0] != refs[(SMALL, CAPACITY)]["losses"][0]  # capacity 1.0 drops here too
+    _assert_layouts_match(refs, SPLIT, dist_run(4, _cases, SPLIT))
 
 
 def test_the_config_names_the_field_of_a_bad_expert_layout():
@@ -100,7 +110,8 @@ def test_the_config_names_the_field_of_a_bad_expert_layout():
 
     for overrides, match in ((['parallel.ep=3'], "parallel.ep=3 must divide model.num_experts=8"),
                              (['parallel.tp=4', 'train.seq_len=30'], "train.seq_len/cp = 30 must be divisible by tp=4"),
-                             (['parallel.cp=2'], "parallel.cp=2 with model.num_experts=8")):
+                             (['parallel.cp=2', 'parallel.tp=4', 'train.seq_len=36'],
+                              "train.seq_len/cp = 18 must be divisible by tp=4")):
         with pytest.raises(ValueError, match=match):
             make_config(MOE + overrides)
     with pytest.raises(ValueError, match="ep=2"):

@@ -215,7 +215,9 @@ def test_moe_layouts_the_planner_accepts_load_in_the_trainer_or_hit_a_runtime_on
             broken = [r for r in RULES if r.runtime_only and not bool(r.ok(view))]
             assert broken and broken[0].message(view) in str(exc), (sets, str(exc))
             refused += 1
-    assert written >= 20 and refused >= 20, (written, refused)
+    # every MoE layout of the sample the planner estimates now loads (refused stays 0 since the runtime runs
+    # CP x EP, SP and etp = 1 with experts); the branch above is what a new runtime_only rule would take
+    assert written >= 100, (written, refused)
 
 
 def _parallel_of(sets):

@@ -208,9 +208,7 @@ RULES: tuple[Rule, ...] = (
          lambda v: f"parallel.etp=1 with parallel.tp={v.tp}: each tp rank routes its slice of the sequence, so "
                    f"train.seq_len/cp = {v.seq // v.cp} must be divisible by tp={v.tp}; allowed: such a seq_len, "
                    f"or etp={v.tp}"),
-    # what paratrain's runtime does not run with experts yet (the planner models it)
-    Rule("ep_cp", lambda v: _or(v.model.num_experts == 0, v.cp == 1),
-         lambda v: _not_yet(v, f"parallel.cp={v.cp}", "cp=1"), runtime_only=True),
+    # what paratrain's runtime does not run with experts (the planner models it)
     # hsdp: ep borrows ranks of one shard group, never across replicas (torchtitan's dp_shard_in_ep, mesh.py)
     Rule("ep_hsdp", lambda v: _or(_not(_coded(v.dp_kind, ("hsdp",), DP_KINDS)), _shard_ranks(v) % np.maximum(v.ep, 1) == 0),
          lambda v: f"parallel.ep={v.ep} with parallel.dp_kind='hsdp': ep must divide the ranks of one shard group "
