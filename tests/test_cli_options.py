@@ -112,3 +112,28 @@ def test_schema_options_are_the_schemas_fields(capsys):
     assert {f.name for f in dataclasses.fields(Replica)} <= {f.name for f in dataclasses.fields(SimulateArgs)}
     assert main(["serve", "simulate", "--model", "llama3-8b", "--hardware", "p5.48xlarge", "--max-seqs", "0"]) == 2
     assert "--max-seqs = 0: must be >= 1" in capsys.readouterr().err
+
+
+def test_simulate_options_are_simconfig_fields_with_its_defaults():
+    """simulate's options are generated from SimConfig's (and StragglerConfig's) described fields: one each, the
+    flag in the field's unit, the help's default the field's in that unit, and a value given lands in the field."""
+    import dataclasses
+
+    from paratrain.cli import check_options, flag_of
+    from paratrain.sim.commands import SimulateArgs
+    from paratrain.sim.config import SimConfig, StragglerConfig, config_from_options
+
+    options = {f.metadata["to"]: f for f in dataclasses.fields(SimulateArgs) if "to" in f.metadata}
+    described = {f.name for f in dataclasses.fields(SimConfig) if "help" in f.metadata} | {
+        f"stragglers.{f.name}" for f in dataclasses.fields(StragglerConfig) if "help" in f.metadata}
+    assert set(options) == described and len(described) == 27
+    helps = {flag_of(f): f.metadata["help"] for f in options.values()}
+    assert "(default 1m)" in helps["--detect"] and "(GB; default 1000)" in helps["--checkpoint-gb"]
+    assert "(GB/s; default 100)" in helps["--write-gbps"] and "(default 5m)" in helps["--evict-after"]
+    assert "(default 4)" in helps["--staleness-steps"] and "(default daly)" in helps["--interval"]
+    argv = ["simulate", "--devices", "16", "--step-time", "10s", "--steps", "5", "--detect", "2m", "--checkpoint-gb",
+            "5", "--straggler-duration", "1h", "--repair-dist", "fixed"]
+    cfg = config_from_options(check_options(SimulateArgs, build_parser().parse_args(argv)))
+    assert (cfg.detect_s, cfg.checkpoint_bytes, cfg.stragglers.mean_duration_s, cfg.repair_distribution) == (
+        120, 5e9, 3600, "fixed")
+    assert (cfg.restart_s, cfg.write_bytes_per_s) == (SimConfig.restart_s, SimConfig.write_bytes_per_s)

@@ -2,74 +2,75 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.cli import Output, UserError, Workload, command, opt, print_json
 from paratrain.hardware.catalog import PURCHASE_HELP, PURCHASE_OPTIONS
-from paratrain.sim.config import (
-    REPAIR_DISTRIBUTIONS,
-    STRAGGLER_POLICIES,
-    config_from_options,
-    parse_duration_s,
-)
-
-DURATION = parse_duration_s  # '90s', '20m', '2.5h', '54d' -> seconds
+from paratrain.sim.config import SimConfig, config_from_options, parse_duration_s
 
 
-def GB(value: float, _flag: str) -> float:  # noqa: N802 (a unit, as DURATION)
+def GB(value: float, _flag: str) -> float:  # noqa: N802 (a unit, as parse_duration_s is one)
     return value * 1e9
 
 
-CLUSTER, WORK, CKPT, FAIL, STRAG, COST = ("cluster", "workload (give --steps, or --duration for a fixed window)",
-                                          "checkpoints", "failures and recovery", "stragglers", "cost and Monte Carlo")
+# a field's unit suffix -> its flag's suffix, the conversion of the flag's value and the unit shown in its help
+# (a duration flag's value carries its unit: 90s, 20m, 2.5h, 54d)
+FLAG_UNITS = {"_bytes_per_s": ("_gbps", GB, "GB/s"), "_bytes": ("_gb", GB, "GB"), "_s": ("", parse_duration_s, "")}
+TITLES = {"workload": "workload (give --steps, or --duration for a fixed window)", "failures": "failures and recovery",
+          "cost": "cost and Monte Carlo"}
+
+
+def _shown(seconds_or_bytes: float, conv) -> str:
+    """A default in the flag's unit: 1e12 bytes -> 1000 (GB), 180 s -> 3m."""
+    if conv is GB:
+        return f"{seconds_or_bytes / 1e9:g}"
+    size, unit = next(((n, u) for n, u in ((86400, "d"), (3600, "h"), (60, "m"), (1, "s"))
+                       if seconds_or_bytes >= n and seconds_or_bytes % n == 0), (1, "s"))
+    return f"{seconds_or_bytes / size:g}{unit}"
+
+
+def sim_options(cls=SimConfig, prefix: str = "") -> list[tuple]:
+    """simulate's options of SimConfig's (and StragglerConfig's) fields with a help: the help, choices and default
+    from the field, the flag in the field's unit (detect_s -> --detect 60s, checkpoint_bytes -> --checkpoint-gb);
+    None unless given, so --config and the catalog fill the rest (config_from_options, by `to`)."""
+    hints, out = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        if dataclasses.is_dataclass(hints[f.name]):  # stragglers: StragglerConfig's, where SimConfig has them
+            out += sim_options(hints[f.name], f"{prefix}{f.name}.")
+        if "help" not in f.metadata:
+            continue
+        meta, suffix = dict(f.metadata), next((s for s in FLAG_UNITS if f.name.endswith(s)), "")
+        flag_suffix, conv, unit = FLAG_UNITS.get(suffix, ("", None, ""))
+        name = meta.pop("flag", "--" + f.name.removesuffix(suffix) + flag_suffix)[2:].replace("-", "_")
+        default = None if f.default is dataclasses.MISSING else f.default
+        shown = _shown(default, conv) if conv and default is not None else default
+        shown = f"{shown:g}" if isinstance(shown, float) else shown
+        notes = "; ".join(x for x in (unit, None if shown is None else f"default {shown}") if x)
+        kinds = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
+        kind = str if conv is parse_duration_s or len(kinds) > 1 else float if conv else kinds[0]  # str | float: str
+        group = meta.pop("group", "stragglers")
+        meta |= {"group": TITLES.get(group, group), "to": prefix + f.name} | ({"conv": conv} if conv else {})
+        out.append((name, kind | None, opt(meta.pop("help") + (f" ({notes})" if notes else ""), **meta)))
+    return out
 
 
 @dataclass(kw_only=True)
-class SimulateArgs(Workload, Output):
+class SimulateArgs(dataclasses.make_dataclass("SimOptions", sim_options(), kw_only=True), Workload, Output):
+    """simulate's options: SimConfig's fields (sim/config.py), and where its inputs come from."""
     config: str | None = opt("TOML file with SimConfig fields (see docs/simulator.md)", metavar="FILE")
-    devices: int | None = opt("devices in the job: accelerator packages that fail as a unit (GPUs, Trainium chips)",
-                              group=CLUSTER, to="devices")
-    devices_per_node: int | None = opt("devices per node (default 8)", group=CLUSTER, to="devices_per_node")
-    nodes_per_domain: int | None = opt("nodes replaced together, e.g. 4 for a Trn2 UltraServer (default 1)",
-                                       group=CLUSTER, to="nodes_per_domain")
     hardware: str | None = opt("catalog system (e.g. p5.48xlarge, trn2.48xlarge): fills chips per node and the "
-                               "price per chip-hour", group=CLUSTER)
+                               "price per chip-hour", group="cluster")
     purchase: str = opt(PURCHASE_HELP + " (the price --hardware fills in)", "on-demand", choices=PURCHASE_OPTIONS,
-                        group=CLUSTER)
-    step_time: str | None = opt("fault-free time of one training step, e.g. 8.5s", group=WORK, to="step_time_s", conv=DURATION)
-    steps: int | None = opt("steps to train: report time and cost to train", group=WORK, to="steps")
-    duration: str | None = opt("fixed wall-clock window, e.g. 54d: report what it achieves", group=WORK, to="duration_s", conv=DURATION)
-    checkpoint_gb: float | None = opt("checkpoint size in GB (default 1000)", group=CKPT, to="checkpoint_bytes", conv=GB)
-    write_gbps: float | None = opt("aggregate storage write bandwidth, GB/s (default 100)", group=CKPT, to="write_bytes_per_s", conv=GB)
-    read_gbps: float | None = opt("aggregate storage read bandwidth, GB/s (default 100)", group=CKPT, to="read_bytes_per_s", conv=GB)
-    async_fraction: float | None = opt("share of each write overlapped with compute, in [0,1) (default 0: "
-                                       "blocking)", group=CKPT, to="async_fraction")
-    interval: str | None = opt("daly (default), young, a duration (20m) or a step count (500steps)", group=CKPT, to="checkpoint_interval")
+                        group="cluster")
     failures_file: str | None = opt("TOML failure model ([[cause]] tables) instead of the Llama 3 table",
-                                    group=FAIL, metavar="TOML")
-    rate_scale: float | None = opt("multiply every failure rate (default 1)", group=FAIL)
-    detect: str | None = opt("time to notice a failure (default 60s; NCCL watchdog causes: 10m)", group=FAIL, to="detect_s", conv=DURATION)
-    restart: str | None = opt("relaunch and initialise the job (default 3m)", group=FAIL, to="restart_s", conv=DURATION)
-    swap: str | None = opt("extra time to bring a spare node in (default 1m)", group=FAIL, to="swap_s", conv=DURATION)
-    spare_nodes: int | None = opt("hot spare nodes (default 1% of the job's nodes)", group=FAIL, to="spare_nodes")
-    repair: str | None = opt("mean time to repair a failed node (default 24h)", group=FAIL, to="repair_mean_s", conv=DURATION)
-    repair_dist: str | None = opt("repair time distribution (default lognormal)", choices=REPAIR_DISTRIBUTIONS,
-                                  group=FAIL, to="repair_distribution")
-    straggler_rate: float | None = opt("slow episodes per device-hour (default 0)", group=STRAG, to="stragglers.rate_per_device_hour")
-    straggler_duration: str | None = opt("mean episode length (default 30m)", group=STRAG, to="stragglers.mean_duration_s", conv=DURATION)
-    straggler_slowdown: float | None = opt("median slowdown factor, > 1 (default 1.5)", group=STRAG, to="stragglers.slowdown_median")
-    straggler_sigma: float | None = opt("lognormal spread of the slowdown excess (default 0.5)", group=STRAG, to="stragglers.slowdown_sigma")
-    straggler_policy: str | None = opt("default wait", choices=STRAGGLER_POLICIES, group=STRAG, to="stragglers.policy")
-    staleness_steps: int | None = opt("bounded_staleness tolerance in steps (default 4)", group=STRAG, to="stragglers.staleness_steps")
-    evict_after: str | None = opt("evict_replace: persistence before eviction (default 5m)", group=STRAG, to="stragglers.evict_after_s", conv=DURATION)
-    price_per_device_hour_usd: float | None = opt("USD per device-hour, a device being one GPU or Trainium chip "
-                                                  "(spares are paid for too)", group=COST, metavar="USD", to="price_per_device_hour_usd")
-    price: str | None = opt("", group=COST, refused="ambiguous (USD per device-hour here, per node-hour in "
-                            "`paratrain compare`); use --price-per-device-hour-usd USD")
-    samples: int | None = opt("Monte-Carlo replicas (default 100)", group=COST, to="samples")
-    seed: int | None = opt("random seed (default 0)", group=COST, to="seed")
+                                    group=TITLES["failures"], metavar="TOML")
+    rate_scale: float | None = opt("multiply every failure rate (default 1)", group=TITLES["failures"])
+    price: str | None = opt("", group=TITLES["cost"], refused="ambiguous (USD per device-hour here, per node-hour "
+                            "in `paratrain compare`); use --price-per-device-hour-usd USD")
     plot: str | None = opt("write PNGs of goodput vs checkpoint interval, vs cluster size and vs spare nodes",
                            metavar="DIR", group="output")
     daly_check: bool = opt("reproduce Daly's published examples analytically and by simulation, then exit",
