@@ -15,8 +15,10 @@ The DeepSeek-V3 cluster (2048 H800): H800 = H100 SXM compute and memory with NVL
 bidirectional (200 GB/s per direction; DeepSeek-V3 report sec. 3.3.1 and NVIDIA's H800 export specification)
 and 8 x 400 Gb/s InfiniBand per node (report sec. 3.1: "each node ... 8 GPUs connected by NVLink and NVSwitch
 within nodes ... IB across nodes"): the catalog's DGX H100 with the NVLink bandwidth halved. The DGX-B200 rows
-run on `dgx_b200` (the catalog's 8 x B200 NVLink 5 node with InfiniBand rails); precision "mxfp8" is FP8 with MX
-block scaling (Options.block_scaling), what the Blackwell rows publish as MXFP8.
+run on the catalog's `dgx-b200` (8 x B200 on NVLink 5 with 8 x 400 Gb/s InfiniBand rails; until 2026-12-01 a
+stand-in here built the same from p6-b200 and DGX H100's rails); precision "mxfp8" is FP8 with MX block scaling
+(Options.block_scaling), what the Blackwell rows publish as MXFP8. The B200's GEMM efficiency is calibrated on
+dense DGX-B200 runs (benchmarks/planner_accuracy.py --calibrate-b200), never on these rows.
 """
 
 from __future__ import annotations
@@ -47,16 +49,7 @@ def h800_cluster(catalog):
                                                                    *base.tiers[1:]))
 
 
-def dgx_b200(catalog):
-    """DGX B200: 8 B200 (180 GB) on NVLink 5 with 8 x 400 Gb/s ConnectX-7 InfiniBand (NVIDIA DGX B200 datasheet),
-    the system of the Megatron-Bridge DGX-B200 rows: the catalog's p6-b200 node (8 B200, NVLink 5) with DGX H100's
-    8 x NDR 400 Gb/s InfiniBand rails in place of EFA."""
-    base = catalog.system("p6-b200.48xlarge")
-    ib = catalog.system("dgx-h100").tiers[1]
-    return dataclasses.replace(base, name="dgx-b200", tiers=(base.tiers[0], ib))
-
-
-SYSTEMS = {"h800-deepseek": h800_cluster, "dgx-b200": dgx_b200}
+SYSTEMS = {"h800-deepseek": h800_cluster}
 
 
 def system_of(catalog, name: str):

@@ -6,6 +6,7 @@ of the evaluation runs by layout kind (3D, FSDP/ZeRO-3, TP+FSDP, TP-only, CP), s
     .venv/bin/python benchmarks/planner_accuracy.py --calibrate           # refit the A100 physical parameters
     .venv/bin/python benchmarks/planner_accuracy.py --calibrate-trainium  # refit Trainium1 on its NxD set
     .venv/bin/python benchmarks/planner_accuracy.py --calibrate-h100      # refit PyTorch-native stacks on Hopper
+    .venv/bin/python benchmarks/planner_accuracy.py --calibrate-b200      # refit the B200 GEMM efficiency
 
 Calibration data: benchmarks/data/published (see its README): Narayanan et al. 2021 Table 1 (step time = 96 B s l
 h^2 (1 + s/6h + V/16lh) / (TFLOP/s x GPUs); microbatch and schedule not published: the planner's best for the
@@ -166,25 +167,29 @@ def vtrain_multi(system) -> list[tuple[str, float, float]]:
 
 
 class _Swapped:
-    """A catalog whose trn1 systems use the given Trainium1 parameters (frozen dataclasses replaced; the
-    built-in catalog is untouched)."""
+    """A catalog whose systems built on `chip` use the given efficiency parameters (matmul_eff_max,
+    kernel_overhead_s, memory_bw_eff; link_bw_eff for the links whose name starts with `link_prefix`), frozen
+    dataclasses replaced; the built-in catalog is untouched. Default: Trainium1 and its NeuronLink."""
 
-    def __init__(self, catalog, values: dict):
-        self.catalog, self.values = catalog, values
+    def __init__(self, catalog, values: dict, chip: str = "trainium1", link_prefix: str = "neuronlink"):
+        self.catalog, self.values, self.chip_name, self.link_prefix = catalog, values, chip, link_prefix
 
     def chip(self, name: str):
         return self.catalog.chip(name)
 
     def system(self, name: str):
         base = self.catalog.system(name)
-        if base.chip.name != "trainium1":
+        if base.chip.name != self.chip_name:
             return base
         v = self.values
-        eff = dataclasses.replace(base.chip.efficiency, matmul_eff_max=v["matmul_eff_max"],
-                                  kernel_overhead_s=v["kernel_overhead_s"], memory_bw_eff=v["memory_bw_eff"])
+        eff = dataclasses.replace(base.chip.efficiency, **{k: v[k] for k in CHIP_EFFICIENCY if k in v})
         tiers = tuple(dataclasses.replace(t, interconnect=dataclasses.replace(t.interconnect, bw_eff=v["link_bw_eff"]))
-                      if t.interconnect.name.startswith("neuronlink") else t for t in base.tiers)
+                      if "link_bw_eff" in v and t.interconnect.name.startswith(self.link_prefix) else t
+                      for t in base.tiers)
         return dataclasses.replace(base, chip=dataclasses.replace(base.chip, efficiency=eff), tiers=tiers)
+
+
+CHIP_EFFICIENCY = ("matmul_eff_max", "kernel_overhead_s", "memory_bw_eff")  # the chip's [efficiency] block
 
 
 TRN_PARAMS = {
@@ -236,6 +241,34 @@ def calibrate_h100(catalog) -> None:
     print(f"PYTORCH_HOPPER_SCALE calibrated: {scale} -> torchtitan_h100_1node MAPE {best:.2f}%")
 
 
+B200_MATMUL_EFF = np.round(np.arange(0.40, 0.81, 0.01), 2)  # grid of the B200 GEMM efficiency
+
+
+def calibrate_b200(catalog) -> dict:
+    """Grid over the B200's matmul_eff_max (its GEMMs' achieved fraction of the peak of the precision they run
+    in) minimising the MAPE of the calibration set nemo_b200_1node (calibration_runs.csv: Megatron-Bridge's
+    Llama 3 8B on one DGX-B200, FP8-CS and MXFP8, containers 25.09 and 25.11). One parameter: four rows of one
+    layout cannot separate the per-kernel cost or the HBM efficiency from it (kept at their H100 values).
+    Prints the held-out B200 set (eval_runs.csv nemo_b200: Llama 3.1 405B on 128 GPUs, NeMo 25.02's 8B/70B/
+    405B/GPT-3 175B) at the fitted value; returns {set: MAPE} before and after for every csv set."""
+    def mapes(cat) -> dict[str, float]:
+        sets = {**eval_sets(cat, CAL_CSV), **eval_sets(cat)}
+        return {k: mape([r[1] for r in rows], [r[2] for r in rows]) for k, rows in sets.items()}
+
+    results = []
+    for eff in B200_MATMUL_EFF:
+        rows = eval_sets(_Swapped(catalog, {"matmul_eff_max": float(eff)}, chip="b200"), CAL_CSV)["nemo_b200_1node"]
+        results.append((mape([r[1] for r in rows], [r[2] for r in rows]), float(eff)))
+    best, eff = min(results)
+    before, after = mapes(catalog), mapes(_Swapped(catalog, {"matmul_eff_max": eff}, chip="b200"))
+    print(f"b200 matmul_eff_max calibrated: {eff} -> nemo_b200_1node MAPE {best:.2f}%, held-out nemo_b200 "
+          f"{after['nemo_b200']:.2f}% (catalog value {catalog.chip('b200').efficiency.matmul_eff_max}: "
+          f"{before['nemo_b200_1node']:.2f}% / {before['nemo_b200']:.2f}%)")
+    for name in before:
+        print(f"  {name:<24} MAPE {before[name]:6.2f}% -> {after[name]:6.2f}%")
+    return {"matmul_eff_max": eff, "before": before, "after": after}
+
+
 # ---- evaluation data (benchmarks/data/eval_runs.csv): never used to set a constant ------------------------
 EVAL_CSV = Path(__file__).parent / "data" / "eval_runs.csv"
 GPT3 = {"gpt3-175b": (96, 12288, 96)}  # layers, hidden, heads (Brown et al. 2020)
@@ -282,7 +315,11 @@ def _eval_options(system, r: dict) -> Options:
     torch.compile, and the context-parallel K/V exchange where the run names one (csv column cp_comm: Llama 3's
     all-gather; empty = the stack's)."""
     cp_comm = {"cp_comm": r["cp_comm"]} if r.get("cp_comm") else {}
-    return Options.for_system(system, attention=r["attention"], stack=r["stack"], fp8=r["precision"] == "fp8",
+    # mxfp8: FP8 with MX block scaling (one E8M0 scale per 32 elements), what the Blackwell tables call MXFP8
+    # / FP8-MX; fp8 is per-tensor current scaling (FP8-CS) unless the chip's FP8 is block-scaled only
+    mx = {"block_scaling": True} if r["precision"] == "mxfp8" else {}
+    return Options.for_system(system, attention=r["attention"], stack=r["stack"],
+                              fp8=r["precision"] in ("fp8", "mxfp8"), **mx,
                               eager=r["stack"] == "fsdp2" and r["compile"] == "0",
                               tp_comm_overlap=r["tp_overlap"] == "1", recompute_mlp=r["recompute"] == "selective_mlp",
                               **cp_comm)
@@ -490,6 +527,8 @@ def main() -> int:
                         help="refit plan.stacks.PYTORCH_HOPPER_SCALE on torchtitan_h100_1node and exit")
     parser.add_argument("--calibrate-trainium", action="store_true",
                         help="grid-search the Trainium1 parameters on the Trn1 calibration set")
+    parser.add_argument("--calibrate-b200", action="store_true",
+                        help="refit the B200 GEMM efficiency on the DGX-B200 calibration set and exit")
     parser.add_argument("--worst", type=int, default=6, help="rows to list per data set (worst first)")
     parser.add_argument("--plot", metavar="PNG", help="also draw predicted vs measured")
     args = parser.parse_args()
@@ -503,6 +542,9 @@ def main() -> int:
     if args.calibrate_h100:
         calibrate_h100(catalog)
         return 0
+    if args.calibrate_b200:
+        calibrate_b200(catalog)
+        return 0
     start = time.perf_counter()
     calibration = {
         "narayanan2021_table1": ("Narayanan et al. 2021 Table 1 (DGX A100, 32-3072 GPUs)",
@@ -512,7 +554,8 @@ def main() -> int:
         "vtrain_single": ("vTrain single-node ground truth (A100, 2-8 GPUs)", vtrain(catalog.system("p4d.24xlarge"))),
     }
     cal_titles = {"torchtitan_h100_1node": "torchtitan FSDP on one Grand Teton node (set PyTorch-on-Hopper scale)",
-                  "neuron_trn1_nxd": "Neuron trn1 NxD benchmarks (set the Trainium1 efficiencies)"}
+                  "neuron_trn1_nxd": "Neuron trn1 NxD benchmarks (set the Trainium1 efficiencies)",
+                  "nemo_b200_1node": "Megatron-Bridge Llama 3 8B on one DGX-B200, FP8-CS/MXFP8 (set the B200 GEMM efficiency)"}
     for key, rows in eval_sets(catalog, CAL_CSV).items():
         calibration[key] = (cal_titles.get(key, key), [r[:3] for r in rows])
     evaluation = {"vtrain_multi_heldout": ("vTrain multi-node ground truth (A100, 64-512 GPUs)",
@@ -524,7 +567,8 @@ def main() -> int:
               "llama3_paper": "Llama 3 405B pre-training (BF16, 8,192-16,384 H100)",
               "neuron_trn1": "Neuron trn1 NxD benchmarks, Llama 2 13B/70B and Llama 3.1 70B, SDK 2.16-2.24",
               "mosaic_fsdp": "MosaicML llm-foundry FSDP (MPT 1B-70B, 8-128 H100/A100, eager)",
-              "neuron_trn1_nemo": "Neuron trn1 neuronx-nemo-megatron benchmarks (Llama 2 7B/13B, GPT-3 175B, SDK 2.13-2.18)"}
+              "neuron_trn1_nemo": "Neuron trn1 neuronx-nemo-megatron benchmarks (Llama 2 7B/13B, GPT-3 175B, SDK 2.13-2.18)",
+              "nemo_b200": "NeMo / Megatron-Bridge on DGX-B200 (FP8/MXFP8, Llama 3 8B-405B, GPT-3 175B, 8-512 GPUs)"}
     for key, rows in grouped.items():
         evaluation[key] = (titles.get(key, key), [r[:3] for r in rows])
     results = {}
