@@ -13,7 +13,9 @@ h^2 (1 + s/6h + V/16lh) / (TFLOP/s x GPUs); microbatch and schedule not publishe
 published tp/pp), Korthikanti et al. 2022 Table 5, vTrain single-node (1,440 Megatron runs, full recompute,
 no bucketing; Megatron-era software: unfused attention, fp16 gradients, no DP overlap); and
 benchmarks/data/calibration_runs.csv: torchtitan on one Grand Teton node (plan.stacks.PYTORCH_HOPPER_SCALE), the
-public NeuronX Distributed figures of Llama 2 7B and Llama 3.1 8B over SDK 2.15-2.24 (Trainium1).
+public NeuronX Distributed figures of Llama 2 7B and Llama 3.1 8B over SDK 2.15-2.24 (Trainium1), and
+Megatron-Bridge's Llama 3 8B on one DGX-B200 (FP8-CS and MXFP8, containers 25.09 and 25.11: the B200's GEMM
+efficiency, --calibrate-b200; held out: eval_runs.csv nemo_b200).
 
 Evaluation data: vTrain multi-node (benchmarks/planner_vtrain_multi.csv) and benchmarks/data/eval_runs.csv
 (torchtitan H100/A100, NeMo / Megatron-Bridge DGX-H100, Llama 3 paper, Neuron trn1 NxD and neuronx-nemo-megatron,
