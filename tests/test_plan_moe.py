@@ -209,7 +209,6 @@ def test_write_config_carries_the_expert_layout():
     layouts write neither)."""
     from paratrain.plan.config_writer import training_config
 
-    # no sp: the trainer does not run sequence parallelism with experts yet (config.layout.check_expert_layout)
     est = estimate("qwen3-30b-a3b", H100, 2, 4096, 256, Layout(tp=2, etp=2, ep=8))
     parallel = training_config(est, PRESETS["qwen3-30b-a3b"], "qwen3-30b-a3b", 8)["parallel"]
     assert (parallel["ep"], parallel["etp"], parallel["tp"], parallel["dp"]) == (8, 2, 2, 8)

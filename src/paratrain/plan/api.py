@@ -56,9 +56,10 @@ class Layout:
     the split that minimises the slowest stage (fewer layers where the output head or embedding sits). An
     Estimate's layout always holds the concrete split used (None when pp = 1).
 
-    ep, etp (MoE models, plan/moe.py): expert-parallel degree (divides num_experts) and expert tensor parallel
-    (1 or tp); the tp x cp x dp ranks of a stage are refolded as etp x ep x edp for the expert layers, so ep
-    borrows from dp and cp (and from tp when etp = 1), as torchtitan's expert_parallel_degree does."""
+    ep, etp (MoE models): expert-parallel degree and expert tensor parallelism (1, the default, or tp), the
+    trainer's parallel.ep / parallel.etp; the tp x cp x dp ranks of a stage are refolded as etp x ep x edp for
+    the expert layers, so ep borrows from dp and cp (and from tp when etp = 1), as torchtitan's
+    expert_parallel_degree does. Valid values: paratrain.config.rules (the trainer's rules); timed in plan/moe.py."""
 
     tp: int = 1
     pp: int = 1
