@@ -6,7 +6,7 @@ A rule's `ok(v)` reads a `View`: the parallel degrees, the schedule, the DP kind
 (paratrain.config.dp.zero_stage_of), the batch numbers and the model shape. `needs_dp` rules wait for the
 data-parallel size (known once the world size is), `needs_batch` rules the global batch too; `runtime_only` rules
 are what paratrain's runtime does not implement (yet) although the planner models it (ZeRO-1/2 on DDP, tied
-embeddings under PP, expert-parallel compositions).
+embeddings under PP, hsdp with ep across replicas).
 
 Expert parallelism (parallel.ep / parallel.etp, MoE models): the one fold of torchtitan's and Megatron-Core's "MoE
 parallel folding" (Liu et al. 2025), for the trainer and the planner alike. The dp x cp x tp ranks of one pipeline

@@ -147,10 +147,11 @@ def apply_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh 
 
 
 def apply_expert_parallel(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh | None):
-    """Step 3 (MoE models): the routed experts sharded over (ep, tp) as DTensors (parallel/expert.py; the shared
-    experts were TP-sharded in step 1 like the dense MLP); a pipeline schedule, which differentiates only the
-    LM loss, gets each layer's aux loss through the layer's output. Returns the reducer of the expert gradients
-    that step 6 leaves them to (None: no sharded experts)."""
+    """Step 3 (MoE models): the routed experts sharded over (ep, etp) as DTensors on the expert mesh, the
+    (edp, ep, etp) refold of dp x cp x tp (parallel/expert.py; the shared experts were TP-sharded in step 1 like
+    the dense MLP); routing over the whole microbatch when tp (etp = 1) or cp split its tokens; a pipeline
+    schedule, which differentiates only the LM loss, gets each layer's aux loss through the layer's output.
+    Returns the reducer of the expert gradients that step 6 leaves them to (None: experts left to DDP/FSDP)."""
     if mesh is None or not cfg.model_shape().num_experts:
         return None
     from paratrain.parallel import expert
