@@ -286,7 +286,18 @@ MPT = {"mpt-1b": (24, 2048, 16), "mpt-3b": (32, 2560, 32), "mpt-7b": (32, 4096, 
 MPT_VOCAB = 50368
 
 
+# Nemotron-4 (Parmar et al. 2024, Nemotron-4 15B Technical Report, Table 1; NVIDIA 2024, Nemotron-4 340B Technical
+# Report, Table 1): layers, hidden, heads, with 8 KV heads, vocabulary 256,000, untied embeddings, RoPE, and a
+# non-gated squared-ReLU MLP of 4h. Stand-in: the llama block with a SwiGLU of width 8h/3, the same MLP parameters
+# and matmul FLOPs (3 x h x 8h/3 = 2 x h x 4h); its elementwise traffic (gate x up) differs slightly
+NEMOTRON = {"nemotron4-15b": (32, 6144, 48), "nemotron4-340b": (96, 18432, 96)}
+
+
 def _eval_model(name: str, seq: int):
+    if name in NEMOTRON:
+        layers, hidden, heads = NEMOTRON[name]
+        return ModelConfig(name=name, arch="llama", layers=layers, hidden=hidden, heads=heads, kv_heads=8,
+                           ffn_hidden=8 * hidden // 3, vocab=256000, max_seq=seq)
     if name in GPT3:
         layers, hidden, heads = GPT3[name]
         return gpt_config(name, layers, hidden, heads, VOCAB, seq)
