@@ -158,7 +158,7 @@ def test_paratrain_train_logs_router_metrics(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel.cp=2"], "parallel.cp=2 with model.num_experts=8"),
+    (['parallel.vocab_parallel="dp"'], "parallel.vocab_parallel='dp' with model.num_experts=8"),
     (['staleness.policy="bounded_staleness"', 'parallel.dp_kind="ddp"'], "staleness.policy='bounded_staleness' with"),
 ])
 def test_train_config_refuses_what_moe_does_not_compose_with_yet(overrides, message):
