@@ -35,6 +35,11 @@ CP_COMM = ("ring", "allgather", "allgather_rotate")  # how context parallelism e
 
 BF16_BYTES = 2
 FLASH_BWD_MATMULS = 5  # per attention block in FlashAttention-2's backward (forward: 2)
+# FlashAttention's backward reaches a lower fraction of peak than its forward: "up to 73% of the theoretical max
+# throughput in the forward pass, and up to 63% ... in the backward pass" (Dao 2023, FlashAttention-2, sec. 1; the
+# dS = P o (dP - D) elementwise step, the recomputed P and the dQ accumulation are the extra non-matmul work). The
+# only published forward/backward split; applied to every flash kernel (FA2, cuDNN/FA3, NKI) as their ratio
+FLASH_BWD_EFF = 63 / 73
 FP8_BYTES = 1
 FP8_CAST_BYTES = 5  # per element scaled to FP8: amax read (2), cast read (2) + write (1)
 FP8_CAST_KERNELS = 8  # amax + cast for the input and the weight of each of the 4 layer matmuls
@@ -494,8 +499,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     selective = core + (mlp_fwd if opts.recompute_mlp else 0.0)
     recompute_fwd = np.where(rc == 2, fwd_compute, np.where(rc == 1, selective, 0.0))
     # FlashAttention's backward recomputes the scores and probabilities and runs 5 matmuls to the forward's 2
-    # (Dao 2023, FlashAttention-2 sec. 3.2); unfused attention keeps P and runs 4 (dP, dV, dQ, dK)
-    core_bwd = FLASH_BWD_MATMULS / 2.0 if opts.attention == "flash" else 2.0
+    # (Dao 2023, FlashAttention-2 sec. 3.2), at a lower fraction of peak than its forward (FLASH_BWD_EFF);
+    # unfused attention keeps P and runs 4 (dP, dV, dQ, dK) as plain batched GEMMs
+    core_bwd = FLASH_BWD_MATMULS / 2.0 / FLASH_BWD_EFF if opts.attention == "flash" else 2.0
     bwd_compute = 2 * mm + core_bwd * core + 2 * elem + quantize + recompute_fwd
     a2a_fwd, a2a_bwd = moe_plan.exposed_alltoall(opts, moe[2], moe[3], fwd_compute, bwd_compute,
                                                  *moe_plan.overlap_limits(system, opts, sched, pp, v, m)) \
