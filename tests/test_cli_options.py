@@ -137,3 +137,15 @@ def test_simulate_options_are_simconfig_fields_with_its_defaults():
     assert (cfg.detect_s, cfg.checkpoint_bytes, cfg.stragglers.mean_duration_s, cfg.repair_distribution) == (
         120, 5e9, 3600, "fixed")
     assert (cfg.restart_s, cfg.write_bytes_per_s) == (SimConfig.restart_s, SimConfig.write_bytes_per_s)
+
+
+def test_estimate_and_the_planners_layout_default_to_the_trainers_microbatch(capsys):
+    """One schema, one default: `estimate --microbatch` and plan.api.Layout.microbatch are train.microbatch's."""
+    from paratrain.config import TrainSection
+    from paratrain.plan.api import Layout
+
+    trainers = TrainSection.model_fields["microbatch"].default
+    assert Layout().microbatch == trainers
+    assert main(["estimate", "--model", "llama2-7b", "--hardware", "p5.48xlarge", "--nodes", "2", "--global-batch",
+                 "64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["microbatch"] == trainers

@@ -50,7 +50,7 @@ def test_trn1_7b_result_is_not_tuned_to_the_memory_fraction(usable):
 
 def test_estimate_json_fields(capsys):
     data = _json(capsys, ["estimate", *SEVEN_B, "--tp", "8", "--pp", "1", "--sp", "--recompute", "selective",
-                          "--json"])
+                          "--microbatch", "1", "--json"])
     for key in ("step_time_s", "tokens_per_s", "mfu", "hfu", "memory_per_device_bytes", "cost_usd_per_hour"):
         assert isinstance(data[key], float), key
     assert {"tp", "pp", "dp", "sp", "microbatch", "recompute", "pp_schedule"} <= set(data["layout"])
@@ -61,7 +61,7 @@ def test_estimate_json_fields(capsys):
 
 
 def test_estimate_text_output(capsys):
-    assert main(["estimate", *SEVEN_B, "--tp", "8", "--sp"]) == 0
+    assert main(["estimate", *SEVEN_B, "--tp", "8", "--sp", "--microbatch", "1"]) == 0
     out = capsys.readouterr().out
     assert "MFU" in out and "memory/device" in out
 
@@ -235,7 +235,7 @@ def test_gpu_usable_memory_is_hbm_less_the_cuda_context_and_nccl_buffers_per_gro
     for layout, groups in ((Layout(tp=1, dp=16), 2), (Layout(tp=8, pp=2, sp=True), 3), (Layout(tp=4, pp=2, sp=True), 4),
                            (Layout(tp=4, cp=2, dp=2), 4),
                            (Layout(dp_kind="hsdp", zero_stage=3), 3)):
-        est = estimate("llama2-7b", "p5.48xlarge", 2, 4096, 32, layout)
+        est = estimate("llama2-7b", "p5.48xlarge", 2, 4096, 32, dataclasses.replace(layout, microbatch=1))
         assert est.memory_capacity_bytes == p5.device_memory_bytes - context - groups * per_group, layout
     assert process_groups(8, 16, 128, 1, 128) == 4.0  # Llama 3 405B at 16,384 GPUs: world, TP, DP, PP
     assert process_groups(1, 2, 8, 1, 8, ep=8) == 4.0  # MoE, EP 8 = DP 8: + the all-to-all group, no expert DP

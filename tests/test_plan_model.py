@@ -151,7 +151,7 @@ def test_seven_b_on_trn1_needs_tp8_without_pipeline():
     fits = {}
     for tp in (2, 4, 8):
         est = estimate("llama2-7b", "trn1.32xlarge", 128, 4096, 2048, Layout(tp=tp, sp=True, recompute="selective",
-                                                                          zero_stage=1))
+                                                                          zero_stage=1, microbatch=1))
         fits[tp] = est.fits
     assert fits == {2: False, 4: False, 8: True}
 
@@ -321,12 +321,12 @@ def test_comm_bytes_by_kind():
     ZeRO-1 DP: fp32 gradient reduce-scatter + bf16 parameter all-gather of this rank's parameters."""
     model = PRESETS["llama2-7b"]
     est = estimate(model, "trn1.32xlarge", 128, 4096, 1024, Layout(tp=8, sp=True, recompute="selective",
-                                                                  zero_stage=1))
+                                                                  zero_stage=1, microbatch=1))
     m, T, h = 2, 4096, 4096
     assert est.comm_bytes_per_device["tp"] == pytest.approx(m * 32 * 4 * T * h * 2)
     assert est.comm_bytes_per_device["dp"] == pytest.approx(model.num_params() / 8 * (4 + 2))
     assert est.comm_bytes_per_device["pp"] == 0.0
-    full = estimate(model, "trn1.32xlarge", 128, 4096, 1024, Layout(tp=8, sp=True, recompute="full"))
+    full = estimate(model, "trn1.32xlarge", 128, 4096, 1024, Layout(tp=8, sp=True, recompute="full", microbatch=1))
     assert full.comm_bytes_per_device["tp"] == pytest.approx(m * 32 * 6 * T * h * 2)
 
 
@@ -341,7 +341,7 @@ def test_data_parallel_time_per_dp_kind(box):
         return kind_factor * (7 / 8 * nbytes / 100e9 + 1 / 2 * (nbytes / 8) / (50e9 / 8))
 
     def dp_time(**kw):
-        est = estimate(model, box, 2, 256, 32, Layout(**kw), Options(grad_bytes=4))
+        est = estimate(model, box, 2, 256, 32, Layout(**{"microbatch": 1} | kw), Options(grad_bytes=4))
         return est.time_breakdown_s["dp_comm"], est
 
     ddp, est = dp_time(zero_stage=0)

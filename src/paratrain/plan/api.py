@@ -66,7 +66,7 @@ class Layout:
     dp: int | None = None
     cp: int = 1
     sp: bool = False
-    microbatch: int = 1
+    microbatch: int = TrainSection.model_fields["microbatch"].default  # the trainer's train.microbatch
     recompute: str = "none"
     pp_schedule: str = "1f1b"
     virtual_stages: int = 1

@@ -33,12 +33,11 @@ class PlanTarget(Workload, Output):
 LAYOUT = "layout (the trainer's parallel.* keys; docs/config.md)"
 LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "sp", "ep", "etp", "dp_kind", "dp_replicate", "zero_stage", "recompute",
                "pp_schedule", "virtual_stages")
-EstimateArgs = dataclasses.make_dataclass("EstimateArgs", [*section_options("parallel", LAYOUT_KEYS, LAYOUT), (
-    "microbatch", int, opt("sequences per microbatch (train.microbatch)", 1, ge=1, short="--train.microbatch",
-                           group=LAYOUT)), (
-    "pp_layers", str, opt("layers per pipeline stage: auto (the planner's choice), balanced (the runtime's default), "
-                          "or one count per (virtual) stage, e.g. 8,9,8,7", "auto", short="--parallel.pp_layers",
-                          group=LAYOUT))], bases=(PlanTarget,), kw_only=True)
+EstimateArgs = dataclasses.make_dataclass("EstimateArgs", [
+    *section_options("parallel", LAYOUT_KEYS, LAYOUT), *section_options("train", ("microbatch",), LAYOUT), (
+        "pp_layers", str, opt("layers per pipeline stage: auto (the planner's choice), balanced (the runtime's "
+                              "default), or one count per (virtual) stage, e.g. 8,9,8,7", "auto",
+                              short="--parallel.pp_layers", group=LAYOUT))], bases=(PlanTarget,), kw_only=True)
 
 
 @dataclass(kw_only=True)
@@ -87,13 +86,14 @@ def _layout(args):
     from pydantic import ValidationError
 
     from paratrain.config import ParallelSection, format_validation_error
-    from paratrain.plan.api import layout_from_parallel
+    from paratrain.plan.api import Layout, layout_from_parallel
 
     try:
         pcfg = ParallelSection(**{k: getattr(args, k) for k in LAYOUT_KEYS if getattr(args, k) is not None})
     except ValidationError as err:  # one line, the trainer's message
         raise UserError(format_validation_error(err).replace("invalid config: config: ", "layout: ")) from None
-    return replace(layout_from_parallel(pcfg, args.microbatch), pp_layers=_pp_layers(args.pp_layers))
+    microbatch = Layout.microbatch if args.microbatch is None else args.microbatch  # the trainer's default
+    return replace(layout_from_parallel(pcfg, microbatch), pp_layers=_pp_layers(args.pp_layers))
 
 
 def _pp_layers(text: str) -> str | tuple[int, ...]:
