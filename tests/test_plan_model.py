@@ -284,6 +284,21 @@ def test_dp_traffic_cannot_hide_while_its_links_carry_other_traffic():
 def test_p2p_uses_the_innermost_shared_tier(box):
     assert float(p2p_time_s(box, 1e9, 1)) == pytest.approx(1e9 / 100e9)
     assert float(p2p_time_s(box, 1e9, 8)) == pytest.approx(1e9 / (50e9 / 8))
+    # a chain of ranks 2 apart: 4 of them fit in one 8-device node, 8 of them span two and every fourth hop leaves
+    # the node (devices 6 -> 8): the pipeline runs at that hop's pace
+    assert float(p2p_time_s(box, 1e9, 2, 4)) == pytest.approx(1e9 / 100e9)
+    assert float(p2p_time_s(box, 1e9, 2, 8)) == pytest.approx(1e9 / (50e9 / 8))
+
+
+def test_pipeline_spanning_nodes_sends_over_the_network(box):
+    """TP 2 x PP 4 fills one node and its stage sends stay on NVLink; TP 2 x PP 8 on two nodes has stages 2
+    devices apart too, but the stage boundary between the nodes sends over the node network, and every stage waits
+    for the slowest send."""
+    model = PRESETS["small"]
+    one = estimate(model, box, 1, 256, 32, Layout(tp=2, pp=4, microbatch=1, zero_stage=0))
+    two = estimate(model, box, 2, 256, 32, Layout(tp=2, pp=8, microbatch=1, zero_stage=0))
+    per_send = lambda est: est.time_breakdown_s["pp_comm"] / est.microbatches  # noqa: E731
+    assert per_send(two) == pytest.approx(per_send(one) * 100e9 / (50e9 / 8), rel=1e-6)
 
 
 # ---- pipeline bubble --------------------------------------------------------------------------------------

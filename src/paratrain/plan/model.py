@@ -247,11 +247,14 @@ def timesharing_ranks(system: System) -> float:
     return max(1.0, system.devices_per_chip / system.chip.cores_per_chip)
 
 
-def p2p_time_s(system: System, nbytes, stride):
-    """Point-to-point send between ranks `stride` apart (pipeline neighbours): over the innermost tier whose
-    domain holds both, at the per-device bandwidth of that tier (all boundary ranks send at once)."""
+def p2p_time_s(system: System, nbytes, stride, ranks=2):
+    """Point-to-point send between ranks `stride` apart (pipeline neighbours, a CP ring's hops) in a chain or ring of
+    `ranks` members: over the innermost tier whose domain holds the whole group (stride x ranks devices), at the
+    per-device bandwidth of that tier (all boundary ranks send at once). Where the group spans domains, some of its
+    hops cross them (pipeline stages 16 apart on 32-device nodes: every other stage boundary leaves the node), and
+    a pipeline or a ring runs at the pace of its slowest hop."""
     nbytes = np.asarray(nbytes, dtype=float)
-    stride = np.asarray(stride, dtype=float)
+    span = np.asarray(stride, dtype=float) * np.maximum(np.asarray(ranks, dtype=float), 2.0)
     time = None
     for tier in reversed(system.tiers):
         bw = tier.per_device_bw_bytes_per_s(system)
@@ -259,7 +262,7 @@ def p2p_time_s(system: System, nbytes, stride):
         share = timesharing_ranks(system)
         t = (nbytes * share / bw
              + (link.latency_us + (share - 1) * link.timeshare_step_us + link.collective_overhead_us) * 1e-6)
-        time = t if time is None else np.where(stride < tier.domain_devices, t, time)
+        time = t if time is None else np.where(span <= tier.domain_devices, t, time)
     return time
 
 
@@ -558,7 +561,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     p2p_bytes = act_bytes / np.where(sp | opts.p2p_scatter_gather, tp, 1.0)
     # NxD's pipeline sends are 2-rank all-gathers in which the receiver transmits a buffer of the same size too
     # (Options.p2p_pair_allgather): every rank's links carry twice the bytes it sends
-    p2p = np.where(pp > 1, p2p_time_s(system, p2p_bytes * (2.0 if opts.p2p_pair_allgather else 1.0), stride_pp), 0.0)
+    p2p = np.where(pp > 1, p2p_time_s(system, p2p_bytes * (2.0 if opts.p2p_pair_allgather else 1.0), stride_pp, pp),
+                   0.0)
     chunks = np.where(sched >= 2, v, 1.0)
     p2p_per_mb = 2 * chunks * p2p  # forward send + backward send per chunk
 
@@ -709,7 +713,7 @@ def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd):
     ALL_TO_ALL, convert_to_f32), hidden behind the other blocks' backward."""
     kv_local = 2 * T * model.kv_dim / np.minimum(tp, model.n_kv_heads) * BF16_BYTES  # K and V of local tokens
     if opts.cp_comm == "ring":
-        ring = (cp - 1) * p2p_time_s(system, kv_local, tp)
+        ring = (cp - 1) * p2p_time_s(system, kv_local, tp, cp)
         fwd, bwd = np.maximum(0.0, ring - core_fwd), np.maximum(0.0, 2 * ring - 2 * core_fwd)
     else:
         gather = collective_time_s(system, "allgather", cp * kv_local, cp, tp)
@@ -717,7 +721,7 @@ def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd):
             fwd = gather
             bwd = collective_time_s(system, "reducescatter", cp * kv_local, cp, tp)
         else:
-            dkv_ring = (cp - 1) * p2p_time_s(system, 2 * kv_local, tp)  # fp32: twice the bf16 K/V bytes
+            dkv_ring = (cp - 1) * p2p_time_s(system, 2 * kv_local, tp, cp)  # fp32: twice the bf16 K/V bytes
             fwd = np.maximum(0.0, gather - core_fwd / cp)
             bwd = np.maximum(0.0, gather - core_bwd / cp) + np.maximum(0.0, dkv_ring - core_bwd * (cp - 1) / cp)
     return np.where(cp > 1, fwd, 0.0), np.where(cp > 1, bwd, 0.0)
