@@ -38,10 +38,19 @@ from paratrain.cli import main
 from paratrain.train.checkpoint import MANIFEST
 
 RDZV_PORT = 29400
-STEPS = 8
+STEPS = 8  # host b dies after the checkpoint of step 4: 4 more steps (and saves) of margin before the end
 CKPT_INTERVAL = 2
 LOSS_RTOL = 1e-5  # see the module docstring
 RUN_TIMEOUT_S = 240
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_idle_pool():
+    """Idle gloo pool ranks of earlier test files still burn CPU (gloo's transport threads wake every few ms) for
+    the minutes these tests wait on their hosts: close them (the next pool test forks new ones)."""
+    import dist_pool
+
+    dist_pool.close_all()
 
 
 @pytest.fixture(scope="module")
