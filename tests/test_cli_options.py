@@ -149,3 +149,23 @@ def test_estimate_and_the_planners_layout_default_to_the_trainers_microbatch(cap
     assert main(["estimate", "--model", "llama2-7b", "--hardware", "p5.48xlarge", "--nodes", "2", "--global-batch",
                  "64", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["layout"]["microbatch"] == trainers
+
+
+def test_cost_flags_default_to_the_cost_assumptions(tmp_path):
+    """compare/recommend's --pue, --failures, --purchase: unset, the [cost] table, else cost.compare.Assumptions'
+    own defaults (also the ones their help shows); a flag wins over the table."""
+    from paratrain.cli import check_options
+    from paratrain.cost.commands import CompareArgs
+    from paratrain.cost.compare import Assumptions
+    from paratrain.cost.inputs import assumptions_from
+
+    def assumed(*flags):
+        a = assumptions_from(check_options(CompareArgs, build_parser().parse_args(["compare", *flags])))
+        return a.pue, a.failures, a.purchase
+
+    assert assumed() == (Assumptions.pue, Assumptions.failures, Assumptions.purchase)
+    table = tmp_path / "cost.toml"
+    table.write_text('[cost]\npue = 1.5\nfailures = "daly"\n')
+    assert assumed("--config", str(table), "--failures", "none") == (1.5, "none", Assumptions.purchase)
+    text = build_parser()._subparsers._group_actions[0].choices["compare"].format_help()
+    assert f"(default {Assumptions.pue}," in text and f"(default {Assumptions.failures})" in text

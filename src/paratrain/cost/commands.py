@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.cli import Output, UserError, Workload, command, from_options, opt, options_of, show
+from paratrain.cost.compare import FAILURE_MODELS, Assumptions
 from paratrain.cost.inputs import parse_prices  # noqa: F401  (serve plan/recommend parse the same flag)
 from paratrain.cost.recommend import Request
 from paratrain.hardware.catalog import PURCHASE_HELP, PURCHASE_OPTIONS
@@ -13,16 +14,16 @@ from paratrain.hardware.catalog import PURCHASE_HELP, PURCHASE_OPTIONS
 @dataclass(kw_only=True)
 class CostArgs(Workload, Output):
     train_tokens: float | None = opt("tokens to train, e.g. 1e12", gt=0, exclusive="length")
-    purchase: str | None = opt(PURCHASE_HELP + " (default on-demand; config key cost.purchase)",
+    purchase: str | None = opt(f"{PURCHASE_HELP} (default {Assumptions.purchase}; config key cost.purchase)",
                                choices=PURCHASE_OPTIONS)
     price_per_node_hour_usd: list[str] = opt("your price for one node-hour of a system (a quote; overrides the "
                                              "catalog at every purchase option; needed to rank systems without a "
                                              "public price)", factory=list, metavar="SYSTEM=USD")
     price: str | None = opt("", refused="ambiguous (it meant USD per node-hour here but per device-hour in "
                             "`paratrain simulate`); use --price-per-node-hour-usd SYSTEM=USD")
-    pue: float | None = opt("power usage effectiveness (default 1.2, assumption)")
-    failures: str | None = opt("failure/checkpoint overhead: Monte-Carlo simulation (default), Daly's formula, or "
-                               "none", choices=("simulate", "daly", "none"))
+    pue: float | None = opt(f"power usage effectiveness (default {Assumptions.pue}, assumption)")
+    failures: str | None = opt("failure/checkpoint overhead: Monte-Carlo simulation, Daly's formula, or none "
+                               f"(default {Assumptions.failures})", choices=FAILURE_MODELS)
     config: str | None = opt("TOML file with a [cost] table: purchase, pue, failures, price_per_node_hour_usd = "
                              "{SYSTEM = USD} (flags override it)", metavar="FILE")
     sensitivity_plot: str | None = opt("write the plot of $ per million tokens by system and purchase option (with "

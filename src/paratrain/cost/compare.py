@@ -54,6 +54,9 @@ class Workload:
         return max(1, math.ceil(self.train_tokens / (self.seq * self.global_batch)))
 
 
+FAILURE_MODELS = ("simulate", "daly", "none")  # the failure/checkpoint overhead: Monte Carlo, closed form, none
+
+
 @dataclass(frozen=True)
 class Assumptions:
     """Numbers the result depends on that no catalog entry holds; each is printed with the results."""
@@ -62,7 +65,7 @@ class Assumptions:
     host_power_fraction: float = 0.25  # host CPUs, memory, NICs, fans on top of the accelerators: assumption
     checkpoint_write_gbytes_per_s_per_node: float = 2.0  # to a parallel FS / S3: assumption
     checkpoint_bytes_per_param: float = 16.0  # bf16 weights + fp32 master + Adam m, v (Rajbhandari et al. 2020)
-    failures: str = "simulate"  # "simulate" (Monte-Carlo), "daly" (closed form) or "none"
+    failures: str = FAILURE_MODELS[0]  # one of FAILURE_MODELS
     sim_samples: int = 30
     prices: dict[str, float] = field(default_factory=dict)  # system -> USD per node-hour, overriding the catalog
     purchase: str = "on-demand"  # which catalog price the cost is computed at (PURCHASE_OPTIONS)

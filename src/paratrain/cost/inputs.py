@@ -29,6 +29,7 @@ def load_cost_config(path: str) -> dict:
     """The [cost] table of a TOML file, checked: unknown keys and bad values fail naming the key."""
     import tomllib
 
+    from paratrain.cost.compare import FAILURE_MODELS
     from paratrain.hardware.catalog import PURCHASE_OPTIONS
 
     try:
@@ -46,8 +47,8 @@ def load_cost_config(path: str) -> dict:
             raise ValueError(f"{path}: cost.{key}: unknown key; allowed: {', '.join(COST_KEYS)}")
     if "purchase" in table and table["purchase"] not in PURCHASE_OPTIONS:
         raise ValueError(f"{path}: cost.purchase = {table['purchase']!r}: allowed: {', '.join(PURCHASE_OPTIONS)}")
-    if "failures" in table and table["failures"] not in ("simulate", "daly", "none"):
-        raise ValueError(f"{path}: cost.failures = {table['failures']!r}: allowed: simulate, daly, none")
+    if "failures" in table and table["failures"] not in FAILURE_MODELS:
+        raise ValueError(f"{path}: cost.failures = {table['failures']!r}: allowed: {', '.join(FAILURE_MODELS)}")
     if "pue" in table and not (isinstance(table["pue"], int | float) and table["pue"] >= 1):
         raise ValueError(f"{path}: cost.pue = {table['pue']!r}: allowed: a number >= 1")
     prices = table.get("price_per_node_hour_usd", {})
@@ -64,9 +65,9 @@ def assumptions_from(args):
     from paratrain.cost.compare import Assumptions
 
     conf = load_cost_config(args.config) if args.config else {}
-    pue = args.pue if args.pue is not None else conf.get("pue", 1.2)
-    if pue < 1:
-        raise ValueError(f"--pue {pue}: allowed: >= 1")
+    if args.pue is not None and args.pue < 1:
+        raise ValueError(f"--pue {args.pue}: allowed: >= 1")
+    given = {key: conf.get(key) if getattr(args, key) is None else getattr(args, key)
+             for key in ("pue", "failures", "purchase")}  # neither given: Assumptions' own default
     prices = {**conf.get("price_per_node_hour_usd", {}), **parse_prices(args.price_per_node_hour_usd)}
-    return Assumptions(pue=pue, failures=args.failures or conf.get("failures", "simulate"), prices=prices,
-                       purchase=args.purchase or conf.get("purchase", "on-demand"))
+    return Assumptions(**{k: v for k, v in given.items() if v is not None}, prices=prices)
