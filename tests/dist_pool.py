@@ -7,6 +7,13 @@ every rank runs it and the pool returns the per-rank results (or re-raises the f
 
 The process group has a timeout, and the parent waits with a timeout, so a failing rank cannot hang the suite:
 on failure the pool is torn down and rebuilt for the next test.
+
+Every rank shares equal process groups (tests/dist_pool.py `_share_groups`): each DeviceMesh asks for new gloo
+groups, and every gloo group owns a transport device whose event-loop thread wakes every 10 ms, idle or not. A
+worker that kept the ~130 groups of test_parallel.py's meshes burnt ~0.1 core just waiting (strace -c: ~7,000
+epoll_wait/s in one idle worker), and six idle workers cost more CPU than the tests they ran. Destroying the
+groups after a case is not an option: DTensor's sharding-propagation caches compare meshes by value and hand the
+next, equal mesh the destroyed groups ("Could not resolve the process group registered under the name 47").
 """
 
 from __future__ import annotations
@@ -42,12 +49,13 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=TASK_TIMEOUT_S / 2))
+    _share_groups()
     while True:
         item = tasks.get()
         if item is None:
             break
-        fn, args, kwargs = pickle.loads(item)
         try:
+            fn, args, kwargs = pickle.loads(item)  # inside: a function the worker cannot import is an error
             out = ("ok", fn(*args, **kwargs))
         except BaseException as exc:  # noqa: BLE001 - ship every failure to the parent
             out = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
@@ -56,6 +64,34 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None
         except Exception as exc:  # noqa: BLE001 - unpicklable result
             results.put((rank, pickle.dumps(("error", f"rank {rank}: result not picklable: {exc}"))))
     dist.destroy_process_group()
+
+
+def _share_groups() -> None:
+    """In a pool rank: `new_group` returns the group made earlier for the same ranks and options, so meshes built
+    one after another (one per test case) reuse their groups instead of adding gloo threads. Safe because every
+    rank runs the same calls in the same order (a hit or a miss happens on all ranks alike, so the group counter
+    stays in step), and groups with the same ranks are one communicator anyway (torch's own DeviceMesh hands out
+    the default group for a dimension that spans the world). Groups made with options objects are not shared."""
+    from torch.distributed import device_mesh
+    from torch.distributed import distributed_c10d as c10d
+
+    original = c10d.new_group
+    made: dict = {}
+
+    def new_group(ranks=None, timeout=None, backend=None, pg_options=None, use_local_synchronization=False,
+                  group_desc=None, device_id=None, sort_ranks=True):
+        key = (None if ranks is None else tuple(sorted(ranks) if sort_ranks else ranks), timeout, backend,
+               use_local_synchronization, device_id)
+        pg = made.get(key) if pg_options is None else None
+        if pg is None or (pg is not c10d.GroupMember.NON_GROUP_MEMBER and pg not in c10d._world.pg_map):
+            pg = original(ranks=ranks, timeout=timeout, backend=backend, pg_options=pg_options,
+                          use_local_synchronization=use_local_synchronization, group_desc=group_desc,
+                          device_id=device_id, sort_ranks=sort_ranks)
+            if pg_options is None:
+                made[key] = pg
+        return pg
+
+    c10d.new_group = dist.new_group = device_mesh.new_group = new_group
 
 
 class DistPool:

@@ -65,9 +65,16 @@ def run_steps(cfg: TrainConfig, runner, steps: int = 3) -> dict:
 
 
 def reference(cfg: TrainConfig, steps: int = 3) -> dict:
-    """The single-device run of the same config (parallel section ignored)."""
+    """The single-device run of the same config (parallel section ignored), computed once per test session for
+    each distinct config: many layouts share one reference. Callers must not modify the result."""
     single = cfg.model_copy(update={"parallel": type(cfg.parallel)()})
-    return run_steps(single, build_runner(single, _single_env()), steps)
+    key = (single.model_dump_json(), steps)
+    if key not in _REFERENCES:
+        _REFERENCES[key] = run_steps(single, build_runner(single, _single_env()), steps)
+    return _REFERENCES[key]
+
+
+_REFERENCES: dict[tuple[str, int], dict] = {}  # test-session cache of single-device runs (tests only)
 
 
 def _single_env():

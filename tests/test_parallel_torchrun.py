@@ -1,13 +1,24 @@
 """End to end, as users run it: `torchrun --nproc-per-node 4 -m paratrain train` with TP2 x DP2 + SP (and
-selective recompute), against the single-process run of the same config on the same prepared data."""
+selective recompute), against the single-process run of the same config on the same prepared data. Both tests
+share one prepared dataset and one single-process reference run (the module fixture)."""
 
 import pytest
 from e2e import assert_losses_close, run_single, run_torchrun, train_args
 
 
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def ref(run_dir):
+    return run_single(train_args(run_dir, "single"))
+
+
 @pytest.mark.slow
-def test_torchrun_tp2_dp2_sp_matches_single_process(tmp_path):
-    ref = run_single(train_args(tmp_path, "single"))
+def test_torchrun_tp2_dp2_sp_matches_single_process(run_dir, ref):
+    tmp_path = run_dir
     got = run_torchrun(4, train_args(tmp_path, "tp2dp2", parallel__tp=2, parallel__dp=2, parallel__sp="true",
                                      parallel__dp_kind='"fsdp"', parallel__recompute='"selective"'))
     assert got["layout"] == {"pp": 1, "dp": 2, "cp": 1, "tp": 2} and got["world_size"] == 4
@@ -30,11 +41,11 @@ def _train_cli(args_per_layout):
     return [json.loads(Path(a[a.index("--summary-json") + 1]).read_text()) for a in args_per_layout]
 
 
-def test_cli_runs_each_layout_kind_like_single_process(tmp_path, dist_run):
+def test_cli_runs_each_layout_kind_like_single_process(run_dir, ref, dist_run):
     """The same config under other layouts of issue 3 (TP4+SP with full recompute and replicated kv heads,
     TP2 x DP2 with DDP, HSDP 2 x 2), through `paratrain train` on 4 ranks (the persistent pool instead of
     torchrun, to stay fast): every step's loss equals the single-process run's within 1e-5."""
-    ref = run_single(train_args(tmp_path, "single"))
+    tmp_path = run_dir
     layouts = {
         "tp4sp": dict(parallel__tp=4, parallel__sp="true", parallel__recompute='"full"'),
         "tp2dp2ddp": dict(parallel__tp=2, parallel__dp=2, parallel__dp_kind='"ddp"'),

@@ -5,7 +5,7 @@ between stages are those s/cp slices (s/(cp*tp) with SP); gradients are reduced 
 Each parity case goes through the real entry point (build_runner -> parallelize -> PipelineRunner) and is
 checked as the other pipeline cases (tests/test_pipeline.py `_check`): loss of the first forward on every rank,
 every gradient this rank holds (the union over ranks covers every parameter), the global clipping norm of each of
-3 AdamW steps (clip 0.5, active every step), their losses, and the forward-only eval loss afterwards.
+2 AdamW steps (clip 0.5, active every step), their losses, and the forward-only eval loss afterwards.
 Tolerance: the same as every other layout -- losses/norms/eval rtol 1e-5 (atol 1e-6), per-parameter gradient
 relative L2 error 1e-5 (fp32; the ring only reorders fp32 sums).
 """

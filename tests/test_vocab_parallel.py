@@ -1,6 +1,6 @@
 """Vocabulary-parallel embedding and head (parallel/vocab.py; TP's in parallel/tensor.py) against one device.
 
-Parity (tests/parity.py: loss of the first forward, every gradient after the first backward, losses of 3 AdamW
+Parity (tests/parity.py: loss of the first forward, every gradient after the first backward, losses of 2 AdamW
 steps; fp32, fixed seeds; tolerance as tests/test_parallel.py: loss rtol 1e-5 / atol 1e-6, gradient relative
 L2 error 1e-5): TP2 with a tied embedding, and the vocabulary sharded over the FSDP2 / DDP ranks
 (parallel.vocab_parallel="dp"), tied and untied, with gradient accumulation (2 microbatches per rank at dp 2).
@@ -16,7 +16,7 @@ from paratrain.config import load_config
 from paratrain.parallel import check_layout
 
 LOSS_RTOL, LOSS_ATOL, GRAD_RTOL = 1e-5, 1e-6, 1e-5
-SHAPE = ["model.layers=2"]
+SHAPE, STEPS = ["model.layers=2"], 2
 TIED = ["model.tie_embeddings=true"]
 FSDP_DP = ['parallel.dp_kind="fsdp"', 'parallel.vocab_parallel="dp"']
 CASES = {  # world size -> (untied cases, tied cases)
@@ -29,11 +29,11 @@ CASES = {  # world size -> (untied cases, tied cases)
 
 @pytest.fixture(scope="module")
 def refs():
-    return reference(make_config(SHAPE)), reference(make_config(SHAPE + TIED))
+    return reference(make_config(SHAPE), STEPS), reference(make_config(SHAPE + TIED), STEPS)
 
 
 def _run(untied, tied):
-    return [parallel_run(SHAPE + c) for c in untied] + [parallel_run(SHAPE + TIED + c) for c in tied]
+    return [parallel_run(SHAPE + c, STEPS) for c in untied] + [parallel_run(SHAPE + TIED + c, STEPS) for c in tied]
 
 
 @pytest.mark.parametrize("world", [2, 4])
