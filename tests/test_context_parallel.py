@@ -174,11 +174,12 @@ def _run_ring_cases(cases):
 
 
 # -- whole model vs single device ----------------------------------------------------------------------------
+MB4 = "train.microbatch=4"  # without dp: 2 microbatches of 4 rows (accumulation still runs), not 4 of 2
 CASES = {
-    2: [["parallel.cp=2"], ["parallel.cp=2", "parallel.dp_kind=\"ddp\""]],
-    4: [["parallel.cp=4"],
-        ["parallel.cp=2", "parallel.tp=2"],
-        ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true"],
+    2: [["parallel.cp=2", MB4], ["parallel.cp=2", "parallel.dp_kind=\"ddp\"", MB4]],
+    4: [["parallel.cp=4", MB4],
+        ["parallel.cp=2", "parallel.tp=2", MB4],
+        ["parallel.cp=2", "parallel.tp=2", "parallel.sp=true", MB4],
         ["parallel.cp=2", "parallel.dp=2", "parallel.dp_kind=\"fsdp\""],
         ["parallel.cp=2", "parallel.dp=2", "parallel.dp_kind=\"hsdp\"", "parallel.dp_replicate=2"],
         ["parallel.cp=2", "parallel.dp=2", "parallel.dp_kind=\"ddp\"", "parallel.recompute=\"full\""]],
@@ -188,19 +189,21 @@ CASES = {
 SHAPE, STEPS = ["model.layers=2"], 2
 
 
-@pytest.fixture(scope="module")
-def ref():
-    return reference(make_config(SHAPE), STEPS)
-
-
 def _run_cases(cases, steps=3):
     return [parallel_run(overrides, steps) for overrides in cases]
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_context_parallel_matches_single_device(dist_run, ref, world):
+def test_context_parallel_matches_single_device(dist_run, world):
     cases = [SHAPE + c for c in CASES[world]]
-    assert_cases_match(ref, cases, dist_run(world, _run_cases, cases, STEPS), LOSS_RTOL, LOSS_ATOL, GRAD_RTOL)
+    per_rank = dist_run(world, _run_cases, cases, STEPS)
+    for mb4 in (True, False):  # each case against the reference of its own microbatch size
+        group = [i for i, c in enumerate(cases) if (MB4 in c) == mb4]
+        if not group:
+            continue
+        ref = reference(make_config(SHAPE + ([MB4] if mb4 else [])), STEPS)
+        assert_cases_match(ref, [cases[i] for i in group], [[r[i] for i in group] for r in per_rank], LOSS_RTOL,
+                           LOSS_ATOL, GRAD_RTOL)
 
 
 # -- ring traffic: what the planner's formula says -----------------------------------------------------------

@@ -29,17 +29,18 @@ from paratrain.parallel import check_layout
 LOSS_RTOL, LOSS_ATOL, GRAD_RTOL = 1e-5, 1e-6, 1e-5
 SHAPE = ["model.layers=2"]  # two blocks: SP's sharded residual crosses a block boundary; half the cost of 4
 STEPS = 2
+TWO_MICROBATCHES = "train.microbatch=4"  # without dp: 2 microbatches of 4 rows (accumulation still runs), not 4 of 2
 
 LAYOUTS = {
     2: [
-        ["parallel.tp=2"],
-        ["parallel.tp=2", "parallel.sp=true"],
+        ["parallel.tp=2", TWO_MICROBATCHES],
+        ["parallel.tp=2", "parallel.sp=true", TWO_MICROBATCHES],
         ["parallel.dp=2", "parallel.dp_kind=\"fsdp\""],
         ["parallel.dp=2", "parallel.dp_kind=\"ddp\""],
     ],
     4: [
-        ["parallel.tp=4"],
-        ["parallel.tp=4", "parallel.sp=true"],
+        ["parallel.tp=4", TWO_MICROBATCHES],
+        ["parallel.tp=4", "parallel.sp=true", TWO_MICROBATCHES],
         ["parallel.tp=2", "parallel.dp=2", "parallel.sp=true", "parallel.dp_kind=\"fsdp\""],
         ["parallel.tp=2", "parallel.dp=2", "parallel.sp=true", "parallel.dp_kind=\"ddp\""],
     ],
@@ -55,18 +56,30 @@ def _run_cases(cases, steps=STEPS):
     return [parallel_run(SHAPE + overrides, steps) for overrides in cases]
 
 
-def _check_all(ref, cases, per_rank_results):
-    assert_cases_match(ref, cases, per_rank_results, LOSS_RTOL, LOSS_ATOL, GRAD_RTOL)
+def _case_reference(overrides, steps=STEPS):
+    """The single-device run with this case's train settings (its microbatch size; cached per config)."""
+    return reference(make_config(SHAPE + [o for o in overrides if o.startswith("train.")]), steps)
+
+
+def _check_all(cases, per_rank_results):
+    failures = []
+    for i, overrides in enumerate(cases):
+        try:
+            assert_cases_match(_case_reference(overrides), [overrides], [[r[i]] for r in per_rank_results],
+                               LOSS_RTOL, LOSS_ATOL, GRAD_RTOL)
+        except AssertionError as exc:
+            failures.append(str(exc))
+    assert not failures, "\n".join(failures)
 
 
 @pytest.mark.parametrize("recompute", ["none", "selective", "full"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_layouts_match_single_device(dist_run, ref, world, recompute):
+def test_layouts_match_single_device(dist_run, world, recompute):
     cases = [layout + [f"parallel.recompute=\"{recompute}\""] for layout in LAYOUTS[world]]
-    _check_all(ref, cases, dist_run(world, _run_cases, cases))
+    _check_all(cases, dist_run(world, _run_cases, cases))
 
 
-def test_zero2_and_hsdp_match_single_device(dist_run, ref):
+def test_zero2_and_hsdp_match_single_device(dist_run):
     cases = [
         ["parallel.dp=4", "parallel.dp_kind=\"fsdp\"", "parallel.reshard_after_forward=false"],
         ["parallel.dp=4", "parallel.dp_kind=\"hsdp\"", "parallel.dp_replicate=2"],
@@ -76,7 +89,7 @@ def test_zero2_and_hsdp_match_single_device(dist_run, ref):
         ["parallel.tp=2", "parallel.dp=2", "parallel.dp_kind=\"fsdp\""],  # TP without SP: plain norm weights
         ["parallel.tp=2", "parallel.dp=2", "parallel.dp_kind=\"ddp\""],
     ]
-    _check_all(ref, cases, dist_run(4, _run_cases, cases))
+    _check_all(cases, dist_run(4, _run_cases, cases))
 
 
 @pytest.mark.parametrize("overrides, world, message", [
@@ -417,14 +430,13 @@ if __name__ == "__main__":  # print the table of docs/parallelism.md: .venv/bin/
     import dist_pool
 
     try:
-        reference_run = reference(make_config(SHAPE), 3)  # the table: 3 steps, as measured for the docs
         print("| layout | worst loss rel. error (3 steps) | worst gradient rel. error |\n|---|---:|---:|")
         for world, layouts in LAYOUTS.items():
             for recompute in ("none", "selective", "full"):
                 cases = [layout + [f"parallel.recompute=\"{recompute}\""] for layout in layouts]
                 per_rank = dist_pool.get_pool(world).run(_run_cases, cases, 3)
                 for i, overrides in enumerate(cases):
-                    loss_err, grad_err = _worst_errors(reference_run, [r[i] for r in per_rank])
+                    loss_err, grad_err = _worst_errors(_case_reference(overrides, 3), [r[i] for r in per_rank])
                     name = " ".join(o.removeprefix("parallel.") for o in overrides)
                     print(f"| {name} | {loss_err:.1e} | {grad_err:.1e} |", flush=True)
     finally:
