@@ -143,18 +143,27 @@ class DistPool:
 
 
 _POOLS: dict[int, DistPool] = {}
+BIG_WORLD = 8  # a pool this large is used by a few tests only: closed as soon as another size is asked for
 
 
 def get_pool(world_size: int) -> DistPool:
     pool = _POOLS.get(world_size)
     if pool is not None and (pool.broken or not all(p.is_alive() for p in pool._procs)):
-        pool.close()
+        _POOLS.pop(world_size).close()
         pool = None
+    for big in [w for w in _POOLS if w >= BIG_WORLD and w != world_size]:
+        _POOLS.pop(big).close()
     if pool is None:
-        # Keep at most two pools alive: 2 cores, and idle ranks still hold memory.
-        while len(_POOLS) >= 2:
-            _POOLS.pop(next(iter(_POOLS))).close()
-        pool = _POOLS[world_size] = DistPool(world_size)
+        # At most two pools of the common sizes alive (2 cores, and idle ranks hold memory), and a big one only
+        # while it is in use: making room for it would close the small pools the next tests need again (a
+        # fresh pool pays its ranks' cold start: test_layouts_match_single_device[4-none], the first 4-rank
+        # task, costs ~6 CPU-s more than [4-selective] right after it).
+        small = [w for w in _POOLS if w < BIG_WORLD]
+        while world_size < BIG_WORLD and len(small) >= 2:
+            _POOLS.pop(small.pop(0)).close()
+        pool = DistPool(world_size)
+    _POOLS.pop(world_size, None)
+    _POOLS[world_size] = pool  # last used last: the least recently used small pool is closed first
     return pool
 
 
