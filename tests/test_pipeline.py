@@ -148,8 +148,8 @@ def test_pp2_with_tp_sp_and_dp_matches_single_device(dist_run):
     _check(PP2_MIXED, dist_run(4, _run_cases, PP2_MIXED))
 
 
-def test_pp2_tp2_dp2_and_hsdp_on_8_ranks_match_single_device(dist_run):
-    _check(PP2_TP2_DP2, dist_run(8, _run_cases, PP2_TP2_DP2))
+# PP2_TP2_DP2 runs on 8 ranks in tests/test_pipeline_context.py, in the same pool task as the 8-rank PP x CP
+# cases (one 8-rank pool start instead of two; test_8_rank_pipeline_compositions_match_single_device).
 
 
 def _losses_of(cases):

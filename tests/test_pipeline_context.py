@@ -13,7 +13,7 @@ relative L2 error 1e-5 (fp32; the ring only reorders fp32 sums).
 import pytest
 import torch
 from parity import make_config
-from test_pipeline import _check, _steps_with_norms, sched
+from test_pipeline import PP2_TP2_DP2, _check, _steps_with_norms, sched
 
 from paratrain.parallel.mesh import init_distributed
 from paratrain.train.loop import build_runner
@@ -65,10 +65,14 @@ def test_pp2_cp2_every_schedule_matches_single_device(dist_run):
     _check_stage_inputs(PP2_CP2, results)
 
 
-def test_pp2_cp2_with_tp_sp_dp_or_hsdp_on_8_ranks_matches_single_device(dist_run):
-    results = dist_run(8, _run_cases_with_shapes, PP2_CP2_8)
-    _check(PP2_CP2_8, results)
-    _check_stage_inputs(PP2_CP2_8, results)
+def test_8_rank_pipeline_compositions_match_single_device(dist_run):
+    """PP2 x TP2+SP x DP2 (fsdp, ddp), PP2 x HSDP 2x2 (test_pipeline.PP2_TP2_DP2) and PP2 x CP2 with TP2+SP, DP2 or
+    HSDP, in one task on one 8-rank pool: a fresh 8-rank pool costs ~10 CPU-s of cold start on 2 cores."""
+    cases = PP2_TP2_DP2 + PP2_CP2_8
+    results = dist_run(8, _run_cases_with_shapes, cases)
+    _check(cases, results)
+    n = len(PP2_TP2_DP2)
+    _check_stage_inputs(PP2_CP2_8, [r[n:] for r in results])
 
 
 # ---------------------------------------------------------------------------------------------------------
