@@ -32,6 +32,7 @@ from test_checkpoint import (
     train_args,
 )
 from torch import nn
+from torchrun_fork import torchrun_cmd
 
 from paratrain.train.checkpoint import MANIFEST, REFUSED, CheckpointError, step_name
 from paratrain.train.faults import FaultInjector
@@ -404,8 +405,8 @@ def test_torchrun_restart_after_refused_checkpoints_does_not_start_over(referenc
     ckpt = _copy_reference(reference, tmp_path, "tr")
     for step in (3, 6):
         _damage(ckpt / step_name(step) / "__0_0.distcp", "truncate")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--standalone",
-           "--max-restarts", "1", "-m", "paratrain", *train_args(tmp_path, reference["data"], "tr")]
+    cmd = torchrun_cmd(["--nproc-per-node", "1", "--standalone", "--max-restarts", "1"],
+                       train_args(tmp_path, reference["data"], "tr"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     env.pop("PARATRAIN_FAULT_KILL", None)
     done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=280)

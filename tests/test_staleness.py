@@ -773,9 +773,9 @@ def test_torchrun_eviction_request_and_exit_code(tmp_path):
     checkpoint of step 6 and leave the eviction request (torchrun reports the workers' exit code, exits non-zero)."""
     import os
     import subprocess
-    import sys
 
     import dist_pool
+    from torchrun_fork import torchrun_cmd
 
     from paratrain.train.data import prepare
 
@@ -786,8 +786,7 @@ def test_torchrun_eviction_request_and_exit_code(tmp_path):
         "staleness.straggler_window=3", "staleness.evict_stragglers=true", "checkpoint.interval=6"])
     prepare(load_config(None, overrides).data, log=lambda *_: None)
     sets = [a for o in overrides for a in ("--set", o)]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-           "-m", "paratrain", "train", *sets]
+    cmd = torchrun_cmd(["--nproc-per-node", "2", "--standalone"], ["train", *sets])  # workers forked warm
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode != 0
     assert f"exitcode  : {EVICTION_EXIT_CODE}" in proc.stderr or f"exitcode: {EVICTION_EXIT_CODE}" in proc.stderr, \

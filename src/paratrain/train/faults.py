@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -81,4 +82,7 @@ class FaultInjector:
         for fn in self.hooks.get(point, ()):
             fn(step, rank)
         if any(k.matches(point, step, rank, self.attempt) for k in self.kills):
+            # said first: a launcher that forks its workers reports the first rank it sees fail, not the killed one
+            print(f"{ENV_KILL}: SIGKILL of rank {rank} at {point} of step {step} (attempt {self.attempt})",
+                  file=sys.stderr, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)

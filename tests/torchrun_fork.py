@@ -1,0 +1,27 @@
+"""torchrun with its workers forked from a launcher that imported torch and paratrain once.
+
+`python -m torch.distributed.run ... -m paratrain train ...` starts every worker as a new Python process that
+imports torch and paratrain (~3-4.5 CPU-s each before any work: a job restarted twice on 4 ranks pays it 12 times).
+`torchrun_cmd` runs the same torchrun command line (its elastic agent, rendezvous, restarts and failure reports)
+with torchrun's own `--run-path --start-method fork`: the agent forks each worker, which runs
+tests/torchrun_worker.py (`paratrain ARGS`). The agent's process imports paratrain before torchrun's main, so
+the forked workers start warm. The CLI path without fork (`-m paratrain`) stays covered by the other torchrun
+tests and `paratrain launch` in test_multinode_netns.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+WORKER = Path(__file__).with_name("torchrun_worker.py")
+# what `python -m torch.distributed.run` runs, after the imports every worker needs (the deterministic flag imports
+# torch._inductor: 0.7 CPU-s per process)
+PRELOAD = ("import sys, torch._inductor.config, paratrain.cli, paratrain.train.loop; "
+           "from torch.distributed.run import main; sys.argv[0] = 'torchrun'; main()")
+
+
+def torchrun_cmd(torchrun_args: list[str], paratrain_args: list[str]) -> list[str]:
+    """`torchrun TORCHRUN_ARGS -m paratrain PARATRAIN_ARGS`, its workers forked from a warm agent."""
+    return [sys.executable, "-c", PRELOAD, *torchrun_args, "--run-path", "--start-method", "fork", str(WORKER),
+            *paratrain_args]
