@@ -38,9 +38,16 @@ def run_single(args: list[str]) -> dict:
     return json.loads(Path(args[args.index("--summary-json") + 1]).read_text())
 
 
-def run_torchrun(nproc: int, args: list[str], timeout_s: int = 300) -> dict:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "paratrain", *args]
+def run_torchrun(nproc: int, args: list[str], timeout_s: int = 300, fork: bool = False) -> dict:
+    """`torchrun --standalone --nproc-per-node N -m paratrain ARGS`; with fork, the same torchrun with its workers
+    forked from a warm agent (tests/torchrun_fork.py: ~4 CPU-s of imports less per rank)."""
+    torchrun_args = ["--standalone", f"--nproc-per-node={nproc}"]
+    if fork:
+        from torchrun_fork import torchrun_cmd
+
+        cmd = torchrun_cmd(torchrun_args, args)
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "paratrain", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -130,13 +130,15 @@ def test_positions_hook_gives_every_stage_the_global_zigzag_positions():
 # ---------------------------------------------------------------------------------------------------------
 @pytest.mark.slow  # a single-process run and a 4-rank torchrun, with tokenizer training: > 20 s on 2 cores
 def test_torchrun_pp2_cp2_matches_single_process(tmp_path):
-    """`torchrun --nproc-per-node 4 -m paratrain train --set parallel.pp=2 --set parallel.cp=2` (with eval) against
-    one process on the same prepared data: losses per step within 1e-5 relative."""
+    """`torchrun --nproc-per-node 4 ... paratrain train --set parallel.pp=2 --set parallel.cp=2` (with eval) against
+    one process on the same prepared data: losses per step within 1e-5 relative. torchrun forks its 4 workers from
+    a warm agent (tests/torchrun_fork.py); the plain `-m paratrain` path of PP and of CP stays covered by
+    test_pipeline_torchrun.py and test_context_parallel_torchrun.py."""
     from e2e import assert_losses_close, run_single, run_torchrun, train_args
 
     run = {"train__steps": 3, "train__eval_every": 2, "train__eval_batches": 1}
     ref = run_single(train_args(tmp_path, "single", **run))
-    got = run_torchrun(4, train_args(tmp_path, "pp2cp2", **run, parallel__pp=2, parallel__cp=2))
+    got = run_torchrun(4, train_args(tmp_path, "pp2cp2", **run, parallel__pp=2, parallel__cp=2), fork=True)
     assert got["layout"] == {"pp": 2, "dp": 1, "cp": 2, "tp": 1} and got["world_size"] == 4
     assert len(got["losses"]) == 3
     assert_losses_close(got["losses"], ref["losses"])
