@@ -129,9 +129,10 @@ def _measure_cases(cases):
 def _all_results(dist_run) -> dict:
     cases = [(*c, k) for c in CASES for k in KERNELS]
     single = [c for c in cases if c[0] == 1]
-    multi = [c for c in cases if c[0] > 1]
     results = dict(zip(single, _measure_cases(single), strict=True))
-    results.update(zip(multi, dist_run(4, _measure_cases, multi)[0], strict=True))
+    for tp in (2, 4):  # each on a world of tp ranks: at world 4, tp=2 would only repeat the block on a second pair
+        multi = [c for c in cases if c[0] == tp]
+        results.update(zip(multi, dist_run(tp, _measure_cases, multi)[0], strict=True))
     return results
 
 
