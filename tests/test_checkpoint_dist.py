@@ -68,8 +68,9 @@ def test_fsdp_dp2_async_saves_resume_bitwise_and_into_one_process(dist_run, tmp,
             "(layout changed: model and optimizer resharded by parameter name") in out
 
 
-TP2_FSDP2 = ["parallel.tp=2", "parallel.sp=true", "parallel.dp=2", 'parallel.dp_kind="fsdp"']
-TP4_SP = ["parallel.tp=4", "parallel.sp=true"]
+# 2 layers: every DTensor op costs CPU, and resharding does not depend on the depth
+TP2_FSDP2 = ["parallel.tp=2", "parallel.sp=true", "parallel.dp=2", 'parallel.dp_kind="fsdp"', "model.layers=2"]
+TP4_SP = ["parallel.tp=4", "parallel.sp=true", "model.layers=2"]
 
 
 def test_reshard_tp2_fsdp2_to_tp4_and_one_process(dist_run, tmp):
@@ -84,7 +85,7 @@ def test_reshard_tp2_fsdp2_to_tp4_and_one_process(dist_run, tmp):
     tp4 = dist_run(4, _train, settings(tmp, "tp4", 4, 2, *TP4_SP), step2)
     assert tp4[0]["layout"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 4}
     assert all(_close(r["losses"], losses[2:]) for r in tp4), ([r["losses"] for r in tp4], losses[2:])
-    single = _train(settings(tmp, "tp2fsdp2-single", 4, 2), step2)
+    single = _train(settings(tmp, "tp2fsdp2-single", 4, 2, "model.layers=2"), step2)
     assert _close(single["losses"], losses[2:]), (single["losses"], losses[2:])
 
 
@@ -93,7 +94,8 @@ PP2_FSDP2 = ["parallel.pp=2", 'parallel.pp_schedule="1f1b"', "parallel.dp=2", 'p
 
 @pytest.mark.parametrize("name, layout", [
     ("pp2-fsdp2-async", [*PP2_FSDP2, "checkpoint.async_save=true"]),
-    ("tp2-pp2-no-sp", ["parallel.tp=2", "parallel.pp=2"]),  # TP without SP: DTensor and plain parameters mixed
+    # TP without SP: DTensor and plain parameters mixed; one layer per stage (DTensor ops cost CPU)
+    ("tp2-pp2-no-sp", ["parallel.tp=2", "parallel.pp=2", "model.layers=2"]),
 ])
 def test_pipeline_resume_under_the_same_layout_is_bitwise(dist_run, tmp, name, layout):
     """Pipeline layouts resumed under the same layout (what a torchrun restart does), on 4 ranks.
