@@ -162,13 +162,14 @@ def _sync_and_stale0(overrides, steps):
     return out
 
 
-# TP x DP with 2 layers (not 4): every DTensor op costs CPU; the bitwise property does not depend on the depth
-TP2_DP2 = ["parallel.dp=2", "parallel.tp=2", "parallel.sp=true", "model.layers=2"]
+# TP x DP with 2 layers (not 4) and 2 microbatches per rank (not 4): every DTensor op costs CPU; the properties
+# do not depend on the depth or on the number of microbatches accumulated (the layouts set it after the default 16)
+TP2_DP2 = ["parallel.dp=2", "parallel.tp=2", "parallel.sp=true", "model.layers=2", "train.global_batch=8"]
 
 
 @pytest.mark.parametrize("world,layout", [(2, ["parallel.dp=2"]), (4, ["parallel.dp=4"]), (4, TP2_DP2)])
 def test_s0_is_bitwise_identical_to_synchronous_ddp(dist_run, world, layout):
-    overrides = layout + ["train.global_batch=16"]
+    overrides = ["train.global_batch=16", *layout]
     for rank, res in enumerate(dist_run(world, _sync_and_stale0, overrides, 4)):
         sync, stale = res["sync"], res["stale0"]
         assert res["same_buckets"]
@@ -309,7 +310,7 @@ def test_compensated_update_matches_single_process_reference(dist_run, compensat
     """fp32; tolerance: each tensor's total update within 1e-3 of the reference's in L2 norm (Adam amplifies
     rounding where a gradient is near zero, so elementwise checks would fail on rounding alone)."""
     steps = 6
-    overrides = [*layout, "train.global_batch=16", *STALE, f"staleness.max_staleness={s}",
+    overrides = ["train.global_batch=16", *layout, *STALE, f"staleness.max_staleness={s}",
                  f'staleness.compensation="{compensation}"']
     if compensation == "optimizer_lookahead" and "parallel.tp=2" not in layout:
         overrides += OWN  # with tp the automatic default is the own gradient: the reference checks that too
