@@ -426,6 +426,8 @@ ARRIVED = [*STALE, "staleness.max_staleness=1", 'staleness.compensation="optimiz
 # update, below 1e-4 (rounding: the runner's AdamW replay vs torch's foreach AdamW, the clip norm summed in another
 # order). The own-gradient prediction misses by far more (asserted below, so the check can fail).
 SYNC_EQUIVALENT_RTOL = 1e-4
+# the lookahead_arrived tests' runs (several per test, 2 ranks): 2 layers, 4 microbatches of 2 rows per rank
+LOOKAHEAD_MODEL = ["train.global_batch=16", "model.layers=2"]
 
 
 def _wait_then_arrived(item):
@@ -464,8 +466,8 @@ def test_lookahead_arrived_at_s1_computes_at_the_weights_it_is_applied_to(dist_r
     rounding, SYNC_EQUIVALENT_RTOL), and each applied gradient's loss is sync's loss of that step. Never arrived:
     bit for bit the own-gradient lookahead."""
     steps = 6
-    results = dist_run(2, _arrival_runs, ["parallel.dp=2", "train.global_batch=16"], steps)
-    init = dict(_single_model(make_config(["train.global_batch=16"])).named_parameters())
+    results = dist_run(2, _arrival_runs, ["parallel.dp=2", *LOOKAHEAD_MODEL], steps)
+    init = dict(_single_model(make_config(LOOKAHEAD_MODEL)).named_parameters())
     for res in results:
         forced, never, own, sync = res["forced"], res["never"], res["own"], res["sync"]
         assert forced["lookahead"] == [(0, 0)] + [(1, 1)] * (steps - 1)
@@ -534,8 +536,8 @@ def test_lookahead_replays_the_learning_rates_of_the_steps_that_apply_it(dist_ru
     (the scheduler attached, as the training loop does): weights within SYNC_EQUIVALENT_RTOL. Replaying at the
     current rate misses by far more (so the check can fail)."""
     steps = 6
-    results = dist_run(2, _schedule_runs, ["parallel.dp=2", "train.global_batch=16"], steps)
-    init = dict(_single_model(make_config(["train.global_batch=16"])).named_parameters())
+    results = dist_run(2, _schedule_runs, ["parallel.dp=2", *LOOKAHEAD_MODEL], steps)
+    init = dict(_single_model(make_config(LOOKAHEAD_MODEL)).named_parameters())
     for res in results:
         exact_err = _distance_to(res["future_lrs"]["params"], res["sync"]["params"], init)
         current_err = _distance_to(res["current_lr"]["params"], res["sync"]["params"], init)
@@ -645,7 +647,7 @@ def test_reduction_arriving_during_a_step_is_taken_between_microbatches(dist_run
     prediction (the same weights, bit for bit, as a run where it never arrives), the remaining three at the exact
     prediction (the same weights as a run where it had arrived in time)."""
     mb = 4
-    results = dist_run(2, _weights_per_microbatch, ["parallel.dp=2", "train.global_batch=16"], 3)
+    results = dist_run(2, _weights_per_microbatch, ["parallel.dp=2", *LOOKAHEAD_MODEL], 3)
     for res in results:
         never, forced, during = res["never"], res["forced"], res["during"]
         assert during["exact_mb"] == [0] + [mb - 1] * 2 and forced["exact_mb"] == [0] + [mb] * 2
