@@ -123,3 +123,22 @@ def test_generate_cli_from_hf_folder_and_checkpoint(hf_models, tmp_path, capsys)
     assert main(args) == 2  # no weights named
     assert "no weights" in capsys.readouterr().err
     assert main([*args[:-1], "--checkpoint", "latest", "--prompt-ids", "1,x"]) == 2
+
+
+def test_a_hugging_face_folder_never_takes_the_prepared_runs_tokenizer(hf_models, tmp_path):
+    """`generate` with model.hf_path once stopped one token early after `make demo`: it took the demo's prepared
+    tokenizer (another vocabulary) for its end-of-sequence id. The folder's own tokenizer.json is used, else none."""
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from paratrain.config import load_config
+    from paratrain.infer.session import load_tokenizer
+
+    prepared = tmp_path / "prepared"
+    prepared.mkdir()
+    Tokenizer(WordLevel({"<unk>": 0, "<eos>": 1}, unk_token="<unk>")).save(str(prepared / "tokenizer.json"))
+    folder, _ = hf_models[2]
+    hf_cfg = load_config(None, [f"model.hf_path='{folder}'", f"data.prepared_dir='{prepared}'"])
+    assert load_tokenizer(hf_cfg) is None  # the folder has no tokenizer.json
+    run_cfg = load_config(None, [f"data.prepared_dir='{prepared}'"])
+    assert load_tokenizer(run_cfg).get_vocab_size() == 2  # a paratrain run's checkpoint: its prepared tokenizer

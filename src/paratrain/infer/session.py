@@ -7,10 +7,17 @@ from pathlib import Path
 
 
 def load_tokenizer(cfg):
-    """The run's tokenizer.json: data.tokenizer, or the one `data prepare` wrote; None if neither exists."""
+    """The weights' tokenizer.json: a Hugging Face folder's own (model.hf_path), else data.tokenizer, else (for a
+    paratrain run's checkpoint) the one `data prepare` wrote; None if none exists. A Hugging Face folder never
+    borrows the prepared run's tokenizer: that vocabulary (and its end-of-sequence id) is another model's."""
     from tokenizers import Tokenizer
 
-    for path in (cfg.data.tokenizer, str(Path(cfg.data.prepared_dir) / "tokenizer.json")):
+    hf_path = cfg.model.hf_path
+    paths = [str(Path(hf_path) / "tokenizer.json")] if hf_path else []
+    paths.append(cfg.data.tokenizer)
+    if not hf_path:
+        paths.append(str(Path(cfg.data.prepared_dir) / "tokenizer.json"))
+    for path in paths:
         if path != "train" and Path(path).is_file():
             return Tokenizer.from_file(path)
     return None
