@@ -326,7 +326,7 @@ def prefill_time_s(model: ModelConfig, system: System, rep: Replica, prompt_toke
     memory = (_streamed_weight_bytes(model, rep, tokens) + score_bytes + act_bytes) / (
         system.device_hbm_bw_bytes_per_s * eff.decode_bw_eff)
     stage = soft_roofline(compute, memory) + layers * eff.layer_overhead_s + _tp_comm_s(sys_s, model, rep, tokens, layers)
-    hand_off = p2p_time_s(sys_s, tokens * model.hidden * BF16_BYTES, rep.tp) if rep.pp > 1 else 0.0
+    hand_off = p2p_time_s(sys_s, tokens * model.hidden * BF16_BYTES, rep.tp, rep.pp) if rep.pp > 1 else 0.0
     return rep.pp * stage + (rep.pp - 1) * hand_off
 
 
@@ -348,7 +348,7 @@ def decode_step_s(model: ModelConfig, system: System, rep: Replica, batch, conte
     kv = mb * c * kv_bytes_per_token(model, rep.kv, rep.tp, rep.pp) / (bw * eff.kv_bw_eff)
     stage = soft_roofline(compute, weights + kv) + layers * eff.layer_overhead_s + _tp_comm_s(
         sys_s, model, rep, tokens, layers)
-    hand_off = p2p_time_s(sys_s, tokens * model.hidden * BF16_BYTES, rep.tp) if rep.pp > 1 else 0.0
+    hand_off = p2p_time_s(sys_s, tokens * model.hidden * BF16_BYTES, rep.tp, rep.pp) if rep.pp > 1 else 0.0
     return rep.pp * (stage + hand_off)
 
 
