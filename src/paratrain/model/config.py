@@ -69,6 +69,10 @@ class ModelConfig(BaseModel):
     router_norm_topk: bool = True  # renormalise the top-k weights to sum 1 (Mixtral; Qwen3 norm_topk_prob)
     capacity_factor: float | None = Field(default=None, gt=0)  # None = dropless; else per-expert cap c*T*k/E
     aux_loss_coef: float = Field(default=0.01, ge=0)  # load-balancing loss weight (Switch Transformer: 0.01)
+    # routed experts with biases on their two linear layers (GPT-OSS: gate_up_proj_bias, down_proj_bias). Shape only:
+    # the planner times how Megatron-Core applies them (plan.moe.expert_bias_s); paratrain's MoE block has none and
+    # refuses such a config (model.moe.MoEBlock)
+    expert_bias: bool = False
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:

@@ -120,6 +120,9 @@ class MoE(nn.Module):
         super().__init__()
         from paratrain.model.llama import FeedForward  # llama imports this module for its blocks
 
+        if cfg.expert_bias:  # a planner-only shape (GPT-OSS): training it without the biases would be wrong
+            raise ValueError("model.expert_bias=True: allowed: false (paratrain's MoE experts have no biases; "
+                             "the field only tells the planner how a stack with expert biases runs)")
         self.cfg = cfg
         self.router = nn.Linear(cfg.hidden, cfg.num_experts, bias=False)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden, cfg.moe_ffn)

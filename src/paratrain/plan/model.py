@@ -495,17 +495,18 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     moe = moe_plan.layer_terms(flops_model, system, opts, T=T, tp=tp, sp=sp, ep=ep, etp=etp, rc=rc) \
         if flops_model.num_experts else None
     quantize = 0.0  # per-expert operand quantization launches (plan.moe), once forward and once backward
+    bias_fwd = bias_bwd = 0.0  # routed experts' output bias, added per expert outside the GEMM (plan.moe)
     if moe is not None:  # routed experts: grouped GEMMs (their weight gradients too) and permute/router kernels
-        quantize = moe[6]
-        mm, elem, mlp_fwd = mm + moe[0], elem + moe[1], mlp_fwd + moe[0] + moe[1] + quantize
-    fwd_compute = mm + core + elem + quantize
+        quantize, (bias_fwd, bias_bwd) = moe[6], moe[7]
+        mm, elem, mlp_fwd = mm + moe[0], elem + moe[1], mlp_fwd + moe[0] + moe[1] + quantize + bias_fwd
+    fwd_compute = mm + core + elem + quantize + bias_fwd
     selective = core + (mlp_fwd if opts.recompute_mlp else 0.0)
     recompute_fwd = np.where(rc == 2, fwd_compute, np.where(rc == 1, selective, 0.0))
     # FlashAttention's backward recomputes the scores and probabilities and runs 5 matmuls to the forward's 2
     # (Dao 2023, FlashAttention-2 sec. 3.2), at a lower fraction of peak than its forward (FLASH_BWD_EFF);
     # unfused attention keeps P and runs 4 (dP, dV, dQ, dK) as plain batched GEMMs
     core_bwd = FLASH_BWD_MATMULS / 2.0 / FLASH_BWD_EFF if opts.attention == "flash" else 2.0
-    bwd_compute = 2 * mm + core_bwd * core + 2 * elem + quantize + recompute_fwd
+    bwd_compute = 2 * mm + core_bwd * core + 2 * elem + quantize + bias_bwd + recompute_fwd
     a2a_fwd, a2a_bwd = moe_plan.exposed_alltoall(opts, moe[2], moe[3], fwd_compute, bwd_compute,
                                                  *moe_plan.overlap_limits(system, opts, sched, pp, v, m)) \
         if moe is not None else (0.0, 0.0)

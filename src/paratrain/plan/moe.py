@@ -83,6 +83,11 @@ BLOCK_SCALED_QUANTIZE_KERNELS = 1
 # assumption (NCCL's channel count for a large p2p operation on Hopper), not measured here.
 DEEPEP_SMS = 20
 NCCL_ALLTOALL_SMS = 32
+# Routing probabilities as the expert block receives them: DeepEP / HybridEP take float32 probs (Megatron-Core
+# token_dispatcher.py, the flex dispatcher: "self.token_probs = self.token_probs.float()"); the alltoall
+# dispatcher keeps the router's dtype, bf16 unless the recipe sets moe_router_dtype = fp32 (GPT-OSS does not).
+FLEX_PROBS_BYTES = 4
+ALLTOALL_PROBS_BYTES = BF16_BYTES
 
 
 def is_moe(model: ModelConfig) -> bool:
@@ -170,10 +175,39 @@ def per_expert_quantize_s(system: System, opts, local):
         * system.chip.efficiency.kernel_overhead_s
 
 
+def expert_bias_s(model: ModelConfig, system: System, opts, routed, local):
+    """(forward s, backward s) per MoE block of the routed experts' output bias as Megatron-Core applies it
+    (TEGroupedMLP._apply_bias, megatron/core/transformer/moe/experts.py, the same code in core v0.15-v0.18 and in
+    the Megatron-LM commits Megatron-Bridge v0.2.2, v0.3.0 and v0.4.0 pin): fc2 is built with skip_bias_add
+    (the bias must be scaled by each row's routing probability, as the rows already were before fc2), so the
+    bias is added in eager PyTorch, one local expert at a time: `torch.cat([t + b * p for t, b, p in
+    zip(split(out), biases, split(probs))]).to(out.dtype)`. Per element of the routed rows (h wide), with P =
+    the probs' bytes (FLEX_PROBS_BYTES / ALLTOALL_PROBS_BYTES; b * p and the sum take that dtype):
+    forward b * p writes P, t + b*p reads 2 + P and writes P, cat reads and writes P, the cast back (only where
+    P != 2) reads P and writes 2; backward (autograd): the cast's gradient (P != 2) reads 2 writes P, the
+    gradient to t casts back (P != 2), and the mul's two gradients (to the bias and to the probs) each write
+    grad x other and sum it over the broadcast dimension (read P, write P, read P). Kernels: 2 per expert + cat
+    (+ cast) forward, 4 per expert (+ a cast each) backward, each paying the chip's kernel_overhead_s. fc1's
+    bias is in its GEMM's epilogue (skip_bias_add=False): not counted. Zero without expert biases."""
+    from paratrain.plan.model import memory_time_s
+
+    if not model.expert_bias:
+        return 0.0, 0.0
+    P = FLEX_PROBS_BYTES if opts.moe_hierarchical_dispatch else ALLTOALL_PROBS_BYTES
+    cast = float(P != BF16_BYTES)
+    elements = routed * model.hidden
+    fwd_bytes = P + (BF16_BYTES + 2 * P) + 2 * P + cast * (P + BF16_BYTES)
+    bwd_bytes = cast * 2 * (BF16_BYTES + P) + 2 * 3 * P
+    fwd = memory_time_s(system, elements * fwd_bytes, 2 * local + 1 + cast)
+    bwd = memory_time_s(system, elements * bwd_bytes, (4 + cast) * local + cast)
+    return fwd, bwd
+
+
 def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp, rc):
     """Per average layer, forward, on the busiest expert rank: (expert GEMMs s, elementwise s, all-to-all fwd s,
-    all-to-all bwd s, all-to-all bytes per microbatch, routed rows, per-expert quantize launches s). Backward
-    GEMMs and elementwise traffic are 2x (plan.model); the quantize launches are once per direction."""
+    all-to-all bwd s, all-to-all bytes per microbatch, routed rows, per-expert quantize launches s, (expert bias
+    forward s, backward s)). Backward GEMMs and elementwise traffic are 2x (plan.model); the quantize launches
+    are once per direction; the expert bias has its own forward and backward (expert_bias_s)."""
     from paratrain.plan.model import cast_cost, matmul_time_s, memory_time_s
 
     share = model.moe_layers / model.layers  # the average layer's share of a MoE block
@@ -217,7 +251,9 @@ def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp,
     a2a_bwd = 2 * combine + np.where(rc == 2, a2a_fwd, 0.0)
     a2a_bytes = rows * h * (dispatch_bytes + 3 * BF16_BYTES) * np.where(ep > 1, 1.0, 0.0)
     quantize = per_expert_quantize_s(system, opts, local)
-    return share * gemm, share * elem, share * a2a_fwd, share * a2a_bwd, share * a2a_bytes, routed, share * quantize
+    bias_fwd, bias_bwd = expert_bias_s(model, system, opts, routed, local)
+    return (share * gemm, share * elem, share * a2a_fwd, share * a2a_bwd, share * a2a_bytes, routed, share * quantize,
+            (share * bias_fwd, share * bias_bwd))
 
 
 def exposed_alltoall(opts, a2a_fwd, a2a_bwd, fwd_compute, bwd_compute, unpaired=0.0, comm_sm_fraction=0.0):
