@@ -535,3 +535,43 @@ def test_nxd_pipeline_sends_are_pair_allgathers(box):
     assert plain == pytest.approx(m * 2 * p2p_time_s(box, shard, 2))
     assert pair == pytest.approx(m * 2 * p2p_time_s(box, 2 * shard, 2))
     assert stack_options("nxd", box.chip)["p2p_pair_allgather"] is True
+
+
+def test_a_tp_group_on_part_of_the_neuronlink_torus_drives_fewer_links():
+    """Neuron runs rings as edge-disjoint cycles: the whole 4 x 4 torus of a trn1 node has two (all 4 links of a
+    chip), a group on 3-8 chips one (2 links), two chips one link; a switched fabric (NVSwitch) gives every
+    group its full bandwidth."""
+    from paratrain.plan.model import torus_link_fraction
+
+    trn1, p5 = resolve_system("trn1.32xlarge"), resolve_system("p5.48xlarge")
+    node = trn1.tiers[1]
+    assert node.interconnect.torus_links_per_chip == 4
+    fractions = [float(torus_link_fraction(trn1, node, n, 1)) for n in (32, 16, 8, 4)]
+    assert fractions == [1.0, 0.5, 0.5, 0.25]
+    assert float(torus_link_fraction(trn1, node, 4, 8)) == 0.5  # 4 ranks 8 apart: 4 chips, one cycle
+    assert float(torus_link_fraction(p5, p5.tiers[0], 4, 1)) == 1.0
+    # the same bytes: TP 8's cross-chip level (4 chips) moves 1/8 of them per rank at half the link bandwidth
+    nbytes = 2**27
+    bw = node.per_device_bw_bytes_per_s(trn1)
+    tp8, tp8_chip = (collective_time_s(trn1, "allgather", nbytes, 8, 1), collective_time_s(trn1, "allgather", nbytes, 2, 1))
+    assert float(tp8 - tp8_chip) > 3 / 4 * nbytes / 2 / (bw / 2)  # the 4-chip ring's transfer at half bandwidth
+
+
+def test_nxd_backward_tp_collectives_hide_behind_the_gemms_that_do_not_need_them():
+    """NxD's LinearWithAsyncCommunication.backward under SP: the input re-gather beside the input-gradient GEMM
+    and its reduce-scatter beside the weight-gradient GEMM; the row-parallel linears' output-gradient gathers
+    stay exposed. Large GEMMs (TP 8, seq 8192) hide the four, so the backward costs about its two gathers."""
+    system = resolve_system("trn1.32xlarge")
+    lay = Layout(tp=8, pp=16, sp=True, recompute="full", microbatch=1, zero_stage=1)
+    args = ("llama3-70b", "trn1.32xlarge", 16, 8192, 1024, lay)
+    plain = estimate(*args, Options.for_system(system, stack="nxd", tp_bwd_overlap=False))
+    hidden = estimate(*args, Options.for_system(system, stack="nxd"))
+    assert Options.for_system(system, stack="nxd").tp_bwd_overlap
+    assert hidden.time_breakdown_s["tp_comm"] < plain.time_breakdown_s["tp_comm"]
+    ag = float(collective_time_s(system, "allgather", 8192 * 8192 * 2, 8, 1))
+    # per microbatch on the last stage (5 layers and the head): each layer's forward 4 calls, its replay 4, its
+    # backward's 2 exposed gathers (of 6); the head's gather forward, gather + reduce-scatter backward (all-gather
+    # and reduce-scatter of one buffer take the same time)
+    per_mb = hidden.time_breakdown_s["tp_comm"] / hidden.microbatches
+    assert per_mb == pytest.approx(5 * 10 * ag + 3 * ag, rel=0.02)
+    assert hidden.time_breakdown_s["compute"] == plain.time_breakdown_s["compute"]

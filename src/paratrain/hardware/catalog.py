@@ -82,6 +82,10 @@ class Interconnect:
     # Extra latency per collective step for each further rank time-sharing one core: CPU hosts running more
     # ranks than cores (`paratrain probe` measures it); 0 for accelerators, whose devices never time-share.
     timeshare_step_us: float = 0.0
+    # Links per chip of a 2D-torus fabric (Trainium's NeuronLink), 0 for a switched one. bw_gbytes_per_s is all
+    # of them together: a ring collective gets it only where its group covers the whole torus, which has two
+    # edge-disjoint Hamiltonian cycles (plan.model.torus_link_fraction)
+    torus_links_per_chip: int = 0
     sources: dict[str, str] = field(default_factory=dict)
     conflicts: tuple[str, ...] = ()
     origin: str = ""
@@ -270,7 +274,7 @@ LINK_FIELDS = {
     "display_name": ("str", False), "endpoint": ("endpoint", True), "bw_gbytes_per_s": ("pos", True),
     "latency_us": ("nonneg", True), "bw_eff": ("frac", True), "source": ("str", True),
     "collective_overhead_us": ("nonneg", False), "timeshare_step_us": ("nonneg", False),
-    "sources": ("strdict", False), "conflicts": ("strlist", False),
+    "torus_links_per_chip": ("nonneg_int", False), "sources": ("strdict", False), "conflicts": ("strlist", False),
 }
 SYSTEM_FIELDS = {
     "display_name": ("str", False), "chip": ("str", True), "chips_per_node": ("posint", True),

@@ -153,6 +153,9 @@ class Estimate:
     # timing model times); the *_full_attention fields count the full square (Narayanan et al. 2021, PaLM) for
     # comparison with papers
     attention_flops_convention: str = "causal"
+    # selective recompute that also replays the MLP block (Options.recompute_mlp; NxD's
+    # activations_checkpoint_recompute_mlp): `plan --stack nxd` searches it beside plain selective recompute
+    recompute_mlp: bool = False
     mfu_full_attention: float | None = None
     hfu_full_attention: float | None = None
     model_flops_full_attention_per_step: float | None = None
@@ -223,8 +226,10 @@ def estimate(model: ModelConfig | str, system: System | str, nodes: int, seq: in
     balanced = None
     if split is not None and not is_balanced(split, model.layers):  # what the runtime's default would give
         balanced = _evaluate_one(model, system, nodes, seq, global_batch, layout, opts)["step_time_s"]
-    return _to_estimate(model, system, nodes, seq, global_batch, replace(layout, pp_layers=split), res,
-                        train_tokens, balanced, STACKS[stack] if stack else system.stack)
+    est = _to_estimate(model, system, nodes, seq, global_batch, replace(layout, pp_layers=split), res,
+                       train_tokens, balanced, STACKS[stack] if stack else system.stack)
+    est.recompute_mlp = opts.recompute_mlp and layout.recompute == "selective"
+    return est
 
 
 def _evaluate_one(model, system, nodes, seq, global_batch, layout: Layout, opts, **split) -> dict:
@@ -439,6 +444,23 @@ def _grid(model: ModelConfig, system: System, nodes: int, seq: int, global_batch
             "raw": np.int64(combinations)}
 
 
+def _with_mlp_recompute(model, system, seq, global_batch, opts, stack, grid, res):
+    """(grid, results, recompute_mlp flags): for a stack whose selective recompute can also replay the MLP block
+    (plan.stacks.MLP_RECOMPUTE_STACKS, NxD), its selective layouts once more with Options.recompute_mlp, appended."""
+    from paratrain.plan.stacks import MLP_RECOMPUTE_STACKS
+
+    n = grid["tp"].size
+    sel = np.flatnonzero(grid["recompute"] == RECOMPUTE.index("selective"))
+    if stack not in MLP_RECOMPUTE_STACKS or opts.recompute_mlp or not sel.size:
+        return grid, res, np.zeros(n, bool)
+    sub = {k: v[sel] for k, v in grid.items()}
+    more = evaluate(model, system, seq, global_batch, opts=replace(opts, recompute_mlp=True), split="auto", **sub)
+    join = lambda a, b, m: np.concatenate([np.broadcast_to(np.asarray(a), (n,)), np.broadcast_to(np.asarray(b), (m,))])  # noqa: E731
+    grid = {k: np.concatenate([grid[k], sub[k]]) for k in grid}
+    res = {k: join(res[k], more[k], sel.size) for k in res}
+    return grid, res, np.concatenate([np.zeros(n, bool), np.ones(sel.size, bool)])
+
+
 def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int, global_batch: int, *,
            top: int = 10, objective: str = "time", options: Options | None = None, max_microbatch: int = 64,
            cp_options: list[int] | None = None, train_tokens: float | None = None,
@@ -479,6 +501,7 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
         grids.append(grid)
     grid = {k: np.concatenate([g[k] for g in grids]) for k in grids[0]}
     res = evaluate(model, system, seq, global_batch, opts=opts, split="auto", **grid)
+    grid, res, mlp = _with_mlp_recompute(model, system, seq, global_batch, opts, stack, grid, res)
     fits = res["fits"]
     score = res["step_time_s"] if objective == "time" else res["cost_usd_per_hour"] / res["tokens_per_s"]
     allowed = fits
@@ -496,8 +519,13 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
     order = order[np.isfinite(score[order])]
     elapsed = time.perf_counter() - start
     # the ranked layouts again with the runtime's balanced split, to report what the chosen split gains
-    balanced = evaluate(model, system, seq, global_batch, opts=opts,
-                        **{k: v[order] for k, v in grid.items()}) if order.size else {}
+    balanced = {"step_time_s": np.zeros(order.size)}
+    for flag in (False, True):  # each ranked layout with its own Options (MLP replayed or not)
+        rows = np.flatnonzero(mlp[order] == flag)
+        if rows.size:
+            balanced["step_time_s"][rows] = evaluate(
+                model, system, seq, global_batch, opts=replace(opts, recompute_mlp=opts.recompute_mlp or flag),
+                **{k: v[order[rows]] for k, v in grid.items()})["step_time_s"]
     candidates = []
     for rank, i in enumerate(order):
         layout = Layout(tp=int(grid["tp"][i]), pp=int(grid["pp"][i]), dp=int(grid["dp"][i]), cp=int(grid["cp"][i]),
@@ -509,8 +537,9 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
         row = {k: float(np.asarray(v)[i]) if np.ndim(v) else float(v) for k, v in res.items()}
         layout = replace(layout, pp_layers=_concrete_split(model, layout, row))
         even = layout.pp_layers is None or is_balanced(layout.pp_layers, model.layers)
-        candidates.append(_to_estimate(model, system, int(grid["nodes"][i]), seq, global_batch, layout, row,
-                                       train_tokens, None if even else float(balanced["step_time_s"][rank]),
-                                       searched))
+        est = _to_estimate(model, system, int(grid["nodes"][i]), seq, global_batch, layout, row, train_tokens,
+                           None if even else float(balanced["step_time_s"][rank]), searched)
+        est.recompute_mlp = bool(mlp[i]) or (opts.recompute_mlp and layout.recompute == "selective")
+        candidates.append(est)
     return SearchResult(candidates=candidates, combinations=combinations, valid=int(grid["tp"].size),
                         fitting=int(fits.sum()), seconds=elapsed)

@@ -122,6 +122,10 @@ class Options:
     cp_comm: how context parallelism exchanges K/V (CP_COMM; _context_parallel_s): "ring" (Megatron-Core's p2p,
     hidden behind the attention blocks), "allgather" (one exposed all-gather, Llama 3's), "allgather_rotate"
     (torch's context_parallel as torchtitan runs it: gathered behind the first block, dK/dV on a ring).
+    tp_bwd_overlap: with SP, the backward's TP collectives run beside the GEMMs that do not need them (NxD's
+    LinearWithAsyncCommunication under the Neuron compiler, which schedules collectives on their own queue):
+    a column-parallel linear's input re-gather beside its input-gradient GEMM, its reduce-scatter beside its
+    weight-gradient GEMM; the row-parallel linears' output-gradient gathers stay exposed.
     p2p_pair_allgather: each pipeline send is an all-gather over the [sender, receiver] pair in which the
     receiver contributes a zero buffer of the same size (neuronx_distributed/pipeline/comm.py send/recv_from:
     "Use all_gather instead of all_reduce for send/recv", the default; XLA has no point-to-point), so a rank
@@ -152,6 +156,7 @@ class Options:
     moe_gemm_per_expert: bool = False
     cp_comm: str = "ring"
     p2p_pair_allgather: bool = False
+    tp_bwd_overlap: bool = False
 
     @classmethod
     def for_system(cls, system: System, attention: str | None = None, stack: str | None = None, **kw) -> Options:
@@ -220,7 +225,7 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
             inside = degree * np.ones_like(total)
         n = inside / inside_prev
         data = nbytes / inside_prev
-        bw = tier.per_device_bw_bytes_per_s(system)
+        bw = tier.per_device_bw_bytes_per_s(system) * torus_link_fraction(system, tier, inside, stride)
         # all-reduce: NCCL and Neuron pick ring (n-1 steps per phase) or tree / recursive halving-doubling
         # (log2 n) whichever is cheaper; all-gather and reduce-scatter: NCCL runs them as rings only (no tree:
         # src/graph/tuning.cc counts nsteps = nRanks - 1), Neuron also has recursive doubling-halving for them
@@ -232,6 +237,23 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
         total = total + np.where(n > 1, level, 0.0)
         inside_prev = np.maximum(inside, inside_prev)
     return total
+
+
+def torus_link_fraction(system: System, tier, members, stride):
+    """Share of a 2D-torus tier's links (Interconnect.torus_links_per_chip, 0: a switched fabric, all of them)
+    that a ring collective over `members` ranks `stride` apart can drive. Neuron runs "multiple cycles with
+    mutually exclusive wires in parallel for full wire bandwidth", and "when using all 16 Neuron Devices, there
+    are 2 non-overlapping Hamiltonian cycles on 2D Torus" (Neuron docs, neuron-runtime/explore/
+    intranode-collective-comm.rst): a group covering every chip of the torus uses all 4 links of a chip; a group
+    on fewer chips (a row or a 2 x k block of the 4 x 4 torus, with at most 3 neighbours in the group) has one
+    such cycle, 2 links; two chips share one link."""
+    links = tier.interconnect.torus_links_per_chip
+    if not links:
+        return 1.0
+    per_chip = system.devices_per_chip
+    chips = np.minimum(members, np.maximum(1.0, members * np.asarray(stride, dtype=float) / per_chip))
+    used = np.select([chips >= tier.domain_devices / per_chip, chips >= 3], [links, 2.0], 1.0)
+    return np.minimum(used, links) / links
 
 
 def ring_steps(n):
@@ -417,7 +439,7 @@ def memory_time_s(system: System, nbytes, kernels):
 # ---- the whole step -------------------------------------------------------------------------------------
 def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     """Forward compute time of one layer on one device, split into matmuls, attention core and elementwise."""
-    matmuls, cast_bytes, mlp = 0.0, 0.0, 0.0
+    matmuls, cast_bytes, mlp, column = 0.0, 0.0, 0.0, []
     for name, n, k, shard in layer_matmuls(model, seq, opts.attention):
         n_dev, k_dev = (n / tp, k) if shard == "n" else (n, k / tp)
         if name == "qkv":  # GQA with tp > kv heads: each rank computes (a replica of) one K and one V head
@@ -425,6 +447,8 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
         one = matmul_time_s(system, T, n_dev, k_dev, opts.fp8, opts)
         matmuls = matmuls + one
         mlp = mlp + (one if name.startswith("mlp") else 0.0)
+        if shard == "n":  # column-parallel (QKV, MLP in): under SP an all-gather feeds each
+            column.append(one)
         # FP8 (Transformer Engine / torchao current scaling): each matmul's input is scaled (an amax read) and
         # cast (read bf16, write fp8) before the GEMM: 2 + 2 + 1 bytes per element, memory-bound. The weight too,
         # at every call (torchao float8), unless the stack caches the cast weight across microbatches
@@ -455,7 +479,7 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     elementwise = memory_time_s(system, elem_bytes, kernels + (cast_cost(system, opts)[1] if opts.fp8 else 0))
     # the MLP block alone (replayed by Options.recompute_mlp): its matmuls and its activation function
     mlp = mlp + memory_time_s(system, T * mlp_activation_bytes_per_token(model) / tp, 1)
-    return matmuls, core, elementwise, mlp
+    return matmuls, core, elementwise, mlp, column
 
 
 def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *, nodes, tp, pp, dp, cp,
@@ -491,7 +515,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     T = b * seq / cp  # tokens of one microbatch on one device
 
     # -- compute per layer, forward; backward = 2x matmuls and attention, 2x elementwise traffic --
-    mm, core, elem, mlp_fwd = _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero)
+    mm, core, elem, mlp_fwd, column_mm = _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero)
     moe = moe_plan.layer_terms(flops_model, system, opts, T=T, tp=tp, sp=sp, ep=ep, etp=etp, rc=rc) \
         if flops_model.num_experts else None
     quantize = 0.0  # per-expert operand quantization launches (plan.moe), once forward and once backward
@@ -523,6 +547,19 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     # recompute replays the forward's TP collectives: all of them (full) or the MLP's one pair (recompute_mlp)
     replay = np.where(rc == 2, 2.0, np.where((rc == 1) & opts.recompute_mlp, 1.5, 1.0))
     tp_bwd = tp_fwd * replay
+    if opts.tp_bwd_overlap:
+        # NxD's LinearWithAsyncCommunication.backward (neuronx_distributed/parallel_layers/layers.py), with SP: a
+        # column-parallel linear re-gathers its input for the weight gradient while the input-gradient GEMM
+        # (which does not need it) runs, then reduce-scatters that input gradient while the weight-gradient GEMM
+        # runs; the Neuron compiler schedules collectives on their own queue beside independent compute
+        # (neuron-runtime/explore/compute-comm-overlap.rst). A row-parallel linear's backward first gathers its
+        # output gradient, which both its GEMMs need: exposed. Per layer: 2 exposed gathers, 2 gathers and
+        # 2 reduce-scatters behind one GEMM each (the backward's two GEMMs per linear each take its forward time).
+        ag1 = collective_time_s(system, "allgather", act_bytes, tp, 1.0)
+        rs1 = collective_time_s(system, "reducescatter", act_bytes, tp, 1.0)
+        hidden_bwd = sum(np.maximum(0.0, ag1 - g) + np.maximum(0.0, rs1 - g) for g in column_mm)
+        bwd_sp = 2 * ag1 + hidden_bwd + tp_fwd * (replay - 1.0)  # + the recomputed forward's own collectives
+        tp_bwd = np.where((tp > 1) & sp, bwd_sp, tp_bwd)
     if opts.tp_comm_overlap:
         # Transformer Engine / Megatron (tp_comm_overlap) and torch async TP: with SP each all-gather is split
         # into tp chunks exchanged while the GEMM it feeds runs on the chunks already there, and each

@@ -26,7 +26,8 @@ def print_estimate(est) -> None:
     print(f"{est.model} on {est.nodes} x {est.system} ({est.devices} devices), seq {est.seq}, "
           f"global batch {est.global_batch}")
     print(f"layout: tp {lay.tp}  pp {lay.pp}  dp {lay.dp}  cp {lay.cp}  sp {'on' if lay.sp else 'off'}  "
-          f"microbatch {lay.microbatch} ({est.microbatches} per step)  recompute {lay.recompute}  "
+          f"microbatch {lay.microbatch} ({est.microbatches} per step)  recompute {lay.recompute}"
+          f"{' (+ MLP)' if est.recompute_mlp else ''}  "
           f"schedule {lay.pp_schedule} (v={lay.virtual_stages})  {lay.dp_kind} zero-{lay.zero_stage}"
           + (f"  ep {lay.ep} etp {lay.etp}" if lay.ep > 1 else ""))
     if lay.pp > 1:
@@ -62,7 +63,7 @@ def print_plan(result, info) -> None:
         lay = c.layout
         cost = "-" if c.cost_usd_per_million_tokens is None else f"{c.cost_usd_per_million_tokens:.3f}"
         print(f"{i:>2} {c.nodes:>5} {lay.tp:>3} {lay.pp:>3} {lay.dp:>6} {lay.cp:>2} {'on' if lay.sp else 'off':>3} "
-              f"{lay.microbatch:>3} {lay.recompute:>9} {lay.pp_schedule:>16} {lay.virtual_stages:>2} {lay.dp_kind:>7} "
+              f"{lay.microbatch:>3} {'sel+mlp' if c.recompute_mlp else lay.recompute:>9} {lay.pp_schedule:>16} {lay.virtual_stages:>2} {lay.dp_kind:>7} "
               f"{lay.zero_stage:>1} {c.step_time_s:>9.4f} {c.mfu:>6.1%} {c.memory_per_device_bytes / 2**30:>8.2f} {cost:>8}")
     print()
     print_estimate(best)

@@ -46,12 +46,16 @@ STACKS: dict[str, Stack] = {
 # "p2p", the ring (the Options default). p2p_pair_allgather: NxD sends pipeline activations as 2-rank all-gathers
 # (neuronx_distributed/pipeline/comm.py).
 STACK_OPTIONS: dict[str, dict] = {
-    "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "p2p_pair_allgather": True},
+    "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "p2p_pair_allgather": True,
+            "tp_bwd_overlap": True},
     "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "overlap_param_gather": True, "fp8_weight_cache": True,
                  "moe_gemm_per_expert": True},
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "cp_comm": "allgather_rotate"},
     "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
 }
+# Stacks whose selective recompute may also replay the MLP block, searched both ways: NxD's
+# activations_checkpoint_recompute_mlp (NxDT examples/conf/hf_llama3_70B_config.yaml ships it with TP32 PP8)
+MLP_RECOMPUTE_STACKS = {"nxd"}
 GPU_ONLY = {"tp_comm_overlap", "moe_gemm_per_expert"}  # NVIDIA userbuffers / symmetric memory; Transformer Engine
 # PyTorch SDPA's flash backend (what torchtitan runs) is FlashAttention-2, which reaches ~35% of peak on Hopper
 # (Shah et al. 2024, FlashAttention-3, abstract: "FlashAttention-2 achieving only 35% utilization on H100");
