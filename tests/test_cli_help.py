@@ -16,8 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _parsers(parser, name=""):
-    """(command name, its parser) for the whole CLI: `serve plan` under `serve`."""
-    yield name, parser
+    """(command name, its parser) for the whole CLI: `serve plan` under `serve`; the root is `paratrain`."""
+    yield name or "paratrain", parser
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for sub, p in action.choices.items():

@@ -1,11 +1,13 @@
-"""The `paratrain` command, and the small generator its subcommands are built with.
+"""The `paratrain` command, generated from dataclasses.
 
-Each part declares its subcommands in `<part>/commands.py` (`@command(...)` on the function that runs one), so
-the CLI mirrors the architecture. A command's options are a dataclass whose fields carry their help (`opt`): the flag,
-its type, choices, default, bounds and unit come from the field (name, annotation, metadata), so one option means
-one thing and is checked one way everywhere. The shared groups (`ConfigArgs`, `Output`, `Workload`, ...) are
-defined once, below. Config-driven commands (train, data prepare, config, verify, export, generate, launch) also
-get one `--SECTION.KEY VALUE` flag per key of the training schema (the same as `--set SECTION.KEY=VALUE`).
+Each part declares its subcommands in its commands.py (`@command` on the function that runs one), so the CLI
+mirrors the architecture. A command's options are a dataclass: each field is one flag, whose name, type, choices,
+default, bounds and unit come from the field (name, annotation, the metadata `opt` puts there), so a flag means
+one thing and is checked one way everywhere. A part's own schema (a dataclass whose fields carry a "help") becomes
+options as it is (`options_of`), and the training schema's keys become flags (`--SECTION.KEY V` = `--set`).
+Long help: cli_help.md. Our own small generator rather than tyro or jsonargparse: those print their own
+multi-line errors, and our one-line bound and comma-list errors, refused old flags, environment defaults and
+config-key flags (argparse, which both wrap) would need adapters about as long as this.
 """
 
 from __future__ import annotations
@@ -18,39 +20,17 @@ import math
 import operator
 import os
 import sys
+import textwrap
 import types
 import typing
 from dataclasses import MISSING, dataclass, field
 
-COMMAND_MODULES = [
-    "paratrain.train.commands",
-    "paratrain.train.checkpoint_commands",
-    "paratrain.train.verify",
-    "paratrain.train.export_commands",
-    "paratrain.hardware.commands",
-    "paratrain.plan.commands",
-    "paratrain.plan.serve_commands",
-    "paratrain.infer.commands",
-    "paratrain.cost.commands",
-    "paratrain.sim.commands",
-    "paratrain.launch.commands",
-    "paratrain.calibrate.commands",
-]
-
-EPILOG = """\
-typical workflow:
-  paratrain data prepare                         # tokenize the embedded default corpus
-  paratrain train --config configs/tiny.toml     # train (torchrun --nproc-per-node N for parallel layouts)
-  paratrain hardware list                        # the accelerator catalog
-  paratrain plan --model llama2-7b --hardware trn1.32xlarge --nodes 128 --seq 4096 --global-batch 1024
-  paratrain simulate --help                      # failures, checkpoints and goodput at cluster scale
-
-Every subcommand has its own --help with examples. Units are in the flag names (-s seconds, -usd dollars,
--gib/-gb sizes, -days), and a flag means the same in every command that has it (docs/cli.md).
-"""
-
-# the unit a field's name ends in, printed in its help
-UNITS = {"_s": "seconds", "_usd": "USD", "_days": "days", "_gib": "GiB", "_gb": "GB", "_gbps": "GB/s"}
+COMMAND_MODULES = [f"paratrain.{m}" for m in (  # in the order `paratrain --help` lists their commands
+    "train.commands", "train.verify", "hardware.commands", "plan.commands", "plan.serve_commands",
+    "infer.commands", "cost.commands", "sim.commands", "launch.commands", "calibrate.commands")]
+UNITS = {"_s": "seconds", "_usd": "USD", "_days": "days", "_gib": "GiB", "_gb": "GB", "_gbps": "GB/s"}  # in the help
+BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
+ARGPARSE_KEYS = ("metavar", "nargs", "const", "required", "choices")  # metadata passed on to add_argument as is
 
 
 class UserError(Exception):
@@ -58,32 +38,28 @@ class UserError(Exception):
 
 
 def opt(help: str, default=None, **meta):
-    """A command option as a dataclass field. meta: flag, short (or another spelling), choices, metavar, nargs, const, required,
-    positional, group, exclusive (a name: at most one option of that name), ge/gt/le/lt (bounds checked before the
-    command runs; of each item of a tuple[X, ...] option, a comma-separated list), factory (a mutable default), env
-    (an environment variable that, set when the parser is built, is the default), refused (an old flag, hidden:
-    given, it is refused with this pointer to what replaced it)."""
+    """A command option as a dataclass field. meta: flag (another spelling), short (a second one), the argparse
+    keywords of ARGPARSE_KEYS, positional, group (its help section), exclusive (a name: at most one option of that
+    name), ge/gt/le/lt (bounds checked before the command runs, on each item of a tuple[X, ...] comma list),
+    factory (a mutable default), env (an environment variable that, set, is the default), refused (an old flag,
+    hidden: given, it is refused with this pointer to what replaced it)."""
     factory = meta.pop("factory", None)
     meta["help"] = argparse.SUPPRESS if "refused" in meta else help
-    if factory is not None:
-        return field(default_factory=factory, metadata=meta)
-    return field(default=default, metadata=meta)
+    return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
 
 
 def _kind(hint) -> tuple[str, typing.Any, tuple | None]:
-    """(kind, element type, choices) of an annotation: bool flag, list (repeatable), or one value."""
+    """(kind, element type, choices) of an annotation: flag (bool), list (repeatable), csv (tuple[X, ...]: one
+    comma-separated value) or value."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
-    if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1:
-        hint = args[0]
-    if typing.get_origin(hint) is typing.Literal:
-        return "value", type(typing.get_args(hint)[0]), typing.get_args(hint)
-    if typing.get_origin(hint) is list:
-        return "list", typing.get_args(hint)[0], None
-    if typing.get_origin(hint) is tuple:  # tuple[X, ...]: one comma-separated value, split after parsing
-        base = typing.get_args(hint)[0]
-        literal = typing.get_origin(base) is typing.Literal
-        return "csv", str if literal else base, typing.get_args(base) if literal else None
-    return ("flag", None, None) if hint is bool else ("value", hint, None)
+    hint = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1 else hint
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Literal:
+        return "value", type(args[0]), args
+    if origin is tuple:
+        literal = typing.get_origin(args[0]) is typing.Literal
+        return "csv", str if literal else args[0], typing.get_args(args[0]) if literal else None
+    return ("list", args[0], None) if origin is list else ("flag", None, None) if hint is bool else ("value", hint, None)
 
 
 def flag_of(f: dataclasses.Field) -> str:
@@ -91,69 +67,57 @@ def flag_of(f: dataclasses.Field) -> str:
 
 
 def _help(f: dataclasses.Field, default) -> str:
-    text = f.metadata["help"]
+    text, unit = f.metadata["help"], next((u for s, u in UNITS.items() if f.name.endswith(s)), None)
     if text is argparse.SUPPRESS:
         return text
-    unit = next((u for suffix, u in UNITS.items() if f.name.endswith(suffix)), None)
-    if unit and unit not in text:
-        text += f" ({unit})"
-    if default not in (None, False, [], "") and "default" not in text:
-        text += f" (default {default})"
+    text += f" ({unit})" if unit and unit not in text else ""
+    text += f" (default {default})" if default not in (None, False, [], "") and "default" not in text else ""
     return text.replace("%", "%%")
 
 
 def add_options(parser: argparse.ArgumentParser, cls) -> None:
-    """One argparse option per field of the dataclass `cls` (in field order, in its `group`)."""
-    hints = typing.get_type_hints(cls)
-    groups: dict[str, typing.Any] = {}
+    """One argparse option per field of the dataclass `cls`, in field order, each in its `group`."""
+    hints, groups = typing.get_type_hints(cls), {}
     for f in dataclasses.fields(cls):
-        m = f.metadata
-        where = parser if "group" not in m else groups.get(m["group"]) or groups.setdefault(
-            m["group"], parser.add_argument_group(m["group"]))
-        if "exclusive" in m:  # one of these options at most (argparse's mutually exclusive group)
+        m, where = f.metadata, parser
+        if "group" in m:
+            where = groups.get(m["group"]) or groups.setdefault(m["group"], parser.add_argument_group(m["group"]))
+        if "exclusive" in m:  # argparse's mutually exclusive group
             key = ("exclusive", m["exclusive"])
             where = groups.get(key) or groups.setdefault(key, where.add_mutually_exclusive_group())
         kind, base, choices = _kind(hints[f.name])
         default = f.default_factory() if f.default is MISSING else f.default
         default = os.environ.get(m["env"], default) if "env" in m else default  # e.g. torchrun's PET_NNODES
-        kw = {"help": _help(f, default)}
-        if kind == "csv":  # the text is split (and its items checked) by check_options
-            default = ",".join(map(str, default)) if isinstance(default, tuple) else default
-            kw.update(type=str, default=default, metavar=m.get("metavar", "A,B,..."))
+        kw = {"help": _help(f, default), "type": base, "default": default, "choices": choices}
+        if kind == "csv":  # the text, split (and its items checked) by check_options
+            kw |= {"type": str, "choices": None, "metavar": "A,B,...",
+                   "default": ",".join(map(str, default)) if isinstance(default, tuple) else default}
         elif kind == "flag":
-            kw["action"] = "store_true"
-        else:
-            kw.update(type=base, default=default)
-            if kind == "list" and "nargs" not in m:  # repeatable; with nargs, one option takes several values
-                kw["action"] = "append"
-        if kind != "csv" and (choices or "choices" in m):
-            kw["choices"] = m.get("choices", choices)
-        kw.update({k: m[k] for k in ("metavar", "nargs", "const", "required") if k in m})
-        if m.get("positional"):
-            where.add_argument(f.name, **kw)
-        else:
-            where.add_argument(flag_of(f), *([m["short"]] if "short" in m else []), dest=f.name, **kw)
-
-
-BOUNDS = {"ge": (operator.ge, ">="), "gt": (operator.gt, ">"), "le": (operator.le, "<="), "lt": (operator.lt, "<")}
+            kw = {"help": kw["help"], "action": "store_true"}
+        elif kind == "list" and "nargs" not in m:  # repeatable; with nargs, one option takes several values
+            kw["action"] = "append"
+        kw |= {k: m[k] for k in ARGPARSE_KEYS if k in m and not (kind == "csv" and k == "choices")}
+        names = [f.name] if m.get("positional") else [flag_of(f), *([m["short"]] if "short" in m else [])]
+        where.add_argument(*names, **kw, **({} if m.get("positional") else {"dest": f.name}))
 
 
 def _split(f: dataclasses.Field, base, choices, text: str) -> tuple:
     """A tuple[X, ...] option's comma-separated text as items; a bad one names the flag and what is allowed."""
-    allowed = ", ".join(map(str, choices)) if choices else f"{base.__name__} values" + (
-        f" >= {f.metadata['ge']}" if "ge" in f.metadata else "")
+    ge = f.metadata.get("ge")
     try:
         items = tuple(base(x.strip()) for x in text.split(",") if x.strip())
     except ValueError:
         items = ()
-    if not items or any(choices and x not in choices or "ge" in f.metadata and x < f.metadata["ge"] for x in items):
+    if not items or any(choices and x not in choices or ge is not None and x < ge for x in items):
+        allowed = ", ".join(map(str, choices)) if choices else f"{base.__name__} values" + (
+            f" >= {ge}" if ge is not None else "")
         raise UserError(f"{flag_of(f)} = {text!r}: allowed: {allowed} (comma-separated)")
     return items
 
 
 def check_options(cls, args) -> typing.Any:
-    """The options as an instance of `cls`: comma lists split, and the ge/gt bounds of every option given
-    checked; one line naming the flag, its value and the bound."""
+    """The parsed options as an instance of `cls`: comma lists split, refused flags refused, and the bounds of
+    every option given checked; one line naming the flag, its value and the bound."""
     hints, values = typing.get_type_hints(cls), {}
     for f in dataclasses.fields(cls):
         value = values[f.name] = getattr(args, f.name)
@@ -169,15 +133,84 @@ def check_options(cls, args) -> typing.Any:
     return cls(**values)
 
 
-def command(name: str, cls, help: str):
+def command(name: str, cls, help: str, **fields):
     """Declares the function below it as the subcommand `name` (`plan`; `serve plan` under the module's GROUPS
-    entry `serve`), run with the checked options (an instance of the dataclass `cls`); `help` is its line in the
-    list of commands, its long help the section `## name` of cli_help.md. A command with the training config's
-    options (`ConfigArgs`) also gets one flag per config key."""
+    entry `serve`), run with its checked options: an instance of the dataclass `cls` (a tuple: these combined),
+    with `fields` more of them (NAME=(TYPE, opt(...))), its `.options`. `help` is its line in the list of
+    commands, its long help the section `## name` of cli_help.md. Options with `ConfigArgs` also get one flag
+    per config key."""
+    if fields or isinstance(cls, tuple):
+        cls = dataclasses.make_dataclass(name.title().replace(" ", "") + "Args", [
+            (k, t, f) for k, (t, f) in fields.items()], bases=cls if isinstance(cls, tuple) else (cls,), kw_only=True)
+
     def declare(run):
-        run.cli_command = dict(name=name, cls=cls, help=help)
+        run.cli_command, run.options = dict(name=name, cls=cls, help=help), cls
         return run
     return declare
+
+
+def options_of(cls, names=None, group: str | None = None, **per_field):
+    """The options of a part's own schema dataclass `cls`: one per field with a help (in its metadata, with any
+    other `opt` keyword), the same name, type and default, so nothing is restated (`from_options` builds the
+    object back); a dataclass to inherit from. `names`: only these fields; `group`: their help section;
+    `per_field`: more `opt` keywords for one field, e.g. chips={"exclusive": "size"}."""
+    hints, fields = typing.get_type_hints(cls), []
+    for f in dataclasses.fields(cls):
+        if "help" in f.metadata and (names is None or f.name in names):
+            kw = dict(f.metadata) | per_field.get(f.name, {}) | ({"group": group} if group else {})
+            kw |= {"factory": f.default_factory} if f.default is MISSING and f.default_factory is not MISSING else {}
+            fields.append((f.name, hints[f.name], opt(kw.pop("help"), None if f.default is MISSING else f.default,
+                                                      **kw)))
+    return dataclasses.make_dataclass(f"{cls.__name__}Options", fields, kw_only=True)
+
+
+def from_options(cls, opts, **given):
+    """An instance of the dataclass `cls` (a part's own schema) from the options of the same names; `given` wins."""
+    names = {f.name for f in dataclasses.fields(cls)} & vars(opts).keys()
+    return cls(**{name: getattr(opts, name) for name in names} | given)
+
+
+def key_help(section: str, key: str, short: bool = False) -> str:
+    """A training config key's description, the same for its flag, its shortcut flag and docs/config.md."""
+    from paratrain.config import FIELD_HELP, TrainConfig
+
+    f = TrainConfig.model_fields[section].annotation.model_fields[key]
+    about = f.description or FIELD_HELP.get(f"{section}.{key}", key)
+    about = textwrap.shorten(about.split(";")[0].split(". ")[0], 64, placeholder="...") if short else about
+    return f"{about} ({'' if short else f'{section}.{key}, '}default {f.get_default(call_default_factory=True)!r})"
+
+
+def section_options(section: str, keys, group: str) -> list[tuple]:
+    """Shortcut options for keys of a training config section (`dataclasses.make_dataclass` fields), each spelled
+    as the trainer's key (`--pp-schedule`, also `--parallel.pp_schedule`), with its type, bounds and help; unset
+    (None) unless given, so the schema's defaults and derived values apply."""
+    from paratrain.config import TrainConfig
+
+    out = []
+    for key in keys:
+        f = TrainConfig.model_fields[section].annotation.model_fields[key]
+        meta = {k: getattr(m, k) for m in f.metadata for k in BOUNDS if hasattr(m, k)}
+        meta |= {"metavar": "N"} if f.annotation is int else {}
+        out.append((key, f.annotation | None, opt(key_help(section, key), short=f"--{section}.{key}", group=group,
+                                                  **meta)))
+    return out
+
+
+class _ConfigKey(argparse.Action):
+    """--SECTION.KEY VALUE: appended to --set in command-line order, so the later of the two wins."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        namespace.set = [*(namespace.set or []), f"{option_string[2:]}={value}"]
+
+
+def add_config_keys(parser: argparse.ArgumentParser) -> None:
+    from paratrain.config import TrainConfig
+
+    g = parser.add_argument_group("config keys (each the same as --set SECTION.KEY=VALUE; docs/config.md)")
+    for section, sfield in TrainConfig.model_fields.items():
+        for key in sfield.annotation.model_fields:
+            g.add_argument(f"--{section}.{key}", action=_ConfigKey, metavar="V", dest="set", default=argparse.SUPPRESS,
+                           help=key_help(section, key, short=True).replace("%", "%%"))
 
 
 def command_help() -> dict[str, list[str]]:
@@ -197,49 +230,6 @@ def command_help() -> dict[str, list[str]]:
             inside = True
             blocks.append("")
     return sections
-
-
-def _add_command(sub, run, name: str, cls, help: str, text: list[str]):
-    config_keys = issubclass(cls, ConfigArgs)
-    usage = "%(prog)s [options] [--SECTION.KEY VALUE ...]" if config_keys else None  # not 100 keys in the usage
-    description, epilog = (text + ["", None])[:2]
-    p = sub.add_parser(name.split()[-1], help=help, description=description, usage=usage, epilog=epilog,
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_options(p, cls)
-    if config_keys:
-        add_config_keys(p)
-    p.set_defaults(func=lambda args: run(check_options(cls, args)))
-
-
-def options_of(cls, names=None, group: str | None = None, **per_field):
-    """The options of a part's own schema dataclass `cls`: one per field with a help text (in its metadata, with
-    any other `opt` keyword: bounds, env, ...), same name, type and default, so nothing is restated
-    (`from_options` builds the object back); a dataclass to inherit from. `names`: only these fields; `group`:
-    their help section; `per_field`: more `opt` keywords for one field, e.g. chips={"exclusive": "size"}."""
-    hints, fields = typing.get_type_hints(cls), []
-    for f in dataclasses.fields(cls):
-        if "help" in f.metadata and (names is None or f.name in names):
-            kw = {k: v for k, v in f.metadata.items() if k != "help"} | per_field.get(f.name, {})
-            kw |= {"group": group} if group else {}
-            if f.default is MISSING and f.default_factory is not MISSING:
-                kw["factory"] = f.default_factory
-            default = None if f.default is MISSING else f.default
-            fields.append((f.name, hints[f.name], opt(f.metadata["help"], default, **kw)))
-    return dataclasses.make_dataclass(f"{cls.__name__}Options", fields, kw_only=True)
-
-
-def from_options(cls, opts, **given):
-    """An instance of the dataclass `cls` (a part's own schema) from the options of the same names; `given` wins."""
-    names = {f.name for f in dataclasses.fields(cls)} & vars(opts).keys()
-    return cls(**{name: getattr(opts, name) for name in names} | given)
-
-
-def _group(sub, name: str, help: str, text: list[str]):
-    """A command with subcommands (`hardware list|show`): prints its help when given none."""
-    p = sub.add_parser(name, help=help, description="".join(text),
-                       formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.set_defaults(func=lambda args: p.print_help() or 0)
-    return p.add_subparsers(dest=f"{name}_command", metavar="ACTION")
 
 
 # ---- the shared option groups --------------------------------------------------------------------------------
@@ -274,43 +264,12 @@ class Workload:
     global_batch: int = opt("sequences per optimizer step", 1024, ge=1)
 
 
-def section_options(section: str, keys, group: str) -> list[tuple]:
-    """Options for keys of a training config section, for `dataclasses.make_dataclass`: each spelled as the
-    trainer's key (`--pp-schedule`, also `--parallel.pp_schedule`), with its type, bounds and help; unset (None)
-    unless given, so the schema's own defaults and derived values apply (the default is in the help)."""
-    from paratrain.config import FIELD_HELP, TrainConfig
-
-    fields = TrainConfig.model_fields[section].annotation.model_fields
-    out = []
-    for key in keys:
-        f = fields[key]
-        about = f.description or FIELD_HELP.get(f"{section}.{key}", key)
-        bounds = {k: getattr(m, k) for m in f.metadata for k in BOUNDS if hasattr(m, k)}
-        help = f"{about} ({section}.{key}, default {f.default!r})"
-        meta = {"metavar": "N"} if f.annotation is int else {}
-        out.append((key, f.annotation | None, opt(help, short=f"--{section}.{key}", group=group, **bounds, **meta)))
-    return out
+@dataclass(kw_only=True)
+class OnSystem:
+    hardware: str = opt("system name (paratrain hardware list) or hardware TOML file", required=True)
 
 
-class _ConfigKey(argparse.Action):
-    """--SECTION.KEY VALUE: appended to --set in command-line order, so the later of the two wins."""
-
-    def __call__(self, parser, namespace, value, option_string=None):
-        namespace.set = [*(namespace.set or []), f"{option_string[2:]}={value}"]
-
-
-def add_config_keys(parser: argparse.ArgumentParser) -> None:
-    from paratrain.config import TrainConfig
-
-    g = parser.add_argument_group("config keys (each the same as --set SECTION.KEY=VALUE; docs/config.md)")
-    for section, sfield in TrainConfig.model_fields.items():
-        for key, kfield in sfield.annotation.model_fields.items():
-            about = (kfield.description or "").split(";")[0].split(". ")[0][:60]
-            default = kfield.get_default(call_default_factory=True)
-            g.add_argument(f"--{section}.{key}", action=_ConfigKey, metavar="V", dest="set", default=argparse.SUPPRESS,
-                           help=f"{about} (default {default!r})".lstrip().replace("%", "%%"))
-
-
+# ---- output ----------------------------------------------------------------------------------------------------
 def json_safe(obj):
     """NaN and inf become null (JSON has neither); tuples become lists."""
     if isinstance(obj, dict):
@@ -320,14 +279,9 @@ def json_safe(obj):
     return None if isinstance(obj, float) and not math.isfinite(obj) else obj
 
 
-def _plain(value):
-    """numpy scalars as numbers; anything else JSON lacks (paths, dates) as its text."""
-    return value.item() if hasattr(value, "item") else str(value)
-
-
-def print_json(obj) -> None:
-    """The whole of stdout for --json: one JSON document."""
-    print(json.dumps(json_safe(obj), indent=2, default=_plain))
+def print_json(obj, indent: int | None = 2) -> None:
+    """The whole of stdout for --json: one JSON document (numpy scalars as numbers, paths and dates as text)."""
+    print(json.dumps(json_safe(obj), indent=indent, default=lambda v: v.item() if hasattr(v, "item") else str(v)))
 
 
 def show(opts, data, text) -> None:
@@ -346,19 +300,35 @@ def version() -> str:
 
 
 # ---- the command ---------------------------------------------------------------------------------------------
+def _parser(sub, name: str, help: str, text: list[str], **kw) -> argparse.ArgumentParser:
+    description, epilog = (text + ["", None])[:2]
+    return sub.add_parser(name, help=help, description=description, epilog=epilog,
+                          formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="paratrain", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     description="Plan, run and survive large-scale LLM training (Trainium, GPU).")
+    texts = command_help()
+    parser = argparse.ArgumentParser(prog="paratrain", epilog=texts["paratrain"][0], description=(
+        "Plan, run and survive large-scale LLM training (Trainium, GPU)."),
+        formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"paratrain {version()}")
-    subs, texts = {(): parser.add_subparsers(dest="command", metavar="COMMAND")}, command_help()
+    subs = {(): parser.add_subparsers(dest="command", metavar="COMMAND")}
     for module in map(importlib.import_module, COMMAND_MODULES):
-        groups = dict(getattr(module, "GROUPS", ()))  # (name, help)
         for run in vars(module).values():  # in the order the module defines them
-            if getattr(run, "__module__", None) == module.__name__ and hasattr(run, "cli_command"):
-                above = tuple(run.cli_command["name"].split()[:-1])  # () or ("serve",)
-                if above not in subs:
-                    subs[above] = _group(subs[()], above[0], groups[above[0]], texts.get(above[0], []))
-                _add_command(subs[above], run, **run.cli_command, text=texts.get(run.cli_command["name"], []))
+            if getattr(run, "__module__", None) != module.__name__ or not hasattr(run, "cli_command"):
+                continue
+            name, cls, help = run.cli_command.values()
+            above = tuple(name.split()[:-1])  # () or ("serve",): a group of subcommands, its line from GROUPS
+            if above not in subs:
+                group = _parser(subs[()], above[0], dict(module.GROUPS)[above[0]], texts.get(above[0], []))
+                group.set_defaults(func=lambda args, group=group: group.print_help() or 0)  # given no subcommand
+                subs[above] = group.add_subparsers(dest=f"{above[0]}_command", metavar="ACTION")
+            configured = issubclass(cls, ConfigArgs)  # not 100 config keys in the usage line
+            p = _parser(subs[above], name.split()[-1], help, texts.get(name, []),
+                        usage="%(prog)s [options] [--SECTION.KEY VALUE ...]" if configured else None)
+            add_options(p, cls)
+            add_config_keys(p) if configured else None
+            p.set_defaults(func=lambda args, run=run, cls=cls: run(check_options(cls, args)))
     return parser
 
 
