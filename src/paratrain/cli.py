@@ -75,6 +75,34 @@ def _help(f: dataclasses.Field, default) -> str:
     return text.replace("%", "%%")
 
 
+def _checked(f: dataclasses.Field, kind: str, base, choices):
+    """argparse's `type` for an option with bounds, a comma list or a refusal: the text converted and checked as it
+    is parsed. A bad value raises UserError (argparse lets it through, where it would reword a ValueError): one
+    line naming the flag, the value and what is allowed."""
+    m, flag = f.metadata, flag_of(f)
+    bounds = [(holds, sign, m[k]) for k, (holds, sign) in BOUNDS.items() if k in m]
+
+    def check(text: str):
+        if "refused" in m:
+            raise UserError(f"{flag} {text!r}: {m['refused']}")
+        if kind != "csv":
+            value = base(text)  # not a number: argparse's own message
+            if bad := next((f"{sign} {bound}" for holds, sign, bound in bounds if not holds(value, bound)), None):
+                raise UserError(f"{flag} = {value}: must be {bad}")
+            return value
+        try:
+            items = tuple(base(x.strip()) for x in text.split(",") if x.strip())
+        except ValueError:
+            items = ()
+        if not items or any(choices and x not in choices or not all(h(x, b) for h, _, b in bounds) for x in items):
+            allowed = ", ".join(map(str, choices)) if choices else " ".join(
+                [f"{base.__name__} values", *(f"{sign} {bound}" for _, sign, bound in bounds)])
+            raise UserError(f"{flag} = {text!r}: allowed: {allowed} (comma-separated)")
+        return items
+    check.__name__ = base.__name__  # argparse's "invalid int value"
+    return check
+
+
 def add_options(parser: argparse.ArgumentParser, cls) -> None:
     """One argparse option per field of the dataclass `cls`, in field order, each in its `group`."""
     hints, groups = typing.get_type_hints(cls), {}
@@ -86,51 +114,25 @@ def add_options(parser: argparse.ArgumentParser, cls) -> None:
             key = ("exclusive", m["exclusive"])
             where = groups.get(key) or groups.setdefault(key, where.add_mutually_exclusive_group())
         kind, base, choices = _kind(hints[f.name])
+        choices = m.get("choices", choices)
         default = f.default_factory() if f.default is MISSING else f.default
         default = os.environ.get(m["env"], default) if "env" in m else default  # e.g. torchrun's PET_NNODES
-        kw = {"help": _help(f, default), "type": base, "default": default, "choices": choices}
-        if kind == "csv":  # the text, split (and its items checked) by check_options
-            kw |= {"type": str, "choices": None, "metavar": "A,B,...",
-                   "default": ",".join(map(str, default)) if isinstance(default, tuple) else default}
-        elif kind == "flag":
+        default = ",".join(map(str, default)) if kind == "csv" and isinstance(default, tuple) else default
+        checked = kind == "csv" or "refused" in m or any(k in m for k in BOUNDS)
+        kw = {"help": _help(f, default), "default": default, "type": _checked(f, kind, base, choices) if checked
+              else base} | ({"metavar": "A,B,..."} if kind == "csv" else {"choices": choices} if choices else {})
+        if kind == "flag":
             kw = {"help": kw["help"], "action": "store_true"}
         elif kind == "list" and "nargs" not in m:  # repeatable; with nargs, one option takes several values
             kw["action"] = "append"
-        kw |= {k: m[k] for k in ARGPARSE_KEYS if k in m and not (kind == "csv" and k == "choices")}
+        kw |= {k: m[k] for k in ARGPARSE_KEYS if k in m and k != "choices"}
         names = [f.name] if m.get("positional") else [flag_of(f), *([m["short"]] if "short" in m else [])]
         where.add_argument(*names, **kw, **({} if m.get("positional") else {"dest": f.name}))
 
 
-def _split(f: dataclasses.Field, base, choices, text: str) -> tuple:
-    """A tuple[X, ...] option's comma-separated text as items; a bad one names the flag and what is allowed."""
-    ge = f.metadata.get("ge")
-    try:
-        items = tuple(base(x.strip()) for x in text.split(",") if x.strip())
-    except ValueError:
-        items = ()
-    if not items or any(choices and x not in choices or ge is not None and x < ge for x in items):
-        allowed = ", ".join(map(str, choices)) if choices else f"{base.__name__} values" + (
-            f" >= {ge}" if ge is not None else "")
-        raise UserError(f"{flag_of(f)} = {text!r}: allowed: {allowed} (comma-separated)")
-    return items
-
-
 def check_options(cls, args) -> typing.Any:
-    """The parsed options as an instance of `cls`: comma lists split, refused flags refused, and the bounds of
-    every option given checked; one line naming the flag, its value and the bound."""
-    hints, values = typing.get_type_hints(cls), {}
-    for f in dataclasses.fields(cls):
-        value = values[f.name] = getattr(args, f.name)
-        kind, base, choices = _kind(hints[f.name])
-        if "refused" in f.metadata and value is not None:
-            raise UserError(f"{flag_of(f)} {value!r}: {f.metadata['refused']}")
-        if kind == "csv" and isinstance(value, str):
-            values[f.name] = _split(f, base, f.metadata.get("choices", choices), value)
-        elif value is not None and not isinstance(value, bool | list | str):
-            for key, (holds, sign) in BOUNDS.items():
-                if key in f.metadata and not holds(value, f.metadata[key]):
-                    raise UserError(f"{flag_of(f)} = {value}: must be {sign} {f.metadata[key]}")
-    return cls(**values)
+    """The parsed options (each checked as it was parsed) as an instance of `cls`."""
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
 def command(name: str, cls, help: str, **fields):
@@ -333,16 +335,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
-    args = parser.parse_args(argv)
-    if not getattr(args, "func", None):
-        parser.print_help()
-        return 0
     try:
+        args = parser.parse_args(argv)
+        if not getattr(args, "func", None):
+            return parser.print_help() or 0
         return int(args.func(args) or 0)
     except (UserError, ValueError) as exc:
         # ValueError covers pydantic's ValidationError and our own config checks: bad input, not a bug.
-        print(f"paratrain {args.command}: error: {exc}", file=sys.stderr)
+        print(f"paratrain {next((a for a in argv if a[:1] != '-'), '')}: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # The reader went away (`paratrain ... | head`): stop quietly, as Unix tools do. Point stdout at devnull so
