@@ -100,8 +100,10 @@ def test_schema_options_are_the_schemas_fields(capsys):
 
     from paratrain.cli import check_options, from_options
     from paratrain.plan.serve import Replica
-    from paratrain.plan.serve_commands import SimulateArgs
+    from paratrain.plan.serve_commands import cmd_simulate
     from paratrain.sim.serving import Engine
+
+    SimulateArgs = cmd_simulate.options  # noqa: N806 (a class)
 
     def parsed(*flags):
         argv = ["serve", "simulate", "--model", "llama3-8b", "--hardware", "p5.48xlarge", *flags]
@@ -120,9 +122,10 @@ def test_simulate_options_are_simconfig_fields_with_its_defaults():
     import dataclasses
 
     from paratrain.cli import check_options, flag_of
-    from paratrain.sim.commands import SimulateArgs
+    from paratrain.sim.commands import run_simulate
     from paratrain.sim.config import SimConfig, StragglerConfig, config_from_options
 
+    SimulateArgs = run_simulate.options  # noqa: N806 (a class)
     options = {f.metadata["to"]: f for f in dataclasses.fields(SimulateArgs) if "to" in f.metadata}
     described = {f.name for f in dataclasses.fields(SimConfig) if "help" in f.metadata} | {
         f"stragglers.{f.name}" for f in dataclasses.fields(StragglerConfig) if "help" in f.metadata}
@@ -155,12 +158,12 @@ def test_cost_flags_default_to_the_cost_assumptions(tmp_path):
     """compare/recommend's --pue, --failures, --purchase: unset, the [cost] table, else cost.compare.Assumptions'
     own defaults (also the ones their help shows); a flag wins over the table."""
     from paratrain.cli import check_options
-    from paratrain.cost.commands import CompareArgs
+    from paratrain.cost.commands import run_compare
     from paratrain.cost.compare import Assumptions
     from paratrain.cost.inputs import assumptions_from
 
     def assumed(*flags):
-        a = assumptions_from(check_options(CompareArgs, build_parser().parse_args(["compare", *flags])))
+        a = assumptions_from(check_options(run_compare.options, build_parser().parse_args(["compare", *flags])))
         return a.pue, a.failures, a.purchase
 
     assert assumed() == (Assumptions.pue, Assumptions.failures, Assumptions.purchase)

@@ -5,10 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from paratrain.cli import Output, UserError, Workload, command, from_options, opt, options_of, show
+from paratrain.cost import compare, tables
 from paratrain.cost.compare import FAILURE_MODELS, Assumptions
-from paratrain.cost.inputs import parse_prices  # noqa: F401  (serve plan/recommend parse the same flag)
-from paratrain.cost.recommend import Request
-from paratrain.hardware.catalog import PURCHASE_HELP, PURCHASE_OPTIONS
+from paratrain.cost.inputs import assumptions_from
+from paratrain.cost.recommend import Request, recommend
+from paratrain.cost.serving import WORKLOADS  # serving workloads are planned by `serve recommend`
+from paratrain.hardware.catalog import PURCHASE_HELP, PURCHASE_OPTIONS, get_catalog
 
 
 @dataclass(kw_only=True)
@@ -30,47 +32,25 @@ class CostArgs(Workload, Output):
                                        "the +-30% price range) to this file", metavar="PNG")
 
 
-@dataclass(kw_only=True)
-class CompareArgs(CostArgs):
-    model: str | None = opt("model preset or model TOML file (required unless --claims)")
-    steps: int | None = opt("optimizer steps to train (tokens = steps x seq x global batch)", ge=1,
-                            exclusive="length")
-    targets: str | None = opt("SYSTEM:NODES,... e.g. trn1.32xlarge:16,p4d.24xlarge:16")
-    report: str | None = opt("write an HTML report with plots to DIR", metavar="DIR")
-    fp8: bool = opt("layer matmuls in FP8 at each chip's FP8 peak (the planner's FP8 model; Trainium3's FP8 peak "
-                    "is MXFP8)")
-    claims: bool = opt("run the source documents' cost claims (trn1 vs p4d on 7B; Trn2/Trn3 vs H100/H200/B200 on "
-                       "70B and 405B; tokens per MWh across Trainium generations) and print each claim, the seed's "
-                       "number, ours and why they differ")
-    markdown: bool = opt("with --claims: print the claims as the Markdown table of docs/cost.md")
-
-
-@dataclass(kw_only=True)
-class RecommendArgs(CostArgs, options_of(Request, chips={"exclusive": "size"}, nodes={"exclusive": "size"},
-                                          porting_engineer_days={"flag": "--porting-days", "metavar": "DAYS"},
-                                          constraints={"flag": "--constraint"})):
-    """recommend's options: the cost Request's fields (cost/recommend.py), the kind, and the defaults per kind."""
-    kind: str = opt("pretrain, finetune, research, experiment, multicloud or onprem", positional=True)
-    model: str | None = opt("model preset or model TOML file (default: per kind)")
-    train_tokens: float | None = opt("tokens to train (default: per kind)", gt=0, exclusive="length")
-    systems: tuple[str, ...] | None = opt("comma list of candidate systems (default: every catalog system; those "
-                                          "without a price get a break-even price instead of a rank)")
-
-
 def _progress(total: int, quiet: bool):
-    if quiet:
-        return None
     from tqdm import tqdm
 
-    return tqdm(total=total, unit="cluster", leave=False).update
+    return None if quiet else tqdm(total=total, unit="cluster", leave=False).update
 
 
-@command("compare", CompareArgs, "time, cost and energy to train a workload across clusters")
+@command("compare", CostArgs, "time, cost and energy to train a workload across clusters",
+         model=(str | None, opt("model preset or model TOML file (required unless --claims)")),
+         steps=(int | None, opt("optimizer steps to train (tokens = steps x seq x global batch)", ge=1,
+                                exclusive="length")),
+         targets=(str | None, opt("SYSTEM:NODES,... e.g. trn1.32xlarge:16,p4d.24xlarge:16")),
+         report=(str | None, opt("write an HTML report with plots to DIR", metavar="DIR")),
+         fp8=(bool, opt("layer matmuls in FP8 at each chip's FP8 peak (the planner's FP8 model; Trainium3's FP8 "
+                        "peak is MXFP8)")),
+         claims=(bool, opt("run the source documents' cost claims (trn1 vs p4d on 7B; Trn2/Trn3 vs H100/H200/B200 "
+                           "on 70B and 405B; tokens per MWh across Trainium generations) and print each claim, the "
+                           "seed's number, ours and why they differ")),
+         markdown=(bool, opt("with --claims: print the claims as the Markdown table of docs/cost.md")))
 def run_compare(args) -> int | None:
-    from paratrain.cost.compare import Workload, comparison, parse_targets
-    from paratrain.cost.inputs import assumptions_from
-    from paratrain.cost.tables import print_comparison, write_sensitivity_plot
-
     if args.claims:
         from paratrain.cost.claims import run_claims
 
@@ -79,30 +59,32 @@ def run_compare(args) -> int | None:
                                         args.steps), ("--targets", args.targets)) if value is None]
     if missing:
         raise UserError(f"compare needs {', '.join(missing)} (or --claims)")
-    targets, assumptions = parse_targets(args.targets), assumptions_from(args)
-    workload = Workload.from_steps(args.model, args.steps, args.seq, args.global_batch, args.fp8) if args.steps \
-        else from_options(Workload, args)
-    out, rows, items = comparison(workload, targets, assumptions, progress=_progress(len(targets), args.json))
+    targets, assumptions = compare.parse_targets(args.targets), assumptions_from(args)
+    workload = compare.Workload.from_steps(args.model, args.steps, args.seq, args.global_batch, args.fp8) \
+        if args.steps else from_options(compare.Workload, args)
+    out, rows, items = compare.comparison(workload, targets, assumptions, progress=_progress(len(targets), args.json))
     if args.sensitivity_plot:
-        out["sensitivity_plot"] = write_sensitivity_plot(args.sensitivity_plot, rows, items,
-                                                         f"{out['workload']['model']}, {workload.train_tokens:.3g} tokens")
+        out["sensitivity_plot"] = tables.write_sensitivity_plot(
+            args.sensitivity_plot, rows, items, f"{out['workload']['model']}, {workload.train_tokens:.3g} tokens")
     if args.report:
         from paratrain.cost.report import write_report
 
         # the report plans each system at 1/4 to 4x its size too (Pareto and scaling plots)
         bar = _progress(4 * len(targets), args.json)
         out["report"] = str(write_report(args.report, workload, rows, targets, assumptions, progress=bar))
-    show(args, out, lambda: print_comparison(out, rows))
+    show(args, out, lambda: tables.print_comparison(out, rows))
 
 
-@command("recommend", RecommendArgs, "which infrastructure for a workload, with the reasons")
+@command("recommend", (CostArgs, options_of(Request, chips={"exclusive": "size"}, nodes={"exclusive": "size"},
+                                            porting_engineer_days={"flag": "--porting-days", "metavar": "DAYS"},
+                                            constraints={"flag": "--constraint"})),
+         "which infrastructure for a workload, with the reasons",  # the cost Request's fields (cost/recommend.py)
+         kind=(str, opt("pretrain, finetune, research, experiment, multicloud or onprem", positional=True)),
+         model=(str | None, opt("model preset or model TOML file (default: per kind)")),
+         train_tokens=(float | None, opt("tokens to train (default: per kind)", gt=0, exclusive="length")),
+         systems=(tuple[str, ...] | None, opt("comma list of candidate systems (default: every catalog system; "
+                                              "those without a price get a break-even price instead of a rank)")))
 def run_recommend(args) -> None:
-    from paratrain.cost.inputs import assumptions_from
-    from paratrain.cost.recommend import recommend
-    from paratrain.cost.serving import WORKLOADS  # serving workloads are planned by `serve recommend`
-    from paratrain.cost.tables import print_recommendation, write_recommendation_plot
-    from paratrain.hardware.catalog import get_catalog
-
     if args.kind in WORKLOADS:
         raise UserError(f"recommend {args.kind}: a serving workload; run `paratrain serve recommend {args.kind} "
                         "--model M --rate REQ_PER_S` (chips, latency and $/M tokens per system, docs/serving.md)")
@@ -111,5 +93,5 @@ def run_recommend(args) -> None:
     rec = recommend(req, progress=_progress(len(systems or get_catalog().systems), args.json))
     out = {k: v for k, v in rec.__dict__.items() if k != "items"}
     if args.sensitivity_plot and rec.items:
-        out["sensitivity_plot"] = write_recommendation_plot(args.sensitivity_plot, rec, args.kind, req)
-    show(args, out, lambda: print_recommendation(args.kind, req, rec, out))
+        out["sensitivity_plot"] = tables.write_recommendation_plot(args.sensitivity_plot, rec, args.kind, req)
+    show(args, out, lambda: tables.print_recommendation(args.kind, req, rec, out))

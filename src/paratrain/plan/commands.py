@@ -2,17 +2,24 @@
 
 from __future__ import annotations
 
-import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-from paratrain.cli import Output, UserError, Workload, command, opt, print_json, section_options, show
+from pydantic import ValidationError
+
+from paratrain.cli import OnSystem, Output, UserError, Workload, command, opt, section_options, show
+from paratrain.config import ParallelSection, format_validation_error
+from paratrain.hardware.catalog import resolve_system
+from paratrain.model.config import load_model_config
+from paratrain.plan import report
+from paratrain.plan.api import Layout, check_seq, estimate, layout_from_parallel, search
+from paratrain.plan.config_writer import write_training_config
+from paratrain.plan.model import Options
 
 
 @dataclass(kw_only=True)
-class PlanTarget(Workload, Output):
+class PlanTarget(Workload, OnSystem, Output):
     model: str = opt("model preset (llama2-7b, llama3-70b, ...) or model TOML file", required=True)
-    hardware: str = opt("system name (paratrain hardware list) or hardware TOML file", required=True)
     nodes: int = opt("number of nodes (instances / UltraServers)", required=True, ge=1)
     attention: Literal["flash", "unfused"] | None = opt("attention kernel (default: the system's stack; flash on "
                                                         "GPUs, unfused on NxD)")
@@ -33,61 +40,35 @@ class PlanTarget(Workload, Output):
 LAYOUT = "layout (the trainer's parallel.* keys; docs/config.md)"
 LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "sp", "ep", "etp", "dp_kind", "dp_replicate", "zero_stage", "recompute",
                "pp_schedule", "virtual_stages")
-EstimateArgs = dataclasses.make_dataclass("EstimateArgs", [
-    *section_options("parallel", LAYOUT_KEYS, LAYOUT), *section_options("train", ("microbatch",), LAYOUT), (
-        "pp_layers", str, opt("layers per pipeline stage: auto (the planner's choice), balanced (the runtime's "
-                              "default), or one count per (virtual) stage, e.g. 8,9,8,7", "auto",
-                              short="--parallel.pp_layers", group=LAYOUT))], bases=(PlanTarget,), kw_only=True)
-
-
-@dataclass(kw_only=True)
-class PlanArgs(PlanTarget):
-    top: int = opt("how many candidates to show", 10, ge=1)
-    objective: Literal["time", "cost"] = opt("rank by step time or by USD per token", "time")
-    any_stack: bool = opt("search choices the system's stack lacks too")
-    max_microbatch: int = opt("largest microbatch searched", 64, ge=1)
-    max_days: float | None = opt("with --train-tokens: only layouts that finish the run within this many days",
-                                 gt=0)
+LAYOUT_FIELDS = {name: (kind, f) for name, kind, f in [
+    *section_options("parallel", LAYOUT_KEYS, LAYOUT), *section_options("train", ("microbatch",), LAYOUT)]}
 
 
 def _load(args):
-    from paratrain.hardware.catalog import resolve_system
-    from paratrain.model.config import load_model_config
-    from paratrain.plan.api import check_seq
-    from paratrain.plan.model import Options
-
     model = load_model_config(args.model)
-    if args.max_seq is not None:
-        model = model.model_copy(update={"max_seq": args.max_seq})
+    model = model if args.max_seq is None else model.model_copy(update={"max_seq": args.max_seq})
     check_seq(model, args.seq)
     system = resolve_system(args.hardware)
     kw = {"fp8": args.fp8} | ({} if args.grad_bytes is None else {"grad_bytes": args.grad_bytes})
     return model, system, Options.for_system(system, attention=args.attention, stack=args.stack, **kw)
 
 
-@command("estimate", EstimateArgs, "predict time, memory and cost of one layout")
+@command("estimate", PlanTarget, "predict time, memory and cost of one layout", **LAYOUT_FIELDS,
+         pp_layers=(str, opt("layers per pipeline stage: auto (the planner's choice), balanced (the runtime's "
+                             "default), or one count per (virtual) stage, e.g. 8,9,8,7", "auto",
+                             short="--parallel.pp_layers", group=LAYOUT)))
 def cmd_estimate(args) -> None:
-    from paratrain.plan.api import estimate
-    from paratrain.plan.report import print_estimate
-
     model, system, options = _load(args)
     est = estimate(model, system, args.nodes, args.seq, args.global_batch, _layout(args), options, stack=args.stack,
                    train_tokens=args.train_tokens)
     _write(args, est, model, system)
-    print_json(est.to_dict()) if args.json else print_estimate(est)
+    show(args, est.to_dict(), lambda: report.print_estimate(est))
 
 
-def _layout(args):
+def _layout(args) -> Layout:
     """The planner's Layout of the flags given, read as the trainer reads them: its [parallel] section (its
     checks, its defaults for what is not given), then the planner's Layout by the one conversion
     (plan.api.layout_from_parallel)."""
-    from dataclasses import replace
-
-    from pydantic import ValidationError
-
-    from paratrain.config import ParallelSection, format_validation_error
-    from paratrain.plan.api import Layout, layout_from_parallel
-
     try:
         pcfg = ParallelSection(**{k: getattr(args, k) for k in LAYOUT_KEYS if getattr(args, k) is not None})
     except ValidationError as err:  # one line, the trainer's message
@@ -98,20 +79,21 @@ def _layout(args):
 
 def _pp_layers(text: str) -> str | tuple[int, ...]:
     """--pp-layers: 'auto', 'balanced', or comma-separated counts ('8,9,8,7' or '[8, 9, 8, 7]')."""
-    if text in ("auto", "balanced"):
-        return text
     try:
-        return tuple(int(n) for n in text.strip("[] ").split(","))
+        return text if text in ("auto", "balanced") else tuple(int(n) for n in text.strip("[] ").split(","))
     except ValueError:
         raise UserError(f"--pp-layers = {text!r}: allowed: auto, balanced, or layer counts per stage such as "
                         f"8,9,8,7") from None
 
 
-@command("plan", PlanArgs, "search all layouts, rank by time or cost")
+@command("plan", PlanTarget, "search all layouts, rank by time or cost",
+         top=(int, opt("how many candidates to show", 10, ge=1)),
+         objective=(Literal["time", "cost"], opt("rank by step time or by USD per token", "time")),
+         any_stack=(bool, opt("search choices the system's stack lacks too")),
+         max_microbatch=(int, opt("largest microbatch searched", 64, ge=1)),
+         max_days=(float | None, opt("with --train-tokens: only layouts that finish the run within this many days",
+                                     gt=0)))
 def cmd_plan(args) -> None:
-    from paratrain.plan.api import search
-    from paratrain.plan.report import print_plan, why_nothing_fits
-
     model, system, options = _load(args)
     if args.max_days is not None and not args.train_tokens:
         raise UserError("--max-days needs --train-tokens (how many tokens the run trains)")
@@ -120,7 +102,7 @@ def cmd_plan(args) -> None:
                     any_stack=args.any_stack, stack=args.stack,
                     max_time_s=None if args.max_days is None else args.max_days * 86400)
     if not result.candidates:
-        raise UserError(why_nothing_fits(result, model, system, args.nodes, args.seq, args.global_batch))
+        raise UserError(report.why_nothing_fits(result, model, system, args.nodes, args.seq, args.global_batch))
     best = result.candidates[0]
     _write(args, best, model, system)
     searched = args.stack or ("any" if args.any_stack or system.stack is None else system.stack.name)
@@ -128,12 +110,10 @@ def cmd_plan(args) -> None:
             "fitting": result.fitting, "seconds": result.seconds, "configs_per_s": result.configs_per_s,
             "objective": args.objective}
     show(args, {"best": best.to_dict(), "candidates": [c.to_dict() for c in result.candidates], "search": info},
-         lambda: print_plan(result, info))
+         lambda: report.print_plan(result, info))
 
 
 def _write(args, est, model, system) -> None:
-    from paratrain.plan.config_writer import write_training_config
-
     if args.write_config:
         path = write_training_config(args.write_config, est, model, args.model, system.devices_per_node,
                                      args.hardware)

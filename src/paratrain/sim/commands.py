@@ -5,12 +5,12 @@ from __future__ import annotations
 import dataclasses
 import time
 import typing
-from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.cli import Output, UserError, Workload, command, opt, print_json
+from paratrain.cli import Output, UserError, Workload, command, opt, show
 from paratrain.hardware.catalog import PURCHASE_HELP, PURCHASE_OPTIONS
 from paratrain.sim.config import SimConfig, config_from_options, parse_duration_s
+from paratrain.sim.report import daly_check, format_report, print_daly_check, progress_bars, write_plots
 
 
 def GB(value: float, _flag: str) -> float:  # noqa: N802 (a unit, as parse_duration_s is one)
@@ -24,13 +24,13 @@ TITLES = {"workload": "workload (give --steps, or --duration for a fixed window)
           "cost": "cost and Monte Carlo"}
 
 
-def _shown(seconds_or_bytes: float, conv) -> str:
+def _shown(value: float, conv) -> str:
     """A default in the flag's unit: 1e12 bytes -> 1000 (GB), 180 s -> 3m."""
     if conv is GB:
-        return f"{seconds_or_bytes / 1e9:g}"
+        return f"{value / 1e9:g}"
     size, unit = next(((n, u) for n, u in ((86400, "d"), (3600, "h"), (60, "m"), (1, "s"))
-                       if seconds_or_bytes >= n and seconds_or_bytes % n == 0), (1, "s"))
-    return f"{seconds_or_bytes / size:g}{unit}"
+                       if value >= n and value % n == 0), (1, "s"))
+    return f"{value / size:g}{unit}"
 
 
 def sim_options(cls=SimConfig, prefix: str = "") -> list[tuple]:
@@ -46,10 +46,9 @@ def sim_options(cls=SimConfig, prefix: str = "") -> list[tuple]:
         meta, suffix = dict(f.metadata), next((s for s in FLAG_UNITS if f.name.endswith(s)), "")
         flag_suffix, conv, unit = FLAG_UNITS.get(suffix, ("", None, ""))
         name = meta.pop("flag", "--" + f.name.removesuffix(suffix) + flag_suffix)[2:].replace("-", "_")
-        default = None if f.default is dataclasses.MISSING else f.default
-        shown = _shown(default, conv) if conv and default is not None else default
-        shown = f"{shown:g}" if isinstance(shown, float) else shown
-        notes = "; ".join(x for x in (unit, None if shown is None else f"default {shown}") if x)
+        shown = None if f.default in (None, dataclasses.MISSING) else _shown(f.default, conv) if conv else f.default
+        notes = "; ".join(x for x in (unit, None if shown is None else f"default {shown:g}" if isinstance(
+            shown, float) else f"default {shown}") if x)
         kinds = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
         kind = str if conv is parse_duration_s or len(kinds) > 1 else float if conv else kinds[0]  # str | float: str
         group = meta.pop("group", "stragglers")
@@ -58,40 +57,31 @@ def sim_options(cls=SimConfig, prefix: str = "") -> list[tuple]:
     return out
 
 
-@dataclass(kw_only=True)
-class SimulateArgs(dataclasses.make_dataclass("SimOptions", sim_options(), kw_only=True), Workload, Output):
-    """simulate's options: SimConfig's fields (sim/config.py), and where its inputs come from."""
-    config: str | None = opt("TOML file with SimConfig fields (see docs/simulator.md)", metavar="FILE")
-    hardware: str | None = opt("catalog system (e.g. p5.48xlarge, trn2.48xlarge): fills chips per node and the "
-                               "price per chip-hour", group="cluster")
-    purchase: str = opt(PURCHASE_HELP + " (the price --hardware fills in)", "on-demand", choices=PURCHASE_OPTIONS,
-                        group="cluster")
-    failures_file: str | None = opt("TOML failure model ([[cause]] tables) instead of the Llama 3 table",
-                                    group=TITLES["failures"], metavar="TOML")
-    rate_scale: float | None = opt("multiply every failure rate (default 1)", group=TITLES["failures"])
-    price: str | None = opt("", group=TITLES["cost"], refused="ambiguous (USD per device-hour here, per node-hour "
-                            "in `paratrain compare`); use --price-per-device-hour-usd USD")
-    plot: str | None = opt("write PNGs of goodput vs checkpoint interval, vs cluster size and vs spare nodes",
-                           metavar="DIR", group="output")
-    daly_check: bool = opt("reproduce Daly's published examples analytically and by simulation, then exit",
-                           group="output")
-
-
-@command("simulate", SimulateArgs,
-         "failures, checkpoints, spares and stragglers at cluster scale (goodput, time, cost)")
+@command("simulate", (dataclasses.make_dataclass("SimOptions", sim_options(), kw_only=True), Workload, Output),
+         "failures, checkpoints, spares and stragglers at cluster scale (goodput, time, cost)",
+         config=(str | None, opt("TOML file with SimConfig fields (see docs/simulator.md)", metavar="FILE")),
+         hardware=(str | None, opt("catalog system (e.g. p5.48xlarge, trn2.48xlarge): fills chips per node and the "
+                                   "price per chip-hour", group="cluster")),
+         purchase=(str, opt(PURCHASE_HELP + " (the price --hardware fills in)", "on-demand", choices=PURCHASE_OPTIONS,
+                            group="cluster")),
+         failures_file=(str | None, opt("TOML failure model ([[cause]] tables) instead of the Llama 3 table",
+                                        group=TITLES["failures"], metavar="TOML")),
+         rate_scale=(float | None, opt("multiply every failure rate (default 1)", group=TITLES["failures"])),
+         price=(str | None, opt("", group=TITLES["cost"], refused="ambiguous (USD per device-hour here, per "
+                                "node-hour in `paratrain compare`); use --price-per-device-hour-usd USD")),
+         plot=(str | None, opt("write PNGs of goodput vs checkpoint interval, vs cluster size and vs spare nodes",
+                               metavar="DIR", group="output")),
+         daly_check=(bool, opt("reproduce Daly's published examples analytically and by simulation, then exit",
+                               group="output")))
 def run_simulate(args) -> None:
-    from paratrain.sim.report import daly_check, format_report, print_daly_check, progress_bars, write_plots
-
     if args.daly_check:
-        rows = daly_check(samples=args.samples or 200, seed=args.seed or 0,
-                          progress=progress_bars(args.json)("Daly cases"))
-        print_json(rows) if args.json else print_daly_check(rows)
-        return
-    cfg = config_from_options(args)
+        rows = daly_check(samples=args.samples or 200, seed=args.seed or 0, progress=progress_bars(args.json)(
+            "Daly cases"))
+        return show(args, rows, lambda: print_daly_check(rows))
     from paratrain.sim.engine import simulate
     from paratrain.sim.results import summarize
 
-    started = time.perf_counter()
+    cfg, started = config_from_options(args), time.perf_counter()
     report = summarize(simulate(cfg))
     report["elapsed_s"] = time.perf_counter() - started
     if args.plot:
@@ -99,4 +89,4 @@ def run_simulate(args) -> None:
             report["plots"] = write_plots(cfg, Path(args.plot), json_mode=args.json)
         except OSError as exc:
             raise UserError(f"--plot {args.plot!r}: cannot write there ({exc.strerror})") from None
-    print_json(report) if args.json else print(format_report(report))
+    show(args, report, lambda: print(format_report(report)))
