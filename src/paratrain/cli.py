@@ -15,10 +15,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import importlib.metadata
 import json
 import math
 import operator
 import os
+import re
 import sys
 import textwrap
 import types
@@ -85,20 +87,22 @@ def _checked(f: dataclasses.Field, kind: str, base, choices):
     def check(text: str):
         if "refused" in m:
             raise UserError(f"{flag} {text!r}: {m['refused']}")
-        if kind != "csv":
-            value = base(text)  # not a number: argparse's own message
-            if bad := next((f"{sign} {bound}" for holds, sign, bound in bounds if not holds(value, bound)), None):
-                raise UserError(f"{flag} = {value}: must be {bad}")
-            return value
         try:
-            items = tuple(base(x.strip()) for x in text.split(",") if x.strip())
+            items = [base(x.strip()) for x in text.split(",") if x.strip()] if kind == "csv" else [base(text)]
         except ValueError:
-            items = ()
-        if not items or any(choices and x not in choices or not all(h(x, b) for h, _, b in bounds) for x in items):
+            if kind != "csv":
+                raise  # not a number: argparse's own message
+            items = []
+        bad = [x for x in items if kind == "csv" and choices and x not in choices
+               or not all(holds(x, bound) for holds, _, bound in bounds)]
+        if kind == "csv" and (bad or not items):
             allowed = ", ".join(map(str, choices)) if choices else " ".join(
                 [f"{base.__name__} values", *(f"{sign} {bound}" for _, sign, bound in bounds)])
             raise UserError(f"{flag} = {text!r}: allowed: {allowed} (comma-separated)")
-        return items
+        if bad:
+            sign, bound = next((sign, bound) for holds, sign, bound in bounds if not holds(bad[0], bound))
+            raise UserError(f"{flag} = {bad[0]}: must be {sign} {bound}")
+        return tuple(items) if kind == "csv" else items[0]
     check.__name__ = base.__name__  # argparse's "invalid int value"
     return check
 
@@ -135,7 +139,7 @@ def check_options(cls, args) -> typing.Any:
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
-def command(name: str, cls, help: str, **fields):
+def command(name: str, cls, help: str, /, **fields):
     """Declares the function below it as the subcommand `name` (`plan`; `serve plan` under the module's GROUPS
     entry `serve`), run with its checked options: an instance of the dataclass `cls` (a tuple: these combined),
     with `fields` more of them (NAME=(TYPE, opt(...))), its `.options`. `help` is its line in the list of
@@ -198,20 +202,16 @@ def section_options(section: str, keys, group: str) -> list[tuple]:
     return out
 
 
-class _ConfigKey(argparse.Action):
-    """--SECTION.KEY VALUE: appended to --set in command-line order, so the later of the two wins."""
-
-    def __call__(self, parser, namespace, value, option_string=None):
-        namespace.set = [*(namespace.set or []), f"{option_string[2:]}={value}"]
-
-
 def add_config_keys(parser: argparse.ArgumentParser) -> None:
+    """One flag per training config key, --SECTION.KEY VALUE: appended to --set as SECTION.KEY=VALUE in
+    command-line order, so the later of the two wins."""
     from paratrain.config import TrainConfig
 
     g = parser.add_argument_group("config keys (each the same as --set SECTION.KEY=VALUE; docs/config.md)")
     for section, sfield in TrainConfig.model_fields.items():
         for key in sfield.annotation.model_fields:
-            g.add_argument(f"--{section}.{key}", action=_ConfigKey, metavar="V", dest="set", default=argparse.SUPPRESS,
+            g.add_argument(f"--{section}.{key}", action="append", dest="set", metavar="V", default=argparse.SUPPRESS,
+                           type=lambda value, key=f"{section}.{key}": f"{key}={value}",
                            help=key_help(section, key, short=True).replace("%", "%%"))
 
 
@@ -220,18 +220,9 @@ def command_help() -> dict[str, list[str]]:
     `## COMMAND` sections, each with one or two ```text blocks (the text above the options, and below them)."""
     from importlib.resources import files
 
-    sections: dict[str, list[str]] = {}
-    blocks, inside = None, False  # the current section's blocks; within a block
-    for line in files("paratrain").joinpath("cli_help.md").read_text(encoding="utf-8").splitlines(keepends=True):
-        if inside:  # verbatim up to the closing fence
-            inside = line.rstrip() != "```"
-            blocks[-1] += line if inside else ""
-        elif line.startswith("## "):
-            blocks = sections.setdefault(line[3:].strip(), [])
-        elif line.rstrip() == "```text" and blocks is not None:
-            inside = True
-            blocks.append("")
-    return sections
+    text = files("paratrain").joinpath("cli_help.md").read_text(encoding="utf-8")
+    return {name.strip(): re.findall(r"^```text\n(.*?)^```$", body, re.S | re.M)
+            for name, body in re.findall(r"^## ([^\n]+)\n(.*?)(?=^## |\Z)", text, re.S | re.M)}
 
 
 # ---- the shared option groups --------------------------------------------------------------------------------
@@ -292,12 +283,9 @@ def show(opts, data, text) -> None:
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as installed
-
     try:
-        return installed("paratrain")
-    except PackageNotFoundError:  # run from a source tree that was never installed
+        return importlib.metadata.version("paratrain")
+    except importlib.metadata.PackageNotFoundError:  # run from a source tree that was never installed
         return "unknown (not installed)"
 
 

@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from paratrain.cli import Output, command, opt, print_json
+from paratrain.cli import Output, command, opt, show
 from paratrain.hardware.catalog import get_catalog
+from paratrain.hardware.describe import chip_rows, describe, print_list, print_tree, system_summary
+
+GROUPS = [("hardware", "the accelerator catalog (list, show)")]
 
 
 @dataclass(kw_only=True)
@@ -14,26 +17,15 @@ class CatalogArgs(Output):
     hardware_file: list[Path] = opt("also load this hardware TOML file (repeatable)", factory=list, metavar="FILE")
 
 
-@dataclass(kw_only=True)
-class ShowArgs(CatalogArgs):
-    name: str = opt("system or chip name (see `paratrain hardware list`)", positional=True)
-
-
-GROUPS = [("hardware", "the accelerator catalog (list, show)")]
-
-
 @command("hardware list", CatalogArgs, "one line per system and chip")
 def cmd_list(args) -> None:
-    from paratrain.hardware.describe import chip_rows, print_list, system_summary
-
     catalog = get_catalog(args.hardware_file or None)
     rows, chips = [system_summary(s) for s in catalog.systems.values()], chip_rows(catalog)
-    print_json({"systems": rows, "chips": chips}) if args.json else print_list(rows, chips)
+    show(args, {"systems": rows, "chips": chips}, lambda: print_list(rows, chips))
 
 
-@command("hardware show", ShowArgs, "every field of one system or chip, with sources")
+@command("hardware show", CatalogArgs, "every field of one system or chip, with sources",
+         name=(str, opt("system or chip name (see `paratrain hardware list`)", positional=True)))
 def cmd_show(args) -> None:
-    from paratrain.hardware.describe import describe, print_tree
-
     detail = describe(get_catalog(args.hardware_file or None), args.name)
-    print_json(detail) if args.json else print_tree(detail)
+    show(args, detail, lambda: print_tree(detail))

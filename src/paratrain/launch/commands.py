@@ -6,50 +6,23 @@ import argparse
 import dataclasses
 import os
 import sys
-from dataclasses import dataclass
 
-from paratrain.cli import ConfigArgs, Output, RunFiles, command, opt, options_of, print_json
-from paratrain.launch.torchrun import (
-    LaunchSpec,
-    build_command,
-    check_layout,
-    launch_env,
-    parse_nnodes,
-    print_placement,
-    resolve_config,
-    resolve_nproc,
-    shell_line,
-    train_arguments,
-    warnings_for,
-)
+from paratrain import cli
+from paratrain.cli import ConfigArgs, Output, RunFiles, command, opt, options_of, show
+from paratrain.launch import torchrun as tr
+from paratrain.launch.torchrun import LaunchSpec
 
 NODES, RDZV = "nodes and processes", "rendezvous and restarts"
 RDZV_KEYS = ("rdzv_endpoint", "rdzv_id", "rdzv_backend", "rdzv_conf", "max_restarts", "monitor_interval_s")
 
 
-@dataclass(kw_only=True)
-class LaunchArgs(ConfigArgs, RunFiles, Output, options_of(LaunchSpec, ("local_addr", "ifname"), group="network"),
-                 options_of(LaunchSpec, RDZV_KEYS, group=RDZV), options_of(LaunchSpec, ("node_rank",), group=NODES)):
-    """The torchrun options of LaunchSpec (launch/torchrun.py), node counts as given (resolved at launch)."""
-    nnodes: str = opt("node count N, or MIN:MAX for an elastic job", "1", env="PET_NNODES", group=NODES)
-    nproc_per_node: str = opt("processes per node: a number, 'gpu' (one per accelerator device: CUDA GPU, logical "
-                              "NeuronCore), 'auto' (one per accelerator device, else 1), or a catalog system (its "
-                              "devices per node, e.g. trn2.48xlarge: 64)", "auto", env="PET_NPROC_PER_NODE",
-                              group=NODES)
-    hybrid_shard: bool = opt("HSDP across nodes: parallel.dp_kind=hsdp, dp_replicate = nnodes (nnodes/pp)")
-    dry_run: bool = opt("print the torchrun command and placement; run nothing")
-    extra: list[str] = opt("more `paratrain train` arguments, after --", positional=True, nargs="*", factory=list)
-
-
 def merge_extra(args) -> None:
     """Fold `paratrain train` arguments given after `--` into args, so the layout check sees the same config
     the workers will load."""
-    from paratrain.cli import add_config_keys, add_options
-
     p = argparse.ArgumentParser(prog="paratrain launch ... --", add_help=False)
-    add_options(p, ConfigArgs)  # train's own options (those launch passes on), and its config keys
-    add_options(p, RunFiles)
-    add_config_keys(p)
+    cli.add_options(p, ConfigArgs)  # train's own options (those launch passes on), and its config keys
+    cli.add_options(p, RunFiles)
+    cli.add_config_keys(p)
     known, rest = p.parse_known_args(args.extra[1:] if args.extra[:1] == ["--"] else args.extra)
     if rest:
         raise ValueError(f"arguments after --: {' '.join(rest)}: allowed: paratrain train's --config, --set, "
@@ -62,29 +35,39 @@ def merge_extra(args) -> None:
     args.set, args.extra = [*args.set, *known.set], []
 
 
-@command("launch", LaunchArgs, "run training on one node of a multi-node job (torchrun wrapper)")
+# the torchrun options of LaunchSpec (launch/torchrun.py); node counts as given (resolved at launch)
+@command("launch", (ConfigArgs, RunFiles, Output, options_of(LaunchSpec, ("local_addr", "ifname"), group="network"),
+                    options_of(LaunchSpec, RDZV_KEYS, group=RDZV), options_of(LaunchSpec, ("node_rank",), group=NODES)),
+         "run training on one node of a multi-node job (torchrun wrapper)",
+         nnodes=(str, opt("node count N, or MIN:MAX for an elastic job", "1", env="PET_NNODES", group=NODES)),
+         nproc_per_node=(str, opt("processes per node: a number, 'gpu' (one per accelerator device: CUDA GPU, "
+                                  "logical NeuronCore), 'auto' (one per accelerator device, else 1), or a catalog "
+                                  "system (its devices per node, e.g. trn2.48xlarge: 64)", "auto",
+                                  env="PET_NPROC_PER_NODE", group=NODES)),
+         hybrid_shard=(bool, opt("HSDP across nodes: parallel.dp_kind=hsdp, dp_replicate = nnodes (nnodes/pp)")),
+         dry_run=(bool, opt("print the torchrun command and placement; run nothing")),
+         extra=(list[str], opt("more `paratrain train` arguments, after --", positional=True, nargs="*",
+                               factory=list)))
 def run_launch(args) -> None:
     if args.json and not args.dry_run:
         raise ValueError("--json: allowed only with --dry-run (a real launch hands the terminal to torchrun)")
     merge_extra(args)
     rdzv_conf = args.rdzv_conf or [c for c in os.environ.get("PET_RDZV_CONF", "").split(",") if c]
-    nnodes, nproc = parse_nnodes(args.nnodes), resolve_nproc(args.nproc_per_node)
-    cfg, extra_sets = resolve_config(args.config, args.set, args.hybrid_shard, nnodes, nproc)
+    nnodes, nproc = tr.parse_nnodes(args.nnodes), tr.resolve_nproc(args.nproc_per_node)
+    cfg, extra_sets = tr.resolve_config(args.config, args.set, args.hybrid_shard, nnodes, nproc)
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(LaunchSpec) if hasattr(args, f.name)}
     spec = LaunchSpec(**given | {"nnodes": nnodes, "nproc_per_node": nproc, "rdzv_conf": rdzv_conf,
-                                 "train_args": train_arguments(args.config, [*args.set, *extra_sets],
-                                                               args.resume_from, args.summary_json)})
-    cmd = build_command(spec)  # validates the flags
-    layouts = check_layout(cfg, nnodes, nproc)  # validates the layout for every allowed node count
-    env = launch_env(spec)
-    if args.dry_run and args.json:
-        print_json({"command": cmd, "env": env, "mode": spec.mode(), "nnodes": str(nnodes), "nproc_per_node": nproc,
-                    "placement": {str(k): v for k, v in layouts.items()}, "warnings": warnings_for(cfg, spec)})
-        return
-    print_placement(layouts, nproc, warnings_for(cfg, spec))
+                                 "train_args": tr.train_arguments(args.config, [*args.set, *extra_sets],
+                                                                  args.resume_from, args.summary_json)})
+    cmd = tr.build_command(spec)  # validates the flags
+    layouts = tr.check_layout(cfg, nnodes, nproc)  # validates the layout for every allowed node count
+    env, warnings = tr.launch_env(spec), tr.warnings_for(cfg, spec)
     if args.dry_run:
-        print(shell_line(cmd, env))
-        return
-    print(f"paratrain launch: exec {shell_line(cmd, env)}", file=sys.stderr, flush=True)
+        return show(args, {"command": cmd, "env": env, "mode": spec.mode(), "nnodes": str(nnodes),
+                           "nproc_per_node": nproc, "placement": {str(k): v for k, v in layouts.items()},
+                           "warnings": warnings},
+                    lambda: (tr.print_placement(layouts, nproc, warnings), print(tr.shell_line(cmd, env))))
+    tr.print_placement(layouts, nproc, warnings)
+    print(f"paratrain launch: exec {tr.shell_line(cmd, env)}", file=sys.stderr, flush=True)
     # exec, not a child: the scheduler's SIGTERM then reaches torchrun, which stops its workers cleanly.
     os.execvpe(cmd[0], cmd, {**os.environ, **env})
