@@ -213,6 +213,11 @@ def test_nxd_search_times_selective_recompute_with_and_without_the_mlp(nxd_searc
     plain = estimate(*NXD_SHIPPED[0][:5], c.layout, stack="nxd")
     assert not plain.recompute_mlp and plain.step_time_s < c.step_time_s  # replaying the MLP costs time
     assert plain.memory_per_device_bytes > c.memory_per_device_bytes  # and saves its gate/up outputs
+    from paratrain.model.config import load_model_config
+    from paratrain.plan.config_writer import training_config
+
+    with pytest.raises(ValueError, match="activations_checkpoint_recompute_mlp"):  # the runtime cannot run it
+        training_config(c, load_model_config("llama3-70b"), "llama3-70b", system.devices_per_node)
 
 
 def test_stack_flag_restricts_the_search_and_sets_how_it_runs(capsys):

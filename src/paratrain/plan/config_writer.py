@@ -58,6 +58,10 @@ def training_config(est: Estimate, model: ModelConfig, model_spec: str, devices_
     """The trainer's config for a planned layout (the keys it sets), checked by the trainer's schema.
     `hardware_spec`: what the user passed to --hardware (a catalog name or a TOML file), written as
     metrics.hardware so the run predicts against the same entry."""
+    if est.recompute_mlp:  # planned for NxD (plan --stack nxd): the runtime's selective recompute keeps the MLP
+        raise ValueError("layout: recompute = selective with the MLP block replayed (NxD's "
+                         "activations_checkpoint_recompute_mlp) has no paratrain runtime equivalent; allowed: a "
+                         "candidate with recompute none, selective or full (plan --json lists recompute_mlp)")
     lay = runtime_layout(est.layout)
     if model_spec in PRESETS or Path(model_spec).is_file():
         model_section = {"preset": model_spec}
