@@ -185,10 +185,12 @@ def expert_bias_s(model: ModelConfig, system: System, opts, routed, local):
     the probs' bytes (FLEX_PROBS_BYTES / ALLTOALL_PROBS_BYTES; b * p and the sum take that dtype):
     forward b * p writes P, t + b*p reads 2 + P and writes P, cat reads and writes P, the cast back (only where
     P != 2) reads P and writes 2; backward (autograd): the cast's gradient (P != 2) reads 2 writes P, the
-    gradient to t casts back (P != 2), and the mul's two gradients (to the bias and to the probs) each write
-    grad x other and sum it over the broadcast dimension (read P, write P, read P). Kernels: 2 per expert + cat
-    (+ cast) forward, 4 per expert (+ a cast each) backward, each paying the chip's kernel_overhead_s. fc1's
-    bias is in its GEMM's epilogue (skip_bias_add=False): not counted. Zero without expert biases."""
+    gradient to t casts back (P != 2), the mul's two gradients (to the bias and to the probs) each write
+    grad x other and sum it over the broadcast dimension (read P, write P, read P), and the split's backward
+    concatenates the experts' gradients of t into fc2's output gradient (read and write 2; the probs' split
+    likewise, a column). Kernels: 2 per expert + cat (+ cast) forward, 4 per expert (+ a cast each) + the two
+    split gradients backward, each paying the chip's kernel_overhead_s. fc1's bias is in its GEMM's epilogue
+    (skip_bias_add=False): not counted. Zero without expert biases."""
     from paratrain.plan.model import memory_time_s
 
     if not model.expert_bias:
@@ -197,9 +199,9 @@ def expert_bias_s(model: ModelConfig, system: System, opts, routed, local):
     cast = float(P != BF16_BYTES)
     elements = routed * model.hidden
     fwd_bytes = P + (BF16_BYTES + 2 * P) + 2 * P + cast * (P + BF16_BYTES)
-    bwd_bytes = cast * 2 * (BF16_BYTES + P) + 2 * 3 * P
+    bwd_bytes = cast * 2 * (BF16_BYTES + P) + 2 * 3 * P + 2 * BF16_BYTES
     fwd = memory_time_s(system, elements * fwd_bytes, 2 * local + 1 + cast)
-    bwd = memory_time_s(system, elements * bwd_bytes, (4 + cast) * local + cast)
+    bwd = memory_time_s(system, elements * bwd_bytes, (4 + cast) * local + cast + 2)
     return fwd, bwd
 
 
