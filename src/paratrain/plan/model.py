@@ -540,8 +540,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     # replays the forward ones. Counted per call: each pays the link's latency and per-call overhead. --
     act_bytes = T * h * BF16_BYTES
     ar = collective_time_s(system, "allreduce", act_bytes, tp, 1.0)
-    ag_rs = (collective_time_s(system, "allgather", act_bytes, tp, 1.0)
-             + collective_time_s(system, "reducescatter", act_bytes, tp, 1.0))
+    ag1 = collective_time_s(system, "allgather", act_bytes, tp, 1.0)
+    rs1 = collective_time_s(system, "reducescatter", act_bytes, tp, 1.0)
+    ag_rs = ag1 + rs1
     tp_exposed = 1 - eff_sys.tp_overlap
     tp_fwd = np.where(tp > 1, 2 * np.where(sp, ag_rs, ar), 0.0) * tp_exposed
     # recompute replays the forward's TP collectives: all of them (full) or the MLP's one pair (recompute_mlp)
@@ -555,10 +556,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         # (neuron-runtime/explore/compute-comm-overlap.rst). A row-parallel linear's backward first gathers its
         # output gradient, which both its GEMMs need: exposed. Per layer: 2 exposed gathers, 2 gathers and
         # 2 reduce-scatters behind one GEMM each (the backward's two GEMMs per linear each take its forward time).
-        ag1 = collective_time_s(system, "allgather", act_bytes, tp, 1.0)
-        rs1 = collective_time_s(system, "reducescatter", act_bytes, tp, 1.0)
         hidden_bwd = sum(np.maximum(0.0, ag1 - g) + np.maximum(0.0, rs1 - g) for g in column_mm)
-        bwd_sp = 2 * ag1 + hidden_bwd + tp_fwd * (replay - 1.0)  # + the recomputed forward's own collectives
+        bwd_sp = (2 * ag1 + hidden_bwd) * tp_exposed + tp_fwd * (replay - 1.0)  # + the replayed forward's
         tp_bwd = np.where((tp > 1) & sp, bwd_sp, tp_bwd)
     if opts.tp_comm_overlap:
         # Transformer Engine / Megatron (tp_comm_overlap) and torch async TP: with SP each all-gather is split
