@@ -47,7 +47,7 @@ def test_help_names_units_and_shared_defaults():
 DIFFERS = {
     "--device": "probe measures the host unless told; verify tests the accelerator present (auto)",
     "--out": "the hardware TOML written: probe has a default path, calibrate writes beside its input",
-    "--purchase": "compare/recommend: None = the [cost] table's, else on-demand (the same effective default)",
+    "--purchase": "compare/recommend/serve: None = the --config [cost] table's, else on-demand; simulate: on-demand",
     "--price": "the old ambiguous flag, hidden and refused in compare/recommend and simulate",
     "--rate": "serve plan: the rate to plan for; recommend: default 10; simulate: one rate or LO:HI:N",
     "--prompt-tokens": "N (estimate, plan), optional (recommend: per workload), N or LO:HI (simulate)",

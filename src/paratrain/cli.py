@@ -129,7 +129,7 @@ def add_options(parser: argparse.ArgumentParser, cls) -> None:
             kw = {"help": kw["help"], "action": "store_true"}
         elif kind == "list" and "nargs" not in m:  # repeatable; with nargs, one option takes several values
             kw["action"] = "append"
-        kw |= {k: m[k] for k in ARGPARSE_KEYS if k in m and k != "choices"}
+        kw |= {k: m[k] for k in ARGPARSE_KEYS if m.get(k) is not None and k != "choices"}
         names = [f.name] if m.get("positional") else [flag_of(f), *([m["short"]] if "short" in m else [])]
         where.add_argument(*names, **kw, **({} if m.get("positional") else {"dest": f.name}))
 
@@ -192,14 +192,10 @@ def section_options(section: str, keys, group: str) -> list[tuple]:
     (None) unless given, so the schema's defaults and derived values apply."""
     from paratrain.config import TrainConfig
 
-    out = []
-    for key in keys:
-        f = TrainConfig.model_fields[section].annotation.model_fields[key]
-        meta = {k: getattr(m, k) for m in f.metadata for k in BOUNDS if hasattr(m, k)}
-        meta |= {"metavar": "N"} if f.annotation is int else {}
-        out.append((key, f.annotation | None, opt(key_help(section, key), short=f"--{section}.{key}", group=group,
-                                                  **meta)))
-    return out
+    fields = TrainConfig.model_fields[section].annotation.model_fields
+    return [(key, fields[key].annotation | None, opt(
+        key_help(section, key), short=f"--{section}.{key}", group=group, metavar="N" if fields[key].annotation is int
+        else None, **{k: getattr(m, k) for m in fields[key].metadata for k in BOUNDS if hasattr(m, k)})) for key in keys]
 
 
 def add_config_keys(parser: argparse.ArgumentParser) -> None:

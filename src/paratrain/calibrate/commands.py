@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from paratrain.calibrate.probe import run_probe, write_probe
+from paratrain.calibrate.probe import probe_json, run_probe, write_probe
 from paratrain.calibrate.session import print_calibration, print_probe, run_calibration
 from paratrain.cli import Output, command, opt, show
 from paratrain.device import CPU, CUDA, NEURON
@@ -22,9 +22,7 @@ PROBE_DEVICES = (CPU, CUDA, NEURON)
 def run_probe_cmd(args) -> None:
     res = run_probe(args.device, list(args.groups), quick=args.quick, log=lambda m: None if args.json else print(m))
     out = write_probe(res, args.out, args.name, args.ranks)
-    show(args, {"matmul_tflops_by_size": res.matmul_tflops_by_size, "link_fit": res.link_fit, "hardware_file": str(out),
-                "memory_bw_gbytes_per_s": res.memory_bw_gbytes_per_s, "collective_fits": res.fits},
-         lambda: print_probe(res, out))
+    show(args, {**probe_json(res), "hardware_file": str(out)}, lambda: print_probe(res, out))
 
 
 @command("calibrate", Output, "fit the planner to measured runs; write a calibrated hardware file",

@@ -14,13 +14,19 @@ from paratrain.hardware.catalog import PURCHASE_HELP, PURCHASE_OPTIONS, get_cata
 
 
 @dataclass(kw_only=True)
-class CostArgs(Workload, Output):
-    train_tokens: float | None = opt("tokens to train, e.g. 1e12", gt=0, exclusive="length")
-    purchase: str | None = opt(f"{PURCHASE_HELP} (default {Assumptions.purchase}; config key cost.purchase)",
-                               choices=PURCHASE_OPTIONS)
+class Prices:
+    """What a node-hour costs: one meaning in compare, recommend and serve plan/recommend."""
+    purchase: str | None = opt(f"{PURCHASE_HELP} (default {Assumptions.purchase}; compare/recommend: the --config "
+                               "file's cost.purchase first)", choices=PURCHASE_OPTIONS)
     price_per_node_hour_usd: list[str] = opt("your price for one node-hour of a system (a quote; overrides the "
                                              "catalog at every purchase option; needed to rank systems without a "
-                                             "public price)", factory=list, metavar="SYSTEM=USD")
+                                             "public price; serve plan: a bare USD is the --hardware system's)",
+                                             factory=list, metavar="SYSTEM=USD")
+
+
+@dataclass(kw_only=True)
+class CostArgs(Prices, Workload, Output):
+    train_tokens: float | None = opt("tokens to train, e.g. 1e12", gt=0, exclusive="length")
     price: str | None = opt("", refused="ambiguous (it meant USD per node-hour here but per device-hour in "
                             "`paratrain simulate`); use --price-per-node-hour-usd SYSTEM=USD")
     pue: float | None = opt(f"power usage effectiveness (default {Assumptions.pue}, assumption)")

@@ -6,9 +6,11 @@ import time
 from dataclasses import dataclass
 
 from paratrain.cli import OnSystem, Output, UserError, command, from_options, opt, options_of, show
+from paratrain.cost.commands import Prices
+from paratrain.cost.compare import Assumptions
 from paratrain.cost.inputs import parse_prices
 from paratrain.cost.serving import DEFAULT_SYSTEMS, recommend, serving_cost
-from paratrain.hardware.catalog import PURCHASE_HELP, PURCHASE_OPTIONS, resolve_system
+from paratrain.hardware.catalog import resolve_system
 from paratrain.plan import serve_report as report
 from paratrain.plan.serve import KV_PRECISIONS, WEIGHT_PRECISIONS, Replica, Target, serving_stacks
 from paratrain.sim.serving import Engine, Slo, simulate_deployment, simulate_requests
@@ -28,14 +30,6 @@ class ServeModel(Output):
 class ServeOn(ServeModel, OnSystem):
     stack: str | None = opt("serving-stack efficiency table (default: the chip vendor's current engines; "
                             "plan/serving_efficiency.toml)", choices=serving_stacks())
-
-
-@dataclass(kw_only=True)
-class Prices:
-    purchase: str = opt(PURCHASE_HELP, "on-demand", choices=PURCHASE_OPTIONS)
-    price_per_node_hour_usd: list[str] = opt("your price for one node-hour, SYSTEM=USD (or USD for --hardware); "
-                                             "overrides the catalog, needed where it has no price",
-                                             factory=list, metavar="SYSTEM=USD")
 
 
 @dataclass(kw_only=True)
@@ -88,7 +82,7 @@ def cmd_plan(args) -> None:
         raise UserError(f"no replica layout of {model.name} on {system.name} meets the target (the weights do not "
                         "fit, or one replica cannot reach the TTFT/ITL target): try a looser target, fp8/int4 "
                         "weights, or another system")
-    costs = [serving_cost(p, system, target, price, args.purchase) for p in plans]
+    costs = [serving_cost(p, system, target, price, args.purchase or Assumptions.purchase) for p in plans]
     check = simulate_deployment(model, system, plans[0], target, args.simulate, eff) if args.simulate else None
     show(args, {"target": vars(target), "simulated": None if check is None else check.to_dict(),
                 "deployments": [{**p.to_dict(), "cost": c.to_dict()} for p, c in zip(plans, costs, strict=True)]},
@@ -107,7 +101,7 @@ def cmd_plan(args) -> None:
 def cmd_recommend(args) -> None:
     target, cands = recommend(args.workload, args.model, args.rate, args.systems or DEFAULT_SYSTEMS,
                               weights=args.weights, prices=parse_prices(args.price_per_node_hour_usd),
-                              purchase=args.purchase, prompt=args.prompt_tokens, output=args.output_tokens,
+                              purchase=args.purchase or Assumptions.purchase, prompt=args.prompt_tokens, output=args.output_tokens,
                               ttft_s=args.ttft_s, itl_s=args.itl_s)
     show(args, {"workload": args.workload, "target": vars(target), "candidates": [c.to_dict() for c in cands]},
          lambda: report.print_recommendation(args.workload, args.model, target, cands))
