@@ -26,6 +26,9 @@ import textwrap
 import types
 import typing
 from dataclasses import MISSING, dataclass, field
+from importlib.resources import files
+
+from paratrain.config import FIELD_HELP, TrainConfig
 
 COMMAND_MODULES = [f"paratrain.{m}" for m in (  # in the order `paratrain --help` lists their commands
     "train.commands", "train.verify", "hardware.commands", "plan.commands", "plan.serve_commands",
@@ -178,8 +181,6 @@ def from_options(cls, opts, **given):
 
 def key_help(section: str, key: str, short: bool = False) -> str:
     """A training config key's description, the same for its flag, its shortcut flag and docs/config.md."""
-    from paratrain.config import FIELD_HELP, TrainConfig
-
     f = TrainConfig.model_fields[section].annotation.model_fields[key]
     about = f.description or FIELD_HELP.get(f"{section}.{key}", key)
     about = textwrap.shorten(about.split(";")[0].split(". ")[0], 64, placeholder="...") if short else about
@@ -190,8 +191,6 @@ def section_options(section: str, keys, group: str) -> list[tuple]:
     """Shortcut options for keys of a training config section (`dataclasses.make_dataclass` fields), each spelled
     as the trainer's key (`--pp-schedule`, also `--parallel.pp_schedule`), with its type, bounds and help; unset
     (None) unless given, so the schema's defaults and derived values apply."""
-    from paratrain.config import TrainConfig
-
     fields = TrainConfig.model_fields[section].annotation.model_fields
     return [(key, fields[key].annotation | None, opt(
         key_help(section, key), short=f"--{section}.{key}", group=group, metavar="N" if fields[key].annotation is int
@@ -201,8 +200,6 @@ def section_options(section: str, keys, group: str) -> list[tuple]:
 def add_config_keys(parser: argparse.ArgumentParser) -> None:
     """One flag per training config key, --SECTION.KEY VALUE: appended to --set as SECTION.KEY=VALUE in
     command-line order, so the later of the two wins."""
-    from paratrain.config import TrainConfig
-
     g = parser.add_argument_group("config keys (each the same as --set SECTION.KEY=VALUE; docs/config.md)")
     for section, sfield in TrainConfig.model_fields.items():
         for key in sfield.annotation.model_fields:
@@ -214,8 +211,6 @@ def add_config_keys(parser: argparse.ArgumentParser) -> None:
 def command_help() -> dict[str, list[str]]:
     """The long help of each command, from the package's cli_help.md (also the commands' documentation):
     `## COMMAND` sections, each with one or two ```text blocks (the text above the options, and below them)."""
-    from importlib.resources import files
-
     text = files("paratrain").joinpath("cli_help.md").read_text(encoding="utf-8")
     return {name.strip(): re.findall(r"^```text\n(.*?)^```$", body, re.S | re.M)
             for name, body in re.findall(r"^## ([^\n]+)\n(.*?)(?=^## |\Z)", text, re.S | re.M)}

@@ -6,9 +6,11 @@ from dataclasses import dataclass
 
 from paratrain.cli import Output, UserError, Workload, command, from_options, opt, options_of, show
 from paratrain.cost import compare, tables
+from paratrain.cost.claims import run_claims
 from paratrain.cost.compare import FAILURE_MODELS, Assumptions
 from paratrain.cost.inputs import assumptions_from
 from paratrain.cost.recommend import Request, recommend
+from paratrain.cost.report import write_report
 from paratrain.cost.serving import WORKLOADS  # serving workloads are planned by `serve recommend`
 from paratrain.hardware.catalog import PURCHASE_HELP, PURCHASE_OPTIONS, get_catalog
 
@@ -58,8 +60,6 @@ def _progress(total: int, quiet: bool):
          markdown=(bool, opt("with --claims: print the claims as the Markdown table of docs/cost.md")))
 def run_compare(args) -> int | None:
     if args.claims:
-        from paratrain.cost.claims import run_claims
-
         return run_claims(args, assumptions_from(args), _progress)
     missing = [flag for flag, value in (("--model", args.model), ("--train-tokens or --steps", args.train_tokens or
                                         args.steps), ("--targets", args.targets)) if value is None]
@@ -73,8 +73,6 @@ def run_compare(args) -> int | None:
         out["sensitivity_plot"] = tables.write_sensitivity_plot(
             args.sensitivity_plot, rows, items, f"{out['workload']['model']}, {workload.train_tokens:.3g} tokens")
     if args.report:
-        from paratrain.cost.report import write_report
-
         # the report plans each system at 1/4 to 4x its size too (Pareto and scaling plots)
         bar = _progress(4 * len(targets), args.json)
         out["report"] = str(write_report(args.report, workload, rows, targets, assumptions, progress=bar))

@@ -11,6 +11,7 @@ from paratrain.cost.compare import Assumptions
 from paratrain.cost.inputs import parse_prices
 from paratrain.cost.serving import DEFAULT_SYSTEMS, recommend, serving_cost
 from paratrain.hardware.catalog import resolve_system
+from paratrain.plan import serve
 from paratrain.plan import serve_report as report
 from paratrain.plan.serve import KV_PRECISIONS, WEIGHT_PRECISIONS, Replica, Target, serving_stacks
 from paratrain.sim.serving import Engine, Slo, simulate_deployment, simulate_requests
@@ -39,20 +40,16 @@ class Lengths:
 
 
 def _load(args):
-    from paratrain.plan.serve import load_serving_model, serving_efficiency
-
     system = resolve_system(args.hardware)
-    return load_serving_model(args.model), system, serving_efficiency(system, args.stack)
+    return serve.load_serving_model(args.model), system, serve.serving_efficiency(system, args.stack)
 
 
 @command("serve estimate", (OneReplica, ServeOn, Lengths), "latency, throughput and memory of one replica at one batch",
          batch=(tuple[int, ...], opt("concurrent sequences on the replica; a comma list (1,8,32,128) prints one "
                                      "row each", (1,), ge=1)))
 def cmd_estimate(args) -> None:
-    from paratrain.plan.serve import estimate
-
     model, system, eff = _load(args)
-    ests = [estimate(model, system, from_options(Replica, args), b, args.prompt_tokens, args.output_tokens, eff)
+    ests = [serve.estimate(model, system, from_options(Replica, args), b, args.prompt_tokens, args.output_tokens, eff)
             for b in args.batch]
     if len(ests) == 1:
         return show(args, ests[0].to_dict(), lambda: report.print_estimate(ests[0]))
@@ -72,12 +69,10 @@ def cmd_estimate(args) -> None:
                             "of the rate, this many Poisson requests (p50/p99 TTFT and ITL, SLO attainment)", 0,
                             ge=0, metavar="REQUESTS")))
 def cmd_plan(args) -> None:
-    from paratrain.plan.serve import plan
-
     model, system, eff = _load(args)
     target = from_options(Target, args, prompt=args.prompt_tokens, output=args.output_tokens)
     price = parse_prices(args.price_per_node_hour_usd, system=system.name).get(system.name)
-    plans = plan(model, system, target, weights=args.weights, kv=args.kv, top=args.top, eff=eff)
+    plans = serve.plan(model, system, target, weights=args.weights, kv=args.kv, top=args.top, eff=eff)
     if not plans:
         raise UserError(f"no replica layout of {model.name} on {system.name} meets the target (the weights do not "
                         "fit, or one replica cannot reach the TTFT/ITL target): try a looser target, fp8/int4 "
@@ -117,10 +112,8 @@ def cmd_recommend(args) -> None:
          requests=(int, opt("requests per rate", 1000, ge=1)),
          seed=(int, opt("random seed", 0)))
 def cmd_simulate(args) -> None:
-    from paratrain.plan.serve import check_replica
-
     model, system, eff = _load(args)
-    check_replica(model, system, rep := from_options(Replica, args))
+    serve.check_replica(model, system, rep := from_options(Replica, args))
     start = time.perf_counter()
     results, requests = simulate_requests(model, system, rep, from_options(Engine, args), Slo(args.ttft_s, args.itl_s),
                                           eff, trace=args.trace, rate=args.rate, prompt=args.prompt_tokens,

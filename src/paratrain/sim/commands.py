@@ -10,7 +10,9 @@ from pathlib import Path
 from paratrain.cli import Output, UserError, Workload, command, opt, show
 from paratrain.hardware.catalog import PURCHASE_HELP, PURCHASE_OPTIONS
 from paratrain.sim.config import SimConfig, config_from_options, parse_duration_s
+from paratrain.sim.engine import simulate
 from paratrain.sim.report import daly_check, format_report, print_daly_check, progress_bars, write_plots
+from paratrain.sim.results import summarize
 
 
 def GB(value: float, _flag: str) -> float:  # noqa: N802 (a unit, as parse_duration_s is one)
@@ -78,9 +80,6 @@ def run_simulate(args) -> None:
         rows = daly_check(samples=args.samples or 200, seed=args.seed or 0, progress=progress_bars(args.json)(
             "Daly cases"))
         return show(args, rows, lambda: print_daly_check(rows))
-    from paratrain.sim.engine import simulate
-    from paratrain.sim.results import summarize
-
     cfg, started = config_from_options(args), time.perf_counter()
     report = summarize(simulate(cfg))
     report["elapsed_s"] = time.perf_counter() - started

@@ -8,6 +8,10 @@ import sys
 from pathlib import Path
 
 from paratrain.cli import ConfigArgs, Output, RunFiles, UserError, command, opt, print_json, show
+from paratrain.config import check_launch, load_config, reference_markdown, resolved_config
+from paratrain.train.checkpoint_info import describe_dir, print_checkpoints, verify_checkpoint
+from paratrain.train.faults import FaultInjector
+from paratrain.train.summary import print_summary
 
 GROUPS = [("data", "prepare training data (tokenize into a memory-mapped token file)"),
           ("checkpoint", "list and verify training checkpoints")]
@@ -19,11 +23,8 @@ def run_train(args, faults=None) -> int:
     (parsed here, before any work)."""
     import torch.distributed as dist
 
-    from paratrain.config import check_launch, load_config
     from paratrain.parallel.mesh import shutdown_distributed
-    from paratrain.train.faults import FaultInjector
     from paratrain.train.loop import train
-    from paratrain.train.summary import print_summary
 
     cfg = load_config(args.config, args.set)  # fails here, before any process group or data work
     faults = faults if faults is not None else FaultInjector.from_env(os.environ)  # a malformed spec, too
@@ -47,8 +48,7 @@ def run_train(args, faults=None) -> int:
          progress=(str | None, opt("progress bar with tokens/s on stderr (default: when stderr is a terminal)",
                                    choices=("on", "off"))))
 def run_prepare(args) -> None:
-    from paratrain.config import load_config
-    from paratrain.train.data import prepare, read_meta, summary_line
+    from paratrain.train.data import prepare, read_meta, summary_line  # tokenizers: not for --help
     from paratrain.train.data.tokenize import check_model_tokenizer
 
     cfg = load_config(args.config, args.set)
@@ -63,16 +63,12 @@ def run_prepare(args) -> None:
 @command("config", ConfigArgs, "validate a config and print it fully resolved (defaults filled in)",
          reference=(bool, opt("print the reference of every key (markdown)")))
 def run_config(args) -> None:
-    from paratrain.config import load_config, reference_markdown, resolved_config
-
     print(f"{reference_markdown()}\n" if args.reference else resolved_config(load_config(args.config, args.set)), end="")
 
 
 @command("checkpoint list", Output, "checkpoints in a directory: step, status, size, layout",
          dir=(str, opt("checkpoint directory (checkpoint.dir)", positional=True)))
 def run_list(args) -> None:
-    from paratrain.train.checkpoint_info import describe_dir, print_checkpoints
-
     rows = describe_dir(args.dir)
     if not rows and not args.json:
         raise UserError(f"no step_* checkpoint folders in {args.dir}")
@@ -83,8 +79,6 @@ def run_list(args) -> None:
          path=(str, opt("a checkpoint folder (step_*) or a directory (its newest complete checkpoint)",
                         positional=True)))
 def run_verify(args) -> int:
-    from paratrain.train.checkpoint_info import verify_checkpoint
-
     r = verify_checkpoint(args.path)
     show(args, r, lambda: print(f"{r['path']}: " + (f"OK ({r['seconds']:.2f} s)" if r["ok"] else
                                                     f"REFUSED: {r['problem']}")))
@@ -99,7 +93,6 @@ def run_verify(args) -> int:
          dtype=(str, opt("dtype of the exported weights", "fp32", choices=["fp32", "bf16"])),
          max_shard_gib=(float, opt("size of one safetensors file", 2.0, gt=0)))
 def run_export(args) -> None:
-    from paratrain.config import load_config
     from paratrain.train.export import export_hf, print_export, run_config_of, shard_progress
 
     config = args.config or run_config_of(args.checkpoint)
