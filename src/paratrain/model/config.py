@@ -6,6 +6,7 @@ a 405B model on a laptop. The runtime builds `paratrain.model.llama.Llama` from 
 
 from __future__ import annotations
 
+import math
 import tomllib
 from pathlib import Path
 from typing import Literal
@@ -73,6 +74,10 @@ class ModelConfig(BaseModel):
     # the planner times how Megatron-Core applies them (plan.moe.expert_bias_s); paratrain's MoE block has none and
     # refuses such a config (model.moe.MoEBlock)
     expert_bias: bool = False
+    # YaRN context extension factor (GPT-OSS: rope_scaling {"rope_type": "yarn", "factor": 32}): shape only, for the
+    # planner, whose cost is how Megatron-Core runs RoPE with YaRN's attention factor (plan.model.unfused_rope_s);
+    # paratrain's RoPE has no YaRN and refuses such a config (model.llama.Llama)
+    rope_yarn_factor: float | None = Field(default=None, gt=1)
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:
@@ -109,6 +114,12 @@ class ModelConfig(BaseModel):
     @property
     def head_dim(self) -> int:
         return self.head_dim_override or self.hidden // self.heads
+
+    @property
+    def rope_attention_factor(self) -> float:
+        """YaRN's attention (concentration) factor on cos/sin: 0.1 ln(factor) + 1 (Peng et al. 2023, YaRN eq. 22;
+        Megatron-Core yarn_rotary_pos_embedding._yarn_get_mscale with mscale unset, as GPT-OSS); 1 without YaRN."""
+        return 0.1 * math.log(self.rope_yarn_factor) + 1.0 if self.rope_yarn_factor else 1.0
 
     @property
     def moe_ffn(self) -> int:

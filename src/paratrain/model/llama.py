@@ -135,6 +135,9 @@ class Llama(nn.Module):
         super().__init__()
         if cfg.arch != "llama":
             raise ValueError(f"model.arch='{cfg.arch}': the runtime trains arch='llama' only")
+        if cfg.rope_yarn_factor is not None:  # planner-only (GPT-OSS): training without YaRN would be wrong
+            raise ValueError(f"model.rope_yarn_factor={cfg.rope_yarn_factor}: allowed: unset (paratrain's RoPE has "
+                             "no YaRN; the field only tells the planner how a stack runs it)")
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab, cfg.hidden)
         self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg, i) for i in range(cfg.layers)})

@@ -352,7 +352,8 @@ def elementwise_bytes_per_token(model: ModelConfig, seq: int, attention: str):
     residual = 2 * (3 * h) * BF16_BYTES  # two residual (+bias+dropout) adds: read 2h, write h
     if model.arch == "llama":
         act = mlp_activation_bytes_per_token(model)  # SwiGLU: read gate and up, write product
-        rope = 2 * (query_dim(model) + kv) * BF16_BYTES
+        # fused RoPE: read + write q and k once (unfused_rope_s times the unfused path instead)
+        rope = 0 if model.rope_attention_factor != 1.0 else 2 * (query_dim(model) + kv) * BF16_BYTES
         core = 2 * a * seq * BF16_BYTES  # fused scale-mask-softmax: read + write scores
         kernels = 6
     else:
@@ -363,6 +364,33 @@ def elementwise_bytes_per_token(model: ModelConfig, seq: int, attention: str):
     if attention == "flash":
         core, kernels = 0, kernels - 1
     return float(norms + residual), float(act + rope), float(core), kernels
+
+
+# RoPE as Megatron-Core runs it where the model has YaRN's attention factor (mscale != 1: "not supported by TE's
+# fused RoPE. Using unfused implementation", megatron/core/models/common/embeddings/rope_utils.py, the same in the
+# Megatron-LM commits Megatron-Bridge v0.2.2-v0.4.0 pin; GPT-OSS's factor 32 gives 1.35): _apply_rotary_pos_emb_bshd
+# in eager PyTorch on q and on k. Per element of the tensor, bf16 (2 bytes): forward -x2 (read + write half),
+# cat((-x2, x1)) (read + write), t * cos, rotated * sin (read + write each), their sum (read 2, write 1) and the
+# final cat with the empty pass-through part (read + write): 12 passes, 24 bytes; 6 kernels plus 6 small ones for
+# the cos/sin tables (cos, sin, * mscale, .to). Backward (autograd): grad * cos, grad * sin, the negation's and the
+# chunk's gradients (a cat), the sum of the two paths and the slice's gradient (zeros + copy): 13 passes, 26 bytes,
+# 8 kernels.
+UNFUSED_ROPE_FWD_BYTES = 24
+UNFUSED_ROPE_BWD_BYTES = 26
+UNFUSED_ROPE_FWD_KERNELS = 12  # per rotated tensor (q, k)
+UNFUSED_ROPE_BWD_KERNELS = 8
+
+
+def unfused_rope_s(model: ModelConfig, system: System, T, tp):
+    """(forward s, backward s) of one layer's RoPE on the unfused path (UNFUSED_ROPE_*): q (heads x head_dim / tp)
+    and k (the rank's kv heads) of T tokens. Zero for a model without YaRN's attention factor (its RoPE is the fused
+    kernel, in elementwise_bytes_per_token)."""
+    if model.rope_attention_factor == 1.0:
+        return 0.0, 0.0
+    elements = T * (query_dim(model) / tp + model.kv_dim / np.minimum(tp, model.n_kv_heads))
+    fwd = memory_time_s(system, elements * UNFUSED_ROPE_FWD_BYTES, 2 * UNFUSED_ROPE_FWD_KERNELS)
+    bwd = memory_time_s(system, elements * UNFUSED_ROPE_BWD_BYTES, 2 * UNFUSED_ROPE_BWD_KERNELS)
+    return fwd, bwd
 
 
 ROOFLINE_SHARPNESS = 2.0
@@ -523,14 +551,15 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     if moe is not None:  # routed experts: grouped GEMMs (their weight gradients too) and permute/router kernels
         quantize, (bias_fwd, bias_bwd) = moe[6], moe[7]
         mm, elem, mlp_fwd = mm + moe[0], elem + moe[1], mlp_fwd + moe[0] + moe[1] + quantize + bias_fwd
-    fwd_compute = mm + core + elem + quantize + bias_fwd
+    rope_fwd, rope_bwd = unfused_rope_s(model, system, T, tp)  # YaRN models on Megatron-Core's unfused RoPE
+    fwd_compute = mm + core + elem + quantize + bias_fwd + rope_fwd
     selective = core + (mlp_fwd if opts.recompute_mlp else 0.0)
     recompute_fwd = np.where(rc == 2, fwd_compute, np.where(rc == 1, selective, 0.0))
     # FlashAttention's backward recomputes the scores and probabilities and runs 5 matmuls to the forward's 2
     # (Dao 2023, FlashAttention-2 sec. 3.2), at a lower fraction of peak than its forward (FLASH_BWD_EFF);
     # unfused attention keeps P and runs 4 (dP, dV, dQ, dK) as plain batched GEMMs
     core_bwd = FLASH_BWD_MATMULS / 2.0 / FLASH_BWD_EFF if opts.attention == "flash" else 2.0
-    bwd_compute = 2 * mm + core_bwd * core + 2 * elem + quantize + bias_bwd + recompute_fwd
+    bwd_compute = 2 * mm + core_bwd * core + 2 * elem + quantize + bias_bwd + rope_bwd + recompute_fwd
     a2a_fwd, a2a_bwd = moe_plan.exposed_alltoall(opts, moe[2], moe[3], fwd_compute, bwd_compute,
                                                  *moe_plan.overlap_limits(system, opts, sched, pp, v, m)) \
         if moe is not None else (0.0, 0.0)
