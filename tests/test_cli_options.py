@@ -172,3 +172,16 @@ def test_cost_flags_default_to_the_cost_assumptions(tmp_path):
     assert assumed("--config", str(table), "--failures", "none") == (1.5, "none", Assumptions.purchase)
     text = build_parser()._subparsers._group_actions[0].choices["compare"].format_help()
     assert f"(default {Assumptions.pue}," in text and f"(default {Assumptions.failures})" in text
+
+
+def test_a_config_keys_flags_share_its_one_description():
+    """--SECTION.KEY (every config-driven command) and estimate's shortcut flag describe a key with the schema's
+    own text (its description, else config.FIELD_HELP), the text docs/config.md has."""
+    from paratrain.config import FIELD_HELP, TrainConfig
+
+    sub = build_parser()._subparsers._group_actions[0].choices
+    train, estimate = (" ".join(sub[name].format_help().split()) for name in ("train", "estimate"))
+    assert not TrainConfig.model_fields["model"].annotation.model_fields["layers"].description
+    assert "--model.layers V " + FIELD_HELP["model.layers"] in train  # from FIELD_HELP (was blank)
+    tp = FIELD_HELP["parallel.tp"]
+    assert "--parallel.tp V " + tp[:20] in train and f"{tp} (parallel.tp, default 1)" in estimate

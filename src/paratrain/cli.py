@@ -1,13 +1,12 @@
-"""The `paratrain` command, generated from dataclasses.
+"""The `paratrain` command, generated from dataclasses (docs/cli.md).
 
-Each part declares its subcommands in its commands.py (`@command` on the function that runs one), so the CLI
-mirrors the architecture. A command's options are a dataclass: each field is one flag, whose name, type, choices,
-default, bounds and unit come from the field (name, annotation, the metadata `opt` puts there), so a flag means
-one thing and is checked one way everywhere. A part's own schema (a dataclass whose fields carry a "help") becomes
-options as it is (`options_of`), and the training schema's keys become flags (`--SECTION.KEY V` = `--set`).
-Long help: cli_help.md. Our own small generator rather than tyro or jsonargparse: those print their own
-multi-line errors, and our one-line bound and comma-list errors, refused old flags, environment defaults and
-config-key flags (argparse, which both wrap) would need adapters about as long as this.
+Each part declares its subcommands in its commands.py (`@command` on the function that runs one). A command's
+options are a dataclass: each field is one flag, its name, type, choices, default, bounds and unit from the field,
+so a flag means one thing and is checked one way everywhere; a part's own schema becomes options as it is
+(`options_of`), the training schema's keys become flags (`--SECTION.KEY V` = `--set`); long help: cli_help.md.
+Our own small generator rather than tyro or jsonargparse: those print their own multi-line errors, and our
+one-line bound errors, comma lists, refused old flags, environment defaults and config-key flags would need
+adapters about as long as this.
 """
 
 from __future__ import annotations
@@ -58,7 +57,7 @@ def _kind(hint) -> tuple[str, typing.Any, tuple | None]:
     comma-separated value) or value."""
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     hint = args[0] if typing.get_origin(hint) in (typing.Union, types.UnionType) and len(args) == 1 else hint
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    origin, args = typing.get_origin(hint), typing.get_args(hint)  # X | None: X
     if origin is typing.Literal:
         return "value", type(args[0]), args
     if origin is tuple:

@@ -20,8 +20,8 @@ def merge_extra(args) -> None:
     """Fold `paratrain train` arguments given after `--` into args, so the layout check sees the same config
     the workers will load."""
     p = argparse.ArgumentParser(prog="paratrain launch ... --", add_help=False)
-    cli.add_options(p, ConfigArgs)  # train's own options (those launch passes on), and its config keys
-    cli.add_options(p, RunFiles)
+    for cls in (ConfigArgs, RunFiles):  # train's own options (those launch passes on), and its config keys
+        cli.add_options(p, cls)
     cli.add_config_keys(p)
     known, rest = p.parse_known_args(args.extra[1:] if args.extra[:1] == ["--"] else args.extra)
     if rest:
