@@ -38,6 +38,12 @@ from paratrain.plan.model import Options
 DATA = Path(__file__).parent / "data"
 RUNS_CSV = DATA / "moe_runs.csv"
 CHOICES = {"recompute": ["none", "selective", "full"], "microbatch": [1, 2, 4, 8]}
+# csv `dispatcher`: alltoall (Megatron-Core's MoEAlltoAllTokenDispatcher); the flex dispatcher's backends deepep and
+# hybridep, and hierarchical (a node-deduplicating dispatch whose backend the source does not name: timed as
+# HybridEP, DeepSeek's own DeepEP stack on the fused GEMM path). HybridEP pads each expert's rows for FP8 while
+# permuting (pad_multiple); DeepEP and alltoall leave it to Transformer Engine's Fp8Padding (plan.moe.fp8_padding_s)
+HIERARCHICAL = ("hierarchical", "deepep", "hybridep")
+FUSED_PADDING = ("hierarchical", "hybridep")
 
 
 def h800_cluster(catalog):
@@ -62,12 +68,15 @@ def model_of(name: str):
 
 
 def options_of(system, r: dict) -> Options:
+    if r["dispatcher"] not in ("alltoall", *HIERARCHICAL):
+        raise ValueError(f"dispatcher = {r['dispatcher']!r}: allowed: alltoall, {', '.join(HIERARCHICAL)}")
     # mxfp8: FP8 with MX block scaling (one E8M0 scale per 32 elements), what Blackwell runs as "MXFP8"
     return Options.for_system(system, stack="megatron", fp8=r["precision"] in ("fp8", "mxfp8"),
                               block_scaling=True if r["precision"] == "mxfp8" else None,
                               moe_imbalance=1.0 if r["routing"] == "balanced" else None,
                               ep_overlap=float(r["ep_overlap"]), moe_fp8_dispatch=r["fp8_dispatch"] == "1",
-                              moe_hierarchical_dispatch=r["dispatcher"] == "hierarchical",
+                              moe_hierarchical_dispatch=r["dispatcher"] in HIERARCHICAL,
+                              moe_fused_padding=r["dispatcher"] in FUSED_PADDING,
                               moe_gemm_per_expert=r["grouped_gemm"] == "per_expert",
                               recompute_mlp=r["recompute_mlp"] == "1")
 

@@ -249,7 +249,8 @@ def test_per_expert_quantize_launches(monkeypatch):
         assert moe.per_expert_quantize_s(h100, opts, 16) == 0
     cfg = PRESETS["qwen3-30b-a3b"]
     kw = {"T": 4096.0, "tp": 1, "sp": False, "etp": 1, "rc": 0}
-    ep8, ep16 = (moe.layer_terms(cfg, h100, te_fp8, ep=ep, **kw)[6] for ep in (8, 16))
+    launches_only = replace(te_fp8, moe_fused_padding=True)  # the same term carries TE's FP8 row padding
+    ep8, ep16 = (moe.layer_terms(cfg, h100, launches_only, ep=ep, **kw)[6] for ep in (8, 16))
     assert ep8 == pytest.approx(2 * ep16) and ep8 == pytest.approx(2 * 16 * 3 * launch)
     # in the step: every microbatch pays them once forward and once backward in each (MoE) layer
     lay = Layout(tp=1, pp=1, ep=16, microbatch=1, recompute="none")
@@ -291,6 +292,31 @@ def test_expert_bias_added_per_expert_outside_the_gemm(monkeypatch):
 
     with pytest.raises(ValueError, match="model.expert_bias=True"):
         MoE(biased)
+
+
+def test_fp8_row_padding_copies_unless_the_dispatcher_padded():
+    """Transformer Engine's Fp8Padding / Fp8Unpadding around the per-expert GEMMs copy every routed row in and out
+    (bf16, read + write, h wide) once per direction under FP8, 3 kernels; nothing in BF16, on the fused GEMM path,
+    or where the dispatcher padded while permuting (HybridEP: Options.moe_fused_padding). layer_terms adds it to
+    the per-direction term with the quantize launches; a csv dispatcher outside the known ones is one error."""
+    system = get_catalog().system(H100)
+    eff = system.chip.efficiency
+    bw = system.device_hbm_bw_bytes_per_s * eff.memory_bw_eff
+    cfg = PRESETS["qwen3-30b-a3b"]
+    te_fp8 = Options.for_system(system, stack="megatron", fp8=True, moe_imbalance=1.0)
+    rows = 32768.0
+    assert moe.fp8_padding_s(cfg, system, te_fp8, rows) == pytest.approx(
+        rows * cfg.hidden * 2 * 2 * 2 / bw + 3 * eff.kernel_overhead_s)
+    for opts in (replace(te_fp8, fp8=False), replace(te_fp8, moe_gemm_per_expert=False),
+                 replace(te_fp8, moe_fused_padding=True)):
+        assert moe.fp8_padding_s(cfg, system, opts, rows) == 0
+    kw = {"T": 4096.0, "tp": 1, "sp": False, "ep": 8, "etp": 1, "rc": 0}
+    share = cfg.moe_layers / cfg.layers
+    padded = moe.layer_terms(cfg, system, te_fp8, **kw)[6] - moe.layer_terms(
+        cfg, system, replace(te_fp8, moe_fused_padding=True), **kw)[6]
+    assert padded == pytest.approx(share * moe.fp8_padding_s(cfg, system, te_fp8, 4096.0 * cfg.experts_per_token))
+    with pytest.raises(ValueError, match="dispatcher = 'nccl-ep'"):
+        _ACCURACY.options_of(system, {"dispatcher": "nccl-ep"})
 
 
 def test_yarn_rope_runs_unfused():

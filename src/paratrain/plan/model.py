@@ -118,7 +118,10 @@ class Options:
     moe_hierarchical_dispatch: a token crosses the network once per destination node, NVLink fans it out
     (DeepEP / HybridEP, Megatron-Core's flex dispatcher); otherwise a flat all-to-all sends all k copies;
     moe_gemm_per_expert: the grouped expert GEMM is one GEMM launch per local expert (Transformer Engine's
-    GroupedLinear on Hopper: multi-stream cuBLASLt), otherwise one launch for all (torch._grouped_mm, DeepGEMM).
+    GroupedLinear on Hopper: multi-stream cuBLASLt), otherwise one launch for all (torch._grouped_mm, DeepGEMM);
+    moe_fused_padding: the dispatcher delivers each local expert's rows already padded to the low-precision
+    alignment (HybridEP's pad_multiple), so Transformer Engine's Fp8Padding / Fp8Unpadding around the per-expert
+    GEMMs copy nothing (plan.moe.fp8_padding_s; the alltoall dispatcher and DeepEP leave that to them).
     cp_comm: how context parallelism exchanges K/V (CP_COMM; _context_parallel_s): "ring" (Megatron-Core's p2p,
     hidden behind the attention blocks), "allgather" (one exposed all-gather, Llama 3's), "allgather_rotate"
     (torch's context_parallel as torchtitan runs it: gathered behind the first block, dK/dV on a ring).
@@ -154,6 +157,7 @@ class Options:
     moe_fp8_dispatch: bool = False
     moe_hierarchical_dispatch: bool = False
     moe_gemm_per_expert: bool = False
+    moe_fused_padding: bool = False
     cp_comm: str = "ring"
     p2p_pair_allgather: bool = False
     tp_bwd_overlap: bool = False

@@ -175,6 +175,25 @@ def per_expert_quantize_s(system: System, opts, local):
         * system.chip.efficiency.kernel_overhead_s
 
 
+def fp8_padding_s(model: ModelConfig, system: System, opts, routed):
+    """Time per direction, per MoE block, of Transformer Engine's Fp8Padding and Fp8Unpadding around the per-expert
+    GEMMs: Megatron-Core's TEGroupedMLP pads each local expert's rows to the FP8/FP4 alignment (16 rows, 32 for the
+    MX formats and NVFP4) before fc1 and unpads fc2's output after it, under FP8 or FP4 (experts.py forward,
+    `quantization_padding` / `quantization_unpadding`, in every Megatron-LM commit Megatron-Bridge v0.2.2-v0.4.2
+    pins). TE (module/fp8_padding.py) returns early only when every count is already aligned, which routing
+    leaves them not (force-balanced or learned); otherwise `tex.fused_multi_row_padding` copies every routed row
+    (h wide, bf16: read + write) into the padded buffer, the unpadding copies the outputs back, and the backward
+    runs the same two copies of the gradients the other way (once per direction, as per_expert_quantize_s). Plus
+    the probs' column padded alike (one small kernel). None where the dispatcher already padded the rows
+    (Options.moe_fused_padding: HybridEP's pad_multiple; DeepEP pads only with moe_router_padding_for_quantization,
+    which the recipes leave off), on the fused grouped-GEMM path or in BF16."""
+    from paratrain.plan.model import memory_time_s
+
+    if not (opts.fp8 and opts.moe_gemm_per_expert) or opts.moe_fused_padding:
+        return 0.0 * np.asarray(routed, dtype=float)
+    return memory_time_s(system, routed * model.hidden * BF16_BYTES * 2 * 2, 3)
+
+
 def expert_bias_s(model: ModelConfig, system: System, opts, routed, local):
     """(forward s, backward s) per MoE block of the routed experts' output bias as Megatron-Core applies it
     (TEGroupedMLP._apply_bias, megatron/core/transformer/moe/experts.py, the same code in core v0.15-v0.18 and in
@@ -207,9 +226,10 @@ def expert_bias_s(model: ModelConfig, system: System, opts, routed, local):
 
 def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp, rc):
     """Per average layer, forward, on the busiest expert rank: (expert GEMMs s, elementwise s, all-to-all fwd s,
-    all-to-all bwd s, all-to-all bytes per microbatch, routed rows, per-expert quantize launches s, (expert bias
-    forward s, backward s)). Backward GEMMs and elementwise traffic are 2x (plan.model); the quantize launches
-    are once per direction; the expert bias has its own forward and backward (expert_bias_s)."""
+    all-to-all bwd s, all-to-all bytes per microbatch, routed rows, per-expert quantize launches + FP8 row padding s,
+    (expert bias forward s, backward s)). Backward GEMMs and elementwise traffic are 2x (plan.model); the quantize
+    launches and the padding copies are once per direction; the expert bias has its own forward and backward
+    (expert_bias_s)."""
     from paratrain.plan.model import cast_cost, matmul_time_s, memory_time_s
 
     share = model.moe_layers / model.layers  # the average layer's share of a MoE block
@@ -252,7 +272,8 @@ def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp,
     # combine, both bf16; full recompute replays the forward's pair first
     a2a_bwd = 2 * combine + np.where(rc == 2, a2a_fwd, 0.0)
     a2a_bytes = rows * h * (dispatch_bytes + 3 * BF16_BYTES) * np.where(ep > 1, 1.0, 0.0)
-    quantize = per_expert_quantize_s(system, opts, local)
+    # per direction: the per-expert operand quantize launches and TE's row padding / unpadding for them
+    quantize = per_expert_quantize_s(system, opts, local) + fp8_padding_s(model, system, opts, routed)
     bias_fwd, bias_bwd = expert_bias_s(model, system, opts, routed, local)
     return (share * gemm, share * elem, share * a2a_fwd, share * a2a_bwd, share * a2a_bytes, routed, share * quantize,
             (share * bias_fwd, share * bias_bwd))
