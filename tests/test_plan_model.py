@@ -575,3 +575,27 @@ def test_nxd_backward_tp_collectives_hide_behind_the_gemms_that_do_not_need_them
     per_mb = hidden.time_breakdown_s["tp_comm"] / hidden.microbatches
     assert per_mb == pytest.approx(5 * 10 * ag + 3 * ag, rel=0.02)
     assert hidden.time_breakdown_s["compute"] == plain.time_breakdown_s["compute"]
+
+
+def test_fsdp_under_a_pipeline_gathers_once_per_step_as_torchtitan_runs_it(box):
+    """Options.fsdp_pp_unsharded (the fsdp2 stack): torchtitan keeps blocks gathered under PP and
+    torch.distributed.pipelining defers resharding and gradient sync to the last backward, so a stage's units are
+    gathered once and reduce-scattered once per step whatever the number of microbatches; the gathered copy and
+    the unsharded fp32 gradients are held for the step. Without PP nothing changes."""
+    model, L = PRESETS["small"], PRESETS["small"].layers
+    lay = Layout(pp=2, dp=4, dp_kind="fsdp", zero_stage=3, microbatch=1, pp_layers="balanced")
+    kept, per_mb = Options(fsdp_pp_unsharded=True), Options()
+
+    def calls(opts, gbs):
+        base = estimate(model, box, 1, 256, gbs, lay, opts).time_breakdown_s["dp_comm"]
+        paid = estimate(model, _with_call_cost(box, 1000.0), 1, 256, gbs, lay, opts).time_breakdown_s["dp_comm"]
+        return (paid - base) / 1e-3
+
+    units = L // 2 + 1  # a stage's blocks plus its root unit (embedding or head)
+    assert calls(kept, 8) == pytest.approx(2 * units) == pytest.approx(calls(kept, 32))
+    assert calls(per_mb, 32) > 4 * calls(per_mb, 8) / 2 > 2 * units  # per microbatch: grows with the microbatches
+    a, b = (estimate(model, box, 1, 256, 16, lay, o).memory_breakdown_bytes for o in (kept, per_mb))
+    assert a["grads"] == pytest.approx(4 * b["grads"]) and a["weights"] > b["weights"]
+    no_pp = dataclasses.replace(lay, pp=1, dp=8)
+    assert (estimate(model, box, 1, 256, 16, no_pp, kept).step_time_s
+            == estimate(model, box, 1, 256, 16, no_pp, per_mb).step_time_s)

@@ -133,6 +133,12 @@ class Options:
     receiver contributes a zero buffer of the same size (neuronx_distributed/pipeline/comm.py send/recv_from:
     "Use all_gather instead of all_reduce for send/recv", the default; XLA has no point-to-point), so a rank
     transmits twice the activation bytes a point-to-point send would.
+    fsdp_pp_unsharded: FSDP under a pipeline keeps each stage's parameters gathered and its gradients unsharded
+    for the whole step, as torchtitan runs it: its apply_fsdp sets reshard_after_forward=False when PP is on
+    ("to avoid per-microbatch all-gathers"), and torch.distributed.pipelining's backward_maybe_with_nosync sets
+    reshard_after_backward(False) and requires_gradient_sync(False) until the last backward, then runs every
+    unit's post_backward (its reduce-scatter) at once. One gather per unit per step, one reduce-scatter per unit
+    after the stage's last backward, exposed; memory: the gathered copy and fp32 unsharded gradients.
     """
 
     attention: str = "flash"
@@ -161,6 +167,7 @@ class Options:
     cp_comm: str = "ring"
     p2p_pair_allgather: bool = False
     tp_bwd_overlap: bool = False
+    fsdp_pp_unsharded: bool = False
 
     @classmethod
     def for_system(cls, system: System, attention: str | None = None, stack: str | None = None, **kw) -> Options:
@@ -690,7 +697,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     link_busy = np.where(dp_out, np.where(pp_out, m * p2p_per_mb, 0.0), np.where(tp > 1, tp_busy, 0.0))
     dp_time, dp_exposed = _data_parallel_s(system, opts, params_dev, dp_group, dp_shard, tp, zero, kind, m,
                                            stage_fwd, stage_bwd, layers_rank,
-                                           layers_rank * model.params_per_layer() / tp / params_dev, link_busy)
+                                           layers_rank * model.params_per_layer() / tp / params_dev, link_busy,
+                                           pp=pp)
     expert_opt = 0.0
     if moe is not None:  # routed experts reduce over their own expert-data-parallel group
         ex_time, ex_exposed, ex_params, ex_shard = moe_plan.expert_data_parallel_s(
@@ -798,7 +806,7 @@ def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd):
 
 
 def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, kind, m, stage_fwd, stage_bwd,
-                     stage_layers_dev, block_share, link_busy=0.0):
+                     stage_layers_dev, block_share, link_busy=0.0, pp=1.0):
     """(all DP communication time, the part not hidden behind compute) per step.
 
     DDP all-reduces gradients in buckets (opts.bucket_bytes, torch DDP's 25 MiB by default) once per step;
@@ -809,7 +817,9 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     ranks) and all-reduces each unit's shard across nodes. The gradient reduce can only hide behind the last
     microbatch's backward (earlier microbatches only accumulate); FSDP/HSDP prefetch their gathers behind
     every microbatch, but all DP traffic together cannot hide behind more than the step's compute; the
-    post-step gather of ZeRO-1/2 has nothing to hide behind.
+    post-step gather of ZeRO-1/2 has nothing to hide behind. FSDP under a pipeline with
+    opts.fsdp_pp_unsharded (torchtitan): one gather per unit per step, prefetched behind the first microbatch's
+    forward, and the reduce-scatters after the last backward, exposed.
     """
     grad_bytes = params_dev * opts.grad_bytes
     param_bytes = params_dev * opts.param_bytes
@@ -858,6 +868,13 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     bwd_sync = layers * np.maximum(0.0, np.where(kept, 0.0, ag1) + rs1 - c_b) + rs1
     per_layer = m * fwd + (m - 1) * bwd + bwd_sync + np.where(kind == 2, repl_ar, 0.0)
     exposed = np.where(kind >= 1, np.maximum(exposed, per_layer), exposed)
+    # torchtitan's FSDP under torch.distributed.pipelining (Options.fsdp_pp_unsharded): gathered once in the first
+    # microbatch's forward (prefetched layer by layer), kept; every unit's reduce-scatter issued together by
+    # backward_maybe_with_nosync's run_post_backward after the stage's last backward, with nothing left to hide behind
+    pinned = (kind >= 1) & (np.asarray(pp) > 1) & opts.fsdp_pp_unsharded
+    gathers = np.where(pinned, fwd_ag, gathers)
+    reduces = np.where(pinned, np.where(kind == 2, shard_rs + repl_ar, unit_rs), reduces)
+    exposed = np.where(pinned, np.maximum(0.0, np.minimum(fwd, fwd_ag)) + reduces, exposed)
     total = gathers + reduces + post_step
     return np.where(dp > 1, total, 0.0), np.where(dp > 1, exposed, 0.0)
 
@@ -959,6 +976,7 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     logits = T * model.vocab / tp * (BF16_BYTES + 4)  # bf16 logits + fp32 loss buffer on the last stage
     one = same_rank(pp, v_shape)
     ranks = []  # (weights, grads, optimizer, activations) of the first, last and inner ranks
+    pinned = (np.asarray(zero) == 3) & (np.asarray(pp) > 1) & opts.fsdp_pp_unsharded
     ranks_at = (0.0, np.where(one, 0.0, pp - 1), np.minimum(1.0, pp - 1))  # pipeline rank of first, last, inner
     for params, layers, head, r in zip(_rank_params(model, loads, pp, v_shape), (loads.first, loads.last, loads.inner),
                                        (one, True, False), ranks_at, strict=True):
@@ -967,8 +985,12 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
         # FP8 with a weight cache keeps the cast weight and its transpose between microbatches (2 x 1 byte)
         fp8_copies = np.where((zero < 3) & opts.fp8 & opts.fp8_weight_cache, 2 * FP8_BYTES, 0.0) * params_dev
         ex = moe or {"weights": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "once": 0.0}
-        ranks.append((params_dev * WEIGHT_BYTES / np.where(zero == 3, dp_shard, 1.0) + fp8_copies + layers * ex["weights"],
-                      params_dev * opts.grad_bytes / np.where(zero >= 2, dp_shard, 1.0) + layers * ex["grads"],
+        # FSDP kept gathered under a pipeline (Options.fsdp_pp_unsharded): the gathered copy beside the shard, and
+        # the gradients accumulated unsharded in the reduce dtype until the last backward
+        gathered = np.where(pinned, params_dev * opts.param_bytes, 0.0)
+        ranks.append((params_dev * WEIGHT_BYTES / np.where(zero == 3, dp_shard, 1.0) + gathered + fp8_copies
+                      + layers * ex["weights"],
+                      params_dev * opts.grad_bytes / np.where((zero >= 2) & ~pinned, dp_shard, 1.0) + layers * ex["grads"],
                       params_dev * OPTIMIZER_BYTES / np.where(zero >= 1, dp_shard, 1.0) + layers * ex["optimizer"],
                       (per_layer + ex["activations"]) * layers * inflight + rebuilt + ex["once"]
                       + np.where(head, logits, 0.0)))
