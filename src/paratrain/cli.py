@@ -63,7 +63,9 @@ def _kind(hint) -> tuple[str, typing.Any, tuple | None]:
     if origin is tuple:
         literal = typing.get_origin(args[0]) is typing.Literal
         return "csv", str if literal else args[0], typing.get_args(args[0]) if literal else None
-    return ("list", args[0], None) if origin is list else ("flag", None, None) if hint is bool else ("value", hint, None)
+    if origin is list:
+        return "list", args[0], None
+    return ("flag", None, None) if hint is bool else ("value", hint, None)
 
 
 def flag_of(f: dataclasses.Field) -> str:
@@ -191,9 +193,10 @@ def section_options(section: str, keys, group: str) -> list[tuple]:
     as the trainer's key (`--pp-schedule`, also `--parallel.pp_schedule`), with its type, bounds and help; unset
     (None) unless given, so the schema's defaults and derived values apply."""
     fields = TrainConfig.model_fields[section].annotation.model_fields
-    return [(key, fields[key].annotation | None, opt(
-        key_help(section, key), short=f"--{section}.{key}", group=group, metavar="N" if fields[key].annotation is int
-        else None, **{k: getattr(m, k) for m in fields[key].metadata for k in BOUNDS if hasattr(m, k)})) for key in keys]
+    return [(key, f.annotation | None, opt(key_help(section, key), short=f"--{section}.{key}", group=group,
+                                           metavar="N" if f.annotation is int else None,
+                                           **{k: getattr(m, k) for m in f.metadata for k in BOUNDS if hasattr(m, k)}))
+            for key, f in ((key, fields[key]) for key in keys)]
 
 
 def add_config_keys(parser: argparse.ArgumentParser) -> None:

@@ -96,8 +96,8 @@ def cmd_plan(args) -> None:
 def cmd_recommend(args) -> None:
     target, cands = recommend(args.workload, args.model, args.rate, args.systems or DEFAULT_SYSTEMS,
                               weights=args.weights, prices=parse_prices(args.price_per_node_hour_usd),
-                              purchase=args.purchase or Assumptions.purchase, prompt=args.prompt_tokens, output=args.output_tokens,
-                              ttft_s=args.ttft_s, itl_s=args.itl_s)
+                              purchase=args.purchase or Assumptions.purchase, prompt=args.prompt_tokens,
+                              output=args.output_tokens, ttft_s=args.ttft_s, itl_s=args.itl_s)
     show(args, {"workload": args.workload, "target": vars(target), "candidates": [c.to_dict() for c in cands]},
          lambda: report.print_recommendation(args.workload, args.model, target, cands))
 

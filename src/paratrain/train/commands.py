@@ -63,7 +63,8 @@ def run_prepare(args) -> None:
 @command("config", ConfigArgs, "validate a config and print it fully resolved (defaults filled in)",
          reference=(bool, opt("print the reference of every key (markdown)")))
 def run_config(args) -> None:
-    print(f"{reference_markdown()}\n" if args.reference else resolved_config(load_config(args.config, args.set)), end="")
+    text = f"{reference_markdown()}\n" if args.reference else resolved_config(load_config(args.config, args.set))
+    print(text, end="")
 
 
 @command("checkpoint list", Output, "checkpoints in a directory: step, status, size, layout",
