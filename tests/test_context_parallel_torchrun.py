@@ -1,5 +1,8 @@
 """End to end, as users run it: `torchrun --nproc-per-node 2 -m paratrain train --set parallel.cp=2` against the
-single-process run of the same config on the same prepared data (loss per step within 1e-5 relative)."""
+single-process run of the same config on the same prepared data (loss per step within 1e-5 relative).
+The one local torchrun test whose workers start as plain `python -m paratrain` processes (the other torchrun tests
+fork them from a warm agent, tests/torchrun_fork.py); `paratrain launch` in test_multinode_netns.py runs that
+path on two hosts."""
 
 import pytest
 from e2e import assert_losses_close, run_single, run_torchrun, train_args

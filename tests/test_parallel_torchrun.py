@@ -1,6 +1,9 @@
-"""End to end, as users run it: `torchrun --nproc-per-node 4 -m paratrain train` with TP2 x DP2 + SP (and
+"""End to end, as users run it: `torchrun --nproc-per-node 4 ... paratrain train` with TP2 x DP2 + SP (and
 selective recompute), against the single-process run of the same config on the same prepared data. Both tests
-share one prepared dataset and one single-process reference run (the module fixture)."""
+share one prepared dataset and one single-process reference run (the module fixture). torchrun forks its workers
+from a warm agent (tests/torchrun_fork.py: ~4 CPU-s of imports less per rank, 16 of this test's 22); the plain
+`-m paratrain` worker path stays covered by test_context_parallel_torchrun.py and, through `paratrain launch`,
+by test_multinode_netns.py."""
 
 import pytest
 from e2e import assert_losses_close, run_single, run_torchrun, train_args
@@ -20,7 +23,8 @@ def ref(run_dir):
 def test_torchrun_tp2_dp2_sp_matches_single_process(run_dir, ref):
     tmp_path = run_dir
     got = run_torchrun(4, train_args(tmp_path, "tp2dp2", parallel__tp=2, parallel__dp=2, parallel__sp="true",
-                                     parallel__dp_kind='"fsdp"', parallel__recompute='"selective"'))
+                                     parallel__dp_kind='"fsdp"', parallel__recompute='"selective"'),
+                       fork=True)
     assert got["layout"] == {"pp": 1, "dp": 2, "cp": 1, "tp": 2} and got["world_size"] == 4
     assert_losses_close(got["losses"], ref["losses"])
 

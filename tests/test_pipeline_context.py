@@ -27,10 +27,12 @@ PP2_CP2 = [
 ]
 PP2_CP2_8 = [
     ["parallel.pp=2", "parallel.cp=2", "parallel.tp=2", "parallel.sp=true", *sched("1f1b")],
-    ["parallel.pp=2", "parallel.cp=2", "parallel.dp=2", "train.microbatch=1", *sched("zbv")],
     ["parallel.pp=2", "parallel.cp=2", "parallel.dp=2", 'parallel.dp_kind="hsdp"', "parallel.dp_replicate=2",
      "train.microbatch=1", *sched("interleaved_1f1b", "parallel.virtual_stages=2")],  # shards over (dp_shard, cp)
 ]
+# Not on 8 ranks (~7 CPU-s a case on 2 cores): PP2 x CP2 x DP2 (zbv, FSDP over dp x cp = 4 ranks). Its parts are
+# covered on 4 ranks: zbv with FSDP over cp under PP2 (PP2_CP2 above), FSDP over the flattened (dp, cp) mesh with
+# dp 2 (test_context_parallel.py, cp2 x dp2 fsdp), FSDP under zbv with dp 2 (test_pipeline.PP2_MIXED).
 
 
 def _run_cases_with_shapes(cases: list[list[str]]) -> list[dict]:
@@ -66,8 +68,8 @@ def test_pp2_cp2_every_schedule_matches_single_device(dist_run):
 
 
 def test_8_rank_pipeline_compositions_match_single_device(dist_run):
-    """PP2 x TP2+SP x DP2 (fsdp, ddp), PP2 x HSDP 2x2 (test_pipeline.PP2_TP2_DP2) and PP2 x CP2 with TP2+SP, DP2 or
-    HSDP, in one task on one 8-rank pool: a fresh 8-rank pool costs ~10 CPU-s of cold start on 2 cores."""
+    """PP2 x TP2+SP x DP2 (fsdp), PP2 x HSDP 2x2 (test_pipeline.PP2_TP2_DP2) and PP2 x CP2 with TP2+SP or HSDP, in
+    one task on one 8-rank pool: a fresh 8-rank pool costs ~10 CPU-s of cold start on 2 cores."""
     cases = PP2_TP2_DP2 + PP2_CP2_8
     results = dist_run(8, _run_cases_with_shapes, cases)
     _check(cases, results)
@@ -132,8 +134,8 @@ def test_positions_hook_gives_every_stage_the_global_zigzag_positions():
 def test_torchrun_pp2_cp2_matches_single_process(tmp_path):
     """`torchrun --nproc-per-node 4 ... paratrain train --set parallel.pp=2 --set parallel.cp=2` (with eval) against
     one process on the same prepared data: losses per step within 1e-5 relative. torchrun forks its 4 workers from
-    a warm agent (tests/torchrun_fork.py); the plain `-m paratrain` path of PP and of CP stays covered by
-    test_pipeline_torchrun.py and test_context_parallel_torchrun.py."""
+    a warm agent (tests/torchrun_fork.py); the plain `-m paratrain` worker path stays covered by
+    test_context_parallel_torchrun.py and test_multinode_netns.py."""
     from e2e import assert_losses_close, run_single, run_torchrun, train_args
 
     run = {"train__steps": 3, "train__eval_every": 2, "train__eval_batches": 1}
