@@ -162,14 +162,17 @@ def _sync_and_stale0(overrides, steps):
     return out
 
 
-# TP x DP with 2 layers (not 4) and 2 microbatches per rank (not 4): every DTensor op costs CPU; the properties
-# do not depend on the depth or on the number of microbatches accumulated (the layouts set it after the default 16)
-TP2_DP2 = ["parallel.dp=2", "parallel.tp=2", "parallel.sp=true", "model.layers=2", "train.global_batch=8"]
+# Two layers (not parity.make_config's 4) everywhere here: the properties (bitwise equality, the applied step,
+# the compensated update) do not depend on the depth, and each layer costs a quarter of a case's CPU.
+TWO_LAYERS = "model.layers=2"
+# TP x DP with 2 microbatches per rank (not 4): every DTensor op costs CPU; the properties do not depend on the
+# number of microbatches accumulated (the layouts set it after the default 16)
+TP2_DP2 = ["parallel.dp=2", "parallel.tp=2", "parallel.sp=true", TWO_LAYERS, "train.global_batch=8"]
 
 
 @pytest.mark.parametrize("world,layout", [(2, ["parallel.dp=2"]), (4, ["parallel.dp=4"]), (4, TP2_DP2)])
 def test_s0_is_bitwise_identical_to_synchronous_ddp(dist_run, world, layout):
-    overrides = ["train.global_batch=16", *layout]
+    overrides = ["train.global_batch=16", TWO_LAYERS, *layout]
     for rank, res in enumerate(dist_run(world, _sync_and_stale0, overrides, 4)):
         sync, stale = res["sync"], res["stale0"]
         assert res["same_buckets"]
@@ -181,9 +184,9 @@ def test_s0_is_bitwise_identical_to_synchronous_ddp(dist_run, world, layout):
 
 
 # dp 4: with two ranks a + b is the same sum in any order, so only three or more ranks can show a bucket mismatch
-@pytest.mark.parametrize("bucket_mb", [0.01, 1.0, 25.0])  # one parameter per bucket, a few, all in one
+@pytest.mark.parametrize("bucket_mb", [0.01, 1.0, 25.0])  # 2 layers (1.66 MiB): 21 buckets of one parameter, 2, 1
 def test_s0_is_bitwise_identical_to_synchronous_ddp_at_any_bucket_size(dist_run, bucket_mb):
-    overrides = ["parallel.dp=4", "train.global_batch=16", f"parallel.ddp_bucket_mb={bucket_mb}"]
+    overrides = ["parallel.dp=4", "train.global_batch=16", TWO_LAYERS, f"parallel.ddp_bucket_mb={bucket_mb}"]
     for rank, res in enumerate(dist_run(4, _sync_and_stale0, overrides, 3)):
         sync, stale = res["sync"], res["stale0"]
         assert res["same_buckets"]
@@ -227,7 +230,8 @@ def _single_model(cfg):
 @pytest.mark.parametrize("s", [1, 2])
 def test_bounded_staleness_applies_exactly_s_step_old_gradients(dist_run, s):
     steps = 6
-    overrides = ["parallel.dp=2", "train.global_batch=16", *STALE, f"staleness.max_staleness={s}", *NO_COMP]
+    overrides = ["parallel.dp=2", "train.global_batch=16", TWO_LAYERS, *STALE, f"staleness.max_staleness={s}",
+                 *NO_COMP]
     results = dist_run(2, _stale_run, overrides, steps)
     ref_losses, ref_params = _delayed_reference(make_config(overrides), steps, s)
     for res in results:
@@ -310,7 +314,7 @@ def test_compensated_update_matches_single_process_reference(dist_run, compensat
     """fp32; tolerance: each tensor's total update within 1e-3 of the reference's in L2 norm (Adam amplifies
     rounding where a gradient is near zero, so elementwise checks would fail on rounding alone)."""
     steps = 6
-    overrides = ["train.global_batch=16", *layout, *STALE, f"staleness.max_staleness={s}",
+    overrides = ["train.global_batch=16", TWO_LAYERS, *layout, *STALE, f"staleness.max_staleness={s}",
                  f'staleness.compensation="{compensation}"']
     if compensation == "optimizer_lookahead" and "parallel.tp=2" not in layout:
         overrides += OWN  # with tp the automatic default is the own gradient: the reference checks that too
@@ -371,7 +375,7 @@ def test_a_rank_more_than_s_steps_behind_makes_the_others_wait(dist_run):
     """Rank 1 sleeps 0.2 s before every step, s = 1: rank 0 may run ahead, but it has the gradient of step t - 1 in
     hand only after rank 1 launched step t - 1 (a causal check on one machine's clock, no timing threshold)."""
     steps, s = 5, 1
-    overrides = ["parallel.dp=2", "train.global_batch=16", *STALE, f"staleness.max_staleness={s}",
+    overrides = ["parallel.dp=2", "train.global_batch=16", TWO_LAYERS, *STALE, f"staleness.max_staleness={s}",
                  'staleness.test_fault_injection="sleep_s=0.2,probability=1.0,rank=1"']
     fast, slow = dist_run(2, _stale_run, overrides, steps)
     for t in range(s, steps):
@@ -401,7 +405,7 @@ def test_time_budget_update_is_the_mean_over_processed_microbatches(dist_run, fa
     from the counts the ranks report)."""
     steps = 4
     budget = "1e-9" if not fault else "0.1"
-    overrides = ["parallel.dp=2", "train.global_batch=16", 'staleness.policy="time_budget"',
+    overrides = ["parallel.dp=2", "train.global_batch=16", TWO_LAYERS, 'staleness.policy="time_budget"',
                  'parallel.dp_kind="ddp"', f"staleness.step_budget_s={budget}",
                  f'staleness.test_fault_injection="{fault}"']
     results = dist_run(2, _stale_run, overrides, steps)
@@ -427,7 +431,7 @@ ARRIVED = [*STALE, "staleness.max_staleness=1", 'staleness.compensation="optimiz
 # order). The own-gradient prediction misses by far more (asserted below, so the check can fail).
 SYNC_EQUIVALENT_RTOL = 1e-4
 # the lookahead_arrived tests' runs (several per test, 2 ranks): 2 layers, 4 microbatches of 2 rows per rank
-LOOKAHEAD_MODEL = ["train.global_batch=16", "model.layers=2"]
+LOOKAHEAD_MODEL = ["train.global_batch=16", TWO_LAYERS]
 
 
 def _wait_then_arrived(item):
