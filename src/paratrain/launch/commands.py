@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import sys
 
@@ -52,22 +51,11 @@ def run_launch(args) -> None:
     if args.json and not args.dry_run:
         raise ValueError("--json: allowed only with --dry-run (a real launch hands the terminal to torchrun)")
     merge_extra(args)
-    rdzv_conf = args.rdzv_conf or [c for c in os.environ.get("PET_RDZV_CONF", "").split(",") if c]
-    nnodes, nproc = tr.parse_nnodes(args.nnodes), tr.resolve_nproc(args.nproc_per_node)
-    cfg, extra_sets = tr.resolve_config(args.config, args.set, args.hybrid_shard, nnodes, nproc)
-    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(LaunchSpec) if hasattr(args, f.name)}
-    spec = LaunchSpec(**given | {"nnodes": nnodes, "nproc_per_node": nproc, "rdzv_conf": rdzv_conf,
-                                 "train_args": tr.train_arguments(args.config, [*args.set, *extra_sets],
-                                                                  args.resume_from, args.summary_json)})
-    cmd = tr.build_command(spec)  # validates the flags
-    layouts = tr.check_layout(cfg, nnodes, nproc)  # validates the layout for every allowed node count
-    env, warnings = tr.launch_env(spec), tr.warnings_for(cfg, spec)
+    out = tr.prepare(args)
+    if not args.json:
+        tr.print_placement(out["placement"], out["nproc_per_node"], out["warnings"])
     if args.dry_run:
-        return show(args, {"command": cmd, "env": env, "mode": spec.mode(), "nnodes": str(nnodes),
-                           "nproc_per_node": nproc, "placement": {str(k): v for k, v in layouts.items()},
-                           "warnings": warnings},
-                    lambda: (tr.print_placement(layouts, nproc, warnings), print(tr.shell_line(cmd, env))))
-    tr.print_placement(layouts, nproc, warnings)
-    print(f"paratrain launch: exec {tr.shell_line(cmd, env)}", file=sys.stderr, flush=True)
+        return show(args, out, lambda: print(tr.shell_line(out["command"], out["env"])))
+    print(f"paratrain launch: exec {tr.shell_line(out['command'], out['env'])}", file=sys.stderr, flush=True)
     # exec, not a child: the scheduler's SIGTERM then reaches torchrun, which stops its workers cleanly.
-    os.execvpe(cmd[0], cmd, {**os.environ, **env})
+    os.execvpe(out["command"][0], out["command"], {**os.environ, **out["env"]})

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import shlex
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 
@@ -279,6 +279,20 @@ def resolve_config(config: str | None, sets: list[str], hybrid_shard: bool, nnod
     replicas = hybrid_shard_replicas(cfg, nnodes.max_nodes, nproc)
     hybrid = ['parallel.dp_kind="hsdp"', f"parallel.dp_replicate={replicas}"]
     return load_config(config, [*sets, *hybrid]), hybrid
+
+
+def prepare(opts) -> dict:
+    """One node's launch from `paratrain launch`'s options (each LaunchSpec field by its name), checked before
+    anything runs: the torchrun command, its environment, the placement at every allowed node count, warnings."""
+    nnodes, nproc = parse_nnodes(opts.nnodes), resolve_nproc(opts.nproc_per_node)
+    cfg, hybrid = resolve_config(opts.config, opts.set, opts.hybrid_shard, nnodes, nproc)
+    spec = LaunchSpec(**{f.name: getattr(opts, f.name) for f in fields(LaunchSpec) if hasattr(opts, f.name)} | {
+        "nnodes": nnodes, "nproc_per_node": nproc, "train_args": train_arguments(
+            opts.config, [*opts.set, *hybrid], opts.resume_from, opts.summary_json),
+        "rdzv_conf": opts.rdzv_conf or [c for c in os.environ.get("PET_RDZV_CONF", "").split(",") if c]})
+    cmd = build_command(spec)  # validates the flags, then the layout at every allowed node count
+    return {"command": cmd, "env": launch_env(spec), "mode": spec.mode(), "nnodes": str(nnodes),
+            "nproc_per_node": nproc, "placement": check_layout(cfg, nnodes, nproc), "warnings": warnings_for(cfg, spec)}
 
 
 def train_arguments(config: str | None, sets: list[str], resume_from: str | None, summary_json: str | None):

@@ -5,6 +5,7 @@ and calibration. No torch imports.
 from __future__ import annotations
 
 import math
+import re
 import time
 from dataclasses import asdict, dataclass, field, replace
 
@@ -102,10 +103,27 @@ class Layout:
             fields["dp_replicate"] = self.dp_replicate
         if self.ep > 1 or self.etp > 1:  # MoE expert layout (plan/moe.py; the trainer's parallel.ep / etp)
             fields.update(ep=self.ep, etp=self.etp)
-        try:
-            return ParallelSection(**fields)
-        except ValidationError as err:
-            raise ValueError(format_validation_error(err).replace("invalid config: ", "layout: ")) from None
+        return parallel_section(fields)
+
+
+def parallel_section(keys: dict) -> ParallelSection:
+    """The trainer's [parallel] section of these keys: its checks, its defaults for the rest (one-line ValueError)."""
+    try:
+        return ParallelSection(**keys)
+    except ValidationError as err:
+        raise ValueError(re.sub("invalid config: (config: )?", "layout: ", format_validation_error(err))) from None
+
+
+def layout_of(keys: dict, microbatch: int | None = None, pp_layers: str = "auto") -> Layout:
+    """The Layout of the trainer's parallel.* keys given and train.microbatch, read as the trainer reads them;
+    pp_layers: auto, balanced or counts per stage ("8,9,8,7"; `paratrain estimate --pp-layers`)."""
+    try:
+        split = pp_layers if pp_layers in STAGE_SPLITS else tuple(int(n) for n in pp_layers.strip("[] ").split(","))
+    except ValueError:
+        raise ValueError(f"--pp-layers = {pp_layers!r}: allowed: auto, balanced, or layer counts per stage such as "
+                         "8,9,8,7") from None
+    pcfg = parallel_section(keys)
+    return replace(layout_from_parallel(pcfg, Layout.microbatch if microbatch is None else microbatch), pp_layers=split)
 
 
 def layout_from_parallel(pcfg: ParallelSection, microbatch: int, dp: int | None = None) -> Layout:

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
 
-from pydantic import ValidationError
-
 from paratrain.cli import OnSystem, Output, UserError, Workload, command, opt, section_options, show
-from paratrain.config import ParallelSection, format_validation_error
 from paratrain.hardware.catalog import resolve_system
 from paratrain.model.config import load_model_config
 from paratrain.plan import report
-from paratrain.plan.api import Layout, check_seq, estimate, layout_from_parallel, search
+from paratrain.plan.api import check_seq, estimate, layout_of, search
 from paratrain.plan.config_writer import write_training_config
 from paratrain.plan.model import Options
 
@@ -59,31 +56,12 @@ def _load(args):
                              short="--parallel.pp_layers", group=LAYOUT)))
 def cmd_estimate(args) -> None:
     model, system, options = _load(args)
-    est = estimate(model, system, args.nodes, args.seq, args.global_batch, _layout(args), options, stack=args.stack,
+    layout = layout_of({k: getattr(args, k) for k in LAYOUT_KEYS if getattr(args, k) is not None}, args.microbatch,
+                       args.pp_layers)  # read as the trainer reads its [parallel] section
+    est = estimate(model, system, args.nodes, args.seq, args.global_batch, layout, options, stack=args.stack,
                    train_tokens=args.train_tokens)
     _write(args, est, model, system)
     show(args, est.to_dict(), lambda: report.print_estimate(est))
-
-
-def _layout(args) -> Layout:
-    """The planner's Layout of the flags given, read as the trainer reads them: its [parallel] section (its
-    checks, its defaults for what is not given), then the planner's Layout by the one conversion
-    (plan.api.layout_from_parallel)."""
-    try:
-        pcfg = ParallelSection(**{k: getattr(args, k) for k in LAYOUT_KEYS if getattr(args, k) is not None})
-    except ValidationError as err:  # one line, the trainer's message
-        raise UserError(format_validation_error(err).replace("invalid config: config: ", "layout: ")) from None
-    microbatch = Layout.microbatch if args.microbatch is None else args.microbatch  # the trainer's default
-    return replace(layout_from_parallel(pcfg, microbatch), pp_layers=_pp_layers(args.pp_layers))
-
-
-def _pp_layers(text: str) -> str | tuple[int, ...]:
-    """--pp-layers: 'auto', 'balanced', or comma-separated counts ('8,9,8,7' or '[8, 9, 8, 7]')."""
-    try:
-        return text if text in ("auto", "balanced") else tuple(int(n) for n in text.strip("[] ").split(","))
-    except ValueError:
-        raise UserError(f"--pp-layers = {text!r}: allowed: auto, balanced, or layer counts per stage such as "
-                        f"8,9,8,7") from None
 
 
 @command("plan", PlanTarget, "search all layouts, rank by time or cost",

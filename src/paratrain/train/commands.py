@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from paratrain.cli import ConfigArgs, Output, RunFiles, UserError, command, opt, print_json, show
-from paratrain.config import check_launch, load_config, reference_markdown, resolved_config
+from paratrain.config import load_config, reference_markdown, resolved_config
 from paratrain.train.checkpoint_info import describe_dir, print_checkpoints, verify_checkpoint
 from paratrain.train.faults import FaultInjector
 from paratrain.train.summary import print_summary
@@ -21,18 +21,11 @@ GROUPS = [("data", "prepare training data (tokenize into a memory-mapped token f
 def run_train(args, faults=None) -> int:
     """`paratrain train`. `faults`: test-only fault injection; by default what PARATRAIN_FAULT_KILL asks for
     (parsed here, before any work)."""
-    import torch.distributed as dist
-
-    from paratrain.parallel.mesh import shutdown_distributed
-    from paratrain.train.loop import train
+    from paratrain.train.loop import train_process
 
     cfg = load_config(args.config, args.set)  # fails here, before any process group or data work
     faults = faults if faults is not None else FaultInjector.from_env(os.environ)  # a malformed spec, too
-    check_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
-    joined_here = not dist.is_initialized()  # a caller that set up the process group keeps it
-    summary = train(cfg, resume_from=args.resume_from, faults=faults)
-    if joined_here:
-        shutdown_distributed()  # torchrun's ranks exit together, with no gloo thread left running
+    summary = train_process(cfg, args.resume_from, faults)
     ran = not summary.get("nothing_to_train")  # said in one line by the loop; no summary of a run that did not run
     if summary["rank"] == 0:
         print_json(summary, indent=None) if args.json else print_summary(summary) if ran else None  # one line

@@ -20,6 +20,7 @@ from paratrain.config import (  # noqa: F401 - check_batch_layout re-exported (c
     OptimSection,
     TrainConfig,
     check_batch_layout,
+    check_launch,
     dump_config,
     precision_bytes,
 )
@@ -29,7 +30,7 @@ from paratrain.model.llama import Llama
 from paratrain.model.moe import moe_metrics, reset_router_stats
 from paratrain.parallel import parallelize
 from paratrain.parallel.materialize import build_on_meta, materialize, random_init
-from paratrain.parallel.mesh import build_mesh, init_distributed, resolve_degrees
+from paratrain.parallel.mesh import build_mesh, init_distributed, resolve_degrees, shutdown_distributed
 from paratrain.train import staleness  # straggler metrics, eviction request, draining
 from paratrain.train.checkpoint import (
     CheckpointManager,
@@ -185,6 +186,18 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None, track
             preemption.restore()
         if lease is not None:
             lease.release()
+
+
+def train_process(cfg: TrainConfig, resume_from: str | None = None, faults: FaultInjector | None = None) -> dict:
+    """`train` as one process of a launch (`paratrain train`): the layout checked against torchrun's WORLD_SIZE
+    before this rank joins a process group (every rank refuses a bad one at once, in one line), and the group
+    left at the end if this call joined it, so the ranks exit together with no gloo thread left running."""
+    check_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
+    joined_here = not dist.is_initialized()  # a caller that set up the process group keeps it
+    summary = train(cfg, resume_from=resume_from, faults=faults)
+    if joined_here:
+        shutdown_distributed()
+    return summary
 
 
 def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_dir: str, lease, preemption,
