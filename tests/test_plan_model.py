@@ -599,3 +599,19 @@ def test_fsdp_under_a_pipeline_gathers_once_per_step_as_torchtitan_runs_it(box):
     no_pp = dataclasses.replace(lay, pp=1, dp=8)
     assert (estimate(model, box, 1, 256, 16, no_pp, kept).step_time_s
             == estimate(model, box, 1, 256, 16, no_pp, per_mb).step_time_s)
+
+
+def test_torchao_float8_tp_gathers_fp8_and_reduce_scatters_bf16(box):
+    """Options.fp8_tp_allgather (torchtitan's Float8ColwiseParallel / Float8RowwiseParallel): with FP8 matmuls a
+    layer's all-gathers (inputs forward, output gradients backward) move 1-byte elements, its reduce-scatters 2:
+    three quarters of the BF16 volume on a latency-free link (a little more: the head's gather stays BF16); BF16
+    runs do not change."""
+    model = PRESETS["small"]
+    lay = Layout(tp=8, sp=True, microbatch=1, recompute="none")
+
+    def tp_comm(**kw):
+        return estimate(model, box, 1, 256, 8, lay, Options(**kw)).time_breakdown_s["tp_comm"]
+
+    plain, fp8_gather = tp_comm(fp8=True), tp_comm(fp8=True, fp8_tp_allgather=True)
+    assert 0.75 * plain < fp8_gather < 0.78 * plain
+    assert tp_comm(fp8_tp_allgather=True) == tp_comm()  # BF16 matmuls: BF16 gathers

@@ -139,6 +139,10 @@ class Options:
     reshard_after_backward(False) and requires_gradient_sync(False) until the last backward, then runs every
     unit's post_backward (its reduce-scatter) at once. One gather per unit per step, one reduce-scatter per unit
     after the stage's last backward, exposed; memory: the gathered copy and fp32 unsharded gradients.
+    fp8_tp_allgather: with fp8 and SP, the layers' TP all-gathers carry FP8 (1 byte per element), the
+    reduce-scatters BF16: torchao's Float8ColwiseParallel / PrepareFloat8ModuleInput cast the input before its
+    all-gather, and Float8RowwiseParallel casts the output gradient (NoopFwToFloat8BwDynamic) before the
+    backward's all-gather (torchao/float8/float8_tensor_parallel.py, as torchtitan applies it with Float8 + TP).
     """
 
     attention: str = "flash"
@@ -168,6 +172,7 @@ class Options:
     p2p_pair_allgather: bool = False
     tp_bwd_overlap: bool = False
     fsdp_pp_unsharded: bool = False
+    fp8_tp_allgather: bool = False
 
     @classmethod
     def for_system(cls, system: System, attention: str | None = None, stack: str | None = None, **kw) -> Options:
@@ -583,8 +588,12 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     ag1 = collective_time_s(system, "allgather", act_bytes, tp, 1.0)
     rs1 = collective_time_s(system, "reducescatter", act_bytes, tp, 1.0)
     ag_rs = ag1 + rs1
+    # torchao's float8 TP (Options.fp8_tp_allgather): a layer's all-gathers carry FP8, its reduce-scatters BF16
+    ag_l = collective_time_s(system, "allgather", T * h * FP8_BYTES, tp, 1.0) \
+        if opts.fp8 and opts.fp8_tp_allgather else ag1
+    ag_rs_l = ag_l + rs1
     tp_exposed = 1 - eff_sys.tp_overlap
-    tp_fwd = np.where(tp > 1, 2 * np.where(sp, ag_rs, ar), 0.0) * tp_exposed
+    tp_fwd = np.where(tp > 1, 2 * np.where(sp, ag_rs_l, ar), 0.0) * tp_exposed
     # recompute replays the forward's TP collectives: all of them (full) or the MLP's one pair (recompute_mlp)
     replay = np.where(rc == 2, 2.0, np.where((rc == 1) & opts.recompute_mlp, 1.5, 1.0))
     tp_bwd = tp_fwd * replay
@@ -596,15 +605,15 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         # (neuron-runtime/explore/compute-comm-overlap.rst). A row-parallel linear's backward first gathers its
         # output gradient, which both its GEMMs need: exposed. Per layer: 2 exposed gathers, 2 gathers and
         # 2 reduce-scatters behind one GEMM each (the backward's two GEMMs per linear each take its forward time).
-        hidden_bwd = sum(np.maximum(0.0, ag1 - g) + np.maximum(0.0, rs1 - g) for g in column_mm)
-        bwd_sp = (2 * ag1 + hidden_bwd) * tp_exposed + tp_fwd * (replay - 1.0)  # + the replayed forward's
+        hidden_bwd = sum(np.maximum(0.0, ag_l - g) + np.maximum(0.0, rs1 - g) for g in column_mm)
+        bwd_sp = (2 * ag_l + hidden_bwd) * tp_exposed + tp_fwd * (replay - 1.0)  # + the replayed forward's
         tp_bwd = np.where((tp > 1) & sp, bwd_sp, tp_bwd)
     if opts.tp_comm_overlap:
         # Transformer Engine / Megatron (tp_comm_overlap) and torch async TP: with SP each all-gather is split
         # into tp chunks exchanged while the GEMM it feeds runs on the chunks already there, and each
         # reduce-scatter likewise behind the GEMM that produces it. Exposed: what the layer's GEMMs cannot cover,
         # plus the first chunk of each collective (nothing to compute on before it arrives).
-        comm = 2 * ag_rs
+        comm = 2 * ag_rs_l
         hidden = lambda c, gemm: np.maximum(0.0, c - gemm) + c / tp  # noqa: E731
         tp_fwd = np.where((tp > 1) & sp, hidden(comm, mm), tp_fwd)
         tp_bwd = np.where((tp > 1) & sp, hidden(comm, 2 * mm) * replay, tp_bwd)
@@ -758,7 +767,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         "time_bubble_s": bubble, "time_dp_comm_s": dp_time, "time_dp_exposed_s": dp_exposed,
         "time_optimizer_s": optimizer, "time_fp8_cast_s": fp8_cast * np.ones_like(step), "bubble_fraction": bubble / step,
         # buffer bytes handed to collectives per device per step, by kind (for the simulator/cost model)
-        "comm_tp_bytes": np.where(tp > 1, m * layers_per_stage * act_bytes * np.where(rc == 2, 6.0, 4.0), 0.0),
+        "comm_tp_bytes": np.where(tp > 1, m * layers_per_stage * act_bytes * np.where(rc == 2, 6.0, 4.0)
+                                  * ((1.0 + FP8_BYTES / BF16_BYTES) / 2 if opts.fp8 and opts.fp8_tp_allgather else 1.0), 0.0),
         "comm_pp_bytes": np.where(pp > 1, m * 2 * chunks * p2p_bytes, 0.0),
         "comm_ep_bytes": m * layers_per_stage * (moe[4] if moe is not None else 0.0) * ones,
         "comm_dp_bytes": np.where(dp * cp > 1, params_dev * (opts.grad_bytes + opts.param_bytes * np.where(

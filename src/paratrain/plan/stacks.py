@@ -45,7 +45,9 @@ STACKS: dict[str, Stack] = {
 # (job_config parallelism.context_parallel_rotate_method = "allgather"); Megatron-Core's default cp_comm_type is
 # "p2p", the ring (the Options default). fsdp_pp_unsharded: torchtitan's apply_fsdp keeps blocks gathered under
 # PP (reshard_after_forward=False) and torch.distributed.pipelining defers resharding and gradient sync to the last
-# backward (stage.py backward_maybe_with_nosync). p2p_pair_allgather: NxD sends pipeline activations as 2-rank all-gathers
+# backward (stage.py backward_maybe_with_nosync). fp8_tp_allgather: torchtitan's Float8 TP plan
+# (Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput from torchao.float8.float8_tensor_parallel)
+# all-gathers activations and output gradients in FP8. p2p_pair_allgather: NxD sends pipeline activations as 2-rank all-gathers
 # (neuronx_distributed/pipeline/comm.py).
 STACK_OPTIONS: dict[str, dict] = {
     "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "p2p_pair_allgather": True,
@@ -53,7 +55,7 @@ STACK_OPTIONS: dict[str, dict] = {
     "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "overlap_param_gather": True, "fp8_weight_cache": True,
                  "moe_gemm_per_expert": True},
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "cp_comm": "allgather_rotate",
-              "fsdp_pp_unsharded": True},
+              "fsdp_pp_unsharded": True, "fp8_tp_allgather": True},
     "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
 }
 # Stacks whose selective recompute may also replay the MLP block, searched both ways: NxD's
