@@ -15,4 +15,4 @@ def dist_run():
         return dist_pool.get_pool(world_size).run(fn, *args, **kwargs)
 
     yield run
-    dist_pool.close_all()
+    dist_pool.shutdown()

@@ -8,9 +8,10 @@ What is counted for a test:
 - this process: resource.getrusage(RUSAGE_SELF) delta;
 - children that finished during the test (subprocess/torchrun, and their own waited-for children):
   RUSAGE_CHILDREN delta;
-- children that stay alive across tests (the gloo pool's ranks, forkservers): the delta of utime + stime +
-  cutime + cstime in /proc/<pid>/stat since the previous test. When such a child is reaped its whole life lands
-  in RUSAGE_CHILDREN, so the part already charged to earlier tests is subtracted then.
+- descendants that stay alive across tests (forkservers and the gloo pool's ranks they fork): the delta of
+  utime + stime + cutime + cstime in /proc/<pid>/stat since the previous test. When such a process is reaped its
+  whole life lands in its parent's reaped-children time, so the part already charged to earlier tests is
+  subtracted then.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ import pytest
 _TICK_S = 1.0 / os.sysconf("SC_CLK_TCK")
 
 
-def _live_children() -> dict[int, tuple[float, float]]:
-    """pid -> (user, sys) CPU seconds so far (itself + its reaped children) of this process's direct children."""
-    me = os.getpid()
+def _processes() -> dict[int, tuple[int, bool, float, float]]:
+    """pid -> (parent pid, is a zombie, user, sys CPU seconds of itself + its reaped children), every process."""
     out = {}
     for name in os.listdir("/proc"):
         if not name.isdigit():
@@ -38,10 +38,25 @@ def _live_children() -> dict[int, tuple[float, float]]:
         except OSError:
             continue
         fields = stat[stat.rindex(")") + 2:].split()  # after "pid (comm) "; fields[0] is the state
-        if int(fields[1]) != me or fields[0] == "Z":  # a zombie's CPU shows up in RUSAGE_CHILDREN once reaped
-            continue
         utime, stime, cutime, cstime = (int(x) * _TICK_S for x in fields[11:15])
-        out[int(name)] = (utime + cutime, stime + cstime)
+        out[int(name)] = (int(fields[1]), fields[0] == "Z", utime + cutime, stime + cstime)
+    return out
+
+
+def _live_descendants(procs: dict[int, tuple[int, bool, float, float]]) -> dict[int, tuple[float, float]]:
+    """pid -> (user, sys) of every live descendant of this process: children, and their children (the ranks a
+    multiprocessing fork server forks are its children, not ours). A zombie is left out: its CPU shows up in its
+    parent's reaped-children time once reaped."""
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, *_rest) in procs.items():
+        children.setdefault(ppid, []).append(pid)
+    out, todo = {}, list(children.get(os.getpid(), []))
+    while todo:
+        pid = todo.pop()
+        _ppid, zombie, user, system = procs[pid]
+        if not zombie:
+            out[pid] = (user, system)
+        todo.extend(children.get(pid, []))
     return out
 
 
@@ -58,18 +73,21 @@ class CpuMeter:
     def __init__(self) -> None:
         self.self_s = _rusage_s(resource.RUSAGE_SELF)
         self.children_s = _rusage_s(resource.RUSAGE_CHILDREN)
-        self.live = _live_children()
+        self.live = _live_descendants(_processes())
 
     def lap(self) -> dict[str, float]:
         """CPU since the previous lap: self_s, children_s, live_children_s, their sum cpu_s, and sys_s (the
         part of cpu_s spent in the kernel)."""
         self_s = _rusage_s(resource.RUSAGE_SELF)
         children_s = _rusage_s(resource.RUSAGE_CHILDREN)
-        live = _live_children()
+        procs = _processes()
+        live = _live_descendants(procs)
         parts = {"self_s": _sub(self_s, self.self_s), "children_s": _sub(children_s, self.children_s),
                  "live_children_s": (0.0, 0.0)}
         for pid, v in self.live.items():
-            if pid not in live:  # reaped: its whole life is now in RUSAGE_CHILDREN, part of it charged before
+            # gone or a zombie: its whole life lands in its parent's reaped-children time (ours: RUSAGE_CHILDREN;
+            # a live descendant's: counted below), and the part seen so far was charged before
+            if pid not in live and (pid not in procs or procs[pid][1]):
                 parts["children_s"] = _sub(parts["children_s"], v)
         for pid, v in live.items():
             du, ds = _sub(v, self.live.get(pid, (0.0, 0.0)))

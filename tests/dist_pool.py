@@ -1,8 +1,12 @@
 """A persistent pool of gloo ranks for multi-process tests.
 
-Launching torchrun per test costs 5-12 s (import torch in every rank). Instead, the pytest process (which has
-already imported torch.distributed and paratrain) forks N workers once per world size; each joins a gloo
-process group and then runs test functions sent to it. A test sends a module-level function and arguments;
+Launching torchrun per test costs 5-12 s (import torch in every rank). Instead, N workers per world size are
+forked once from a multiprocessing fork server that imported torch.distributed and paratrain (PRELOAD); each joins
+a gloo process group and then runs test functions sent to it. Not forked from the pytest process itself: by the
+time a pool is made, pytest has run in-process training (checkpoint, watchdog and lease threads, torch's thread
+pools), and a child forked from a multi-threaded parent inherits whatever state those threads held; CI saw a
+pool rank die of heap corruption ("malloc(): unaligned tcache chunk detected"). The fork server is a fresh,
+single-threaded interpreter, so every rank starts from the same clean, warm state. A test sends a module-level function and arguments;
 every rank runs it and the pool returns the per-rank results (or re-raises the first rank's error).
 
 The process group has a timeout, and the parent waits with a timeout, so a failing rank cannot hang the suite:
@@ -21,31 +25,27 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
+import sys
 import tempfile
 import traceback
 from datetime import timedelta
 
 import torch
-import torch._inductor.config  # noqa: F401 - torch.use_deterministic_algorithms imports it: 0.7 CPU-s per rank
 import torch.distributed as dist
 
-# Pre-import what the tests use, so forked workers start warm.
-import torch.distributed.checkpoint  # noqa: F401
-import torch.distributed.fsdp  # noqa: F401
-import torch.distributed.pipelining  # noqa: F401
-import torch.distributed.tensor  # noqa: F401
-import torch.distributed.tensor.parallel  # noqa: F401
-
-import paratrain.model.llama  # noqa: F401
-import paratrain.train.loop  # noqa: F401
-
+# What the fork server imports once, so every rank starts warm (torch._inductor.config:
+# torch.use_deterministic_algorithms imports it, 0.7 CPU-s per rank).
+PRELOAD = ["torch._inductor.config", "torch.distributed.checkpoint", "torch.distributed.fsdp",
+           "torch.distributed.pipelining", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
+           "paratrain.model.llama", "paratrain.train.loop", "pytest"]  # pytest: each rank imports pytest.__main__ (spawn's main-module fixup) and the test modules
 TASK_TIMEOUT_S = float(os.environ.get("PARATRAIN_TEST_TIMEOUT_S", "240"))
 
 
-def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None:
+def _worker(rank: int, world_size: int, store_path: str, tasks, results, sys_path: list[str]) -> None:
+    sys.path[:] = sys_path  # the test modules the tasks come from
     torch.set_num_threads(1)
-    os.environ.update({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                       "OMP_NUM_THREADS": "1"})
+    own_env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"}
+    os.environ.update(own_env)
     store = dist.FileStore(store_path, world_size)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=TASK_TIMEOUT_S / 2))
@@ -55,7 +55,9 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results) -> None
         if item is None:
             break
         try:
-            fn, args, kwargs = pickle.loads(item)  # inside: a function the worker cannot import is an error
+            fn, args, kwargs, env = pickle.loads(item)  # inside: a function the worker cannot import is an error
+            os.environ.clear()  # the test's environment as it is now (the fork server's is the session's start)
+            os.environ.update({**env, **own_env})
             out = ("ok", fn(*args, **kwargs))
         except BaseException as exc:  # noqa: BLE001 - ship every failure to the parent
             out = ("error", f"rank {rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc()}")
@@ -98,29 +100,26 @@ class DistPool:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self.broken = False  # set when a rank failed or hung: ranks may be out of step, so rebuild
-        self._ctx = mp.get_context("fork")
+        self._ctx = mp.get_context("forkserver")
+        self._ctx.set_forkserver_preload(PRELOAD)
         self._tmp = tempfile.mkdtemp(prefix=f"paratrain-pool{world_size}-")
         store = os.path.join(self._tmp, "store")
         self._tasks = [self._ctx.Queue() for _ in range(world_size)]
         self._results = self._ctx.Queue()
-        self._procs = [self._ctx.Process(target=_worker, args=(r, world_size, store, self._tasks[r], self._results),
+        self._procs = [self._ctx.Process(target=_worker, args=(r, world_size, store, self._tasks[r], self._results, sys.path),
                                          daemon=True) for r in range(world_size)]
         for p in self._procs:
             p.start()
 
     def run(self, fn, *args, **kwargs) -> list:
         """Run fn(*args, **kwargs) on every rank; return [result of rank 0, rank 1, ...]."""
-        payload = pickle.dumps((fn, args, kwargs))
+        payload = pickle.dumps((fn, args, kwargs, dict(os.environ)))
         for q in self._tasks:
             q.put(payload)
         out: list = [None] * self.world_size
         errors = []
         for _ in range(self.world_size):
-            try:
-                rank, data = self._results.get(timeout=TASK_TIMEOUT_S)
-            except Exception:  # noqa: BLE001 - queue.Empty: a rank hung
-                self.broken = True
-                raise TimeoutError(f"a rank did not answer within {TASK_TIMEOUT_S} s") from None
+            rank, data = self._next_result()
             status, value = pickle.loads(data)
             if status == "error":
                 errors.append(value)
@@ -129,6 +128,22 @@ class DistPool:
             self.broken = True
             raise RuntimeError("\n".join(sorted(errors)))
         return out
+
+    def _next_result(self) -> tuple[int, bytes]:
+        """The next rank's answer; a rank that died (a crash in native code, the OOM killer) is reported at once
+        with its exit code rather than after the task timeout."""
+        waited_s = 0.0
+        while waited_s < TASK_TIMEOUT_S:
+            try:
+                return self._results.get(timeout=1.0)
+            except Exception:  # noqa: BLE001 - queue.Empty
+                waited_s += 1.0
+            dead = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
+            if dead:
+                self.broken = True
+                raise RuntimeError(f"pool rank(s) died: exit codes {dead} (negative: killed by that signal)")
+        self.broken = True
+        raise TimeoutError(f"a rank did not answer within {TASK_TIMEOUT_S} s")
 
     def close(self) -> None:
         for q in self._tasks:
@@ -170,3 +185,13 @@ def get_pool(world_size: int) -> DistPool:
 def close_all() -> None:
     while _POOLS:
         _POOLS.popitem()[1].close()
+
+
+def shutdown() -> None:
+    """At the end of the session: close the pools and stop the fork server, waiting for it, so the CPU its ranks
+    used is counted in this process's children (`time pytest`, the CI's CPU budget) instead of leaving with an
+    orphan. multiprocessing has no public call for this; `_stop` is the one its own tests use."""
+    from multiprocessing import forkserver
+
+    close_all()
+    forkserver._forkserver._stop()

@@ -225,11 +225,12 @@ def test_torchrun_restarts_after_rank_kills_mid_run_and_during_a_save_and_finish
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     returncode, log = run_in_own_session(cmd, env, tmp / "elastic.log", timeout_s=420)
     assert returncode == 0, log[-4000:]
-    # the two SIGKILLs, in order (each said by the rank just before it kills itself: torchrun's fork workers
-    # report the first rank the agent sees fail, here often a peer whose collective the kill broke)
+    # the two SIGKILLs, in order (each said by the rank just before it kills itself: torchrun reports the first
+    # rank its monitor sees fail, often a peer whose collective the kill broke)
     killed = re.findall(r"PARATRAIN_FAULT_KILL: SIGKILL of rank (\d) at (\w+) of step (\d) \(attempt (\d)\)", log)
     assert killed == [("3", "after_step", "3", "0"), ("1", "save_shards", "4", "1")], log[-4000:]
-    assert log.count("failed (exitcode: ") == 2 and "Terminating process" in log, log[-4000:]  # two failed attempts
+    # (not asserted on torchrun's own failure lines: how many it prints per failed attempt depends on which rank
+    # its monitor sees die first; the two restarts show in the two resumes below)
     step2 = tmp / "elastic" / "checkpoints" / step_name(2)
     partial = tmp / "elastic" / "checkpoints" / step_name(4)
     assert log.count(f"resumed from {step2} at step 2") == 2  # both restarts: the newest complete checkpoint
