@@ -91,22 +91,21 @@ def _checked(f: dataclasses.Field, kind: str, base, choices):
     def check(text: str):
         if "refused" in m:
             raise UserError(f"{flag} {text!r}: {m['refused']}")
+        if kind != "csv":
+            value = base(text)  # not a number: argparse's own message
+            for holds, sign, bound in bounds:
+                if not holds(value, bound):
+                    raise UserError(f"{flag} = {value}: must be {sign} {bound}")
+            return value
         try:
-            items = [base(x.strip()) for x in text.split(",") if x.strip()] if kind == "csv" else [base(text)]
+            items = tuple(base(x.strip()) for x in text.split(",") if x.strip())
         except ValueError:
-            if kind != "csv":
-                raise  # not a number: argparse's own message
-            items = []
-        bad = [x for x in items if kind == "csv" and choices and x not in choices
-               or not all(holds(x, bound) for holds, _, bound in bounds)]
-        if kind == "csv" and (bad or not items):
+            items = ()
+        if not items or any(choices and x not in choices or not all(holds(x, b) for holds, _, b in bounds) for x in items):
             allowed = ", ".join(map(str, choices)) if choices else " ".join(
                 [f"{base.__name__} values", *(f"{sign} {bound}" for _, sign, bound in bounds)])
             raise UserError(f"{flag} = {text!r}: allowed: {allowed} (comma-separated)")
-        if bad:
-            sign, bound = next((sign, bound) for holds, sign, bound in bounds if not holds(bad[0], bound))
-            raise UserError(f"{flag} = {bad[0]}: must be {sign} {bound}")
-        return tuple(items) if kind == "csv" else items[0]
+        return items
     check.__name__ = base.__name__  # argparse's "invalid int value"
     return check
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import math
 import re
 import tomllib
-from dataclasses import dataclass, field, fields, replace
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 
 from paratrain.sim.failures import FailureCause, llama3_causes, load_causes_toml, scale_rates
@@ -356,6 +357,53 @@ def load_causes_toml_tables(path: Path, tables: list) -> tuple[FailureCause, ...
 
 
 # ---- `paratrain simulate`'s options -> SimConfig: defaults < TOML < catalog < flags ---------------------------
+def _gb(value: float, _flag: str) -> float:  # a flag in GB or GB/s to the field's bytes or bytes/s
+    return value * 1e9
+
+
+# a field's unit suffix -> its flag's suffix, the conversion of the flag's value and the unit shown in its help
+# (a duration flag's value carries its unit: 90s, 20m, 2.5h, 54d)
+FLAG_UNITS = {"_bytes_per_s": ("_gbps", _gb, "GB/s"), "_bytes": ("_gb", _gb, "GB"), "_s": ("", parse_duration_s, "")}
+TITLES = {"workload": "workload (give --steps, or --duration for a fixed window)", "failures": "failures and recovery",
+          "cost": "cost and Monte Carlo"}
+
+
+def _shown(value, conv) -> str:
+    """A default in its flag's unit: 1e12 bytes -> 1000 (GB), 180 s -> 3m, 1.5 -> 1.5."""
+    if conv is not parse_duration_s:
+        return f"{value / 1e9:g}" if conv else f"{value:g}" if isinstance(value, float) else str(value)
+    size, unit = next(((n, u) for n, u in ((DAY_S, "d"), (HOUR_S, "h"), (60, "m")) if value >= n and value % n == 0),
+                      (1, "s"))
+    return f"{value / size:g}{unit}"
+
+
+def sim_options(cls=None, prefix: str = "") -> list[tuple]:
+    """`paratrain simulate`'s options (`dataclasses.make_dataclass` fields) of SimConfig's (and StragglerConfig's)
+    fields with a help: help, choices and default from the field, the flag in the field's unit (detect_s ->
+    --detect 60s, checkpoint_bytes -> --checkpoint-gb); None unless given, so --config and the catalog fill the
+    rest (config_from_options, by `to`)."""
+    from paratrain.cli import opt
+
+    cls = cls or SimConfig
+    hints, out = typing.get_type_hints(cls), []
+    for f in fields(cls):
+        if is_dataclass(hints[f.name]):  # stragglers: StragglerConfig's, where SimConfig has them
+            out += sim_options(hints[f.name], f"{prefix}{f.name}.")
+        if "help" not in f.metadata:
+            continue
+        meta, suffix = dict(f.metadata), next((s for s in FLAG_UNITS if f.name.endswith(s)), "")
+        flag_suffix, conv, unit = FLAG_UNITS.get(suffix, ("", None, ""))
+        name = meta.pop("flag", "--" + f.name.removesuffix(suffix) + flag_suffix)[2:].replace("-", "_")
+        shown = None if f.default in (None, MISSING) else f"default {_shown(f.default, conv)}"
+        notes = "; ".join(x for x in (unit, shown) if x)
+        kinds = [t for t in typing.get_args(hints[f.name]) or (hints[f.name],) if t is not type(None)]
+        kind = str if conv is parse_duration_s or len(kinds) > 1 else float if conv else kinds[0]  # str | float: str
+        group = meta.pop("group", "stragglers")
+        meta |= {"group": TITLES.get(group, group), "to": prefix + f.name} | ({"conv": conv} if conv else {})
+        out.append((name, kind | None, opt(meta.pop("help") + (f" ({notes})" if notes else ""), **meta)))
+    return out
+
+
 def config_from_options(args) -> SimConfig:
     """The simulation's inputs: built-in defaults < --config TOML < --hardware/--model (catalog, planner) < flags;
     `args` is the command's options (sim/commands.py): each flag's SimConfig field is named by its option
