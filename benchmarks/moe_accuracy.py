@@ -33,7 +33,7 @@ from benchmarks.planner_accuracy import rows_by_set
 from paratrain.hardware.catalog import get_catalog
 from paratrain.model.config import load_model_config
 from paratrain.plan.api import Layout, estimate
-from paratrain.plan.model import Options
+from paratrain.plan.model import MOE_FLEX_BACKENDS, Options
 
 DATA = Path(__file__).parent / "data"
 RUNS_CSV = DATA / "moe_runs.csv"
@@ -77,6 +77,7 @@ def options_of(system, r: dict) -> Options:
                               ep_overlap=float(r["ep_overlap"]), moe_fp8_dispatch=r["fp8_dispatch"] == "1",
                               moe_hierarchical_dispatch=r["dispatcher"] in HIERARCHICAL,
                               moe_fused_padding=r["dispatcher"] in FUSED_PADDING,
+                              moe_flex_backend=r["dispatcher"] if r["dispatcher"] in MOE_FLEX_BACKENDS else None,
                               moe_gemm_per_expert=r["grouped_gemm"] == "per_expert",
                               recompute_mlp=r["recompute_mlp"] == "1")
 

@@ -32,6 +32,7 @@ ATTENTION_CONVENTION = "causal"
 CAUSAL_ATTENTION_FLOPS = 2.0
 ATTENTION = ("flash", "unfused")
 CP_COMM = ("ring", "allgather", "allgather_rotate")  # how context parallelism exchanges K/V (Options.cp_comm)
+MOE_FLEX_BACKENDS = ("deepep", "hybridep")  # Megatron-Core's moe_flex_dispatcher_backend values
 
 BF16_BYTES = 2
 FLASH_BWD_MATMULS = 5  # per attention block in FlashAttention-2's backward (forward: 2)
@@ -121,7 +122,9 @@ class Options:
     GroupedLinear on Hopper: multi-stream cuBLASLt), otherwise one launch for all (torch._grouped_mm, DeepGEMM);
     moe_fused_padding: the dispatcher delivers each local expert's rows already padded to the low-precision
     alignment (HybridEP's pad_multiple), so Transformer Engine's Fp8Padding / Fp8Unpadding around the per-expert
-    GEMMs copy nothing (plan.moe.fp8_padding_s; the alltoall dispatcher and DeepEP leave that to them).
+    GEMMs copy nothing (plan.moe.fp8_padding_s; the alltoall dispatcher and DeepEP leave that to them);
+    moe_flex_backend: the flex dispatcher's backend where it is named ("deepep", "hybridep"; None: unnamed or
+    not the flex dispatcher): its SM share and HybridEP's node-copy stage (plan.moe.hybridep_node_copy_s).
     cp_comm: how context parallelism exchanges K/V (CP_COMM; _context_parallel_s): "ring" (Megatron-Core's p2p,
     hidden behind the attention blocks), "allgather" (one exposed all-gather, Llama 3's), "allgather_rotate"
     (torch's context_parallel as torchtitan runs it: gathered behind the first block, dK/dV on a ring).
@@ -168,6 +171,7 @@ class Options:
     moe_hierarchical_dispatch: bool = False
     moe_gemm_per_expert: bool = False
     moe_fused_padding: bool = False
+    moe_flex_backend: str | None = None
     cp_comm: str = "ring"
     p2p_pair_allgather: bool = False
     tp_bwd_overlap: bool = False
@@ -193,6 +197,9 @@ class Options:
             raise ValueError(f"attention = {self.attention!r}: allowed: {', '.join(ATTENTION)}")
         if self.cp_comm not in CP_COMM:
             raise ValueError(f"cp_comm = {self.cp_comm!r}: allowed: {', '.join(CP_COMM)}")
+        if self.moe_flex_backend not in (None, *MOE_FLEX_BACKENDS):
+            raise ValueError(f"moe_flex_backend = {self.moe_flex_backend!r}: allowed: None, "
+                             f"{', '.join(MOE_FLEX_BACKENDS)}")
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"grad_bytes = {self.grad_bytes}: allowed: 2, 4")
         if self.dp_overlap is not None and not 0 <= self.dp_overlap <= 1:

@@ -83,6 +83,23 @@ BLOCK_SCALED_QUANTIZE_KERNELS = 1
 # assumption (NCCL's channel count for a large p2p operation on Hopper), not measured here.
 DEEPEP_SMS = 20
 NCCL_ALLTOALL_SMS = 32
+# HybridEP as Megatron-Bridge's performance runs use it: scripts/performance/utils/overrides.py
+# (_set_common_perf_overrides, v0.2.2 helpers.py to v0.4.2) sets moe_hybridep_num_sms = 32 when the backend is
+# hybridep ("TODO: This needs to be adjusted when overlapping HybridEP with computation").
+HYBRIDEP_SMS = 32
+# HybridEP's inter-node dispatch and combine, measured: deepseek-ai/DeepEP hybrid-ep branch, Hybrid-EP
+# implementation doc, "H100 Platform" table (PR #494, 2025-11-18; docs/README_Hybrid-EP.md since): 16 ranks
+# (2 nodes of 8 H100), 4096 tokens per rank x hidden 7168, top-8 of 128 experts (8 per rank), uniform random
+# routing, 16 SMs, "Kernel Only": dispatch 71.71 GB/s BF16, 68.48 FP8, combine 62.95 GB/s (8 SMs: 76.80 / 62.00 /
+# 68.00: saturated, so the recipes' 32 SMs are taken as 16). The test counts one copy of each token per
+# destination node *including its own* (tests/utils.py count_rdma_send_from_routing_map: "we do not set the
+# local node map to zeros"), i.e. the tokens the kernel moves through its per-node pipeline (RDMA to the
+# remote node or straight to the own node, then TMA/NVLink to the node's GPUs holding an expert), so the rate is
+# taken per node-copy byte. At 2 nodes half of these copies are local: the network carries 36 GB/s of the
+# 71.71, under the catalog's 40 GB/s per GPU, so this stage, not the NICs, sets the time; at 4 and 8 nodes (32,
+# 64 ranks: kernel-only 54.5-57.7 and 50.0-55.0 GB/s BF16) the remote 3/4 and 7/8 of the copies at the NICs'
+# 40 GB/s give 53 and 46 GB/s, the NICs bind, as measured. Keyed by chip: no other chip's inter-node figure.
+HYBRIDEP_NODE_COPY_BYTES_PER_S = {"h100": {"dispatch_bf16": 71.71e9, "dispatch_fp8": 68.48e9, "combine": 62.95e9}}
 # Routing probabilities as the expert block receives them: DeepEP / HybridEP take float32 probs (Megatron-Core
 # token_dispatcher.py, the flex dispatcher: "self.token_probs = self.token_probs.float()"); the alltoall
 # dispatcher keeps the router's dtype, bf16 unless the recipe sets moe_router_dtype = fp32 (GPT-OSS does not).
@@ -159,6 +176,25 @@ def alltoall_time_s(system: System, nbytes, degree, stride, imbalance=1.0, dedup
         fixed = np.where(peers > 0, (link.latency_us + link.collective_overhead_us) * 1e-6, fixed)
         reached = np.maximum(reached, inside)
     return np.where(degree > 1, slowest + fixed, 0.0)
+
+
+def hybridep_node_copy_s(system: System, opts, tokens, ep, stride, k, hidden):
+    """(dispatch s, dispatch-as-bf16 s, combine s) of HybridEP's per-node stage across nodes: each of a rank's
+    `tokens` goes once to every node holding one of its k experts, its own included, N(1-(1-1/N)^k) of N nodes
+    (experts uniform over nodes), at the measured rate (HYBRIDEP_NODE_COPY_BYTES_PER_S; the combine's gradient
+    leaves like a bf16 dispatch). A lower bound on the dispatch time that the per-tier alltoall_time_s does not
+    see; zero inside one node, for the other backends and on chips with no measurement."""
+    rates = HYBRIDEP_NODE_COPY_BYTES_PER_S.get(system.chip.name)
+    zero = 0.0 * np.asarray(tokens, dtype=float) * np.asarray(ep, dtype=float)
+    if opts.moe_flex_backend != "hybridep" or rates is None:
+        return zero, zero, zero
+    per_node = np.clip(np.floor(system.devices_per_node / np.asarray(stride, dtype=float)), 1.0, ep)
+    nodes = np.asarray(ep, dtype=float) / per_node
+    copies = np.where(nodes > 1, nodes * (1 - (1 - 1 / nodes) ** k), 0.0)
+    bf16 = tokens * copies * hidden * BF16_BYTES
+    fp8 = opts.fp8 and opts.moe_fp8_dispatch
+    dispatch = tokens * copies * hidden * FP8_BYTES / rates["dispatch_fp8"] if fp8 else bf16 / rates["dispatch_bf16"]
+    return dispatch, bf16 / rates["dispatch_bf16"], bf16 / rates["combine"]
 
 
 def per_expert_quantize_s(system: System, opts, local):
@@ -264,13 +300,18 @@ def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp,
     dedup = k if opts.moe_hierarchical_dispatch else None
     dispatch = alltoall_time_s(system, rows * h * dispatch_bytes, ep, stride, imb, dedup)
     combine = alltoall_time_s(system, rows * h * BF16_BYTES, ep, stride, imb, dedup)
+    # HybridEP's per-node pipeline across nodes (measured on H100), pipelined with the NICs: the slower sets it
+    node_dispatch, node_dispatch_bf16, node_combine = hybridep_node_copy_s(system, opts, tokens * imb, ep, stride,
+                                                                          k, h)
+    dispatch_bf16 = np.maximum(combine, node_dispatch_bf16)  # the combine's gradient, sent like a bf16 dispatch
+    dispatch, combine = np.maximum(dispatch, node_dispatch), np.maximum(combine, node_combine)
     # the dropless host sync sits on the dispatch path (once per forward; replayed by full recompute below);
     # counted with the all-to-all, so where there is one (ep > 1; at ep = 1 a few microseconds are left out)
     sync = np.where(ep > 1, HOST_SYNC_LAUNCHES * overhead, 0.0) if model.capacity_factor is None else 0.0
     a2a_fwd = dispatch + combine + sync
     # backward: the gradient of the combine goes out like a dispatch and that of the dispatch comes back like a
     # combine, both bf16; full recompute replays the forward's pair first
-    a2a_bwd = 2 * combine + np.where(rc == 2, a2a_fwd, 0.0)
+    a2a_bwd = dispatch_bf16 + combine + np.where(rc == 2, a2a_fwd, 0.0)
     a2a_bytes = rows * h * (dispatch_bytes + 3 * BF16_BYTES) * np.where(ep > 1, 1.0, 0.0)
     # per direction: the per-expert operand quantize launches and TE's row padding / unpadding for them
     quantize = per_expert_quantize_s(system, opts, local) + fp8_padding_s(model, system, opts, routed)
@@ -309,7 +350,8 @@ def overlap_limits(system: System, opts, sched, pp, v, m):
 
     sched = np.asarray(sched)
     unpaired = np.where(sched >= 3, 0.0, np.minimum(1.0, inflight_microbatches(sched, pp, v, m, 0) / m))
-    sms = DEEPEP_SMS if opts.moe_hierarchical_dispatch else NCCL_ALLTOALL_SMS
+    sms = (HYBRIDEP_SMS if opts.moe_flex_backend == "hybridep" else DEEPEP_SMS) if opts.moe_hierarchical_dispatch \
+        else NCCL_ALLTOALL_SMS
     fraction = sms / system.chip.cores_per_chip if system.chip.vendor == "nvidia" else 0.0
     return unpaired, fraction
 
