@@ -38,6 +38,11 @@ from paratrain.plan.model import MOE_FLEX_BACKENDS, Options
 DATA = Path(__file__).parent / "data"
 RUNS_CSV = DATA / "moe_runs.csv"
 CHOICES = {"recompute": ["none", "selective", "full"], "microbatch": [1, 2, 4, 8]}
+# csv `recompute` as the recipe names it where it is none of CHOICES: Megatron-Core's recompute_modules
+# ["layernorm", "moe_act"] (the GPT-OSS recipes): no attention replay, the norms and the expert activation rerun
+# (Options.recompute_norm_act). The planner keeps the memory those modules free (an upper bound), so where that
+# does not fit its memory model the fastest fitting choice of CHOICES is taken (the DGX-B200 GPT-OSS row at mb4).
+NORM_ACT = "layernorm+moe_act"
 # csv `dispatcher`: alltoall (Megatron-Core's MoEAlltoAllTokenDispatcher); the flex dispatcher's backends deepep and
 # hybridep, and hierarchical (a node-deduplicating dispatch whose backend the source does not name: timed as
 # HybridEP, DeepSeek's own DeepEP stack on the fused GEMM path). HybridEP pads each expert's rows for FP8 while
@@ -82,6 +87,21 @@ def options_of(system, r: dict) -> Options:
                               recompute_mlp=r["recompute_mlp"] == "1")
 
 
+def _fastest(model, system, nodes, seq, gbs, fixed, opts, recomputes, microbatches):
+    """The fastest estimate that fits over the given recompute and microbatch choices (None: none fits)."""
+    best = None
+    for rc in recomputes:
+        for mb in microbatches:
+            lay = Layout(**fixed, sp=fixed["tp"] > 1, microbatch=mb, recompute=rc)
+            try:
+                est = estimate(model, system, nodes, seq, gbs, lay, opts)
+            except ValueError:  # e.g. the microbatch does not divide the batch
+                continue
+            if est.fits and (best is None or est.step_time_s < best.step_time_s):
+                best = est
+    return best
+
+
 def predict(catalog, r: dict):
     """(label, predicted step time s, published step time s, estimate) of one row."""
     system = system_of(catalog, r["system"])
@@ -93,17 +113,13 @@ def predict(catalog, r: dict):
     opts = options_of(system, r)
     # fields not published: every choice is estimated and the fastest that fits is taken (the published
     # virtual-stage counts, e.g. 24, lie outside the search grid, so estimate() is called per choice)
-    best = None
-    for rc in CHOICES["recompute"] if r["recompute"] == "best" else [r["recompute"]]:
-        for mb in CHOICES["microbatch"] if r["microbatch"] == "best" else [int(r["microbatch"])]:
-            lay = Layout(**fixed, sp=fixed["tp"] > 1, microbatch=mb, recompute=rc)
-            try:
-                est = estimate(model, system, nodes, seq, gbs, lay, opts)
-            except ValueError:  # e.g. the microbatch does not divide the batch
-                continue
-            if est.fits and (best is None or est.step_time_s < best.step_time_s):
-                best = est
-    est = best
+    mbs = CHOICES["microbatch"] if r["microbatch"] == "best" else [int(r["microbatch"])]
+    if r["recompute"] == NORM_ACT:
+        est = _fastest(model, system, nodes, seq, gbs, fixed, dataclasses.replace(opts, recompute_norm_act=True),
+                       ["none"], mbs) or _fastest(model, system, nodes, seq, gbs, fixed, opts, CHOICES["recompute"], mbs)
+    else:
+        est = _fastest(model, system, nodes, seq, gbs, fixed, opts,
+                       CHOICES["recompute"] if r["recompute"] == "best" else [r["recompute"]], mbs)
     devices = nodes * system.devices_per_node
     measured = gbs * seq / (float(r["measured"]) * devices)
     label = (f"{r['model']} {r['system']} {devices}dev tp{r['tp']} pp{r['pp']} ep{r['ep']} {r['precision']} "

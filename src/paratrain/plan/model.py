@@ -123,6 +123,9 @@ class Options:
     moe_fused_padding: the dispatcher delivers each local expert's rows already padded to the low-precision
     alignment (HybridEP's pad_multiple), so Transformer Engine's Fp8Padding / Fp8Unpadding around the per-expert
     GEMMs copy nothing (plan.moe.fp8_padding_s; the alltoall dispatcher and DeepEP leave that to them);
+    recompute_norm_act: the backward also reruns the two layer norms and the routed experts' activation, whose
+    outputs the forward dropped (Megatron-Core's recompute_modules "layernorm" and "moe_act"; plan.moe.
+    norm_act_replay_s); the attention core is replayed only under selective recompute, as before.
     moe_flex_backend: the flex dispatcher's backend where it is named ("deepep", "hybridep"; None: unnamed or
     not the flex dispatcher): its SM share and HybridEP's node-copy stage (plan.moe.hybridep_node_copy_s).
     cp_comm: how context parallelism exchanges K/V (CP_COMM; _context_parallel_s): "ring" (Megatron-Core's p2p,
@@ -172,6 +175,7 @@ class Options:
     moe_gemm_per_expert: bool = False
     moe_fused_padding: bool = False
     moe_flex_backend: str | None = None
+    recompute_norm_act: bool = False
     cp_comm: str = "ring"
     p2p_pair_allgather: bool = False
     tp_bwd_overlap: bool = False
@@ -578,6 +582,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     fwd_compute = mm + core + elem + quantize + bias_fwd + rope_fwd
     selective = core + (mlp_fwd if opts.recompute_mlp else 0.0)
     recompute_fwd = np.where(rc == 2, fwd_compute, np.where(rc == 1, selective, 0.0))
+    if opts.recompute_norm_act:  # Megatron-Core's recompute_modules "layernorm", "moe_act" (plan.moe)
+        norm_act = moe_plan.norm_act_replay_s(flops_model, system, T, tp, sp, etp, moe[5] if moe is not None else 0.0)
+        recompute_fwd = recompute_fwd + np.where(rc == 2, 0.0, norm_act)
     # FlashAttention's backward recomputes the scores and probabilities and runs 5 matmuls to the forward's 2
     # (Dao 2023, FlashAttention-2 sec. 3.2), at a lower fraction of peak than its forward (FLASH_BWD_EFF);
     # unfused attention keeps P and runs 4 (dP, dV, dQ, dK) as plain batched GEMMs

@@ -260,6 +260,27 @@ def expert_bias_s(model: ModelConfig, system: System, opts, routed, local):
     return fwd, bwd
 
 
+def norm_act_replay_s(model: ModelConfig, system: System, T, tp, sp, etp, routed):
+    """Forward time per average layer that Megatron-Core replays in the backward under selective recompute of
+    "layernorm" and "moe_act" (Options.recompute_norm_act; Megatron-Bridge's GPT-OSS recipes:
+    recompute_modules = ["layernorm", "moe_act"], gpt_oss_workload_base_configs.py v0.2.2-v0.4.2). "layernorm":
+    TransformerLayer drops the outputs of input_layernorm and pre_mlp_layernorm after the forward
+    (tensor_parallel.CheckpointWithoutOutput) and reruns both norms before the backward needs them: per norm a
+    read and a write of the rank's tokens (its SP shard), one kernel each. "moe_act": TEGroupedMLP
+    (activation_recompute, "moe_act" in recompute_modules) drops the expert activation's output and reruns it:
+    per routed row a read of fc1's output (2 x width) and a write of width, bf16, one kernel. The attention core is
+    not replayed (not in the list). Memory: the planner keeps what no recompute keeps (an upper bound)."""
+    from paratrain.plan.model import memory_time_s
+
+    tokens = T / np.where(np.asarray(sp, dtype=bool), tp, 1.0)
+    norms = memory_time_s(system, 2 * tokens * model.hidden * BF16_BYTES * 2, 2)
+    if not model.num_experts:
+        return norms
+    width = model.moe_ffn / np.asarray(etp, dtype=float)
+    act = memory_time_s(system, routed * 3 * width * BF16_BYTES, 1)
+    return norms + model.moe_layers / model.layers * act
+
+
 def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp, rc):
     """Per average layer, forward, on the busiest expert rank: (expert GEMMs s, elementwise s, all-to-all fwd s,
     all-to-all bwd s, all-to-all bytes per microbatch, routed rows, per-expert quantize launches + FP8 row padding s,
