@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from paratrain.calibrate.probe import probe_json, run_probe, write_probe
-from paratrain.calibrate.session import print_calibration, print_probe, run_calibration
-from paratrain.cli import Output, command, opt, show
+from paratrain.calibrate.session import Calibration, print_calibration, print_probe, run_calibration
+from paratrain.cli import Output, command, from_options, opt, options_of, show
 from paratrain.device import CPU, CUDA, NEURON
 
 PROBE_DEVICES = (CPU, CUDA, NEURON)
@@ -25,21 +25,8 @@ def run_probe_cmd(args) -> None:
     show(args, {**probe_json(res), "hardware_file": str(out)}, lambda: print_probe(res, out))
 
 
-@command("calibrate", Output, "fit the planner to measured runs; write a calibrated hardware file",
-         runs=(list[str], opt("run summaries: JSON from paratrain train --summary-json (the planner's parameters) "
-                              "and/or paratrain generate --summary-json (the serving model's, into "
-                              "[systems.X.serving])", positional=True, nargs="+", factory=list)),
-         hardware=(str, opt("hardware TOML file holding the system to calibrate", required=True, metavar="FILE")),
-         system=(str, opt("system name inside that file", "local")),
-         out=(str | None, opt("hardware TOML to write (default: <hardware>.calibrated.toml beside it)",
-                              metavar="FILE")),
-         in_place=(bool, opt("rewrite the --hardware file itself")),
-         holdout=(float, opt("fraction of runs kept out of the fit and only predicted (every other run), in [0, 1)",
-                             0.0, ge=0, lt=1)),
-         suggest=(int | None, opt("list the next N runs (default 3) that best separate the parameters, each with "
-                                  "its config (<runs folder>/next/<layout>.toml); writes no hardware file",
-                                  nargs="?", const=3, metavar="N", ge=1)),
-         dry_run=(bool, opt("fit and report, do not write a file")))
+@command("calibrate", (options_of(Calibration), Output),
+         "fit the planner to measured runs; write a calibrated hardware file")
 def run_calibrate_cmd(args) -> None:
-    out = run_calibration(args)
+    out = run_calibration(from_options(Calibration, args))
     show(args, out, lambda: print_calibration(out))
