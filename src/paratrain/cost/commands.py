@@ -83,18 +83,14 @@ def run_compare(args) -> int | None:
                                             porting_engineer_days={"flag": "--porting-days", "metavar": "DAYS"},
                                             constraints={"flag": "--constraint"})),
          "which infrastructure for a workload, with the reasons",  # the cost Request's fields (cost/recommend.py)
-         kind=(str, opt("pretrain, finetune, research, experiment, multicloud or onprem", positional=True)),
          model=(str | None, opt("model preset or model TOML file (default: per kind)")),
-         train_tokens=(float | None, opt("tokens to train (default: per kind)", gt=0, exclusive="length")),
-         systems=(tuple[str, ...] | None, opt("comma list of candidate systems (default: every catalog system; "
-                                              "those without a price get a break-even price instead of a rank)")))
+         train_tokens=(float | None, opt("tokens to train (default: per kind)", gt=0, exclusive="length")))
 def run_recommend(args) -> None:
     if args.kind in WORKLOADS:
         raise UserError(f"recommend {args.kind}: a serving workload; run `paratrain serve recommend {args.kind} "
                         "--model M --rate REQ_PER_S` (chips, latency and $/M tokens per system, docs/serving.md)")
-    systems = list(args.systems) if args.systems else None
-    req = from_options(Request, args, systems=systems, assumptions=assumptions_from(args))
-    rec = recommend(req, progress=_progress(len(systems or get_catalog().systems), args.json))
+    req = from_options(Request, args, assumptions=assumptions_from(args))
+    rec = recommend(req, progress=_progress(len(req.systems or get_catalog().systems), args.json))
     out = {k: v for k, v in rec.__dict__.items() if k != "items"}
     if args.sensitivity_plot and rec.items:
         out["sensitivity_plot"] = tables.write_recommendation_plot(args.sensitivity_plot, rec, args.kind, req)

@@ -64,10 +64,11 @@ BATCH_TOLERANCE = 0.15
 
 @dataclass
 class Request:
-    kind: str
-    model: str | None = None
-    train_tokens: float | None = None
     # Each help is the `paratrain recommend` option's (cli.options_of), with its bounds.
+    kind: str = field(metadata={"help": "pretrain, finetune, research, experiment, multicloud or onprem",
+                                "positional": True})
+    model: str | None = None  # default: per kind (KINDS)
+    train_tokens: float | None = None
     chips: int | None = field(default=None, metadata={"help": "accelerator chips per candidate cluster, the same for "
                               "every system (default: per kind; nodes = chips / chips per node, rounded up)", "ge": 1})
     nodes: int | None = field(default=None, metadata={  # overrides chips
@@ -84,7 +85,9 @@ class Request:
         "help": "engineer-days to move the code base to the other stack (assumption)", "ge": 0})
     engineer_usd_per_day: float = field(default=1200.0, metadata={
         "help": "loaded cost of an engineer-day (assumption)", "ge": 0})
-    systems: list[str] | None = None  # candidates; default: every catalog system
+    systems: tuple[str, ...] | None = field(default=None, metadata={"help": "comma list of candidate systems (default: "
+                                             "every catalog system; those without a price get a break-even price "
+                                             "instead of a rank)"})
     constraints: list[str] = field(default_factory=list, metadata={  # from CONSTRAINTS, on top of the kind's own
         "help": "a hard constraint on top of the kind's own: cuda-kernels, multicloud or onprem (repeatable), e.g. "
                 "pretrain --constraint multicloud", "metavar": "NAME"})
