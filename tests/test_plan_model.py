@@ -615,3 +615,11 @@ def test_torchao_float8_tp_gathers_fp8_and_reduce_scatters_bf16(box):
     plain, fp8_gather = tp_comm(fp8=True), tp_comm(fp8=True, fp8_tp_allgather=True)
     assert 0.75 * plain < fp8_gather < 0.78 * plain
     assert tp_comm(fp8_tp_allgather=True) == tp_comm()  # BF16 matmuls: BF16 gathers
+
+
+def test_trn1_collectives_pay_the_per_call_floor_nccom_test_publishes():
+    """aws-neuron-sdk nccom-test.rst, example runs on one trn1.32xlarge: a 2-rank all-reduce takes 58 us and a
+    32-rank all-gather 150 us at 1-64 KiB (the per-call cost the catalog's collective_overhead_us carries)."""
+    trn1 = resolve_system("trn1.32xlarge")
+    assert collective_time_s(trn1, "allreduce", 1024, 2, 1) * 1e6 == pytest.approx(58, rel=0.1)
+    assert collective_time_s(trn1, "allgather", 65536, 32, 1) * 1e6 == pytest.approx(150, rel=0.1)
