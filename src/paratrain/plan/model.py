@@ -126,6 +126,9 @@ class Options:
     recompute_norm_act: the backward also reruns the two layer norms and the routed experts' activation, whose
     outputs the forward dropped (Megatron-Core's recompute_modules "layernorm" and "moe_act"; plan.moe.
     norm_act_replay_s); the attention core is replayed only under selective recompute, as before.
+    ce_bytes_per_logit: HBM bytes the cross-entropy moves per logit, forward + backward. 12 (the default): fp32
+    softmax read and write and the gradient write; Megatron-Bridge's performance runs use Transformer Engine's
+    Triton cross-entropy on the bf16 logits (plan.stacks, megatron: 10).
     moe_flex_backend: the flex dispatcher's backend where it is named ("deepep", "hybridep"; None: unnamed or
     not the flex dispatcher): its SM share and HybridEP's node-copy stage (plan.moe.hybridep_node_copy_s).
     cp_comm: how context parallelism exchanges K/V (CP_COMM; _context_parallel_s): "ring" (Megatron-Core's p2p,
@@ -176,6 +179,7 @@ class Options:
     moe_fused_padding: bool = False
     moe_flex_backend: str | None = None
     recompute_norm_act: bool = False
+    ce_bytes_per_logit: float = 12.0
     cp_comm: str = "ring"
     p2p_pair_allgather: bool = False
     tp_bwd_overlap: bool = False
@@ -204,6 +208,8 @@ class Options:
         if self.moe_flex_backend not in (None, *MOE_FLEX_BACKENDS):
             raise ValueError(f"moe_flex_backend = {self.moe_flex_backend!r}: allowed: None, "
                              f"{', '.join(MOE_FLEX_BACKENDS)}")
+        if not self.ce_bytes_per_logit > 0:
+            raise ValueError(f"ce_bytes_per_logit = {self.ce_bytes_per_logit}: allowed: a number > 0")
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"grad_bytes = {self.grad_bytes}: allowed: 2, 4")
         if self.dp_overlap is not None and not 0 <= self.dp_overlap <= 1:
@@ -649,7 +655,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
 
     # -- first/last stage extras: embedding lookup, output projection (logits) and cross-entropy --
     logits_mm = matmul_time_s(system, T, V / tp, h, opts=opts)
-    ce_bytes = T * (V / tp) * 4 * 3  # fp32 logits: softmax read/write, gradient write
+    ce_bytes = T * (V / tp) * opts.ce_bytes_per_logit  # the loss's traffic over the logits, both directions
     head_fwd = logits_mm + memory_time_s(system, ce_bytes / 2, 2) + tp_head_fwd
     head_bwd = 2 * logits_mm + memory_time_s(system, ce_bytes / 2, 2) + tp_head_bwd
     embed = memory_time_s(system, 2 * T * h * BF16_BYTES, 1) + tp_embed

@@ -48,12 +48,16 @@ STACKS: dict[str, Stack] = {
 # backward (stage.py backward_maybe_with_nosync). fp8_tp_allgather: torchtitan's Float8 TP plan
 # (Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput from torchao.float8.float8_tensor_parallel)
 # all-gathers activations and output gradients in FP8. p2p_pair_allgather: NxD sends pipeline activations as 2-rank all-gathers
-# (neuronx_distributed/pipeline/comm.py).
+# (neuronx_distributed/pipeline/comm.py). ce_bytes_per_logit: Megatron-Bridge's performance scripts set
+# cross_entropy_fusion_impl = "te" (scripts/performance/utils/overrides.py, v0.2.2-v0.4.2), Transformer Engine's
+# Triton parallel cross-entropy (TE v2.9-v2.14 transformer_engine/common/triton/cross_entropy.py): on the bf16
+# logits, online_softmax_kernel reads them (2 bytes), cross_entropy_kernel reads them again and writes the
+# gradient in place (2 + 2), the backward's element_mul_kernel scales it by the per-token loss gradient (2 + 2).
 STACK_OPTIONS: dict[str, dict] = {
     "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "p2p_pair_allgather": True,
             "tp_bwd_overlap": True},
     "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "overlap_param_gather": True, "fp8_weight_cache": True,
-                 "moe_gemm_per_expert": True},
+                 "moe_gemm_per_expert": True, "ce_bytes_per_logit": 10.0},
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "cp_comm": "allgather_rotate",
               "fsdp_pp_unsharded": True, "fp8_tp_allgather": True},
     "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
