@@ -89,11 +89,8 @@ def run_verify(args) -> int:
 def run_export(args) -> None:
     from paratrain.train.export import export_hf, print_export, run_config_of, shard_progress
 
-    config = args.config or run_config_of(args.checkpoint)
-    if config is None and not args.set:
-        raise UserError(f"--checkpoint {args.checkpoint}: no config.toml found above it; pass the training config "
-                        f"with --config (the model shape is not stored in the checkpoint)")
-    summary = export_hf(args.checkpoint, load_config(config, args.set), args.hf_out, args.dtype,
-                        int(args.max_shard_gib * 2**30), shard_progress(quiet=args.json))
+    cfg, config = run_config_of(args.checkpoint, args.config, args.set)
+    summary = export_hf(args.checkpoint, cfg, args.hf_out, args.dtype, int(args.max_shard_gib * 2**30),
+                        shard_progress(quiet=args.json))
     summary["config"] = str(config) if config else None
     show(args, summary, lambda: print_export(summary))

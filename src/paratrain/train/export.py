@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from paratrain.config import TrainConfig
+from paratrain.config import TrainConfig, load_config
 from paratrain.model.config import ModelConfig
 from paratrain.model.hf import expected_shapes, hf_config, to_hf_tensor
 
@@ -56,15 +56,16 @@ def print_export(summary: dict) -> None:
           + (", tokenizer.json" if summary["tokenizer"] else ""))
 
 
-def run_config_of(checkpoint_path: str) -> Path | None:
-    """The config.toml `paratrain train` wrote into its run directory, looked for above the checkpoint
-    (run_dir/checkpoints/step_N by default)."""
-    if "://" in checkpoint_path:
-        return None
-    for parent in Path(checkpoint_path).absolute().parents[:3]:
-        if (parent / "config.toml").is_file():
-            return parent / "config.toml"
-    return None
+def run_config_of(checkpoint: str, config: str | None = None, sets=()) -> tuple[TrainConfig, Path | str | None]:
+    """A checkpoint's training config and its file: `config` with `sets`, else the config.toml `paratrain train`
+    wrote into its run directory, looked for above the checkpoint (run_dir/checkpoints/step_N by default)."""
+    if config is None and "://" not in checkpoint:
+        config = next((p / "config.toml" for p in Path(checkpoint).absolute().parents[:3]
+                       if (p / "config.toml").is_file()), None)
+    if config is None and not sets:
+        raise ValueError(f"--checkpoint {checkpoint}: no config.toml found above it; pass the training config with "
+                         "--config (the model shape is not stored in the checkpoint)")
+    return load_config(config, sets), config
 
 
 def load_model_tensors(storage, path: str, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
