@@ -436,16 +436,17 @@ def soft_roofline(compute_s, memory_s):
     return (compute_s**k + memory_s**k) ** (1.0 / k)
 
 
-def matmul_time_s(system: System, m, n, k, fp8: bool = False, opts: Options | None = None):
+def matmul_time_s(system: System, m, n, k, fp8: bool = False, opts: Options | None = None, extra_bytes=0.0):
     """One matmul: a soft roofline of compute (matmul_eff_max of peak) and operand traffic (memory_bw_eff of
     HBM bandwidth), plus the fixed per-kernel cost (launch, pipeline fill, tail wave; measured to fit better
     added than as a floor, see docs/planner.md) that makes small matmuls inefficient. fp8: the operands are
     low-precision (1-byte FP8, or 1/2-byte FP4 plus one scale byte per 32 with opts.fp4) and the tensor cores
-    run at that format's peak (the output stays BF16)."""
+    run at that format's peak (the output stays BF16). extra_bytes: HBM traffic beyond that (an output read back
+    to accumulate into, plan.moe.wgrad_accumulate_s)."""
     eff = system.chip.efficiency
     flops = 2.0 * m * n * k
     in_bytes = low_precision_bytes(system, opts or Options(fp8=fp8)) if fp8 else BF16_BYTES
-    traffic = in_bytes * (m * k + k * n) + BF16_BYTES * m * n
+    traffic = in_bytes * (m * k + k * n) + BF16_BYTES * m * n + extra_bytes
     peak = low_precision_flops(system, opts or Options(fp8=True)) if fp8 else system.device_peak_flops
     mm_eff = opts.matmul_eff if opts is not None and opts.matmul_eff is not None else eff.matmul_eff_max
     compute = flops / (peak * mm_eff)
@@ -596,6 +597,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     # unfused attention keeps P and runs 4 (dP, dV, dQ, dK) as plain batched GEMMs
     core_bwd = FLASH_BWD_MATMULS / 2.0 / FLASH_BWD_EFF if opts.attention == "flash" else 2.0
     bwd_compute = 2 * mm + core_bwd * core + 2 * elem + quantize + bias_bwd + rope_bwd + recompute_fwd
+    if moe is not None:  # the expert weight gradients accumulate into the main_grad buffer (plan.moe)
+        bwd_compute = bwd_compute + moe[8]
     a2a_fwd, a2a_bwd = moe_plan.exposed_alltoall(opts, moe[2], moe[3], fwd_compute, bwd_compute,
                                                  *moe_plan.overlap_limits(system, opts, sched, pp, v, m)) \
         if moe is not None else (0.0, 0.0)

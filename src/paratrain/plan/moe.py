@@ -281,10 +281,26 @@ def norm_act_replay_s(model: ModelConfig, system: System, T, tp, sp, etp, routed
     return norms + model.moe_layers / model.layers * act
 
 
+def wgrad_accumulate_s(system: System, opts, rows, n, k):
+    """Time one expert weight-gradient GEMM takes beyond its forward-shaped count (plan.model times a backward
+    GEMM as the forward one): with Megatron-Core's gradient_accumulation_fusion (Megatron-Bridge's default where
+    Transformer Engine is installed: models/gpt_provider.py `can_enable_gradient_accumulation_fusion`) TE's
+    GroupedLinear writes each expert's weight gradient into its main_grad with accumulate=True (module/
+    grouped_linear.py: `wgrad_list = main_grads`, cuBLAS beta = 1), so the GEMM also reads the weight-shaped
+    buffer back and writes it at the buffer's width (Options.grad_bytes: 2, the grad_reduce_in_fp32 = False of
+    the performance recipes; 4 for an fp32 buffer) instead of bf16. Small where an expert gets many rows; at
+    GPT-OSS's ~1,000 rows per expert at mb1 (K = 2,880) the GEMM nears its memory roofline."""
+    from paratrain.plan.model import matmul_time_s
+
+    extra = (opts.grad_bytes + (opts.grad_bytes - BF16_BYTES)) * n * k
+    return matmul_time_s(system, rows, n, k, opts.fp8, opts, extra_bytes=extra) \
+        - matmul_time_s(system, rows, n, k, opts.fp8, opts)
+
+
 def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp, rc):
     """Per average layer, forward, on the busiest expert rank: (expert GEMMs s, elementwise s, all-to-all fwd s,
     all-to-all bwd s, all-to-all bytes per microbatch, routed rows, per-expert quantize launches + FP8 row padding s,
-    (expert bias forward s, backward s)). Backward GEMMs and elementwise traffic are 2x (plan.model); the quantize
+    (expert bias forward s, backward s), expert weight-gradient accumulation s (backward only)). Backward GEMMs and elementwise traffic are 2x (plan.model); the quantize
     launches and the padding copies are once per direction; the expert bias has its own forward and backward
     (expert_bias_s)."""
     from paratrain.plan.model import cast_cost, matmul_time_s, memory_time_s
@@ -308,6 +324,8 @@ def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp,
     gemm = gemm - 2 * (local - 1) * overhead
     if opts.moe_gemm_per_expert:  # TE's multi-stream loop over the local experts (backward: 2x, as the GEMMs)
         gemm = gemm + 2 * local * MULTISTREAM_GEMM_S
+    wgrad = local * (wgrad_accumulate_s(system, opts, per_expert, 2 * width, h)
+                     + wgrad_accumulate_s(system, opts, per_expert, h, width))
     routed = rows * imb
     flat = not opts.moe_hierarchical_dispatch
     copies = 2 + np.where((ep > 1) & (local > 1) & flat, FLAT_DISPATCH_EXTRA_COPIES, 0)
@@ -338,7 +356,7 @@ def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp,
     quantize = per_expert_quantize_s(system, opts, local) + fp8_padding_s(model, system, opts, routed)
     bias_fwd, bias_bwd = expert_bias_s(model, system, opts, routed, local)
     return (share * gemm, share * elem, share * a2a_fwd, share * a2a_bwd, share * a2a_bytes, routed, share * quantize,
-            (share * bias_fwd, share * bias_bwd))
+            (share * bias_fwd, share * bias_bwd), share * wgrad)
 
 
 def exposed_alltoall(opts, a2a_fwd, a2a_bwd, fwd_compute, bwd_compute, unpaired=0.0, comm_sm_fraction=0.0):
