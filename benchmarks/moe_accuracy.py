@@ -114,16 +114,19 @@ def predict(catalog, r: dict):
     # fields not published: every choice is estimated and the fastest that fits is taken (the published
     # virtual-stage counts, e.g. 24, lie outside the search grid, so estimate() is called per choice)
     mbs = CHOICES["microbatch"] if r["microbatch"] == "best" else [int(r["microbatch"])]
+    note = ""
     if r["recompute"] == NORM_ACT:
         est = _fastest(model, system, nodes, seq, gbs, fixed, dataclasses.replace(opts, recompute_norm_act=True),
-                       ["none"], mbs) or _fastest(model, system, nodes, seq, gbs, fixed, opts, CHOICES["recompute"], mbs)
+                       ["none"], mbs)
+        note = " +layernorm,moe_act" if est is not None else " (recipe's recompute does not fit: best)"
+        est = est or _fastest(model, system, nodes, seq, gbs, fixed, opts, CHOICES["recompute"], mbs)
     else:
         est = _fastest(model, system, nodes, seq, gbs, fixed, opts,
                        CHOICES["recompute"] if r["recompute"] == "best" else [r["recompute"]], mbs)
     devices = nodes * system.devices_per_node
     measured = gbs * seq / (float(r["measured"]) * devices)
     label = (f"{r['model']} {r['system']} {devices}dev tp{r['tp']} pp{r['pp']} ep{r['ep']} {r['precision']} "
-             f"gbs{gbs}")
+             f"gbs{gbs}{note}")
     bound = float(r["claim"]) if r["claim"] != "none" else None
     return label, (est.step_time_s if est else float("nan")), measured, est, bound
 
