@@ -9,10 +9,7 @@ import sys
 from paratrain import cli
 from paratrain.cli import ConfigArgs, Output, RunFiles, command, opt, options_of, show
 from paratrain.launch import torchrun as tr
-from paratrain.launch.torchrun import LaunchSpec
-
-NODES, RDZV = "nodes and processes", "rendezvous and restarts"
-RDZV_KEYS = ("rdzv_endpoint", "rdzv_id", "rdzv_backend", "rdzv_conf", "max_restarts", "monitor_interval_s")
+from paratrain.launch.torchrun import NODES, LaunchSpec
 
 
 def merge_extra(args) -> None:
@@ -35,8 +32,7 @@ def merge_extra(args) -> None:
 
 
 # the torchrun options of LaunchSpec (launch/torchrun.py); node counts as given (resolved at launch)
-@command("launch", (ConfigArgs, RunFiles, Output, options_of(LaunchSpec, ("local_addr", "ifname"), group="network"),
-                    options_of(LaunchSpec, RDZV_KEYS, group=RDZV), options_of(LaunchSpec, ("node_rank",), group=NODES)),
+@command("launch", (ConfigArgs, RunFiles, Output, options_of(LaunchSpec)),
          "run training on one node of a multi-node job (torchrun wrapper)",
          nnodes=(str, opt("node count N, or MIN:MAX for an elastic job", "1", env="PET_NNODES", group=NODES)),
          nproc_per_node=(str, opt("processes per node: a number, 'gpu' (one per accelerator device: CUDA GPU, "
