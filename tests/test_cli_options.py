@@ -4,6 +4,7 @@ checked from the option dataclasses, units and defaults in the help."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -185,3 +186,33 @@ def test_a_config_keys_flags_share_its_one_description():
     assert "--model.layers V " + FIELD_HELP["model.layers"] in train  # from FIELD_HELP (was blank)
     tp = FIELD_HELP["parallel.tp"]
     assert "--parallel.tp V " + tp[:20] in train and f"{tp} (parallel.tp, default 1)" in estimate
+
+
+@pytest.mark.parametrize("command, schema", [
+    ("launch", "paratrain.launch.torchrun:LaunchSpec"), ("calibrate", "paratrain.calibrate.session:Calibration"),
+    ("recommend", "paratrain.cost.recommend:Request"), ("serve simulate", "paratrain.plan.serve:Replica"),
+    ("generate", "paratrain.infer.sampling:Sampling")])
+def test_a_described_schema_field_is_its_commands_option(command, schema):
+    """Each field a part's schema describes (config.options.described: its help and option keywords) is one
+    option of the command built from it, with that help and the field's default (the schema is the one place
+    both are written); the session and the launch are given typed objects built back from the options."""
+    import dataclasses
+    import importlib
+
+    module, name = schema.split(":")
+    cls = getattr(importlib.import_module(module), name)
+    parser = build_parser()
+    for word in command.split():
+        parser = next(a for a in parser._actions if a.dest in ("command", f"{parser.prog.split()[-1]}_command")
+                      ).choices[word]
+    actions = {a.dest: a for a in parser._actions}
+    described = [f for f in dataclasses.fields(cls) if "help" in f.metadata]
+    assert len(described) >= 4
+    for f in described:
+        action = actions[f.name]
+        assert action.help.startswith(f.metadata["help"].replace("%", "%%")), (f.name, action.help)
+        missing = dataclasses.MISSING
+        default = f.default if f.default is not missing else None if f.default_factory is missing else (
+            f.default_factory())  # a required field (no default): none
+        default = os.environ.get(f.metadata["env"], default) if "env" in f.metadata else default  # torchrun's
+        assert action.default == default, f.name

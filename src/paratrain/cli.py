@@ -24,10 +24,11 @@ import sys
 import textwrap
 import types
 import typing
-from dataclasses import MISSING, dataclass, field
+from dataclasses import MISSING, dataclass
 from importlib.resources import files
 
 from paratrain.config import FIELD_HELP, TrainConfig
+from paratrain.config.options import described
 
 COMMAND_MODULES = [f"paratrain.{m}" for m in (  # in the order `paratrain --help` lists their commands
     "train.commands", "train.verify", "hardware.commands", "plan.commands", "plan.serve_commands",
@@ -47,9 +48,7 @@ def opt(help: str, default=None, **meta):
     name), ge/gt/le/lt (bounds checked before the command runs, on each item of a tuple[X, ...] comma list),
     factory (a mutable default), env (an environment variable that, set, is the default), refused (an old flag,
     hidden: given, it is refused with this pointer to what replaced it)."""
-    factory = meta.pop("factory", None)
-    meta["help"] = argparse.SUPPRESS if "refused" in meta else help
-    return field(default_factory=factory, metadata=meta) if factory else field(default=default, metadata=meta)
+    return described(argparse.SUPPRESS if "refused" in meta else help, default, **meta)
 
 
 def _kind(hint) -> tuple[str, typing.Any, tuple | None]:

@@ -4,30 +4,30 @@ report of it and of `paratrain probe`."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from paratrain.calibrate.serving import serving_report_lines
+from paratrain.config.options import described
 
 
 @dataclass(kw_only=True)
 class Calibration:
     """What one session takes; each field's metadata is its `paratrain calibrate` option (help, bounds)."""
-    runs: list[str] = field(default_factory=list, metadata={"positional": True, "nargs": "+", "help": (
-        "run summaries: JSON from paratrain train --summary-json (the planner's parameters) and/or paratrain "
-        "generate --summary-json (the serving model's, into [systems.X.serving])")})
-    hardware: str = field(metadata={"help": "hardware TOML file holding the system to calibrate", "required": True,
-                                    "metavar": "FILE"})
-    system: str = field(default="local", metadata={"help": "system name inside that file"})
-    out: str | None = field(default=None, metadata={
-        "help": "hardware TOML to write (default: <hardware>.calibrated.toml beside it)", "metavar": "FILE"})
-    in_place: bool = field(default=False, metadata={"help": "rewrite the --hardware file itself"})
-    holdout: float = field(default=0.0, metadata={"help": "fraction of runs kept out of the fit and only predicted "
-                                                          "(every other run), in [0, 1)", "ge": 0, "lt": 1})
-    suggest: int | None = field(default=None, metadata={"nargs": "?", "const": 3, "metavar": "N", "ge": 1, "help": (
-        "list the next N runs (default 3) that best separate the parameters, each with its config (<runs "
-        "folder>/next/<layout>.toml); writes no hardware file")})
-    dry_run: bool = field(default=False, metadata={"help": "fit and report, do not write a file"})
+    runs: list[str] = described("run summaries: JSON from paratrain train --summary-json (the planner's parameters) "
+                                "and/or paratrain generate --summary-json (the serving model's, into "
+                                "[systems.X.serving])", factory=list, positional=True, nargs="+")
+    hardware: str = described("hardware TOML file holding the system to calibrate", required=True, metavar="FILE")
+    system: str = described("system name inside that file", "local")
+    out: str | None = described("hardware TOML to write (default: <hardware>.calibrated.toml beside it)", None,
+                                metavar="FILE")
+    in_place: bool = described("rewrite the --hardware file itself", False)
+    holdout: float = described("fraction of runs kept out of the fit and only predicted (every other run), in [0, 1)",
+                               0.0, ge=0, lt=1)
+    suggest: int | None = described("list the next N runs (default 3) that best separate the parameters, each with its "
+                                    "config (<runs folder>/next/<layout>.toml); writes no hardware file", None,
+                                    nargs="?", const=3, metavar="N", ge=1)
+    dry_run: bool = described("fit and report, do not write a file", False)
 
 
 def calibrated_path(hardware: str, out: str | None, in_place: bool) -> Path:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from paratrain.config.options import described
 from paratrain.cost.compare import Assumptions, Row, Workload, evaluate_target, to_item
 from paratrain.cost.sensitivity import sensitivity
 from paratrain.device import CUDA, NEURON
@@ -65,32 +66,26 @@ BATCH_TOLERANCE = 0.15
 @dataclass
 class Request:
     # Each help is the `paratrain recommend` option's (cli.options_of), with its bounds.
-    kind: str = field(metadata={"help": "pretrain, finetune, research, experiment, multicloud or onprem",
-                                "positional": True})
+    kind: str = described("pretrain, finetune, research, experiment, multicloud or onprem", positional=True)
     model: str | None = None  # default: per kind (KINDS)
     train_tokens: float | None = None
-    chips: int | None = field(default=None, metadata={"help": "accelerator chips per candidate cluster, the same for "
-                              "every system (default: per kind; nodes = chips / chips per node, rounded up)", "ge": 1})
-    nodes: int | None = field(default=None, metadata={  # overrides chips
-        "help": "one node count for every candidate system instead of --chips", "ge": 1})
+    chips: int | None = described("accelerator chips per candidate cluster, the same for every system (default: per "
+                                  "kind; nodes = chips / chips per node, rounded up)", None, ge=1)
+    nodes: int | None = described("one node count for every candidate system instead of --chips", None, ge=1)
     seq: int = 4096
     global_batch: int = 1024
-    max_days: float | None = field(default=None, metadata={"help": "deadline: drop candidates slower than this",
-                                                           "gt": 0})
-    max_usd: float | None = field(default=None, metadata={
-        "help": "budget: drop candidates whose total (compute + porting) is higher", "gt": 0})
-    current_stack: str = field(default=CUDA, metadata={  # a device type: CUDA or NEURON
-        "help": "the team's stack today: cuda or neuron; the other stack costs --porting-days"})
-    porting_engineer_days: float = field(default=20.0, metadata={
-        "help": "engineer-days to move the code base to the other stack (assumption)", "ge": 0})
-    engineer_usd_per_day: float = field(default=1200.0, metadata={
-        "help": "loaded cost of an engineer-day (assumption)", "ge": 0})
-    systems: tuple[str, ...] | None = field(default=None, metadata={"help": "comma list of candidate systems (default: "
-                                             "every catalog system; those without a price get a break-even price "
-                                             "instead of a rank)"})
-    constraints: list[str] = field(default_factory=list, metadata={  # from CONSTRAINTS, on top of the kind's own
-        "help": "a hard constraint on top of the kind's own: cuda-kernels, multicloud or onprem (repeatable), e.g. "
-                "pretrain --constraint multicloud", "metavar": "NAME"})
+    max_days: float | None = described("deadline: drop candidates slower than this", None, gt=0)
+    max_usd: float | None = described("budget: drop candidates whose total (compute + porting) is higher", None, gt=0)
+    current_stack: str = described(  # a device type: CUDA or NEURON
+        "the team's stack today: cuda or neuron; the other stack costs --porting-days", CUDA)
+    porting_engineer_days: float = described("engineer-days to move the code base to the other stack (assumption)",
+                                             20.0, ge=0)
+    engineer_usd_per_day: float = described("loaded cost of an engineer-day (assumption)", 1200.0, ge=0)
+    systems: tuple[str, ...] | None = described("comma list of candidate systems (default: every catalog system; those "
+                                                "without a price get a break-even price instead of a rank)", None)
+    constraints: list[str] = described(  # from CONSTRAINTS, on top of the kind's own
+        "a hard constraint on top of the kind's own: cuda-kernels, multicloud or onprem (repeatable), e.g. pretrain "
+        "--constraint multicloud", factory=list, metavar="NAME")
     assumptions: Assumptions = field(default_factory=Assumptions)
 
     def __post_init__(self) -> None:

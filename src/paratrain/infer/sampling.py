@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from paratrain.config.options import described
 
 
 @dataclass(frozen=True)
@@ -11,10 +13,10 @@ class Sampling:
     whose cumulative probability first reaches top_p, drawn with a generator seeded by `seed`. Each field's help
     is its `paratrain generate` option's."""
 
-    temperature: float = field(default=0.0, metadata={"help": "0 = greedy", "ge": 0})
-    top_k: int = field(default=0, metadata={"help": "sample among the k most likely tokens (0 = all)", "ge": 0})
-    top_p: float = field(default=1.0, metadata={"help": "nucleus sampling threshold", "gt": 0, "le": 1})
-    seed: int = field(default=0, metadata={"help": "random seed of the sampling"})
+    temperature: float = described("0 = greedy", 0.0, ge=0)
+    top_k: int = described("sample among the k most likely tokens (0 = all)", 0, ge=0)
+    top_p: float = described("nucleus sampling threshold", 1.0, gt=0, le=1)
+    seed: int = described("random seed of the sampling", 0)
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 
 from paratrain.config import MESH_DIMS, TrainConfig, check_batch_layout, resolve_degrees
+from paratrain.config.options import described
 
 DEFAULT_RDZV_PORT = 29400  # torchrun's default c10d rendezvous port
 DEFAULT_MASTER_PORT = 29500  # torchrun's default static master port
@@ -71,29 +72,23 @@ class LaunchSpec:
     nproc_per_node: int
     # Each field's help is its `paratrain launch` option's, in its help section (group); env: torchrun's variable
     # that is its default when set.
-    node_rank: int | None = field(default=None, metadata={  # set = static rendezvous (every node knows its rank)
-        "help": "this node's rank for a static (non-elastic) rendezvous; omit for c10d", "env": "PET_NODE_RANK",
-        "group": NODES})
-    rdzv_endpoint: str | None = field(default=None, metadata={
-        "help": "HOST[:PORT] of the rendezvous (c10d store; or the master for static)", "env": "PET_RDZV_ENDPOINT",
-        "group": RDZV})
-    rdzv_id: str = field(default="paratrain", metadata={"help": "job id shared by all nodes of one job",
-                                                        "env": "PET_RDZV_ID", "group": RDZV})
-    rdzv_backend: str = field(default="c10d", metadata={"help": "elastic rendezvous backend (c10d: no extra service)",
-                                                        "env": "PET_RDZV_BACKEND", "choices": ["c10d", "etcd-v2"],
-                                                        "group": RDZV})
-    rdzv_conf: list[str] = field(default_factory=list, metadata={
-        "help": "rendezvous option, repeatable: join_timeout=900, last_call_timeout=30, is_host=1, ... (default: "
-                "PET_RDZV_CONF, comma-separated)", "metavar": "KEY=VALUE", "group": RDZV})
-    max_restarts: int = field(default=0, metadata={"help": "worker-group restarts before the job fails; each restart "
-                              "resumes from the newest complete checkpoint", "env": "PET_MAX_RESTARTS",
-                                                   "group": RDZV})
-    monitor_interval_s: float | None = field(default=None, metadata={"help": "time between worker health checks",
-                                                                             "group": RDZV})
-    local_addr: str | None = field(default=None, metadata={
-        "help": "address this node advertises to the others (default: its FQDN)", "group": "network"})
-    ifname: str | None = field(default=None, metadata={"help": "network interface for gloo/NCCL bootstrap (sets "
-                               "GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME), e.g. eth0 or ens5", "group": "network"})
+    node_rank: int | None = described(  # set = static rendezvous (every node knows its rank)
+        "this node's rank for a static (non-elastic) rendezvous; omit for c10d", None, env="PET_NODE_RANK", group=NODES)
+    rdzv_endpoint: str | None = described("HOST[:PORT] of the rendezvous (c10d store; or the master for static)", None,
+                                          env="PET_RDZV_ENDPOINT", group=RDZV)
+    rdzv_id: str = described("job id shared by all nodes of one job", "paratrain", env="PET_RDZV_ID", group=RDZV)
+    rdzv_backend: str = described("elastic rendezvous backend (c10d: no extra service)", "c10d", env="PET_RDZV_BACKEND",
+                                  choices=["c10d", "etcd-v2"], group=RDZV)
+    rdzv_conf: list[str] = described("rendezvous option, repeatable: join_timeout=900, last_call_timeout=30, is_host=1, "
+                                     "... (default: PET_RDZV_CONF, comma-separated)", factory=list, metavar="KEY=VALUE",
+                                     group=RDZV)
+    max_restarts: int = described("worker-group restarts before the job fails; each restart resumes from the newest "
+                                  "complete checkpoint", 0, env="PET_MAX_RESTARTS", group=RDZV)
+    monitor_interval_s: float | None = described("time between worker health checks", None, group=RDZV)
+    local_addr: str | None = described("address this node advertises to the others (default: its FQDN)", None,
+                                       group="network")
+    ifname: str | None = described("network interface for gloo/NCCL bootstrap (sets GLOO_SOCKET_IFNAME and "
+                                   "NCCL_SOCKET_IFNAME), e.g. eth0 or ens5", None, group="network")
     train_args: list[str] = field(default_factory=list)
     python: str = sys.executable
 

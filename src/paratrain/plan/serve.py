@@ -36,6 +36,7 @@ from pathlib import Path
 import numpy as np
 from pydantic import Field
 
+from paratrain.config.options import described
 from paratrain.hardware.catalog import System, Tier, resolve_system
 from paratrain.model.config import ModelConfig, load_model_config
 from paratrain.plan.model import BF16_BYTES, collective_time_s, p2p_time_s, soft_roofline
@@ -184,14 +185,14 @@ class Replica:
     spec_tokens: draft tokens per step (0 = off); spec_accept: probability each is accepted; draft: the
     draft model (a preset name or ModelConfig), run on the same devices with the same tp."""
 
-    tp: int = field(default=1, metadata={"help": "tensor parallel degree of a replica"})
-    pp: int = field(default=1, metadata={"help": "pipeline parallel degree of a replica"})
-    ep: int = field(default=1, metadata={"help": "expert parallel degree (mixture-of-experts models; divides tp)"})
-    weights: str = field(default="bf16", metadata={"help": "weight precision: bf16, fp8, int8, int4 (weight-only)"})
-    kv: str = field(default="bf16", metadata={"help": "KV-cache precision: bf16, fp8, int8"})
-    spec_tokens: int = field(default=0, metadata={"help": "speculative decoding: draft tokens per step"})
-    spec_accept: float = field(default=0.7, metadata={"help": "probability a draft token is accepted"})
-    draft: str | None = field(default=None, metadata={"help": "draft model (preset or TOML) for speculative decoding"})
+    tp: int = described("tensor parallel degree of a replica", 1)
+    pp: int = described("pipeline parallel degree of a replica", 1)
+    ep: int = described("expert parallel degree (mixture-of-experts models; divides tp)", 1)
+    weights: str = described("weight precision: bf16, fp8, int8, int4 (weight-only)", "bf16")
+    kv: str = described("KV-cache precision: bf16, fp8, int8", "bf16")
+    spec_tokens: int = described("speculative decoding: draft tokens per step", 0)
+    spec_accept: float = described("probability a draft token is accepted", 0.7)
+    draft: str | None = described("draft model (preset or TOML) for speculative decoding", None)
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "ep"):
@@ -510,11 +511,9 @@ class Target:
     rate: float
     prompt: int
     output: int
-    ttft_s: float | None = field(default=None, metadata={"help": "time-to-first-token target", "gt": 0})
-    itl_s: float | None = field(default=None, metadata={"help": "inter-token latency target (time per output token)",
-                                                        "gt": 0})
-    max_utilization: float = field(default=0.8, metadata={"help": "share of replica capacity to plan for (queueing "
-                                                                  "headroom)", "gt": 0})
+    ttft_s: float | None = described("time-to-first-token target", None, gt=0)
+    itl_s: float | None = described("inter-token latency target (time per output token)", None, gt=0)
+    max_utilization: float = described("share of replica capacity to plan for (queueing headroom)", 0.8, gt=0)
 
     def __post_init__(self) -> None:
         if not self.rate > 0:

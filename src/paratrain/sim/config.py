@@ -16,6 +16,7 @@ import typing
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass, replace
 from pathlib import Path
 
+from paratrain.config.options import described
 from paratrain.sim.failures import FailureCause, llama3_causes, load_causes_toml, scale_rates
 from paratrain.stragglers import DEFAULT_THRESHOLD, DEFAULT_WINDOW
 
@@ -47,18 +48,14 @@ class StragglerConfig:
     """
 
     # metadata: `paratrain simulate`'s option of the field (its help; the flag where not the field's name)
-    rate_per_device_hour: float = field(default=0.0, metadata={"help": "slow episodes per device-hour",
-                                                               "flag": "--straggler-rate"})
-    mean_duration_s: float = field(default=1800.0, metadata={"help": "mean episode length",
-                                                             "flag": "--straggler-duration"})
-    slowdown_median: float = field(default=1.5, metadata={"help": "median slowdown factor, > 1",
-                                                          "flag": "--straggler-slowdown"})
-    slowdown_sigma: float = field(default=0.5, metadata={"help": "lognormal spread of the slowdown excess",
-                                                         "flag": "--straggler-sigma"})
-    policy: str = field(default="wait", metadata={"help": "what the job does about a slow rank, one of the policies below",
-                                                  "flag": "--straggler-policy", "choices": STRAGGLER_POLICIES})
-    staleness_steps: int = field(default=4, metadata={"help": "bounded_staleness tolerance in steps"})
-    evict_after_s: float = field(default=300.0, metadata={"help": "evict_replace: persistence before eviction"})
+    rate_per_device_hour: float = described("slow episodes per device-hour", 0.0, flag="--straggler-rate")
+    mean_duration_s: float = described("mean episode length", 1800.0, flag="--straggler-duration")
+    slowdown_median: float = described("median slowdown factor, > 1", 1.5, flag="--straggler-slowdown")
+    slowdown_sigma: float = described("lognormal spread of the slowdown excess", 0.5, flag="--straggler-sigma")
+    policy: str = described("what the job does about a slow rank, one of the policies below", "wait",
+                            flag="--straggler-policy", choices=STRAGGLER_POLICIES)
+    staleness_steps: int = described("bounded_staleness tolerance in steps", 4)
+    evict_after_s: float = described("evict_replace: persistence before eviction", 300.0)
     detect_threshold: float = DEFAULT_THRESHOLD  # the trainer's staleness.straggler_threshold
     detect_window: int = DEFAULT_WINDOW  # the trainer's staleness.straggler_window (steps)
 
@@ -89,50 +86,42 @@ class SimConfig:
 
     # metadata: `paratrain simulate`'s option of the field: its help, its --help group, its flag where not the
     # field's name in the flag's unit (sim/commands.py: detect_s -> --detect 60s, checkpoint_bytes -> --checkpoint-gb)
-    devices: int = field(metadata={"help": "devices in the job: accelerator packages that fail as a unit (GPUs, "
-                                           "Trainium chips)", "group": "cluster"})
-    step_time_s: float = field(metadata={"help": "fault-free time of one training step, e.g. 8.5s",
-                                         "group": "workload"})
-    steps: int | None = field(default=None, metadata={"help": "steps to train: report time and cost to train",
-                                                      "group": "workload"})
-    duration_s: float | None = field(default=None, metadata={"help": "fixed wall-clock window, e.g. 54d: report "
-                                                                     "what it achieves", "group": "workload"})
-    devices_per_node: int = field(default=8, metadata={"help": "devices per node", "group": "cluster"})
-    nodes_per_domain: int = field(default=1, metadata={"help": "nodes replaced together (the replacement unit), "
-                                                               "e.g. 4 for a Trn2 UltraServer", "group": "cluster"})
+    devices: int = described("devices in the job: accelerator packages that fail as a unit (GPUs, Trainium chips)",
+                             group="cluster")
+    step_time_s: float = described("fault-free time of one training step, e.g. 8.5s", group="workload")
+    steps: int | None = described("steps to train: report time and cost to train", None, group="workload")
+    duration_s: float | None = described("fixed wall-clock window, e.g. 54d: report what it achieves", None,
+                                         group="workload")
+    devices_per_node: int = described("devices per node", 8, group="cluster")
+    nodes_per_domain: int = described("nodes replaced together (the replacement unit), e.g. 4 for a Trn2 UltraServer",
+                                      1, group="cluster")
     # Checkpointing. Sizes and bandwidths are aggregate over the job (assumption defaults: 1 TB, 100 GB/s).
-    checkpoint_bytes: float = field(default=1e12, metadata={"help": "checkpoint size", "group": "checkpoints"})
-    write_bytes_per_s: float = field(default=100e9, metadata={"help": "aggregate storage write bandwidth",
-                                                              "group": "checkpoints"})
-    read_bytes_per_s: float = field(default=100e9, metadata={"help": "aggregate storage read bandwidth",
-                                                             "group": "checkpoints"})
-    async_fraction: float = field(default=0.0, metadata={"help": "share of each write overlapped with compute, in "
-                                                                 "[0,1); 0 = blocking", "group": "checkpoints"})
-    checkpoint_interval: str | float = field(default="daly", metadata={  # or compute seconds between checkpoints
-        "help": "daly, young, a duration (20m) or a step count (500steps)", "group": "checkpoints",
-        "flag": "--interval"})
+    checkpoint_bytes: float = described("checkpoint size", 1e12, group="checkpoints")
+    write_bytes_per_s: float = described("aggregate storage write bandwidth", 100e9, group="checkpoints")
+    read_bytes_per_s: float = described("aggregate storage read bandwidth", 100e9, group="checkpoints")
+    async_fraction: float = described("share of each write overlapped with compute, in [0,1); 0 = blocking", 0.0,
+                                      group="checkpoints")
+    checkpoint_interval: str | float = described(  # or compute seconds between checkpoints
+        "daly, young, a duration (20m) or a step count (500steps)", "daly", group="checkpoints", flag="--interval")
     # Recovery (assumptions: a health check notices a dead rank within a minute; relaunch + init 3 min;
     # a node swap adds a minute for the scheduler to bring the spare in).
-    detect_s: float = field(default=60.0, metadata={"help": "time to notice a failure; NCCL watchdog causes: 10m",
-                                                    "group": "failures"})
-    restart_s: float = field(default=180.0, metadata={"help": "relaunch and initialise the job", "group": "failures"})
-    swap_s: float = field(default=60.0, metadata={"help": "extra time to bring a spare node in", "group": "failures"})
+    detect_s: float = described("time to notice a failure; NCCL watchdog causes: 10m", 60.0, group="failures")
+    restart_s: float = described("relaunch and initialise the job", 180.0, group="failures")
+    swap_s: float = described("extra time to bring a spare node in", 60.0, group="failures")
     # Hot spares, counted in nodes; None = 1% of the job's nodes, at least one replacement unit (assumption).
-    spare_nodes: int | None = field(default=None, metadata={"help": "hot spare nodes (default 1% of the job's "
-                                                                    "nodes)", "group": "failures"})
-    repair_mean_s: float = field(default=24 * HOUR_S, metadata={  # assumption: a day to diagnose, reseat or RMA-swap
-        "help": "mean time to repair a failed node", "group": "failures", "flag": "--repair"})
-    repair_distribution: str = field(default="lognormal", metadata={
-        "help": "repair time distribution", "group": "failures", "flag": "--repair-dist",
-        "choices": REPAIR_DISTRIBUTIONS})
+    spare_nodes: int | None = described("hot spare nodes (default 1% of the job's nodes)", None, group="failures")
+    repair_mean_s: float = described(  # assumption: a day to diagnose, reseat or RMA-swap
+        "mean time to repair a failed node", 24 * HOUR_S, group="failures", flag="--repair")
+    repair_distribution: str = described("repair time distribution", "lognormal", group="failures", flag="--repair-dist",
+                                         choices=REPAIR_DISTRIBUTIONS)
     repair_sigma: float = 1.0
     causes: tuple[FailureCause, ...] = field(default_factory=llama3_causes)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
-    price_per_device_hour_usd: float | None = field(default=None, metadata={
-        "help": "USD per device-hour, a device being one GPU or Trainium chip (spares are paid for too)",
-        "group": "cost", "metavar": "USD"})
-    samples: int = field(default=100, metadata={"help": "Monte-Carlo replicas", "group": "cost"})
-    seed: int = field(default=0, metadata={"help": "random seed", "group": "cost"})
+    price_per_device_hour_usd: float | None = described(
+        "USD per device-hour, a device being one GPU or Trainium chip (spares are paid for too)", None, group="cost",
+        metavar="USD")
+    samples: int = described("Monte-Carlo replicas", 100, group="cost")
+    seed: int = described("random seed", 0, group="cost")
     notes: tuple[str, ...] = ()  # where the numbers came from (catalog, planner), shown in reports
 
     def __post_init__(self) -> None:

@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
+from paratrain.config.options import described
 from paratrain.hardware.catalog import System
 from paratrain.model.config import ModelConfig
 from paratrain.plan.serve import (
@@ -46,8 +47,8 @@ class Engine:
     """Scheduler limits: token_budget tokens per iteration (vLLM max_num_batched_tokens), max_seqs running
     sequences (max_num_seqs); kv_tokens: KV-cache capacity in tokens per replica (None: from memory)."""
 
-    token_budget: int = field(default=8192, metadata={"help": "tokens per iteration (chunked prefill)", "ge": 1})
-    max_seqs: int = field(default=256, metadata={"help": "most sequences running at once", "ge": 1})
+    token_budget: int = described("tokens per iteration (chunked prefill)", 8192, ge=1)
+    max_seqs: int = described("most sequences running at once", 256, ge=1)
     kv_tokens: int | None = None
 
     def __post_init__(self) -> None:
