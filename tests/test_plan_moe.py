@@ -503,6 +503,7 @@ def test_expert_wgrad_accumulates_into_main_grad():
     assert extra == pytest.approx(matmul_time_s(system, rows, n, k, opts=opts, extra_bytes=2 * n * k)
                                   - matmul_time_s(system, rows, n, k, opts=opts))
     assert moe.wgrad_accumulate_s(system, replace(opts, grad_bytes=4), rows, n, k) > extra  # fp32: 6 bytes more
+    assert moe.wgrad_accumulate_s(system, Options(), rows, n, k) == 0  # no fusion: not counted
     assert moe.wgrad_accumulate_s(system, opts, 65536.0, n, k) / matmul_time_s(system, 65536.0, n, k, opts=opts) \
         < 0.2 * extra / matmul_time_s(system, rows, n, k, opts=opts)
     cfg = PRESETS["qwen3-30b-a3b"]

@@ -126,6 +126,9 @@ class Options:
     recompute_norm_act: the backward also reruns the two layer norms and the routed experts' activation, whose
     outputs the forward dropped (Megatron-Core's recompute_modules "layernorm" and "moe_act"; plan.moe.
     norm_act_replay_s); the attention core is replayed only under selective recompute, as before.
+    wgrad_accumulation_fusion: weight-gradient GEMMs accumulate into the main_grad buffer in place (cuBLAS
+    beta = 1: Megatron-Core's gradient_accumulation_fusion), reading it back; timed for the expert GEMMs, where
+    few rows per expert make it count (plan.moe.wgrad_accumulate_s).
     ce_bytes_per_logit: HBM bytes the cross-entropy moves per logit, forward + backward. 12 (the default): fp32
     softmax read and write and the gradient write; Megatron-Bridge's performance runs use Transformer Engine's
     Triton cross-entropy on the bf16 logits (plan.stacks, megatron: 10).
@@ -180,6 +183,7 @@ class Options:
     moe_flex_backend: str | None = None
     recompute_norm_act: bool = False
     ce_bytes_per_logit: float = 12.0
+    wgrad_accumulation_fusion: bool = False
     cp_comm: str = "ring"
     p2p_pair_allgather: bool = False
     tp_bwd_overlap: bool = False

@@ -289,9 +289,12 @@ def wgrad_accumulate_s(system: System, opts, rows, n, k):
     grouped_linear.py: `wgrad_list = main_grads`, cuBLAS beta = 1), so the GEMM also reads the weight-shaped
     buffer back and writes it at the buffer's width (Options.grad_bytes: 2, the grad_reduce_in_fp32 = False of
     the performance recipes; 4 for an fp32 buffer) instead of bf16. Small where an expert gets many rows; at
-    GPT-OSS's ~1,000 rows per expert at mb1 (K = 2,880) the GEMM nears its memory roofline."""
+    GPT-OSS's ~1,000 rows per expert at mb1 (K = 2,880) the GEMM nears its memory roofline. Zero without
+    Options.wgrad_accumulation_fusion (the megatron stack sets it)."""
     from paratrain.plan.model import matmul_time_s
 
+    if not opts.wgrad_accumulation_fusion:
+        return 0.0 * np.asarray(rows, dtype=float)
     extra = (opts.grad_bytes + (opts.grad_bytes - BF16_BYTES)) * n * k
     return matmul_time_s(system, rows, n, k, opts.fp8, opts, extra_bytes=extra) \
         - matmul_time_s(system, rows, n, k, opts.fp8, opts)

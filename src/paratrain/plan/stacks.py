@@ -53,11 +53,13 @@ STACKS: dict[str, Stack] = {
 # Triton parallel cross-entropy (TE v2.9-v2.14 transformer_engine/common/triton/cross_entropy.py): on the bf16
 # logits, online_softmax_kernel reads them (2 bytes), cross_entropy_kernel reads them again and writes the
 # gradient in place (2 + 2), the backward's element_mul_kernel scales it by the per-token loss gradient (2 + 2).
+# wgrad_accumulation_fusion: Megatron-Bridge's gradient_accumulation_fusion defaults on where Transformer Engine is
+# installed (models/gpt_provider.py can_enable_gradient_accumulation_fusion); TE accumulates into main_grad.
 STACK_OPTIONS: dict[str, dict] = {
     "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "p2p_pair_allgather": True,
             "tp_bwd_overlap": True},
     "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "overlap_param_gather": True, "fp8_weight_cache": True,
-                 "moe_gemm_per_expert": True, "ce_bytes_per_logit": 10.0},
+                 "moe_gemm_per_expert": True, "ce_bytes_per_logit": 10.0, "wgrad_accumulation_fusion": True},
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "cp_comm": "allgather_rotate",
               "fsdp_pp_unsharded": True, "fp8_tp_allgather": True},
     "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
