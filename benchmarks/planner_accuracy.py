@@ -341,19 +341,23 @@ def _eval_options(system, r: dict) -> Options:
 def _best_published(model, system, nodes, seq, gbs, fixed, free, opts):
     """The fastest fitting estimate over the choices a run does not publish ("best" in the csv), every other
     field as published. Stages split as the runtime's default splits them (Megatron, NxD and torchtitan
-    balance layers unless told otherwise; none of these runs says otherwise), not the planner's uneven split."""
+    balance layers unless told otherwise; none of these runs says otherwise), not the planner's uneven split.
+    gbs None (global batch "best": a run that publishes neither its local nor its global batch): one microbatch
+    per data-parallel rank per step (torchtitan's default, no gradient accumulation), its size the best choice."""
     pick = lambda key: CHOICES[key] if free[key] == "best" else [free[key]]  # noqa: E731
+    dp = nodes * system.devices_per_node // (fixed["tp"] * fixed["pp"] * fixed["cp"])
     best = None
     for rc, sched, mb, vp in itertools.product(pick("recompute"), pick("schedule"), pick("microbatch"), pick("vp")):
         mb, vp = int(mb), int(vp)
         if fixed["pp"] == 1 and (sched != "1f1b" or vp > 1) or (sched == "1f1b") != (vp == 1):
             continue
         try:
-            est = estimate(model, system, nodes, seq, gbs, Layout(**fixed, microbatch=mb, recompute=rc, pp_schedule=sched,
-                                                                  virtual_stages=vp, pp_layers="balanced"), opts)
+            lay = Layout(**fixed, microbatch=mb, recompute=rc, pp_schedule=sched, virtual_stages=vp, pp_layers="balanced")
+            est = estimate(model, system, nodes, seq, gbs or mb * dp, lay, opts)
         except ValueError:  # a choice the published fields do not allow (microbatch vs batch, stages vs layers)
             continue
-        if est.fits and (best is None or est.step_time_s < best.step_time_s):
+        # the fastest in tokens/s (the same as the shortest step where the global batch is published)
+        if est.fits and (best is None or est.tokens_per_s > best.tokens_per_s):
             best = est
     return best
 
@@ -361,7 +365,8 @@ def _best_published(model, system, nodes, seq, gbs, fixed, free, opts):
 def _eval_row(catalog, r: dict):
     """(label, predicted step time, measured step time, kind, system, model) of one published run."""
     system = _system(catalog, r["system"])
-    seq, gbs, nodes = int(r["seq"]), int(r["global_batch"]), int(r["nodes"])
+    seq, nodes = int(r["seq"]), int(r["nodes"])
+    gbs = None if r["global_batch"] == "best" else int(r["global_batch"])
     model = _eval_model(r["model"], seq)
     fsdp = r["dp_kind"] == "fsdp"
     fixed = {"tp": int(r["tp"]), "pp": int(r["pp"]), "cp": int(r["cp"]), "sp": int(r["tp"]) > 1,
@@ -370,13 +375,14 @@ def _eval_row(catalog, r: dict):
     free = {k: r[k] for k in ("recompute", "schedule", "microbatch", "vp")}
     free["recompute"] = {"selective_mlp": "selective"}.get(free["recompute"], free["recompute"])
     opts = _eval_options(system, r)
-    if "best" in free.values():  # not published: the planner's best fitting choice for the published fields
+    if "best" in free.values() or gbs is None:  # not published: the planner's best fitting choice for the published fields
         est = _best_published(model, system, nodes, seq, gbs, fixed, free, opts)
     else:
         lay = Layout(**{k: v for k, v in fixed.items()}, microbatch=int(r["microbatch"]), recompute=free["recompute"],
                      pp_schedule=r["schedule"], virtual_stages=int(r["vp"]), pp_layers="balanced")
         est = estimate(model, system, nodes, seq, gbs, lay, opts)
     devices = nodes * system.devices_per_node
+    gbs = gbs or (est.global_batch if est else 1)  # "best": the batch of the chosen estimate
     value = float(r["measured"])
     if r["unit"] == "tokens_per_s_per_device":
         measured = gbs * seq / (value * devices)
@@ -581,7 +587,8 @@ def main() -> int:
               "neuron_trn1": "Neuron trn1 NxD benchmarks, Llama 2 13B/70B and Llama 3.1 70B, SDK 2.16-2.24",
               "mosaic_fsdp": "MosaicML llm-foundry FSDP (MPT 1B-70B, 8-128 H100/A100, eager)",
               "neuron_trn1_nemo": "Neuron trn1 neuronx-nemo-megatron benchmarks (Llama 2 7B/13B, GPT-3 175B, SDK 2.13-2.18)",
-              "nemo_b200": "NeMo / Megatron-Bridge on DGX-B200 (FP8/MXFP8, Llama 3 8B-405B, GPT-3 175B, 8-512 GPUs)"}
+              "nemo_b200": "NeMo / Megatron-Bridge on DGX-B200 (FP8/MXFP8, Llama 3 8B-405B, GPT-3 175B, 8-512 GPUs)",
+              "ibm_fsdp2_h100": "IBM/Meta torchtitan FSDP2 (+TP4) at 512 H100, IBM Cloud RoCE (Llama 3 70B/405B, BF16/FP8)"}
     for key, rows in grouped.items():
         evaluation[key] = (titles.get(key, key), [r[:3] for r in rows])
     results = {}
