@@ -171,8 +171,12 @@ def test_cost_flags_default_to_the_cost_assumptions(tmp_path):
     table = tmp_path / "cost.toml"
     table.write_text('[cost]\npue = 1.5\nfailures = "daly"\n')
     assert assumed("--config", str(table), "--failures", "none") == (1.5, "none", Assumptions.purchase)
-    text = build_parser()._subparsers._group_actions[0].choices["compare"].format_help()
-    assert f"(default {Assumptions.pue}," in text and f"(default {Assumptions.failures})" in text
+    text = " ".join(build_parser()._subparsers._group_actions[0].choices["compare"].format_help().split())
+    assert f"(default {Assumptions.pue})" in text and f"(default {Assumptions.failures})" in text
+    assert main(["compare", "--pue", "0.9"]) == 2  # a bound of the schema's field, checked as the flag is parsed
+    table.write_text("[cost]\npue = 0.9\n")
+    with pytest.raises(ValueError, match="cost.pue = 0.9: allowed: a number >= 1"):  # and in the [cost] table
+        assumed("--config", str(table))
 
 
 def test_a_config_keys_flags_share_its_one_description():

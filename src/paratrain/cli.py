@@ -157,18 +157,20 @@ def command(name: str, cls, help: str, /, **fields):
     return declare
 
 
-def options_of(cls, names=None, group: str | None = None, **per_field):
+def options_of(cls, names=None, group: str | None = None, unset: bool = False, **per_field):
     """The options of a part's own schema dataclass `cls`: one per field with a help (in its metadata, with any
     other `opt` keyword), the same name, type and default, so nothing is restated (`from_options` builds the
-    object back); a dataclass to inherit from. `names`: only these fields; `group`: their help section;
+    object back); a dataclass to inherit from. `names`: only these fields; `group`: their help section; `unset`:
+    None unless given (another source, e.g. a config file, comes first), the help naming the field's default;
     `per_field`: more `opt` keywords for one field, e.g. chips={"exclusive": "size"}."""
     hints, fields = typing.get_type_hints(cls), []
     for f in dataclasses.fields(cls):
         if "help" in f.metadata and (names is None or f.name in names):
             kw = dict(f.metadata) | per_field.get(f.name, {}) | ({"group": group} if group else {})
             kw |= {"factory": f.default_factory} if f.default is MISSING and f.default_factory is not MISSING else {}
-            fields.append((f.name, hints[f.name], opt(kw.pop("help"), None if f.default is MISSING else f.default,
-                                                      **kw)))
+            default, about = None if f.default is MISSING else f.default, kw.pop("help")
+            fields.append((f.name, hints[f.name] | None if unset else hints[f.name], opt(
+                f"{about} (default {default})" if unset else about, None if unset else default, **kw)))
     return dataclasses.make_dataclass(f"{cls.__name__}Options", fields, kw_only=True)
 
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from paratrain.cli import Output, UserError, Workload, command, from_options, opt, options_of, show
 from paratrain.cost import compare, tables
 from paratrain.cost.claims import run_claims
-from paratrain.cost.compare import FAILURE_MODELS, Assumptions
+from paratrain.cost.compare import Assumptions
 from paratrain.cost.inputs import assumptions_from
 from paratrain.cost.recommend import Request, recommend
 from paratrain.cost.report import write_report
@@ -27,13 +27,10 @@ class Prices:
 
 
 @dataclass(kw_only=True)
-class CostArgs(Prices, Workload, Output):
+class CostArgs(options_of(Assumptions, ("pue", "failures"), unset=True), Prices, Workload, Output):
     train_tokens: float | None = opt("tokens to train, e.g. 1e12", gt=0, exclusive="length")
     price: str | None = opt("", refused="ambiguous (it meant USD per node-hour here but per device-hour in "
                             "`paratrain simulate`); use --price-per-node-hour-usd SYSTEM=USD")
-    pue: float | None = opt(f"power usage effectiveness (default {Assumptions.pue}, assumption)")
-    failures: str | None = opt("failure/checkpoint overhead: Monte-Carlo simulation, Daly's formula, or none "
-                               f"(default {Assumptions.failures})", choices=FAILURE_MODELS)
     config: str | None = opt("TOML file with a [cost] table: purchase, pue, failures, price_per_node_hour_usd = "
                              "{SYSTEM = USD} (flags override it)", metavar="FILE")
     sensitivity_plot: str | None = opt("write the plot of $ per million tokens by system and purchase option (with "

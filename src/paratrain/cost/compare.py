@@ -16,6 +16,7 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
+from paratrain.config.options import described
 from paratrain.hardware.catalog import PURCHASE_OPTIONS, System, resolve_system
 from paratrain.model.config import ModelConfig, load_model_config
 
@@ -61,11 +62,14 @@ FAILURE_MODELS = ("simulate", "daly", "none")  # the failure/checkpoint overhead
 class Assumptions:
     """Numbers the result depends on that no catalog entry holds; each is printed with the results."""
 
-    pue: float = 1.2  # power usage effectiveness: assumption, typical of large cloud data centres (1.1-1.2)
+    # described: `paratrain compare/recommend`'s options (unset: the --config [cost] table's, else these defaults);
+    # pue: an assumption, typical of large cloud data centres (1.1-1.2)
+    pue: float = described("power usage effectiveness, assumption", 1.2, ge=1)
     host_power_fraction: float = 0.25  # host CPUs, memory, NICs, fans on top of the accelerators: assumption
     checkpoint_write_gbytes_per_s_per_node: float = 2.0  # to a parallel FS / S3: assumption
     checkpoint_bytes_per_param: float = 16.0  # bf16 weights + fp32 master + Adam m, v (Rajbhandari et al. 2020)
-    failures: str = FAILURE_MODELS[0]  # one of FAILURE_MODELS
+    failures: str = described("failure/checkpoint overhead: Monte-Carlo simulation, Daly's formula, or none",
+                              FAILURE_MODELS[0], choices=FAILURE_MODELS)
     sim_samples: int = 30
     prices: dict[str, float] = field(default_factory=dict)  # system -> USD per node-hour, overriding the catalog
     purchase: str = "on-demand"  # which catalog price the cost is computed at (PURCHASE_OPTIONS)

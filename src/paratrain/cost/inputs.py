@@ -65,8 +65,6 @@ def assumptions_from(args):
     from paratrain.cost.compare import Assumptions
 
     conf = load_cost_config(args.config) if args.config else {}
-    if args.pue is not None and args.pue < 1:
-        raise ValueError(f"--pue {args.pue}: allowed: >= 1")
     given = {key: conf.get(key) if getattr(args, key) is None else getattr(args, key)
              for key in ("pue", "failures", "purchase")}  # neither given: Assumptions' own default
     prices = {**conf.get("price_per_node_hour_usd", {}), **parse_prices(args.price_per_node_hour_usd)}
