@@ -328,6 +328,9 @@ def _eval_options(system, r: dict) -> Options:
     torch.compile, and the context-parallel K/V exchange where the run names one (csv column cp_comm: Llama 3's
     all-gather; empty = the stack's)."""
     cp_comm = {"cp_comm": r["cp_comm"]} if r.get("cp_comm") else {}
+    # reduce_bytes: bytes per gradient element reduced where the run names its reduce dtype (FSDP
+    # MixedPrecision reduce_dtype=bfloat16: 2); empty = the stack's
+    cp_comm |= {"grad_bytes": int(r["reduce_bytes"])} if r.get("reduce_bytes") else {}
     # mxfp8: FP8 with MX block scaling (one E8M0 scale per 32 elements), what the Blackwell tables call MXFP8
     # / FP8-MX; fp8 is per-tensor current scaling (FP8-CS) unless the chip's FP8 is block-scaled only
     mx = {"block_scaling": True} if r["precision"] == "mxfp8" else {}
@@ -368,7 +371,7 @@ def _eval_row(catalog, r: dict):
     seq, nodes = int(r["seq"]), int(r["nodes"])
     gbs = None if r["global_batch"] == "best" else int(r["global_batch"])
     model = _eval_model(r["model"], seq)
-    fsdp = r["dp_kind"] == "fsdp"
+    fsdp = r["dp_kind"] in ("fsdp", "hsdp")  # hsdp: sharded inside a node, replicated across nodes
     fixed = {"tp": int(r["tp"]), "pp": int(r["pp"]), "cp": int(r["cp"]), "sp": int(r["tp"]) > 1,
              "dp_kind": r["dp_kind"], "zero_stage": 3 if fsdp else 1}
     # "selective_mlp": selective recompute that also replays the MLP block (Options.recompute_mlp)
@@ -588,6 +591,7 @@ def main() -> int:
               "mosaic_fsdp": "MosaicML llm-foundry FSDP (MPT 1B-70B, 8-128 H100/A100, eager)",
               "neuron_trn1_nemo": "Neuron trn1 neuronx-nemo-megatron benchmarks (Llama 2 7B/13B, GPT-3 175B, SDK 2.13-2.18)",
               "nemo_b200": "NeMo / Megatron-Bridge on DGX-B200 (FP8/MXFP8, Llama 3 8B-405B, GPT-3 175B, 8-512 GPUs)",
+              "ibm_fsdp1_a100": "IBM fms-fsdp FSDP1/HSDP on 128 A100, 400 Gbps per node (Llama 2 7B/13B/70B)",
               "ibm_fsdp2_h100": "IBM/Meta torchtitan FSDP2 (+TP4) at 512 H100, IBM Cloud RoCE (Llama 3 70B/405B, BF16/FP8)"}
     for key, rows in grouped.items():
         evaluation[key] = (titles.get(key, key), [r[:3] for r in rows])

@@ -95,7 +95,8 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
     sets = bench.eval_sets(get_catalog())
     goals = {"nemo_h100": 10.0, "torchtitan_h100": 15.0, "torchtitan_a100": 12.0, "llama3_paper": 25.0,
              "neuron_trn1": 10.0, "neuron_trn1_nemo": 35.0, "mosaic_fsdp": 10.0, "nemo_b200": 10.0,
-             "ibm_fsdp2_h100": 20.0}  # 15.0% at its addition (acc3): the recompute choice, docs/planner.md
+             "ibm_fsdp2_h100": 20.0, "ibm_fsdp1_a100": 25.0}  # 15.0% / 19.7% at their addition (acc3): above
+    # the 10% goal; the causes are in docs/planner.md (recompute and compute rate; A100 dp_overlap 0)
     for name, goal in goals.items():
         pred, meas = _errors([r[:3] for r in sets[name]])
         assert bench.mape(pred, meas) < goal, name
