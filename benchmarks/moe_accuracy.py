@@ -40,8 +40,9 @@ RUNS_CSV = DATA / "moe_runs.csv"
 CHOICES = {"recompute": ["none", "selective", "full"], "microbatch": [1, 2, 4, 8]}
 # csv `recompute` as the recipe names it where it is none of CHOICES: Megatron-Core's recompute_modules
 # ["layernorm", "moe_act"] (the GPT-OSS recipes): no attention replay, the norms and the expert activation rerun
-# (Options.recompute_norm_act). The planner keeps the memory those modules free (an upper bound), so where that
-# does not fit its memory model the fastest fitting choice of CHOICES is taken (the DGX-B200 GPT-OSS row at mb4).
+# (Options.recompute_norm_act), with the memory those output-discarding checkpoints free (plan.moe.
+# activation_bytes_per_layer). Where it does not fit the planner's memory model the fastest fitting choice of
+# CHOICES is taken and the label says so (until 2026-12-01 evening the DGX-B200 GPT-OSS row at mb4, at full).
 NORM_ACT = "layernorm+moe_act"
 # csv `dispatcher`: alltoall (Megatron-Core's MoEAlltoAllTokenDispatcher); the flex dispatcher's backends deepep and
 # hybridep, and hierarchical (a node-deduplicating dispatch whose backend the source does not name: timed as

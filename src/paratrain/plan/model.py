@@ -123,9 +123,13 @@ class Options:
     moe_fused_padding: the dispatcher delivers each local expert's rows already padded to the low-precision
     alignment (HybridEP's pad_multiple), so Transformer Engine's Fp8Padding / Fp8Unpadding around the per-expert
     GEMMs copy nothing (plan.moe.fp8_padding_s; the alltoall dispatcher and DeepEP leave that to them);
-    recompute_norm_act: the backward also reruns the two layer norms and the routed experts' activation, whose
-    outputs the forward dropped (Megatron-Core's recompute_modules "layernorm" and "moe_act"; plan.moe.
-    norm_act_replay_s); the attention core is replayed only under selective recompute, as before.
+    recompute_norm_act: the backward also reruns the MoE layers' pre-MLP norm and the routed experts'
+    activation, whose outputs the forward dropped and which are not kept (Megatron-Core's recompute_modules
+    "layernorm" and "moe_act"; plan.moe.norm_act_replay_s, plan.moe.activation_bytes_per_layer); the attention
+    core is replayed only under selective recompute, as before.
+    moe_probs_in_experts: the routing probabilities scale the expert activation's output inside the expert
+    block (Megatron-Core since core 0.13, "Memory efficient token permutation"), so the combine keeps no expert
+    output for the probabilities' gradient (plan.moe.activation_bytes_per_layer); otherwise it is kept.
     wgrad_accumulation_fusion: weight-gradient GEMMs accumulate into the main_grad buffer in place (cuBLAS
     beta = 1: Megatron-Core's gradient_accumulation_fusion), reading it back; timed for the expert GEMMs, where
     few rows per expert make it count (plan.moe.wgrad_accumulate_s).
@@ -182,6 +186,7 @@ class Options:
     moe_fused_padding: bool = False
     moe_flex_backend: str | None = None
     recompute_norm_act: bool = False
+    moe_probs_in_experts: bool = False
     ce_bytes_per_logit: float = 12.0
     wgrad_accumulation_fusion: bool = False
     cp_comm: str = "ring"
@@ -689,7 +694,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     dp_shard = np.where(kind == 2, hsdp_shard, dp_group)
 
     moe_mem = moe_plan.memory_terms(flops_model, opts, T=T, tp=tp, cp=cp, dp=dp, ep=ep, etp=etp, zero=zero, rc=rc,
-                                    routed=moe[5]) if moe is not None else None
+                                    routed=moe[5], sp=sp) if moe is not None else None
 
     def memory_of(loads):
         return memory_per_device(model, system, seq, opts, T=T, tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, rc=rc,

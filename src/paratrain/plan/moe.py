@@ -264,21 +264,23 @@ def norm_act_replay_s(model: ModelConfig, system: System, T, tp, sp, etp, routed
     """Forward time per average layer that Megatron-Core replays in the backward under selective recompute of
     "layernorm" and "moe_act" (Options.recompute_norm_act; Megatron-Bridge's GPT-OSS recipes:
     recompute_modules = ["layernorm", "moe_act"], gpt_oss_workload_base_configs.py v0.2.2-v0.4.2). "layernorm":
-    TransformerLayer drops the outputs of input_layernorm and pre_mlp_layernorm after the forward
-    (tensor_parallel.CheckpointWithoutOutput) and reruns both norms before the backward needs them: per norm a
-    read and a write of the rank's tokens (its SP shard), one kernel each. "moe_act": TEGroupedMLP
-    (activation_recompute, "moe_act" in recompute_modules) drops the expert activation's output and reruns it:
-    per routed row a read of fc1's output (2 x width) and a write of width, bf16, one kernel. The attention core is
-    not replayed (not in the list). Memory: the planner keeps what no recompute keeps (an upper bound)."""
+    TransformerLayer checkpoints a norm without its output (tensor_parallel.CheckpointWithoutOutput) only where
+    the norm is a module of its own (`not isinstance(..., IdentityOp)`, transformer_layer.py): in the Transformer
+    Engine spec (gpt_layer_specs.py, the bridge's default_layer_spec) the input norm is fused into linear_qkv
+    (TELayerNormColumnParallelLinear) and a dense layer's pre-MLP norm into linear_fc1, so only a MoE layer's
+    pre_mlp_layernorm (a TENorm) is rerun: a read and a write of the rank's tokens (its SP shard), one kernel.
+    "moe_act": TEGroupedMLP (activation_recompute) reruns the expert activation (with the probs' scaling): per
+    routed row a read of fc1's output (2 x width) and a write of width, bf16, one kernel. The attention core is
+    not replayed (not in the list). The memory they free: activation_bytes_per_layer."""
     from paratrain.plan.model import memory_time_s
 
-    tokens = T / np.where(np.asarray(sp, dtype=bool), tp, 1.0)
-    norms = memory_time_s(system, 2 * tokens * model.hidden * BF16_BYTES * 2, 2)
     if not model.num_experts:
-        return norms
+        return 0.0 * np.asarray(T, dtype=float)
+    tokens = T / np.where(np.asarray(sp, dtype=bool), tp, 1.0)
+    norm = memory_time_s(system, tokens * model.hidden * BF16_BYTES * 2, 1)
     width = model.moe_ffn / np.asarray(etp, dtype=float)
     act = memory_time_s(system, routed * 3 * width * BF16_BYTES, 1)
-    return norms + model.moe_layers / model.layers * act
+    return model.moe_layers / model.layers * (norm + act)
 
 
 def wgrad_accumulate_s(system: System, opts, rows, n, k):
@@ -398,19 +400,34 @@ def overlap_limits(system: System, opts, sched, pp, v, m):
     return unpaired, fraction
 
 
-def activation_bytes_per_layer(model: ModelConfig, T, tp, ep, etp, routed, fp8: bool = False):
+def activation_bytes_per_layer(model: ModelConfig, T, tp, ep, etp, routed, fp8: bool = False, *, sp=False,
+                               norm_act: bool = False, probs_in_experts: bool = False):
     """MoE block activations kept for backward per average layer per microbatch (selective or no recompute):
     router scores (fp32) and top-k indices/weights of the rank's tokens; per routed row the permuted input (h)
     and the activation output (width) that the two expert GEMMs' weight gradients need (FP8: kept cast, 1 byte,
     as for the dense matmuls), gate and up (2 x width) for the SwiGLU backward, and the expert output (h) for
-    the gradient of the routing weights, bf16."""
+    the gradient of the routing weights, bf16, unless the probabilities scale the activation inside the expert
+    block (probs_in_experts, Options.moe_probs_in_experts: Megatron-Core's weighted activation saves its input
+    and the probs, the combine nothing).
+    norm_act (Options.recompute_norm_act, Megatron-Core's recompute_modules "layernorm" + "moe_act", output-
+    discarding checkpoints: tensor_parallel.CheckpointWithoutOutput frees the output's storage after its consumer
+    ran and restores it by the replay before backward): "moe_act" drops the activation output, fc2's saved input
+    (experts.py TEGroupedMLP; under FP8 set_save_original_input makes fc2 save that bf16 output instead of its
+    cast, so what the planner counts for it goes either way), and keeps fc1's output (the checkpoint's input);
+    "layernorm" drops the pre-MLP norm's output (what the dense view counts as the MLP input, h per token of the
+    rank's SP shard at the dense part's 2 bytes, 1 under FP8) and keeps its input (the residual). Returned as a
+    negative part of this term: the dense view counts the norm output. Only MoE layers have a norm of their own
+    (norm_act_replay_s)."""
     share = model.moe_layers / model.layers
     tokens = T * np.asarray(etp, dtype=float) / tp
     width = model.moe_ffn / np.asarray(etp, dtype=float)
     router = tokens * model.num_experts * 4 + tokens * model.experts_per_token * 12
     gemm_in = FP8_BYTES if fp8 else BF16_BYTES
-    rows = routed * ((model.hidden + width) * gemm_in + (2 * width + model.hidden) * BF16_BYTES)
-    return share * (router + rows)
+    kept_act = 0.0 if norm_act else width * gemm_in  # fc2's input, dropped by "moe_act"
+    kept_out = 0.0 if probs_in_experts else model.hidden * BF16_BYTES  # the expert output, for the probs' grad
+    rows = routed * (model.hidden * gemm_in + kept_act + 2 * width * BF16_BYTES + kept_out)
+    norm_out = T / np.where(np.asarray(sp, dtype=bool), tp, 1.0) * model.hidden * gemm_in
+    return share * (router + rows - np.where(norm_act, norm_out, 0.0))
 
 
 def dispatch_buffer_bytes(model: ModelConfig, routed):
@@ -446,14 +463,18 @@ def expert_data_parallel_s(model: ModelConfig, system: System, opts, *, tp, cp, 
     return np.where(edp > 1, total, 0.0), np.where(edp > 1, exposed, 0.0), params_dev, shard
 
 
-def memory_terms(model: ModelConfig, opts, *, T, tp, cp, dp, ep, etp, zero, rc, routed) -> dict:
+def memory_terms(model: ModelConfig, opts, *, T, tp, cp, dp, ep, etp, zero, rc, routed, sp=False) -> dict:
     """What plan.model.memory_per_device adds per layer a rank holds (weights, grads, optimizer: the routed
     experts; activations: the MoE block's, per microbatch in flight, none kept under full recompute or with
     selective recompute of the MLP, Options.recompute_mlp) and once (the dispatch/combine buffers; when the block
     is recomputed, the one MoE block rebuilt during backward)."""
     weights, grads, optimizer = expert_memory_per_layer(model, opts, tp, cp, dp, ep, etp, zero)
-    act = activation_bytes_per_layer(model, T, tp, ep, etp, routed, opts.fp8)
+    act = activation_bytes_per_layer(model, T, tp, ep, etp, routed, opts.fp8, sp=sp,
+                                     probs_in_experts=opts.moe_probs_in_experts)
     rebuilt = (rc == 2) | ((rc == 1) & opts.recompute_mlp)
+    if opts.recompute_norm_act:  # full recompute keeps none of it; otherwise the two modules' outputs are dropped
+        act = np.where(rebuilt, act, activation_bytes_per_layer(
+            model, T, tp, ep, etp, routed, opts.fp8, sp=sp, norm_act=True, probs_in_experts=opts.moe_probs_in_experts))
     once = dispatch_buffer_bytes(model, routed) + np.where(rebuilt, act, 0.0)
     return {"weights": weights, "grads": grads, "optimizer": optimizer,
             "activations": np.where(rebuilt, 0.0, act), "once": once}

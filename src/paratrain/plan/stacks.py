@@ -55,11 +55,15 @@ STACKS: dict[str, Stack] = {
 # gradient in place (2 + 2), the backward's element_mul_kernel scales it by the per-token loss gradient (2 + 2).
 # wgrad_accumulation_fusion: Megatron-Bridge's gradient_accumulation_fusion defaults on where Transformer Engine is
 # installed (models/gpt_provider.py can_enable_gradient_accumulation_fusion); TE accumulates into main_grad.
+# moe_probs_in_experts: Megatron-Core applies the routing probabilities in the expert activation (TEGroupedMLP
+# bias_act_func, weighted swiglu / quick-geglu; megatron-lm!2668 "Memory efficient token permutation", Apr 2025,
+# in every core the Megatron-Bridge containers of the MoE rows pin), so unpermute keeps no expert output.
 STACK_OPTIONS: dict[str, dict] = {
     "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "p2p_pair_allgather": True,
             "tp_bwd_overlap": True},
     "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "overlap_param_gather": True, "fp8_weight_cache": True,
-                 "moe_gemm_per_expert": True, "ce_bytes_per_logit": 10.0, "wgrad_accumulation_fusion": True},
+                 "moe_gemm_per_expert": True, "ce_bytes_per_logit": 10.0, "wgrad_accumulation_fusion": True,
+                 "moe_probs_in_experts": True},
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "cp_comm": "allgather_rotate",
               "fsdp_pp_unsharded": True, "fp8_tp_allgather": True},
     "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
