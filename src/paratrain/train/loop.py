@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.utils._foreach_utils import _get_fused_kernels_supported_devices  # torch's own list
 
 from paratrain.config import (  # noqa: F401 - check_batch_layout re-exported (callers of train.loop)
     OptimSection,
@@ -91,14 +92,22 @@ def run_step(runner, optimizer, scheduler, inputs, targets, grad_clip: float, ti
 
 
 def build_optimizer(runner, opt: OptimSection) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not norms). foreach is off when parameters mix DTensor and
-    plain tensors (TP without SP leaves norm weights plain), which the foreach kernels reject."""
+    """AdamW; weight decay on matrices only (not norms), with torch's fused kernel where every parameter is of
+    one kind (all plain tensors, or DTensors on one mesh) on a device torch has fused kernels for (torchtitan's
+    default too). On DTensors the fused update is one op per step where foreach issues a dozen, and DTensor
+    propagates the sharding of each over the whole parameter list the first time it sees a layout: the first
+    step's update cost 1.0 CPU-s on 4 ranks of the 2-layer tiny model under HSDP or TP2 x FSDP2 with foreach,
+    0.16-0.26 fused (steady steps 0.006 either way; growing with the parameter count). A mix of DTensor and
+    plain parameters (TP without SP leaves norm weights plain), or of meshes (experts), is rejected by both
+    multi-tensor kernels: the per-parameter loop."""
     params = [p for p in runner.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    fused = runner.optimizer_foreach and all(
+        p.device.type in _get_fused_kernels_supported_devices() and torch.is_floating_point(p) for p in params)
     return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
-                             foreach=runner.optimizer_foreach)
+                             foreach=runner.optimizer_foreach and not fused, fused=fused or None)
 
 
 WARMUP_STEPS = 2  # first steps of a process (allocator, kernel selection, first collectives): not steady state
