@@ -178,12 +178,14 @@ def _published_rows():
     # Keyed by (model, published tokens/s/GPU): several rows share a model and batch
     missed = {("gpt-oss-120b", "5824"): "predicted 15.9% fast (GPT-OSS on H100 at mb1; the 26.02 row, 5993, is "
                                         "at -13.5%)",
-              ("gpt-oss-120b", "13568"): "predicted 23.6% fast (GPT-OSS on DGX-B200 at mb4, the recipe's layernorm + "
-                                         "moe_act recompute, which fits since the memory it frees is modelled; "
-                                         "it passed at -3.9% only through a full-recompute fallback)"}
+              ("gpt-oss-120b", "13568"): "predicted 25.1% fast (GPT-OSS on DGX-B200 at mb4 with the alltoall "
+                                         "dispatcher of its v0.4.2 recipe and the recipe's layernorm + moe_act "
+                                         "recompute, which fits since the memory it frees is modelled; it passed "
+                                         "at -3.9% only through a full-recompute fallback)"}
     # the DGX-B200 GPT-OSS row (13568) got its mark back on 2026-12-01 evening: the memory that the recipe's
     # layernorm + moe_act recompute frees and Megatron-Core's probs-in-experts activation are modelled, the
-    # recipe's recompute fits, and the row is timed as run (-23.6%; -3.9% before, at full recompute)
+    # recipe's recompute fits, and the row is timed as run (-23.6%; -3.9% before, at full recompute); -25.1% with
+    # the alltoall dispatcher its 26.04.01 container (Megatron-Bridge v0.4.2) runs, not v0.4.0's hybridep
     # the 25.11 GPT-OSS H100 mark (5630) was removed on 2026-12-01 when the recipe's recompute_modules
     # (layernorm, moe_act: plan.moe.norm_act_replay_s) were timed: -15.1% -> -14.2%
     # the Qwen3-30B EP16 HybridEP mark (8960) was removed on 2026-12-01 when HybridEP's per-node stage across
