@@ -27,8 +27,9 @@ PP2_CP2 = [
 ]
 PP2_CP2_8 = [
     ["parallel.pp=2", "parallel.cp=2", "parallel.tp=2", "parallel.sp=true", *sched("1f1b")],
+    # shards over (dp_shard, cp); 2 microbatches per rank (interleaved with more is PP2_CP2's, on 4 ranks)
     ["parallel.pp=2", "parallel.cp=2", "parallel.dp=2", 'parallel.dp_kind="hsdp"', "parallel.dp_replicate=2",
-     "train.microbatch=1", *sched("interleaved_1f1b", "parallel.virtual_stages=2")],  # shards over (dp_shard, cp)
+     *sched("interleaved_1f1b", "parallel.virtual_stages=2")],
 ]
 # Not on 8 ranks (~7 CPU-s a case on 2 cores): PP2 x CP2 x DP2 (zbv, FSDP over dp x cp = 4 ranks). Its parts are
 # covered on 4 ranks: zbv with FSDP over cp under PP2 (PP2_CP2 above), FSDP over the flattened (dp, cp) mesh with

@@ -1,7 +1,7 @@
 """Stale-gradient data parallelism (issue 8): bounded staleness, time budget, straggler detection, eviction.
 
 - s = 0 is bitwise identical to the runtime's synchronous DDP path (parallel/data.py BucketedGradReducer) at
-  dp 2 and 4 and with TP2 x DP2: every parameter torch.equal after 4 AdamW steps.
+  dp 2 and 4 and with TP2 x DP2: every parameter torch.equal after 3 AdamW steps.
 - s = 1, 2: the step indices of applied gradients show staleness exactly s (never more), every rank holds the
   same weights, and the run matches a single-process delayed-gradient reference (same math, one process).
 - delay compensation: optimizer_lookahead computes step t's gradient at the weights AdamW reaches with this rank's
@@ -173,13 +173,13 @@ TP2_DP2 = ["parallel.dp=2", "parallel.tp=2", "parallel.sp=true", TWO_LAYERS, "tr
 @pytest.mark.parametrize("world,layout", [(2, ["parallel.dp=2"]), (4, ["parallel.dp=4"]), (4, TP2_DP2)])
 def test_s0_is_bitwise_identical_to_synchronous_ddp(dist_run, world, layout):
     overrides = ["train.global_batch=16", TWO_LAYERS, *layout]
-    for rank, res in enumerate(dist_run(world, _sync_and_stale0, overrides, 4)):
+    for rank, res in enumerate(dist_run(world, _sync_and_stale0, overrides, 3)):
         sync, stale = res["sync"], res["stale0"]
         assert res["same_buckets"]
         assert sync["params"].keys() == stale["params"].keys()
         differ = [n for n, p in sync["params"].items() if not torch.equal(p, stale["params"][n])]
         assert not differ, f"rank {rank}: parameters differ from synchronous DDP: {differ[:5]}"
-        assert [g for _, g, _, _ in stale["history"]] == [0, 1, 2, 3]  # applied at once
+        assert [g for _, g, _, _ in stale["history"]] == [0, 1, 2]  # applied at once
         torch.testing.assert_close(torch.tensor(stale["losses"]), torch.tensor(sync["losses"]), rtol=1e-6, atol=0)
 
 
