@@ -623,3 +623,35 @@ def test_trn1_collectives_pay_the_per_call_floor_nccom_test_publishes():
     trn1 = resolve_system("trn1.32xlarge")
     assert collective_time_s(trn1, "allreduce", 1024, 2, 1) * 1e6 == pytest.approx(58, rel=0.1)
     assert collective_time_s(trn1, "allgather", 65536, 32, 1) * 1e6 == pytest.approx(150, rel=0.1)
+
+
+def test_megatron_param_gather_and_grad_reduce_follow_megatron_cores_dispatch_order():
+    """Megatron-Core's distributed optimizer with overlap_grad_reduce + overlap_param_gather (the megatron
+    stack), numbers by hand: a stage's post-step gather 1 s, reduce-scatter 1 s, 1 s of forward and 2 s of
+    backward per microbatch, all of it usable. Interleaved (align_param_gather): chunk 0's gather and reduce
+    exposed, chunk c's behind pp chunk forwards / backwards; without interleaving the first stage's bucket chain
+    hides behind the first microbatch's forward, and every later stage gathers its single bucket whole."""
+    from paratrain.plan.model import _megatron_dp_exposed_s
+
+    def exposed(pp, chunks, buckets=4.0, fwd=1.0, bwd=2.0, usable=1.0):
+        return float(_megatron_dp_exposed_s(np.array(1.0), np.array(1.0), np.array(buckets), np.array(pp),
+                                            np.array(chunks), np.array(fwd), np.array(bwd), np.array(usable)))
+
+    assert exposed(4, 4) == pytest.approx(0.25 + 0.25)  # only chunk 0's gather and reduce-scatter
+    # a short forward (0.1 s per microbatch, 0.1 per chunk behind pp = 4): each later chunk's gather
+    # leaves (0.25 - 0.1) exposed; the backward (2 s) still hides the reduce-scatters
+    assert exposed(4, 4, fwd=0.1) == pytest.approx(0.25 + 3 * 0.15 + 0.25)
+    assert exposed(4, 4, usable=0.0) == pytest.approx(2.0)  # nothing hides: all of both
+    assert exposed(1, 1) == pytest.approx(0.25)  # no PP: the first bucket of the chain; the reduce hides
+    assert exposed(1, 1, fwd=0.5) == pytest.approx(0.25 + 3 * (1.0 - 0.5) / 4)
+    assert exposed(4, 1) == pytest.approx(0.25 + 3 * 1.0)  # 1F1B: stages 1-3 gather their one bucket whole
+    # through estimate: the megatron stack's 1F1B exposes more data-parallel time than interleaving
+    system = resolve_system("dgx-h100")
+    model = PRESETS["llama3-8b"]
+    opts = Options.for_system(system, stack="megatron")
+
+    def dp_exposed(**kw):
+        lay = Layout(tp=8, pp=4, dp=4, microbatch=1, sp=True, zero_stage=1, pp_layers="balanced", **kw)
+        return estimate(model, system, 16, 4096, 64, lay, opts).time_breakdown_s["dp_exposed"]
+
+    assert dp_exposed(pp_schedule="1f1b") > 2 * dp_exposed(pp_schedule="interleaved_1f1b", virtual_stages=4) > 0

@@ -105,9 +105,10 @@ class Options:
     (PyTorch-native stacks on Hopper, see plan.stacks); None: the chip's.
     attention_eff: fraction of peak the attention kernel reaches where it is not the chip's matmul_eff_max
     (FlashAttention-2, PyTorch SDPA's flash backend, on Hopper: see plan.stacks).
-    overlap_param_gather: the ZeRO-1/2 parameter all-gather after the optimizer step is overlapped with the
-    next step's forward (Megatron-Core's distributed optimizer with overlap_param_gather); otherwise (NxD
-    ZeRO-1) it is exposed.
+    overlap_param_gather: Megatron-Core's distributed optimizer with overlap_grad_reduce and overlap_param_gather
+    (NeMo / Megatron-Bridge's settings): the post-step parameter all-gather and the gradient reduce-scatter are
+    dispatched as Megatron-Core does (_megatron_dp_exposed_s: bucket by bucket behind the first microbatch's
+    forward, chunk by chunk under interleaving); otherwise (NxD ZeRO-1) the post-step gather is exposed.
     zero12_as_fsdp: ZeRO-1/2 run as FSDP without resharding after forward (paratrain has no separate ZeRO-1:
     plan/config_writer.runtime_dp): per microbatch one all-gather per unit, one reduce-scatter per unit per
     step, no post-step gather; otherwise Megatron's distributed optimizer (bucketed reduce-scatter, all-gather
@@ -739,7 +740,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     dp_time, dp_exposed = _data_parallel_s(system, opts, params_dev, dp_group, dp_shard, tp, zero, kind, m,
                                            stage_fwd, stage_bwd, layers_rank,
                                            layers_rank * model.params_per_layer() / tp / params_dev, link_busy,
-                                           pp=pp)
+                                           pp=pp, chunks=np.where(sched == 2, v, 1.0))
     expert_opt = 0.0
     if moe is not None:  # routed experts reduce over their own expert-data-parallel group
         ex_time, ex_exposed, ex_params, ex_shard = moe_plan.expert_data_parallel_s(
@@ -849,7 +850,7 @@ def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd):
 
 
 def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, kind, m, stage_fwd, stage_bwd,
-                     stage_layers_dev, block_share, link_busy=0.0, pp=1.0):
+                     stage_layers_dev, block_share, link_busy=0.0, pp=1.0, chunks=1.0):
     """(all DP communication time, the part not hidden behind compute) per step.
 
     DDP all-reduces gradients in buckets (opts.bucket_bytes, torch DDP's 25 MiB by default) once per step;
@@ -892,9 +893,12 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     overlap = system.efficiency.dp_overlap if opts.dp_overlap is None else opts.dp_overlap
     window_all = np.maximum(0.0, overlap * m * (stage_fwd + stage_bwd) - link_busy)
     window_last = np.maximum(0.0, overlap * stage_bwd - link_busy / np.maximum(m, 1.0))
-    hidden_post = opts.overlap_param_gather  # Megatron overlap_param_gather: behind the next step's forward
-    exposed = np.maximum(np.maximum(gathers + reduces + np.where(hidden_post, post_step, 0.0) - window_all,
-                                    reduces - window_last), 0.0) + np.where(hidden_post, 0.0, post_step)
+    exposed = np.maximum(np.maximum(gathers + reduces - window_all, reduces - window_last), 0.0) + post_step
+    if opts.overlap_param_gather:  # Megatron-Core's distributed optimizer: its own dispatch order, below
+        usable = np.maximum(0.0, overlap - link_busy / np.maximum(m * (stage_fwd + stage_bwd), 1e-30))
+        megatron = _megatron_dp_exposed_s(post_step, reduces, buckets, pp, chunks, stage_fwd, stage_bwd, usable)
+        exposed = np.where(zero12 & ~as_fsdp, np.maximum(megatron, gathers + reduces + post_step - window_all),
+                           exposed)
     # FSDP/HSDP layer by layer: with prefetch (FSDP2 and DeepSpeed ZeRO-3 gather layer i+1 while layer i
     # computes) a gather hides only behind one layer's compute, so when a layer's compute is short (small
     # microbatch per device, many ranks) the rest is exposed, layer after layer; the first gather of every
@@ -920,6 +924,34 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     exposed = np.where(pinned, np.maximum(0.0, np.minimum(fwd, fwd_ag)) + reduces, exposed)
     total = gathers + reduces + post_step
     return np.where(dp > 1, total, 0.0), np.where(dp > 1, exposed, 0.0)
+
+
+def _megatron_dp_exposed_s(gather, reduce, buckets, pp, chunks, fwd, bwd, usable):
+    """Exposed time of Megatron-Core's distributed optimizer with overlap_grad_reduce and overlap_param_gather,
+    as NeMo 2.x / Megatron-Bridge configure it (MegatronCommOverlapCallback / CommOverlapConfig
+    _get_optimizer_overlap_cfgs: both on when dp > 1, align_param_gather when pp > 1 and vp > 1). gather /
+    reduce: the stage's post-step parameter all-gather / gradient reduce-scatter; fwd / bwd: the stage's
+    compute per microbatch; usable: the fraction of compute communication can hide behind.
+
+    Megatron-Core r0.11-r0.15 (distributed_data_parallel.py, param_and_grad_buffer.py, schedules.py): the
+    optimizer step does not gather (DistributedOptimizer.step_with_ready_grads); finish_grad_sync marks every
+    bucket undispatched, so the next step's first forward gathers. Without interleaving, the first stage's
+    forward pre-hook (_make_forward_pre_hook -> finish_param_sync) dispatches the first bucket, waits for it
+    and dispatches the next one, which hides behind the forward of the bucket before (one bucket in flight, the
+    first microbatch only); later stages hold one bucket (bucket_size None when pp_rank > 0), gathered whole
+    after the first activation arrives, so the fill of the pipeline pays it on every stage after the first.
+    Interleaved with align_param_gather: chunks 0 and 1 are dispatched before the first forward (chunk 0
+    exposed), chunk c >= 2 at chunk c-1's first forward (forward_step_helper_preprocess), so each hides behind
+    pp chunk forwards of the warm-up; the gradients of chunk c reduce after its last backward
+    (backward_step_helper_postprocess) behind pp chunk backwards, chunk 0's after the last one, exposed."""
+    pp = np.asarray(pp, float)
+    n = np.maximum(chunks, 1.0)
+    k = np.maximum(buckets, 1.0)
+    per_chunk = lambda c, window: c / n + (n - 1) * np.maximum(0.0, (c - usable * pp * window) / n)  # noqa: E731
+    interleaved = per_chunk(gather, fwd) + per_chunk(reduce, bwd)
+    chain = gather / k + (k - 1) * np.maximum(0.0, (gather - usable * fwd) / k)
+    flat = chain + np.maximum(pp - 1.0, 0.0) * gather + np.maximum(0.0, reduce - usable * bwd)
+    return np.where((pp > 1) & (n > 1), interleaved, flat)
 
 
 def pipeline_bubble_s(sched, pp, v, m, fwd, bwd_input, bwd_weight):

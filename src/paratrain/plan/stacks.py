@@ -58,11 +58,16 @@ STACKS: dict[str, Stack] = {
 # moe_probs_in_experts: Megatron-Core applies the routing probabilities in the expert activation (TEGroupedMLP
 # bias_act_func, weighted swiglu / quick-geglu; megatron-lm!2668 "Memory efficient token permutation", Apr 2025,
 # in every core the Megatron-Bridge containers of the MoE rows pin), so unpermute keeps no expert output.
+# bucket_bytes: NeMo 2.x and Megatron-Bridge set the distributed optimizer's bucket_size to 128 Mi parameters
+# whenever dp > 1 (MegatronCommOverlapCallback / CommOverlapConfig._get_optimizer_overlap_cfgs, NeMo v2.2.0,
+# Megatron-Bridge v0.2.0), bf16 gradients (grad_bytes 2); Megatron-LM alone defaults to max(40M, 1M x dp), the
+# Options default. Overlap flags and their dispatch order: plan.model._megatron_dp_exposed_s.
+MEGATRON_BUCKET_PARAMS = 128 * 2**20
 STACK_OPTIONS: dict[str, dict] = {
     "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "p2p_pair_allgather": True,
             "tp_bwd_overlap": True},
     "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "overlap_param_gather": True, "fp8_weight_cache": True,
-                 "moe_gemm_per_expert": True, "ce_bytes_per_logit": 10.0, "wgrad_accumulation_fusion": True,
+                 "bucket_bytes": MEGATRON_BUCKET_PARAMS * 2, "moe_gemm_per_expert": True, "ce_bytes_per_logit": 10.0, "wgrad_accumulation_fusion": True,
                  "moe_probs_in_experts": True},
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "cp_comm": "allgather_rotate",
               "fsdp_pp_unsharded": True, "fp8_tp_allgather": True},
