@@ -176,12 +176,13 @@ def _published_rows():
         rows = [r for r in csv.DictReader(fh) if r["claim"] != "none"]
     # claimed rows the planner misses today (docs/planner.md, "Published MoE runs"): strict, so a fix shows up.
     # Keyed by (model, published tokens/s/GPU): several rows share a model and batch
-    missed = {("gpt-oss-120b", "5824"): "predicted 15.9% fast (GPT-OSS on H100 at mb1; the 26.02 row, 5993, is "
-                                        "at -13.5%)",
-              ("gpt-oss-120b", "13568"): "predicted 25.1% fast (GPT-OSS on DGX-B200 at mb4 with the alltoall "
+    missed = {("gpt-oss-120b", "13568"): "predicted 25.1% fast (GPT-OSS on DGX-B200 at mb4 with the alltoall "
                                          "dispatcher of its v0.4.2 recipe and the recipe's layernorm + moe_act "
                                          "recompute, which fits since the memory it frees is modelled; it passed "
                                          "at -3.9% only through a full-recompute fallback)"}
+    # the 26.04.01 GPT-OSS H100 mark (5824) was removed on 2026-12-01 evening when Megatron-Core's distributed
+    # optimizer was timed in its dispatch order for the expert buckets too (plan.model._megatron_dp_exposed_s with
+    # the stage's pp and chunks: later 1F1B stages gather their one expert bucket whole): -15.4% -> -13.5%
     # the DGX-B200 GPT-OSS row (13568) got its mark back on 2026-12-01 evening: the memory that the recipe's
     # layernorm + moe_act recompute frees and Megatron-Core's probs-in-experts activation are modelled, the
     # recipe's recompute fits, and the row is timed as run (-23.6%; -3.9% before, at full recompute); -25.1% with

@@ -745,7 +745,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     if moe is not None:  # routed experts reduce over their own expert-data-parallel group
         ex_time, ex_exposed, ex_params, ex_shard = moe_plan.expert_data_parallel_s(
             flops_model, system, opts, tp=tp, cp=cp, dp=dp, ep=ep, etp=etp, zero=zero, kind=kind, m=m,
-            stage_fwd=stage_fwd, stage_bwd=stage_bwd, layers=layers_rank, link_busy=link_busy + dp_time)
+            stage_fwd=stage_fwd, stage_bwd=stage_bwd, layers=layers_rank, link_busy=link_busy + dp_time, pp=pp,
+            chunks=np.where(sched == 2, v, 1.0))
         dp_time, dp_exposed = dp_time + ex_time, dp_exposed + ex_exposed
         expert_opt = memory_time_s(system, np.where(zero >= 1, ex_params / ex_shard, ex_params) * ADAM_STEP_BYTES, 0)
 

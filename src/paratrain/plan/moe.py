@@ -447,11 +447,12 @@ def expert_memory_per_layer(model: ModelConfig, opts, tp, cp, dp, ep, etp, zero)
 
 
 def expert_data_parallel_s(model: ModelConfig, system: System, opts, *, tp, cp, dp, ep, etp, zero, kind, m,
-                           stage_fwd, stage_bwd, layers, link_busy):
+                           stage_fwd, stage_bwd, layers, link_busy, pp=1.0, chunks=1.0):
     """(total, exposed, expert parameters on the device, edp shard degree) of the routed experts' gradient (and
     ZeRO/FSDP parameter) traffic per step over the edp group (stride ep x etp: the expert mesh is etp innermost,
     then ep), with plan.model's data-parallel rules for the ZeRO stage. link_busy: the dense part's DP traffic,
-    which has to hide in the same window first."""
+    which has to hide in the same window first. pp, chunks: the stage's pipeline degree and model chunks
+    (Megatron-Core buckets and dispatches the expert buffers per stage and chunk as the dense ones)."""
     from paratrain.plan.model import _data_parallel_s
 
     edp = edp_degree(tp, cp, dp, ep, etp)
@@ -459,7 +460,7 @@ def expert_data_parallel_s(model: ModelConfig, system: System, opts, *, tp, cp, 
     shard = np.where(kind == 2, np.maximum(1.0, np.minimum(edp, system.devices_per_node / (ep * etp))), edp)
     params_dev = layers * expert_params_per_layer(model) / (ep * etp)
     total, exposed = _data_parallel_s(system, opts, params_dev, edp, shard, ep * etp, zero, kind, m, stage_fwd,
-                                      stage_bwd, layers, 1.0, link_busy)
+                                      stage_bwd, layers, 1.0, link_busy, pp=pp, chunks=chunks)
     return np.where(edp > 1, total, 0.0), np.where(edp > 1, exposed, 0.0), params_dev, shard
 
 
