@@ -25,3 +25,25 @@ def test_pool_reports_rank_errors_and_recovers(dist_run):
     with pytest.raises(RuntimeError, match="rank 1: ValueError: boom"):
         dist_run(2, _fail_on_rank_one)
     assert dist_run(2, _allreduce_rank) == [(2, 1.0)] * 2
+
+
+def _die_on_rank_one():
+    import os
+    import signal
+
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGSEGV)  # what a crash in native code (gloo, a kernel) looks like to the pool
+    return "fine"
+
+
+def test_pool_reports_a_dead_rank_at_once_with_its_signal_and_recovers(dist_run):
+    """A rank that dies (not raises) is reported with its exit code as soon as the pool sees it, not after the task
+    timeout; the pool is rebuilt for the next task. The suite reruns a test once when this is its failure
+    (pyproject.toml: --only-rerun), since a native crash inside torch/gloo is not a result of the test's code."""
+    import time
+
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"pool rank\(s\) died: exit codes \{1: -11\}"):
+        dist_run(2, _die_on_rank_one)
+    assert time.monotonic() - start < 60  # detected by the exit, not by the 240 s task timeout
+    assert dist_run(2, _allreduce_rank) == [(2, 1.0)] * 2
