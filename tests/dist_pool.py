@@ -6,8 +6,10 @@ a gloo process group and then runs test functions sent to it. Not forked from th
 time a pool is made, pytest has run in-process training (checkpoint, watchdog and lease threads, torch's thread
 pools), and a child forked from a multi-threaded parent inherits whatever state those threads held; CI saw a
 pool rank die of heap corruption ("malloc(): unaligned tcache chunk detected"). The fork server is a fresh,
-single-threaded interpreter, so every rank starts from the same clean, warm state. A test sends a module-level function and arguments;
-every rank runs it and the pool returns the per-rank results (or re-raises the first rank's error).
+single-threaded interpreter, so every rank starts from the same clean, warm state.
+
+A test sends a module-level function, its arguments and the environment; every rank runs it and the pool returns
+the per-rank results (or re-raises the first rank's error).
 
 The process group has a timeout, and the parent waits with a timeout, so a failing rank cannot hang the suite:
 on failure the pool is torn down and rebuilt for the next test.
@@ -27,6 +29,7 @@ import os
 import pickle
 import sys
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -34,10 +37,11 @@ import torch
 import torch.distributed as dist
 
 # What the fork server imports once, so every rank starts warm (torch._inductor.config:
-# torch.use_deterministic_algorithms imports it, 0.7 CPU-s per rank).
+# torch.use_deterministic_algorithms imports it, 0.7 CPU-s per rank; pytest: each rank imports pytest.__main__,
+# spawn's main-module fixup, and the test modules).
 PRELOAD = ["torch._inductor.config", "torch.distributed.checkpoint", "torch.distributed.fsdp",
            "torch.distributed.pipelining", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
-           "paratrain.model.llama", "paratrain.train.loop", "pytest"]  # pytest: each rank imports pytest.__main__ (spawn's main-module fixup) and the test modules
+           "paratrain.model.llama", "paratrain.train.loop", "pytest"]
 TASK_TIMEOUT_S = float(os.environ.get("PARATRAIN_TEST_TIMEOUT_S", "240"))
 
 
@@ -106,7 +110,8 @@ class DistPool:
         store = os.path.join(self._tmp, "store")
         self._tasks = [self._ctx.Queue() for _ in range(world_size)]
         self._results = self._ctx.Queue()
-        self._procs = [self._ctx.Process(target=_worker, args=(r, world_size, store, self._tasks[r], self._results, sys.path),
+        self._procs = [self._ctx.Process(target=_worker,
+                                         args=(r, world_size, store, self._tasks[r], self._results, sys.path),
                                          daemon=True) for r in range(world_size)]
         for p in self._procs:
             p.start()
@@ -132,12 +137,12 @@ class DistPool:
     def _next_result(self) -> tuple[int, bytes]:
         """The next rank's answer; a rank that died (a crash in native code, the OOM killer) is reported at once
         with its exit code rather than after the task timeout."""
-        waited_s = 0.0
-        while waited_s < TASK_TIMEOUT_S:
+        deadline = time.monotonic() + TASK_TIMEOUT_S
+        while time.monotonic() < deadline:
             try:
                 return self._results.get(timeout=1.0)
             except Exception:  # noqa: BLE001 - queue.Empty
-                waited_s += 1.0
+                pass
             dead = {r: p.exitcode for r, p in enumerate(self._procs) if not p.is_alive()}
             if dead:
                 self.broken = True
