@@ -66,6 +66,22 @@ def test_estimate_text_output(capsys):
     assert "MFU" in out and "memory/device" in out
 
 
+def test_plan_table_of_a_moe_model_shows_ep_and_etp(capsys):
+    """A MoE search varies ep and etp: the table has their columns (else two rows can read the same), and each
+    row's values are the candidate's; a dense model's table has none."""
+    assert main(["plan", "--model", "tiny-moe", "--hardware", "dgx-h100", "--nodes", "1", "--seq", "512",
+                 "--global-batch", "64", "--top", "20"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    head = lines[1].split()
+    assert head[7:9] == ["ep", "etp"]
+    rows = [line.split() for line in lines[2:22]]
+    best = search("tiny-moe", "dgx-h100", 1, 512, 64, top=20).candidates
+    assert [(int(r[7]), int(r[8])) for r in rows] == [(c.layout.ep, c.layout.etp) for c in best]
+    assert len({tuple(r[1:-3]) for r in rows}) == len(rows)  # every row's layout reads differently
+    assert main(["plan", *SEVEN_B, "--top", "3"]) == 0
+    assert "ep" not in capsys.readouterr().out.splitlines()[1].split()
+
+
 def test_write_config_round_trips(tmp_path, capsys):
     path = tmp_path / "planned.toml"
     assert main(["plan", *SEVEN_B, "--top", "1", "--write-config", str(path)]) == 0

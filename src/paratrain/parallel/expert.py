@@ -21,7 +21,8 @@ Forward, per rank: route this rank's tokens, then
 3. the owner regroups them by local expert and runs its experts (grouped_swiglu: one matmul per expert); under
    etp each rank computes its column slice and the partial sums are all-reduced over tp (Megatron's mappings);
 4. the results return by the inverse all_to_all and are combined with the routing weights on the sending rank.
-torch.distributed.nn.functional.all_to_all_single carries the gradients back through both exchanges.
+torch's functional all_to_all_single_autograd (as torchtitan's expert parallelism uses; torch.distributed.nn's
+version is deprecated in 2.13) carries the gradients back through both exchanges.
 
 Tokens of one microbatch routed on several ranks (`TokenSplit`: the sequence split over tp with etp = 1, context
 parallelism's zig-zag chunks over cp): routing is still the single-device model's for that microbatch. Capacity
@@ -52,8 +53,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.nn.functional import all_to_all_single
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from paratrain.config import ParallelSection
@@ -324,15 +325,14 @@ class ExpertParallelMoE(MoE):
         per_peer = recv_counts.view(self.ep, self.local)
         send_splits = counts.view(self.ep, self.local).sum(1).tolist()
         recv_splits = per_peer.sum(1).tolist()  # one host sync per layer: split sizes must be known on the host
-        received = all_to_all_single(rows.new_empty(sum(recv_splits), rows.shape[1]), rows, recv_splits,
-                                     send_splits, group=self.ep_group)
+        received = all_to_all_single_autograd(rows, recv_splits, send_splits, self.ep_group)
         # Received rows are peer-major; regroup by local expert (stable: each peer's rows keep their order).
         local_ids = torch.arange(self.local, device=rows.device).repeat(self.ep).repeat_interleave(per_peer.flatten())
         order = local_ids.argsort(stable=True)
         computed = self.compute(received[order], per_peer.sum(0).tolist())
         back = computed[order.argsort()]
-        # the outputs' dtype, not the rows': under autocast the experts compute in bf16 from fp32 rows
-        return all_to_all_single(back.new_empty(rows.shape), back, send_splits, recv_splits, group=self.ep_group)
+        # in the outputs' dtype, not the rows': under autocast the experts compute in bf16 from fp32 rows
+        return all_to_all_single_autograd(back, send_splits, recv_splits, self.ep_group)
 
     def compute(self, rows: torch.Tensor, counts: list[int]) -> torch.Tensor:
         """This rank's experts on their rows (grouped by local expert); under etp the slices' sums reduced."""
