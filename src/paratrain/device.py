@@ -334,6 +334,23 @@ def read_after(works: list, tensor: torch.Tensor, device: torch.device) -> list[
     return staged.tolist()
 
 
+def all_gather_single(output: torch.Tensor, tensor: torch.Tensor, group=None, async_op: bool = False):
+    """dist.all_gather_single (torch 2.13's name; all_gather_into_tensor warns there on every new call site), or
+    the old name on an older torch (the package accepts torch >= 2.6)."""
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, tensor, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, tensor: torch.Tensor, op=None, group=None, async_op: bool = False):
+    """dist.reduce_scatter_single, or reduce_scatter_tensor on an older torch (as all_gather_single)."""
+    import torch.distributed as dist
+
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return scatter(output, tensor, op=dist.ReduceOp.SUM if op is None else op, group=group, async_op=async_op)
+
+
 def host_syncs_counted() -> None:
     """Called by `synchronize`: counts an explicit synchronisation on the innermost active sync counter."""
     from torch.utils._python_dispatch import _get_current_dispatch_mode_stack

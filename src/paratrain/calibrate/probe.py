@@ -21,7 +21,16 @@ from pathlib import Path
 
 import numpy as np
 
-from paratrain.device import CPU, HOST_BACKEND, backend_for, is_host, matmul_dtype, sync_fn
+from paratrain.device import (
+    CPU,
+    HOST_BACKEND,
+    all_gather_single,
+    backend_for,
+    is_host,
+    matmul_dtype,
+    reduce_scatter_single,
+    sync_fn,
+)
 
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather", "send_recv")
 
@@ -111,9 +120,6 @@ def _collective_worker(rank, world, store_path, sizes, repeats, queue):
     import torch.distributed as dist
 
     torch.set_num_threads(1)
-    # torch 2.13 renamed the *_tensor collectives (the old names warn); accept either.
-    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     store = dist.FileStore(store_path, world)
     dist.init_process_group(HOST_BACKEND, store=store, rank=rank, world_size=world, timeout=timedelta(seconds=120))
     rows = []
@@ -125,8 +131,8 @@ def _collective_worker(rank, world, store_path, sizes, repeats, queue):
         out_shard = torch.empty(numel // world)
         ops = {
             "all_reduce": lambda x=x: dist.all_reduce(x),
-            "reduce_scatter": lambda x=x, o=out_shard: reduce_scatter(o, x),
-            "all_gather": lambda o=out_full, s=out_shard: all_gather(o, s),
+            "reduce_scatter": lambda x=x, o=out_shard: reduce_scatter_single(o, x),
+            "all_gather": lambda o=out_full, s=out_shard: all_gather_single(o, s),
         }
         if world == 2:
             ops["send_recv"] = lambda x=x: dist.send(x, 1) if rank == 0 else dist.recv(x, 0)

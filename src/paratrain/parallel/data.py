@@ -33,7 +33,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from paratrain.config import ParallelSection
-from paratrain.device import host
+from paratrain.device import all_gather_single, host
 from paratrain.parallel.precision import FP32, Precision
 
 DEFAULT_BUCKET_BYTES = ParallelSection().ddp_bucket_bytes  # the config's default, through its one conversion
@@ -349,6 +349,6 @@ def _check_replicas_equal(params: list[nn.Parameter], group: dist.ProcessGroup) 
     for p in params:
         total += local(p).double().sum()
     gathered = torch.zeros(dist.get_world_size(group), dtype=torch.float64, device=device)
-    dist.all_gather_into_tensor(gathered, total, group=group)
+    all_gather_single(gathered, total, group=group)
     if not torch.allclose(gathered, gathered[0].expand_as(gathered), rtol=0, atol=0):
         raise RuntimeError(f"ddp: parameter checksums differ across data-parallel ranks: {gathered.tolist()}")

@@ -35,6 +35,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from paratrain.config.layout import check_tp_layout  # noqa: F401 - re-exported
+from paratrain.device import all_gather_single
 from paratrain.model.config import ModelConfig
 from paratrain.parallel.recompute import notify_kept
 from paratrain.parallel.vocab import tie_embeddings
@@ -111,11 +112,9 @@ class _ShardHolder:
     def start_gather(self, group, tp: int) -> None:
         """Launch the all-gather of the shard without waiting (idempotent)."""
         if self.full is None and self._gather is None:
-            import torch.distributed as dist
-
             shape = (tp * self.shard.shape[0], *self.shard.shape[1:])  # the ranks' shards stacked along dim 0
             buffer = torch.empty(shape, dtype=self.shard.dtype, device=self.shard.device)
-            self._gather = (dist.all_gather_into_tensor(buffer, self.shard, group=group, async_op=True), buffer)
+            self._gather = (all_gather_single(buffer, self.shard, group=group, async_op=True), buffer)
 
     def gathered(self, group, tp: int) -> torch.Tensor:
         """The full (b, s, h) activation: waits for the gather started ahead, or runs it now."""
