@@ -273,7 +273,9 @@ def calibrate_b200(catalog) -> dict:
 
 # ---- evaluation data (benchmarks/data/eval_runs.csv): never used to set a constant ------------------------
 EVAL_CSV = Path(__file__).parent / "data" / "eval_runs.csv"
-GPT3 = {"gpt3-175b": (96, 12288, 96)}  # layers, hidden, heads (Brown et al. 2020)
+GPT3 = {"gpt3-175b": (96, 12288, 96),  # layers, hidden, heads (Brown et al. 2020)
+        # neuronx-nemo-megatron nemo/examples/nlp/language_modeling/gpt_23b.sh, gpt_46b.sh (FFN 4h, GPT-2 vocabulary)
+        "gpt3-23b": (28, 8192, 64), "gpt3-46b": (56, 8192, 64)}
 CHOICES = {"recompute": ["none", "selective", "full"], "schedule": ["1f1b", "interleaved_1f1b"],
            "microbatch": [1, 2, 4, 8], "vp": [1, 2, 4, 8]}
 
@@ -416,6 +418,35 @@ def rows_by_set(path: Path, predict_row) -> dict[str, list[tuple]]:
 def eval_sets(catalog, path: Path = EVAL_CSV) -> dict[str, list[tuple]]:
     """The rows of a runs file, predicted, grouped by data set."""
     return rows_by_set(path, lambda r: _eval_row(catalog, r))
+
+
+# columns that differ between measurements of one layout on several software versions (SDK, container)
+_NOT_LAYOUT = {"measured", "unit", "source", "notes"}
+
+
+def version_spread_floor(path: Path, sets: dict[str, list[tuple]]) -> dict[str, dict]:
+    """The error no model can beat on a runs file: rows that agree on every column but the measurement and its source
+    (one layout measured on several SDK versions or containers) get one prediction each, so the best a model can do on
+    them is the constant that minimises their mean relative error (a point of the set of measured step times: the
+    objective is piecewise linear and convex). Returns, per set with such repeats, {"floor_pct": that best MAPE over
+    the whole set (a layout measured once counts as 0), "spread_pct": the widest max/min - 1 of one layout,
+    "layouts": distinct layouts, "rows": rows}; `sets` are the predicted rows (measured step time at index 2)."""
+    with path.open(encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    out = {}
+    for name, predicted in sets.items():
+        groups: dict[tuple, list[float]] = {}
+        for r, p in zip((r for r in rows if r["set"] == name), predicted, strict=True):
+            groups.setdefault(tuple((k, v) for k, v in r.items() if k not in _NOT_LAYOUT), []).append(float(p[2]))
+        if len(groups) == len(predicted):
+            continue
+        errors = []
+        for meas in groups.values():
+            m = np.asarray(meas)
+            errors += list(min((np.abs(c - m) / m for c in m), key=np.sum))
+        out[name] = {"floor_pct": float(np.mean(errors) * 100), "layouts": len(groups), "rows": len(predicted),
+                     "spread_pct": max(float((max(g) / min(g) - 1) * 100) for g in groups.values())}
+    return out
 
 
 def _size_bucket(model: str) -> str:
@@ -578,7 +609,8 @@ def main() -> int:
     cal_titles = {"torchtitan_h100_1node": "torchtitan FSDP on one Grand Teton node (set PyTorch-on-Hopper scale)",
                   "neuron_trn1_nxd": "Neuron trn1 NxD benchmarks (set the Trainium1 efficiencies)",
                   "nemo_b200_1node": "Megatron-Bridge Llama 3 8B on one DGX-B200, FP8-CS/MXFP8 (set the B200 GEMM efficiency)"}
-    for key, rows in eval_sets(catalog, CAL_CSV).items():
+    cal_grouped = eval_sets(catalog, CAL_CSV)
+    for key, rows in cal_grouped.items():
         calibration[key] = (cal_titles.get(key, key), [r[:3] for r in rows])
     evaluation = {"vtrain_multi_heldout": ("vTrain multi-node ground truth (A100, 64-512 GPUs)",
                                            vtrain_multi(vtrain_cluster(catalog)))}
@@ -610,6 +642,12 @@ def main() -> int:
     for (role, name), r in results.items():
         rank = f", Spearman {r['spearman']:.3f}" if np.isfinite(r.get("spearman", np.nan)) else ""
         print(f"  {role:<11} {name:<24} MAPE {r['mape_pct']:5.1f}%{rank}  ({r['predicted']}/{r['rows']} rows)")
+    print("\nfloor from the software-version spread (one layout measured on several SDKs / containers: the best MAPE of "
+          "one prediction per layout):")
+    for role, (path, sets) in (("calibration", (CAL_CSV, cal_grouped)), ("evaluation", (EVAL_CSV, grouped))):
+        for name, f in version_spread_floor(path, sets).items():
+            print(f"  {role:<11} {name:<24} floor {f['floor_pct']:5.1f}%  (MAPE {results[(role, name)]['mape_pct']:5.1f}%; "
+                  f"{f['layouts']} layouts in {f['rows']} rows, widest spread {f['spread_pct']:.0f}%)")
     return 0
 
 

@@ -129,3 +129,24 @@ def test_b200_is_calibrated_on_dense_one_node_rows_and_held_out_on_others(bench)
     for name in now:
         moved = [a[1] != b[1] for a, b in zip(now[name], old[name], strict=True)]
         assert any(moved) == (name == "nemo_b200"), name
+
+
+def test_version_spread_floor_is_the_best_one_prediction_per_layout(bench, tmp_path):
+    """Rows that differ only in their measurement and its source (one layout on several SDKs) can get only one
+    prediction: the floor is the best constant's MAPE over them (a measured value: the objective is convex and
+    piecewise linear); a layout measured once counts 0; a set without repeats reports none."""
+    import csv
+
+    cols = ["set", "model", "tp", "measured", "unit", "source", "notes"]
+    rows = [["a", "m1", "8", "10", "seq_per_s", "SDK 1", ""], ["a", "m1", "8", "12", "seq_per_s", "SDK 2", "later"],
+            ["a", "m2", "8", "5", "seq_per_s", "SDK 1", ""], ["b", "m1", "8", "10", "seq_per_s", "SDK 1", ""]]
+    path = tmp_path / "runs.csv"
+    with path.open("w", encoding="utf-8", newline="") as fh:
+        csv.writer(fh).writerows([cols, *rows])
+    steps = {"a": [("r1", 1.0, 1.0), ("r2", 1.0, 1.2), ("r3", 1.0, 3.0)], "b": [("r4", 1.0, 1.0)]}
+    floor = bench.version_spread_floor(path, steps)
+    assert set(floor) == {"a"} and floor["a"]["layouts"] == 2 and floor["a"]["rows"] == 3
+    assert floor["a"]["floor_pct"] == pytest.approx((0.2 / 1.2) / 3 * 100)  # 1.0 for both: 0 and 1/6; m2: 0
+    assert floor["a"]["spread_pct"] == pytest.approx(20.0)
+    nxd = bench.version_spread_floor(bench.CAL_CSV, bench.eval_sets(get_catalog(), bench.CAL_CSV))["neuron_trn1_nxd"]
+    assert 0 < nxd["floor_pct"] < 10 and nxd["layouts"] == 2  # two layouts, each on several SDKs
