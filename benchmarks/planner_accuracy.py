@@ -6,6 +6,7 @@ of the evaluation runs by layout kind (3D, FSDP/ZeRO-3, TP+FSDP, TP-only, CP), s
     .venv/bin/python benchmarks/planner_accuracy.py --calibrate           # refit the A100 physical parameters
     .venv/bin/python benchmarks/planner_accuracy.py --calibrate-trainium  # refit Trainium1 on its NxD set
     .venv/bin/python benchmarks/planner_accuracy.py --calibrate-h100      # refit PyTorch-native stacks on Hopper
+    .venv/bin/python benchmarks/planner_accuracy.py --calibrate-a100-pytorch  # ... and on A100
     .venv/bin/python benchmarks/planner_accuracy.py --calibrate-b200      # refit the B200 GEMM efficiency
 
 Calibration data: benchmarks/data/published (see its README): Narayanan et al. 2021 Table 1 (step time = 96 B s l
@@ -47,8 +48,9 @@ from paratrain.plan.model import DP_KINDS, RECOMPUTE, SCHEDULES, Options, evalua
 REF = Path(__file__).parent / "data" / "published"  # the published tables, with their sources (README.md there)
 VOCAB = 51200
 # Megatron-LM 2021-22: unfused attention, fp16 gradients, one all-reduce over the contiguous gradient buffer
-# (its local DDP's allreduce_gradients; no buckets)
-MEGATRON = Options(attention="unfused", grad_bytes=2, bucket_bytes=float("inf"))
+# (its local DDP's allreduce_gradients; no buckets) after the backward, not overlapped with it (dp_overlap 0: the
+# software of these runs; the A100 systems' own dp_overlap is what the hardware allows)
+MEGATRON = Options(attention="unfused", grad_bytes=2, bucket_bytes=float("inf"), dp_overlap=0.0)
 
 
 def _rows(name: str) -> list[dict]:
@@ -227,20 +229,23 @@ def calibrate_trainium(catalog, rounds: int = 2) -> None:
           f"{mape([r[1] for r in held], [r[2] for r in held]):.2f}%")
 
 
-def calibrate_h100(catalog) -> None:
-    """Grid over plan.stacks.PYTORCH_HOPPER_SCALE minimising the MAPE of the calibration set
-    torchtitan_h100_1node (the only rows it is fitted on; patched for the search only)."""
+def calibrate_pytorch_scale(catalog, attr: str = "PYTORCH_HOPPER_SCALE", data_set: str = "torchtitan_h100_1node",
+                            grid=np.round(np.arange(0.55, 0.86, 0.01), 2)) -> float:
+    """Grid over a PyTorch-native GEMM scale of plan.stacks (PYTORCH_HOPPER_SCALE on torchtitan_h100_1node,
+    PYTORCH_AMPERE_SCALE on mosaic_a100_1node) minimising the MAPE of that calibration set, the only rows it is
+    fitted on (patched for the search only)."""
     from unittest import mock
 
     import paratrain.plan.stacks as stacks
 
     results = []
-    for scale in np.round(np.arange(0.55, 0.86, 0.01), 2):
-        with mock.patch.object(stacks, "PYTORCH_HOPPER_SCALE", float(scale)):
-            rows = eval_sets(catalog, CAL_CSV)["torchtitan_h100_1node"]
+    for scale in grid:
+        with mock.patch.object(stacks, attr, float(scale)):
+            rows = eval_sets(catalog, CAL_CSV)[data_set]
         results.append((mape([r[1] for r in rows], [r[2] for r in rows]), float(scale)))
     best, scale = min(results)
-    print(f"PYTORCH_HOPPER_SCALE calibrated: {scale} -> torchtitan_h100_1node MAPE {best:.2f}%")
+    print(f"{attr} calibrated: {scale} -> {data_set} MAPE {best:.2f}% (catalog value {getattr(stacks, attr)})")
+    return scale
 
 
 B200_MATMUL_EFF = np.round(np.arange(0.40, 0.81, 0.01), 2)  # grid of the B200 GEMM efficiency
@@ -578,6 +583,8 @@ def main() -> int:
     parser.add_argument("--calibrate", action="store_true", help="grid-search the A100 physical parameters")
     parser.add_argument("--calibrate-h100", action="store_true",
                         help="refit plan.stacks.PYTORCH_HOPPER_SCALE on torchtitan_h100_1node and exit")
+    parser.add_argument("--calibrate-a100-pytorch", action="store_true",
+                        help="refit plan.stacks.PYTORCH_AMPERE_SCALE on mosaic_a100_1node and exit")
     parser.add_argument("--calibrate-trainium", action="store_true",
                         help="grid-search the Trainium1 parameters on the Trn1 calibration set")
     parser.add_argument("--calibrate-b200", action="store_true",
@@ -593,7 +600,10 @@ def main() -> int:
         calibrate_trainium(catalog)
         return 0
     if args.calibrate_h100:
-        calibrate_h100(catalog)
+        calibrate_pytorch_scale(catalog)
+        return 0
+    if args.calibrate_a100_pytorch:
+        calibrate_pytorch_scale(catalog, "PYTORCH_AMPERE_SCALE", "mosaic_a100_1node", np.round(np.arange(0.70, 1.01, 0.01), 2))
         return 0
     if args.calibrate_b200:
         calibrate_b200(catalog)
@@ -607,6 +617,7 @@ def main() -> int:
         "vtrain_single": ("vTrain single-node ground truth (A100, 2-8 GPUs)", vtrain(catalog.system("p4d.24xlarge"))),
     }
     cal_titles = {"torchtitan_h100_1node": "torchtitan FSDP on one Grand Teton node (set PyTorch-on-Hopper scale)",
+                  "mosaic_a100_1node": "MosaicML llm-foundry FSDP on one A100 80GB node (set PyTorch-on-A100 scale)",
                   "neuron_trn1_nxd": "Neuron trn1 NxD benchmarks (set the Trainium1 efficiencies)",
                   "nemo_b200_1node": "Megatron-Bridge Llama 3 8B on one DGX-B200, FP8-CS/MXFP8 (set the B200 GEMM efficiency)"}
     cal_grouped = eval_sets(catalog, CAL_CSV)

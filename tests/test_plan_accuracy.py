@@ -93,13 +93,40 @@ def test_trainium_calibration_spans_sdk_versions_and_models(bench):
 def test_evaluation_sets_stay_within_their_reported_error(bench):
     """Regression guard on the evaluation sets (docs/planner.md's accuracy table; nothing was fitted on them)."""
     sets = bench.eval_sets(get_catalog())
-    goals = {"nemo_h100": 10.0, "torchtitan_h100": 15.0, "torchtitan_a100": 12.0, "llama3_paper": 25.0,
+    goals = {"nemo_h100": 10.0, "torchtitan_h100": 15.0, "torchtitan_a100": 10.0, "llama3_paper": 25.0,
              "neuron_trn1": 10.0, "neuron_trn1_nemo": 35.0, "mosaic_fsdp": 10.0, "nemo_b200": 10.0,
-             "ibm_fsdp2_h100": 20.0, "ibm_fsdp1_a100": 25.0}  # 15.0% / 19.7% at their addition (acc3): above
-    # the issue's 10% goal; the causes are in docs/planner.md (recompute and compute rate; A100 dp_overlap 0)
+             "ibm_fsdp2_h100": 15.0, "ibm_fsdp1_a100": 10.0}  # ibm_fsdp2_h100: 15.0% at its addition (acc3),
+    # 12.7% since torchtitan's per-op checkpointing is timed; the cause left is in docs/planner.md
     for name, goal in goals.items():
         pred, meas = _errors([r[:3] for r in sets[name]])
         assert bench.mape(pred, meas) < goal, name
+
+
+def test_pytorch_a100_scale_is_calibrated_on_one_node_rows(bench):
+    """plan.stacks.PYTORCH_AMPERE_SCALE is the grid's best on mosaic_a100_1node (one 8-GPU A100 node: no network),
+    and the A100 PyTorch-native evaluation sets it was not fitted on (torchtitan's and IBM's Llama rows on 64-128
+    GPUs, MosaicML's multi-node rows) stay within 10%."""
+    import csv
+    from unittest import mock
+
+    import paratrain.plan.stacks as stacks
+
+    with bench.CAL_CSV.open(encoding="utf-8") as fh:
+        cal = [r for r in csv.DictReader(fh) if r["set"] == "mosaic_a100_1node"]
+    assert len(cal) >= 8 and {r["nodes"] for r in cal} == {"1"} and {r["system"] for r in cal} == {"dgx-a100-80gb"}
+    catalog = get_catalog()
+
+    def cal_mape(scale):
+        with mock.patch.object(stacks, "PYTORCH_AMPERE_SCALE", scale):
+            rows = bench.eval_sets(catalog, bench.CAL_CSV)["mosaic_a100_1node"]
+        return bench.mape([r[1] for r in rows], [r[2] for r in rows])
+    fitted = stacks.PYTORCH_AMPERE_SCALE
+    assert cal_mape(fitted) < 8.0
+    assert cal_mape(fitted) <= min(cal_mape(fitted - 0.01), cal_mape(fitted + 0.01))  # the grid's optimum
+    sets = bench.eval_sets(catalog)
+    for name in ("torchtitan_a100", "ibm_fsdp1_a100"):
+        pred, meas = _errors([r[:3] for r in sets[name]])
+        assert bench.mape(pred, meas) < 10.0, name
 
 
 def test_b200_is_calibrated_on_dense_one_node_rows_and_held_out_on_others(bench):

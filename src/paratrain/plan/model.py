@@ -53,6 +53,15 @@ ADAM_STEP_BYTES = 32  # per parameter per step: read p, g, m, v (fp32), write p,
 # (tests/test_plan_model.py counts them with a dispatch mode and checks this number)
 EAGER_ELEMENTWISE_KERNELS = 32
 EAGER_EXTRA_MATMULS = 3  # q, k, v and gate, up as separate matmuls (the model counts qkv and gate+up fused)
+# HBM bytes per token of that block's elementwise ops in eager bf16 (every non-view, non-matmul, non-attention aten
+# op's inputs and outputs, counted with a dispatch mode; docs/planner.md "Eager PyTorch's elementwise traffic"):
+# two fp32 RMSNorms at 36 bytes per element (cast 6, pow 8, mean 4, x * rsqrt 8, cast back 6, * weight 4) and two
+# residual adds at 6: 84 per element of h; SiLU 4 + product 6 per element of f; K/V repeated to the query width
+# where GQA (4 per element of q + kv); the rotary per element of q and k: Options.eager_rope_bytes
+EAGER_NORM_RESIDUAL_BYTES = 84
+EAGER_SWIGLU_BYTES = 10
+EAGER_REPEAT_KV_BYTES = 4
+EAGER_ROPE_BYTES = 54  # paratrain's fp32 rotary on even/odd halves; torchtitan's complex multiply: plan.stacks
 # the runtime's DDP bucket (parallel.ddp_bucket_mb's default, torch DDP's bucket_cap_mb), by the config's one conversion
 RUNTIME_BUCKET_BYTES = ParallelSection().ddp_bucket_bytes
 # How paratrain's own runtime runs (Options fields): the defaults on `paratrain probe` hosts, and what a
@@ -78,7 +87,10 @@ class Options:
     eager: PyTorch eager execution, one kernel per op, as paratrain's runtime runs without train.compile: its
     Llama block launches EAGER_ELEMENTWISE_KERNELS elementwise kernels per forward (norms in fp32, rotary,
     SwiGLU, residuals; counted from the model by a test) where a fused stack launches a handful, and separate
-    q/k/v and gate/up matmuls (7 instead of 4). Each launch pays the chip's kernel_overhead_s.
+    q/k/v and gate/up matmuls (7 instead of 4). Each launch pays the chip's kernel_overhead_s. Its elementwise ops
+    move the bytes counted from that block (EAGER_* per token: fp32 norms, residuals, SwiGLU, rotary, GQA repeat),
+    4.2x a fused stack's on the hidden-size part. eager_rope_bytes: the rotary's bytes per element of q and k
+    (paratrain's even/odd fp32 rotary 54; torchtitan's complex multiply about 20, plan.stacks).
     p2p_scatter_gather: without SP, pipeline stages send 1/t of the activation per TP rank and all-gather it
     on arrival (Megatron, Narayanan et al. 2021); paratrain's runtime sends the whole replicated activation.
     fp8: the layer matmuls (QKV, output projection, MLP) run in FP8 at the chip's FP8 peak with per-tensor
@@ -101,6 +113,15 @@ class Options:
     TP, its all-gather/reduce-scatter or all-reduce), and keeps only the block's input instead of the gate/up
     outputs: NeuronX Distributed's activations_checkpoint_recompute_mlp (NxDT hf_llama3_70B_config.yaml) and
     its tp_pp examples at seq 8192 (run_llama_nxd.py: "For 8K seq-length, we have to checkpoint the MLP block").
+    selective_ops: "selective" recompute is torchtitan's per-op selective activation checkpointing (its
+    activation_checkpoint mode "selective" with selective_ac_option "op", torchtitan/distributed/activation_checkpoint.py
+    _get_custom_policy): inside each block the outputs of the save list (matmuls, SDPA, TP reduce-scatters) are kept,
+    except that every second matmul is recomputed (the count restarts per block: of wq, wk, wv, wo, w1, w3, w2 the
+    2nd, 4th and 6th: wk, wo, w3), and every other op (norms, rotary, SwiGLU, residuals, TP all-gathers) is
+    recomputed. Backward replays those three matmuls, the forward's elementwise ops and its all-gathers; the layer
+    keeps its input, the outputs of wq, wv, SDPA (with its log-sum-exp), w1 and w2 (w2's before its reduction, full
+    width), and the reduce-scatters' outputs (selective_ops_terms). Otherwise "selective" is Korthikanti et al.'s
+    (the attention core replayed).
     matmul_eff: fraction of peak the GEMMs reach where the software does not reach the chip's matmul_eff_max
     (PyTorch-native stacks on Hopper, see plan.stacks); None: the chip's.
     attention_eff: fraction of peak the attention kernel reaches where it is not the chip's matmul_eff_max
@@ -174,9 +195,11 @@ class Options:
     matmul_eff: float | None = None
     fp8_weight_cache: bool = False
     recompute_mlp: bool = False
+    selective_ops: bool = False
     dp_overlap: float | None = None
     bucket_bytes: float | None = None
     eager: bool = False
+    eager_rope_bytes: float = EAGER_ROPE_BYTES
     p2p_scatter_gather: bool = True
     zero12_as_fsdp: bool = False
     ep_overlap: float = 0.0
@@ -409,6 +432,16 @@ def elementwise_bytes_per_token(model: ModelConfig, seq: int, attention: str):
     return float(norms + residual), float(act + rope), float(core), kernels
 
 
+def eager_elementwise_bytes_per_token(model: ModelConfig, opts: Options) -> tuple[float, float]:
+    """(sp_part, tp_part) HBM bytes per token of a Llama block's elementwise ops forward in eager PyTorch (the
+    EAGER_* counts): norms and residual adds (replicated across TP ranks without SP), then SwiGLU, rotary and the
+    GQA K/V repeat (split by TP)."""
+    q, kv = query_dim(model), model.kv_dim
+    repeat = EAGER_REPEAT_KV_BYTES * (q + kv) if model.n_kv_heads < model.heads else 0.0
+    tp_part = EAGER_SWIGLU_BYTES * model.ffn + opts.eager_rope_bytes * (q + kv) + repeat
+    return float(EAGER_NORM_RESIDUAL_BYTES * model.hidden), float(tp_part)
+
+
 # RoPE as Megatron-Core runs it where the model has YaRN's attention factor (mscale != 1: "not supported by TE's
 # fused RoPE. Using unfused implementation", megatron/core/models/common/embeddings/rope_utils.py, the same in the
 # Megatron-LM commits Megatron-Bridge v0.2.2-v0.4.0 pin; GPT-OSS's factor 32 gives 1.35): _apply_rotary_pos_emb_bshd
@@ -512,6 +545,8 @@ def memory_time_s(system: System, nbytes, kernels):
 def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     """Forward compute time of one layer on one device, split into matmuls, attention core and elementwise."""
     matmuls, cast_bytes, mlp, column = 0.0, 0.0, 0.0, []
+    sac = sum(matmul_time_s(system, T, n, k, opts.fp8, opts) for n, k in _op_sac_recomputed(model, tp)) \
+        if opts.selective_ops else 0.0
     for name, n, k, shard in layer_matmuls(model, seq, opts.attention):
         n_dev, k_dev = (n / tp, k) if shard == "n" else (n, k / tp)
         if name == "qkv":  # GQA with tp > kv heads: each rank computes (a replica of) one K and one V head
@@ -546,12 +581,38 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     if opts.eager:
         kernels = EAGER_ELEMENTWISE_KERNELS
         matmuls = matmuls + EAGER_EXTRA_MATMULS * system.chip.efficiency.kernel_overhead_s
+        if model.arch == "llama":  # the counted bytes (EAGER_*); GPT blocks keep the fused count (not counted)
+            sp_b, tp_b = eager_elementwise_bytes_per_token(model, opts)
     sp_scale = np.where(sp, 1.0 / tp, 1.0)
     elem_bytes = T * (sp_b * sp_scale + tp_b / tp + core_b * (seq / cp / seq) / tp) + cast_bytes
     elementwise = memory_time_s(system, elem_bytes, kernels + (cast_cost(system, opts)[1] if opts.fp8 else 0))
     # the MLP block alone (replayed by Options.recompute_mlp): its matmuls and its activation function
     mlp = mlp + memory_time_s(system, T * mlp_activation_bytes_per_token(model) / tp, 1)
-    return matmuls, core, elementwise, mlp, column
+    return matmuls, core, elementwise, mlp, column, sac
+
+
+def _op_sac_recomputed(model: ModelConfig, tp):
+    """(N, K) per device of the matmuls torchtitan's per-op selective checkpointing recomputes (Options.selective_ops),
+    every second one of the block: Llama's wq, wk, wv, wo, w1, w3, w2 -> wk (column-parallel, the rank's kv heads),
+    wo (row-parallel), w3 (column-parallel); a GPT block's fused qkv, out, fc1, fc2 -> out and fc2."""
+    wo = (model.hidden, query_dim(model) / tp)
+    if model.arch != "llama":
+        return [wo, (model.hidden, model.ffn / tp)]
+    return [(model.kv_dim / np.minimum(tp, model.n_kv_heads), model.hidden), wo, (model.ffn / tp, model.hidden)]
+
+
+def selective_ops_bytes_per_token(model: ModelConfig, tp, sp):
+    """Activation bytes per token of one layer kept by torchtitan's per-op selective checkpointing
+    (Options.selective_ops), without the attention core's log-sum-exp: the block input (sharded with SP), the
+    outputs of the kept matmuls and SDPA (split by TP; Llama: wq, wv, w1 and w2, whose output is kept before its
+    reduction, full width on every rank; GPT: qkv and fc1) and, under TP, the reduce-scatters' outputs."""
+    h, q, kv, f = model.hidden, query_dim(model), model.kv_dim, model.ffn
+    sp_scale = np.where(sp, 1.0 / tp, 1.0)
+    if model.arch == "llama":
+        split, full = 2 * q + kv + f, h
+    else:
+        split, full = 2 * q + 2 * kv + f, 0
+    return BF16_BYTES * (h * sp_scale + full + np.where(tp > 1, 2.0 * h / tp, 0.0) + split / tp)
 
 
 def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *, nodes, tp, pp, dp, cp,
@@ -587,7 +648,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     T = b * seq / cp  # tokens of one microbatch on one device
 
     # -- compute per layer, forward; backward = 2x matmuls and attention, 2x elementwise traffic --
-    mm, core, elem, mlp_fwd, column_mm = _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero)
+    mm, core, elem, mlp_fwd, column_mm, sac_mm = _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero)
     moe = moe_plan.layer_terms(flops_model, system, opts, T=T, tp=tp, sp=sp, ep=ep, etp=etp, rc=rc) \
         if flops_model.num_experts else None
     quantize = 0.0  # per-expert operand quantization launches (plan.moe), once forward and once backward
@@ -598,6 +659,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     rope_fwd, rope_bwd = unfused_rope_s(model, system, T, tp)  # YaRN models on Megatron-Core's unfused RoPE
     fwd_compute = mm + core + elem + quantize + bias_fwd + rope_fwd
     selective = core + (mlp_fwd if opts.recompute_mlp else 0.0)
+    if opts.selective_ops:  # torchtitan's per-op SAC: three matmuls and every elementwise op, not the attention core
+        selective = sac_mm + elem + quantize + bias_fwd + rope_fwd
     recompute_fwd = np.where(rc == 2, fwd_compute, np.where(rc == 1, selective, 0.0))
     if opts.recompute_norm_act:  # Megatron-Core's recompute_modules "layernorm", "moe_act" (plan.moe)
         norm_act = moe_plan.norm_act_replay_s(flops_model, system, T, tp, sp, etp, moe[5] if moe is not None else 0.0)
@@ -628,7 +691,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     tp_exposed = 1 - eff_sys.tp_overlap
     tp_fwd = np.where(tp > 1, 2 * np.where(sp, ag_rs_l, ar), 0.0) * tp_exposed
     # recompute replays the forward's TP collectives: all of them (full) or the MLP's one pair (recompute_mlp)
-    replay = np.where(rc == 2, 2.0, np.where((rc == 1) & opts.recompute_mlp, 1.5, 1.0))
+    # or under per-op SAC the all-gathers (not in its save list; the reduce-scatters' outputs are kept)
+    replay = np.where(rc == 2, 2.0, np.where((rc == 1) & (opts.recompute_mlp | (opts.selective_ops & sp)), 1.5, 1.0))
     tp_bwd = tp_fwd * replay
     if opts.tp_bwd_overlap:
         # NxD's LinearWithAsyncCommunication.backward (neuronx_distributed/parallel_layers/layers.py), with SP: a
@@ -772,7 +836,10 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         mlp_flops = 2.0 * L * _mlp_params_per_layer(model) if opts.recompute_mlp else 0.0
         if opts.recompute_mlp and flops_model.num_experts:  # the active routed experts are recomputed too
             mlp_flops += 2.0 * flops_model.moe_layers * flops_model.experts_per_token * 3 * h * flops_model.moe_ffn
-        recompute = np.where(rc == 2, fwd - 2.0 * V * h, np.where(rc == 1, attn_fwd + mlp_flops, 0.0)) * tokens
+        selective_flops = attn_fwd + mlp_flops
+        if opts.selective_ops:  # the recomputed matmuls (N x K per device times tp: the whole layer's)
+            selective_flops = 2.0 * L * sum(n * k for n, k in _op_sac_recomputed(model, 1))
+        recompute = np.where(rc == 2, fwd - 2.0 * V * h, np.where(rc == 1, selective_flops, 0.0)) * tokens
         flops[name] = (3.0 * fwd * tokens, 3.0 * fwd * tokens + recompute)
     model_flops, hardware_flops = flops[ATTENTION_CONVENTION]
     # with FP8 (FP4) matmuls MFU is taken against that format's peak (the rate they run at), so it stays below 1
@@ -913,8 +980,17 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     fwd = ag1 + (layers - 1) * np.maximum(0.0, ag1 - c_f)
     kept = as_fsdp & (kind >= 1)  # parameters still gathered from the forward: no backward re-gather
     bwd = np.where(kept, 0.0, layers * np.maximum(0.0, ag1 - c_b))
-    bwd_sync = layers * np.maximum(0.0, np.where(kept, 0.0, ag1) + rs1 - c_b) + rs1
-    per_layer = m * fwd + (m - 1) * bwd + bwd_sync + np.where(kind == 2, repl_ar, 0.0)
+    # HSDP: each unit's shard is all-reduced across the replicas right after its reduce-scatter, on the same
+    # stream (FSDP1 _post_backward_hook -> _all_reduce_grads; FSDP2 foreach_reduce's all_reduce after the
+    # reduce-scatter), so it hides behind the backward of the layers before it, as the reduce-scatter does; the
+    # last unit's and the root's (embedding, head) are left after the backward
+    replicas = dp / np.maximum(dp_shard, 1.0)
+    ar1 = np.where(kind == 2, collective_time_s(system, "allreduce", grad_bytes * block_share / layers / dp_shard,
+                                                replicas, stride_dp * dp_shard), 0.0)
+    root_ar = np.where(kind == 2, collective_time_s(system, "allreduce", grad_bytes * (1 - block_share) / dp_shard,
+                                                    replicas, stride_dp * dp_shard), 0.0)
+    bwd_sync = layers * np.maximum(0.0, np.where(kept, 0.0, ag1) + rs1 + ar1 - c_b) + rs1 + ar1 + root_ar
+    per_layer = m * fwd + (m - 1) * bwd + bwd_sync
     exposed = np.where(kind >= 1, np.maximum(exposed, per_layer), exposed)
     # torchtitan's FSDP under torch.distributed.pipelining (Options.fsdp_pp_unsharded): gathered once in the first
     # microbatch's forward (prefetched layer by layer), kept; every unit's reduce-scatter issued together by
@@ -1046,6 +1122,8 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     # recompute_mlp keeps the MLP block's input (already counted) instead of its gate/up (fc1/GeLU) outputs
     mlp_kept = (6 if model.arch == "llama" else 4) * model.ffn if opts.recompute_mlp else 0
     layer_selective = T * (sp_part * sp_scale + (tp_part - mlp_kept) / tp)
+    if opts.selective_ops:  # torchtitan's per-op SAC keeps the save list's outputs, plus the log-sum-exp (core)
+        layer_selective = T * (selective_ops_bytes_per_token(model, tp, sp) + core / tp)
     layer_input = T * 2 * model.hidden * sp_scale
     per_layer = np.select([rc == 0, rc == 1], [layer_full, layer_selective], layer_input)
     rebuilt = np.where(rc == 2, layer_full, 0.0)  # one layer rebuilt during backward

@@ -63,6 +63,12 @@ STACKS: dict[str, Stack] = {
 # Megatron-Bridge v0.2.0), bf16 gradients (grad_bytes 2); Megatron-LM alone defaults to max(40M, 1M x dp), the
 # Options default. Overlap flags and their dispatch order: plan.model._megatron_dp_exposed_s.
 MEGATRON_BUCKET_PARAMS = 128 * 2**20
+# eager_rope_bytes (plan.model.EAGER_ROPE_BYTES): torchtitan's apply_rotary_emb (torchtitan/models/llama3/model.py)
+# casts q and k to fp32 (read 2, write 4 bytes per element), multiplies them as complex numbers by freqs_cis (read 4,
+# write 4; view_as_complex / view_as_real are views) and casts back (read 4, write 2): 20 bytes per element
+TORCHTITAN_ROPE_BYTES = 20
+# selective_ops: torchtitan's "selective" activation checkpointing is per-op (selective_ac_option "op", its default
+# and what its published Llama tables name "selective op"): plan.model.Options.selective_ops
 STACK_OPTIONS: dict[str, dict] = {
     "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "p2p_pair_allgather": True,
             "tp_bwd_overlap": True},
@@ -70,7 +76,8 @@ STACK_OPTIONS: dict[str, dict] = {
                  "bucket_bytes": MEGATRON_BUCKET_PARAMS * 2, "moe_gemm_per_expert": True, "ce_bytes_per_logit": 10.0, "wgrad_accumulation_fusion": True,
                  "moe_probs_in_experts": True},
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "cp_comm": "allgather_rotate",
-              "fsdp_pp_unsharded": True, "fp8_tp_allgather": True},
+              "fsdp_pp_unsharded": True, "fp8_tp_allgather": True, "eager_rope_bytes": TORCHTITAN_ROPE_BYTES,
+              "selective_ops": True},
     "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
 }
 # Stacks whose selective recompute may also replay the MLP block, searched both ways: NxD's
@@ -87,9 +94,17 @@ FA2_HOPPER_EFF = 0.35
 # GEMMs and attention are scaled by this. Calibrated: `benchmarks/planner_accuracy.py --calibrate-h100` on the
 # calibration set torchtitan_h100_1node (torchtitan Table 1: Llama 3.1 8B FSDP on one Grand Teton node, eager,
 # compile, Float8; 3 rows); evaluated on torchtitan's multi-node rows and MosaicML's H100 SXM FSDP rows.
-PYTORCH_HOPPER_SCALE = 0.76  # grid 0.55-0.85: 4.7% on those 3 rows (0.73, 4.4% before the flash backward's
-# lower efficiency, plan.model.FLASH_BWD_EFF, was counted)
+PYTORCH_HOPPER_SCALE = 0.79  # grid 0.55-0.85: 1.5% on those 3 rows since eager's counted elementwise bytes and
+# torchtitan's per-op selective checkpointing are timed (0.76 and 4.7% before; 0.73 and 4.4% before the flash
+# backward's lower efficiency, plan.model.FLASH_BWD_EFF, was counted)
 HOPPER_CHIPS = {"h100", "h200", "h100-hbm2e-500w", "h100-pcie"}
+# The same on A100: the chip's 0.80 was calibrated on Megatron-LM 2021-22 runs (fused kernels, unfused attention);
+# PyTorch-native FSDP stacks reach 0.84 of it. Calibrated: `benchmarks/planner_accuracy.py --calibrate-a100-pytorch`
+# (grid 0.70-1.00) on the calibration set mosaic_a100_1node (MosaicML llm-foundry MPT 1B-30B on one 8 x A100 80GB
+# node, seq 2048 and 4096, Composer FSDP; 10 rows, 6.4%); evaluated on torchtitan's 64-A100 rows, IBM fms-fsdp's
+# 128-A100 rows and MosaicML's multi-node A100 rows (their other tables).
+PYTORCH_AMPERE_SCALE = 0.84
+AMPERE_CHIPS = {"a100-80gb", "a100-40gb"}
 
 
 def check_stack(name: str) -> str:
@@ -106,4 +121,6 @@ def stack_options(name: str, chip) -> dict:
     if name == "fsdp2" and chip.name in HOPPER_CHIPS:
         opts["attention_eff"] = FA2_HOPPER_EFF * PYTORCH_HOPPER_SCALE
         opts["matmul_eff"] = chip.efficiency.matmul_eff_max * PYTORCH_HOPPER_SCALE
+    if name == "fsdp2" and chip.name in AMPERE_CHIPS:
+        opts["matmul_eff"] = chip.efficiency.matmul_eff_max * PYTORCH_AMPERE_SCALE
     return opts
