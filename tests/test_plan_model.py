@@ -500,7 +500,7 @@ def test_torchtitan_selective_op_checkpointing():
     model = PRESETS["llama3-8b"]
     s, B = 8192, 8
     lay = {rc: Layout(dp_kind="fsdp", zero_stage=3, microbatch=1, recompute=rc) for rc in ("none", "selective", "full")}
-    sac = {rc: estimate(model, "p5.48xlarge", 1, s, B, l, Options(selective_ops=True)) for rc, l in lay.items()}
+    sac = {rc: estimate(model, "p5.48xlarge", 1, s, B, lo, Options(selective_ops=True)) for rc, lo in lay.items()}
     korthikanti = estimate(model, "p5.48xlarge", 1, s, B, lay["selective"])
     h, q, kv, f = model.hidden, model.heads * model.head_dim, model.kv_dim, model.ffn
     extra = 2 * model.layers * (kv * h + h * q + f * h) * s * B
