@@ -278,7 +278,7 @@ def calibrate_b200(catalog) -> dict:
 
 # ---- evaluation data (benchmarks/data/eval_runs.csv): never used to set a constant ------------------------
 EVAL_CSV = Path(__file__).parent / "data" / "eval_runs.csv"
-GPT3 = {"gpt3-175b": (96, 12288, 96),  # layers, hidden, heads (Brown et al. 2020)
+GPT3 = {"gpt3-175b": (96, 12288, 96), "gpt3-6.7b": (32, 4096, 32),  # layers, hidden, heads (Brown et al. 2020)
         # neuronx-nemo-megatron nemo/examples/nlp/language_modeling/gpt_23b.sh, gpt_46b.sh (FFN 4h, GPT-2 vocabulary)
         "gpt3-23b": (28, 8192, 64), "gpt3-46b": (56, 8192, 64)}
 CHOICES = {"recompute": ["none", "selective", "full"], "schedule": ["1f1b", "interleaved_1f1b"],
@@ -338,6 +338,9 @@ def _eval_options(system, r: dict) -> Options:
     # reduce_bytes: bytes per gradient element reduced where the run names its reduce dtype (FSDP
     # MixedPrecision reduce_dtype=bfloat16: 2); empty = the stack's
     cp_comm |= {"grad_bytes": int(r["reduce_bytes"])} if r.get("reduce_bytes") else {}
+    # dp_overlap: where the run's software reduces gradients only after the backward (Megatron-LM 2021's local DDP,
+    # as the Neuron reference port runs it: 0); empty = the system's
+    cp_comm |= {"dp_overlap": float(r["dp_overlap"])} if r.get("dp_overlap") else {}
     # mxfp8: FP8 with MX block scaling (one E8M0 scale per 32 elements), what the Blackwell tables call MXFP8
     # / FP8-MX; fp8 is per-tensor current scaling (FP8-CS) unless the chip's FP8 is block-scaled only
     mx = {"block_scaling": True} if r["precision"] == "mxfp8" else {}
@@ -379,8 +382,11 @@ def _eval_row(catalog, r: dict):
     gbs = None if r["global_batch"] == "best" else int(r["global_batch"])
     model = _eval_model(r["model"], seq)
     fsdp = r["dp_kind"] in ("fsdp", "hsdp")  # hsdp: sharded inside a node, replicated across nodes
-    fixed = {"tp": int(r["tp"]), "pp": int(r["pp"]), "cp": int(r["cp"]), "sp": int(r["tp"]) > 1,
-             "dp_kind": r["dp_kind"], "zero_stage": 3 if fsdp else 1}
+    # sp, zero_stage: where the run names them (a pre-SP Megatron-LM without a distributed optimizer: 0, 0);
+    # empty = SP with TP, ZeRO-1 (ZeRO-3 for FSDP)
+    fixed = {"tp": int(r["tp"]), "pp": int(r["pp"]), "cp": int(r["cp"]),
+             "sp": r["sp"] == "1" if r.get("sp") else int(r["tp"]) > 1, "dp_kind": r["dp_kind"],
+             "zero_stage": 3 if fsdp else int(r["zero_stage"]) if r.get("zero_stage") else 1}
     # "selective_mlp": selective recompute that also replays the MLP block (Options.recompute_mlp)
     free = {k: r[k] for k in ("recompute", "schedule", "microbatch", "vp")}
     free["recompute"] = {"selective_mlp": "selective"}.get(free["recompute"], free["recompute"])
@@ -632,7 +638,8 @@ def main() -> int:
               "llama3_paper": "Llama 3 405B pre-training (BF16, 8,192-16,384 H100)",
               "neuron_trn1": "Neuron trn1 NxD benchmarks, Llama 2 13B/70B and Llama 3.1 70B, SDK 2.16-2.24",
               "mosaic_fsdp": "MosaicML llm-foundry FSDP (MPT 1B-70B, 8-128 H100/A100, eager)",
-              "neuron_trn1_nemo": "Neuron trn1 neuronx-nemo-megatron benchmarks (Llama 2 7B/13B, GPT-3 175B, SDK 2.13-2.18)",
+              "neuron_trn1_nemo": "Neuron trn1 neuronx-nemo-megatron benchmarks (Llama 2 7B/13B, GPT-3 23B/46B/175B, SDK 2.13-2.18)",
+              "neuron_trn1_megatron": "Neuron trn1 Megatron-LM reference (GPT-3 6.7B TP8 DP64, no SP, no recompute, SDK 2.9-2.13)",
               "nemo_b200": "NeMo / Megatron-Bridge on DGX-B200 (FP8/MXFP8, Llama 3 8B-405B, GPT-3 175B, 8-512 GPUs)",
               "ibm_fsdp1_a100": "IBM fms-fsdp FSDP1/HSDP on 128 A100, 400 Gbps per node (Llama 2 7B/13B/70B)",
               "ibm_fsdp2_h100": "IBM/Meta torchtitan FSDP2 (+TP4) at 512 H100, IBM Cloud RoCE (Llama 3 70B/405B, BF16/FP8)"}
