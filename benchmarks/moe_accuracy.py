@@ -50,6 +50,13 @@ NORM_ACT = "layernorm+moe_act"
 # permuting (pad_multiple); DeepEP and alltoall leave it to Transformer Engine's Fp8Padding (plan.moe.fp8_padding_s)
 HIERARCHICAL = ("hierarchical", "deepep", "hybridep")
 FUSED_PADDING = ("hierarchical", "hybridep")
+# csv `dp_bucket`: stack = the megatron stack's 128 Mi-parameter gradient buckets (NeMo 2.x / Megatron-Bridge set
+# them through CommOverlapConfig whenever dp > 1, plan.stacks); default = Megatron-Core's own bucket_size,
+# max(40M, 1M x dp) parameters (plan.model.default_bucket_bytes): the GPT-OSS performance recipes leave
+# cfg.comm_overlap None on H100 and B200 (scripts/performance/configs/gpt_oss/gpt_oss_llm_pretrain.py,
+# Megatron-Bridge v0.2.0-v0.4.2; only the GB200 variant builds a CommOverlapConfig) and turn overlap_grad_reduce and
+# overlap_param_gather on in the DDP config itself (recipes/gpt_oss/gpt_oss.py)
+DP_BUCKETS = ("stack", "default")
 
 
 def h800_cluster(catalog):
@@ -76,6 +83,9 @@ def model_of(name: str):
 def options_of(system, r: dict) -> Options:
     if r["dispatcher"] not in ("alltoall", *HIERARCHICAL):
         raise ValueError(f"dispatcher = {r['dispatcher']!r}: allowed: alltoall, {', '.join(HIERARCHICAL)}")
+    if r["dp_bucket"] not in DP_BUCKETS:
+        raise ValueError(f"dp_bucket = {r['dp_bucket']!r}: allowed: {', '.join(DP_BUCKETS)}")
+    bucket = {"bucket_bytes": None} if r["dp_bucket"] == "default" else {}
     # mxfp8: FP8 with MX block scaling (one E8M0 scale per 32 elements), what Blackwell runs as "MXFP8"
     return Options.for_system(system, stack="megatron", fp8=r["precision"] in ("fp8", "mxfp8"),
                               block_scaling=True if r["precision"] == "mxfp8" else None,
@@ -85,7 +95,7 @@ def options_of(system, r: dict) -> Options:
                               moe_fused_padding=r["dispatcher"] in FUSED_PADDING,
                               moe_flex_backend=r["dispatcher"] if r["dispatcher"] in MOE_FLEX_BACKENDS else None,
                               moe_gemm_per_expert=r["grouped_gemm"] == "per_expert",
-                              recompute_mlp=r["recompute_mlp"] == "1")
+                              recompute_mlp=r["recompute_mlp"] == "1", **bucket)
 
 
 def _fastest(model, system, nodes, seq, gbs, fixed, opts, recomputes, microbatches):

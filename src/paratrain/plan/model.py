@@ -917,11 +917,19 @@ def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd):
     return np.where(cp > 1, fwd, 0.0), np.where(cp > 1, bwd, 0.0)
 
 
+def default_bucket_bytes(opts, dp):
+    """Bytes of one gradient bucket (one collective call): opts.bucket_bytes, or where the run leaves it unset
+    Megatron-Core's default, max(40M, 1M x dp) parameters of the data-parallel group dp
+    (DistributedDataParallel.__init__: `max(40000000, 1000000 * dp_group.size())`)."""
+    return (np.maximum(40e6, 1e6 * dp) * opts.grad_bytes) if opts.bucket_bytes is None else opts.bucket_bytes
+
+
 def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, kind, m, stage_fwd, stage_bwd,
-                     stage_layers_dev, block_share, link_busy=0.0, pp=1.0, chunks=1.0):
+                     stage_layers_dev, block_share, link_busy=0.0, pp=1.0, chunks=1.0, bucket_dp=None):
     """(all DP communication time, the part not hidden behind compute) per step.
 
-    DDP all-reduces gradients in buckets (opts.bucket_bytes, torch DDP's 25 MiB by default) once per step;
+    DDP all-reduces gradients in buckets (default_bucket_bytes; bucket_dp: the group whose size sets the default
+    bucket where it is not dp, Megatron-Core's dense group for the expert buffers) once per step;
     ZeRO-1/2 reduce-scatter the same buckets and all-gather the updated parameters after the optimizer
     step; FSDP (one unit per block plus the root, as torchtitan and paratrain wrap it) gathers every
     unit for the forward of every microbatch and every block again for its backward, and reduce-scatters each
@@ -935,7 +943,7 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     """
     grad_bytes = params_dev * opts.grad_bytes
     param_bytes = params_dev * opts.param_bytes
-    bucket = (np.maximum(40e6, 1e6 * dp) * opts.grad_bytes) if opts.bucket_bytes is None else opts.bucket_bytes
+    bucket = default_bucket_bytes(opts, dp if bucket_dp is None else bucket_dp)
     buckets = np.maximum(1.0, np.ceil(grad_bytes / bucket))
     units = stage_layers_dev + 1.0  # block_share: the blocks' part of the parameters (backward re-gathers them)
     reduce_ar = _calls_s(system, "allreduce", grad_bytes, buckets, dp, stride_dp)

@@ -459,8 +459,10 @@ def expert_data_parallel_s(model: ModelConfig, system: System, opts, *, tp, cp, 
     # HSDP on experts: sharded inside a node as the dense part is, replicated across nodes
     shard = np.where(kind == 2, np.maximum(1.0, np.minimum(edp, system.devices_per_node / (ep * etp))), edp)
     params_dev = layers * expert_params_per_layer(model) / (ep * etp)
+    # bucket_dp: Megatron-Core sizes the expert buffers' buckets with the one ddp_config.bucket_size, set from the
+    # dense data-parallel group where the run leaves it unset (plan.model.default_bucket_bytes), not from edp
     total, exposed = _data_parallel_s(system, opts, params_dev, edp, shard, ep * etp, zero, kind, m, stage_fwd,
-                                      stage_bwd, layers, 1.0, link_busy, pp=pp, chunks=chunks)
+                                      stage_bwd, layers, 1.0, link_busy, pp=pp, chunks=chunks, bucket_dp=dp)
     return np.where(edp > 1, total, 0.0), np.where(edp > 1, exposed, 0.0), params_dev, shard
 
 
