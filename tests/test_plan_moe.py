@@ -176,10 +176,11 @@ def _published_rows():
         rows = [r for r in csv.DictReader(fh) if r["claim"] != "none"]
     # claimed rows the planner misses today (docs/planner.md, "Published MoE runs"): strict, so a fix shows up.
     # Keyed by (model, published tokens/s/GPU): several rows share a model and batch
-    missed = {("gpt-oss-120b", "13568"): "predicted 25.1% fast (GPT-OSS on DGX-B200 at mb4 with the alltoall "
-                                         "dispatcher of its v0.4.2 recipe and the recipe's layernorm + moe_act "
-                                         "recompute, which fits since the memory it frees is modelled; it passed "
-                                         "at -3.9% only through a full-recompute fallback)"}
+    missed: dict[tuple[str, str], str] = {}
+    # the DGX-B200 GPT-OSS mark (13568) was removed on 2026-12-01 night when the clamp GPT-OSS puts on its expert
+    # activation (swiglu_limit 7) was timed as Megatron-Core runs it, in eager PyTorch ahead of the fused
+    # activation (plan.moe.glu_clamp_s): -18.6% -> -13.4% (-18.9% -> -18.6% with the GPT-OSS recipes' default
+    # DDP buckets, csv dp_bucket)
     # the 26.04.01 GPT-OSS H100 mark (5824) was removed on 2026-12-01 evening when Megatron-Core's distributed
     # optimizer was timed in its dispatch order for the expert buckets too (plan.model._megatron_dp_exposed_s with
     # the stage's pp and chunks: later 1F1B stages gather their one expert bucket whole): -15.4% -> -13.5%
@@ -302,6 +303,65 @@ def test_expert_bias_added_per_expert_outside_the_gemm(monkeypatch):
 
     with pytest.raises(ValueError, match="model.expert_bias=True"):
         MoE(biased)
+
+
+def test_glu_clamp_runs_eager_ahead_of_the_fused_activation():
+    """GPT-OSS's activation clamp (swiglu_limit) as Megatron-Core's weighted_bias_quick_geglu_impl runs it: eager
+    clamp of each half and their cat forward (16 bytes per element of one half, 3 kernels, + the host sync of
+    torch.tensor(linear_offset, device=...)), the clamps' masked selects and chunk's cat backward (30 bytes, 9
+    kernels). A model without the clamp pays nothing; a step pays it forward and backward per MoE layer and
+    microbatch, and once more with the moe_act replay (recompute_norm_act); without that replay the fused
+    activation also keeps the clamped copy (2 x width bf16 per routed row); paratrain's MoE block refuses it."""
+    system = get_catalog().system(H100)
+    eff = system.chip.efficiency
+    bw = system.device_hbm_bw_bytes_per_s * eff.memory_bw_eff
+    cfg = PRESETS["qwen3-30b-a3b"]
+    clamped = cfg.model_copy(update={"swiglu_limit": 7.0})
+    rows, launch = 32768.0, eff.kernel_overhead_s
+    assert moe.glu_clamp_s(cfg, system, rows, 1) == (0.0, 0.0)
+    fwd, bwd = moe.glu_clamp_s(clamped, system, rows, 1)
+    elements = rows * cfg.moe_ffn
+    assert fwd == pytest.approx(elements * 16 / bw + (3 + moe.HOST_SYNC_LAUNCHES) * launch)
+    assert bwd == pytest.approx(elements * 30 / bw + 9 * launch)
+    assert moe.glu_clamp_s(clamped, system, rows, 2)[1] == pytest.approx(elements / 2 * 30 / bw + 9 * launch)
+    lay = Layout(tp=1, pp=1, ep=8, microbatch=1, recompute="none")
+    opts = Options(moe_imbalance=1.0)
+    run = lambda c, o: estimate(c, H100, 1, 4096, 64, lay, o)  # noqa: E731
+    f, b = moe.glu_clamp_s(clamped, system, 4096.0 * cfg.experts_per_token, 1)
+    steps = 64 // 8 * cfg.layers
+    t = lambda c, o: run(c, o).time_breakdown_s["compute"]  # noqa: E731
+    assert t(clamped, opts) - t(cfg, opts) == pytest.approx(steps * (f + b), rel=1e-6)
+    replay = replace(opts, recompute_norm_act=True)
+    assert t(clamped, replay) - t(cfg, replay) == pytest.approx(steps * (2 * f + b), rel=1e-6)
+    copy = 4096.0 * cfg.experts_per_token * 2 * cfg.moe_ffn * 2 * cfg.layers  # the clamped copy, per device
+    memory = lambda c, o: run(c, o).memory_per_device_bytes  # noqa: E731
+    assert memory(clamped, opts) - memory(cfg, opts) == pytest.approx(copy, rel=1e-6)
+    assert memory(clamped, replay) == pytest.approx(memory(cfg, replay))
+    from paratrain.model.moe import MoE
+
+    with pytest.raises(ValueError, match="model.swiglu_limit=7.0"):
+        MoE(clamped)
+
+
+def test_expert_buckets_take_the_dense_groups_default_size():
+    """Megatron-Core sets one ddp_config.bucket_size for every buffer, from the dense data-parallel group, where
+    the run leaves it unset (the GPT-OSS recipes: csv dp_bucket = default): the expert buffers' buckets are
+    max(40M, 1M x dp) parameters of that dp, not of the expert-data-parallel group; a csv dp_bucket outside the
+    known ones is one error."""
+    from paratrain.plan.model import default_bucket_bytes
+
+    cfg = PRESETS["qwen3-30b-a3b"]
+    system = get_catalog().system(H100)
+    opts = Options(moe_imbalance=1.0, overlap_param_gather=True)
+    kw = {"tp": 1, "cp": 1, "dp": 64, "ep": 8, "etp": 1, "zero": 1, "kind": 0, "m": 4, "stage_fwd": 0.1,
+          "stage_bwd": 0.2, "layers": cfg.layers, "link_busy": 0.0}
+    assert float(default_bucket_bytes(opts, 64)) == 64e6 * opts.grad_bytes > float(default_bucket_bytes(opts, 8))
+    times = lambda o: [float(x) for x in moe.expert_data_parallel_s(cfg, system, o, **kw)[:2]]  # noqa: E731
+    sized = lambda dp: replace(opts, bucket_bytes=float(default_bucket_bytes(opts, dp)))  # noqa: E731
+    assert times(opts) == pytest.approx(times(sized(64)))
+    assert times(opts)[0] != pytest.approx(times(sized(8))[0])  # edp's 40M buckets: more calls
+    with pytest.raises(ValueError, match="dp_bucket = 'none'"):
+        _ACCURACY.options_of(system, {"dispatcher": "alltoall", "dp_bucket": "none"})
 
 
 def test_fp8_row_padding_copies_unless_the_dispatcher_padded():

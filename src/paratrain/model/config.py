@@ -78,6 +78,11 @@ class ModelConfig(BaseModel):
     # planner, whose cost is how Megatron-Core runs RoPE with YaRN's attention factor (plan.model.unfused_rope_s);
     # paratrain's RoPE has no YaRN and refuses such a config (model.llama.Llama)
     rope_yarn_factor: float | None = Field(default=None, gt=1)
+    # clamp of the routed experts' gated activation (GPT-OSS config.json swiglu_limit 7: the gate half clamped from
+    # above, the linear half to [-limit, limit]): shape only, for the planner, whose cost is how Megatron-Core
+    # clamps in eager PyTorch ahead of its fused activation (plan.moe.glu_clamp_s); paratrain's experts run a
+    # plain SwiGLU and refuse such a config (model.moe.MoE)
+    swiglu_limit: float | None = Field(default=None, gt=0)
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:

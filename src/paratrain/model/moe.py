@@ -123,6 +123,9 @@ class MoE(nn.Module):
         if cfg.expert_bias:  # a planner-only shape (GPT-OSS): training it without the biases would be wrong
             raise ValueError("model.expert_bias=True: allowed: false (paratrain's MoE experts have no biases; "
                              "the field only tells the planner how a stack with expert biases runs)")
+        if cfg.swiglu_limit is not None:  # planner-only (GPT-OSS): training an unclamped SwiGLU would be wrong
+            raise ValueError(f"model.swiglu_limit={cfg.swiglu_limit}: allowed: unset (paratrain's experts run an "
+                             "unclamped SwiGLU; the field only tells the planner how a stack with the clamp runs)")
         self.cfg = cfg
         self.router = nn.Linear(cfg.hidden, cfg.num_experts, bias=False)
         self.experts = GroupedExperts(cfg.num_experts, cfg.hidden, cfg.moe_ffn)

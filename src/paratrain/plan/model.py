@@ -652,7 +652,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     moe = moe_plan.layer_terms(flops_model, system, opts, T=T, tp=tp, sp=sp, ep=ep, etp=etp, rc=rc) \
         if flops_model.num_experts else None
     quantize = 0.0  # per-expert operand quantization launches (plan.moe), once forward and once backward
-    bias_fwd = bias_bwd = 0.0  # routed experts' output bias, added per expert outside the GEMM (plan.moe)
+    bias_fwd = bias_bwd = 0.0  # eager expert work outside the fused kernels: output bias, activation clamp (plan.moe)
     if moe is not None:  # routed experts: grouped GEMMs (their weight gradients too) and permute/router kernels
         quantize, (bias_fwd, bias_bwd) = moe[6], moe[7]
         mm, elem, mlp_fwd = mm + moe[0], elem + moe[1], mlp_fwd + moe[0] + moe[1] + quantize + bias_fwd

@@ -260,6 +260,32 @@ def expert_bias_s(model: ModelConfig, system: System, opts, routed, local):
     return fwd, bwd
 
 
+def glu_clamp_s(model: ModelConfig, system: System, routed, etp):
+    """(forward s, backward s) per MoE block of the clamp on the routed experts' gated activation
+    (ModelConfig.swiglu_limit; GPT-OSS: 7) as Megatron-Core runs it. TEGroupedMLP.bias_act_func (the recipes'
+    bias_activation_fusion) calls `weighted_bias_quick_geglu_impl` with config.activation_func_clamp_value
+    (megatron/core/fusions/fused_bias_geglu.py, the same function in the Megatron-LM commits Megatron-Bridge
+    v0.2.0-v0.4.2 pin), which clamps in eager PyTorch before the fused (jit) weighted quick-GEGLU:
+    `x_glu, x_linear = input.chunk(2, -1); input = torch.cat((x_glu.clamp(min=None, max=c),
+    x_linear.clamp(min=-c, max=c)), -1)`, then `torch.tensor(linear_offset, device=input.device)`, a copy from
+    host memory that PyTorch synchronises (non_blocking=False): the queue drains as at the dropless token-count
+    sync (HOST_SYNC_LAUNCHES). Per element of one half (routed rows x width, bf16): forward each clamp reads and
+    writes 2 bytes and the cat reads and writes both halves, 16 bytes, 3 kernels; backward (autograd): PyTorch's
+    clamp_backward (torch/csrc/autograd/FunctionsManual.cpp) masks and selects, `where(self <= max, grad, 0)`
+    for the gate half (le reads 2 writes 1, where reads 3 writes 2: 8 bytes) and `where((self >= min)
+    .logical_and_(self <= max), grad, 0)` for the linear half (14 bytes), each with a scalar_tensor fill, and
+    chunk's backward (split_backward) concatenates the two halves' gradients (8 bytes): 30 bytes, 9 kernels.
+    The activation's replay under recompute_modules "moe_act" reruns the forward part (norm_act_replay_s), as
+    full recompute does. Zero without swiglu_limit."""
+    from paratrain.plan.model import memory_time_s
+
+    if model.swiglu_limit is None:
+        return 0.0, 0.0
+    elements = routed * model.moe_ffn / np.asarray(etp, dtype=float)
+    sync = HOST_SYNC_LAUNCHES * system.chip.efficiency.kernel_overhead_s
+    return memory_time_s(system, elements * 16, 3) + sync, memory_time_s(system, elements * 30, 9)
+
+
 def norm_act_replay_s(model: ModelConfig, system: System, T, tp, sp, etp, routed):
     """Forward time per average layer that Megatron-Core replays in the backward under selective recompute of
     "layernorm" and "moe_act" (Options.recompute_norm_act; Megatron-Bridge's GPT-OSS recipes:
@@ -270,7 +296,8 @@ def norm_act_replay_s(model: ModelConfig, system: System, T, tp, sp, etp, routed
     (TELayerNormColumnParallelLinear) and a dense layer's pre-MLP norm into linear_fc1, so only a MoE layer's
     pre_mlp_layernorm (a TENorm) is rerun: a read and a write of the rank's tokens (its SP shard), one kernel.
     "moe_act": TEGroupedMLP (activation_recompute) reruns the expert activation (with the probs' scaling): per
-    routed row a read of fc1's output (2 x width) and a write of width, bf16, one kernel. The attention core is
+    routed row a read of fc1's output (2 x width) and a write of width, bf16, one kernel, and with
+    ModelConfig.swiglu_limit the eager clamp ahead of it (glu_clamp_s, forward part). The attention core is
     not replayed (not in the list). The memory they free: activation_bytes_per_layer."""
     from paratrain.plan.model import memory_time_s
 
@@ -279,7 +306,7 @@ def norm_act_replay_s(model: ModelConfig, system: System, T, tp, sp, etp, routed
     tokens = T / np.where(np.asarray(sp, dtype=bool), tp, 1.0)
     norm = memory_time_s(system, tokens * model.hidden * BF16_BYTES * 2, 1)
     width = model.moe_ffn / np.asarray(etp, dtype=float)
-    act = memory_time_s(system, routed * 3 * width * BF16_BYTES, 1)
+    act = memory_time_s(system, routed * 3 * width * BF16_BYTES, 1) + glu_clamp_s(model, system, routed, etp)[0]
     return model.moe_layers / model.layers * (norm + act)
 
 
@@ -305,7 +332,8 @@ def wgrad_accumulate_s(system: System, opts, rows, n, k):
 def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp, rc):
     """Per average layer, forward, on the busiest expert rank: (expert GEMMs s, elementwise s, all-to-all fwd s,
     all-to-all bwd s, all-to-all bytes per microbatch, routed rows, per-expert quantize launches + FP8 row padding s,
-    (expert bias forward s, backward s), expert weight-gradient accumulation s (backward only)). Backward GEMMs and elementwise traffic are 2x (plan.model); the quantize
+    (eager expert work outside the fused kernels forward s, backward s: the expert bias, expert_bias_s, and the
+    activation clamp, glu_clamp_s), expert weight-gradient accumulation s (backward only)). Backward GEMMs and elementwise traffic are 2x (plan.model); the quantize
     launches and the padding copies are once per direction; the expert bias has its own forward and backward
     (expert_bias_s)."""
     from paratrain.plan.model import cast_cost, matmul_time_s, memory_time_s
@@ -360,8 +388,9 @@ def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp,
     # per direction: the per-expert operand quantize launches and TE's row padding / unpadding for them
     quantize = per_expert_quantize_s(system, opts, local) + fp8_padding_s(model, system, opts, routed)
     bias_fwd, bias_bwd = expert_bias_s(model, system, opts, routed, local)
+    clamp_fwd, clamp_bwd = glu_clamp_s(model, system, routed, etp)
     return (share * gemm, share * elem, share * a2a_fwd, share * a2a_bwd, share * a2a_bytes, routed, share * quantize,
-            (share * bias_fwd, share * bias_bwd), share * wgrad)
+            (share * (bias_fwd + clamp_fwd), share * (bias_bwd + clamp_bwd)), share * wgrad)
 
 
 def exposed_alltoall(opts, a2a_fwd, a2a_bwd, fwd_compute, bwd_compute, unpaired=0.0, comm_sm_fraction=0.0):
@@ -408,7 +437,8 @@ def activation_bytes_per_layer(model: ModelConfig, T, tp, ep, etp, routed, fp8: 
     as for the dense matmuls), gate and up (2 x width) for the SwiGLU backward, and the expert output (h) for
     the gradient of the routing weights, bf16, unless the probabilities scale the activation inside the expert
     block (probs_in_experts, Options.moe_probs_in_experts: Megatron-Core's weighted activation saves its input
-    and the probs, the combine nothing).
+    and the probs, the combine nothing), and with ModelConfig.swiglu_limit the clamped copy of fc1's output
+    (2 x width) that the fused activation saves (glu_clamp_s).
     norm_act (Options.recompute_norm_act, Megatron-Core's recompute_modules "layernorm" + "moe_act", output-
     discarding checkpoints: tensor_parallel.CheckpointWithoutOutput frees the output's storage after its consumer
     ran and restores it by the replay before backward): "moe_act" drops the activation output, fc2's saved input
@@ -425,7 +455,10 @@ def activation_bytes_per_layer(model: ModelConfig, T, tp, ep, etp, routed, fp8: 
     gemm_in = FP8_BYTES if fp8 else BF16_BYTES
     kept_act = 0.0 if norm_act else width * gemm_in  # fc2's input, dropped by "moe_act"
     kept_out = 0.0 if probs_in_experts else model.hidden * BF16_BYTES  # the expert output, for the probs' grad
-    rows = routed * (model.hidden * gemm_in + kept_act + 2 * width * BF16_BYTES + kept_out)
+    # the activation clamp (glu_clamp_s): the fused activation saves the clamped copy of fc1's output, which the
+    # clamps' backward keeps as well; "moe_act" (the checkpoint keeps only its input) drops the copy
+    clamped = 0.0 if norm_act or model.swiglu_limit is None else 2 * width * BF16_BYTES
+    rows = routed * (model.hidden * gemm_in + kept_act + 2 * width * BF16_BYTES + kept_out + clamped)
     norm_out = T / np.where(np.asarray(sp, dtype=bool), tp, 1.0) * model.hidden * gemm_in
     return share * (router + rows - np.where(norm_act, norm_out, 0.0))
 
