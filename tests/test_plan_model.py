@@ -598,6 +598,21 @@ def test_context_parallel_kv_exchange_per_stack():
         Options(cp_comm="a2a")
 
 
+def test_torch_ring_attention_merges_cost_per_step():
+    """torch's context_parallel (allgather_rotate, torchtitan) merges every ring step's output into an fp32
+    accumulator and accumulates dQ/dK/dV in fp32 per step (plan.model.CP_MERGE_*): memory-bound time that grows
+    with the ring's steps at a fixed number of tokens per rank; Megatron's ring and Llama 3's all-gather add none."""
+    p5 = resolve_system("p5.48xlarge")
+    model = PRESETS["llama3-8b"]
+
+    def compute(cp, kind):
+        lay = Layout(cp=cp, microbatch=1, recompute="none", dp_kind="fsdp", zero_stage=3)
+        return estimate(model, p5, 1, 16384 * cp, 8 // cp, lay, Options(cp_comm=kind)).time_breakdown_s["compute"]
+    extra = {cp: compute(cp, "allgather_rotate") - compute(cp, "ring") for cp in (2, 8)}
+    assert compute(4, "allgather") == compute(4, "ring")
+    assert 0 < 3 * extra[2] < extra[8]
+
+
 def test_nxd_pipeline_sends_are_pair_allgathers(box):
     """NxD sends a stage's activation as an all-gather over the [sender, receiver] pair, the receiver
     contributing zeros of the same size (neuronx_distributed/pipeline/comm.py): every rank's links carry twice

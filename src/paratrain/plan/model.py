@@ -591,6 +591,41 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     return matmuls, core, elementwise, mlp, column, sac
 
 
+# torch's context_parallel (torch.distributed.tensor.experimental._attention, the allgather-rotate ring torchtitan runs)
+# merges each ring step's SDPA output into an fp32 accumulator in eager ops (_SDPAMerger with convert_to_f32, the
+# default): per step, bytes per element of the rank's attention output (query width), forward: the block output to
+# fp32 (read 2, write 4), out - block_out (12), x sigmoid(lse difference) (8), out - that (12): 38 on a full step, 31
+# on a round-robin partial one (half the work plus _partial_update's clone of the whole accumulator), about 34.5,
+# plus the torch.cat of K and V for the next step (8, K and V at the query width: torchtitan repeats them before
+# SDPA); once: the first block's conversion and the result's cast back (6 + 6). Backward
+# (_templated_ring_attention_backward), per step: dQ += the block's bf16 dQ in fp32 (10), dK and dV likewise (20),
+# the fp32 torch.cat of dK/dV for the rotation (16), the K/V cat (8), about 2 more for the partial updates' clones;
+# once: the fp32 zeros for dQ, dK, dV (12) and their casts back to bf16 (18)
+CP_MERGE_FWD_STEP_BYTES = 42.5
+CP_MERGE_FWD_ONCE_BYTES = 12
+CP_MERGE_BWD_STEP_BYTES = 56
+CP_MERGE_BWD_ONCE_BYTES = 30
+CP_MERGE_FWD_KERNELS = 6  # per step: cast, sub, sigmoid, mul, sub, cat (logsigmoid on the lse: small)
+CP_MERGE_BWD_KERNELS = 5  # per step: three accumulations, two cats
+
+
+def cp_merge_s(model: ModelConfig, system: System, opts: Options, T, tp, cp):
+    """(forward s, backward s) of one layer's ring-attention merge traffic under torch's context_parallel
+    (Options.cp_comm "allgather_rotate"; CP_MERGE_*): memory-bound eager ops over the rank's attention output
+    (T tokens x query width / tp), cp - 1 merges forward, cp accumulations backward. Zero for the other CP
+    implementations (Megatron-Core / Transformer Engine fuse their corrections; Llama 3's all-gather runs one
+    attention call over the gathered K/V) and without CP."""
+    if opts.cp_comm != "allgather_rotate":
+        return 0.0, 0.0
+    elements = T * query_dim(model) / tp
+    steps = np.maximum(cp - 1.0, 0.0)
+    fwd = memory_time_s(system, elements * (CP_MERGE_FWD_ONCE_BYTES + steps * CP_MERGE_FWD_STEP_BYTES),
+                        steps * CP_MERGE_FWD_KERNELS + 2)
+    bwd = memory_time_s(system, elements * (CP_MERGE_BWD_ONCE_BYTES + cp * CP_MERGE_BWD_STEP_BYTES),
+                        cp * CP_MERGE_BWD_KERNELS + 6)
+    return np.where(cp > 1, fwd, 0.0), np.where(cp > 1, bwd, 0.0)
+
+
 def _op_sac_recomputed(model: ModelConfig, tp):
     """(N, K) per device of the matmuls torchtitan's per-op selective checkpointing recomputes (Options.selective_ops),
     every second one of the block: Llama's wq, wk, wv, wo, w1, w3, w2 -> wk (column-parallel, the rank's kv heads),
@@ -657,6 +692,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         quantize, (bias_fwd, bias_bwd) = moe[6], moe[7]
         mm, elem, mlp_fwd = mm + moe[0], elem + moe[1], mlp_fwd + moe[0] + moe[1] + quantize + bias_fwd
     rope_fwd, rope_bwd = unfused_rope_s(model, system, T, tp)  # YaRN models on Megatron-Core's unfused RoPE
+    merge_fwd, merge_bwd = cp_merge_s(model, system, opts, T, tp, cp)  # torch's ring attention: fp32 merges per step
+    core = core + merge_fwd  # part of the attention op: replayed with it (selective, full), kept with it (op SAC)
     fwd_compute = mm + core + elem + quantize + bias_fwd + rope_fwd
     selective = core + (mlp_fwd if opts.recompute_mlp else 0.0)
     if opts.selective_ops:  # torchtitan's per-op SAC: three matmuls and every elementwise op, not the attention core
@@ -669,7 +706,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     # (Dao 2023, FlashAttention-2 sec. 3.2), at a lower fraction of peak than its forward (FLASH_BWD_EFF);
     # unfused attention keeps P and runs 4 (dP, dV, dQ, dK) as plain batched GEMMs
     core_bwd = FLASH_BWD_MATMULS / 2.0 / FLASH_BWD_EFF if opts.attention == "flash" else 2.0
-    bwd_compute = 2 * mm + core_bwd * core + 2 * elem + quantize + bias_bwd + rope_bwd + recompute_fwd
+    bwd_compute = (2 * mm + core_bwd * (core - merge_fwd) + merge_bwd + 2 * elem + quantize + bias_bwd + rope_bwd
+                   + recompute_fwd)
     if moe is not None:  # the expert weight gradients accumulate into the main_grad buffer (plan.moe)
         bwd_compute = bwd_compute + moe[8]
     a2a_fwd, a2a_bwd = moe_plan.exposed_alltoall(opts, moe[2], moe[3], fwd_compute, bwd_compute,
@@ -725,7 +763,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     tp_head_bwd = np.where(tp > 1, np.where(sp, ag_rs, ar), 0.0) * tp_exposed
 
     # -- context parallel: the K/V exchange of the attention core, as the stack runs it (Options.cp_comm) --
-    cp_fwd, cp_bwd = _context_parallel_s(system, model, opts, T, tp, cp, core, core_bwd * core)
+    cp_fwd, cp_bwd = _context_parallel_s(system, model, opts, T, tp, cp, core, core_bwd * (core - merge_fwd) + merge_bwd)
 
     layer_fwd = fwd_compute + tp_fwd + cp_fwd + a2a_fwd
     layer_bwd = bwd_compute + tp_bwd + cp_bwd + a2a_bwd
