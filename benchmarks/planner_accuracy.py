@@ -344,6 +344,10 @@ def _eval_options(system, r: dict) -> Options:
     # mxfp8: FP8 with MX block scaling (one E8M0 scale per 32 elements), what the Blackwell tables call MXFP8
     # / FP8-MX; fp8 is per-tensor current scaling (FP8-CS) unless the chip's FP8 is block-scaled only
     mx = {"block_scaling": True} if r["precision"] == "mxfp8" else {}
+    # bf16sr: Neuron's "Autocast:BF16+SR" (XLA_USE_BF16=1): bf16 weights, gradients and Adam states, no fp32 master
+    if r["precision"] == "bf16sr":
+        mx |= {"master_weights": False, "grad_bytes": 2, **cp_comm}
+        cp_comm = {}
     return Options.for_system(system, attention=r["attention"], stack=r["stack"],
                               fp8=r["precision"] in ("fp8", "mxfp8"), **mx,
                               eager=r["stack"] == "fsdp2" and r["compile"] == "0",

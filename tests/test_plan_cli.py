@@ -287,3 +287,20 @@ def test_usable_memory_is_hbm_less_runtime_reservations_times_the_usable_fractio
         est = estimate("llama2-7b", name, 1, 4096, 32, Layout(tp=8, sp=True))
         expect = (system.device_memory_bytes - physical * 96 * 2**20) * system.efficiency.memory_usable_fraction
         assert est.memory_capacity_bytes == pytest.approx(expect)
+
+
+def test_bf16_sr_flag_plans_pure_bf16_and_refuses_what_it_cannot_be(capsys, tmp_path):
+    """--bf16-sr (Neuron's Autocast:BF16+SR): 4 bytes of optimizer state per parameter, bf16 gradients; with
+    --grad-bytes 4 or --write-config (the trainer keeps fp32 masters) one clear error, exit 2."""
+    base = ["estimate", "--model", "llama2-7b", "--hardware", "trn1.32xlarge", "--nodes", "16", "--seq", "4096",
+            "--global-batch", "1024", "--tp", "8", "--sp", "--recompute", "selective", "--zero-stage", "0", "--json"]
+    assert main(base) == 0
+    mixed = json.loads(capsys.readouterr().out)
+    assert main([*base, "--bf16-sr"]) == 0
+    sr = json.loads(capsys.readouterr().out)
+    assert sr["memory_breakdown_bytes"]["optimizer"] == pytest.approx(mixed["memory_breakdown_bytes"]["optimizer"] / 3)
+    assert sr["memory_breakdown_bytes"]["grads"] == pytest.approx(mixed["memory_breakdown_bytes"]["grads"] / 2)
+    assert main([*base, "--bf16-sr", "--grad-bytes", "4"]) == 2
+    assert "--grad-bytes 4 with --bf16-sr" in capsys.readouterr().err
+    assert main([*base, "--bf16-sr", "--write-config", str(tmp_path / "x.toml")]) == 2
+    assert "--write-config with --bf16-sr" in capsys.readouterr().err and not (tmp_path / "x.toml").exists()

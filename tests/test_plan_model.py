@@ -747,3 +747,28 @@ def test_megatron_param_gather_and_grad_reduce_follow_megatron_cores_dispatch_or
         return estimate(model, system, 16, 4096, 64, lay, opts).time_breakdown_s["dp_exposed"]
 
     assert dp_exposed(pp_schedule="1f1b") > 2 * dp_exposed(pp_schedule="interleaved_1f1b", virtual_stages=4) > 0
+
+
+def test_pure_bf16_with_stochastic_rounding_keeps_no_fp32_master():
+    """Neuron's Autocast:BF16+SR (XLA_USE_BF16=1): Adam's m and v in bf16 and no fp32 master copy (4 bytes of
+    optimizer state per parameter instead of 12), bf16 gradients; the optimizer step moves 14 bytes per parameter
+    instead of 32. Nothing else moves: the layer compute is the same."""
+    from paratrain.plan.model import (
+        ADAM_STEP_BYTES,
+        BF16_ADAM_STEP_BYTES,
+        BF16_OPTIMIZER_BYTES,
+        OPTIMIZER_BYTES,
+    )
+
+    system = resolve_system("trn1.32xlarge")
+    lay = Layout(tp=8, sp=True, recompute="selective", microbatch=1, zero_stage=0)
+    mixed = estimate("llama2-7b", system, 16, 4096, 1024, lay, Options.for_system(system, stack="nxd", grad_bytes=2))
+    sr = estimate("llama2-7b", system, 16, 4096, 1024, lay,
+                  Options.for_system(system, stack="nxd", grad_bytes=2, master_weights=False))
+    opt = {k: e.memory_breakdown_bytes["optimizer"] for k, e in (("mixed", mixed), ("sr", sr))}
+    assert opt["sr"] == pytest.approx(opt["mixed"] * BF16_OPTIMIZER_BYTES / OPTIMIZER_BYTES)
+    assert sr.memory_breakdown_bytes["grads"] == mixed.memory_breakdown_bytes["grads"]
+    step = {k: e.time_breakdown_s["optimizer"] for k, e in (("mixed", mixed), ("sr", sr))}
+    kernels = 4 * system.chip.efficiency.kernel_overhead_s  # the step's fixed launches
+    assert (step["sr"] - kernels) == pytest.approx((step["mixed"] - kernels) * BF16_ADAM_STEP_BYTES / ADAM_STEP_BYTES)
+    assert sr.time_breakdown_s["compute"] == mixed.time_breakdown_s["compute"]

@@ -26,6 +26,9 @@ class PlanTarget(Workload, OnSystem, Output):
         "training software: search only what it supports (plan) and time it as it runs (ZeRO-1 gather overlap, "
         "TP comm overlap, gradient precision); default: the system's")
     fp8: bool = opt("layer matmuls in FP8 at the chip's FP8 peak (Transformer Engine / torchao float8)")
+    bf16_sr: bool = opt("pure BF16 with stochastic rounding (Neuron's Autocast:BF16+SR, XLA_USE_BF16=1): bf16 "
+                        "weights, gradients and Adam states, no fp32 master copy (4 bytes of optimizer state per "
+                        "parameter instead of 12)")
     train_tokens: float | None = opt("tokens to train: adds run time and cost", gt=0)
     max_seq: int | None = opt("the model's context length (default: the preset's); longer than the preset's "
                               "assumes RoPE scaling to it. A --seq beyond it is refused", ge=1)
@@ -47,6 +50,11 @@ def _load(args):
     check_seq(model, args.seq)
     system = resolve_system(args.hardware)
     kw = {"fp8": args.fp8} | ({} if args.grad_bytes is None else {"grad_bytes": args.grad_bytes})
+    if args.bf16_sr:  # everything bf16: the gradients too
+        if args.grad_bytes == 4:
+            raise UserError("--grad-bytes 4 with --bf16-sr: pure BF16 keeps bf16 gradients; allowed: --grad-bytes 2 "
+                            "or no --grad-bytes")
+        kw |= {"master_weights": False, "grad_bytes": 2}
     return model, system, Options.for_system(system, attention=args.attention, stack=args.stack, **kw)
 
 
@@ -92,6 +100,9 @@ def cmd_plan(args) -> None:
 
 
 def _write(args, est, model, system) -> None:
+    if args.write_config and args.bf16_sr:
+        raise UserError("--write-config with --bf16-sr: paratrain's trainer keeps fp32 master weights (AdamW under "
+                        "autocast); allowed: --write-config without --bf16-sr")
     if args.write_config:
         path = write_training_config(args.write_config, est, model, args.model, system.devices_per_node,
                                      args.hardware)

@@ -49,6 +49,12 @@ MX_BLOCK = 32  # elements sharing one 1-byte (E8M0) scale in the OCP MX formats 
 WEIGHT_BYTES = 2
 OPTIMIZER_BYTES = 12  # fp32 master weights + Adam m + v
 ADAM_STEP_BYTES = 32  # per parameter per step: read p, g, m, v (fp32), write p, m, v, bf16 copy
+# Pure BF16 training with stochastic rounding (Neuron's "Autocast:BF16+SR": XLA_USE_BF16=1 makes every fp32 tensor
+# bf16, so the weights are their own master copy and Adam's m and v are bf16; Neuron docs: stochastic rounding
+# "enables running at half precision speeds (BF16) while maintaining accuracy ... it also helps ... reduce memory
+# footprint"): m + v, and per step read p, g, m, v and write p, m, v, all 2 bytes (Options.master_weights False)
+BF16_OPTIMIZER_BYTES = 4
+BF16_ADAM_STEP_BYTES = 14
 # paratrain's Llama block forward, eager: aten ops that are neither views nor matmuls nor the attention core
 # (tests/test_plan_model.py counts them with a dispatch mode and checks this number)
 EAGER_ELEMENTWISE_KERNELS = 32
@@ -177,6 +183,11 @@ class Options:
     reshard_after_backward(False) and requires_gradient_sync(False) until the last backward, then runs every
     unit's post_backward (its reduce-scatter) at once. One gather per unit per step, one reduce-scatter per unit
     after the stage's last backward, exposed; memory: the gathered copy and fp32 unsharded gradients.
+    master_weights: Adam keeps fp32 master weights, m and v (OPTIMIZER_BYTES, ADAM_STEP_BYTES: mixed precision, what
+    NxD's "BF16+FP32Optimizer" and Megatron/torchtitan run); False: pure BF16 with stochastic rounding, the bf16
+    weights updated in place and m, v in bf16 (BF16_OPTIMIZER_BYTES, BF16_ADAM_STEP_BYTES: Neuron's "Autocast:BF16+SR",
+    XLA_USE_BF16=1, as neuronx-nemo-megatron's bf16SR and the Neuron Megatron-LM reference run). Gradients are bf16 then
+    too: pass grad_bytes=2.
     fp8_tp_allgather: with fp8 and SP, the layers' TP all-gathers carry FP8 (1 byte per element), the
     reduce-scatters BF16: torchao's Float8ColwiseParallel / PrepareFloat8ModuleInput cast the input before its
     all-gather, and Float8RowwiseParallel casts the output gradient (NoopFwToFloat8BwDynamic) before the
@@ -218,6 +229,7 @@ class Options:
     tp_bwd_overlap: bool = False
     fsdp_pp_unsharded: bool = False
     fp8_tp_allgather: bool = False
+    master_weights: bool = True
 
     @classmethod
     def for_system(cls, system: System, attention: str | None = None, stack: str | None = None, **kw) -> Options:
@@ -854,7 +866,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
 
     # -- optimizer step: memory-bound Adam over this device's share of the parameters --
     opt_share = np.where(zero >= 1, params_dev / dp_shard, params_dev)
-    optimizer = memory_time_s(system, opt_share * ADAM_STEP_BYTES, 4) + expert_opt
+    step_bytes = ADAM_STEP_BYTES if opts.master_weights else BF16_ADAM_STEP_BYTES
+    optimizer = memory_time_s(system, opt_share * step_bytes, 4) + expert_opt
 
     # FP8 with a weight cache: each step casts the device's layer weights once (amax, cast) and keeps a transposed
     # copy for backward
@@ -1191,7 +1204,8 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
         ranks.append((params_dev * WEIGHT_BYTES / np.where(zero == 3, dp_shard, 1.0) + gathered + fp8_copies
                       + layers * ex["weights"],
                       params_dev * opts.grad_bytes / np.where((zero >= 2) & ~pinned, dp_shard, 1.0) + layers * ex["grads"],
-                      params_dev * OPTIMIZER_BYTES / np.where(zero >= 1, dp_shard, 1.0) + layers * ex["optimizer"],
+                      params_dev * (OPTIMIZER_BYTES if opts.master_weights else BF16_OPTIMIZER_BYTES)
+                      / np.where(zero >= 1, dp_shard, 1.0) + layers * ex["optimizer"],
                       (per_layer + ex["activations"]) * layers * inflight + rebuilt + ex["once"]
                       + np.where(head, logits, 0.0)))
     shape = np.broadcast_shapes(*(np.shape(x) for r in ranks for x in r))
