@@ -268,7 +268,8 @@ def glu_clamp_s(model: ModelConfig, system: System, routed, etp):
     v0.2.0-v0.4.2 pin), which clamps in eager PyTorch before the fused (jit) weighted quick-GEGLU:
     `x_glu, x_linear = input.chunk(2, -1); input = torch.cat((x_glu.clamp(min=None, max=c),
     x_linear.clamp(min=-c, max=c)), -1)`, then `torch.tensor(linear_offset, device=input.device)`, a copy from
-    host memory that PyTorch synchronises (non_blocking=False): the queue drains as at the dropless token-count
+    host memory that PyTorch synchronises (non_blocking=False: aten/src/ATen/native/cuda/Copy.cu copy_kernel_cuda
+    -> memcpy_and_sync, cudaMemcpyAsync + cudaStreamSynchronize): the queue drains as at the dropless token-count
     sync (HOST_SYNC_LAUNCHES). Per element of one half (routed rows x width, bf16): forward each clamp reads and
     writes 2 bytes and the cat reads and writes both halves, 16 bytes, 3 kernels; backward (autograd): PyTorch's
     clamp_backward (torch/csrc/autograd/FunctionsManual.cpp) masks and selects, `where(self <= max, grad, 0)`
