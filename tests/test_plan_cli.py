@@ -304,3 +304,22 @@ def test_bf16_sr_flag_plans_pure_bf16_and_refuses_what_it_cannot_be(capsys, tmp_
     assert "--grad-bytes 4 with --bf16-sr" in capsys.readouterr().err
     assert main([*base, "--bf16-sr", "--write-config", str(tmp_path / "x.toml")]) == 2
     assert "--write-config with --bf16-sr" in capsys.readouterr().err and not (tmp_path / "x.toml").exists()
+
+
+def test_trn1_without_stack_is_timed_as_nxd_and_any_stack_generically():
+    """The catalog's trn1 stack runs as NxD (stack.runs_as): a plain estimate times the backward TP overlap and the
+    pipeline's pair all-gathers as --stack nxd does, with the system's own attention kernel (unfused); --any-stack
+    (choices NxD lacks, e.g. FSDP under native PyTorch) times generically."""
+    from paratrain.plan.model import Options
+
+    system = resolve_system("trn1.32xlarge")
+    assert system.stack.runs_as == "nxd"
+    lay = Layout(tp=8, pp=4, sp=True, recompute="selective", microbatch=1)
+    plain = estimate("llama2-13b", system, 32, 4096, 1024, lay)
+    nxd = estimate("llama2-13b", system, 32, 4096, 1024, lay, Options.for_system(system, stack="nxd", attention="unfused"))
+    generic = estimate("llama2-13b", system, 32, 4096, 1024, lay, Options.for_system(system, system_stack=False))
+    assert plain.step_time_s == pytest.approx(nxd.step_time_s, rel=1e-12)
+    assert generic.time_breakdown_s["tp_comm"] > plain.time_breakdown_s["tp_comm"]  # no backward overlap there
+    best = search("llama2-7b", system, 16, 4096, 256, top=1, any_stack=True).candidates[0]
+    assert best.step_time_s == pytest.approx(estimate("llama2-7b", system, 16, 4096, 256, best.layout, Options.for_system(
+        system, system_stack=False)).step_time_s, rel=1e-9)

@@ -130,6 +130,8 @@ class Stack:
     schedules: tuple[str, ...]
     source: str
     attention: str = "flash"
+    # the planner stack (plan.stacks key) this software is timed as when no --stack is named; None: generic timing
+    runs_as: str | None = None
 
 
 # How a node-hour is bought (prices.toml documents each). The order is the order tables and plots use.
@@ -292,6 +294,7 @@ SERVING_FIELDS = {
 STACK_FIELDS = {
     "name": ("str", True), "dp_kinds": ("dp_kinds", True), "zero_stages": ("zero_stages", True),
     "schedules": ("schedules", True), "source": ("str", True), "attention": ("attention", False),
+    "runs_as": ("str", False),
 }
 SYSTEM_EFF_FIELDS = {
     "dp_overlap": ("frac0", True), "tp_overlap": ("frac0", True), "memory_usable_fraction": ("frac", True),
@@ -464,7 +467,7 @@ def _system(origin: str, name: str, raw: dict, chips: dict[str, Chip], links: di
     if "stack" in raw:
         st = _check(origin, f"{where}.stack", raw["stack"], STACK_FIELDS)
         stack = Stack(st["name"], tuple(st["dp_kinds"]), tuple(st["zero_stages"]), tuple(st["schedules"]), st["source"],
-                      st.get("attention", "flash"))
+                      st.get("attention", "flash"), st.get("runs_as"))
     serving = tuple(_check(origin, f"{where}.serving", raw["serving"], SERVING_FIELDS).items()) \
         if "serving" in raw else ()
     per_node = raw["chips_per_node"] * raw["devices_per_chip"]

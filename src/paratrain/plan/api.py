@@ -502,7 +502,7 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
 
     if stack is not None:
         check_stack(stack)
-    opts = options or Options.for_system(system, stack=stack)
+    opts = options or Options.for_system(system, stack=stack, system_stack=not any_stack)
     searched = STACKS[stack] if stack is not None else (None if any_stack else system.stack)
     if cp_options is None:
         cp_options = [1] if seq < 16384 else [1, 2, 4, 8, 16, 32]

@@ -55,7 +55,8 @@ def _load(args):
             raise UserError("--grad-bytes 4 with --bf16-sr: pure BF16 keeps bf16 gradients; allowed: --grad-bytes 2 "
                             "or no --grad-bytes")
         kw |= {"master_weights": False, "grad_bytes": 2}
-    return model, system, Options.for_system(system, attention=args.attention, stack=args.stack, **kw)
+    return model, system, Options.for_system(system, attention=args.attention, stack=args.stack,
+                                             system_stack=not getattr(args, "any_stack", False), **kw)
 
 
 @command("estimate", PlanTarget, "predict time, memory and cost of one layout", **LAYOUT_FIELDS,

@@ -232,12 +232,16 @@ class Options:
     master_weights: bool = True
 
     @classmethod
-    def for_system(cls, system: System, attention: str | None = None, stack: str | None = None, **kw) -> Options:
-        """Defaults of the system's usual training stack (e.g. NxD on Trn1 runs unfused attention), or of the
-        named stack (plan.stacks: nxd, megatron, fsdp2, deepspeed); explicit keywords win."""
+    def for_system(cls, system: System, attention: str | None = None, stack: str | None = None,
+                   system_stack: bool = True, **kw) -> Options:
+        """Defaults of the system's usual training stack (e.g. NxD on Trn1 runs unfused attention and is timed as
+        the nxd stack: the catalog's stack.runs_as), or of the named stack (plan.stacks: nxd, megatron, fsdp2,
+        deepspeed); explicit keywords win. system_stack False (plan --any-stack): generic timing."""
         from paratrain.plan.stacks import STACKS, stack_options
 
         default = system.stack.attention if system.stack is not None else "flash"
+        if stack is None and system_stack and system.stack is not None and system.stack.runs_as:
+            kw = {**stack_options(system.stack.runs_as, system.chip), **kw}
         if stack is not None:
             kw = {**stack_options(stack, system.chip), **kw}
             default = STACKS[stack].attention
