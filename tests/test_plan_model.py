@@ -613,6 +613,24 @@ def test_torch_ring_attention_merges_cost_per_step():
     assert 0 < 3 * extra[2] < extra[8]
 
 
+def test_tp_overlap_runs_split_gemms():
+    """TP communication overlap runs each GEMM in the chunks its collective delivers (Transformer Engine's ring
+    exchange: tp chunks of T/tp rows; its pipelined reduce-scatter: 4 splits on the SMs the collective leaves,
+    plan.model.TE_*): each chunk re-reads the weight and pays the fixed cost, so the split costs more at fewer
+    tokens per chunk; without TP, or without SP, nothing is split."""
+    h100 = resolve_system("dgx-h100")
+    te = Options.for_system(h100, stack="megatron", fp8=True)
+    assert dict(te.tp_overlap_sms) == {"proj": 24, "mlp_out": 16}
+
+    def compute(tokens, tp, sp=True, overlap=True):
+        lay = Layout(tp=tp, sp=sp, microbatch=1, recompute="none", zero_stage=1)
+        opts = dataclasses.replace(te, tp_comm_overlap=overlap)
+        return estimate("llama3.1-405b", h100, 16, tokens, 16 * 8 // tp, lay, opts).time_breakdown_s["compute"]
+    share = {s: compute(s, 8) / compute(s, 8, overlap=False) - 1 for s in (4096, 16384)}
+    assert share[4096] > share[16384] > 0
+    assert compute(4096, 8, sp=False) == compute(4096, 8, sp=False, overlap=False)
+
+
 def test_nxd_pipeline_sends_are_pair_allgathers(box):
     """NxD sends a stage's activation as an all-gather over the [sender, receiver] pair, the receiver
     contributing zeros of the same size (neuronx_distributed/pipeline/comm.py): every rank's links carry twice

@@ -114,7 +114,10 @@ class Options:
     and kept (Transformer Engine's is_first_microbatch, as Megatron-Core passes it): one cast per step, 2 bytes
     per parameter more memory; otherwise (torchao float8) every forward and backward call casts the weight.
     tp_comm_overlap: tensor-parallel collectives (with SP) pipelined with the GEMMs next to them, as
-    Transformer Engine's userbuffer overlap (Megatron-Core/NeMo tp_comm_overlap) and torch's async TP do.
+    Transformer Engine's userbuffer overlap (Megatron-Core/NeMo tp_comm_overlap) and torch's async TP do; the GEMMs
+    run split into the chunks the collectives deliver (tp_overlap_split_s). tp_overlap_sms: ((matmul name, SMs), ...)
+    the overlapped reduce-scatter kernels take from the GEMM (Transformer Engine's PipelineOverlapCfg num_sm with
+    set_sm_margin; plan.stacks megatron: TE_OVERLAP_SMS); empty: none (copy-engine collectives).
     recompute_mlp: selective recompute also replays the MLP block (its two matmuls, activation function and, with
     TP, its all-gather/reduce-scatter or all-reduce), and keeps only the block's input instead of the gate/up
     outputs: NeuronX Distributed's activations_checkpoint_recompute_mlp (NxDT hf_llama3_70B_config.yaml) and
@@ -201,6 +204,7 @@ class Options:
     fp4: bool = False
     block_scaling: bool | None = None
     tp_comm_overlap: bool = False
+    tp_overlap_sms: tuple = ()
     overlap_param_gather: bool = False
     attention_eff: float | None = None
     matmul_eff: float | None = None
@@ -561,6 +565,7 @@ def memory_time_s(system: System, nbytes, kernels):
 def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     """Forward compute time of one layer on one device, split into matmuls, attention core and elementwise."""
     matmuls, cast_bytes, mlp, column = 0.0, 0.0, 0.0, []
+    split_fwd = split_bwd = 0.0  # what splitting the GEMMs for TP overlap adds (tp_overlap_split_s)
     sac = sum(matmul_time_s(system, T, n, k, opts.fp8, opts) for n, k in _op_sac_recomputed(model, tp)) \
         if opts.selective_ops else 0.0
     for name, n, k, shard in layer_matmuls(model, seq, opts.attention):
@@ -569,6 +574,9 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
             n_dev = query_dim(model) / tp + 2 * model.kv_dim / np.minimum(tp, model.n_kv_heads)
         one = matmul_time_s(system, T, n_dev, k_dev, opts.fp8, opts)
         matmuls = matmuls + one
+        if opts.tp_comm_overlap:
+            fwd_extra, bwd_extra = tp_overlap_split_s(system, opts, name, shard, one, T, n_dev, k_dev, tp)
+            split_fwd, split_bwd = split_fwd + fwd_extra, split_bwd + bwd_extra
         mlp = mlp + (one if name.startswith("mlp") else 0.0)
         if shard == "n":  # column-parallel (QKV, MLP in): under SP an all-gather feeds each
             column.append(one)
@@ -604,7 +612,40 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     elementwise = memory_time_s(system, elem_bytes, kernels + (cast_cost(system, opts)[1] if opts.fp8 else 0))
     # the MLP block alone (replayed by Options.recompute_mlp): its matmuls and its activation function
     mlp = mlp + memory_time_s(system, T * mlp_activation_bytes_per_token(model) / tp, 1)
-    return matmuls, core, elementwise, mlp, column, sac
+    overlapped = (tp > 1) & sp
+    return (matmuls, core, elementwise, mlp, column, sac, np.where(overlapped, split_fwd, 0.0),
+            np.where(overlapped, split_bwd, 0.0))
+
+
+# Transformer Engine's userbuffer TP overlap as NeMo / Megatron-Bridge configure it (tp_overlap_configs/userbuffers.py,
+# every H100/B200 TransformerLayerTPOverlapCfg): the GEMMs fed by an all-gather (qkv_fprop, fc1_fprop and the
+# row-parallel linears' proj_dgrad, fc2_dgrad) run as RingExchangeOverlapCfg, one GEMM per arriving chunk of T/tp
+# rows; the forward GEMMs that feed a reduce-scatter (proj_fprop, fc2_fprop) as PipelineOverlapCfg, num_splits 4, with
+# set_sm_margin: the GEMM runs on the SMs the reduce-scatter kernels leave (num_sm 24 for proj, 16 for fc2 in the
+# configs with hidden 8192 and below, 8 at 16384); the column-parallel dgrads and every wgrad run bulk overlaps (the
+# whole GEMM, 2-4 SMs for the collective: not counted). torch's async TP (fused_all_gather_matmul /
+# fused_matmul_reduce_scatter) splits likewise into tp chunks, on copy engines (no SMs taken: Options.tp_overlap_sms
+# empty)
+TE_PIPELINE_SPLITS = 4
+TE_OVERLAP_SMS = (("proj", 24), ("mlp_out", 16))
+
+
+def tp_overlap_split_s(system: System, opts: Options, name, shard, whole, T, n_dev, k_dev, tp):
+    """(forward s, backward s) one layer matmul gains from being split for TP communication overlap
+    (Options.tp_comm_overlap with SP; TE_*): an all-gather-fed GEMM runs as tp GEMMs of T/tp rows (its weight read
+    each time, its fixed cost paid each time), a reduce-scatter-fed one as TE_PIPELINE_SPLITS GEMMs on the SMs the
+    collective leaves (Options.tp_overlap_sms). Forward: column-parallel ring exchange, row-parallel pipeline;
+    backward: the row-parallel dgrad is a ring exchange (its shape taken as the forward's)."""
+    def split(parts, sms_taken=0.0):
+        sms = system.chip.cores_per_chip
+        slow = sms / max(sms - sms_taken, 1.0)
+        return parts * matmul_time_s(system, T / parts, n_dev, k_dev, opts.fp8, opts) * slow - whole
+    ring = split(np.maximum(tp, 1.0))
+    if shard == "n":
+        return ring, 0.0
+    if not opts.tp_overlap_sms:  # torch's fused_matmul_reduce_scatter: tp chunks too
+        return ring, ring
+    return split(TE_PIPELINE_SPLITS, dict(opts.tp_overlap_sms).get(name, 0.0)), ring
 
 
 # torch's context_parallel (torch.distributed.tensor.experimental._attention, the allgather-rotate ring torchtitan runs)
@@ -699,7 +740,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     T = b * seq / cp  # tokens of one microbatch on one device
 
     # -- compute per layer, forward; backward = 2x matmuls and attention, 2x elementwise traffic --
-    mm, core, elem, mlp_fwd, column_mm, sac_mm = _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero)
+    mm, core, elem, mlp_fwd, column_mm, sac_mm, split_fwd, split_bwd = _per_layer_compute(
+        model, system, seq, opts, T, tp, sp, cp, zero)
     moe = moe_plan.layer_terms(flops_model, system, opts, T=T, tp=tp, sp=sp, ep=ep, etp=etp, rc=rc) \
         if flops_model.num_experts else None
     quantize = 0.0  # per-expert operand quantization launches (plan.moe), once forward and once backward
@@ -710,7 +752,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     rope_fwd, rope_bwd = unfused_rope_s(model, system, T, tp)  # YaRN models on Megatron-Core's unfused RoPE
     merge_fwd, merge_bwd = cp_merge_s(model, system, opts, T, tp, cp)  # torch's ring attention: fp32 merges per step
     core = core + merge_fwd  # part of the attention op: replayed with it (selective, full), kept with it (op SAC)
-    fwd_compute = mm + core + elem + quantize + bias_fwd + rope_fwd
+    fwd_compute = mm + split_fwd + core + elem + quantize + bias_fwd + rope_fwd
     selective = core + (mlp_fwd if opts.recompute_mlp else 0.0)
     if opts.selective_ops:  # torchtitan's per-op SAC: three matmuls and every elementwise op, not the attention core
         selective = sac_mm + elem + quantize + bias_fwd + rope_fwd
@@ -722,7 +764,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     # (Dao 2023, FlashAttention-2 sec. 3.2), at a lower fraction of peak than its forward (FLASH_BWD_EFF);
     # unfused attention keeps P and runs 4 (dP, dV, dQ, dK) as plain batched GEMMs
     core_bwd = FLASH_BWD_MATMULS / 2.0 / FLASH_BWD_EFF if opts.attention == "flash" else 2.0
-    bwd_compute = (2 * mm + core_bwd * (core - merge_fwd) + merge_bwd + 2 * elem + quantize + bias_bwd + rope_bwd
+    bwd_compute = (2 * mm + split_bwd + core_bwd * (core - merge_fwd) + merge_bwd + 2 * elem + quantize + bias_bwd + rope_bwd
                    + recompute_fwd)
     if moe is not None:  # the expert weight gradients accumulate into the main_grad buffer (plan.moe)
         bwd_compute = bwd_compute + moe[8]

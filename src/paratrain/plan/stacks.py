@@ -8,6 +8,7 @@ search only looks at those) and how it runs what it supports (the `Options` defa
 from __future__ import annotations
 
 from paratrain.hardware.catalog import Stack
+from paratrain.plan.model import TE_OVERLAP_SMS
 
 STACKS: dict[str, Stack] = {
     "nxd": Stack(
@@ -72,7 +73,7 @@ TORCHTITAN_ROPE_BYTES = 20
 STACK_OPTIONS: dict[str, dict] = {
     "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "p2p_pair_allgather": True,
             "tp_bwd_overlap": True},
-    "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "overlap_param_gather": True, "fp8_weight_cache": True,
+    "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "tp_overlap_sms": TE_OVERLAP_SMS, "overlap_param_gather": True, "fp8_weight_cache": True,
                  "bucket_bytes": MEGATRON_BUCKET_PARAMS * 2, "moe_gemm_per_expert": True, "ce_bytes_per_logit": 10.0, "wgrad_accumulation_fusion": True,
                  "moe_probs_in_experts": True},
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "cp_comm": "allgather_rotate",
