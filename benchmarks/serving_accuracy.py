@@ -46,10 +46,22 @@ INT_FIELDS = ("tp", "batch", "prompt", "output")
 # table: NxD Inference runs on the same chips and collectives library as transformers-neuronx but with fused
 # attention/MLP kernels, so its 2 trn2 rows refit the prefill rate only.
 INHERITS = {"aws": ("aws-tnx-2024", ("prefill_flops_eff",))}
-# Each stack's prefill attention kernel (a software fact, not fitted): NxD Inference runs its fused attention
-# kernel (--attn-kernel-enabled in the tutorials' configs), TensorRT-LLM and vLLM fused (flash) attention;
-# transformers-neuronx as the Neuron training stack, unfused (catalog stack of trn1).
-ATTENTION = {"nvidia": "flash", "nvidia-trtllm-2023": "flash", "aws": "flash", "aws-tnx-2024": "unfused"}
+# Facts about each stack's software, not fitted (plan/serve.py ServingEfficiency):
+# attention: NxD Inference runs its fused attention kernel (--attn-kernel-enabled in the tutorials' configs),
+#   TensorRT-LLM and vLLM fused (flash) attention; transformers-neuronx 2.18 has no flash attention kernel below
+#   8k tokens (its developer guide: "automatically used when the input sequence length is greater than 8k",
+#   a later release), so unfused.
+# head_layout / buckets: transformers-neuronx pads query heads to a multiple of tp and replicates K/V when tp
+#   does not divide the kv heads (decoder.py), and compiles static shapes: prompts pad to power-of-two context
+#   buckets, decode attends over the whole power-of-two token bucket (bucket.py; developer guide "Bucketing").
+#   vLLM / TensorRT-LLM / NxD Inference: heads split evenly, paged KV read to the tokens held.
+STACK_FACTS = {
+    "nvidia": {"attention": "flash", "head_layout": "shard", "buckets": False},
+    "nvidia-trtllm-2023": {"attention": "flash", "head_layout": "shard", "buckets": False,
+                           "gqa_decode": "per_query_head"},
+    "aws": {"attention": "flash", "head_layout": "shard", "buckets": False},
+    "aws-tnx-2024": {"attention": "unfused", "head_layout": "pad", "buckets": True},
+}
 
 
 def load_rows(path: Path = DATA) -> list[dict]:
@@ -81,13 +93,14 @@ def write_tables(rows: list[dict]) -> None:
         parent, free = INHERITS.get(fam, (None, EFFICIENCY_FIELDS))
         start = (fitted_tables[parent] if parent else efficiency_tables().get(fam)
                  or serving_efficiency(cal[0]["system"]))
-        start = replace(start, attention=ATTENTION[fam])
+        start = replace(start, **STACK_FACTS[fam])
         fitted = fit(cal, start, free=free)
         fitted_tables[fam] = fitted
         software = sorted({r["software"].split(" (")[0] for r in cal})
         fitted_what = "" if parent is None else f"{', '.join(free)} (the rest from [{parent}]) "
         lines = [f"[{fam}]"] + [f"{n} = {float(f'{getattr(fitted, n):.3g}')!r}" for n in EFFICIENCY_FIELDS]
-        lines.append(f'attention = "{ATTENTION[fam]}"')
+        lines += [f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}".replace("'", '"')
+                  for k, v in STACK_FACTS[fam].items()]
         lines.append(f'source = "{fitted_what}fitted {date.today()} by benchmarks/serving_accuracy.py --calibrate on the {len(cal)} '
                      f'{fam} calibration rows of benchmarks/serving_measurements.csv ({", ".join(software)}); '
                      f'mean |log error| {loss(cal, fitted):.3f}"')
@@ -99,6 +112,21 @@ def write_tables(rows: list[dict]) -> None:
 def summary(rows: list[dict], errs: np.ndarray) -> str:
     within = np.mean(np.abs(errs) <= 0.20)
     return f"{len(rows)} rows: MAPE {np.mean(np.abs(errs)):.1%}, within 20%: {within:.0%}, worst {np.max(np.abs(errs)):.1%}"
+
+
+def print_families(rows: list[dict], errs: np.ndarray) -> None:
+    """Per serving stack and chip: each split's rows, MAPE, share within 20% and worst error."""
+    groups = sorted({(family(r), r["system"].chip.name) for r in rows})
+    print(f"\n{'stack':<20} {'chip':<12} {'split':<12} {'rows':>4} {'MAPE':>7} {'<=20%':>6} {'worst':>7}")
+    for fam, chip in groups:
+        for split in ("calibration", "evaluation"):
+            part = [i for i, r in enumerate(rows) if (family(r), r["system"].chip.name) == (fam, chip)
+                    and r["split"] == split]
+            if part:
+                e = np.abs(errs[part])
+                print(f"{fam:<20} {chip:<12} {split:<12} {len(part):>4} {e.mean():>7.1%} {np.mean(e <= 0.2):>6.0%} "
+                      f"{e.max():>7.1%}")
+    print()
 
 
 def print_table(rows: list[dict], errs: np.ndarray) -> None:
@@ -132,6 +160,8 @@ def main() -> int:
     shown = rows if args.split == "all" else [r for r in rows if r["split"] == args.split]
     errs = errors(shown)
     (print_markdown if args.markdown else print_table)(shown, errs)
+    if not args.markdown:
+        print_families(shown, errs)
     for split in ("calibration", "evaluation"):
         part = [i for i, r in enumerate(shown) if r["split"] == split]
         if part:

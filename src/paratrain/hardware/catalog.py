@@ -290,6 +290,8 @@ SERVING_FIELDS = {
     "decode_bw_eff": ("frac", True), "kv_bw_eff": ("frac", True), "prefill_flops_eff": ("frac", True),
     "layer_overhead_s": ("nonneg", True), "collective_us": ("nonneg", True), "attention": ("attention", False),
     "source": ("str", True),
+    # facts about the serving software; plan.serve.ServingEfficiency checks their values (HEAD_LAYOUTS, GQA_DECODE)
+    "head_layout": ("str", False), "buckets": ("bool", False), "gqa_decode": ("str", False),
 }
 STACK_FIELDS = {
     "name": ("str", True), "dp_kinds": ("dp_kinds", True), "zero_stages": ("zero_stages", True),

@@ -105,6 +105,18 @@ PAGE_TOKENS = 16  # vLLM's default KV block size (--block-size 16)
 MEMORY_UTILIZATION = 0.9  # share of device memory the engine takes (vLLM gpu_memory_utilization default)
 EFFICIENCY_FILE = Path(__file__).with_name("serving_efficiency.toml")
 EFFICIENCY_FIELDS = ("decode_bw_eff", "kv_bw_eff", "prefill_flops_eff", "layer_overhead_s", "collective_us")
+# shard: tp divides the query heads, each device keeps max(kv_heads / tp, 1) kv heads (vLLM, TensorRT-LLM, NxD
+# Inference). pad: transformers-neuronx (2.18, decoder.py DecoderLayer.to_neuron and the GQA checks of
+# DecoderLmHeadForSamplingNoEmbedding): query heads padded with zeros up to a multiple of tp (Llama-2-13B's 40
+# heads at tp 32 run as 64), an MHA model's K/V padded with them, and a GQA model whose kv heads tp does not
+# divide has K/V replicated to one per query head (GQA.REPLICATED_HEADS).
+HEAD_LAYOUTS = ("shard", "pad")
+# grouped: the decode kernel loads each kv head once for its group of query heads (vLLM's paged attention,
+# TensorRT-LLM's XQA, NxD Inference). per_query_head: every query head's thread block loads its group's K/V
+# itself, so the kernel moves (and takes the time of) an MHA cache: TensorRT-LLM's masked MHA kernel before
+# XQA (XQA reached Hopper Llama-2-70B in TensorRT-LLM v0.10.0, its release notes).
+GQA_DECODE = ("grouped", "per_query_head")
+MIN_TOKEN_BUCKET = 128  # transformers-neuronx token buckets: powers of two from 128 (bucket.token_sizes)
 
 
 @dataclass(frozen=True)
@@ -118,10 +130,17 @@ class ServingEfficiency:
     collective_us: float
     source: str = ""
     attention: str = "flash"  # the stack's prefill attention: "flash" (fused, causal half) or "unfused"
+    head_layout: str = "shard"  # how the stack spreads attention heads over tp: HEAD_LAYOUTS
+    buckets: bool = False  # static shapes: prompts and the attended KV padded to power-of-two buckets
+    gqa_decode: str = "grouped"  # how the decode attention kernel reads a GQA cache: GQA_DECODE
 
     def __post_init__(self) -> None:
         if self.attention not in ("flash", "unfused"):
             raise ValueError(f"attention = {self.attention!r}: allowed: flash, unfused")
+        if self.head_layout not in HEAD_LAYOUTS:
+            raise ValueError(f"head_layout = {self.head_layout!r}: allowed: {', '.join(HEAD_LAYOUTS)}")
+        if self.gqa_decode not in GQA_DECODE:
+            raise ValueError(f"gqa_decode = {self.gqa_decode!r}: allowed: {', '.join(GQA_DECODE)}")
         for name in ("decode_bw_eff", "kv_bw_eff", "prefill_flops_eff"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be in (0, 1]")
@@ -236,41 +255,70 @@ def check_replica(model: ModelConfig, system: System, rep: Replica) -> None:
 
 
 # ---- shapes --------------------------------------------------------------------------------------------
-def kv_bytes_per_token(model: ModelConfig, kv: str, tp: int = 1, pp: int = 1) -> float:
+def heads_per_device(model: ModelConfig, tp: int, layout: str = "shard") -> tuple[float, float]:
+    """(query heads, kv heads) one device computes and holds under the stack's head layout (HEAD_LAYOUTS)."""
+    if layout == "shard":
+        return model.heads / tp, max(model.n_kv_heads / tp, 1.0)
+    q = float(math.ceil(model.heads / tp))
+    if model.n_kv_heads == model.heads or model.n_kv_heads % tp:
+        return q, q  # MHA padded with the query heads; GQA replicated to one kv head per query head
+    return q, model.n_kv_heads / tp
+
+
+def _padded_attention_params(model: ModelConfig, rep: Replica, layout: str) -> float:
+    """Per device and layer: the q/k/v/o weights the head layout adds over an even 1/tp split (pad: zero
+    heads and replicated K/V are real weights the device reads and multiplies)."""
+    if layout == "shard":
+        return 0.0
+    q, kv = heads_per_device(model, rep.tp, layout)
+    return model.hidden * model.head_dim * (2 * (q - model.heads / rep.tp) + 2 * (kv - model.n_kv_heads / rep.tp))
+
+
+def token_bucket(tokens, smallest: int = MIN_TOKEN_BUCKET):
+    """The power-of-two bucket (>= smallest) a static-shape stack compiles for `tokens`."""
+    t = np.maximum(np.asarray(tokens, dtype=float), 1.0)
+    return np.maximum(smallest, 2.0 ** np.ceil(np.log2(t)))
+
+
+def kv_bytes_per_token(model: ModelConfig, kv: str, tp: int = 1, pp: int = 1, layout: str = "shard") -> float:
     """KV-cache bytes per token on one device: K and V of the kv heads it holds (GQA/MQA: kv_heads < heads;
-    tp > kv_heads replicates one kv head per device) for its layers."""
-    heads_dev = max(model.n_kv_heads / tp, 1.0)
+    tp > kv_heads replicates one kv head per device; `layout` pad: heads_per_device) for its layers."""
+    heads_dev = heads_per_device(model, tp, layout)[1]
     return 2.0 * (model.layers / pp) * heads_dev * model.head_dim * KV_PRECISIONS[kv]
 
 
-def weight_bytes_per_device(model: ModelConfig, rep: Replica) -> float:
+def weight_bytes_per_device(model: ModelConfig, rep: Replica, layout: str = "shard") -> float:
     """Weights one device holds: its 1/pp of the layers sharded over tp, plus the embedding (first stage) and
     the output head (last stage) sharded over tp; the fuller of the two end stages (both when pp = 1)."""
     wb = WEIGHT_PRECISIONS[rep.weights]
-    layers = math.ceil(model.layers / rep.pp) * model.params_per_layer() / rep.tp
+    layers = math.ceil(model.layers / rep.pp) * (model.params_per_layer() / rep.tp
+                                                 + _padded_attention_params(model, rep, layout))
     ends = model.embedding_params() + model.head_params() if rep.pp == 1 else \
         max(model.embedding_params(), model.head_params())
     return (layers + ends / rep.tp) * wb
 
 
-def _streamed_weight_bytes(model: ModelConfig, rep: Replica, tokens=1.0):
+def _streamed_weight_bytes(model: ModelConfig, rep: Replica, tokens=1.0, layout: str = "shard"):
     """Weight bytes read per forward on the slowest stage: its layers and the output head (the embedding is a
     lookup of b rows, not a read of the table). A mixture-of-experts layer reads only the experts its
     `tokens` tokens route to: E (1 - (1 - k/E)^tokens) of them in expectation (uniform routing)."""
     wb = WEIGHT_PRECISIONS[rep.weights]
     head = model.vocab * model.hidden
     layers = math.ceil(model.layers / rep.pp)
+    pad = layers * _padded_attention_params(model, rep, layout) * wb
     if not _is_moe(model):
-        return (layers * model.params_per_layer() + head) / rep.tp * wb
+        return (layers * model.params_per_layer() + head) / rep.tp * wb + pad
     touched = model.experts * (1 - (1 - model.experts_per_token / model.experts) ** np.asarray(tokens, dtype=float))
     per_layer = model.attention_params_per_layer() + model.hidden * model.experts + touched * model.expert_params()
-    return (layers * per_layer + head) / rep.tp * wb
+    return (layers * per_layer + head) / rep.tp * wb + pad
 
 
-def _matmul_params_stage(model: ModelConfig, rep: Replica) -> float:
+def _matmul_params_stage(model: ModelConfig, rep: Replica, layout: str = "shard") -> float:
     """Parameters each token multiplies with on the stage (active experts only), per device."""
     per_layer = model.active_params_per_layer() if _is_moe(model) else model.params_per_layer()
-    return (math.ceil(model.layers / rep.pp) * per_layer + model.vocab * model.hidden) / rep.tp
+    layers = math.ceil(model.layers / rep.pp)
+    return (layers * per_layer + model.vocab * model.hidden) / rep.tp + layers * _padded_attention_params(
+        model, rep, layout)
 
 
 def peak_flops(system: System, weights: str) -> float:
@@ -312,19 +360,22 @@ def prefill_time_s(model: ModelConfig, system: System, rep: Replica, prompt_toke
     eff = eff or serving_efficiency(system)
     sys_s = _serving_system(system, eff)
     s = np.asarray(prompt_tokens, dtype=float)
+    if eff.buckets:  # the prompt runs padded to its context-encoding bucket (transformers-neuronx bucket.find;
+        s = token_bucket(s, MIN_TOKEN_BUCKET // 2)  # default context buckets: half the token buckets, from 64)
     n = np.asarray(prompts, dtype=float)
     tokens = s * n
     layers = math.ceil(model.layers / rep.pp)
     attention = attention or eff.attention
+    q_heads = heads_per_device(model, rep.tp, eff.head_layout)[0]
     square = 1.0 if attention == "unfused" else 0.5  # causal: a fused kernel skips the masked half
-    attn_flops = layers * n * 4.0 * square * s * s * model.hidden / rep.tp
-    flops = 2.0 * tokens * _matmul_params_stage(model, rep) + attn_flops
+    attn_flops = layers * n * 4.0 * square * s * s * q_heads * model.head_dim
+    flops = 2.0 * tokens * _matmul_params_stage(model, rep, eff.head_layout) + attn_flops
     compute = flops / (peak_flops(system, rep.weights) * eff.prefill_flops_eff)
     score_bytes = 0.0
     if attention == "unfused":  # scores written and read once in bf16
-        score_bytes = layers * n * 2 * BF16_BYTES * (model.heads / rep.tp) * s * s
+        score_bytes = layers * n * 2 * BF16_BYTES * q_heads * s * s
     act_bytes = layers * tokens * 8 * model.hidden * BF16_BYTES / rep.tp  # q/k/v/o and MLP activations, roughly
-    memory = (_streamed_weight_bytes(model, rep, tokens) + score_bytes + act_bytes) / (
+    memory = (_streamed_weight_bytes(model, rep, tokens, eff.head_layout) + score_bytes + act_bytes) / (
         system.device_hbm_bw_bytes_per_s * eff.decode_bw_eff)
     stage = soft_roofline(compute, memory) + layers * eff.layer_overhead_s + _tp_comm_s(sys_s, model, rep, tokens, layers)
     hand_off = p2p_time_s(sys_s, tokens * model.hidden * BF16_BYTES, rep.tp, rep.pp) if rep.pp > 1 else 0.0
@@ -342,11 +393,17 @@ def decode_step_s(model: ModelConfig, system: System, rep: Replica, batch, conte
     mb = b / rep.pp  # sequences per pipeline microbatch: every stage works on one microbatch at a time
     layers = math.ceil(model.layers / rep.pp)
     tokens = mb * tokens_per_seq
-    flops = 2.0 * tokens * _matmul_params_stage(model, rep) + layers * tokens * 4.0 * c * model.hidden / rep.tp
+    if eff.buckets:  # attention runs over the whole power-of-two token bucket holding the context
+        c = token_bucket(c)
+    q_heads = heads_per_device(model, rep.tp, eff.head_layout)[0]
+    flops = 2.0 * tokens * _matmul_params_stage(model, rep, eff.head_layout) + \
+        layers * tokens * 4.0 * c * q_heads * model.head_dim
     compute = flops / (peak_flops(system, rep.weights) * eff.prefill_flops_eff)
     bw = system.device_hbm_bw_bytes_per_s
-    weights = _streamed_weight_bytes(model, rep, tokens) / (bw * eff.decode_bw_eff)
-    kv = mb * c * kv_bytes_per_token(model, rep.kv, rep.tp, rep.pp) / (bw * eff.kv_bw_eff)
+    weights = _streamed_weight_bytes(model, rep, tokens, eff.head_layout) / (bw * eff.decode_bw_eff)
+    kv = mb * c * kv_bytes_per_token(model, rep.kv, rep.tp, rep.pp, eff.head_layout) / (bw * eff.kv_bw_eff)
+    if eff.gqa_decode == "per_query_head":  # each query head reads its kv head's cache again
+        kv = kv * q_heads / heads_per_device(model, rep.tp, eff.head_layout)[1]
     stage = soft_roofline(compute, weights + kv) + layers * eff.layer_overhead_s + _tp_comm_s(
         sys_s, model, rep, tokens, layers)
     hand_off = p2p_time_s(sys_s, tokens * model.hidden * BF16_BYTES, rep.tp, rep.pp) if rep.pp > 1 else 0.0
@@ -386,27 +443,29 @@ def _draft_tp(draft: ModelConfig, tp: int) -> int:
 
 
 # ---- memory and capacity -------------------------------------------------------------------------------
-def kv_pages_bytes_per_sequence(model: ModelConfig, rep: Replica, tokens) -> np.ndarray:
+def kv_pages_bytes_per_sequence(model: ModelConfig, rep: Replica, tokens, layout: str = "shard") -> np.ndarray:
     """KV cache of one sequence of `tokens` tokens on one device, in whole pages of PAGE_TOKENS."""
     pages = np.ceil(np.asarray(tokens, dtype=float) / PAGE_TOKENS)
-    return pages * PAGE_TOKENS * kv_bytes_per_token(model, rep.kv, rep.tp, rep.pp)
+    return pages * PAGE_TOKENS * kv_bytes_per_token(model, rep.kv, rep.tp, rep.pp, layout)
 
 
-def kv_budget_bytes(model: ModelConfig, system: System, rep: Replica, max_tokens_per_step: int = 8192) -> float:
+def kv_budget_bytes(model: ModelConfig, system: System, rep: Replica, max_tokens_per_step: int = 8192,
+                    layout: str = "shard") -> float:
     """Device memory left for the KV cache: MEMORY_UTILIZATION of HBM minus weights (and the draft's) minus
     the activation workspace of one step of max_tokens_per_step tokens (vLLM's profiling run does the same)."""
     draft = _draft_model(rep)
-    weights = weight_bytes_per_device(model, rep)
+    weights = weight_bytes_per_device(model, rep, layout)
     if draft is not None:
         weights += weight_bytes_per_device(draft, Replica(tp=_draft_tp(draft, rep.tp)))
     workspace = max_tokens_per_step * (4 * model.hidden + 2 * model.ffn / rep.tp + model.vocab / rep.tp) * 4
     return system.device_memory_bytes * MEMORY_UTILIZATION - weights - workspace
 
 
-def max_sequences(model: ModelConfig, system: System, rep: Replica, tokens_per_sequence) -> np.ndarray:
+def max_sequences(model: ModelConfig, system: System, rep: Replica, tokens_per_sequence,
+                  layout: str = "shard") -> np.ndarray:
     """Concurrent sequences of that length one replica's KV cache holds (0: the weights do not fit)."""
-    budget = kv_budget_bytes(model, system, rep)
-    per_seq = kv_pages_bytes_per_sequence(model, rep, tokens_per_sequence)
+    budget = kv_budget_bytes(model, system, rep, layout=layout)
+    per_seq = kv_pages_bytes_per_sequence(model, rep, tokens_per_sequence, layout)
     # every pipeline stage holds the KV of its own layers for every sequence: per_seq is already per stage
     return np.floor(np.maximum(budget, 0.0) / per_seq)
 
@@ -476,13 +535,14 @@ def estimate(model: ModelConfig | str, system: System | str, rep: Replica, batch
     check_replica(model, system, rep)
     eff = eff or serving_efficiency(system)
     point = {k: float(np.asarray(v)) for k, v in operating_point(model, system, rep, batch, prompt, output, eff).items()}
-    seqs = int(max_sequences(model, system, rep, prompt + output))
-    per_tok = kv_bytes_per_token(model, rep.kv, rep.tp, rep.pp)
-    kv = float(kv_pages_bytes_per_sequence(model, rep, prompt + output)) * batch  # per device (its stage's layers)
+    layout = eff.head_layout
+    seqs = int(max_sequences(model, system, rep, prompt + output, layout))
+    per_tok = kv_bytes_per_token(model, rep.kv, rep.tp, rep.pp, layout)
+    kv = float(kv_pages_bytes_per_sequence(model, rep, prompt + output, layout)) * batch  # per device (its stage)
     est = ServeEstimate(
         model=model.name, system=system.name, replica=rep, devices=rep.devices,
         chips=rep.devices / system.devices_per_chip, batch=batch, prompt=prompt, output=output,
-        weights_bytes_per_device=weight_bytes_per_device(model, rep), kv_bytes_per_device=kv,
+        weights_bytes_per_device=weight_bytes_per_device(model, rep, layout), kv_bytes_per_device=kv,
         kv_bytes_per_token_per_device=per_tok, memory_capacity_bytes=system.device_memory_bytes * MEMORY_UTILIZATION,
         max_sequences=seqs, fits=batch <= seqs, efficiency=asdict(eff), **point)
     if seqs == 0:
@@ -553,7 +613,7 @@ def best_batch(model: ModelConfig, system: System, rep: Replica, target: Target,
                eff: ServingEfficiency | None = None) -> tuple[int, dict] | None:
     """The largest batch (highest throughput per replica) meeting the latency targets and fitting the KV cache."""
     eff = eff or serving_efficiency(system)
-    limit = int(min(MAX_BATCH, max_sequences(model, system, rep, target.prompt + target.output)))
+    limit = int(min(MAX_BATCH, max_sequences(model, system, rep, target.prompt + target.output, eff.head_layout)))
     if limit < 1:
         return None
     batches = np.arange(1, limit + 1, dtype=float)

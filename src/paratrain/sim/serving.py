@@ -198,7 +198,8 @@ def simulate(model: ModelConfig, system: System, rep: Replica, requests: Request
     arrival = np.asarray(requests.arrival_s, dtype=float)
     kv_cap = engine.kv_tokens
     if kv_cap is None:
-        kv_cap = int(max(kv_budget_bytes(model, system, rep), 0) // kv_bytes_per_token(model, rep.kv, rep.tp, rep.pp))
+        kv_cap = int(max(kv_budget_bytes(model, system, rep, layout=eff.head_layout), 0)
+                     // kv_bytes_per_token(model, rep.kv, rep.tp, rep.pp, eff.head_layout))
     need = (np.ceil((prompt + output) / PAGE_TOKENS) * PAGE_TOKENS).astype(np.int64)
     if need.max() > kv_cap:
         raise ValueError(f"a request of {int(need.max())} tokens needs more KV cache than the replica holds "
