@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -20,6 +21,7 @@ from paratrain.plan.serve import (
     Target,
     decode_step_s,
     estimate,
+    heads_per_device,
     inter_token_s,
     kv_bytes_per_token,
     max_sequences,
@@ -36,8 +38,9 @@ H100 = "p5.48xlarge"
 # Evaluation rows the model misses by more than 20%, and why (docs/serving.md "Where it misses"). The test
 # fails if one of them starts to pass (remove it here) or any other evaluation row misses.
 KNOWN_MISSES = {
-    # transformers-neuronx long-prompt prefill (4k-8k tokens) on trn1 runs 3-4x slower than its 2k-token
-    # prefill rate predicts (Llama-3 rows of Neuron 2.18.1 do not show it): software, not the chip's FLOPs
+    # transformers-neuronx long-prompt prefill (4k-8k tokens) of Llama-2-13B / CodeLlama-13B / Mistral-7B on trn1
+    # (TP 32): 2.4-2.6x slower than the same SDK's inf2.48xlarge rows (TP 24, the same NeuronCore-v2), which
+    # the model predicts within 20%: not the chip (fewer cores beat more), an unpublished setting of those runs
     "neuron-trn1-llama-2-13b-ttft-8192-8192", "neuron-trn1-mistral-7b-ttft-8192-8192",
     "neuron-trn1-codellama-13b-ttft-4096-4096", "neuron-trn1-codellama-13b-ttft-8192-8192",
     # Mistral-7B decode at a 12k-token context (16k bucket): the decode step grows ~0.4 us per bucket position
@@ -49,6 +52,20 @@ KNOWN_MISSES = {
     # TensorRT-LLM v0.6.1 Llama-2-70B at 2048+2048: with the pre-XQA kernel's K/V read per query head the
     # decode is now predicted 22% slow (an upper bound on that traffic: L2 serves part of the re-reads)
     "trtllm-h100-70b-thr-2048-2048",
+    # inf2.48xlarge (the same Neuron 2.18 transformers-neuronx table, TP 24; evaluation only). 128-token prompts
+    # of 7B-13B models take ~26 ms whatever the model (trn1: 13-17 ms): a per-request floor the model lacks
+    "neuron-inf2-llama-3-8b-ttft-128-8064", "neuron-inf2-llama-3-8b-ttft-128-3968",
+    "neuron-inf2-llama-2-7b-ttft-128-3968", "neuron-inf2-llama-2-7b-ttft-128-8064",
+    "neuron-inf2-llama-2-13b-ttft-128-3968", "neuron-inf2-mistral-7b-ttft-128-3968",
+    "neuron-inf2-codellama-13b-ttft-128-3968",
+    # mid-length prompts predicted 21-56% slow: measured prefill grows super-linearly (70B: 1024 -> 2048 tokens
+    # costs 2.9-3.0x on trn1 and inf2) where the model is near-linear; the trn1 fit averages the two ends
+    "neuron-inf2-llama-3-8b-ttft-4096-4096", "neuron-inf2-llama-3-8b-ttft-2048-2048",
+    "neuron-inf2-llama-3-70b-ttft-1024-2048", "neuron-inf2-llama-3-70b-ttft-1024-1024",
+    "neuron-inf2-llama-3-70b-ttft-256-256", "neuron-inf2-llama-2-70b-ttft-256-256",
+    "neuron-inf2-llama-2-70b-ttft-1024-1024", "neuron-inf2-llama-2-70b-ttft-1024-2048",
+    # the source's Mistral-7B 4096-token TTFT (558 ms) exceeds its own 8192-token row (540 ms, predicted +2%)
+    "neuron-inf2-mistral-7b-ttft-4096-4096",
     # vLLM's 2024 nightly latency test of an 8B model at batch 8: ~2 ms per step of host overhead that the
     # `nvidia` table (fitted on NIM / vLLM 0.23 rows, near-zero fixed cost per layer) does not have
     "vllm-h200-llama-31-8b-e2e-32-128",
@@ -73,6 +90,42 @@ def test_kv_cache_bytes_gqa_mqa_and_tp():
     mha = ModelConfig(name="mha", layers=4, hidden=512, heads=8, vocab=1000)
     assert kv_bytes_per_token(mha, "bf16") == 8 * kv_bytes_per_token(mqa, "bf16")
     assert kv_bytes_per_token(L70, "bf16", pp=4) == kv_bytes_per_token(L70, "bf16") / 4
+
+
+def test_stack_head_layout_buckets_and_gqa_decode():
+    """The software facts of serving_efficiency.toml: transformers-neuronx's head padding / K/V replication and
+    power-of-two buckets, TensorRT-LLM's pre-XQA per-query-head K/V reads."""
+    l13 = PRESETS["llama2-13b"]  # 40 heads (MHA): at tp 32 padded to 64, two per NeuronCore
+    assert heads_per_device(l13, 32, "pad") == (2.0, 2.0) and heads_per_device(l13, 32) == (1.25, 1.25)
+    assert heads_per_device(L70, 32, "pad") == (2.0, 2.0)  # 8 kv heads, tp 32: K/V replicated per query head
+    assert heads_per_device(L70, 32) == (2.0, 1.0) and heads_per_device(L70, 8, "pad") == (8.0, 1.0)
+    assert kv_bytes_per_token(L70, "bf16", tp=32, layout="pad") == 2 * kv_bytes_per_token(L70, "bf16", tp=32)
+    trn1 = resolve_system("trn1.32xlarge")
+    tnx = serving_efficiency(trn1, "aws-tnx-2024")
+    assert (tnx.head_layout, tnx.buckets, tnx.attention) == ("pad", True, "unfused")
+    even = replace(tnx, head_layout="shard")
+    rep = Replica(tp=32)
+    assert weight_bytes_per_device(l13, rep, "pad") > weight_bytes_per_device(l13, rep)
+    assert prefill_time_s(l13, trn1, rep, 4096, 1, tnx) > prefill_time_s(l13, trn1, rep, 4096, 1, even)
+    # a 1000-token prompt runs in the 1024 bucket; decode at 3000 tokens attends over the 4096 bucket
+    assert prefill_time_s(L70, trn1, rep, 1000, 1, tnx) == prefill_time_s(L70, trn1, rep, 1024, 1, tnx)
+    assert decode_step_s(L70, trn1, rep, 1, 3000, tnx) == decode_step_s(L70, trn1, rep, 1, 4096, tnx)
+    free = replace(even, buckets=False)
+    assert prefill_time_s(L70, trn1, rep, 1000, 1, free) < prefill_time_s(L70, trn1, rep, 1024, 1, free)
+    # per-query-head K/V reads: a GQA decode slows by the KV term only, an MHA decode not at all
+    h100 = resolve_system(H100)
+    grouped = serving_efficiency(h100, "nvidia-trtllm-2023")
+    assert grouped.gqa_decode == "per_query_head"
+    grouped = replace(grouped, gqa_decode="grouped")
+    per_q = replace(grouped, gqa_decode="per_query_head")
+    rep2 = Replica(tp=2, weights="fp8", kv="fp8")
+    slow = decode_step_s(L70, h100, rep2, 64, 3072, per_q) - decode_step_s(L70, h100, rep2, 64, 3072, grouped)
+    kv_s = 64 * 3072 * kv_bytes_per_token(L70, "fp8", tp=2) / (h100.device_hbm_bw_bytes_per_s * grouped.kv_bw_eff)
+    assert slow == pytest.approx(7 * kv_s, rel=0.1)  # 8 query heads per kv head: 7 more reads (soft roofline)
+    l7 = PRESETS["llama2-7b"]
+    assert decode_step_s(l7, h100, rep2, 64, 3072, per_q) == decode_step_s(l7, h100, rep2, 64, 3072, grouped)
+    with pytest.raises(ValueError, match="head_layout = 'odd'"):
+        replace(tnx, head_layout="odd")
 
 
 def test_weights_and_capacity_follow_memory():
