@@ -790,3 +790,21 @@ def test_pure_bf16_with_stochastic_rounding_keeps_no_fp32_master():
     kernels = 4 * system.chip.efficiency.kernel_overhead_s  # the step's fixed launches
     assert (step["sr"] - kernels) == pytest.approx((step["mixed"] - kernels) * BF16_ADAM_STEP_BYTES / ADAM_STEP_BYTES)
     assert sr.time_breakdown_s["compute"] == mixed.time_breakdown_s["compute"]
+
+
+def test_trainium_gemms_run_in_whole_tensor_engine_tiles():
+    """Trainium's TensorEngine contracts <= 128 partitions against <= 128 stationary columns with <= 512 moving
+    columns per instruction (NKI nc_matmul): a GEMM dimension off those multiples runs whole tiles, GPUs are not
+    tiled in the model. Llama 3.1 8B at TP 32: the MLP's down projection contracts over 14336 / 32 = 448 -> 512."""
+    from paratrain.plan.model import matmul_tile_factor, matmul_time_s
+
+    trn, gpu = resolve_system("trn1.32xlarge"), resolve_system("p5.48xlarge")
+    assert (trn.chip.matmul_tile, trn.chip.matmul_moving_tile) == (128, 512)
+    assert matmul_tile_factor(gpu, 8192, 448, 4096) == 1.0
+    assert matmul_tile_factor(trn, 8192, 4096, 1024) == pytest.approx(1.0)  # whole tiles: nothing wasted
+    assert matmul_tile_factor(trn, 8192, 4096, 448) == pytest.approx(512 / 448)
+    assert matmul_tile_factor(trn, 8192, 64, 4096) == pytest.approx(2.0)  # 64 of a stationary tile's 128 columns
+    assert matmul_tile_factor(trn, 100, 512, 128) == pytest.approx(128 / 100)  # m on the 128 side, n the 512 one
+    small = matmul_time_s(trn, 8192, 64, 4096) - trn.chip.efficiency.kernel_overhead_s
+    full = matmul_time_s(trn, 8192, 128, 4096) - trn.chip.efficiency.kernel_overhead_s
+    assert small == pytest.approx(full, rel=0.05)  # half the columns, about the same time (memory term aside)

@@ -60,6 +60,11 @@ class Chip:
     # the FP8/FP4 rates are those of block-scaled (MX) formats, one scale per 32 elements (Trainium3: "2,517
     # MXFP8/MXFP4 TFLOPS"): what the planner assumes its low-precision matmuls use unless told otherwise
     fp8_block_scaled: bool = False
+    # A systolic matrix engine's tile (Trainium's TensorEngine: 128 x 128 PEs, a matmul instruction contracts <= 128
+    # partitions against a stationary tile of <= 128 columns and streams <= 512 moving columns): a GEMM dimension
+    # that is not a multiple of it runs in whole tiles (plan.model.matmul_tile_factor). 0: not modelled (GPUs)
+    matmul_tile: int = 0
+    matmul_moving_tile: int = 0
     power_w: float | None = None
     sources: dict[str, str] = field(default_factory=dict)
     conflicts: tuple[str, ...] = ()
@@ -263,7 +268,7 @@ class Catalog:
 CHIP_FIELDS = {
     "display_name": ("str", False), "vendor": ("str", True), "status": ("str", False),
     "bf16_tflops": ("pos", True), "fp8_tflops": ("pos", False), "fp4_tflops": ("pos", False),
-    "fp8_block_scaled": ("bool", False),
+    "fp8_block_scaled": ("bool", False), "matmul_tile": ("nonneg_int", False), "matmul_moving_tile": ("nonneg_int", False),
     "hbm_bytes": ("posint", True), "hbm_bw_gbytes_per_s": ("pos", True), "cores_per_chip": ("posint", True),
     "power_w": ("pos", False), "source": ("str", True), "sources": ("strdict", False),
     "conflicts": ("strlist", False), "efficiency": ("table", True),

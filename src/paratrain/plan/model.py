@@ -512,9 +512,26 @@ def matmul_time_s(system: System, m, n, k, fp8: bool = False, opts: Options | No
     traffic = in_bytes * (m * k + k * n) + BF16_BYTES * m * n + extra_bytes
     peak = low_precision_flops(system, opts or Options(fp8=True)) if fp8 else system.device_peak_flops
     mm_eff = opts.matmul_eff if opts is not None and opts.matmul_eff is not None else eff.matmul_eff_max
-    compute = flops / (peak * mm_eff)
+    compute = flops * matmul_tile_factor(system, m, n, k) / (peak * mm_eff)
     memory = traffic / (system.device_hbm_bw_bytes_per_s * eff.memory_bw_eff)
     return soft_roofline(compute, memory) + eff.kernel_overhead_s
+
+
+def matmul_tile_factor(system: System, m, n, k):
+    """Work a systolic matrix engine does for an m x k by k x n GEMM over what the GEMM needs: its dimensions run in
+    whole tiles (chip.matmul_tile; 1 where the chip sets none). Trainium's TensorEngine contracts at most 128 partitions
+    per instruction against a stationary tile of at most 128 columns while at most 512 moving columns stream through
+    (NKI architecture guide, trainium_inferentia2_arch.rst; nki.isa.nc_matmul), so k rounds up to 128 and the two
+    output dimensions to 128 and 512, whichever way round wastes less (the compiler picks the stationary operand).
+    Backward's GEMMs are counted at the forward's factor (their contraction is one of these dimensions)."""
+    tile, moving = system.chip.matmul_tile, system.chip.matmul_moving_tile
+    if not tile:
+        return 1.0
+
+    def up(x, t):
+        x = np.maximum(np.asarray(x, dtype=float), 1.0)
+        return np.ceil(x / t) * t / x
+    return up(k, tile) * np.minimum(up(n, tile) * up(m, moving), up(m, tile) * up(n, moving))
 
 
 def device_fp8_flops(system: System) -> float:
