@@ -126,6 +126,11 @@ def test_stack_head_layout_buckets_and_gqa_decode():
     assert decode_step_s(l7, h100, rep2, 64, 3072, per_q) == decode_step_s(l7, h100, rep2, 64, 3072, grouped)
     with pytest.raises(ValueError, match="head_layout = 'odd'"):
         replace(tnx, head_layout="odd")
+    # padded heads run any tp (the published Llama-2-13B rows: tp 24 on inf2); an even split needs a divisor
+    inf2 = resolve_system("inf2.48xlarge")
+    assert estimate(l13, inf2, Replica(tp=24), 1, 4096, 256, tnx).kv_bytes_per_token_per_device == 40 * 2 * 128 * 2 * 2
+    with pytest.raises(ValueError, match="tp = 24: must divide heads = 40"):
+        estimate(l13, inf2, Replica(tp=24), 1, 4096, 256)
 
 
 def test_weights_and_capacity_follow_memory():

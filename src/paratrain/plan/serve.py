@@ -236,11 +236,13 @@ class Replica:
         return asdict(self)
 
 
-def check_replica(model: ModelConfig, system: System, rep: Replica) -> None:
-    """One ValueError naming the field, the value and what is allowed."""
+def check_replica(model: ModelConfig, system: System, rep: Replica, layout: str = "shard") -> None:
+    """One ValueError naming the field, the value and what is allowed. A stack that pads heads (layout "pad",
+    transformers-neuronx) runs any tp: the heads are padded up to it (Llama-2-13B's 40 heads at tp 24 or 32)."""
+    padded = layout == "pad"
     checks = [
-        (model.heads % rep.tp == 0, f"tp = {rep.tp}: must divide heads = {model.heads}"),
-        (model.n_kv_heads % rep.tp == 0 or rep.tp % model.n_kv_heads == 0,
+        (padded or model.heads % rep.tp == 0, f"tp = {rep.tp}: must divide heads = {model.heads}"),
+        (padded or model.n_kv_heads % rep.tp == 0 or rep.tp % model.n_kv_heads == 0,
          f"tp = {rep.tp}: must divide or be a multiple of kv_heads = {model.n_kv_heads}"),
         (model.layers >= rep.pp, f"pp = {rep.pp}: must be <= layers = {model.layers}"),
         (rep.ep == 1 or (_is_moe(model) and rep.tp % rep.ep == 0 and model.experts % rep.ep == 0),
@@ -532,8 +534,8 @@ def estimate(model: ModelConfig | str, system: System | str, rep: Replica, batch
     model = load_serving_model(model)
     system = resolve_system(system)
     _check_request(batch=batch, prompt=prompt, output=output)
-    check_replica(model, system, rep)
     eff = eff or serving_efficiency(system)
+    check_replica(model, system, rep, eff.head_layout)
     point = {k: float(np.asarray(v)) for k, v in operating_point(model, system, rep, batch, prompt, output, eff).items()}
     layout = eff.head_layout
     seqs = int(max_sequences(model, system, rep, prompt + output, layout))
@@ -639,7 +641,7 @@ def nodes_for(system: System, rep: Replica, replicas: int) -> int:
 
 
 def replica_layouts(model: ModelConfig, system: System, weights: tuple[str, ...], kv: tuple[str, ...],
-                    max_pp: int = 8) -> list[Replica]:
+                    max_pp: int = 8, layout: str = "shard") -> list[Replica]:
     """Every replica layout worth trying: tp a divisor of the node's devices the heads allow, pp up to max_pp."""
     out = []
     per_node = system.devices_per_node
@@ -655,7 +657,7 @@ def replica_layouts(model: ModelConfig, system: System, weights: tuple[str, ...]
                     for ep in eps:
                         rep = Replica(tp=tp, pp=pp, ep=ep, weights=w, kv=k)
                         try:
-                            check_replica(model, system, rep)
+                            check_replica(model, system, rep, layout)
                         except ValueError:
                             continue
                         out.append(rep)
@@ -673,7 +675,7 @@ def plan(model: ModelConfig | str, system: System | str, target: Target, weights
     eff = eff or serving_efficiency(system)
     price = device_usd_per_hour
     plans = []
-    for rep in replicas or replica_layouts(model, system, weights, kv):
+    for rep in replicas or replica_layouts(model, system, weights, kv, layout=eff.head_layout):
         found = best_batch(model, system, rep, target, eff)
         if found is None:
             continue

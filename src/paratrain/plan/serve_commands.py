@@ -113,7 +113,7 @@ def cmd_recommend(args) -> None:
          seed=(int, opt("random seed", 0)))
 def cmd_simulate(args) -> None:
     model, system, eff = _load(args)
-    serve.check_replica(model, system, rep := from_options(Replica, args))
+    serve.check_replica(model, system, rep := from_options(Replica, args), eff.head_layout)
     start = time.perf_counter()
     results, requests = simulate_requests(model, system, rep, from_options(Engine, args), Slo(args.ttft_s, args.itl_s),
                                           eff, trace=args.trace, rate=args.rate, prompt=args.prompt_tokens,
