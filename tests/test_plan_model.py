@@ -511,6 +511,45 @@ def test_torchtitan_selective_op_checkpointing():
     assert step["none"] < step["selective"] < step["full"]
 
 
+def test_torchtitan_op_sac_keeps_what_its_policy_saves():
+    """The bytes per token plan.model.selective_ops_bytes_per_token keeps are what torchtitan's per-op SAC policy
+    (_get_custom_policy: every matmul output saved except the 2nd, 4th, 6th of the block; SDPA's outputs saved)
+    keeps on paratrain's Llama block, whose matmuls run in torchtitan's order (wq, wk, wv, wo, w1, w3, w2): counted
+    on the block's aten ops in bf16, plus the checkpoint's input, against the formula with the log-sum-exp."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from paratrain.model.llama import Llama
+    from paratrain.plan.model import selective_ops_bytes_per_token
+
+    class Policy(TorchDispatchMode):
+        mms = kept = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            outs = [t for t in (out if isinstance(out, tuple | list) else [out]) if isinstance(t, torch.Tensor)]
+            if name == "mm":
+                self.mms += 1
+                if self.mms % 2:  # every second matmul is recomputed (PREFER_RECOMPUTE), the rest saved
+                    self.kept += sum(t.numel() * t.element_size() for t in outs)
+            elif "scaled_dot_product" in name:  # SDPA's output and log-sum-exp
+                self.kept += sum(t.numel() * t.element_size() for t in outs if t.dim() >= 3)
+            return out
+
+    cfg = PRESETS["tiny"]
+    model = Llama(cfg).to(torch.bfloat16)
+    tokens = 64
+    cos, sin = model.positions_tables(tokens, None)
+    hidden = torch.randn(1, tokens, cfg.hidden, dtype=torch.bfloat16)
+    with Policy() as policy:
+        model.layers["0"](hidden, cos, sin)
+    assert policy.mms == 7
+    kept = policy.kept + hidden.numel() * hidden.element_size()
+    lse = 4 * cfg.heads  # fp32 per head per token
+    assert kept / tokens == pytest.approx(float(selective_ops_bytes_per_token(cfg, np.float64(1), False)) + lse)
+
+
 def test_hsdp_replica_allreduce_hides_behind_backward():
     """HSDP all-reduces each unit's gradient shard across the replicas right after its reduce-scatter, behind the
     backward of the layers before it (FSDP1 and FSDP2 alike); only the last unit's and the root's are left. IBM's
