@@ -14,16 +14,19 @@ Node failure: TP2 (inside each host) x DP2 (across the hosts), the data-parallel
 (--hybrid-shard: hybrid sharding across nodes); every process of host b is SIGKILLed mid-run (as when a machine
 dies), its launcher is started again, and the job resumes from the newest complete checkpoint and finishes with
 the uninterrupted losses. (The steps before the kill are the plain two-host run; a separate TP2 x FSDP2 run
-without a failure was dropped for the CPU budget, issue #21.)
+without a failure was dropped for the CPU budget, issue #21.) Its hosts run the torchrun command and environment
+`paratrain launch --dry-run --json` gives, with the workers forked warm from the agent (tests/torchrun_fork.py).
 Elastic shrink: FSDP DP2 across the hosts (one rank each); with --nnodes 1:2 and host b gone for good, host a goes
 on alone (DP2 -> DP1, same global batch by gradient accumulation), resharding the checkpoint, and finishes with
-the same losses.
+the same losses. It runs `paratrain launch` itself on each host (exec of torchrun, cold `-m paratrain` workers).
 
 Needs root (ip netns); skipped with the reason otherwise. Namespaces are unique per test and always removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import os
 import re
@@ -35,6 +38,7 @@ from pathlib import Path
 import netns
 import pytest
 import torch
+from torchrun_fork import forked
 
 from paratrain.cli import main
 from paratrain.train.checkpoint import MANIFEST
@@ -104,22 +108,44 @@ def single_process_losses(data: Path, run_dir: Path) -> list[float]:
     return json.loads(summary.read_text())["losses"]
 
 
-def start_host(host: netns.Host, rdzv_host: netns.Host, nnodes: str, nproc: int, sets: list[str],
-               log: Path, run_id: str, extra: list[str] = ()) -> subprocess.Popen:
-    """`paratrain launch` inside the host's namespace, as a user would type it on that machine."""
-    cmd = [sys.executable, "-m", "paratrain", "launch", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
-           "--rdzv-endpoint", f"{rdzv_host.addr}:{RDZV_PORT}", "--rdzv-id", run_id,
-           # in namespaces the hostname resolves to neither host, so say which one serves the c10d store
-           "--rdzv-conf", f"is_host={int(host is rdzv_host)}", "--local-addr", host.addr, "--ifname", host.ifname,
-           *extra]
+def launch_args(host: netns.Host, rdzv_host: netns.Host, nnodes: str, nproc: int, sets: list[str], run_id: str,
+                extra: list[str] = ()) -> list[str]:
+    """`paratrain launch` arguments on `host`, as a user would type them on that machine."""
+    args = ["launch", "--nnodes", nnodes, "--nproc-per-node", str(nproc),
+            "--rdzv-endpoint", f"{rdzv_host.addr}:{RDZV_PORT}", "--rdzv-id", run_id,
+            # in namespaces the hostname resolves to neither host, so say which one serves the c10d store
+            "--rdzv-conf", f"is_host={int(host is rdzv_host)}", "--local-addr", host.addr, "--ifname", host.ifname,
+            *extra]
     for item in sets:
-        cmd += ["--set", item]
+        args += ["--set", item]
+    return args
+
+
+def start_host(host: netns.Host, rdzv_host: netns.Host, nnodes: str, nproc: int, sets: list[str],
+               log: Path, run_id: str, extra: list[str] = (), fork: bool = False) -> subprocess.Popen:
+    """`paratrain launch` inside the host's namespace. With fork: the torchrun command and environment that
+    `paratrain launch --dry-run --json` gives for it (its torchrun arguments, `paratrain train` arguments and
+    worker environment), run with the workers forked warm (tests/torchrun_fork.py: ~3.5 CPU-s less per worker);
+    `paratrain launch` itself then only runs in this process."""
+    args = launch_args(host, rdzv_host, nnodes, nproc, sets, run_id, extra)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "paratrain", *args]
+    if fork:
+        launch = dry_run(args)
+        cmd, env = forked(launch["command"]), {**env, **launch["env"]}
     fh = open(log, "ab")  # noqa: SIM115 - closed when the process ends (the child owns the descriptor)
     try:
         return host.popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
     finally:
         fh.close()
+
+
+def dry_run(args: list[str]) -> dict:
+    """`paratrain ARGS --dry-run --json` in this process: the torchrun command, its environment, the placement."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*args, "--dry-run", "--json"]) == 0
+    return json.loads(out.getvalue())
 
 
 def wait_all(procs: list[subprocess.Popen], logs: list[Path], timeout_s: float = RUN_TIMEOUT_S) -> None:
@@ -179,7 +205,7 @@ def assert_losses_match(got: list[float], want: list[float], rtol: float) -> Non
 
 
 def run_with_failure(hosts, data_dir, tmp_path, nnodes: str, nproc: int, restart_b: bool, sets: dict,
-                     extra: list[str]):
+                     extra: list[str], fork: bool = False):
     """Data parallel across the two hosts; SIGKILL every process of host b after the checkpoint at step 4."""
     a, b = hosts
     run_dir = tmp_path / "run"
@@ -187,14 +213,15 @@ def run_with_failure(hosts, data_dir, tmp_path, nnodes: str, nproc: int, restart
     logs = [tmp_path / "host_a.log", tmp_path / "host_b.log"]
     launch = ["--max-restarts", "3", "--summary-json", str(tmp_path / "summary.json"), *extra]
     run_id = f"fail{tmp_path.name}"
-    procs = [start_host(h, a, nnodes, nproc, sets, log, run_id, launch) for h, log in zip(hosts, logs, strict=True)]
+    procs = [start_host(h, a, nnodes, nproc, sets, log, run_id, launch, fork)
+             for h, log in zip(hosts, logs, strict=True)]
     wait_for_checkpoint(run_dir / "checkpoints", 4, procs, logs)
     killed = b.kill_all()
     assert killed >= 1 + nproc, f"expected host b's agent and {nproc} worker(s), found {killed} processes"
     with logs[1].open("a") as fh:
         fh.write("\n=== host b killed (SIGKILL) ===\n")
     if restart_b:
-        procs[1] = start_host(b, a, nnodes, nproc, sets, logs[1], run_id, launch)
+        procs[1] = start_host(b, a, nnodes, nproc, sets, logs[1], run_id, launch, fork)
     else:
         procs = procs[:1]
     wait_all(procs, logs)
@@ -207,11 +234,17 @@ def test_host_killed_and_restarted_resumes_from_checkpoint(hosts, data_dir, refe
     # TP2 x DP2: TP inside each host, the two data-parallel replicas (HSDP) on different hosts, so killing host b
     # takes out one replica and half of every TP group's ranks. Steps 1-4 (before the kill) are the plain two-host
     # run: a separate run without a failure (~30 CPU-s) would show nothing these steps do not.
-    run_dir, logs = run_with_failure(hosts, data_dir, tmp_path, "2:2", 2, restart_b=True, sets={"parallel.tp": 2},
-                                     extra=["--hybrid-shard"])
+    # The 8 workers (2 per host, each host's twice) are forked warm from torchrun's agent, which runs the command
+    # and environment `paratrain launch --dry-run --json` gives (~28 CPU-s of imports less); `paratrain launch`
+    # exec'ing torchrun with cold `-m paratrain` workers is the shrink test's.
+    sets, extra = {"parallel.tp": 2}, ["--hybrid-shard"]
+    run_dir, logs = run_with_failure(hosts, data_dir, tmp_path, "2:2", 2, restart_b=True, sets=sets, extra=extra,
+                                     fork=True)
     resumed = resumed_steps(logs)
     assert resumed and min(resumed) >= 4, f"the job did not resume from a checkpoint\n{tails(logs)}"
-    assert "2 node(s) x 2: dp_replicate: across nodes, tp: intra-node" in logs[0].read_text()
+    a = hosts[0]  # what `paratrain launch` prints as "2 node(s) x 2: dp_replicate: across nodes, tp: intra-node"
+    launch = dry_run(launch_args(a, a, "2:2", 2, train_overrides(data_dir, run_dir, **sets), "placement", extra))
+    assert launch["placement"] == {"2": {"dp_replicate": "across nodes", "tp": "intra-node"}}, launch["placement"]
     assert "now dp2 x tp2 on 4 rank(s)" in logs[0].read_text() + logs[1].read_text()
     assert "same layout" in logs[0].read_text() + logs[1].read_text()
     got = losses_by_step(run_dir)

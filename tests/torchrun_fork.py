@@ -5,8 +5,9 @@ imports torch and paratrain (~3-4.5 CPU-s each before any work: a job restarted 
 `torchrun_cmd` runs the same torchrun command line (its elastic agent, rendezvous, restarts and failure reports)
 with torchrun's own `--run-path --start-method fork`: the agent forks each worker, which runs
 tests/torchrun_worker.py (`paratrain ARGS`). The agent's process imports paratrain before torchrun's main, so
-the forked workers start warm. The CLI path without fork (`-m paratrain`) stays covered by the other torchrun
-tests and `paratrain launch` in test_multinode_netns.py.
+the forked workers start warm. The CLI path without fork (`-m paratrain`) stays covered by
+test_context_parallel_torchrun.py and by `paratrain launch` itself in test_multinode_netns.py's shrink test;
+`forked` turns the command `paratrain launch --dry-run --json` prints into this form (the netns host-kill test).
 """
 
 from __future__ import annotations
@@ -25,3 +26,11 @@ def torchrun_cmd(torchrun_args: list[str], paratrain_args: list[str]) -> list[st
     """`torchrun TORCHRUN_ARGS -m paratrain PARATRAIN_ARGS`, its workers forked from a warm agent."""
     return [sys.executable, "-c", PRELOAD, *torchrun_args, "--run-path", "--start-method", "fork", str(WORKER),
             *paratrain_args]
+
+
+def forked(command: list[str]) -> list[str]:
+    """`PYTHON -m torch.distributed.run TORCHRUN_ARGS -m paratrain ARGS` (the command `paratrain launch` execs) with
+    its workers forked warm: the same torchrun arguments, the same paratrain arguments."""
+    assert command[1:3] == ["-m", "torch.distributed.run"], command
+    at = next(i for i in range(3, len(command)) if command[i:i + 2] == ["-m", "paratrain"])
+    return torchrun_cmd(command[3:at], command[at + 2:])
