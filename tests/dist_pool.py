@@ -51,6 +51,7 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results, sys_pat
     own_env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"}
     os.environ.update(own_env)
     store = dist.FileStore(store_path, world_size)
+    _share_gloo_device()
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=TASK_TIMEOUT_S / 2))
     _share_groups()
@@ -70,6 +71,26 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results, sys_pat
         except Exception as exc:  # noqa: BLE001 - unpicklable result
             results.put((rank, pickle.dumps(("error", f"rank {rank}: result not picklable: {exc}"))))
     dist.destroy_process_group()
+
+
+def _share_gloo_device() -> None:
+    """In a pool rank: every gloo process group uses one transport device (torch makes one per group). Each device
+    runs an event-loop thread that wakes every 10 ms, idle or not (gloo tcp/loop.cc): a 4-rank worker with the
+    default group and 3 subgroups had 4 of them, ~400 epoll_wait/s, and the 2- and 4-rank pools' 6 idle ranks
+    burnt 0.028 CPU-s per second between their tasks. gloo pairs of several contexts share a device (its
+    listener tells their connections apart), as gloo's own tests share one device across contexts; torch's
+    `new_group` takes no gloo options, hence the subclass."""
+    from torch.distributed import distributed_c10d as c10d
+
+    base, device = c10d.ProcessGroupGloo, c10d.ProcessGroupGloo.create_default_device()
+
+    class SharedDeviceGloo(base):
+        def __init__(self, store, rank, size, timeout):
+            options = base._Options()
+            options._devices, options._timeout = [device], timeout
+            super().__init__(store, rank, size, options)
+
+    c10d.ProcessGroupGloo = SharedDeviceGloo
 
 
 def _share_groups() -> None:
