@@ -637,6 +637,19 @@ def test_context_parallel_kv_exchange_per_stack():
         Options(cp_comm="a2a")
 
 
+def test_pytorch_native_stacks_share_the_kernel_rates():
+    """torchtitan (fsdp2) and DeepSpeed run PyTorch's own kernels (cuBLAS through torch, SDPA's FlashAttention-2):
+    both get the PyTorch-native GEMM and attention rates on Hopper and A100 (plan.stacks.PYTORCH_*_SCALE); Megatron
+    (Transformer Engine) and NxD keep the chip's."""
+    from paratrain.plan import stacks
+
+    for system, scale in (("p5.48xlarge", stacks.PYTORCH_HOPPER_SCALE), ("p4de.24xlarge", stacks.PYTORCH_AMPERE_SCALE)):
+        chip = resolve_system(system).chip
+        rates = {name: stacks.stack_options(name, chip).get("matmul_eff") for name in ("fsdp2", "deepspeed", "megatron")}
+        assert rates["fsdp2"] == rates["deepspeed"] == pytest.approx(chip.efficiency.matmul_eff_max * scale)
+        assert rates["megatron"] is None
+
+
 def test_torch_ring_attention_merges_cost_per_step():
     """torch's context_parallel (allgather_rotate, torchtitan) merges every ring step's output into an fp32
     accumulator and accumulates dQ/dK/dV in fp32 per step (plan.model.CP_MERGE_*): memory-bound time that grows

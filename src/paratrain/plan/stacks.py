@@ -106,6 +106,9 @@ HOPPER_CHIPS = {"h100", "h200", "h100-hbm2e-500w", "h100-pcie"}
 # 128-A100 rows and MosaicML's multi-node A100 rows (their other tables).
 PYTORCH_AMPERE_SCALE = 0.84
 AMPERE_CHIPS = {"a100-80gb", "a100-40gb"}
+# Stacks whose kernels are PyTorch's own (cuBLAS GEMMs through torch, SDPA's FlashAttention-2; no Transformer
+# Engine): torchtitan and DeepSpeed (ZeRO on PyTorch modules, as with Hugging Face models) get the scales above
+PYTORCH_NATIVE = {"fsdp2", "deepspeed"}
 
 
 def check_stack(name: str) -> str:
@@ -119,9 +122,9 @@ def stack_options(name: str, chip) -> dict:
     opts = dict(STACK_OPTIONS[check_stack(name)])
     if chip.vendor != "nvidia":
         opts.update({k: False for k in GPU_ONLY})
-    if name == "fsdp2" and chip.name in HOPPER_CHIPS:
+    if name in PYTORCH_NATIVE and chip.name in HOPPER_CHIPS:
         opts["attention_eff"] = FA2_HOPPER_EFF * PYTORCH_HOPPER_SCALE
         opts["matmul_eff"] = chip.efficiency.matmul_eff_max * PYTORCH_HOPPER_SCALE
-    if name == "fsdp2" and chip.name in AMPERE_CHIPS:
+    if name in PYTORCH_NATIVE and chip.name in AMPERE_CHIPS:
         opts["matmul_eff"] = chip.efficiency.matmul_eff_max * PYTORCH_AMPERE_SCALE
     return opts
