@@ -630,6 +630,12 @@ def test_context_parallel_kv_exchange_per_stack():
     gather = collective_time_s(p5, "allgather", cp * kv_local, cp, tp)
     scatter = collective_time_s(p5, "reducescatter", cp * kv_local, cp, tp)
     assert times["allgather"] == pytest.approx(m * model.layers * (gather + scatter))
+    # torchtitan repeats K/V to the query heads before SDPA (Options.cp_kv_repeated, the fsdp2 stack): query width
+    repeated = estimate(model, p5, cp * tp // 8, seq, m, lay, Options(cp_comm="allgather", cp_kv_repeated=True))
+    q_local = 2 * (seq / cp) * model.heads * model.head_dim / tp * 2
+    assert repeated.time_breakdown_s["cp_comm"] == pytest.approx(m * model.layers * (
+        collective_time_s(p5, "allgather", cp * q_local, cp, tp) + collective_time_s(p5, "reducescatter", cp * q_local, cp, tp)))
+    assert stack_options("fsdp2", p5.chip)["cp_kv_repeated"] and not Options().cp_kv_repeated
     assert times["ring"] == 0.0 < times["allgather_rotate"] < times["allgather"]
     assert stack_options("fsdp2", p5.chip)["cp_comm"] == "allgather_rotate"
     assert "cp_comm" not in stack_options("megatron", p5.chip) and Options().cp_comm == "ring"

@@ -191,6 +191,9 @@ class Options:
     weights updated in place and m, v in bf16 (BF16_OPTIMIZER_BYTES, BF16_ADAM_STEP_BYTES: Neuron's "Autocast:BF16+SR",
     XLA_USE_BF16=1, as neuronx-nemo-megatron's bf16SR and the Neuron Megatron-LM reference run). Gradients are bf16 then
     too: pass grad_bytes=2.
+    cp_kv_repeated: the attention op receives K and V already repeated to the query heads (torchtitan's Llama runs
+    repeat_kv before SDPA, and torch's context_parallel wraps SDPA), so context parallelism exchanges K/V at the
+    query width, not GQA's.
     fp8_tp_allgather: with fp8 and SP, the layers' TP all-gathers carry FP8 (1 byte per element), the
     reduce-scatters BF16: torchao's Float8ColwiseParallel / PrepareFloat8ModuleInput cast the input before its
     all-gather, and Float8RowwiseParallel casts the output gradient (NoopFwToFloat8BwDynamic) before the
@@ -233,6 +236,7 @@ class Options:
     tp_bwd_overlap: bool = False
     fsdp_pp_unsharded: bool = False
     fp8_tp_allgather: bool = False
+    cp_kv_repeated: bool = False
     master_weights: bool = True
 
     @classmethod
@@ -1015,7 +1019,8 @@ def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd):
     sub-SDPA computation"): the gather hides only behind the local block's attention (1/cp of it); backward
     gathers K/V again the same way and rotates dK/dV around a ring in fp32 (its dkv_rotater is always
     ALL_TO_ALL, convert_to_f32), hidden behind the other blocks' backward."""
-    kv_local = 2 * T * model.kv_dim / np.minimum(tp, model.n_kv_heads) * BF16_BYTES  # K and V of local tokens
+    kv_width = query_dim(model) / tp if opts.cp_kv_repeated else model.kv_dim / np.minimum(tp, model.n_kv_heads)
+    kv_local = 2 * T * kv_width * BF16_BYTES  # K and V of the local tokens, as they reach the attention op
     if opts.cp_comm == "ring":
         ring = (cp - 1) * p2p_time_s(system, kv_local, tp, cp)
         fwd, bwd = np.maximum(0.0, ring - core_fwd), np.maximum(0.0, 2 * ring - 2 * core_fwd)

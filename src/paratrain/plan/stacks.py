@@ -68,6 +68,8 @@ MEGATRON_BUCKET_PARAMS = 128 * 2**20
 # casts q and k to fp32 (read 2, write 4 bytes per element), multiplies them as complex numbers by freqs_cis (read 4,
 # write 4; view_as_complex / view_as_real are views) and casts back (read 4, write 2): 20 bytes per element
 TORCHTITAN_ROPE_BYTES = 20
+# cp_kv_repeated: torchtitan's Llama attention repeats K/V to the query heads (repeat_kv) before SDPA, the op torch's
+# context_parallel replaces, so CP moves query-width K/V (torchtitan/models/llama3/model.py Attention.forward)
 # selective_ops: torchtitan's "selective" activation checkpointing is per-op (selective_ac_option "op", its default
 # and what its published Llama tables name "selective op"): plan.model.Options.selective_ops
 STACK_OPTIONS: dict[str, dict] = {
@@ -78,7 +80,7 @@ STACK_OPTIONS: dict[str, dict] = {
                  "moe_probs_in_experts": True},
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "cp_comm": "allgather_rotate",
               "fsdp_pp_unsharded": True, "fp8_tp_allgather": True, "eager_rope_bytes": TORCHTITAN_ROPE_BYTES,
-              "selective_ops": True},
+              "selective_ops": True, "cp_kv_repeated": True},
     "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
 }
 # Stacks whose selective recompute may also replay the MLP block, searched both ways: NxD's
