@@ -42,6 +42,9 @@ from paratrain.plan.serve_fit import errors, fit, loss  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "serving_measurements.csv"
 INT_FIELDS = ("tp", "batch", "prompt", "output")
+# the buckets a static-shape engine was configured with, where the row's source states them (NxD Inference
+# tutorials: --context-encoding-buckets / --token-generation-buckets)
+BUCKET_FIELDS = ("prefill_bucket", "decode_bucket")
 # A stack with too few calibration rows to pin five parameters fits only some and takes the rest from a parent
 # table: NxD Inference runs on the same chips and collectives library as transformers-neuronx but with fused
 # attention/MLP kernels, so its 2 trn2 rows refit the prefill rate only.
@@ -70,6 +73,8 @@ def load_rows(path: Path = DATA) -> list[dict]:
     for row in rows:
         for key in INT_FIELDS:
             row[key] = int(row[key])
+        for key in BUCKET_FIELDS:  # blank: the stack's own rule (plan/serve_fit.py predict)
+            row[key] = int(row[key]) if row.get(key) else None
         row["value"] = float(row["value"])
         model = row["model"]
         row["model_config"] = load_serving_model(ROOT / model if model.endswith(".toml") else model)

@@ -131,6 +131,16 @@ def test_stack_head_layout_buckets_and_gqa_decode():
     assert estimate(l13, inf2, Replica(tp=24), 1, 4096, 256, tnx).kv_bytes_per_token_per_device == 40 * 2 * 128 * 2 * 2
     with pytest.raises(ValueError, match="tp = 24: must divide heads = 40"):
         estimate(l13, inf2, Replica(tp=24), 1, 4096, 256)
+    # a row's stated buckets (NxD Inference tutorials): the prompt runs padded, decode attends over the bucket
+    from paratrain.plan.serve_fit import predict
+
+    trn2 = resolve_system("trn2.48xlarge")
+    row = {"model_config": L70, "system": trn2, "stack": "aws", "tp": 64, "weights": "bf16", "kv": "bf16",
+           "batch": 1, "prompt": 10000, "output": 1500}
+    for kind in ("ttft", "tpot"):
+        stated = predict({**row, "kind": kind, "prefill_bucket": 12288, "decode_bucket": 12800})
+        assert stated == predict({**row, "kind": kind, "prompt": 12288, "output": 2 * (12800 - 12288)})
+        assert stated > predict({**row, "kind": kind})
 
 
 def test_weights_and_capacity_follow_memory():

@@ -4,7 +4,10 @@ A measurement is a dict (stack: the serving_efficiency.toml table it ran under, 
 ms: end-to-end latency of a static batch, prefill plus output - 1 decode steps, or "itl_concurrency" ms: mean
 inter-token latency of a closed loop of `batch` concurrent requests, continuous batching, prefill stalls
 included: plan.serve.operating_point's ITL),
-value, model_config (ModelConfig), system (System), tp, weights, kv, batch, prompt, output. Published rows
+value, model_config (ModelConfig), system (System), tp, weights, kv, batch, prompt, output; optionally
+prefill_bucket / decode_bucket: the buckets a static-shape engine was configured with and the row's source
+states (the prompt runs padded to prefill_bucket tokens, each decode step attends over decode_bucket
+positions; itl_concurrency rows ignore them). Published rows
 (benchmarks/serving_measurements.csv, benchmarks/serving_accuracy.py) and this machine's own runs
 (`paratrain generate --summary-json`, via measurements_from_generate) have the same form, so the same fit
 serves both: the one place calibration of the serving model lives. Torch-free.
@@ -41,17 +44,19 @@ def predict(row: dict, eff: ServingEfficiency | None = None) -> float:
     eff = eff or serving_efficiency(system, row.get("stack"))
     rep = Replica(tp=row["tp"], weights=row["weights"], kv=row["kv"])
     b, p, o = row["batch"], row["prompt"], row["output"]
+    if row["kind"] == "itl_concurrency":
+        return 1e3 * float(operating_point(model, system, rep, b, p, o, eff)["itl_s"])
+    context = row.get("decode_bucket") or p + o / 2
+    p = row.get("prefill_bucket") or p
     if row["kind"] == "ttft":
         return 1e3 * float(prefill_time_s(model, system, rep, p, b, eff))
     if row["kind"] == "tpot":
-        return 1e3 * float(decode_step_s(model, system, rep, b, p + o / 2, eff))
+        return 1e3 * float(decode_step_s(model, system, rep, b, context, eff))
     if row["kind"] == "static_throughput":
-        total = prefill_time_s(model, system, rep, p, b, eff) + o * decode_step_s(model, system, rep, b, p + o / 2, eff)
+        total = prefill_time_s(model, system, rep, p, b, eff) + o * decode_step_s(model, system, rep, b, context, eff)
         return float(b * o / total / rep.tp)
-    if row["kind"] == "itl_concurrency":
-        return 1e3 * float(operating_point(model, system, rep, b, p, o, eff)["itl_s"])
     if row["kind"] == "e2e":
-        steps = (o - 1) * decode_step_s(model, system, rep, b, p + o / 2, eff)
+        steps = (o - 1) * decode_step_s(model, system, rep, b, context, eff)
         return 1e3 * float(prefill_time_s(model, system, rep, p, b, eff) + steps)
     raise ValueError(f"measurement {row.get('id', '')}: kind = {row['kind']!r}: allowed: {', '.join(KINDS)}")
 
