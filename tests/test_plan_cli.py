@@ -91,12 +91,22 @@ def test_write_config_round_trips(tmp_path, capsys):
     assert cfg["parallel"]["tp"] == 8 and cfg["parallel"]["pp"] == 1 and cfg["parallel"]["sp"] is True
     assert cfg["parallel"]["pp_schedule"] in ("gpipe", "1f1b", "interleaved_1f1b", "zbv")
     assert cfg["train"] == {"seq_len": 4096, "global_batch": 1024, "microbatch": cfg["train"]["microbatch"]}
-    try:
-        from paratrain.config import load_config
-    except ImportError:  # the trainer's config module is someone else's and may not exist yet
-        return
+    from paratrain.config import load_config
+
     loaded = load_config(path)
     assert loaded.parallel.tp == 8 and loaded.train.seq_len == 4096
+    assert "Timed as" not in path.read_text()  # the system's own timing: no other stack named
+
+
+def test_write_config_of_a_plan_timed_as_another_stack_says_so(tmp_path, capsys):
+    """plan --stack fsdp2 times torchtitan's kernels and per-op recompute; the config it writes is trained by
+    paratrain's runtime, so its header names the stack the prediction is for."""
+    path = tmp_path / "planned.toml"
+    assert main(["plan", "--model", "llama3-8b", "--hardware", "p5.48xlarge", "--nodes", "2", "--seq", "8192",
+                 "--global-batch", "64", "--stack", "fsdp2", "--top", "1", "--write-config", str(path)]) == 0
+    capsys.readouterr()
+    header = [line for line in path.read_text().splitlines() if line.startswith("#")]
+    assert any("Timed as the fsdp2 stack" in line for line in header), header
 
 
 def test_model_toml_file(tmp_path, capsys):

@@ -106,5 +106,5 @@ def _write(args, est, model, system) -> None:
                         "autocast); allowed: --write-config without --bf16-sr")
     if args.write_config:
         path = write_training_config(args.write_config, est, model, args.model, system.devices_per_node,
-                                     args.hardware)
+                                     args.hardware, stack=args.stack)
         print(f"wrote {path}") if not args.json else None

@@ -99,15 +99,24 @@ def _split_comment(est: Estimate) -> str:
             f"{est.balanced_step_time_s:.3f} s/step).\n")
 
 
+def _stack_comment(stack: str | None) -> str:
+    """The prediction above is the named stack's (plan --stack: its kernels, its recompute policy, e.g. fsdp2's
+    "selective" is torchtitan's per-op checkpointing), not paratrain's runtime's, which trains this config."""
+    if stack is None:
+        return ""
+    return (f"# Timed as the {stack} stack runs this layout (--stack {stack}); paratrain's runtime, which trains "
+            f"this config, runs its own kernels and recompute: `paratrain estimate` without --stack times it so.\n")
+
+
 def write_training_config(path: str | Path, est: Estimate, model: ModelConfig, model_spec: str,
-                          devices_per_node: int, hardware_spec: str | None = None) -> Path:
+                          devices_per_node: int, hardware_spec: str | None = None, stack: str | None = None) -> Path:
     data = training_config(est, model, model_spec, devices_per_node, hardware_spec)
     header = (f"# Written by `paratrain plan/estimate`: {est.model} on {est.nodes} x {est.system}, predicted "
               f"{est.step_time_s:.3f} s/step, MFU {est.mfu:.1%}, {est.memory_per_device_bytes / 2**30:.1f} GiB/device.\n"
               f"# Planned data parallelism: {est.layout.dp_kind} ZeRO-{est.layout.zero_stage}"
               f" (written as the runtime's {data['parallel']['dp_kind']}"
               f"{'' if 'zero_stage' not in data['parallel'] else ' zero_stage ' + str(data['parallel']['zero_stage'])}).\n"
-              + _split_comment(est)
+              + _stack_comment(stack) + _split_comment(est)
               + f"# metrics.run_dir {data['metrics']['run_dir']}: a new folder for this run (a second run of this "
                 f"config resumes it; plan again for a new one).\n")
     path = Path(path)
