@@ -291,19 +291,25 @@ def _ring_of_one_saved_bytes(seq):
     return attention_saved_bytes(runner, inputs[:, :-1], inputs[:, 1:])
 
 
+@pytest.fixture(scope="module")
+def one_process_memory() -> tuple[int, int]:
+    """(stock single-device model, ring path of one rank) saved bytes at MEM_SEQ, measured once for both cp; and
+    no s x s term anywhere: doubling the sequence doubles the ring path's saved bytes."""
+    ring_one = _ring_of_one_saved_bytes(MEM_SEQ)
+    assert _ring_of_one_saved_bytes(2 * MEM_SEQ) == 2 * ring_one
+    return _saved_bytes_of_layout([], MEM_SEQ), ring_one
+
+
 @pytest.mark.parametrize("cp", [2, 4])
-def test_attention_activation_memory_falls_by_cp(dist_run, cp):
+def test_attention_activation_memory_falls_by_cp(dist_run, one_process_memory, cp):
     """Per-rank saved attention activations at s=2048 are exactly 1/cp of the CP=1 ring path, and at most 1/cp of
     the stock single-device model (measured: 21.4 MB single device, 10.7 MB/rank at CP2, 5.3 MB/rank at CP4)."""
-    single = _saved_bytes_of_layout([], MEM_SEQ)
-    ring_one = _ring_of_one_saved_bytes(MEM_SEQ)
+    single, ring_one = one_process_memory
     # ddp: plain parameters, so saved weights are recognised and excluded (FSDP's are gathered copies).
     per_rank = dist_run(cp, _saved_bytes_of_layout, [f"parallel.cp={cp}", "parallel.dp_kind=\"ddp\""], MEM_SEQ)
     assert len(set(per_rank)) == 1, f"unbalanced ranks: {per_rank}"
     assert per_rank[0] * cp == ring_one, f"cp={cp}: {per_rank[0]} B/rank x {cp} != {ring_one} B at cp=1"
     assert per_rank[0] * cp <= single, f"cp={cp}: {per_rank[0]} B/rank vs {single} B single device"
-    # No s x s term anywhere: doubling the sequence doubles the saved bytes.
-    assert _ring_of_one_saved_bytes(2 * MEM_SEQ) == 2 * ring_one
 
 
 BF16 = ["train.dtype=\"bf16\""]
