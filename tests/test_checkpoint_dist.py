@@ -203,12 +203,15 @@ def test_torchrun_restarts_after_rank_kills_mid_run_and_during_a_save_and_finish
                  the others wait for it in the commit);
       attempt 2: the partial step 4 is moved to quarantine, training resumes from step 2 and ends with exactly the
                  uninterrupted run's losses (same layout: bitwise), final loss included."""
-    # the uninterrupted run; its saves cannot change its losses, so it makes none
-    reference = dist_run(4, _train, settings(tmp, "elastic-ref", 4, 0, *PP2_FSDP2, "checkpoint.save_final=false"))
+    # the uninterrupted run; its saves cannot change its losses, so it makes none. One layer per stage: the 12
+    # worker starts (3 attempts x 4 ranks) each pay the first PP + FSDP steps, and the restarts, resumes and the
+    # quarantine do not depend on the depth (4 layers: test_pipeline_resume_under_the_same_layout_is_bitwise).
+    layout = [*PP2_FSDP2, "model.layers=2"]
+    reference = dist_run(4, _train, settings(tmp, "elastic-ref", 4, 0, *layout, "checkpoint.save_final=false"))
     reference = reference[0]["losses"]
     # the idle pools stay open: ~0.03 cores for their ranks while torchrun runs (~0.6 CPU-s), against ~5 CPU-s
     # for the next pool test to fork them anew
-    sets = settings(tmp, "elastic", 4, 2, *PP2_FSDP2)
+    sets = settings(tmp, "elastic", 4, 2, *layout)
     cmd = torchrun_cmd(["--nproc-per-node", "4", "--standalone", "--max-restarts", "2"],  # workers forked warm
                        ["train", *[a for s in sets for a in ("--set", s)], "--summary-json", str(tmp / "elastic.json")])
     # torch 2.13's torchrun shares its rendezvous TCPStore with the workers by default; after a restart the new
