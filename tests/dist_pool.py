@@ -38,10 +38,11 @@ import torch.distributed as dist
 
 # What the fork server imports once, so every rank starts warm (torch._inductor.config:
 # torch.use_deterministic_algorithms imports it, 0.7 CPU-s per rank; pytest: each rank imports pytest.__main__,
-# spawn's main-module fixup, and the test modules).
+# spawn's main-module fixup, and the test modules). paratrain.cli and torch.distributed.run: the torchrun agents
+# tests/torchrun_fork.py forks from the same server.
 PRELOAD = ["torch._inductor.config", "torch.distributed.checkpoint", "torch.distributed.fsdp",
            "torch.distributed.pipelining", "torch.distributed.tensor", "torch.distributed.tensor.parallel",
-           "paratrain.model.llama", "paratrain.train.loop", "pytest"]
+           "paratrain.model.llama", "paratrain.train.loop", "paratrain.cli", "torch.distributed.run", "pytest"]
 TASK_TIMEOUT_S = float(os.environ.get("PARATRAIN_TEST_TIMEOUT_S", "240"))
 
 
@@ -121,12 +122,18 @@ def _share_groups() -> None:
     c10d.new_group = dist.new_group = device_mesh.new_group = new_group
 
 
+def forkserver():
+    """The session's multiprocessing fork server (started on first use, with PRELOAD imported)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 class DistPool:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self.broken = False  # set when a rank failed or hung: ranks may be out of step, so rebuild
-        self._ctx = mp.get_context("forkserver")
-        self._ctx.set_forkserver_preload(PRELOAD)
+        self._ctx = forkserver()
         self._tmp = tempfile.mkdtemp(prefix=f"paratrain-pool{world_size}-")
         store = os.path.join(self._tmp, "store")
         self._tasks = [self._ctx.Queue() for _ in range(world_size)]

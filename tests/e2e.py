@@ -39,19 +39,21 @@ def run_single(args: list[str]) -> dict:
 
 
 def run_torchrun(nproc: int, args: list[str], timeout_s: int = 300, fork: bool = False) -> dict:
-    """`torchrun --standalone --nproc-per-node N -m paratrain ARGS`; with fork, the same torchrun with its workers
-    forked from a warm agent (tests/torchrun_fork.py: ~4 CPU-s of imports less per rank)."""
+    """`torchrun --standalone --nproc-per-node N -m paratrain ARGS`; with fork, the same torchrun with its agent and
+    workers forked warm (tests/torchrun_fork.py: ~4 CPU-s of imports less per process)."""
     torchrun_args = ["--standalone", f"--nproc-per-node={nproc}"]
+    summary = Path(args[args.index("--summary-json") + 1])
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if fork:
-        from torchrun_fork import torchrun_cmd
+        import torchrun_fork
 
-        cmd = torchrun_cmd(torchrun_args, args)
+        code, log = torchrun_fork.run(torchrun_args, args, env, summary.with_suffix(".log"), timeout_s)
+        assert code == 0, log[-3000:]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "paratrain", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(Path(args[args.index("--summary-json") + 1]).read_text())
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(summary.read_text())
 
 
 def assert_losses_close(got: list[float], ref: list[float], rtol: float = 1e-5) -> None:

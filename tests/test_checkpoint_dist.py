@@ -12,14 +12,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
+import torchrun_fork
 from torch import nn
-from torchrun_fork import torchrun_cmd
 
 from paratrain.config import load_config
 from paratrain.train.checkpoint import CheckpointManager, step_name
@@ -178,20 +176,6 @@ def test_rng_rule_own_state_for_same_layout_rank0_state_otherwise(dist_run, tmp_
 
 
 # ---- a rank killed under torchrun ------------------------------------------------------------------------
-def run_in_own_session(cmd: list[str], env: dict, log_path: Path, timeout_s: float) -> tuple[int, str]:
-    """Run torchrun in its own process group, output to a file; on timeout kill the whole group (torchrun and
-    its workers: killing torchrun alone would orphan them) and return what it printed."""
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            returncode = f"timeout after {timeout_s} s"
-    return returncode, log_path.read_text()
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_torchrun_restarts_after_rank_kills_mid_run_and_during_a_save_and_finishes_like_uninterrupted(dist_run, tmp):
@@ -212,14 +196,14 @@ def test_torchrun_restarts_after_rank_kills_mid_run_and_during_a_save_and_finish
     # the idle pools stay open: ~0.03 cores for their ranks while torchrun runs (~0.6 CPU-s), against ~5 CPU-s
     # for the next pool test to fork them anew
     sets = settings(tmp, "elastic", 4, 2, *layout)
-    cmd = torchrun_cmd(["--nproc-per-node", "4", "--standalone", "--max-restarts", "2"],  # workers forked warm
-                       ["train", *[a for s in sets for a in ("--set", s)], "--summary-json", str(tmp / "elastic.json")])
+    torchrun_args = ["--nproc-per-node", "4", "--standalone", "--max-restarts", "2"]  # agent and workers forked warm
+    train_args = ["train", *[a for s in sets for a in ("--set", s)], "--summary-json", str(tmp / "elastic.json")]
     # torch 2.13's torchrun shares its rendezvous TCPStore with the workers by default; after a restart the new
     # workers can read the previous attempt's gloo addresses from it and fail with "Connection refused"
     # (pytorch/pytorch#135712; seen here under load). A fresh store per round avoids it.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PARATRAIN_FAULT_KILL": "after_step:3:3,save_shards:4:1:1",
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    returncode, log = run_in_own_session(cmd, env, tmp / "elastic.log", timeout_s=420)
+    returncode, log = torchrun_fork.run(torchrun_args, train_args, env, tmp / "elastic.log", timeout_s=420, cwd=REPO)
     assert returncode == 0, log[-4000:]
     # the two SIGKILLs, in order (each said by the rank just before it kills itself: torchrun reports the first
     # rank its monitor sees fail, often a peer whose collective the kill broke)

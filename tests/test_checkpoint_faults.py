@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint.filesystem as dcp_fs
+import torchrun_fork
 from test_checkpoint import (
     EVERY,
     Tiny,
@@ -32,7 +33,6 @@ from test_checkpoint import (
     train_args,
 )
 from torch import nn
-from torchrun_fork import torchrun_cmd
 
 from paratrain.train.checkpoint import MANIFEST, REFUSED, CheckpointError, step_name
 from paratrain.train.faults import FaultInjector
@@ -405,13 +405,12 @@ def test_torchrun_restart_after_refused_checkpoints_does_not_start_over(referenc
     ckpt = _copy_reference(reference, tmp_path, "tr")
     for step in (3, 6):
         _damage(ckpt / step_name(step) / "__0_0.distcp", "truncate")
-    cmd = torchrun_cmd(["--nproc-per-node", "1", "--standalone", "--max-restarts", "1"],
-                       train_args(tmp_path, reference["data"], "tr"))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
     env.pop("PARATRAIN_FAULT_KILL", None)
-    done = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=280)
-    log = done.stdout + done.stderr
-    assert done.returncode != 0, log[-3000:]
+    code, log = torchrun_fork.run(["--nproc-per-node", "1", "--standalone", "--max-restarts", "1"],  # forked warm
+                                  train_args(tmp_path, reference["data"], "tr"), env, tmp_path / "tr.log", 280,
+                                  cwd=REPO)
+    assert code != 0, log[-3000:]
     assert log.count("no usable checkpoint in") == 2, log[-3000:]  # both attempts refused, neither trained
     metrics = tmp_path / "tr" / "metrics.jsonl"
     assert not metrics.exists() or '"loss"' not in metrics.read_text()

@@ -8,10 +8,15 @@ tests/torchrun_worker.py (`paratrain ARGS`). The agent's process imports paratra
 the forked workers start warm. The CLI path without fork (`-m paratrain`) stays covered by
 test_context_parallel_torchrun.py and by `paratrain launch` itself in test_multinode_netns.py's shrink test;
 `forked` turns the command `paratrain launch --dry-run --json` prints into this form (the netns host-kill test).
+`run` goes one step further: the agent itself (torchrun's main, the same arguments) is forked from the session's
+multiprocessing fork server (tests/dist_pool.py), which imported torch and paratrain once, instead of a
+`python -c PRELOAD` process importing them (~3.5 CPU-s) for every job.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 
@@ -34,3 +39,41 @@ def forked(command: list[str]) -> list[str]:
     assert command[1:3] == ["-m", "torch.distributed.run"], command
     at = next(i for i in range(3, len(command)) if command[i:i + 2] == ["-m", "paratrain"])
     return torchrun_cmd(command[3:at], command[at + 2:])
+
+
+def run(torchrun_args: list[str], paratrain_args: list[str], env: dict[str, str], log_path: Path, timeout_s: float,
+        cwd: Path | None = None) -> tuple[int | str, str]:
+    """`torchrun TORCHRUN_ARGS -m paratrain PARATRAIN_ARGS` with the agent itself forked warm too: from the session's
+    fork server (tests/dist_pool.py, which imported torch and paratrain once), in its own session with `env`, its
+    stdout and stderr into `log_path`; its workers forked from it as in `torchrun_cmd`. Saves the ~3.5 CPU-s a
+    `python -c PRELOAD` agent spends importing. Returns (exit code, or "timeout after N s" once the whole process
+    group was killed; the log's text)."""
+    import dist_pool
+
+    argv = [*torchrun_args, "--run-path", "--start-method", "fork", str(WORKER), *paratrain_args]
+    agent = dist_pool.forkserver().Process(target=_agent, args=(argv, dict(env), str(log_path), cwd))
+    agent.start()
+    agent.join(timeout_s)
+    code: int | str | None = agent.exitcode
+    if code is None:  # still running: kill torchrun and its workers (killing the agent alone would orphan them)
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.join()
+        code = f"timeout after {timeout_s} s"
+    return code, Path(log_path).read_text(errors="replace")
+
+
+def _agent(argv: list[str], env: dict[str, str], log_path: str, cwd: Path | None) -> None:
+    """In a process forked by the fork server: become torchrun (`python -m torch.distributed.run ARGV`)."""
+    os.setsid()
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    for fd in (1, 2):
+        os.dup2(log, fd)
+    os.close(log)
+    os.environ.clear()
+    os.environ.update(env)
+    if cwd is not None:
+        os.chdir(cwd)
+    sys.argv = ["torchrun", *argv]
+    from torch.distributed.run import main
+
+    main(argv)
