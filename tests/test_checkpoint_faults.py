@@ -416,3 +416,16 @@ def test_torchrun_restart_after_refused_checkpoints_does_not_start_over(referenc
     assert not metrics.exists() or '"loss"' not in metrics.read_text()
     assert sorted(p.name for p in ckpt.iterdir()) == [step_name(3), step_name(6)]
     assert all((ckpt / step_name(s) / REFUSED).is_file() for s in (3, 6))
+
+
+def test_lost_manifests_refuse_a_fresh_start_through_train(reference, tmp_path, capsys):
+    """Every checkpoint's manifest lost (its shards complete): `train` used to quarantine them in its start-up
+    tidy, then find nothing to resume and train from step 0 silently; the resume's refusal never saw them."""
+    ckpt = _copy_reference(reference, tmp_path, "m")
+    for step in (3, 6):
+        (ckpt / step_name(step) / MANIFEST).unlink()
+    assert main(train_args(tmp_path, reference["data"], "m")) == 2
+    err = [ln for ln in capsys.readouterr().err.splitlines() if ln.startswith("paratrain train: error:")]
+    assert len(err) == 1 and "no usable checkpoint in" in err[0] and f"{step_name(6)}: no {MANIFEST}" in err[0]
+    metrics = tmp_path / "m" / "metrics.jsonl"
+    assert not metrics.exists() or '"loss"' not in metrics.read_text()

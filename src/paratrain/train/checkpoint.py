@@ -228,15 +228,18 @@ def quarantine(st: Storage, path: str, why: str, log: Callable[[str], None]) -> 
     return dest
 
 
-def tidy_incomplete(st: Storage, log: Callable[[str], None]) -> list[str]:
+def tidy_incomplete(st: Storage, log: Callable[[str], None], quarantine_complete: bool = True) -> list[str]:
     """Folders without a manifest: removed (logged) when their shards are incomplete, quarantined when DCP
     finished them (its .metadata is there): intact shards whose manifest was lost are not thrown away.
-    Returns "<name>: why" of each quarantined one."""
+    Returns "<name>: why" of each quarantined one. quarantine_complete=False leaves those where they are
+    (the resume then quarantines them and counts them as unusable: a fresh start past them is refused)."""
     kept = []
     for _, path, files in step_dirs(st):
         if MANIFEST in files or REFUSED in files:
             continue
         if DCP_METADATA in files:
+            if not quarantine_complete:
+                continue
             dest = quarantine(st, path, f"no {MANIFEST} but complete DCP shards (a lost manifest, or a save "
                                         "killed just before its commit): not resumed from", log)
             kept.append(f"{st.name(path)}: no {MANIFEST}, shards moved to {dest}")

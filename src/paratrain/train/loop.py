@@ -182,7 +182,9 @@ def train(cfg: TrainConfig, resume_from: str | None = None, observer=None, track
         if ck.lease_ttl_s:
             lease = RunLease(storage, ck.lease_ttl_s, log=_stderr)
             lease.acquire()
-        tidy_incomplete(storage, log=_stderr)  # failed partial saves hold the space the probe needs
+        # failed partial saves hold the space the probe needs; a folder whose manifest alone is missing stays for
+        # the resume, which quarantines it and refuses to start over from step 0 past it (moved here, it was lost)
+        tidy_incomplete(storage, log=_stderr, quarantine_complete=False)
     try:
         if ck.interval or ck.save_final:  # a checkpoint.dir nothing can be written to, or in use by another run
             check_checkpoint_dir(ckpt_dir, env.rank, RetryPolicy(ck.retries, ck.retry_base_s),
