@@ -6,17 +6,20 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def load_tokenizer(cfg):
+def load_tokenizer(cfg, checkpoint: str | None = None):
     """The weights' tokenizer.json: a Hugging Face folder's own (model.hf_path), else data.tokenizer, else (for a
-    paratrain run's checkpoint) the one `data prepare` wrote; None if none exists. A Hugging Face folder never
-    borrows the prepared run's tokenizer: that vocabulary (and its end-of-sequence id) is another model's."""
+    paratrain run's checkpoint) the one the run trained with (`train.run_files.run_tokenizer`: kept in its run
+    directory; the shared prepared folder may since hold another); None if none exists. A Hugging Face folder
+    never borrows the prepared run's tokenizer: that vocabulary (and its end-of-sequence id) is another model's."""
     from tokenizers import Tokenizer
+
+    from paratrain.train.run_files import run_tokenizer
 
     hf_path = cfg.model.hf_path
     paths = [str(Path(hf_path) / "tokenizer.json")] if hf_path else []
     paths.append(cfg.data.tokenizer)
-    if not hf_path:
-        paths.append(str(Path(cfg.data.prepared_dir) / "tokenizer.json"))
+    if not hf_path and (kept := run_tokenizer(cfg, checkpoint)) is not None:
+        paths.append(str(kept))
     for path in paths:
         if path != "train" and Path(path).is_file():
             return Tokenizer.from_file(path)
@@ -95,7 +98,7 @@ def generate_from_config(cfg, checkpoint: str | None, texts: list[str], id_lists
     from paratrain.infer.generate import generate
     from paratrain.parallel.mesh import build_mesh, init_distributed, shutdown_distributed
 
-    tok = load_tokenizer(cfg)
+    tok = load_tokenizer(cfg, checkpoint)
     prompts = encode_prompts(texts, id_lists, tok, cfg.model_shape().vocab)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:

@@ -21,6 +21,7 @@ import torch
 from paratrain.config import TrainConfig, load_config
 from paratrain.model.config import ModelConfig
 from paratrain.model.hf import expected_shapes, hf_config, to_hf_tensor
+from paratrain.train.run_files import run_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 HF_DTYPE_NAMES = {"fp32": "float32", "bf16": "bfloat16"}
@@ -120,7 +121,7 @@ def export_hf(checkpoint: str, cfg: TrainConfig, out: str | Path, dtype: str = "
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     (out / "config.json").write_text(json.dumps(hf_config(model_cfg, HF_DTYPE_NAMES[dtype]), indent=2))
-    tokenizer = _copy_tokenizer(cfg, out)
+    tokenizer = _copy_tokenizer(run_tokenizer(cfg, checkpoint), out)
     return {"checkpoint": path, "out": str(out), "files": len(groups), "bytes": total, "tensors": len(weight_map),
             "dtype": dtype, "tokenizer": tokenizer}
 
@@ -139,12 +140,11 @@ def _check_checkpoint_shapes(storage, path: str, shapes: dict[str, tuple[int, ..
                              f"(wrong --config?)")
 
 
-def _copy_tokenizer(cfg: TrainConfig, out: Path) -> str | None:
-    """tokenizer.json of the run's prepared data (+ a tokenizer_config.json naming the fast tokenizer)."""
+def _copy_tokenizer(src: Path | None, out: Path) -> str | None:
+    """The run's tokenizer.json (`run_files.run_tokenizer`) + a tokenizer_config.json naming the fast tokenizer."""
     from paratrain.train.data import EOS_NAMES
 
-    src = Path(cfg.data.prepared_dir) / "tokenizer.json"
-    if not src.is_file():
+    if src is None:
         return None
     shutil.copyfile(src, out / "tokenizer.json")
     vocab = json.loads(src.read_text()).get("model", {}).get("vocab", {})

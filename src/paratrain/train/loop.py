@@ -56,6 +56,7 @@ from paratrain.train.metrics import (
 from paratrain.train.predict import measured_for_planner, planner_prediction
 from paratrain.train.preemption import Preemption
 from paratrain.train.profiling import StepTimer
+from paratrain.train.run_files import check_run_tokenizer, keep_run_tokenizer
 from paratrain.train.storage import RetryPolicy
 from paratrain.train.watchdog import Watchdog
 
@@ -252,6 +253,8 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
     try:
         if source or ck.resume == "auto":
             resumed = _resume(ckpt, runner, optimizer, source, ckpt_dir)  # newest complete; refuses damaged ones
+        if resumed is not None:  # the checkpoint's token ids are the run's tokenizer's (rank 0 reads run_dir)
+            ckpt._from_rank0(lambda: check_run_tokenizer(cfg))
         elif saves:  # resume="none": a fresh run never mixes its saves with (or prunes) the ones already there
             ckpt.supersede_existing('checkpoint.resume="none": starting from step 0')
     except BaseException:
@@ -275,6 +278,7 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         (run_dir / "config.toml").write_text(dump_config(cfg))
+        keep_run_tokenizer(cfg)  # generate and export read the run's own (data.prepared_dir may be prepared again)
         if mixture := sampler.describe(cfg.train.steps):  # realised proportions of a data.mix
             logger.write(mixture)
     if env.is_main and cfg.metrics.jsonl:  # the steps after the checkpoint are recomputed: one record each
