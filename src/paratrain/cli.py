@@ -283,6 +283,14 @@ def version() -> str:
 
 
 # ---- the command ---------------------------------------------------------------------------------------------
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's own errors (an unknown flag, a bad choice, a missing value) in one line, like ours: argparse
+    prints the whole usage first, up to 30 lines above the one that matters; `--help` still shows it all."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (`{self.prog} --help` lists every option)\n")
+
+
 def _parser(sub, name: str, help: str, text: list[str], **kw) -> argparse.ArgumentParser:
     description, epilog = (text + ["", None])[:2]
     return sub.add_parser(name, help=help, description=description, epilog=epilog,
@@ -291,7 +299,7 @@ def _parser(sub, name: str, help: str, text: list[str], **kw) -> argparse.Argume
 
 def build_parser() -> argparse.ArgumentParser:
     texts = command_help()
-    parser = argparse.ArgumentParser(prog="paratrain", epilog=texts["paratrain"][0], description=(
+    parser = OneLineParser(prog="paratrain", epilog=texts["paratrain"][0], description=(
         "Plan, run and survive large-scale LLM training (Trainium, GPU)."),
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version", version=f"paratrain {version()}")
@@ -319,7 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     try:
-        args = parser.parse_args(argv)
+        args, unknown = parser.parse_known_args(argv)
+        if unknown:  # argparse's own error would name only the root parser, not the command they were given to
+            command = " ".join(a for a in argv[:2] if a[:1] != "-" and a not in unknown)
+            raise UserError(f"unrecognized arguments: {' '.join(unknown)} (`paratrain {command} --help` lists "
+                            f"every option)")
         if not getattr(args, "func", None):
             return parser.print_help() or 0
         return int(args.func(args) or 0)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -15,7 +14,7 @@ from paratrain.launch.torchrun import NODES, LaunchSpec
 def merge_extra(args) -> None:
     """Fold `paratrain train` arguments given after `--` into args, so the layout check sees the same config
     the workers will load."""
-    p = argparse.ArgumentParser(prog="paratrain launch ... --", add_help=False)
+    p = cli.OneLineParser(prog="paratrain launch ... --", add_help=False)
     for cls in (ConfigArgs, RunFiles):  # train's own options (those launch passes on), and its config keys
         cli.add_options(p, cls)
     cli.add_config_keys(p)
