@@ -550,6 +550,59 @@ def test_torchtitan_op_sac_keeps_what_its_policy_saves():
     assert kept / tokens == pytest.approx(float(selective_ops_bytes_per_token(cfg, np.float64(1), False)) + lse)
 
 
+def test_op_sac_bytes_match_torch_checkpoint_cache():
+    """The same count, from torch's own selective checkpoint: the block run under torch.utils.checkpoint with
+    create_selective_checkpoint_contexts and torchtitan's rule (matmul and SDPA outputs MUST_SAVE, every second
+    matmul of the block PREFER_RECOMPUTE; its _save_list of Nov 2024, parallelize_llama.py, which the 512-H100
+    rows ran), the bytes of the distinct storages in the SAC cache plus the checkpoint's input; backward through
+    it gives the unchecked block's gradients (the kept tensors are the ones the recompute needs)."""
+    from collections import defaultdict
+
+    import torch
+    from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+    from paratrain.model.llama import Llama
+    from paratrain.plan.model import selective_ops_bytes_per_token
+
+    def context_fn():
+        count = defaultdict(int)
+
+        def policy(ctx, func, *args, **kwargs):
+            key = "recompute" if ctx.is_recompute else "forward"
+            mm = func == torch.ops.aten.mm.default
+            count[key] += mm
+            saved = (mm and count[key] % 2 == 1) or "scaled_dot_product" in func.__name__
+            return CheckpointPolicy.MUST_SAVE if saved else CheckpointPolicy.PREFER_RECOMPUTE
+        caching, cached = create_selective_checkpoint_contexts(policy)
+        caches.append(caching.storage)
+        return caching, cached
+
+    cfg, tokens, caches = PRESETS["tiny"], 64, []
+    torch.manual_seed(0)
+    model = Llama(cfg).to(torch.bfloat16)
+    block = model.layers["0"]
+    cos, sin = model.positions_tables(tokens, None)
+    hidden = torch.randn(1, tokens, cfg.hidden, dtype=torch.bfloat16, requires_grad=True)
+    out = checkpoint(block, hidden, cos, sin, use_reentrant=False, context_fn=context_fn)
+    storages = {}
+    for entries in caches[0].values():
+        for entry in entries.values():
+            for wrapped in (entry if isinstance(entry, tuple | list) else [entry]):
+                val = getattr(wrapped, "val", None)
+                if isinstance(val, torch.Tensor) and val.numel():
+                    storages[val.untyped_storage().data_ptr()] = val.untyped_storage().nbytes()
+    kept = sum(storages.values()) + hidden.numel() * hidden.element_size()
+    lse = 4 * cfg.heads  # fp32 per head per token
+    assert kept / tokens == pytest.approx(float(selective_ops_bytes_per_token(cfg, np.float64(1), False)) + lse)
+    out.float().square().sum().backward()
+    grads = [p.grad.clone() for p in block.parameters()] + [hidden.grad.clone()]
+    block.zero_grad()
+    hidden.grad = None
+    block(hidden, cos, sin).float().square().sum().backward()
+    for got, want in zip(grads, [p.grad for p in block.parameters()] + [hidden.grad], strict=True):
+        assert torch.equal(got, want)
+
+
 def test_hsdp_replica_allreduce_hides_behind_backward():
     """HSDP all-reduces each unit's gradient shard across the replicas right after its reduce-scatter, behind the
     backward of the layers before it (FSDP1 and FSDP2 alike); only the last unit's and the root's are left. IBM's
