@@ -167,6 +167,11 @@ class Options:
     ce_bytes_per_logit: HBM bytes the cross-entropy moves per logit, forward + backward. 12 (the default): fp32
     softmax read and write and the gradient write; Megatron-Bridge's performance runs use Transformer Engine's
     Triton cross-entropy on the bf16 logits (plan.stacks, megatron: 10).
+    loss_peak_bytes_per_logit: device memory per logit of the last stage live at the loss backward's peak, on top
+    of the activations. 6 (the default): the bf16 logits and the fp32 softmax that Megatron's vocab-parallel
+    cross-entropy keeps and turns into the gradient in place; PyTorch's F.cross_entropy on fp32 logits (torchtitan,
+    Composer under autocast, Hugging Face models) keeps the log-softmax output and, in its backward, holds it beside
+    nll_loss's dense fp32 gradient and log_softmax_backward's fp32 result: 12 (plan.stacks).
     moe_flex_backend: the flex dispatcher's backend where it is named ("deepep", "hybridep"; None: unnamed or
     not the flex dispatcher): its SM share and HybridEP's node-copy stage (plan.moe.hybridep_node_copy_s).
     cp_comm: how context parallelism exchanges K/V (CP_COMM; _context_parallel_s): "ring" (Megatron-Core's p2p,
@@ -230,6 +235,7 @@ class Options:
     recompute_norm_act: bool = False
     moe_probs_in_experts: bool = False
     ce_bytes_per_logit: float = 12.0
+    loss_peak_bytes_per_logit: float = 6.0
     wgrad_accumulation_fusion: bool = False
     cp_comm: str = "ring"
     p2p_pair_allgather: bool = False
@@ -267,6 +273,8 @@ class Options:
                              f"{', '.join(MOE_FLEX_BACKENDS)}")
         if not self.ce_bytes_per_logit > 0:
             raise ValueError(f"ce_bytes_per_logit = {self.ce_bytes_per_logit}: allowed: a number > 0")
+        if not self.loss_peak_bytes_per_logit > 0:
+            raise ValueError(f"loss_peak_bytes_per_logit = {self.loss_peak_bytes_per_logit}: allowed: a number > 0")
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"grad_bytes = {self.grad_bytes}: allowed: 2, 4")
         if self.dp_overlap is not None and not 0 <= self.dp_overlap <= 1:
@@ -1254,10 +1262,18 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     layer_input = T * 2 * model.hidden * sp_scale
     per_layer = np.select([rc == 0, rc == 1], [layer_full, layer_selective], layer_input)
     rebuilt = np.where(rc == 2, layer_full, 0.0)  # one layer rebuilt during backward
-    logits = T * model.vocab / tp * (BF16_BYTES + 4)  # bf16 logits + fp32 loss buffer on the last stage
+    logits = T * model.vocab / tp * opts.loss_peak_bytes_per_logit  # the loss backward's peak on the last stage
     one = same_rank(pp, v_shape)
     ranks = []  # (weights, grads, optimizer, activations) of the first, last and inner ranks
     pinned = (np.asarray(zero) == 3) & (np.asarray(pp) > 1) & opts.fsdp_pp_unsharded
+    # ZeRO-3 / FSDP over more than one rank gathers a unit (a layer) at a time: at the start of backward the last layer's unsharded
+    # parameters, the prefetched next one's, the layer's unsharded gradient (param dtype) and the reduce-scatter input
+    # it is copied into (reduce dtype; torch FSDP2 foreach_reduce, FSDP1 _reduce_grad); during the loss backward before
+    # it, the loss's peak beside the last layer's parameters (not resharded after forward)
+    unit = model.params_per_layer() / tp
+    fsdp_unit = np.where((np.asarray(zero) == 3) & ~pinned & (np.asarray(dp_shard) > 1), 1.0, 0.0)  # sharded
+    working = fsdp_unit * unit * (3 * opts.param_bytes + opts.grad_bytes)
+    head_extra = np.maximum(logits + fsdp_unit * unit * opts.param_bytes, working)
     ranks_at = (0.0, np.where(one, 0.0, pp - 1), np.minimum(1.0, pp - 1))  # pipeline rank of first, last, inner
     for params, layers, head, r in zip(_rank_params(model, loads, pp, v_shape), (loads.first, loads.last, loads.inner),
                                        (one, True, False), ranks_at, strict=True):
@@ -1275,7 +1291,7 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
                       params_dev * (OPTIMIZER_BYTES if opts.master_weights else BF16_OPTIMIZER_BYTES)
                       / np.where(zero >= 1, dp_shard, 1.0) + layers * ex["optimizer"],
                       (per_layer + ex["activations"]) * layers * inflight + rebuilt + ex["once"]
-                      + np.where(head, logits, 0.0)))
+                      + np.where(head, head_extra, working)))
     shape = np.broadcast_shapes(*(np.shape(x) for r in ranks for x in r))
     parts = np.array([[np.broadcast_to(x, shape) for x in r] for r in ranks])  # rank, part, layouts...
     worst = np.asarray(np.argmax(parts.sum(axis=1), axis=0))

@@ -70,6 +70,12 @@ MEGATRON_BUCKET_PARAMS = 128 * 2**20
 TORCHTITAN_ROPE_BYTES = 20
 # cp_kv_repeated: torchtitan's Llama attention repeats K/V to the query heads (repeat_kv) before SDPA, the op torch's
 # context_parallel replaces, so CP moves query-width K/V (torchtitan/models/llama3/model.py Attention.forward)
+# loss_peak_bytes_per_logit (plan.model.Options): torchtitan's loss is F.cross_entropy(pred.flatten(0, 1).float(),
+# labels), its train step deletes the bf16 logits before backward ("need to free to before bwd to avoid peaking
+# memory", train.py at 9dec370); log_softmax keeps its fp32 output for the backward, where nll_loss_backward's dense
+# fp32 gradient and log_softmax_backward's fp32 result are live beside it: 3 x 4 bytes per logit. Composer/llm-foundry
+# (F.cross_entropy under bf16 autocast, which runs it in fp32) and Hugging Face models (logits.float()) alike.
+PYTORCH_LOSS_PEAK_BYTES = 12.0
 # selective_ops: torchtitan's "selective" activation checkpointing is per-op (selective_ac_option "op", its default
 # and what its published Llama tables name "selective op"): plan.model.Options.selective_ops
 STACK_OPTIONS: dict[str, dict] = {
@@ -80,8 +86,9 @@ STACK_OPTIONS: dict[str, dict] = {
                  "moe_probs_in_experts": True},
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "cp_comm": "allgather_rotate",
               "fsdp_pp_unsharded": True, "fp8_tp_allgather": True, "eager_rope_bytes": TORCHTITAN_ROPE_BYTES,
-              "selective_ops": True, "cp_kv_repeated": True},
-    "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False},
+              "selective_ops": True, "cp_kv_repeated": True, "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES},
+    "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False,
+                  "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES},
 }
 # Stacks whose selective recompute may also replay the MLP block, searched both ways: NxD's
 # activations_checkpoint_recompute_mlp (NxDT examples/conf/hf_llama3_70B_config.yaml ships it with TP32 PP8)
