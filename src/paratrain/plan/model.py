@@ -1269,7 +1269,8 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     # ZeRO-3 / FSDP over more than one rank gathers a unit (a layer) at a time: at the start of backward the last layer's unsharded
     # parameters, the prefetched next one's, the layer's unsharded gradient (param dtype) and the reduce-scatter input
     # it is copied into (reduce dtype; torch FSDP2 foreach_reduce, FSDP1 _reduce_grad); during the loss backward before
-    # it, the loss's peak beside the last layer's parameters (not resharded after forward)
+    # it, the loss's peak beside the last layer's parameters (not resharded after forward). Both are transient: counted
+    # with the activations
     unit = model.params_per_layer() / tp
     fsdp_unit = np.where((np.asarray(zero) == 3) & ~pinned & (np.asarray(dp_shard) > 1), 1.0, 0.0)  # sharded
     working = fsdp_unit * unit * (3 * opts.param_bytes + opts.grad_bytes)
