@@ -33,3 +33,42 @@ def _one_line(capsys, argv: list[str]) -> str:
 def test_argparse_errors_are_one_line_naming_the_command(capsys, argv, says):
     """argparse printed its usage (up to 30 lines) above the error; `unrecognized arguments` named no command."""
     assert says in _one_line(capsys, argv)
+
+
+def _truncated_hf_folder(tmp_path):
+    """A Hugging Face folder of the tiny Llama whose safetensors file was cut short (a failed copy)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+
+    from paratrain.model.config import load_model_config
+    from paratrain.model.hf import expected_shapes, hf_config, hf_names
+
+    cfg = load_model_config("tiny")
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(hf_config(cfg)))
+    names = hf_names(cfg)
+    save_file({names[k][0]: torch.zeros(s) for k, s in expected_shapes(cfg).items()}, str(folder / "model.safetensors"))
+    with open(folder / "model.safetensors", "r+b") as fh:
+        fh.truncate(100_000)
+    vocab = {"<unk>": 0, **{f"t{i}": i for i in range(1, cfg.vocab)}}  # the embedding's rows
+    Tokenizer(WordLevel(vocab, unk_token="<unk>")).save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_a_truncated_safetensors_file_is_one_line_before_any_data_work(capsys, tmp_path):
+    """A cut-short .safetensors file ended in a torch traceback ('shape [4096, 128] is invalid for input of
+    size 23966') in train, after the data was tokenized, and in generate."""
+    folder = _truncated_hf_folder(tmp_path)
+    (tmp_path / "corpus.txt").write_text("t1 t2 t3\n" * 50)
+    prepared = tmp_path / "prepared"
+    err = _one_line(capsys, ["train", "--set", f"model.hf_path='{folder}'", "--set",
+                             f"data.source='{tmp_path / 'corpus.txt'}'", "--set", f"data.prepared_dir='{prepared}'",
+                             "--set", f"metrics.run_dir='{tmp_path / 'run'}'", "--set", "checkpoint.lease_ttl_s=0"])
+    assert "model.safetensors: truncated: 100,000 bytes, its header describes" in err and not prepared.exists()
+    err = _one_line(capsys, ["generate", "--set", f"model.hf_path='{folder}'", "--prompt-ids", "1,1"])
+    assert "truncated: 100,000 bytes" in err

@@ -76,11 +76,22 @@ class SafetensorsFile:
 
     def __init__(self, path: Path):
         self.path = path
+        size = path.stat().st_size
         with path.open("rb") as fh:
             n = int.from_bytes(fh.read(8), "little")
-            header = json.loads(fh.read(n))
+            try:
+                header = json.loads(fh.read(n)) if 8 + n <= size else None
+            except ValueError:
+                header = None
+        if not isinstance(header, dict):
+            raise ValueError(f"{path}: not a safetensors file (no JSON header in its first {min(size, 8 + n):,} "
+                             f"bytes); allowed: a complete .safetensors file (copied or downloaded again)")
         header.pop("__metadata__", None)
         self.data_start, self.tensors = 8 + n, header
+        need = self.data_start + max((t["data_offsets"][1] for t in header.values()), default=0)
+        if size < need:  # a copy or download cut short: reads past the end would give torch a short buffer
+            raise ValueError(f"{path}: truncated: {size:,} bytes, its header describes {need:,}; allowed: the "
+                             f"complete file (copied or downloaded again)")
 
     def keys(self):
         return self.tensors.keys()

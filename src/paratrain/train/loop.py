@@ -217,6 +217,8 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
     seed_everything(cfg.train.seed, cfg.train.deterministic)
     model_cfg = cfg.model_shape()
     check_model_tokenizer(cfg.data, cfg.model.hf_path, model_cfg.vocab)  # every rank, before the data work
+    if cfg.model.hf_path:  # its files' headers, tensor names and shapes (no weights read), before the data work
+        weights_source(cfg)
     if env.is_main:
         # its note goes to stderr with the other logs: stdout is the command's output
         prepare(cfg.data, hf_path=cfg.model.hf_path, log=_stderr)
