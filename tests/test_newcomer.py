@@ -72,3 +72,15 @@ def test_a_truncated_safetensors_file_is_one_line_before_any_data_work(capsys, t
     assert "model.safetensors: truncated: 100,000 bytes, its header describes" in err and not prepared.exists()
     err = _one_line(capsys, ["generate", "--set", f"model.hf_path='{folder}'", "--prompt-ids", "1,1"])
     assert "truncated: 100,000 bytes" in err
+
+
+def test_generate_with_a_mistyped_or_incomplete_checkpoint_is_one_line(capsys, tmp_path):
+    """`generate --checkpoint nope` ended in DCP's AssertionError traceback ('metadata is None'); a directory whose
+    only step folder lacks its manifest was 'not a checkpoint', which sent the user looking elsewhere."""
+    err = _one_line(capsys, ["generate", "--checkpoint", str(tmp_path / "nope"), "--prompt-ids", "1,2"])
+    assert f"{tmp_path / 'nope'}: not a checkpoint: it holds no MANIFEST.json" in err
+    (tmp_path / "ckpts" / "step_00000005").mkdir(parents=True)
+    for argv in (["checkpoint", "verify", str(tmp_path / "ckpts")],
+                 ["generate", "--checkpoint", str(tmp_path / "ckpts"), "--prompt-ids", "1,2"]):
+        err = _one_line(capsys, argv)
+        assert "no usable checkpoint: its 1 step_* folder(s) are not complete (step_00000005: no MANIFEST.json" in err

@@ -73,17 +73,17 @@ def load_model(cfg, checkpoint: str | None):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-    from paratrain.train.checkpoint import CheckpointManager, quiet_no_dist
+    from paratrain.train.checkpoint import quiet_no_dist
+    from paratrain.train.export import resolve_checkpoint
 
     directory = cfg.checkpoint.dir or str(Path(cfg.metrics.run_dir) / "checkpoints")
-    manager = CheckpointManager(directory, log=lambda _msg: None)
-    path = manager.latest() if checkpoint == "latest" else checkpoint
-    if path is None:
-        raise ValueError(f"--checkpoint latest: no complete checkpoint in {directory}")
+    # latest: the run's newest complete one; a folder or directory: as given; either checked against its manifest
+    # (a mistyped path or a damaged checkpoint is one line, not DCP's traceback)
+    storage, path = resolve_checkpoint(directory if checkpoint == "latest" else checkpoint)
     model = Llama(shape)
     state = {"model": get_model_state_dict(model)}
     with quiet_no_dist():
-        dcp.load(state, storage_reader=manager.storage.reader(path), no_dist=True)
+        dcp.load(state, storage_reader=storage.reader(path), no_dist=True)
     set_model_state_dict(model, state["model"])
     return model
 

@@ -607,9 +607,20 @@ class CheckpointManager:
             return st, st.root
         done = self._from_rank0(lambda: self.committed(st))
         if not done:
+            steps = self._from_rank0(lambda: [(st.name(p), self._why_unusable(st, p, f))
+                                              for _, p, f in self._step_dirs(st)])
+            if steps:  # "no checkpoint" would send the user looking in the wrong place
+                raise CheckpointError(f"{source}: no usable checkpoint: its {len(steps)} step_* folder(s) are "
+                                      f"not complete ({'; '.join(f'{n}: {w}' for n, w in steps[-3:])})")
             raise CheckpointError(f"{source}: not a checkpoint: it holds no {MANIFEST} and no complete "
                                   "step_* checkpoint folder")
         return st, done[-1]
+
+    @staticmethod
+    def _why_unusable(st: Storage, path: str, files: dict) -> str:
+        if REFUSED in files:
+            return "refused: " + json.loads(st.read_bytes(f"{path}/{REFUSED}")).get("reason", "")
+        return f"no {MANIFEST} (an interrupted or uncommitted save)"
 
     def _mark_refused(self, path: str, why: str) -> None:
         self.storage.write_bytes(f"{path}/{REFUSED}", json.dumps({"reason": why, "time_unix_s": time.time()}).encode())
