@@ -84,3 +84,16 @@ def test_generate_with_a_mistyped_or_incomplete_checkpoint_is_one_line(capsys, t
                  ["generate", "--checkpoint", str(tmp_path / "ckpts"), "--prompt-ids", "1,2"]):
         err = _one_line(capsys, argv)
         assert "no usable checkpoint: its 1 step_* folder(s) are not complete (step_00000005: no MANIFEST.json" in err
+
+
+@pytest.mark.parametrize("keep_bytes, says", [(100, "EOF: reading array header"), (5000, "mmap length")])
+def test_a_truncated_npy_token_file_names_the_file(capsys, tmp_path, keep_bytes, says):
+    """A cut-short .npy printed numpy's bare 'EOF: reading array header, expected 118 bytes got 90'."""
+    import numpy as np
+
+    np.save(tmp_path / "tok.npy", np.arange(10_000, dtype=np.int64) % 500)
+    whole = (tmp_path / "tok.npy").read_bytes()
+    (tmp_path / "cut.npy").write_bytes(whole[:keep_bytes])
+    err = _one_line(capsys, ["data", "prepare", "--set", f"data.source='{tmp_path / 'cut.npy'}'", "--set",
+                             f"data.prepared_dir='{tmp_path / 'prepared'}'"])
+    assert f"data.source '{tmp_path / 'cut.npy'}': not a complete .npy (" in err and says in err

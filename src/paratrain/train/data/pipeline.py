@@ -296,7 +296,10 @@ def _index_tokens(src, folder: Path, src_fp: str, vocab: int | None, cfg) -> dic
     shards, docs, budget = [], 0, cfg.max_source_bytes
     for f in src.files:
         if f.fmt == "npy":
-            arr = np.load(f.path, mmap_mode="r")
+            try:
+                arr = np.load(f.path, mmap_mode="r")
+            except (ValueError, OSError, EOFError) as exc:  # a cut-short copy: header or data shorter than it says
+                raise S.refuse(f.path, f"not a complete .npy ({exc})") from None
             if arr.dtype.kind not in "iu":
                 raise S.refuse(f.path, f"a .npy of {arr.dtype}; token arrays must be integers")
             offset, dtype, n = int(arr.offset), arr.dtype, int(arr.size)
