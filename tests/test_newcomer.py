@@ -97,3 +97,52 @@ def test_a_truncated_npy_token_file_names_the_file(capsys, tmp_path, keep_bytes,
     err = _one_line(capsys, ["data", "prepare", "--set", f"data.source='{tmp_path / 'cut.npy'}'", "--set",
                              f"data.prepared_dir='{tmp_path / 'prepared'}'"])
     assert f"data.source '{tmp_path / 'cut.npy'}': not a complete .npy (" in err and says in err
+
+
+MIXTRAL_SETS = ["model.preset='tiny-moe'", "model.layers=2", "model.hidden=32", "model.heads=4", "model.kv_heads=2",
+                "model.ffn_hidden=24", "model.moe_ffn_hidden=24", "model.vocab=96", "model.num_experts=4",
+                "model.shared_experts=0", "model.first_dense_layers=0"]
+
+
+def test_moe_checkpoint_exports_as_mixtral_and_generates_from_it(capsys, tmp_path):
+    """`paratrain export` of any MoE checkpoint failed after creating the folder ('router.weight has no Hugging
+    Face counterpart'), and model.hf_path refused Mixtral folders; now a Mixtral-shaped run exports (transformers
+    computes the same logits), generates from the folder as from its checkpoint, and what cannot map is one line."""
+    import json
+
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from paratrain.config import dump_config, load_config
+    from paratrain.model.llama import Llama
+    from paratrain.train.checkpoint import CheckpointManager
+
+    run, out = tmp_path / "run", tmp_path / "hf"
+    sets = [*MIXTRAL_SETS, f"metrics.run_dir='{run}'"]
+    cfg = load_config(None, sets)
+    torch.manual_seed(0)
+    model = Llama(cfg.model_shape())
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3)
+    CheckpointManager(str(run / "checkpoints"), log=lambda _m: None).save(
+        1, [model], torch.optim.AdamW(model.parameters()), {"step": 1})
+    (run / "config.toml").write_text(dump_config(cfg))
+    assert main(["export", "--checkpoint", str(run / "checkpoints"), "--hf-out", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["architecture"] == "MixtralForCausalLM"
+    assert (out / "model.safetensors").stat().st_mode == (out / "config.json").stat().st_mode  # not 0600
+    hf = transformers.MixtralForCausalLM.from_pretrained(out, attn_implementation="eager").eval()
+    tokens = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model.eval()(tokens), rtol=0, atol=1e-5)
+    gen = ["--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--json"]
+    assert main(["generate", "--set", f"model.hf_path='{out}'", *gen]) == 0
+    from_hf = json.loads(capsys.readouterr().out)["tokens"]
+    assert main(["generate", "--config", str(run / "config.toml"), "--checkpoint", "latest", *gen]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == from_hf
+    err = _one_line(capsys, ["train", "--set", f"model.hf_path='{out}'", "--set", "checkpoint.lease_ttl_s=0"])
+    assert "a mixture-of-experts folder (Mixtral, Qwen3-MoE) is read by `paratrain generate` only" in err
+    # the README's tiny-moe (a shared expert, a dense first layer): neither architecture has them
+    err = _one_line(capsys, ["export", "--checkpoint", str(run / "checkpoints"), "--hf-out", str(tmp_path / "no"),
+                             "--set", "model.shared_experts=1"])
+    assert "exports as Mixtral or Qwen3-MoE only, and model.shared_experts=1" in err and not (tmp_path / "no").exists()

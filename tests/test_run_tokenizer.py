@@ -32,6 +32,8 @@ def test_generate_export_and_resume_use_the_runs_own_tokenizer(reference, tmp_pa
     assert ours.to_str() != shared.to_str()
     assert load_tokenizer(cfg).to_str() == load_tokenizer(cfg, str(run / "checkpoints")).to_str() == ours.to_str()
     summary = export_hf(str(run / "checkpoints"), cfg, tmp_path / "hf")
+    hf = tmp_path / "hf"
+    assert next(hf.glob("*.safetensors")).stat().st_mode == (hf / "config.json").stat().st_mode  # safetensors: 0600
     assert (tmp_path / "hf" / "tokenizer.json").read_bytes() == kept and summary["tokenizer"] == str(run / "tokenizer.json")
     # resuming with those settings would feed the checkpoint other token ids: refused in one line
     args = train_args(tmp_path, data, "r", "data.max_source_bytes=200000", "train.steps=8")

@@ -64,6 +64,10 @@ def load_model(cfg, checkpoint: str | None):
     from paratrain.model.llama import Llama
 
     shape = cfg.model_shape()
+    if cfg.model.hf_path and shape.num_experts:  # Mixtral, Qwen3-MoE: read whole (model/hf_moe.py)
+        from paratrain.model.hf_moe import load_hf_moe
+
+        return load_hf_moe(cfg.model.hf_path)
     if cfg.model.hf_path:
         from paratrain.model.hf import load_hf_llama
 

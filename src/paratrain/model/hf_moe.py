@@ -17,43 +17,16 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from paratrain.model.config import ModelConfig
-from paratrain.model.hf import _permute_rope, _rope_scaling, _unpermute_rope
+from paratrain.model.hf import _permute_rope, _unpermute_rope
+from paratrain.model.hf_config import (  # torch-free: the config schema reads them
+    MOE_KINDS,
+    config_from_hf_moe,
+)
 from paratrain.model.llama import Llama
 
-# model_type -> (MoE module prefix in the published checkpoint, expert matrix names gate/up/down, architecture)
-_KINDS = {"mixtral": ("block_sparse_moe", ("w1", "w3", "w2"), "MixtralForCausalLM"),
-          "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj"), "Qwen3MoeForCausalLM")}
+_KINDS = MOE_KINDS
+
 _ATTN = {"q_proj": "wq", "k_proj": "wk", "v_proj": "wv", "o_proj": "wo"}
-
-
-def config_from_hf_moe(hf: dict, name: str = "hf-moe") -> ModelConfig:
-    """The ModelConfig of a Mixtral / Qwen3-MoE config.json; what paratrain would compute differently is refused."""
-    kind = hf.get("model_type")
-    checks = [("model_type", kind, tuple(_KINDS)), ("hidden_act", hf.get("hidden_act", "silu"), ("silu",)),
-              ("attention_bias", hf.get("attention_bias", False), (False,)),
-              ("decoder_sparse_step", hf.get("decoder_sparse_step", 1), (1,)),
-              ("mlp_only_layers", hf.get("mlp_only_layers") or [], ([],)),
-              ("sliding_window", hf.get("sliding_window") if hf.get("use_sliding_window", True) else None, (None,))]
-    for key, value, allowed in checks:
-        if value not in allowed:
-            raise ValueError(f"config.json {key}={value!r} is not supported; allowed: "
-                             f"{', '.join(repr(a) for a in allowed)}")
-    rope = hf.get("rope_parameters") or {}
-    heads = hf["num_attention_heads"]
-    head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
-    qwen = kind == "qwen3_moe"
-    return ModelConfig(
-        name=name, layers=hf["num_hidden_layers"], hidden=hf["hidden_size"], heads=heads,
-        kv_heads=hf.get("num_key_value_heads") or heads,
-        head_dim_override=head_dim if head_dim * heads != hf["hidden_size"] else None,
-        ffn_hidden=hf["intermediate_size"], vocab=hf["vocab_size"], max_seq=hf.get("max_position_embeddings", 4096),
-        rope_theta=hf.get("rope_theta") or rope.get("rope_theta") or 10000.0, norm_eps=hf.get("rms_norm_eps", 1e-5),
-        tie_embeddings=hf.get("tie_word_embeddings", False), rope_scaling=_rope_scaling(hf), qk_norm=qwen,
-        num_experts=hf.get("num_local_experts") or hf["num_experts"],  # Qwen3's released key / transformers 5's
-        experts_per_token=hf["num_experts_per_tok"],
-        moe_ffn_hidden=hf["moe_intermediate_size"] if qwen else hf["intermediate_size"],
-        router_norm_topk=hf.get("norm_topk_prob", False) if qwen else True,
-        aux_loss_coef=hf.get("router_aux_loss_coef", 0.001))
 
 
 def hf_moe_config(cfg: ModelConfig, kind: str) -> dict:

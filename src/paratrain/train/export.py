@@ -12,6 +12,7 @@ into one process without a process group: the export reads one output file's wor
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -54,7 +55,7 @@ def shard_progress(quiet: bool):
 def print_export(summary: dict) -> None:
     print(f"exported {summary['checkpoint']} -> {summary['out']}: {summary['tensors']} tensors, "
           f"{summary['bytes'] / 2**20:,.1f} MiB in {summary['files']} file(s), {summary['dtype']}"
-          + (", tokenizer.json" if summary["tokenizer"] else ""))
+          + (", tokenizer.json" if summary["tokenizer"] else "") + f"; {summary['architecture']}")
 
 
 def run_config_of(checkpoint: str, config: str | None = None, sets=()) -> tuple[TrainConfig, Path | str | None]:
@@ -102,10 +103,13 @@ def export_hf(checkpoint: str, cfg: TrainConfig, out: str | Path, dtype: str = "
     if dtype not in DTYPES:
         raise ValueError(f"--dtype {dtype!r}: allowed {', '.join(DTYPES)}")
     model_cfg: ModelConfig = cfg.model_shape()
+    kind = moe_kind(model_cfg) if model_cfg.num_experts else None  # refused (one line) before any file is written
     storage, path = resolve_checkpoint(checkpoint)
     shapes = expected_shapes(model_cfg)
     _check_checkpoint_shapes(storage, path, shapes)
     out = Path(out)
+    if kind is not None:
+        return _export_moe(storage, path, cfg, kind, shapes, out, dtype, run_tokenizer(cfg, checkpoint))
     out.mkdir(parents=True, exist_ok=True)
     groups = _groups(shapes, max_shard_bytes, DTYPES[dtype].itemsize)
     weight_map, total = {}, 0
@@ -114,6 +118,7 @@ def export_hf(checkpoint: str, cfg: TrainConfig, out: str | Path, dtype: str = "
         loaded = load_model_tensors(storage, path, {n: shapes[n] for n in names})
         tensors = dict(to_hf_tensor(n, loaded.pop(n).to(DTYPES[dtype]), model_cfg) for n in names)
         save_file(tensors, str(out / file), metadata={"format": "pt"})
+        readable_like_the_rest(out / file)
         total += sum(t.numel() * t.element_size() for t in tensors.values())
         weight_map.update(dict.fromkeys(tensors, file))
         if progress is not None:
@@ -123,7 +128,52 @@ def export_hf(checkpoint: str, cfg: TrainConfig, out: str | Path, dtype: str = "
     (out / "config.json").write_text(json.dumps(hf_config(model_cfg, HF_DTYPE_NAMES[dtype]), indent=2))
     tokenizer = _copy_tokenizer(run_tokenizer(cfg, checkpoint), out)
     return {"checkpoint": path, "out": str(out), "files": len(groups), "bytes": total, "tensors": len(weight_map),
-            "dtype": dtype, "tokenizer": tokenizer}
+            "dtype": dtype, "tokenizer": tokenizer, "architecture": "LlamaForCausalLM"}
+
+
+def readable_like_the_rest(path: Path) -> None:
+    """safetensors 0.8 writes through a temporary file created 0600 and renamed (safetensors issue #782): the
+    weights were readable by their owner only, beside a config.json every user of a shared machine can read. Give
+    them the mode a new file gets under this process's umask."""
+    umask = os.umask(0)
+    os.umask(umask)
+    path.chmod(0o666 & ~umask)
+
+
+def moe_kind(cfg: ModelConfig) -> str:
+    """The transformers architecture a mixture-of-experts model exports as: Qwen3-MoE (q/k norms) or Mixtral;
+    one line naming what neither has (shared experts, dense first layers, ...)."""
+    from paratrain.model.hf_moe import hf_moe_config
+
+    kind = "qwen3_moe" if cfg.qk_norm else "mixtral"
+    try:
+        hf_moe_config(cfg, kind)
+    except ValueError as exc:
+        raise ValueError(f"model '{cfg.name}' has no Hugging Face counterpart: a mixture-of-experts model exports as "
+                         f"Mixtral or Qwen3-MoE only, and {exc}") from None
+    return kind
+
+
+def _export_moe(storage, path: str, cfg: TrainConfig, kind: str, shapes, out: Path, dtype: str, tokenizer) -> dict:
+    """A Mixtral / Qwen3-MoE folder (model/hf_moe.py's layout, one safetensors file): the whole model in this
+    process, as `save_hf_moe` writes it."""
+    from paratrain.model.hf import SafetensorsFile
+    from paratrain.model.hf_moe import MOE_KINDS, save_hf_moe
+    from paratrain.model.llama import Llama
+
+    model_cfg = cfg.model_shape()
+    model = Llama(model_cfg)
+    missing = model.load_state_dict(load_model_tensors(storage, path, shapes), strict=False).missing_keys
+    assert not set(missing) & set(shapes), missing  # every parameter is in `shapes`; buffers are built by Llama
+    model.to(DTYPES[dtype])
+    save_hf_moe(model, out, kind)
+    readable_like_the_rest(out / "model.safetensors")
+    config = json.loads((out / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "torch_dtype": HF_DTYPE_NAMES[dtype]}, indent=2))
+    written = SafetensorsFile(out / "model.safetensors").tensors
+    total = sum(t["data_offsets"][1] - t["data_offsets"][0] for t in written.values())
+    return {"checkpoint": path, "out": str(out), "files": 1, "bytes": total, "tensors": len(written),
+            "dtype": dtype, "tokenizer": _copy_tokenizer(tokenizer, out), "architecture": MOE_KINDS[kind][2]}
 
 
 def _check_checkpoint_shapes(storage, path: str, shapes: dict[str, tuple[int, ...]]) -> None:
