@@ -146,3 +146,20 @@ def test_moe_checkpoint_exports_as_mixtral_and_generates_from_it(capsys, tmp_pat
     err = _one_line(capsys, ["export", "--checkpoint", str(run / "checkpoints"), "--hf-out", str(tmp_path / "no"),
                              "--set", "model.shared_experts=1"])
     assert "exports as Mixtral or Qwen3-MoE only, and model.shared_experts=1" in err and not (tmp_path / "no").exists()
+
+
+def test_a_row_priced_at_spot_does_not_say_it_has_no_price(capsys):
+    """compare --purchase spot priced trn2.48xlarge at its spot $23.06/node-h and still noted 'no public price
+    for trn2.48xlarge: cost fields are null' (the planner's on-demand note); estimate said 'no public price'
+    for a system `hardware list` shows a spot price for."""
+    import json
+
+    base = ["compare", "--model", "llama2-7b", "--train-tokens", "1e10", "--targets", "trn2.48xlarge:4",
+            "--failures", "none", "--json"]
+    assert main([*base, "--purchase", "spot"]) == 0
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert row["cost_usd"] > 0 and not any("price" in n for n in row["notes"]), row["notes"]
+    assert main(base) == 0  # on-demand: none published
+    row = json.loads(capsys.readouterr().out)["rows"][0]
+    assert row["cost_usd"] is None
+    assert "no on-demand price for trn2.48xlarge: cost fields are null (it has spot $" in " ".join(row["notes"])

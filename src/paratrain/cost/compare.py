@@ -207,7 +207,7 @@ def evaluate_target(workload: Workload, system_name: str, nodes: int, assumption
     """The planner's best layout on `nodes` x the system, and what the run costs with it. batch_tolerance > 0:
     where no layout exists at the workload's global batch, use the nearest one within that relative distance
     that the device count admits (same tokens to train; noted in the row)."""
-    from paratrain.plan.api import search
+    from paratrain.plan.api import no_price_note, search
 
     system = resolve_system(system_name)
     model = workload.model_config()
@@ -258,7 +258,9 @@ def evaluate_target(workload: Workload, system_name: str, nodes: int, assumption
         energy_mwh=energy_mwh, tokens_per_mwh=None if not energy_mwh else tokens / energy_mwh,
         price_per_chip_hour_usd=None if price is None else price / system.chips_per_node,
         price_per_peak_bf16_pflop_hour_usd=None if price is None else price / peak_pflops_node,
-        notes=[f"goodput {goodput:.1%} ({how})"] + list(est.notes), global_batch=workload.global_batch,
+        # the planner's notes, less its on-demand price note: this row is priced at the purchase option
+        notes=[f"goodput {goodput:.1%} ({how})"] + [n for n in est.notes if n != no_price_note(system)]
+        + ([no_price_note(system, assumptions.purchase)] if price is None else []), global_batch=workload.global_batch,
         tokens=float(tokens),
     )
     if system.chip.power_w is None:

@@ -342,8 +342,19 @@ def _to_estimate(model, system, nodes, seq, global_batch, layout, r: dict, train
         est.notes.append(f"{stack.name} on {system.name} does not support this choice "
                          f"(dp_kind {layout.dp_kind}, zero {layout.zero_stage}, schedule {layout.pp_schedule})")
     if price is None:
-        est.notes.append(f"no public price for {system.name}: cost fields are null")
+        est.notes.append(no_price_note(system))
     return est
+
+
+def no_price_note(system: System, purchase: str = "on-demand") -> str:
+    """Why the cost fields are null: no `purchase` price; the options it does have (`hardware list` shows them,
+    so "no public price" beside a listed spot price read as a contradiction)."""
+    others = [f"{option} ${q.usd_per_node_hour:.2f}" for option, q in system.prices.quotes.items()
+              if option != purchase and q.usd_per_node_hour is not None]
+    if not system.prices.quotes:
+        return f"no public price for {system.name}: cost fields are null"
+    return (f"no {purchase} price for {system.name}: cost fields are null"
+            + (f" (it has {', '.join(others)} per node-hour: compare/recommend --purchase)" if others else ""))
 
 
 # ---- search ---------------------------------------------------------------------------------------------
