@@ -163,3 +163,12 @@ def test_a_row_priced_at_spot_does_not_say_it_has_no_price(capsys):
     row = json.loads(capsys.readouterr().out)["rows"][0]
     assert row["cost_usd"] is None
     assert "no on-demand price for trn2.48xlarge: cost fields are null (it has spot $" in " ".join(row["notes"])
+
+
+def test_compare_table_spells_the_layout_out():
+    """The layout column cut the recompute mode to 'non'/'ful' and left EP out (a MoE row looked dense)."""
+    from paratrain.cost.tables import layout_label
+
+    moe = {"tp": 4, "pp": 16, "dp": 16, "cp": 1, "ep": 8, "sp": True, "recompute": "none"}
+    assert layout_label(moe) == "TP4PP16DP16EP8+SP/none"
+    assert layout_label({"tp": 1, "pp": 1, "dp": 64, "cp": 2, "sp": False, "recompute": "full"}) == "TP1PP1DP64CP2/full"

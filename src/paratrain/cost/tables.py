@@ -51,23 +51,29 @@ def _usd(v, spec=",.0f") -> str:
     return "n/a" if v is None else "$" + format(v, spec)
 
 
+def layout_label(lay: dict) -> str:
+    """TP8PP1DP64+SP/selective, with CP and EP where used (recompute spelled out: 'non' and 'ful' were cut)."""
+    extra = "".join(f"{k.upper()}{lay[k]}" for k in ("cp", "ep") if lay.get(k, 1) > 1)
+    return f"TP{lay['tp']}PP{lay['pp']}DP{lay['dp']}{extra}{'+SP' if lay['sp'] else ''}/{lay['recompute']}"
+
+
 def print_table(rows) -> None:
     def f(v, spec):
         return "n/a" if v is None else format(v, spec)
 
     purchase = rows[0].purchase if rows else "on-demand"
+    layouts = [layout_label(r.layout) for r in rows]
+    w = max([22, *(len(x) + 2 for x in layouts)])
     # days = wall time with failures; overhead = the share failures, restarts and checkpoints add to it
-    print(f"{'system':<18}{'nodes':>6}{'layout':>22}{'MFU':>7}{'days':>8}{'overhead':>9}{'accel-h':>11}"
+    print(f"{'system':<18}{'nodes':>6}{'layout':>{w}}{'MFU':>7}{'days':>8}{'overhead':>9}{'accel-h':>11}"
           f"{'cost $':>14}{'$/chip-h':>9}{'$/PF-h':>8}{'$/Mtok':>9}{'MWh':>9}{'Mtok/MWh':>9}  price (option, region, date)")
-    for r in rows:
-        lay = r.layout
-        layout = f"TP{lay['tp']}PP{lay['pp']}DP{lay['dp']}{'+SP' if lay['sp'] else ''}/{lay['recompute'][:3]}"
+    for r, layout in zip(rows, layouts, strict=True):
         if r.price_usd_per_node_hour is None:
             even = r.break_even_usd_per_node_hour
             price = r.price_label + ("" if even is None else f": break-even ${even:,.2f}/node-h vs the cheapest")
         else:
             price = f"${r.price_usd_per_node_hour:,.2f}/node-h ({r.price_label})"
-        print(f"{r.system:<18}{r.nodes:>6}{layout:>22}{r.mfu:>7.1%}{r.wall_hours / 24:>8.1f}"
+        print(f"{r.system:<18}{r.nodes:>6}{layout:>{w}}{r.mfu:>7.1%}{r.wall_hours / 24:>8.1f}"
               f"{1 / r.goodput - 1:>9.1%}{r.accelerator_hours:>11,.0f}"
               f"{f(r.cost_usd, ',.0f'):>14}{f(r.price_per_chip_hour_usd, '.2f'):>9}"
               f"{f(r.price_per_peak_bf16_pflop_hour_usd, '.2f'):>8}{f(r.cost_usd_per_million_tokens, '.3f'):>9}"
