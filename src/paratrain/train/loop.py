@@ -216,9 +216,10 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
            observer, trackers, faults: FaultInjector) -> dict:
     seed_everything(cfg.train.seed, cfg.train.deterministic)
     model_cfg = cfg.model_shape()
+    check_trainable_hf_folder(cfg)
+    check_model_tokenizer(cfg.data, cfg.model.hf_path, model_cfg.vocab)  # every rank, before the data work
     if cfg.model.hf_path:  # its files' headers, tensor names and shapes (no weights read), before the data work
         weights_source(cfg)
-    check_model_tokenizer(cfg.data, cfg.model.hf_path, model_cfg.vocab)  # every rank, before the data work
     if env.is_main:
         # its note goes to stderr with the other logs: stdout is the command's output
         prepare(cfg.data, hf_path=cfg.model.hf_path, log=_stderr)
@@ -506,12 +507,16 @@ def weights_source(cfg: TrainConfig):
     if cfg.model.hf_path:
         from paratrain.model.hf import hf_source
 
-        if cfg.model_shape().num_experts:  # the per-rank slice reader maps one HF tensor to one of ours
-            raise ValueError(f"model.hf_path='{cfg.model.hf_path}': a mixture-of-experts folder (Mixtral, Qwen3-MoE) "
-                             f"is read by `paratrain generate` only; training from it is not supported yet (its "
-                             f"per-expert tensors stack into one of ours); allowed: a Llama folder")
+        check_trainable_hf_folder(cfg)
         return hf_source(cfg.model.hf_path, cfg.model_shape())
     return random_init(cfg)
+
+
+def check_trainable_hf_folder(cfg: TrainConfig) -> None:
+    if cfg.model.hf_path and cfg.model_shape().num_experts:  # the slice reader maps one HF tensor to one of ours
+        raise ValueError(f"model.hf_path='{cfg.model.hf_path}': a mixture-of-experts folder (Mixtral, Qwen3-MoE) "
+                         f"is read by `paratrain generate` only; training from it is not supported yet (its "
+                         f"per-expert tensors stack into one of ours); allowed: a Llama folder")
 
 
 def _build_model(cfg: TrainConfig, model_cfg) -> Llama:
