@@ -172,3 +172,14 @@ def test_compare_table_spells_the_layout_out():
     moe = {"tp": 4, "pp": 16, "dp": 16, "cp": 1, "ep": 8, "sp": True, "recompute": "none"}
     assert layout_label(moe) == "TP4PP16DP16EP8+SP/none"
     assert layout_label({"tp": 1, "pp": 1, "dp": 64, "cp": 2, "sp": False, "recompute": "full"}) == "TP1PP1DP64CP2/full"
+
+
+@pytest.mark.parametrize("override, says", [
+    ("train.stepz=10", "train.stepz=10: unknown key (did you mean steps?); allowed: steps, seq_len,"),
+    ("modle.preset='tiny'", "modle: unknown section (did you mean model?); allowed: model, data, parallel,"),
+    ("data.mix=[{source='x', wieght=2}]", "data.mix.0.wieght=2: unknown key (did you mean weight?); allowed: source"),
+    ("=3", "--set '=3': expected section.key=value"),
+])
+def test_an_unknown_config_key_names_what_is_allowed(capsys, override, says):
+    """pydantic's 'Extra inputs are not permitted' named nothing allowed; '--set =3' read as a key 'config'."""
+    assert says in _one_line(capsys, ["config", "--set", override])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import difflib
 import tomllib
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +20,31 @@ def format_validation_error(err: ValidationError) -> str:
         key = ".".join(str(p) for p in e["loc"]) or "config"
         value = e.get("input")
         msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":  # pydantic's "Extra inputs are not permitted" names nothing allowed
+            msg = _unknown_key(e["loc"])
         shown = "" if isinstance(value, dict) else f"={value!r}"
         lines.append(f"{key}{shown}: {msg}")
     return "invalid config: " + "; ".join(lines)
+
+
+def _unknown_key(loc: tuple) -> str:
+    """'unknown key; allowed: ...' for the section at loc[:-1] (a typo gets its closest keys first)."""
+    model = TrainConfig
+    for part in loc[:-1]:
+        if isinstance(part, int):  # an entry of a list of sections (data.mix): its element type is `model` already
+            continue
+        field = model.model_fields.get(str(part))
+        kinds = [getattr(field, "annotation", None)]
+        while kinds and not (isinstance(kinds[0], type) and hasattr(kinds[0], "model_fields")):
+            kinds = [*typing.get_args(kinds[0]), *kinds[1:]]  # X | None, list[X]: X
+        if not kinds:
+            return "unknown key"
+        model = kinds[0]
+    names = list(model.model_fields)
+    close = difflib.get_close_matches(str(loc[-1]), names, n=2, cutoff=0.6)
+    what = "section" if len(loc) == 1 else "key"
+    return (f"unknown {what}" + (f" (did you mean {' or '.join(close)}?)" if close else "")
+            + f"; allowed: {', '.join(names)}")
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -28,6 +52,8 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ValueError(f"--set '{text}': expected section.key=value")
     key, raw = text.split("=", 1)
+    if not all(key.strip().split(".")):
+        raise ValueError(f"--set '{text}': expected section.key=value (e.g. train.steps=50)")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
