@@ -183,3 +183,19 @@ def test_compare_table_spells_the_layout_out():
 def test_an_unknown_config_key_names_what_is_allowed(capsys, override, says):
     """pydantic's 'Extra inputs are not permitted' named nothing allowed; '--set =3' read as a key 'config'."""
     assert says in _one_line(capsys, ["config", "--set", override])
+
+
+def test_each_data_setting_gets_its_own_default_prepared_folder():
+    """data.prepared_dir defaulted to data/stdlib for any source: `data prepare --set data.source=my_texts/` (the
+    README's line) overwrote the demo's folder, and the demo then tokenized its corpus again (a new tokenizer)."""
+    from paratrain.config import DataSection, dump_config, load_config
+
+    default = DataSection().prepared_dir
+    assert default.startswith("data/stdlib-") and DataSection(vocab_size=4096).prepared_dir == default
+    assert DataSection(source="my_texts/").prepared_dir.startswith("data/my_texts-")
+    assert len({default, DataSection(max_source_bytes=8_000_000).prepared_dir,
+                DataSection(source="my.jsonl").prepared_dir, DataSection(vocab_size=512).prepared_dir}) == 4
+    assert DataSection(prepared_dir="data/mine").prepared_dir == "data/mine"  # named: kept
+    cfg = load_config(None, ["data.source='a.jsonl'"])
+    assert DataSection.model_validate(cfg.data.model_dump()).prepared_dir == cfg.data.prepared_dir
+    assert f'prepared_dir = "{cfg.data.prepared_dir}"' in dump_config(cfg)  # the run's config.toml names it

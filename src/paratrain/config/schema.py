@@ -7,6 +7,9 @@ the validators call live in paratrain.config.layout and paratrain.config.pipelin
 
 from __future__ import annotations
 
+import hashlib
+import json
+import re
 from pathlib import Path
 from typing import Literal
 
@@ -86,7 +89,9 @@ class DataSection(Section):
     # "stdlib" = the embedded default: this Python's standard library source (on every machine with Python).
     source: str = "stdlib"
     mix: list[MixSource] | None = None
-    prepared_dir: str = "data/stdlib"
+    prepared_dir: str = Field(default="", description="\"\" = data/<source name>-<hash of the data settings>: "
+                              "another source, cap, tokenizer or vocabulary gets its own folder (set: shared, "
+                              "prepared again whenever the settings change)")
     tokenizer: str = "auto"  # auto: model.hf_path's tokenizer.json, else train one; "train"; a file or folder
     vocab_size: int = Field(default=4096, ge=256, le=2**31 - 1)
     text_field: str = "text"
@@ -97,6 +102,15 @@ class DataSection(Section):
     workers: int = Field(default=0, ge=0)
     shard_tokens: int = Field(default=2**27, ge=1)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _default_prepared_dir(cls, data):
+        """One folder per data setting unless one is named: a second config on a shared default folder prepared
+        it again (another tokenizer, minutes of tokenization) each time the two took turns."""
+        if isinstance(data, dict) and not data.get("prepared_dir"):
+            return {**data, "prepared_dir": default_prepared_dir(data)}
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> DataSection:
         if self.mix is not None and not self.mix:
@@ -104,6 +118,20 @@ class DataSection(Section):
         if self.mix and self.source != "stdlib":  # the default stays in a dumped config beside a mix
             raise ValueError(f"data.source='{self.source}' and data.mix are both set; allowed: one of them")
         return self
+
+
+_DATA_KEYS = ("source", "mix", "tokenizer", "vocab_size", "text_field", "messages_field", "split", "max_source_bytes",
+              "val_fraction")  # what decides the tokens (shard_tokens and workers do not)
+
+
+def default_prepared_dir(data: dict) -> str:
+    """data/<name>-<6 hex digits>: the source's file or folder name (stdlib, mix) and a digest of the settings
+    that decide the tokens, each as given or its default (so `data.vocab_size=4096` spelled out changes nothing)."""
+    fields = DataSection.model_fields
+    settings = {k: data.get(k, fields[k].default) for k in _DATA_KEYS}
+    name = "mix" if settings["mix"] else Path(str(settings["source"]).rstrip("/")).stem or "data"
+    digest = hashlib.sha256(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:6]
+    return f"data/{re.sub(r'[^A-Za-z0-9_.-]+', '_', name)}-{digest}"
 
 
 # torch DDP's bucket_cap_mb: the one default of the DDP reducer, the stale-gradient runner and the planner
