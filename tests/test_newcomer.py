@@ -199,3 +199,13 @@ def test_each_data_setting_gets_its_own_default_prepared_folder():
     cfg = load_config(None, ["data.source='a.jsonl'"])
     assert DataSection.model_validate(cfg.data.model_dump()).prepared_dir == cfg.data.prepared_dir
     assert f'prepared_dir = "{cfg.data.prepared_dir}"' in dump_config(cfg)  # the run's config.toml names it
+
+
+def test_data_prepare_prints_its_summary_once(capsys, tmp_path):
+    """The summary line came twice on a terminal: the pipeline's log (stderr) and the command's result (stdout)."""
+    (tmp_path / "a.txt").write_text("hello world, " * 400)
+    sets = ["--set", f"data.source='{tmp_path / 'a.txt'}'", "--set", f"data.prepared_dir='{tmp_path / 'p'}'",
+            "--set", "data.vocab_size=300"]
+    assert main(["data", "prepare", *sets]) == 0
+    out, err = capsys.readouterr()
+    assert out.count("train + ") == 1 and "train + " not in err

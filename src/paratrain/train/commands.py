@@ -48,7 +48,8 @@ def run_prepare(args) -> None:
     if cfg.model.hf_path:
         check_model_tokenizer(cfg.data, cfg.model.hf_path, cfg.model_shape().vocab)
     out = prepare(cfg.data, force=args.force, hf_path=cfg.model.hf_path, progress={"on": True, "off": False}.get(
-        args.progress), log=lambda msg: print(msg, file=sys.stderr) if not args.json else None)
+        args.progress), log=lambda msg: print(msg, file=sys.stderr) if not args.json else None,
+        summary=False)  # the summary is the command's result: once, on stdout
     meta = read_meta(out)
     show(args, meta, lambda: print(summary_line(out, meta)))
 

@@ -55,10 +55,12 @@ def _read_json(path: Path) -> dict | None:
         return None
 
 
-def prepare(cfg, force: bool = False, log=print, hf_path: str | None = None, progress: bool | None = None) -> Path:
+def prepare(cfg, force: bool = False, log=print, hf_path: str | None = None, progress: bool | None = None,
+            summary: bool = True) -> Path:
     """Prepare `cfg` (a DataSection) into cfg.prepared_dir; returns that folder. Idempotent: a folder prepared
     from the same content and settings is reused; a changed corpus (a file added, edited, removed) or a
-    changed setting is prepared again. Every input is checked before any tokenization."""
+    changed setting is prepared again. Every input is checked before any tokenization. summary=False: no
+    summary line in `log` (`data prepare` prints it as its result)."""
     out = Path(cfg.prepared_dir)
     show = sys.stderr.isatty() if progress is None else progress
     srcs = [S.resolve_source(spec) for spec in source_specs(cfg)]  # refuses bad inputs, before any work
@@ -93,7 +95,8 @@ def prepare(cfg, force: bool = False, log=print, hf_path: str | None = None, pro
         entries.append((src, index))
     meta = _meta(fingerprint, entries, vocab, eos, info, cfg)
     _write_json(meta_path, meta)
-    log(summary_line(out, meta))
+    if summary:
+        log(summary_line(out, meta))
     return out
 
 
