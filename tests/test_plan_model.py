@@ -961,3 +961,23 @@ def test_trainium_gemms_run_in_whole_tensor_engine_tiles():
     small = matmul_time_s(trn, 8192, 64, 4096) - trn.chip.efficiency.kernel_overhead_s
     full = matmul_time_s(trn, 8192, 128, 4096) - trn.chip.efficiency.kernel_overhead_s
     assert small == pytest.approx(full, rel=0.05)  # half the columns, about the same time (memory term aside)
+
+
+def test_collective_time_of_one_group_is_bitwise_the_vectorised_one():
+    """collective_time_s takes a scalar fast path (plain floats, no numpy per call) for one group: bitwise the
+    numpy path's result for every catalog system (switched fabrics, 2D tori), kind, size and stride, and
+    for a CPU host whose ranks time-share its cores."""
+    from paratrain.hardware.catalog import get_catalog
+    from paratrain.plan.model import collective_time_s, timesharing_ranks
+
+    host = dataclasses.replace(resolve_system("p5.48xlarge"), chip=dataclasses.replace(
+        resolve_system("p5.48xlarge").chip, cores_per_chip=1), devices_per_chip=4)  # 4 ranks on 1 core
+    assert timesharing_ranks(host) == 4
+    for name in [*sorted(get_catalog().systems), host]:
+        system = resolve_system(name)
+        for kind in ("allreduce", "allgather", "reducescatter"):
+            for degree, stride in ((2, 1), (4, 2), (8, 1), (16, 8), (64, 4), (3, 1)):
+                for nbytes in (0.0, 1.0, 3e6, 7.5e9):
+                    one = collective_time_s(system, kind, nbytes, degree, stride)
+                    assert one == collective_time_s(system, kind, np.array([nbytes]), degree, stride)[0], \
+                        (name, kind, nbytes, degree, stride)

@@ -11,6 +11,7 @@ grads), fp32 Adam master + m + v (12).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -309,6 +310,11 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
     of a core to copy and reduce with (bandwidth divided alike).
     """
     factor = {"allreduce": 2.0, "allgather": 1.0, "reducescatter": 1.0}[kind]
+    if np.ndim(nbytes) == np.ndim(degree) == np.ndim(stride) == 0:
+        try:
+            return np.float64(_collective_scalar_s(system, kind, factor, float(nbytes), float(degree), float(stride)))
+        except ZeroDivisionError:  # a zero bandwidth: numpy's inf below
+            pass
     nbytes = np.asarray(nbytes, dtype=float)
     degree = np.asarray(degree, dtype=float)
     stride = np.asarray(stride, dtype=float)
@@ -334,6 +340,32 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
         level = factor * ((n - 1) / n * data * share / bw + steps * step_s) + link.collective_overhead_us * 1e-6
         total = total + np.where(n > 1, level, 0.0)
         inside_prev = np.maximum(inside, inside_prev)
+    return total
+
+
+def _collective_scalar_s(system: System, kind: str, factor: float, nbytes: float, degree: float, stride: float):
+    """collective_time_s for one group: the same operations in the same order on Python floats (bitwise the same
+    result), without numpy's overhead on 0-d arrays (~60 us a call; a calibration fit or a layout search makes
+    ~10^5 calls)."""
+    total, inside_prev = 0.0, 1.0
+    share = timesharing_ranks(system)
+    ring_only_gathers = system.chip.vendor == "nvidia"
+    for tier in system.tiers:
+        inside = min(max(float(math.floor(tier.domain_devices / stride)), 1.0), degree) if tier.domain_devices \
+            else degree
+        n = inside / inside_prev
+        data = nbytes / inside_prev
+        bw = tier.per_device_bw_bytes_per_s(system) * float(torus_link_fraction(system, tier, inside, stride))
+        if kind == "allreduce" or not ring_only_gathers:
+            steps = min(n - 1.0, 2.0 * math.ceil(math.log2(max(n, 1.0))))  # ring_steps
+        else:
+            steps = n - 1.0
+        link = tier.interconnect
+        step_s = (link.latency_us + (share - 1) * link.timeshare_step_us) * 1e-6
+        if n > 1:
+            total = total + (factor * ((n - 1) / n * data * share / bw + steps * step_s)
+                             + link.collective_overhead_us * 1e-6)
+        inside_prev = max(inside, inside_prev)
     return total
 
 
