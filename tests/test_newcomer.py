@@ -209,3 +209,9 @@ def test_data_prepare_prints_its_summary_once(capsys, tmp_path):
     assert main(["data", "prepare", *sets]) == 0
     out, err = capsys.readouterr()
     assert out.count("train + ") == 1 and "train + " not in err
+
+
+def test_etp_without_tp_says_what_would_work(capsys):
+    """With tp=1 the message offered 'etp=1 (...) or etp=1 = tp': the same value twice, read as a contradiction."""
+    err = _one_line(capsys, ["config", "--set", "model.preset='tiny-moe'", "--set", "parallel.etp=2"])
+    assert "parallel.etp=2 with parallel.tp=1: allowed: etp=1" in err and "etp = tp with parallel.tp > 1" in err

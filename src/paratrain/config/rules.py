@@ -192,7 +192,9 @@ RULES: tuple[Rule, ...] = (
                    f"mixture-of-experts model; allowed: ep = etp = 1"),
     Rule("etp_one_or_tp", lambda v: _or(v.model.num_experts == 0, _etp_valid(v)),
          lambda v: f"parallel.etp={v.etp} with parallel.tp={v.tp}: allowed: etp=1 (experts keep their full width, "
-                   f"ep borrows the tp ranks) or etp={v.tp} = tp (experts split over tp like the dense MLP)"),
+                   f"ep borrows the tp ranks) or "
+                   + (f"etp={v.tp} = tp (experts split over tp like the dense MLP)" if v.tp > 1 else
+                      "etp = tp with parallel.tp > 1 (experts split over tp like the dense MLP)")),
     Rule("ep_divides_experts", lambda v: _or(v.model.num_experts == 0, v.model.num_experts % np.maximum(v.ep, 1) == 0),
          lambda v: f"parallel.ep={v.ep} must divide model.num_experts={v.model.num_experts}; allowed: "
                    f"{_divisors(v.model.num_experts)}"),
