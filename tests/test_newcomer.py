@@ -215,3 +215,13 @@ def test_etp_without_tp_says_what_would_work(capsys):
     """With tp=1 the message offered 'etp=1 (...) or etp=1 = tp': the same value twice, read as a contradiction."""
     err = _one_line(capsys, ["config", "--set", "model.preset='tiny-moe'", "--set", "parallel.etp=2"])
     assert "parallel.etp=2 with parallel.tp=1: allowed: etp=1" in err and "etp = tp with parallel.tp > 1" in err
+
+
+@pytest.mark.parametrize("argv", [["config"], ["checkpoint", "list"], ["hardware", "show"], ["serve", "plan"]])
+def test_every_subcommands_help_has_an_example(capsys, argv):
+    """`paratrain checkpoint list --help`, `hardware show`, `serve plan` and `config` printed only their options:
+    the examples were in the group's help (`paratrain serve --help`), config had none."""
+    with pytest.raises(SystemExit):
+        main([*argv, "--help"])
+    text = capsys.readouterr().out
+    assert f"  paratrain {argv[0]} " in text.split("options:")[0], text[:400]

@@ -315,7 +315,7 @@ def build_parser() -> argparse.ArgumentParser:
                 group.set_defaults(func=lambda args, group=group: group.print_help() or 0)  # given no subcommand
                 subs[above] = group.add_subparsers(dest=f"{above[0]}_command", metavar="ACTION")
             configured = issubclass(cls, ConfigArgs)  # not 100 config keys in the usage line
-            p = _parser(subs[above], name.split()[-1], help, texts.get(name, []),
+            p = _parser(subs[above], name.split()[-1], help, texts.get(name, texts.get(" ".join(above), [])),
                         usage="%(prog)s [options] [--SECTION.KEY VALUE ...]" if configured else None)
             add_options(p, cls)
             add_config_keys(p) if configured else None
