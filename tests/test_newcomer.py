@@ -225,3 +225,12 @@ def test_every_subcommands_help_has_an_example(capsys, argv):
         main([*argv, "--help"])
     text = capsys.readouterr().out
     assert f"  paratrain {argv[0]} " in text.split("options:")[0], text[:400]
+
+
+def test_a_failures_table_in_a_simulate_config_is_named(capsys, tmp_path):
+    """[failures] foo = 1 (a table where a file name belongs) said: failure model file "/dir/{'foo': 1}" does not
+    exist."""
+    (tmp_path / "sim.toml").write_text("[failures]\nfoo = 1\n")
+    err = _one_line(capsys, ["simulate", "--config", str(tmp_path / "sim.toml"), "--devices", "64", "--step-time",
+                             "10s", "--duration", "1d"])
+    assert "failures = {'foo': 1}: allowed: failures = \"file.toml\"" in err

@@ -331,7 +331,10 @@ def _causes_from_toml_parts(path: Path, failures, cause_tables) -> tuple[Failure
     if failures is not None and cause_tables is not None:
         raise ValueError(f"{str(path)!r}: give either failures = \"file.toml\" or [[cause]] tables, not both")
     if failures is not None:
-        return load_causes_toml(path.parent / str(failures))
+        if not isinstance(failures, str):  # a [failures] table: read as a file name it was not
+            raise ValueError(f"{str(path)!r}: failures = {failures!r}: allowed: failures = \"file.toml\" (a failure "
+                             f"model file, beside this one) or [[cause]] tables")
+        return load_causes_toml(path.parent / failures)
     if cause_tables is not None:
         return load_causes_toml_tables(path, cause_tables)
     return llama3_causes()
