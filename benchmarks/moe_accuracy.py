@@ -33,7 +33,7 @@ from benchmarks.planner_accuracy import rows_by_set
 from paratrain.hardware.catalog import get_catalog
 from paratrain.model.config import load_model_config
 from paratrain.plan.api import Layout, estimate
-from paratrain.plan.model import MOE_FLEX_BACKENDS, Options
+from paratrain.plan.options import MOE_FLEX_BACKENDS, Options
 
 DATA = Path(__file__).parent / "data"
 RUNS_CSV = DATA / "moe_runs.csv"
@@ -52,7 +52,7 @@ HIERARCHICAL = ("hierarchical", "deepep", "hybridep")
 FUSED_PADDING = ("hierarchical", "hybridep")
 # csv `dp_bucket`: stack = the megatron stack's 128 Mi-parameter gradient buckets (NeMo 2.x / Megatron-Bridge set
 # them through CommOverlapConfig whenever dp > 1, plan.stacks); default = Megatron-Core's own bucket_size,
-# max(40M, 1M x dp) parameters (plan.model.default_bucket_bytes): the GPT-OSS performance recipes leave
+# max(40M, 1M x dp) parameters (plan.data_parallel.default_bucket_bytes): the GPT-OSS performance recipes leave
 # cfg.comm_overlap None on H100 and B200 (scripts/performance/configs/gpt_oss/gpt_oss_llm_pretrain.py,
 # Megatron-Bridge v0.2.0-v0.4.2; only the GB200 variant builds a CommOverlapConfig) and turn overlap_grad_reduce and
 # overlap_param_gather on in the DDP config itself (recipes/gpt_oss/gpt_oss.py)

@@ -40,10 +40,12 @@ from pathlib import Path
 
 import numpy as np
 
+from paratrain.config.names import DP_KINDS, RECOMPUTE
 from paratrain.hardware.catalog import get_catalog
 from paratrain.model.config import ModelConfig, gpt_config
 from paratrain.plan.api import Layout, estimate, search
-from paratrain.plan.model import DP_KINDS, RECOMPUTE, SCHEDULES, Options, evaluate
+from paratrain.plan.options import Options
+from paratrain.plan.step import SCHEDULES, evaluate
 
 REF = Path(__file__).parent / "data" / "published"  # the published tables, with their sources (README.md there)
 VOCAB = 51200

@@ -227,7 +227,7 @@ def test_nxd_shipped_layouts_rank_within_5_percent_of_the_best(nxd_searches, cas
 
 def test_nxd_search_times_selective_recompute_with_and_without_the_mlp(nxd_searches):
     from paratrain.plan.api import estimate
-    from paratrain.plan.model import Options
+    from paratrain.plan.options import Options
 
     res = nxd_searches[NXD_SHIPPED[0]]
     flagged = [c for c in res.candidates if c.recompute_mlp]
@@ -271,7 +271,7 @@ def test_gpu_usable_memory_is_hbm_less_the_cuda_context_and_nccl_buffers_per_gro
     #86509) and 688 MiB of NCCL buffers per communicator the rank uses (NVIDIA/nccl issue #964): the world group
     plus one per parallel dimension it communicates in (TP, DP over dp x cp, CP, PP, HSDP's replica group), so a
     3D layout has less room than pure data parallelism; no fraction on top (fragmentation is not sized)."""
-    from paratrain.plan.model import process_groups
+    from paratrain.plan.memory import process_groups
 
     p5 = resolve_system("p5.48xlarge")
     context, per_group = 287_047_680, 688 * 2**20
@@ -320,7 +320,7 @@ def test_trn1_without_stack_is_timed_as_nxd_and_any_stack_generically():
     """The catalog's trn1 stack runs as NxD (stack.runs_as): a plain estimate times the backward TP overlap and the
     pipeline's pair all-gathers as --stack nxd does, with the system's own attention kernel (unfused); --any-stack
     (choices NxD lacks, e.g. FSDP under native PyTorch) times generically."""
-    from paratrain.plan.model import Options
+    from paratrain.plan.options import Options
 
     system = resolve_system("trn1.32xlarge")
     assert system.stack.runs_as == "nxd"

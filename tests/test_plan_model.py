@@ -12,19 +12,16 @@ from test_hardware_catalog import USER_SYSTEM  # tests/ is on sys.path (pytest r
 from paratrain.hardware.catalog import resolve_system
 from paratrain.model.config import PRESETS, gpt_config
 from paratrain.plan.api import Layout, estimate
-from paratrain.plan.model import (
+from paratrain.plan.collectives import collective_time_s, p2p_time_s
+from paratrain.plan.layer import eager_elementwise_bytes_per_token
+from paratrain.plan.memory import activation_bytes_per_token, memory_per_device
+from paratrain.plan.options import (
     EAGER_ELEMENTWISE_KERNELS,
     EAGER_EXTRA_MATMULS,
     RUNTIME_BUCKET_BYTES,
     Options,
-    activation_bytes_per_token,
-    collective_time_s,
-    eager_elementwise_bytes_per_token,
-    inflight_microbatches,
-    memory_per_device,
-    p2p_time_s,
-    pipeline_bubble_s,
 )
+from paratrain.plan.pipeline import inflight_microbatches, pipeline_bubble_s
 
 
 @pytest.fixture()
@@ -236,7 +233,7 @@ def test_fp4_and_block_scaled_formats():
     peak stays below 1; block (MX) scaling casts without a separate amax pass, so its casts cost less than
     per-tensor scaling; Trainium3 lists MXFP8/MXFP4 rates, so its low-precision matmuls are block-scaled by
     default, and its FP4 rate equal to FP8 gains only operand bytes."""
-    from paratrain.plan.model import block_scaled, cast_cost, low_precision_bytes, low_precision_flops
+    from paratrain.plan.kernels import block_scaled, cast_cost, low_precision_bytes, low_precision_flops
 
     b200 = resolve_system("p6-b200.48xlarge")
     lay = Layout(tp=4, pp=2, sp=True, zero_stage=1)
@@ -270,7 +267,7 @@ def test_tp_comm_overlap_hides_behind_the_gemms_but_not_the_first_chunk():
 def test_dp_traffic_cannot_hide_while_its_links_carry_other_traffic():
     """Link sharing: DP traffic hidden behind compute needs its links; time the same links spend on TP (inside a
     node) or pipeline sends (across nodes) is taken out of the window."""
-    from paratrain.plan.model import _data_parallel_s
+    from paratrain.plan.data_parallel import _data_parallel_s
 
     system = resolve_system("p5.48xlarge")  # dp_overlap 0.8
     args = (system, Options(), np.array(1e9), np.array(8.0), np.array(8.0), np.array(1.0), np.array(1),
@@ -447,7 +444,7 @@ def test_eager_kernel_counts_are_paratrains_llama_block():
 
 
 def test_eager_elementwise_bytes_are_paratrains_llama_block():
-    """The eager stack's elementwise HBM bytes per token (plan.model.EAGER_*) are what paratrain's own bf16 block
+    """The eager stack's elementwise HBM bytes per token (plan.options.EAGER_*) are what paratrain's own bf16 block
     moves: every non-view, non-matmul, non-attention aten op's inputs and outputs, counted (a strided view at most
     its storage), within 1% on a GQA and an MHA shape."""
     import torch
@@ -512,7 +509,7 @@ def test_torchtitan_selective_op_checkpointing():
 
 
 def test_torchtitan_op_sac_keeps_what_its_policy_saves():
-    """The bytes per token plan.model.selective_ops_bytes_per_token keeps are what torchtitan's per-op SAC policy
+    """The bytes per token plan.memory.selective_ops_bytes_per_token keeps are what torchtitan's per-op SAC policy
     (_get_custom_policy: every matmul output saved except the 2nd, 4th, 6th of the block; SDPA's outputs saved)
     keeps on paratrain's Llama block, whose matmuls run in torchtitan's order (wq, wk, wv, wo, w1, w3, w2): counted
     on the block's aten ops in bf16, plus the checkpoint's input, against the formula with the log-sum-exp."""
@@ -520,7 +517,7 @@ def test_torchtitan_op_sac_keeps_what_its_policy_saves():
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from paratrain.model.llama import Llama
-    from paratrain.plan.model import selective_ops_bytes_per_token
+    from paratrain.plan.memory import selective_ops_bytes_per_token
 
     class Policy(TorchDispatchMode):
         mms = kept = 0
@@ -562,7 +559,7 @@ def test_op_sac_bytes_match_torch_checkpoint_cache():
     from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
     from paratrain.model.llama import Llama
-    from paratrain.plan.model import selective_ops_bytes_per_token
+    from paratrain.plan.memory import selective_ops_bytes_per_token
 
     def context_fn():
         count = defaultdict(int)
@@ -695,7 +692,7 @@ def test_recompute_mlp_sits_between_selective_and_full():
     """NxD's selective recompute with the MLP block (Options.recompute_mlp): it replays the MLP's matmuls and its
     TP collectives, so the step is slower than selective and faster than full; it keeps the MLP's input instead of
     its gate/up outputs, so it needs less memory than selective; HFU counts the replayed MLP FLOPs."""
-    from paratrain.plan.model import Options
+    from paratrain.plan.options import Options
 
     args = ("llama3-70b", "trn1.32xlarge", 32, 8192, 1024)
     lay = lambda rc: Layout(tp=32, pp=8, sp=True, recompute=rc, zero_stage=1, pp_layers="balanced")  # noqa: E731
@@ -753,7 +750,7 @@ def test_pytorch_native_stacks_share_the_kernel_rates():
 
 def test_torch_ring_attention_merges_cost_per_step():
     """torch's context_parallel (allgather_rotate, torchtitan) merges every ring step's output into an fp32
-    accumulator and accumulates dQ/dK/dV in fp32 per step (plan.model.CP_MERGE_*): memory-bound time that grows
+    accumulator and accumulates dQ/dK/dV in fp32 per step (plan.layer.CP_MERGE_*): memory-bound time that grows
     with the ring's steps at a fixed number of tokens per rank; Megatron's ring and Llama 3's all-gather add none."""
     p5 = resolve_system("p5.48xlarge")
     model = PRESETS["llama3-8b"]
@@ -769,7 +766,7 @@ def test_torch_ring_attention_merges_cost_per_step():
 def test_tp_overlap_runs_split_gemms():
     """TP communication overlap runs each GEMM in the chunks its collective delivers (Transformer Engine's ring
     exchange: tp chunks of T/tp rows; its pipelined reduce-scatter: 4 splits on the SMs the collective leaves,
-    plan.model.TE_*): each chunk re-reads the weight and pays the fixed cost, so the split costs more at fewer
+    plan.layer.TE_*): each chunk re-reads the weight and pays the fixed cost, so the split costs more at fewer
     tokens per chunk; without TP, or without SP, nothing is split."""
     h100 = resolve_system("dgx-h100")
     te = Options.for_system(h100, stack="megatron", fp8=True)
@@ -804,7 +801,7 @@ def test_a_tp_group_on_part_of_the_neuronlink_torus_drives_fewer_links():
     """Neuron runs rings as edge-disjoint cycles: the whole 4 x 4 torus of a trn1 node has two (all 4 links of a
     chip), a group on 3-8 chips one (2 links), two chips one link; a switched fabric (NVSwitch) gives every
     group its full bandwidth."""
-    from paratrain.plan.model import torus_link_fraction
+    from paratrain.plan.collectives import torus_link_fraction
 
     trn1, p5 = resolve_system("trn1.32xlarge"), resolve_system("p5.48xlarge")
     node = trn1.tiers[1]
@@ -894,7 +891,7 @@ def test_megatron_param_gather_and_grad_reduce_follow_megatron_cores_dispatch_or
     backward per microbatch, all of it usable. Interleaved (align_param_gather): chunk 0's gather and reduce
     exposed, chunk c's behind pp chunk forwards / backwards; without interleaving the first stage's bucket chain
     hides behind the first microbatch's forward, and every later stage gathers its single bucket whole."""
-    from paratrain.plan.model import _megatron_dp_exposed_s
+    from paratrain.plan.data_parallel import _megatron_dp_exposed_s
 
     def exposed(pp, chunks, buckets=4.0, fwd=1.0, bwd=2.0, usable=1.0):
         return float(_megatron_dp_exposed_s(np.array(1.0), np.array(1.0), np.array(buckets), np.array(pp),
@@ -924,7 +921,7 @@ def test_pure_bf16_with_stochastic_rounding_keeps_no_fp32_master():
     """Neuron's Autocast:BF16+SR (XLA_USE_BF16=1): Adam's m and v in bf16 and no fp32 master copy (4 bytes of
     optimizer state per parameter instead of 12), bf16 gradients; the optimizer step moves 14 bytes per parameter
     instead of 32. Nothing else moves: the layer compute is the same."""
-    from paratrain.plan.model import (
+    from paratrain.plan.precision import (
         ADAM_STEP_BYTES,
         BF16_ADAM_STEP_BYTES,
         BF16_OPTIMIZER_BYTES,
@@ -949,7 +946,7 @@ def test_trainium_gemms_run_in_whole_tensor_engine_tiles():
     """Trainium's TensorEngine contracts <= 128 partitions against <= 128 stationary columns with <= 512 moving
     columns per instruction (NKI nc_matmul): a GEMM dimension off those multiples runs whole tiles, GPUs are not
     tiled in the model. Llama 3.1 8B at TP 32: the MLP's down projection contracts over 14336 / 32 = 448 -> 512."""
-    from paratrain.plan.model import matmul_tile_factor, matmul_time_s
+    from paratrain.plan.kernels import matmul_tile_factor, matmul_time_s
 
     trn, gpu = resolve_system("trn1.32xlarge"), resolve_system("p5.48xlarge")
     assert (trn.chip.matmul_tile, trn.chip.matmul_moving_tile) == (128, 512)
@@ -968,7 +965,7 @@ def test_collective_time_of_one_group_is_bitwise_the_vectorised_one():
     numpy path's result for every catalog system (switched fabrics, 2D tori), kind, size and stride, and
     for a CPU host whose ranks time-share its cores."""
     from paratrain.hardware.catalog import get_catalog
-    from paratrain.plan.model import collective_time_s, timesharing_ranks
+    from paratrain.plan.collectives import collective_time_s, timesharing_ranks
 
     host = dataclasses.replace(resolve_system("p5.48xlarge"), chip=dataclasses.replace(
         resolve_system("p5.48xlarge").chip, cores_per_chip=1), devices_per_chip=4)  # 4 ranks on 1 core

@@ -15,7 +15,7 @@ from paratrain.hardware.catalog import get_catalog, resolve_system
 from paratrain.model.config import PRESETS
 from paratrain.plan import moe
 from paratrain.plan.api import Layout, estimate, search
-from paratrain.plan.model import Options
+from paratrain.plan.options import Options
 
 H100 = "dgx-h100"
 
@@ -182,7 +182,7 @@ def _published_rows():
     # activation (plan.moe.glu_clamp_s): -18.6% -> -13.4% (-18.9% -> -18.6% with the GPT-OSS recipes' default
     # DDP buckets, csv dp_bucket)
     # the 26.04.01 GPT-OSS H100 mark (5824) was removed on 2026-12-01 evening when Megatron-Core's distributed
-    # optimizer was timed in its dispatch order for the expert buckets too (plan.model._megatron_dp_exposed_s with
+    # optimizer was timed in its dispatch order for the expert buckets too (plan.data_parallel._megatron_dp_exposed_s with
     # the stage's pp and chunks: later 1F1B stages gather their one expert bucket whole): -15.4% -> -13.5%
     # the DGX-B200 GPT-OSS row (13568) got its mark back on 2026-12-01 evening: the memory that the recipe's
     # layernorm + moe_act recompute frees and Megatron-Core's probs-in-experts activation are modelled, the
@@ -195,7 +195,7 @@ def _published_rows():
     # the DGX-B200 GPT-OSS mark (13568) was removed on 2026-12-01 when the experts' eager per-expert bias add
     # (Megatron-Core TEGroupedMLP._apply_bias, plan.moe.expert_bias_s) was counted: -16.8% -> -7.2%; the 26.02
     # H100 GPT-OSS mark (5993) the same evening when Megatron-Core's unfused RoPE under YaRN was counted
-    # (plan.model.unfused_rope_s): -22.9% -> -17.4% (bias) -> -14.7%
+    # (plan.layer.unfused_rope_s): -22.9% -> -17.4% (bias) -> -14.7%
     # the DGX-B200 Qwen3-235B (3776) and DeepSeek-V3 (2815) marks were removed on 2026-12-01 when the B200 GEMM
     # efficiency was calibrated on dense DGX-B200 runs (planner_accuracy.py --calibrate-b200): -15.1% -> -5.4%,
     # -23.5% -> -10.8%
@@ -348,7 +348,7 @@ def test_expert_buckets_take_the_dense_groups_default_size():
     the run leaves it unset (the GPT-OSS recipes: csv dp_bucket = default): the expert buffers' buckets are
     max(40M, 1M x dp) parameters of that dp, not of the expert-data-parallel group; a csv dp_bucket outside the
     known ones is one error."""
-    from paratrain.plan.model import default_bucket_bytes
+    from paratrain.plan.data_parallel import default_bucket_bytes
 
     cfg = PRESETS["qwen3-30b-a3b"]
     system = get_catalog().system(H100)
@@ -396,7 +396,7 @@ def test_yarn_rope_runs_unfused():
     gives the attention factor 0.1 ln 32 + 1. paratrain's own RoPE has no YaRN and refuses the field."""
     import math
 
-    from paratrain.plan.model import elementwise_bytes_per_token, unfused_rope_s
+    from paratrain.plan.layer import elementwise_bytes_per_token, unfused_rope_s
 
     system = get_catalog().system(H100)
     eff = system.chip.efficiency
@@ -427,7 +427,7 @@ def test_yarn_rope_runs_unfused():
 def test_attention_projections_use_the_head_width():
     """Where heads x head_dim is not the hidden size (Qwen3-MoE: 32 x 128 = 4096 queries on hidden 2048), the
     QKV projection has heads x head_dim + 2 kv columns and the output projection that many rows."""
-    from paratrain.plan.model import layer_matmuls
+    from paratrain.plan.layer import layer_matmuls
 
     cfg = PRESETS["qwen3-30b-a3b"]
     shapes = {name: (n, k) for name, n, k, _ in layer_matmuls(cfg, 4096, "flash")}
@@ -515,7 +515,7 @@ def test_layernorm_and_moe_act_recompute_replays():
     layer's norms are fused into the following TE linear, nothing to rerun) and the expert activation (read
     fc1's 2 x width, write width per routed row); paid once per layer and microbatch under no or selective
     recompute, not under full recompute (which replays everything already)."""
-    from paratrain.plan.model import memory_time_s
+    from paratrain.plan.kernels import memory_time_s
 
     system = get_catalog().system(H100)
     cfg = PRESETS["qwen3-30b-a3b"]
@@ -600,7 +600,7 @@ def test_expert_wgrad_accumulates_into_main_grad():
     writes it at the buffer's width (Options.grad_bytes), on top of the forward-shaped traffic the backward is
     timed with; it nears the memory roofline at few rows per expert and vanishes at many; a step pays it once per
     layer and microbatch, in the backward only."""
-    from paratrain.plan.model import matmul_time_s
+    from paratrain.plan.kernels import matmul_time_s
 
     system = get_catalog().system(H100)
     opts = Options.for_system(system, stack="megatron", moe_imbalance=1.0)

@@ -13,7 +13,8 @@ import pytest
 from paratrain.cli import main
 from paratrain.model.config import PRESETS, ModelConfig
 from paratrain.plan.api import Layout, estimate, search
-from paratrain.plan.model import Options, activation_bytes_per_token
+from paratrain.plan.memory import activation_bytes_per_token
+from paratrain.plan.options import Options
 from paratrain.plan.stages import (
     MIN_GAIN,
     Loads,

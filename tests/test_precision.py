@@ -130,7 +130,7 @@ def test_planner_dp_bytes_follow_the_run_precision():
     """The planner's FSDP traffic for an fp32 run is twice that of a bf16 run with bf16 reduction."""
     from paratrain.hardware.catalog import resolve_system
     from paratrain.plan.api import Layout, estimate
-    from paratrain.plan.model import Options
+    from paratrain.plan.options import Options
 
     model = make_config(SHAPE).model_shape()
     system = resolve_system("p5.48xlarge")

@@ -147,7 +147,7 @@ def sized_for(system: System, world_size: int) -> System:
 
 def predict(system: System, m: Measurement):
     from paratrain.plan.api import Layout, estimate
-    from paratrain.plan.model import Options
+    from paratrain.plan.options import Options
 
     fields = dict(m.layout)
     if "schedule" in fields:  # run summaries written before Layout.schedule became pp_schedule (the trainer's name)

@@ -185,7 +185,7 @@ def fit_alpha_beta(rows: list[dict], kind: str) -> dict:
 
 
 def fit_link(rows: list[dict], cores: int) -> dict:
-    """The planner's link model (plan.model.collective_time_s on one tier) fitted to the measured all-reduce,
+    """The planner's link model (plan.collectives.collective_time_s on one tier) fitted to the measured all-reduce,
     reduce-scatter and all-gather times, by non-negative least squares on relative error:
 
         t = f * steps(n) * (latency + (share - 1) * timeshare_step) + f * (n - 1) / n * bytes * share / bw
@@ -197,7 +197,7 @@ def fit_link(rows: list[dict], cores: int) -> dict:
     larger than the core count the time-sharing term is not identifiable and stays 0."""
     from scipy.optimize import nnls
 
-    from paratrain.plan.model import ring_steps
+    from paratrain.plan.collectives import ring_steps
 
     cols, t = [], []
     for r in rows:

@@ -382,6 +382,6 @@ def precision_bytes(train: TrainSection) -> dict[str, int]:
     """Bytes per element that data parallelism moves for this [train] section (torch-free): parameters
     all-gathered by FSDP (param_bytes: 2 under bf16, whose MixedPrecisionPolicy gathers bf16 copies) and
     gradients reduced (grad_bytes: train.reduce_dtype). The planner's Options read the same keys
-    (paratrain.plan.model.Options.param_bytes / grad_bytes), so a run's prediction uses the run's bytes."""
+    (paratrain.plan.options.Options.param_bytes / grad_bytes), so a run's prediction uses the run's bytes."""
     size = {"fp32": 4, "bf16": 2}
     return {"param_bytes": size[train.dtype], "grad_bytes": size[train.reduce_dtype]}

@@ -213,7 +213,7 @@ def evaluate_target(workload: Workload, system_name: str, nodes: int, assumption
     model = workload.model_config()
     kw = dict(search_kw or {})
     if workload.fp8 and "options" not in kw:
-        from paratrain.plan.model import Options
+        from paratrain.plan.options import Options
 
         kw["options"] = Options.for_system(system, fp8=True)
     result = search(model, system, nodes, workload.seq, workload.global_batch, top=1, **kw)

@@ -62,7 +62,7 @@ class Chip:
     fp8_block_scaled: bool = False
     # A systolic matrix engine's tile (Trainium's TensorEngine: 128 x 128 PEs, a matmul instruction contracts <= 128
     # partitions against a stationary tile of <= 128 columns and streams <= 512 moving columns): a GEMM dimension
-    # that is not a multiple of it runs in whole tiles (plan.model.matmul_tile_factor). 0: not modelled (GPUs)
+    # that is not a multiple of it runs in whole tiles (plan.kernels.matmul_tile_factor). 0: not modelled (GPUs)
     matmul_tile: int = 0
     matmul_moving_tile: int = 0
     power_w: float | None = None
@@ -89,7 +89,7 @@ class Interconnect:
     timeshare_step_us: float = 0.0
     # Links per chip of a 2D-torus fabric (Trainium's NeuronLink), 0 for a switched one. bw_gbytes_per_s is all
     # of them together: a ring collective gets it only where its group covers the whole torus, which has two
-    # edge-disjoint Hamiltonian cycles (plan.model.torus_link_fraction)
+    # edge-disjoint Hamiltonian cycles (plan.collectives.torus_link_fraction)
     torus_links_per_chip: int = 0
     sources: dict[str, str] = field(default_factory=dict)
     conflicts: tuple[str, ...] = ()
@@ -119,7 +119,7 @@ class SystemEfficiency:
     # NeuronCore; GPUs: the CUDA context); the usable fraction applies to the rest
     runtime_reserved_bytes: int = 0
     # device memory each communicator (process group) a rank communicates in holds for its buffers (NCCL's
-    # channels x buffers; plan.model counts the groups of the layout); 0 where the runtime's collectives need
+    # channels x buffers; plan.memory.process_groups counts the groups); 0 where the runtime's collectives need
     # no sizeable buffers of their own (Neuron: DMA rings of a few KB, device-memory.rst)
     comm_buffer_bytes_per_group: int = 0
 

@@ -75,7 +75,7 @@ class ModelConfig(BaseModel):
     # refuses such a config (model.moe.MoEBlock)
     expert_bias: bool = False
     # YaRN context extension factor (GPT-OSS: rope_scaling {"rope_type": "yarn", "factor": 32}): shape only, for the
-    # planner, whose cost is how Megatron-Core runs RoPE with YaRN's attention factor (plan.model.unfused_rope_s);
+    # planner, whose cost is how Megatron-Core runs RoPE with YaRN's attention factor (plan.layer.unfused_rope_s);
     # paratrain's RoPE has no YaRN and refuses such a config (model.llama.Llama)
     rope_yarn_factor: float | None = Field(default=None, gt=1)
     # clamp of the routed experts' gated activation (GPT-OSS config.json swiglu_limit 7: the gate half clamped from

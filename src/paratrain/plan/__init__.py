@@ -6,6 +6,6 @@
 """
 
 from paratrain.plan.api import Estimate, Layout, SearchResult, estimate, search
-from paratrain.plan.model import Options
+from paratrain.plan.options import Options
 
 __all__ = ["Estimate", "Layout", "Options", "SearchResult", "estimate", "search"]

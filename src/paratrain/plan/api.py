@@ -24,11 +24,12 @@ from paratrain.config import (
     zero_stage_of,
 )
 from paratrain.config.dp import check_dp_fields
+from paratrain.config.names import DP_KINDS, RECOMPUTE
 from paratrain.config.rules import EXPERT, View, check, mask
 from paratrain.hardware.catalog import System, resolve_system
 from paratrain.model.config import ModelConfig, load_model_config
-from paratrain.plan.model import DP_KINDS, RECOMPUTE, SCHEDULES, STAGE_SPLITS, Options, evaluate
 from paratrain.plan.moe import expert_axes
+from paratrain.plan.options import Options
 from paratrain.plan.stages import (
     Loads,
     balanced_layers,
@@ -37,6 +38,7 @@ from paratrain.plan.stages import (
     rank_loads,
     stage_split,
 )
+from paratrain.plan.step import SCHEDULES, STAGE_SPLITS, evaluate
 
 
 @dataclass(frozen=True)
@@ -210,7 +212,7 @@ def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, glob
 
 
 def _internal(layout: Layout) -> dict:
-    """The physics' codes of a checked layout (plan.model.evaluate): schedule index and chunks per rank; one
+    """The physics' codes of a checked layout (plan.step.evaluate): schedule index and chunks per rank; one
     stage (pp = 1) has no schedule (the runtime ignores it: coded as 1f1b)."""
     if layout.pp == 1:
         return {"pp_schedule": SCHEDULES.index("1f1b"), "virtual_stages": 1}

@@ -11,7 +11,7 @@ from paratrain.model.config import load_model_config
 from paratrain.plan import report
 from paratrain.plan.api import check_seq, estimate, layout_of, search
 from paratrain.plan.config_writer import write_training_config
-from paratrain.plan.model import Options
+from paratrain.plan.options import Options
 
 
 @dataclass(kw_only=True)

@@ -1,7 +1,7 @@
 """Mixture-of-experts physics of the planner: expert compute, all-to-all dispatch/combine, expert memory and
-expert data-parallel traffic. No torch; element-wise on numpy arrays like plan/model.py, which calls in here.
+expert data-parallel traffic. No torch; element-wise on numpy arrays like plan/step.py, which calls in here.
 
-How a MoE model enters the dense formulas (plan/model.py evaluate): `dense_view` is the model with its routed
+How a MoE model enters the dense formulas (plan/step.py evaluate): `dense_view` is the model with its routed
 experts taken out. Its per-layer FFN width is the layer average of what stays replicated and TP-sharded like a
 dense MLP: the dense first layers' FFN, the MoE layers' shared experts (n x moe_ffn, one SwiGLU) and the router
 (h x E = 3h x E/3). The dense code times and sizes that average layer (attention, TP, CP, PP, DP, memory). This
@@ -27,12 +27,12 @@ import numpy as np
 from paratrain.config.rules import EXPERT, edp_degree, expert_view, mask  # noqa: F401 - edp_degree re-exported
 from paratrain.hardware.catalog import System
 from paratrain.model.config import ModelConfig
+from paratrain.plan.collectives import timesharing_ranks
+from paratrain.plan.data_parallel import _data_parallel_s
+from paratrain.plan.kernels import block_scaled, cast_cost, matmul_time_s, memory_time_s
+from paratrain.plan.pipeline import inflight_microbatches
+from paratrain.plan.precision import BF16_BYTES, FP8_BYTES, OPTIMIZER_BYTES, WEIGHT_BYTES
 
-BF16_BYTES = 2
-FP8_BYTES = 1
-WEIGHT_BYTES = 2
-OPTIMIZER_BYTES = 12
-ADAM_STEP_BYTES = 32
 # Memory-bound kernels of one MoE block forward outside the expert GEMMs (Megatron-Core's alltoall token
 # dispatcher and torchtitan's MoE: router softmax/sigmoid, top-k, score normalisation, histogram of tokens per
 # expert, permute, unpermute + weighted sum, SwiGLU on the expert rows, aux-loss terms)
@@ -157,8 +157,6 @@ def alltoall_time_s(system: System, nbytes, degree, stride, imbalance=1.0, dedup
     nbytes = np.asarray(nbytes, dtype=float) * imbalance
     degree = np.asarray(degree, dtype=float)
     stride = np.asarray(stride, dtype=float)
-    from paratrain.plan.model import timesharing_ranks  # shared with the other collectives
-
     share = timesharing_ranks(system)
     slowest = np.zeros(np.broadcast(nbytes, degree, stride).shape)
     fixed = np.zeros_like(slowest)
@@ -202,8 +200,6 @@ def per_expert_quantize_s(system: System, opts, local):
     (the forward's and the backward's are equal: QUANTIZED_TENSORS_PER_DIRECTION tensors each), per MoE block.
     Only on the per-expert GEMM path (Options.moe_gemm_per_expert) with low-precision matmuls; a grouped kernel
     for all experts (DeepGEMM, torch._grouped_mm) quantizes the routed rows in one pass (in cast_cost's bytes)."""
-    from paratrain.plan.model import block_scaled
-
     if not (opts.fp8 and opts.moe_gemm_per_expert):
         return 0.0 * np.asarray(local, dtype=float)
     kernels = BLOCK_SCALED_QUANTIZE_KERNELS if block_scaled(system, opts) else CURRENT_SCALING_QUANTIZE_KERNELS
@@ -223,8 +219,6 @@ def fp8_padding_s(model: ModelConfig, system: System, opts, routed):
     the probs' column padded alike (one small kernel). None where the dispatcher already padded the rows
     (Options.moe_fused_padding: HybridEP's pad_multiple; DeepEP pads only with moe_router_padding_for_quantization,
     which the recipes leave off), on the fused grouped-GEMM path or in BF16."""
-    from paratrain.plan.model import memory_time_s
-
     if not (opts.fp8 and opts.moe_gemm_per_expert) or opts.moe_fused_padding:
         return 0.0 * np.asarray(routed, dtype=float)
     return memory_time_s(system, routed * model.hidden * BF16_BYTES * 2 * 2, 3)
@@ -246,8 +240,6 @@ def expert_bias_s(model: ModelConfig, system: System, opts, routed, local):
     likewise, a column). Kernels: 2 per expert + cat (+ cast) forward, 4 per expert (+ a cast each) + the two
     split gradients backward, each paying the chip's kernel_overhead_s. fc1's bias is in its GEMM's epilogue
     (skip_bias_add=False): not counted. Zero without expert biases."""
-    from paratrain.plan.model import memory_time_s
-
     if not model.expert_bias:
         return 0.0, 0.0
     P = FLEX_PROBS_BYTES if opts.moe_hierarchical_dispatch else ALLTOALL_PROBS_BYTES
@@ -278,8 +270,6 @@ def glu_clamp_s(model: ModelConfig, system: System, routed, etp):
     chunk's backward (split_backward) concatenates the two halves' gradients (8 bytes): 30 bytes, 9 kernels.
     The activation's replay under recompute_modules "moe_act" reruns the forward part (norm_act_replay_s), as
     full recompute does. Zero without swiglu_limit."""
-    from paratrain.plan.model import memory_time_s
-
     if model.swiglu_limit is None:
         return 0.0, 0.0
     elements = routed * model.moe_ffn / np.asarray(etp, dtype=float)
@@ -300,8 +290,6 @@ def norm_act_replay_s(model: ModelConfig, system: System, T, tp, sp, etp, routed
     routed row a read of fc1's output (2 x width) and a write of width, bf16, one kernel, and with
     ModelConfig.swiglu_limit the eager clamp ahead of it (glu_clamp_s, forward part). The attention core is
     not replayed (not in the list). The memory they free: activation_bytes_per_layer."""
-    from paratrain.plan.model import memory_time_s
-
     if not model.num_experts:
         return 0.0 * np.asarray(T, dtype=float)
     tokens = T / np.where(np.asarray(sp, dtype=bool), tp, 1.0)
@@ -312,7 +300,7 @@ def norm_act_replay_s(model: ModelConfig, system: System, T, tp, sp, etp, routed
 
 
 def wgrad_accumulate_s(system: System, opts, rows, n, k):
-    """Time one expert weight-gradient GEMM takes beyond its forward-shaped count (plan.model times a backward
+    """Time one expert weight-gradient GEMM takes beyond its forward-shaped count (plan.step times a backward
     GEMM as the forward one): with Megatron-Core's gradient_accumulation_fusion (Megatron-Bridge's default where
     Transformer Engine is installed: models/gpt_provider.py `can_enable_gradient_accumulation_fusion`) TE's
     GroupedLinear writes each expert's weight gradient into its main_grad with accumulate=True (module/
@@ -321,8 +309,6 @@ def wgrad_accumulate_s(system: System, opts, rows, n, k):
     the performance recipes; 4 for an fp32 buffer) instead of bf16. Small where an expert gets many rows; at
     GPT-OSS's ~1,000 rows per expert at mb1 (K = 2,880) the GEMM nears its memory roofline. Zero without
     Options.wgrad_accumulation_fusion (the megatron stack sets it)."""
-    from paratrain.plan.model import matmul_time_s
-
     if not opts.wgrad_accumulation_fusion:
         return 0.0 * np.asarray(rows, dtype=float)
     extra = (opts.grad_bytes + (opts.grad_bytes - BF16_BYTES)) * n * k
@@ -334,11 +320,9 @@ def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp,
     """Per average layer, forward, on the busiest expert rank: (expert GEMMs s, elementwise s, all-to-all fwd s,
     all-to-all bwd s, all-to-all bytes per microbatch, routed rows, per-expert quantize launches + FP8 row padding s,
     (eager expert work outside the fused kernels forward s, backward s: the expert bias, expert_bias_s, and the
-    activation clamp, glu_clamp_s), expert weight-gradient accumulation s (backward only)). Backward GEMMs and elementwise traffic are 2x (plan.model); the quantize
+    activation clamp, glu_clamp_s), expert weight-gradient accumulation s (backward only)). Backward GEMMs and elementwise traffic are 2x (plan.step); the quantize
     launches and the padding copies are once per direction; the expert bias has its own forward and backward
     (expert_bias_s)."""
-    from paratrain.plan.model import cast_cost, matmul_time_s, memory_time_s
-
     share = model.moe_layers / model.layers  # the average layer's share of a MoE block
     h, fm, k, E = model.hidden, model.moe_ffn, model.experts_per_token, model.num_experts
     ep = np.asarray(ep, dtype=float)
@@ -398,7 +382,7 @@ def exposed_alltoall(opts, a2a_fwd, a2a_bwd, fwd_compute, bwd_compute, unpaired=
     """(forward, backward) all-to-all time left after overlap. Options.ep_overlap is the fraction of the layer's
     compute it can hide behind: both schedules that overlap it pair one microbatch's forward with another's
     backward (Megatron-Core's moe_a2a_overlap, DeepSeek-V3's DualPipe, sec. 3.2.1), so the forward and backward
-    all-to-alls together hide behind forward + backward compute. Two limits (plan.model.evaluate passes them):
+    all-to-alls together hide behind forward + backward compute. Two limits (plan.step.evaluate passes them):
     - `unpaired`: the fraction of a step's microbatches whose forward (warm-up) or backward (cool-down) has no
       partner to pair with: their all-to-all is exposed whole.
     - `comm_sm_fraction` f: the communication kernels occupy f of the SMs while they run, so the compute they
@@ -415,13 +399,11 @@ def exposed_alltoall(opts, a2a_fwd, a2a_bwd, fwd_compute, bwd_compute, unpaired=
 
 def overlap_limits(system: System, opts, sched, pp, v, m):
     """(unpaired, comm_sm_fraction) for exposed_alltoall. Unpaired: the warm-up forwards before the first
-    backward on the first pipeline rank (plan.model.inflight_microbatches: 1F1B p, interleaved
+    backward on the first pipeline rank (plan.pipeline.inflight_microbatches: 1F1B p, interleaved
     (2(p-1) + (v-1)p + 1)/v stages, one at pp = 1) over the step's m microbatches; the cool-down backwards
     mirror them. The V schedules (DualPipe, ZB-V standing in for it) feed microbatches from both ends and
     overlap from the start (DeepSeek-V3 Fig. 5): none. SMs: the dispatcher's kernels over the chip's SMs
     (cores_per_chip on NVIDIA parts); Trainium's collectives run on their own engines: 0."""
-    from paratrain.plan.model import inflight_microbatches
-
     sched = np.asarray(sched)
     unpaired = np.where(sched >= 3, 0.0, np.minimum(1.0, inflight_microbatches(sched, pp, v, m, 0) / m))
     sms = (HYBRIDEP_SMS if opts.moe_flex_backend == "hybridep" else DEEPEP_SMS) if opts.moe_hierarchical_dispatch \
@@ -484,24 +466,22 @@ def expert_data_parallel_s(model: ModelConfig, system: System, opts, *, tp, cp, 
                            stage_fwd, stage_bwd, layers, link_busy, pp=1.0, chunks=1.0):
     """(total, exposed, expert parameters on the device, edp shard degree) of the routed experts' gradient (and
     ZeRO/FSDP parameter) traffic per step over the edp group (stride ep x etp: the expert mesh is etp innermost,
-    then ep), with plan.model's data-parallel rules for the ZeRO stage. link_busy: the dense part's DP traffic,
+    then ep), with plan.data_parallel's rules for the ZeRO stage. link_busy: the dense part's DP traffic,
     which has to hide in the same window first. pp, chunks: the stage's pipeline degree and model chunks
     (Megatron-Core buckets and dispatches the expert buffers per stage and chunk as the dense ones)."""
-    from paratrain.plan.model import _data_parallel_s
-
     edp = edp_degree(tp, cp, dp, ep, etp)
     # HSDP on experts: sharded inside a node as the dense part is, replicated across nodes
     shard = np.where(kind == 2, np.maximum(1.0, np.minimum(edp, system.devices_per_node / (ep * etp))), edp)
     params_dev = layers * expert_params_per_layer(model) / (ep * etp)
     # bucket_dp: Megatron-Core sizes the expert buffers' buckets with the one ddp_config.bucket_size, set from the
-    # dense data-parallel group where the run leaves it unset (plan.model.default_bucket_bytes), not from edp
+    # dense data-parallel group where the run leaves it unset (plan.data_parallel.default_bucket_bytes), not from edp
     total, exposed = _data_parallel_s(system, opts, params_dev, edp, shard, ep * etp, zero, kind, m, stage_fwd,
                                       stage_bwd, layers, 1.0, link_busy, pp=pp, chunks=chunks, bucket_dp=dp)
     return np.where(edp > 1, total, 0.0), np.where(edp > 1, exposed, 0.0), params_dev, shard
 
 
 def memory_terms(model: ModelConfig, opts, *, T, tp, cp, dp, ep, etp, zero, rc, routed, sp=False) -> dict:
-    """What plan.model.memory_per_device adds per layer a rank holds (weights, grads, optimizer: the routed
+    """What plan.memory.memory_per_device adds per layer a rank holds (weights, grads, optimizer: the routed
     experts; activations: the MoE block's, per microbatch in flight, none kept under full recompute or with
     selective recompute of the MLP, Options.recompute_mlp) and once (the dispatch/combine buffers; when the block
     is recomputed, the one MoE block rebuilt during backward)."""

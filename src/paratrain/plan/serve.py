@@ -1,8 +1,8 @@
 """The serving model: prefill and decode time, KV-cache memory, capacity, latency and replica search.
 
-Torch-free and element-wise on numpy arrays (batch and context may be arrays), like plan/model.py, whose
-roofline and collective functions it reuses. docs/serving.md writes the formulas up; in short, per replica
-of tp x pp devices (one pipeline stage per pp rank):
+Torch-free and element-wise on numpy arrays (batch and context may be arrays), like the training model, whose
+roofline and collective functions it reuses (plan/kernels.py, plan/collectives.py). docs/serving.md writes the
+formulas up; in short, per replica of tp x pp devices (one pipeline stage per pp rank):
 
 - prefill of n prompts of s tokens: compute-bound. Matmul FLOPs 2 x (matmul parameters) per token plus causal
   attention 2 s^2 h per layer per prompt (unfused stacks compute the whole square and write the scores),
@@ -39,7 +39,9 @@ from pydantic import Field
 from paratrain.config.options import described
 from paratrain.hardware.catalog import System, Tier, resolve_system
 from paratrain.model.config import ModelConfig, load_model_config
-from paratrain.plan.model import BF16_BYTES, collective_time_s, p2p_time_s, soft_roofline
+from paratrain.plan.collectives import collective_time_s, p2p_time_s
+from paratrain.plan.kernels import soft_roofline
+from paratrain.plan.precision import BF16_BYTES
 
 
 class MoEConfig(ModelConfig):

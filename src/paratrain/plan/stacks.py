@@ -8,7 +8,7 @@ search only looks at those) and how it runs what it supports (the `Options` defa
 from __future__ import annotations
 
 from paratrain.hardware.catalog import Stack
-from paratrain.plan.model import TE_OVERLAP_SMS
+from paratrain.plan.layer import TE_OVERLAP_SMS
 
 STACKS: dict[str, Stack] = {
     "nxd": Stack(
@@ -31,7 +31,7 @@ STACKS: dict[str, Stack] = {
         "runs a 1F1B schedule", "flash"),
 }
 
-# How each stack runs (plan.model.Options fields). grad_bytes: Megatron-Core keeps bf16 gradient buffers
+# How each stack runs (plan.options.Options fields). grad_bytes: Megatron-Core keeps bf16 gradient buffers
 # (DistributedDataParallelConfig.grad_reduce_in_fp32 defaults to False); FSDP2 in torchtitan reduces in fp32
 # (training.mixed_precision_reduce = float32); NxD's mixed_precision and DeepSpeed's bf16 mode keep fp32
 # gradients for the fp32 optimizer. tp_comm_overlap: Transformer Engine's userbuffer overlap (NeMo's
@@ -42,7 +42,7 @@ STACKS: dict[str, Stack] = {
 # moe_gemm_per_expert: Megatron-Core's TEGroupedMLP runs Transformer Engine's GroupedLinear, which on Hopper
 # launches one cuBLASLt GEMM per local expert over several streams (TE PR #853 "Grouped GEMM via multi-stream
 # cuBLAS"; TE issue #1386: cuBLAS grouped/CUTLASS were slower for the MoE shapes measured, so not used).
-# cp_comm (plan.model._context_parallel_s): torchtitan runs torch's context_parallel with its default rotate method
+# cp_comm (plan.step._context_parallel_s): torchtitan runs torch's context_parallel with its default rotate method
 # (job_config parallelism.context_parallel_rotate_method = "allgather"); Megatron-Core's default cp_comm_type is
 # "p2p", the ring (the Options default). fsdp_pp_unsharded: torchtitan's apply_fsdp keeps blocks gathered under
 # PP (reshard_after_forward=False) and torch.distributed.pipelining defers resharding and gradient sync to the last
@@ -62,22 +62,22 @@ STACKS: dict[str, Stack] = {
 # bucket_bytes: NeMo 2.x and Megatron-Bridge set the distributed optimizer's bucket_size to 128 Mi parameters
 # whenever dp > 1 (MegatronCommOverlapCallback / CommOverlapConfig._get_optimizer_overlap_cfgs, NeMo v2.2.0,
 # Megatron-Bridge v0.2.0), bf16 gradients (grad_bytes 2); Megatron-LM alone defaults to max(40M, 1M x dp), the
-# Options default. Overlap flags and their dispatch order: plan.model._megatron_dp_exposed_s.
+# Options default. Overlap flags and their dispatch order: plan.data_parallel._megatron_dp_exposed_s.
 MEGATRON_BUCKET_PARAMS = 128 * 2**20
-# eager_rope_bytes (plan.model.EAGER_ROPE_BYTES): torchtitan's apply_rotary_emb (torchtitan/models/llama3/model.py)
+# eager_rope_bytes (plan.options.EAGER_ROPE_BYTES): torchtitan's apply_rotary_emb (torchtitan/models/llama3/model.py)
 # casts q and k to fp32 (read 2, write 4 bytes per element), multiplies them as complex numbers by freqs_cis (read 4,
 # write 4; view_as_complex / view_as_real are views) and casts back (read 4, write 2): 20 bytes per element
 TORCHTITAN_ROPE_BYTES = 20
 # cp_kv_repeated: torchtitan's Llama attention repeats K/V to the query heads (repeat_kv) before SDPA, the op torch's
 # context_parallel replaces, so CP moves query-width K/V (torchtitan/models/llama3/model.py Attention.forward)
-# loss_peak_bytes_per_logit (plan.model.Options): torchtitan's loss is F.cross_entropy(pred.flatten(0, 1).float(),
+# loss_peak_bytes_per_logit (plan.options.Options): torchtitan's loss is F.cross_entropy(pred.flatten(0, 1).float(),
 # labels), its train step deletes the bf16 logits before backward ("need to free to before bwd to avoid peaking
 # memory", train.py at 9dec370); log_softmax keeps its fp32 output for the backward, where nll_loss_backward's dense
 # fp32 gradient and log_softmax_backward's fp32 result are live beside it: 3 x 4 bytes per logit. Composer/llm-foundry
 # (F.cross_entropy under bf16 autocast, which runs it in fp32) and Hugging Face models (logits.float()) alike.
 PYTORCH_LOSS_PEAK_BYTES = 12.0
 # selective_ops: torchtitan's "selective" activation checkpointing is per-op (selective_ac_option "op", its default
-# and what its published Llama tables name "selective op"): plan.model.Options.selective_ops
+# and what its published Llama tables name "selective op"): plan.options.Options.selective_ops
 STACK_OPTIONS: dict[str, dict] = {
     "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "p2p_pair_allgather": True,
             "tp_bwd_overlap": True},
@@ -106,7 +106,7 @@ FA2_HOPPER_EFF = 0.35
 # compile, Float8; 3 rows); evaluated on torchtitan's multi-node rows and MosaicML's H100 SXM FSDP rows.
 PYTORCH_HOPPER_SCALE = 0.79  # grid 0.55-0.85: 1.5% on those 3 rows since eager's counted elementwise bytes and
 # torchtitan's per-op selective checkpointing are timed (0.76 and 4.7% before; 0.73 and 4.4% before the flash
-# backward's lower efficiency, plan.model.FLASH_BWD_EFF, was counted)
+# backward's lower efficiency, plan.step.FLASH_BWD_EFF, was counted)
 HOPPER_CHIPS = {"h100", "h200", "h100-hbm2e-500w", "h100-pcie"}
 # The same on A100: the chip's 0.80 was calibrated on Megatron-LM 2021-22 runs (fused kernels, unfused attention);
 # PyTorch-native FSDP stacks reach 0.84 of it. Calibrated: `benchmarks/planner_accuracy.py --calibrate-a100-pytorch`

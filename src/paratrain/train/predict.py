@@ -13,7 +13,7 @@ from paratrain.calibrate.probe import probe_matmul  # noqa: F401 - for train.met
 from paratrain.config import TrainConfig, precision_bytes, zero_stage_of
 from paratrain.hardware.catalog import resolve_system
 from paratrain.plan.api import Layout, estimate, layout_from_parallel
-from paratrain.plan.model import PARATRAIN_RUNTIME, Options
+from paratrain.plan.options import PARATRAIN_RUNTIME, Options
 
 
 def planner_layout(cfg: TrainConfig, degrees: dict) -> dict:
@@ -28,7 +28,7 @@ def planner_layout(cfg: TrainConfig, degrees: dict) -> dict:
 
 
 def planner_options(cfg: TrainConfig) -> dict:
-    """The software choices of this run that the planner models (paratrain.plan.model.Options fields):
+    """The software choices of this run that the planner models (paratrain.plan.options.Options fields):
     paratrain's runtime (PARATRAIN_RUNTIME) with this config's DDP bucket size, and eager kernels unless
     train.compile fuses the blocks' elementwise ops; the bytes gathered and reduced follow train.dtype and
     train.reduce_dtype (precision_bytes)."""

@@ -1,0 +1,135 @@
+"""Time of collectives and point-to-point sends over a system's interconnect tiers: hierarchical rings level by
+level, the share of a 2D torus's links a ring drives, ring or tree latency steps, ranks time-sharing a core.
+Used by the training step, the MoE all-to-all, the serving model and the calibrator's link fit.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from paratrain.hardware.catalog import System
+
+
+def collective_time_s(system: System, kind: str, nbytes, degree, stride):
+    """Time of a hierarchical ring collective over a group of `degree` ranks spaced `stride` apart.
+
+    Ranks are numbered tp fastest, then cp, dp, pp, so a group with stride s has D // s members inside a
+    domain of D devices. Level by level from the innermost tier: reduce-scatter inside the domain, the
+    next level works on 1/n of the data, then all-gather back (the all-reduce = RS + AG of Thakur et al. 2005
+    ring costs: 2(n-1)/n * bytes / bw; RS or AG alone (n-1)/n * bytes / bw). nbytes is the full buffer
+    (all-reduce input, all-gather output, reduce-scatter input). Latency: min(n-1, 2 log2 n) steps per level
+    (ring for small groups, tree-like for large ones, as NCCL/Neuron pick), plus the link's fixed
+    collective_overhead_us per level (launch and synchronisation of one collective call). Where ranks
+    time-share cores (a CPU host running more ranks than cores), each step also waits for the next rank to be
+    scheduled: + (ranks per core - 1) x timeshare_step_us per step, and each rank gets 1/(ranks per core)
+    of a core to copy and reduce with (bandwidth divided alike).
+    """
+    factor = {"allreduce": 2.0, "allgather": 1.0, "reducescatter": 1.0}[kind]
+    if np.ndim(nbytes) == np.ndim(degree) == np.ndim(stride) == 0:
+        try:
+            return np.float64(_collective_scalar_s(system, kind, factor, float(nbytes), float(degree), float(stride)))
+        except ZeroDivisionError:  # a zero bandwidth: numpy's inf below
+            pass
+    nbytes = np.asarray(nbytes, dtype=float)
+    degree = np.asarray(degree, dtype=float)
+    stride = np.asarray(stride, dtype=float)
+    total = np.zeros(np.broadcast(nbytes, degree, stride).shape)
+    inside_prev = np.ones_like(total)
+    share = timesharing_ranks(system)
+    ring_only_gathers = system.chip.vendor == "nvidia"
+    for tier in system.tiers:
+        if tier.domain_devices:
+            inside = np.clip(np.floor(tier.domain_devices / stride), 1.0, degree)
+        else:
+            inside = degree * np.ones_like(total)
+        n = inside / inside_prev
+        data = nbytes / inside_prev
+        bw = tier.per_device_bw_bytes_per_s(system) * torus_link_fraction(system, tier, inside, stride)
+        # all-reduce: NCCL and Neuron pick ring (n-1 steps per phase) or tree / recursive halving-doubling
+        # (log2 n) whichever is cheaper; all-gather and reduce-scatter: NCCL runs them as rings only (no tree:
+        # src/graph/tuning.cc counts nsteps = nRanks - 1), Neuron also has recursive doubling-halving for them
+        # (Neuron docs, "Inter-node Collectives": ring, mesh and RDH)
+        steps = ring_steps(n) if kind == "allreduce" or not ring_only_gathers else n - 1.0
+        link = tier.interconnect
+        step_s = (link.latency_us + (share - 1) * link.timeshare_step_us) * 1e-6
+        level = factor * ((n - 1) / n * data * share / bw + steps * step_s) + link.collective_overhead_us * 1e-6
+        total = total + np.where(n > 1, level, 0.0)
+        inside_prev = np.maximum(inside, inside_prev)
+    return total
+
+
+def _collective_scalar_s(system: System, kind: str, factor: float, nbytes: float, degree: float, stride: float):
+    """collective_time_s for one group: the same operations in the same order on Python floats (bitwise the same
+    result), without numpy's overhead on 0-d arrays (~60 us a call; a calibration fit or a layout search makes
+    ~10^5 calls)."""
+    total, inside_prev = 0.0, 1.0
+    share = timesharing_ranks(system)
+    ring_only_gathers = system.chip.vendor == "nvidia"
+    for tier in system.tiers:
+        inside = min(max(float(math.floor(tier.domain_devices / stride)), 1.0), degree) if tier.domain_devices \
+            else degree
+        n = inside / inside_prev
+        data = nbytes / inside_prev
+        bw = tier.per_device_bw_bytes_per_s(system) * float(torus_link_fraction(system, tier, inside, stride))
+        if kind == "allreduce" or not ring_only_gathers:
+            steps = min(n - 1.0, 2.0 * math.ceil(math.log2(max(n, 1.0))))  # ring_steps
+        else:
+            steps = n - 1.0
+        link = tier.interconnect
+        step_s = (link.latency_us + (share - 1) * link.timeshare_step_us) * 1e-6
+        if n > 1:
+            total = total + (factor * ((n - 1) / n * data * share / bw + steps * step_s)
+                             + link.collective_overhead_us * 1e-6)
+        inside_prev = max(inside, inside_prev)
+    return total
+
+
+def torus_link_fraction(system: System, tier, members, stride):
+    """Share of a 2D-torus tier's links (Interconnect.torus_links_per_chip, 0: a switched fabric, all of them)
+    that a ring collective over `members` ranks `stride` apart can drive. Neuron runs "multiple cycles with
+    mutually exclusive wires in parallel for full wire bandwidth", and "when using all 16 Neuron Devices, there
+    are 2 non-overlapping Hamiltonian cycles on 2D Torus" (Neuron docs, neuron-runtime/explore/
+    intranode-collective-comm.rst): a group covering every chip of the torus uses all 4 links of a chip; a group
+    on fewer chips (a row or a 2 x k block of the 4 x 4 torus, with at most 3 neighbours in the group) has one
+    such cycle, 2 links; two chips share one link."""
+    links = tier.interconnect.torus_links_per_chip
+    if not links:
+        return 1.0
+    per_chip = system.devices_per_chip
+    chips = np.minimum(members, np.maximum(1.0, members * np.asarray(stride, dtype=float) / per_chip))
+    used = np.select([chips >= tier.domain_devices / per_chip, chips >= 3], [links, 2.0], 1.0)
+    return np.minimum(used, links) / links
+
+
+def ring_steps(n):
+    """Latency-bound steps of one collective phase over n ranks: a ring's n - 1 for small groups, a tree's
+    2 log2 n for large ones (NCCL and Neuron pick the cheaper)."""
+    n = np.asarray(n, dtype=float)
+    return np.minimum(n - 1.0, 2.0 * np.ceil(np.log2(np.maximum(n, 1.0))))
+
+
+def timesharing_ranks(system: System) -> float:
+    """Ranks that take turns on one core: more than 1 only where devices outnumber the chip's cores (a CPU host
+    described by `paratrain probe`, sized for more ranks than cores); accelerator devices never time-share."""
+    return max(1.0, system.devices_per_chip / system.chip.cores_per_chip)
+
+
+def p2p_time_s(system: System, nbytes, stride, ranks=2):
+    """Point-to-point send between ranks `stride` apart (pipeline neighbours, a CP ring's hops) in a chain or ring of
+    `ranks` members: over the innermost tier whose domain holds the whole group (stride x ranks devices), at the
+    per-device bandwidth of that tier (all boundary ranks send at once). Where the group spans domains, some of its
+    hops cross them (pipeline stages 16 apart on 32-device nodes: every other stage boundary leaves the node), and
+    a pipeline or a ring runs at the pace of its slowest hop."""
+    nbytes = np.asarray(nbytes, dtype=float)
+    span = np.asarray(stride, dtype=float) * np.maximum(np.asarray(ranks, dtype=float), 2.0)
+    time = None
+    for tier in reversed(system.tiers):
+        bw = tier.per_device_bw_bytes_per_s(system)
+        link = tier.interconnect
+        share = timesharing_ranks(system)
+        t = (nbytes * share / bw
+             + (link.latency_us + (share - 1) * link.timeshare_step_us + link.collective_overhead_us) * 1e-6)
+        time = t if time is None else np.where(span <= tier.domain_devices, t, time)
+    return time

@@ -1,0 +1,137 @@
+"""Data-parallel traffic per step and the part of it compute does not hide: DDP's gradient buckets, ZeRO-1/2's
+reduce-scatter and post-step gather, FSDP / HSDP unit by unit, Megatron-Core's distributed-optimizer dispatch order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paratrain.plan.collectives import collective_time_s
+
+
+def _calls_s(system, kind, total_bytes, calls, degree, stride):
+    """`calls` collectives of equal size sharing `total_bytes`: the volume is paid once, the latency and
+    per-call overhead `calls` times (what makes many small collectives slower than one large one)."""
+    return calls * collective_time_s(system, kind, total_bytes / np.maximum(calls, 1), degree, stride)  # 0 calls: 0
+
+
+def default_bucket_bytes(opts, dp):
+    """Bytes of one gradient bucket (one collective call): opts.bucket_bytes, or where the run leaves it unset
+    Megatron-Core's default, max(40M, 1M x dp) parameters of the data-parallel group dp
+    (DistributedDataParallel.__init__: `max(40000000, 1000000 * dp_group.size())`)."""
+    return (np.maximum(40e6, 1e6 * dp) * opts.grad_bytes) if opts.bucket_bytes is None else opts.bucket_bytes
+
+
+def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, kind, m, stage_fwd, stage_bwd,
+                     stage_layers_dev, block_share, link_busy=0.0, pp=1.0, chunks=1.0, bucket_dp=None):
+    """(all DP communication time, the part not hidden behind compute) per step.
+
+    DDP all-reduces gradients in buckets (default_bucket_bytes; bucket_dp: the group whose size sets the default
+    bucket where it is not dp, Megatron-Core's dense group for the expert buffers) once per step;
+    ZeRO-1/2 reduce-scatter the same buckets and all-gather the updated parameters after the optimizer
+    step; FSDP (one unit per block plus the root, as torchtitan and paratrain wrap it) gathers every
+    unit for the forward of every microbatch and every block again for its backward, and reduce-scatters each
+    unit once per step (gradient sync only on the last microbatch); HSDP does that inside a node (dp_shard
+    ranks) and all-reduces each unit's shard across nodes. The gradient reduce can only hide behind the last
+    microbatch's backward (earlier microbatches only accumulate); FSDP/HSDP prefetch their gathers behind
+    every microbatch, but all DP traffic together cannot hide behind more than the step's compute; the
+    post-step gather of ZeRO-1/2 has nothing to hide behind. FSDP under a pipeline with
+    opts.fsdp_pp_unsharded (torchtitan): one gather per unit per step, prefetched behind the first microbatch's
+    forward, and the reduce-scatters after the last backward, exposed.
+    """
+    grad_bytes = params_dev * opts.grad_bytes
+    param_bytes = params_dev * opts.param_bytes
+    bucket = default_bucket_bytes(opts, dp if bucket_dp is None else bucket_dp)
+    buckets = np.maximum(1.0, np.ceil(grad_bytes / bucket))
+    units = stage_layers_dev + 1.0  # block_share: the blocks' part of the parameters (backward re-gathers them)
+    reduce_ar = _calls_s(system, "allreduce", grad_bytes, buckets, dp, stride_dp)
+    reduce_rs = _calls_s(system, "reducescatter", grad_bytes, buckets, dp, stride_dp)
+    post_gather = _calls_s(system, "allgather", param_bytes, buckets, dp, stride_dp)
+    unit_rs = _calls_s(system, "reducescatter", grad_bytes, units, dp, stride_dp)
+    shard_rs = _calls_s(system, "reducescatter", grad_bytes, units, dp_shard, stride_dp)
+    # per microbatch: every unit gathered for forward, the blocks again for backward
+    unit_ag = (_calls_s(system, "allgather", param_bytes, units, dp, stride_dp)
+               + _calls_s(system, "allgather", param_bytes * block_share, stage_layers_dev, dp, stride_dp))
+    shard_ag = (_calls_s(system, "allgather", param_bytes, units, dp_shard, stride_dp)
+                + _calls_s(system, "allgather", param_bytes * block_share, stage_layers_dev, dp_shard, stride_dp))
+    repl_ar = _calls_s(system, "allreduce", grad_bytes / dp_shard, units, dp / dp_shard, stride_dp * dp_shard)
+    zero12 = (zero >= 1) & (zero <= 2)
+    # FSDP without resharding after forward (fsdp/hsdp with zero_stage 2, FSDP1's SHARD_GRAD_OP), and paratrain's
+    # ZeRO-1/2, which run as that: each unit gathered once per microbatch, reduce-scattered once per step
+    as_fsdp = ((kind >= 1) & (zero == 2)) | (zero12 & opts.zero12_as_fsdp)
+    fwd_ag = _calls_s(system, "allgather", param_bytes, units, dp, stride_dp)
+    gathers = np.select([as_fsdp, kind == 1, kind == 2], [m * fwd_ag, m * unit_ag, m * shard_ag], 0.0)
+    reduces = np.select([zero == 0, as_fsdp, zero <= 2, kind == 1, kind == 2],
+                        [reduce_ar, unit_rs, reduce_rs, unit_rs, shard_rs + repl_ar])
+    post_step = np.where(zero12 & ~as_fsdp, post_gather, 0.0)  # DeepSpeed/Megatron: gather after the step
+    overlap = system.efficiency.dp_overlap if opts.dp_overlap is None else opts.dp_overlap
+    window_all = np.maximum(0.0, overlap * m * (stage_fwd + stage_bwd) - link_busy)
+    window_last = np.maximum(0.0, overlap * stage_bwd - link_busy / np.maximum(m, 1.0))
+    exposed = np.maximum(np.maximum(gathers + reduces - window_all, reduces - window_last), 0.0) + post_step
+    if opts.overlap_param_gather:  # Megatron-Core's distributed optimizer: its own dispatch order, below
+        usable = np.maximum(0.0, overlap - link_busy / np.maximum(m * (stage_fwd + stage_bwd), 1e-30))
+        megatron = _megatron_dp_exposed_s(post_step, reduces, buckets, pp, chunks, stage_fwd, stage_bwd, usable)
+        exposed = np.where(zero12 & ~as_fsdp, np.maximum(megatron, gathers + reduces + post_step - window_all),
+                           exposed)
+    # FSDP/HSDP layer by layer: with prefetch (FSDP2 and DeepSpeed ZeRO-3 gather layer i+1 while layer i
+    # computes) a gather hides only behind one layer's compute, so when a layer's compute is short (small
+    # microbatch per device, many ranks) the rest is exposed, layer after layer; the first gather of every
+    # microbatch's forward has nothing before it. Backward: each layer's re-gather and (on the last
+    # microbatch) its gradient reduce-scatter behind that layer's backward; the last reduce-scatter after it.
+    layers = np.maximum(stage_layers_dev, 1.0)
+    c_f, c_b = overlap * stage_fwd / layers, overlap * stage_bwd / layers
+    group = np.where(kind == 2, dp_shard, dp)
+    ag1 = collective_time_s(system, "allgather", param_bytes * block_share / layers, group, stride_dp)
+    rs1 = collective_time_s(system, "reducescatter", grad_bytes * block_share / layers, group, stride_dp)
+    fwd = ag1 + (layers - 1) * np.maximum(0.0, ag1 - c_f)
+    kept = as_fsdp & (kind >= 1)  # parameters still gathered from the forward: no backward re-gather
+    bwd = np.where(kept, 0.0, layers * np.maximum(0.0, ag1 - c_b))
+    # HSDP: each unit's shard is all-reduced across the replicas right after its reduce-scatter, on the same
+    # stream (FSDP1 _post_backward_hook -> _all_reduce_grads; FSDP2 foreach_reduce's all_reduce after the
+    # reduce-scatter), so it hides behind the backward of the layers before it, as the reduce-scatter does; the
+    # last unit's and the root's (embedding, head) are left after the backward
+    replicas = dp / np.maximum(dp_shard, 1.0)
+    ar1 = np.where(kind == 2, collective_time_s(system, "allreduce", grad_bytes * block_share / layers / dp_shard,
+                                                replicas, stride_dp * dp_shard), 0.0)
+    root_ar = np.where(kind == 2, collective_time_s(system, "allreduce", grad_bytes * (1 - block_share) / dp_shard,
+                                                    replicas, stride_dp * dp_shard), 0.0)
+    bwd_sync = layers * np.maximum(0.0, np.where(kept, 0.0, ag1) + rs1 + ar1 - c_b) + rs1 + ar1 + root_ar
+    per_layer = m * fwd + (m - 1) * bwd + bwd_sync
+    exposed = np.where(kind >= 1, np.maximum(exposed, per_layer), exposed)
+    # torchtitan's FSDP under torch.distributed.pipelining (Options.fsdp_pp_unsharded): gathered once in the first
+    # microbatch's forward (prefetched layer by layer), kept; every unit's reduce-scatter issued together by
+    # backward_maybe_with_nosync's run_post_backward after the stage's last backward, with nothing left to hide behind
+    pinned = (kind >= 1) & (np.asarray(pp) > 1) & opts.fsdp_pp_unsharded
+    gathers = np.where(pinned, fwd_ag, gathers)
+    reduces = np.where(pinned, np.where(kind == 2, shard_rs + repl_ar, unit_rs), reduces)
+    exposed = np.where(pinned, np.maximum(0.0, np.minimum(fwd, fwd_ag)) + reduces, exposed)
+    total = gathers + reduces + post_step
+    return np.where(dp > 1, total, 0.0), np.where(dp > 1, exposed, 0.0)
+
+
+def _megatron_dp_exposed_s(gather, reduce, buckets, pp, chunks, fwd, bwd, usable):
+    """Exposed time of Megatron-Core's distributed optimizer with overlap_grad_reduce and overlap_param_gather,
+    as NeMo 2.x / Megatron-Bridge configure it (MegatronCommOverlapCallback / CommOverlapConfig
+    _get_optimizer_overlap_cfgs: both on when dp > 1, align_param_gather when pp > 1 and vp > 1). gather /
+    reduce: the stage's post-step parameter all-gather / gradient reduce-scatter; fwd / bwd: the stage's
+    compute per microbatch; usable: the fraction of compute communication can hide behind.
+
+    Megatron-Core r0.11-r0.15 (distributed_data_parallel.py, param_and_grad_buffer.py, schedules.py): the
+    optimizer step does not gather (DistributedOptimizer.step_with_ready_grads); finish_grad_sync marks every
+    bucket undispatched, so the next step's first forward gathers. Without interleaving, the first stage's
+    forward pre-hook (_make_forward_pre_hook -> finish_param_sync) dispatches the first bucket, waits for it
+    and dispatches the next one, which hides behind the forward of the bucket before (one bucket in flight, the
+    first microbatch only); later stages hold one bucket (bucket_size None when pp_rank > 0), gathered whole
+    after the first activation arrives, so the fill of the pipeline pays it on every stage after the first.
+    Interleaved with align_param_gather: chunks 0 and 1 are dispatched before the first forward (chunk 0
+    exposed), chunk c >= 2 at chunk c-1's first forward (forward_step_helper_preprocess), so each hides behind
+    pp chunk forwards of the warm-up; the gradients of chunk c reduce after its last backward
+    (backward_step_helper_postprocess) behind pp chunk backwards, chunk 0's after the last one, exposed."""
+    pp = np.asarray(pp, float)
+    n = np.maximum(chunks, 1.0)
+    k = np.maximum(buckets, 1.0)
+    per_chunk = lambda c, window: c / n + (n - 1) * np.maximum(0.0, (c - usable * pp * window) / n)  # noqa: E731
+    interleaved = per_chunk(gather, fwd) + per_chunk(reduce, bwd)
+    chain = gather / k + (k - 1) * np.maximum(0.0, (gather - usable * fwd) / k)
+    flat = chain + np.maximum(pp - 1.0, 0.0) * gather + np.maximum(0.0, reduce - usable * bwd)
+    return np.where((pp > 1) & (n > 1), interleaved, flat)

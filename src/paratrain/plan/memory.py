@@ -1,0 +1,140 @@
+"""Memory per device: the activations one layer keeps per token (Korthikanti et al. 2022; torchtitan's per-op
+selective checkpointing), the weights, gradients, optimizer state and activations of each pipeline rank, the
+communicators' buffers, and whether the rank that needs the most fits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paratrain.model.config import ModelConfig
+from paratrain.plan.layer import query_dim
+from paratrain.plan.pipeline import _rank_params, inflight_microbatches
+from paratrain.plan.precision import (
+    BF16_BYTES,
+    BF16_OPTIMIZER_BYTES,
+    FP8_BYTES,
+    OPTIMIZER_BYTES,
+    WEIGHT_BYTES,
+)
+from paratrain.plan.stages import Loads, balanced_loads, same_rank
+
+
+def activation_bytes_per_token(model: ModelConfig, seq: int, attention: str, fp8: bool = False):
+    """Korthikanti et al. 2022 activation memory per token per layer, split by how it shards.
+
+    Returns (sp_part, tp_part, core_part) in bytes: sp_part is replicated across TP ranks unless sequence
+    parallelism shards it; tp_part is always split by TP; core_part (softmax/dropout of attention scores) is
+    split by TP and dropped by selective recompute. GPT: 10h + 24h + 5as = 34h + 5as per token, the paper's
+    s*b*h*(34 + 5as/h). Llama: no dropout, RMSNorm, SwiGLU (gate, up and their product kept: 6f), GQA (K,V
+    are 2kv each). fp8: the inputs of the FP8 matmuls are kept for backward in FP8, 1 byte (Transformer Engine
+    saves the cast input for the weight gradient): QKV and MLP inputs (h each), the output projection's input
+    (heads x head_dim) and the second MLP matmul's input (f).
+    """
+    h, f, kv, a, q = model.hidden, model.ffn, model.kv_dim, model.heads, query_dim(model)
+    if model.arch == "gpt":
+        sp_part = 4 * h + 2 * h + 2 * h + 2 * h  # 2 LayerNorm inputs, QKV input, MLP input, 2 dropout masks
+        tp_part = 2 * q + 2 * kv + 2 * kv + 2 * q + 2 * f + 2 * f  # Q, K, V, proj input, fc1 out, GeLU out
+        core = 5 * a * seq if attention == "unfused" else 4 * a  # softmax (2), dropout mask (1) and output (2)
+    else:
+        sp_part = 4 * h + 2 * h + 2 * h  # 2 RMSNorm inputs, QKV input, MLP input
+        tp_part = 2 * q + 2 * kv + 2 * kv + 2 * q + 6 * f  # Q, K, V, proj input, gate, up, gate*up
+        core = 2 * a * seq if attention == "unfused" else 4 * a  # softmax output, or fp32 log-sum-exp (flash)
+    if fp8:  # QKV input, MLP input, projection input and second MLP input stored at 1 byte instead of 2
+        sp_part, tp_part = sp_part - 2 * h, tp_part - q - f
+    return float(sp_part), float(tp_part), float(core)
+
+
+def selective_ops_bytes_per_token(model: ModelConfig, tp, sp):
+    """Activation bytes per token of one layer kept by torchtitan's per-op selective checkpointing
+    (Options.selective_ops), without the attention core's log-sum-exp: the block input (sharded with SP), the
+    outputs of the kept matmuls and SDPA (split by TP; Llama: wq, wv, w1 and w2, whose output is kept before its
+    reduction, full width on every rank; GPT: qkv and fc1) and, under TP, the reduce-scatters' outputs."""
+    h, q, kv, f = model.hidden, query_dim(model), model.kv_dim, model.ffn
+    sp_scale = np.where(sp, 1.0 / tp, 1.0)
+    if model.arch == "llama":
+        split, full = 2 * q + kv + f, h
+    else:
+        split, full = 2 * q + 2 * kv + f, 0
+    return BF16_BYTES * (h * sp_scale + full + np.where(tp > 1, 2.0 * h / tp, 0.0) + split / tp)
+
+
+def process_groups(tp, pp, dp, cp, dp_shard, ep=1, etp=1):
+    """Communicators one rank holds buffers for: the default (world) group, which every launcher's barrier
+    uses, plus each parallel dimension it communicates in: TP, data parallel (dp x cp ranks reduce gradients
+    together), CP's attention exchange, PP's sends (one group of neighbours), HSDP's replica group across the
+    shards, and for a MoE model the expert all-to-all group and the experts' own data-parallel group
+    (tp x cp x dp / (etp x ep) ranks). NCCL allocates each communicator's buffers at its first collective
+    (NVIDIA/nccl issue #986: more communicators, more memory)."""
+    tp, cp, ep = (np.asarray(x, dtype=float) for x in (tp, cp, ep))
+    dp_group = np.asarray(dp) * cp
+    expert_dp = tp * dp_group / (np.asarray(etp) * ep)
+    return (1.0 + (tp > 1) + (dp_group > 1) + (cp > 1) + (np.asarray(pp) > 1) + (np.asarray(dp_shard) < dp_group)
+            + (ep > 1) + ((ep > 1) & (expert_dp > 1)))
+
+
+def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sched, v, m, zero, dp_shard,
+                      loads: Loads | None = None, moe: dict | None = None, ep=1, etp=1):
+    """Memory of the rank that needs the most (loads: layers per rank, default the balanced split). Each rank
+    holds its own schedule's microbatches in flight: the first rank the most, the last (with the head and its
+    logits) the fewest, the inner ranks counted as the second, the most loaded of them. moe: plan.moe.memory_terms,
+    the routed experts' bytes per layer on top of the dense view (`model`)."""
+    v_shape = np.asarray(sched) >= 3
+    loads = loads or balanced_loads(model.layers, pp, v, v_shape)
+
+    sp_part, tp_part, core = activation_bytes_per_token(model, seq / 1, opts.attention, opts.fp8)
+    if opts.attention == "unfused":
+        core = core / cp  # scores over the local query rows only
+    sp_scale = np.where(sp, 1.0 / tp, 1.0)
+    layer_full = T * (sp_part * sp_scale + tp_part / tp + core / tp)
+    # recompute_mlp keeps the MLP block's input (already counted) instead of its gate/up (fc1/GeLU) outputs
+    mlp_kept = (6 if model.arch == "llama" else 4) * model.ffn if opts.recompute_mlp else 0
+    layer_selective = T * (sp_part * sp_scale + (tp_part - mlp_kept) / tp)
+    if opts.selective_ops:  # torchtitan's per-op SAC keeps the save list's outputs, plus the log-sum-exp (core)
+        layer_selective = T * (selective_ops_bytes_per_token(model, tp, sp) + core / tp)
+    layer_input = T * 2 * model.hidden * sp_scale
+    per_layer = np.select([rc == 0, rc == 1], [layer_full, layer_selective], layer_input)
+    rebuilt = np.where(rc == 2, layer_full, 0.0)  # one layer rebuilt during backward
+    logits = T * model.vocab / tp * opts.loss_peak_bytes_per_logit  # the loss backward's peak on the last stage
+    one = same_rank(pp, v_shape)
+    ranks = []  # (weights, grads, optimizer, activations) of the first, last and inner ranks
+    pinned = (np.asarray(zero) == 3) & (np.asarray(pp) > 1) & opts.fsdp_pp_unsharded
+    # ZeRO-3 / FSDP over more than one rank gathers a unit (a layer) at a time: at the start of backward the last layer's unsharded
+    # parameters, the prefetched next one's, the layer's unsharded gradient (param dtype) and the reduce-scatter input
+    # it is copied into (reduce dtype; torch FSDP2 foreach_reduce, FSDP1 _reduce_grad); during the loss backward before
+    # it, the loss's peak beside the last layer's parameters (not resharded after forward). Both are transient: counted
+    # with the activations
+    unit = model.params_per_layer() / tp
+    fsdp_unit = np.where((np.asarray(zero) == 3) & ~pinned & (np.asarray(dp_shard) > 1), 1.0, 0.0)  # sharded
+    working = fsdp_unit * unit * (3 * opts.param_bytes + opts.grad_bytes)
+    head_extra = np.maximum(logits + fsdp_unit * unit * opts.param_bytes, working)
+    ranks_at = (0.0, np.where(one, 0.0, pp - 1), np.minimum(1.0, pp - 1))  # pipeline rank of first, last, inner
+    for params, layers, head, r in zip(_rank_params(model, loads, pp, v_shape), (loads.first, loads.last, loads.inner),
+                                       (one, True, False), ranks_at, strict=True):
+        params_dev = params / tp
+        inflight = inflight_microbatches(sched, pp, v, m, r)
+        # FP8 with a weight cache keeps the cast weight and its transpose between microbatches (2 x 1 byte)
+        fp8_copies = np.where((zero < 3) & opts.fp8 & opts.fp8_weight_cache, 2 * FP8_BYTES, 0.0) * params_dev
+        ex = moe or {"weights": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "once": 0.0}
+        # FSDP kept gathered under a pipeline (Options.fsdp_pp_unsharded): the gathered copy beside the shard, and
+        # the gradients accumulated unsharded in the reduce dtype until the last backward
+        gathered = np.where(pinned, params_dev * opts.param_bytes, 0.0)
+        ranks.append((params_dev * WEIGHT_BYTES / np.where(zero == 3, dp_shard, 1.0) + gathered + fp8_copies
+                      + layers * ex["weights"],
+                      params_dev * opts.grad_bytes / np.where((zero >= 2) & ~pinned, dp_shard, 1.0) + layers * ex["grads"],
+                      params_dev * (OPTIMIZER_BYTES if opts.master_weights else BF16_OPTIMIZER_BYTES)
+                      / np.where(zero >= 1, dp_shard, 1.0) + layers * ex["optimizer"],
+                      (per_layer + ex["activations"]) * layers * inflight + rebuilt + ex["once"]
+                      + np.where(head, head_extra, working)))
+    shape = np.broadcast_shapes(*(np.shape(x) for r in ranks for x in r))
+    parts = np.array([[np.broadcast_to(x, shape) for x in r] for r in ranks])  # rank, part, layouts...
+    worst = np.asarray(np.argmax(parts.sum(axis=1), axis=0))
+    weights, grads, optimizer, activations = np.take_along_axis(parts, worst[None, None], axis=0)[0]
+    total = weights + grads + optimizer + activations
+    eff = system.efficiency
+    groups = process_groups(tp, pp, dp, cp, dp_shard, ep, etp)
+    reserved = eff.runtime_reserved_bytes + groups * eff.comm_buffer_bytes_per_group
+    capacity = (system.device_memory_bytes - reserved) * eff.memory_usable_fraction
+    return {"memory_weights_bytes": weights, "memory_grads_bytes": grads, "memory_optimizer_bytes": optimizer,
+            "memory_activations_bytes": activations, "memory_per_device_bytes": total,
+            "memory_capacity_bytes": capacity * np.ones_like(total), "fits": total <= capacity}

@@ -1,0 +1,254 @@
+"""The software choices that are not part of the layout (`Options`), and how paratrain's own runtime runs.
+
+`Options.for_system` gives the defaults of a system's usual training stack (plan/stacks.py); a training run
+passes its own (train/predict.py). The physics that reads each field is named in its description below.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.config.schema import ParallelSection
+from paratrain.hardware.catalog import System
+from paratrain.plan.precision import WEIGHT_BYTES
+
+ATTENTION = ("flash", "unfused")
+CP_COMM = ("ring", "allgather", "allgather_rotate")  # how context parallelism exchanges K/V (Options.cp_comm)
+MOE_FLEX_BACKENDS = ("deepep", "hybridep")  # Megatron-Core's moe_flex_dispatcher_backend values
+
+# paratrain's Llama block forward, eager: aten ops that are neither views nor matmuls nor the attention core
+# (tests/test_plan_model.py counts them with a dispatch mode and checks this number)
+EAGER_ELEMENTWISE_KERNELS = 32
+EAGER_EXTRA_MATMULS = 3  # q, k, v and gate, up as separate matmuls (the model counts qkv and gate+up fused)
+# HBM bytes per token of that block's elementwise ops in eager bf16 (every non-view, non-matmul, non-attention aten
+# op's inputs and outputs, counted with a dispatch mode; docs/planner.md "Eager PyTorch's elementwise traffic"):
+# two fp32 RMSNorms at 36 bytes per element (cast 6, pow 8, mean 4, x * rsqrt 8, cast back 6, * weight 4) and two
+# residual adds at 6: 84 per element of h; SiLU 4 + product 6 per element of f; K/V repeated to the query width
+# where GQA (4 per element of q + kv); the rotary per element of q and k: Options.eager_rope_bytes
+EAGER_NORM_RESIDUAL_BYTES = 84
+EAGER_SWIGLU_BYTES = 10
+EAGER_REPEAT_KV_BYTES = 4
+EAGER_ROPE_BYTES = 54  # paratrain's fp32 rotary on even/odd halves; torchtitan's complex multiply: plan.stacks
+# the runtime's DDP bucket (parallel.ddp_bucket_mb's default, torch DDP's bucket_cap_mb), by the config's one conversion
+RUNTIME_BUCKET_BYTES = ParallelSection().ddp_bucket_bytes
+# How paratrain's own runtime runs (Options fields): the defaults on `paratrain probe` hosts, and what a
+# training run records for the planner (train.loop.planner_options overrides bucket and eager from its config).
+PARATRAIN_RUNTIME = {"bucket_bytes": RUNTIME_BUCKET_BYTES, "eager": True, "p2p_scatter_gather": False,
+                     "zero12_as_fsdp": True}
+
+
+@dataclass(frozen=True)
+class Options:
+    """Software choices that are not part of the layout.
+
+    attention: "flash" (fused, causal blocks skipped, no s^2 activations) or "unfused" (Megatron 2021-22:
+    explicit scores, softmax and dropout kernels; what the published A100 measurements ran).
+    grad_bytes: bytes per gradient element kept and reduced (4: fp32 main grads, Megatron's default).
+    param_bytes: bytes per parameter element FSDP/ZeRO all-gathers (2: bf16 copies; 4 for an fp32 run).
+    A training run passes both from its config (paratrain.config.precision_bytes: train.dtype, reduce_dtype).
+    bucket_bytes: gradient bucket size of replicated data parallelism, one collective call per bucket. None:
+    Megatron-core's default, max(40M, 1M x dp) parameters ("larger DP sizes need larger buckets to ensure
+    collectives do not become latency-bound", DistributedDataParallelConfig.bucket_size). paratrain's own
+    reducer uses torch DDP's 25 MiB (RUNTIME_BUCKET_BYTES): the default on this machine ("local" systems).
+
+    eager: PyTorch eager execution, one kernel per op, as paratrain's runtime runs without train.compile: its
+    Llama block launches EAGER_ELEMENTWISE_KERNELS elementwise kernels per forward (norms in fp32, rotary,
+    SwiGLU, residuals; counted from the model by a test) where a fused stack launches a handful, and separate
+    q/k/v and gate/up matmuls (7 instead of 4). Each launch pays the chip's kernel_overhead_s. Its elementwise ops
+    move the bytes counted from that block (EAGER_* per token: fp32 norms, residuals, SwiGLU, rotary, GQA repeat),
+    4.2x a fused stack's on the hidden-size part. eager_rope_bytes: the rotary's bytes per element of q and k
+    (paratrain's even/odd fp32 rotary 54; torchtitan's complex multiply about 20, plan.stacks).
+    p2p_scatter_gather: without SP, pipeline stages send 1/t of the activation per TP rank and all-gather it
+    on arrival (Megatron, Narayanan et al. 2021); paratrain's runtime sends the whole replicated activation.
+    fp8: the layer matmuls (QKV, output projection, MLP) run in FP8 at the chip's FP8 peak with per-tensor
+    scaling (Transformer Engine, torchao float8); attention core, norms, head and loss stay BF16.
+    fp4: those matmuls run in a 4-bit block-scaled format (MXFP4, NVFP4) at the chip's FP4 peak (its FP8 peak
+    where it lists none), 1/2-byte operands; otherwise as fp8 (the same casts and the same activations kept
+    for backward, at 1 byte: what is kept in 4 bits is recipe-specific). Implies the fp8 path.
+    block_scaling: the low-precision formats are block-scaled (MX: one scale per 32 elements, found while
+    casting, no separate amax pass over the tensor) rather than per-tensor scaled; None: the chip's own rates
+    decide (chip.fp8_block_scaled, Trainium3/4), FP4 is always block-scaled.
+    dp_overlap: fraction of compute that data-parallel traffic can hide behind, when the software does not use
+    what the system allows (None: the system's efficiency.dp_overlap). Megatron-LM 2021-22 ran its gradient
+    all-reduce after the backward: 0.
+    fp8_weight_cache: the FP8 copy of each weight (and its transpose) is made on the first microbatch of a step
+    and kept (Transformer Engine's is_first_microbatch, as Megatron-Core passes it): one cast per step, 2 bytes
+    per parameter more memory; otherwise (torchao float8) every forward and backward call casts the weight.
+    tp_comm_overlap: tensor-parallel collectives (with SP) pipelined with the GEMMs next to them, as
+    Transformer Engine's userbuffer overlap (Megatron-Core/NeMo tp_comm_overlap) and torch's async TP do; the GEMMs
+    run split into the chunks the collectives deliver (tp_overlap_split_s). tp_overlap_sms: ((matmul name, SMs), ...)
+    the overlapped reduce-scatter kernels take from the GEMM (Transformer Engine's PipelineOverlapCfg num_sm with
+    set_sm_margin; plan.stacks megatron: TE_OVERLAP_SMS); empty: none (copy-engine collectives).
+    recompute_mlp: selective recompute also replays the MLP block (its two matmuls, activation function and, with
+    TP, its all-gather/reduce-scatter or all-reduce), and keeps only the block's input instead of the gate/up
+    outputs: NeuronX Distributed's activations_checkpoint_recompute_mlp (NxDT hf_llama3_70B_config.yaml) and
+    its tp_pp examples at seq 8192 (run_llama_nxd.py: "For 8K seq-length, we have to checkpoint the MLP block").
+    selective_ops: "selective" recompute is torchtitan's per-op selective activation checkpointing (its
+    activation_checkpoint mode "selective" with selective_ac_option "op", torchtitan/distributed/activation_checkpoint.py
+    _get_custom_policy): inside each block the outputs of the save list (matmuls, SDPA, TP reduce-scatters) are kept,
+    except that every second matmul is recomputed (the count restarts per block: of wq, wk, wv, wo, w1, w3, w2 the
+    2nd, 4th and 6th: wk, wo, w3), and every other op (norms, rotary, SwiGLU, residuals, TP all-gathers) is
+    recomputed. Backward replays those three matmuls, the forward's elementwise ops and its all-gathers; the layer
+    keeps its input, the outputs of wq, wv, SDPA (with its log-sum-exp), w1 and w2 (w2's before its reduction, full
+    width), and the reduce-scatters' outputs (selective_ops_terms). Otherwise "selective" is Korthikanti et al.'s
+    (the attention core replayed).
+    matmul_eff: fraction of peak the GEMMs reach where the software does not reach the chip's matmul_eff_max
+    (PyTorch-native stacks on Hopper, see plan.stacks); None: the chip's.
+    attention_eff: fraction of peak the attention kernel reaches where it is not the chip's matmul_eff_max
+    (FlashAttention-2, PyTorch SDPA's flash backend, on Hopper: see plan.stacks).
+    overlap_param_gather: Megatron-Core's distributed optimizer with overlap_grad_reduce and overlap_param_gather
+    (NeMo / Megatron-Bridge's settings): the post-step parameter all-gather and the gradient reduce-scatter are
+    dispatched as Megatron-Core does (_megatron_dp_exposed_s: bucket by bucket behind the first microbatch's
+    forward, chunk by chunk under interleaving); otherwise (NxD ZeRO-1) the post-step gather is exposed.
+    zero12_as_fsdp: ZeRO-1/2 run as FSDP without resharding after forward (paratrain has no separate ZeRO-1:
+    plan/config_writer.runtime_dp): per microbatch one all-gather per unit, one reduce-scatter per unit per
+    step, no post-step gather; otherwise Megatron's distributed optimizer (bucketed reduce-scatter, all-gather
+    after the step).
+    MoE (plan/moe.py): ep_overlap, the fraction of the expert all-to-all hidden behind compute (DeepSeek-V3's
+    DualPipe overlaps it fully; 0: it is exposed); moe_imbalance, the busiest expert rank's load over the mean
+    (1: force-balanced routing as benchmark runs use; None: plan.moe.routing_imbalance from the router and the
+    capacity factor); moe_fp8_dispatch: tokens dispatched in FP8 (DeepSeek-V3, DeepEP), combined in BF16;
+    moe_hierarchical_dispatch: a token crosses the network once per destination node, NVLink fans it out
+    (DeepEP / HybridEP, Megatron-Core's flex dispatcher); otherwise a flat all-to-all sends all k copies;
+    moe_gemm_per_expert: the grouped expert GEMM is one GEMM launch per local expert (Transformer Engine's
+    GroupedLinear on Hopper: multi-stream cuBLASLt), otherwise one launch for all (torch._grouped_mm, DeepGEMM);
+    moe_fused_padding: the dispatcher delivers each local expert's rows already padded to the low-precision
+    alignment (HybridEP's pad_multiple), so Transformer Engine's Fp8Padding / Fp8Unpadding around the per-expert
+    GEMMs copy nothing (plan.moe.fp8_padding_s; the alltoall dispatcher and DeepEP leave that to them);
+    recompute_norm_act: the backward also reruns the MoE layers' pre-MLP norm and the routed experts'
+    activation, whose outputs the forward dropped and which are not kept (Megatron-Core's recompute_modules
+    "layernorm" and "moe_act"; plan.moe.norm_act_replay_s, plan.moe.activation_bytes_per_layer); the attention
+    core is replayed only under selective recompute, as before.
+    moe_probs_in_experts: the routing probabilities scale the expert activation's output inside the expert
+    block (Megatron-Core since core 0.13, "Memory efficient token permutation"), so the combine keeps no expert
+    output for the probabilities' gradient (plan.moe.activation_bytes_per_layer); otherwise it is kept.
+    wgrad_accumulation_fusion: weight-gradient GEMMs accumulate into the main_grad buffer in place (cuBLAS
+    beta = 1: Megatron-Core's gradient_accumulation_fusion), reading it back; timed for the expert GEMMs, where
+    few rows per expert make it count (plan.moe.wgrad_accumulate_s).
+    ce_bytes_per_logit: HBM bytes the cross-entropy moves per logit, forward + backward. 12 (the default): fp32
+    softmax read and write and the gradient write; Megatron-Bridge's performance runs use Transformer Engine's
+    Triton cross-entropy on the bf16 logits (plan.stacks, megatron: 10).
+    loss_peak_bytes_per_logit: device memory per logit of the last stage live at the loss backward's peak, on top
+    of the activations. 6 (the default): the bf16 logits and the fp32 softmax that Megatron's vocab-parallel
+    cross-entropy keeps and turns into the gradient in place; PyTorch's F.cross_entropy on fp32 logits (torchtitan,
+    Composer under autocast, Hugging Face models) keeps the log-softmax output and, in its backward, holds it beside
+    nll_loss's dense fp32 gradient and log_softmax_backward's fp32 result: 12 (plan.stacks).
+    moe_flex_backend: the flex dispatcher's backend where it is named ("deepep", "hybridep"; None: unnamed or
+    not the flex dispatcher): its SM share and HybridEP's node-copy stage (plan.moe.hybridep_node_copy_s).
+    cp_comm: how context parallelism exchanges K/V (CP_COMM; _context_parallel_s): "ring" (Megatron-Core's p2p,
+    hidden behind the attention blocks), "allgather" (one exposed all-gather, Llama 3's), "allgather_rotate"
+    (torch's context_parallel as torchtitan runs it: gathered behind the first block, dK/dV on a ring).
+    tp_bwd_overlap: with SP, the backward's TP collectives run beside the GEMMs that do not need them (NxD's
+    LinearWithAsyncCommunication under the Neuron compiler, which schedules collectives on their own queue):
+    a column-parallel linear's input re-gather beside its input-gradient GEMM, its reduce-scatter beside its
+    weight-gradient GEMM; the row-parallel linears' output-gradient gathers stay exposed.
+    p2p_pair_allgather: each pipeline send is an all-gather over the [sender, receiver] pair in which the
+    receiver contributes a zero buffer of the same size (neuronx_distributed/pipeline/comm.py send/recv_from:
+    "Use all_gather instead of all_reduce for send/recv", the default; XLA has no point-to-point), so a rank
+    transmits twice the activation bytes a point-to-point send would.
+    fsdp_pp_unsharded: FSDP under a pipeline keeps each stage's parameters gathered and its gradients unsharded
+    for the whole step, as torchtitan runs it: its apply_fsdp sets reshard_after_forward=False when PP is on
+    ("to avoid per-microbatch all-gathers"), and torch.distributed.pipelining's backward_maybe_with_nosync sets
+    reshard_after_backward(False) and requires_gradient_sync(False) until the last backward, then runs every
+    unit's post_backward (its reduce-scatter) at once. One gather per unit per step, one reduce-scatter per unit
+    after the stage's last backward, exposed; memory: the gathered copy and fp32 unsharded gradients.
+    master_weights: Adam keeps fp32 master weights, m and v (OPTIMIZER_BYTES, ADAM_STEP_BYTES: mixed precision, what
+    NxD's "BF16+FP32Optimizer" and Megatron/torchtitan run); False: pure BF16 with stochastic rounding, the bf16
+    weights updated in place and m, v in bf16 (BF16_OPTIMIZER_BYTES, BF16_ADAM_STEP_BYTES: Neuron's "Autocast:BF16+SR",
+    XLA_USE_BF16=1, as neuronx-nemo-megatron's bf16SR and the Neuron Megatron-LM reference run). Gradients are bf16 then
+    too: pass grad_bytes=2.
+    cp_kv_repeated: the attention op receives K and V already repeated to the query heads (torchtitan's Llama runs
+    repeat_kv before SDPA, and torch's context_parallel wraps SDPA), so context parallelism exchanges K/V at the
+    query width, not GQA's.
+    fp8_tp_allgather: with fp8 and SP, the layers' TP all-gathers carry FP8 (1 byte per element), the
+    reduce-scatters BF16: torchao's Float8ColwiseParallel / PrepareFloat8ModuleInput cast the input before its
+    all-gather, and Float8RowwiseParallel casts the output gradient (NoopFwToFloat8BwDynamic) before the
+    backward's all-gather (torchao/float8/float8_tensor_parallel.py, as torchtitan applies it with Float8 + TP).
+    """
+
+    attention: str = "flash"
+    grad_bytes: int = 4
+    param_bytes: int = WEIGHT_BYTES
+    fp8: bool = False
+    fp4: bool = False
+    block_scaling: bool | None = None
+    tp_comm_overlap: bool = False
+    tp_overlap_sms: tuple = ()
+    overlap_param_gather: bool = False
+    attention_eff: float | None = None
+    matmul_eff: float | None = None
+    fp8_weight_cache: bool = False
+    recompute_mlp: bool = False
+    selective_ops: bool = False
+    dp_overlap: float | None = None
+    bucket_bytes: float | None = None
+    eager: bool = False
+    eager_rope_bytes: float = EAGER_ROPE_BYTES
+    p2p_scatter_gather: bool = True
+    zero12_as_fsdp: bool = False
+    ep_overlap: float = 0.0
+    moe_imbalance: float | None = None
+    moe_fp8_dispatch: bool = False
+    moe_hierarchical_dispatch: bool = False
+    moe_gemm_per_expert: bool = False
+    moe_fused_padding: bool = False
+    moe_flex_backend: str | None = None
+    recompute_norm_act: bool = False
+    moe_probs_in_experts: bool = False
+    ce_bytes_per_logit: float = 12.0
+    loss_peak_bytes_per_logit: float = 6.0
+    wgrad_accumulation_fusion: bool = False
+    cp_comm: str = "ring"
+    p2p_pair_allgather: bool = False
+    tp_bwd_overlap: bool = False
+    fsdp_pp_unsharded: bool = False
+    fp8_tp_allgather: bool = False
+    cp_kv_repeated: bool = False
+    master_weights: bool = True
+
+    @classmethod
+    def for_system(cls, system: System, attention: str | None = None, stack: str | None = None,
+                   system_stack: bool = True, **kw) -> Options:
+        """Defaults of the system's usual training stack (e.g. NxD on Trn1 runs unfused attention and is timed as
+        the nxd stack: the catalog's stack.runs_as), or of the named stack (plan.stacks: nxd, megatron, fsdp2,
+        deepspeed); explicit keywords win. system_stack False (plan --any-stack): generic timing."""
+        from paratrain.plan.stacks import STACKS, stack_options
+
+        default = system.stack.attention if system.stack is not None else "flash"
+        if stack is None and system_stack and system.stack is not None and system.stack.runs_as:
+            kw = {**stack_options(system.stack.runs_as, system.chip), **kw}
+        if stack is not None:
+            kw = {**stack_options(stack, system.chip), **kw}
+            default = STACKS[stack].attention
+        if system.chip.vendor == "local":  # measured by `paratrain probe`: paratrain's runtime runs here
+            kw = {**PARATRAIN_RUNTIME, **kw}
+        return cls(attention=attention or default, **kw)
+
+    def __post_init__(self) -> None:
+        if self.attention not in ATTENTION:
+            raise ValueError(f"attention = {self.attention!r}: allowed: {', '.join(ATTENTION)}")
+        if self.cp_comm not in CP_COMM:
+            raise ValueError(f"cp_comm = {self.cp_comm!r}: allowed: {', '.join(CP_COMM)}")
+        if self.moe_flex_backend not in (None, *MOE_FLEX_BACKENDS):
+            raise ValueError(f"moe_flex_backend = {self.moe_flex_backend!r}: allowed: None, "
+                             f"{', '.join(MOE_FLEX_BACKENDS)}")
+        if not self.ce_bytes_per_logit > 0:
+            raise ValueError(f"ce_bytes_per_logit = {self.ce_bytes_per_logit}: allowed: a number > 0")
+        if not self.loss_peak_bytes_per_logit > 0:
+            raise ValueError(f"loss_peak_bytes_per_logit = {self.loss_peak_bytes_per_logit}: allowed: a number > 0")
+        if self.grad_bytes not in (2, 4):
+            raise ValueError(f"grad_bytes = {self.grad_bytes}: allowed: 2, 4")
+        if self.dp_overlap is not None and not 0 <= self.dp_overlap <= 1:
+            raise ValueError(f"dp_overlap = {self.dp_overlap}: allowed: a number in [0, 1]")
+        if self.matmul_eff is not None and not 0 < self.matmul_eff <= 1:
+            raise ValueError(f"matmul_eff = {self.matmul_eff}: allowed: a number in (0, 1]")
+        if self.attention_eff is not None and not 0 < self.attention_eff <= 1:
+            raise ValueError(f"attention_eff = {self.attention_eff}: allowed: a number in (0, 1]")
+        if self.param_bytes not in (2, 4):
+            raise ValueError(f"param_bytes = {self.param_bytes}: allowed: 2, 4")
+        if not 0 <= self.ep_overlap <= 1:
+            raise ValueError(f"ep_overlap = {self.ep_overlap}: allowed: a number in [0, 1]")
+        if self.moe_imbalance is not None and self.moe_imbalance < 1:
+            raise ValueError(f"moe_imbalance = {self.moe_imbalance}: allowed: a number >= 1, or None")
+        if self.fp4 and not self.fp8:  # the FP8 code path (casts, kept activations) carries FP4 too
+            object.__setattr__(self, "fp8", True)

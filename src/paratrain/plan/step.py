@@ -1,0 +1,364 @@
+"""The analytic performance model: step time, FLOPs, memory and communication of one parallel layout.
+
+Every formula works element-wise on numpy arrays, so `search` evaluates tens of thousands of layouts in one
+pass and `estimate` is the same code on arrays of length one. No torch (fast import). The formulas, their
+sources and their assumptions are written up in docs/planner.md.
+
+Conventions: T = tokens of one microbatch on one device (b * s / cp); h hidden, f ffn, kv = kv heads * head
+dim, a heads, t = tp, L layers. Bytes: bf16 activations/weights (2), fp32 gradients (4, Megatron's main
+grads), fp32 Adam master + m + v (12).
+
+This module assembles the whole step (`evaluate`: per layer compute, TP and CP exchanges, MoE terms, stage
+extras, pipeline, data parallel, optimizer, FLOPs, memory); the terms live beside it, imports pointing one way
+(tests/test_layering.py): precision (bytes per element) <- options <- collectives, kernels <- layer <- pipeline,
+memory, data_parallel <- moe <- step.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from paratrain.config.names import PP_SCHEDULES
+from paratrain.hardware.catalog import System
+from paratrain.model.config import ModelConfig
+from paratrain.plan import moe as moe_plan
+from paratrain.plan.collectives import collective_time_s, p2p_time_s
+from paratrain.plan.data_parallel import _data_parallel_s
+from paratrain.plan.kernels import (
+    cast_cost,
+    low_precision_bytes,
+    low_precision_flops,
+    matmul_time_s,
+    memory_time_s,
+)
+from paratrain.plan.layer import (
+    _mlp_params_per_layer,
+    _op_sac_recomputed,
+    _per_layer_compute,
+    cp_merge_s,
+    query_dim,
+    unfused_rope_s,
+)
+from paratrain.plan.memory import memory_per_device
+from paratrain.plan.options import Options
+from paratrain.plan.pipeline import _largest_rank, _slowest_rank, pipeline_bubble_s
+from paratrain.plan.precision import ADAM_STEP_BYTES, BF16_ADAM_STEP_BYTES, BF16_BYTES, FP8_BYTES
+from paratrain.plan.stages import Loads, balanced_loads, best_loads
+
+STAGE_SPLITS = ("balanced", "auto")  # the runtime's default split, or the one that minimises the slowest stage
+# the trainer's names (paratrain.config.names); evaluate's integer codes index them: schedule codes >= 3 are the
+# V-shaped zero-bubble schedules (zbv, dualpipev)
+SCHEDULES = PP_SCHEDULES
+# Attention FLOPs per token per layer per hidden unit, forward: QK^T and AV over the keys a query sees. Causal
+# (what is computed with flash attention and what MFU counts here): 2 x 2 x s/2 x h; the full square (Narayanan et
+# al. 2021, PaLM): 2 x 2 x s x h. Both MFUs are reported; only the causal one is bounded by the timing model.
+ATTENTION_CONVENTION = "causal"
+CAUSAL_ATTENTION_FLOPS = 2.0
+
+
+FLASH_BWD_MATMULS = 5  # per attention block in FlashAttention-2's backward (forward: 2)
+# FlashAttention's backward reaches a lower fraction of peak than its forward: "up to 73% of the theoretical max
+# throughput in the forward pass, and up to 63% ... in the backward pass" (Dao 2023, FlashAttention-2, sec. 1; the
+# dS = P o (dP - D) elementwise step, the recomputed P and the dQ accumulation are the extra non-matmul work). The
+# only published forward/backward split; applied to every flash kernel (FA2, cuDNN/FA3, NKI) as their ratio
+FLASH_BWD_EFF = 63 / 73
+
+
+def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *, nodes, tp, pp, dp, cp,
+             microbatch, sp, recompute, pp_schedule, virtual_stages, zero_stage, dp_kind, opts: Options,
+             split: str = "balanced", stage_loads: Loads | None = None, ep=1, etp=1, dp_replicate=None) -> dict:
+    """Evaluate layouts (numpy arrays of equal length, or scalars). Integer codes index RECOMPUTE, SCHEDULES
+    and DP_KINDS. Returns a dict of arrays (times in s, bytes, FLOPs); no validity filtering here.
+
+    Pipeline stage sizes (plan/stages.py): split "balanced" is the runtime's default (equal layer counts),
+    "auto" the split that minimises the slowest rank's time (kept balanced where the faster split would not
+    fit in memory and the balanced one does); stage_loads (layers per rank of an explicit split) overrides
+    both. The loads used come back as stage_layers_{first,last,inner} and stage_balanced. ep, etp: expert
+    parallelism of a MoE model (plan/moe.py: the dense formulas time its dense view, the routed experts add on).
+    virtual_stages: model chunks per pipeline rank (2 under the V schedules). dp_replicate (HSDP): replica groups,
+    None = one per node."""
+    if split not in STAGE_SPLITS:
+        raise ValueError(f"split = {split!r}: allowed: {', '.join(STAGE_SPLITS)}")
+    f64 = lambda x: np.asarray(x, dtype=float)  # noqa: E731
+    nodes, tp, pp, dp, cp, b, v, ep, etp = map(f64, (nodes, tp, pp, dp, cp, microbatch, virtual_stages, ep, etp))
+    flops_model = model  # FLOPs count the real model (a MoE's active parameters); the rest its dense view
+    model = moe_plan.dense_view(model) if model.num_experts else model
+    sp = np.asarray(sp, dtype=bool) & (tp > 1)
+    rc = np.asarray(recompute)
+    sched = np.asarray(pp_schedule)
+    zero = np.asarray(zero_stage)
+    kind = np.asarray(dp_kind)
+    eff_sys = system.efficiency
+    L, h, V = model.layers, model.hidden, model.vocab
+    devices = nodes * system.devices_per_node
+    m = global_batch / (dp * b)  # microbatches per replica per step
+    T = b * seq / cp  # tokens of one microbatch on one device
+
+    # -- compute per layer, forward; backward = 2x matmuls and attention, 2x elementwise traffic --
+    mm, core, elem, mlp_fwd, column_mm, sac_mm, split_fwd, split_bwd = _per_layer_compute(
+        model, system, seq, opts, T, tp, sp, cp, zero)
+    moe = moe_plan.layer_terms(flops_model, system, opts, T=T, tp=tp, sp=sp, ep=ep, etp=etp, rc=rc) \
+        if flops_model.num_experts else None
+    quantize = 0.0  # per-expert operand quantization launches (plan.moe), once forward and once backward
+    bias_fwd = bias_bwd = 0.0  # eager expert work outside the fused kernels: output bias, activation clamp (plan.moe)
+    if moe is not None:  # routed experts: grouped GEMMs (their weight gradients too) and permute/router kernels
+        quantize, (bias_fwd, bias_bwd) = moe[6], moe[7]
+        mm, elem, mlp_fwd = mm + moe[0], elem + moe[1], mlp_fwd + moe[0] + moe[1] + quantize + bias_fwd
+    rope_fwd, rope_bwd = unfused_rope_s(model, system, T, tp)  # YaRN models on Megatron-Core's unfused RoPE
+    merge_fwd, merge_bwd = cp_merge_s(model, system, opts, T, tp, cp)  # torch's ring attention: fp32 merges per step
+    core = core + merge_fwd  # part of the attention op: replayed with it (selective, full), kept with it (op SAC)
+    fwd_compute = mm + split_fwd + core + elem + quantize + bias_fwd + rope_fwd
+    selective = core + (mlp_fwd if opts.recompute_mlp else 0.0)
+    if opts.selective_ops:  # torchtitan's per-op SAC: three matmuls and every elementwise op, not the attention core
+        selective = sac_mm + elem + quantize + bias_fwd + rope_fwd
+    recompute_fwd = np.where(rc == 2, fwd_compute, np.where(rc == 1, selective, 0.0))
+    if opts.recompute_norm_act:  # Megatron-Core's recompute_modules "layernorm", "moe_act" (plan.moe)
+        norm_act = moe_plan.norm_act_replay_s(flops_model, system, T, tp, sp, etp, moe[5] if moe is not None else 0.0)
+        recompute_fwd = recompute_fwd + np.where(rc == 2, 0.0, norm_act)
+    # FlashAttention's backward recomputes the scores and probabilities and runs 5 matmuls to the forward's 2
+    # (Dao 2023, FlashAttention-2 sec. 3.2), at a lower fraction of peak than its forward (FLASH_BWD_EFF);
+    # unfused attention keeps P and runs 4 (dP, dV, dQ, dK) as plain batched GEMMs
+    core_bwd = FLASH_BWD_MATMULS / 2.0 / FLASH_BWD_EFF if opts.attention == "flash" else 2.0
+    bwd_compute = (2 * mm + split_bwd + core_bwd * (core - merge_fwd) + merge_bwd + 2 * elem + quantize + bias_bwd + rope_bwd
+                   + recompute_fwd)
+    if moe is not None:  # the expert weight gradients accumulate into the main_grad buffer (plan.moe)
+        bwd_compute = bwd_compute + moe[8]
+    a2a_fwd, a2a_bwd = moe_plan.exposed_alltoall(opts, moe[2], moe[3], fwd_compute, bwd_compute,
+                                                 *moe_plan.overlap_limits(system, opts, sched, pp, v, m)) \
+        if moe is not None else (0.0, 0.0)
+
+    # -- tensor parallel, per layer: 2 all-reduces forward and 2 backward (Megatron's f/g), or with SP an
+    # all-gather + reduce-scatter pair in place of each (same volume, twice the calls); full recompute
+    # replays the forward ones. Counted per call: each pays the link's latency and per-call overhead. --
+    act_bytes = T * h * BF16_BYTES
+    ar = collective_time_s(system, "allreduce", act_bytes, tp, 1.0)
+    ag1 = collective_time_s(system, "allgather", act_bytes, tp, 1.0)
+    rs1 = collective_time_s(system, "reducescatter", act_bytes, tp, 1.0)
+    ag_rs = ag1 + rs1
+    # torchao's float8 TP (Options.fp8_tp_allgather): a layer's all-gathers carry FP8, its reduce-scatters BF16
+    ag_l = collective_time_s(system, "allgather", T * h * FP8_BYTES, tp, 1.0) \
+        if opts.fp8 and opts.fp8_tp_allgather else ag1
+    ag_rs_l = ag_l + rs1
+    tp_exposed = 1 - eff_sys.tp_overlap
+    tp_fwd = np.where(tp > 1, 2 * np.where(sp, ag_rs_l, ar), 0.0) * tp_exposed
+    # recompute replays the forward's TP collectives: all of them (full) or the MLP's one pair (recompute_mlp)
+    # or under per-op SAC the all-gathers (not in its save list; the reduce-scatters' outputs are kept)
+    replay = np.where(rc == 2, 2.0, np.where((rc == 1) & (opts.recompute_mlp | (opts.selective_ops & sp)), 1.5, 1.0))
+    tp_bwd = tp_fwd * replay
+    if opts.tp_bwd_overlap:
+        # NxD's LinearWithAsyncCommunication.backward (neuronx_distributed/parallel_layers/layers.py), with SP: a
+        # column-parallel linear re-gathers its input for the weight gradient while the input-gradient GEMM
+        # (which does not need it) runs, then reduce-scatters that input gradient while the weight-gradient GEMM
+        # runs; the Neuron compiler schedules collectives on their own queue beside independent compute
+        # (neuron-runtime/explore/compute-comm-overlap.rst). A row-parallel linear's backward first gathers its
+        # output gradient, which both its GEMMs need: exposed. Per layer: 2 exposed gathers, 2 gathers and
+        # 2 reduce-scatters behind one GEMM each (the backward's two GEMMs per linear each take its forward time).
+        hidden_bwd = sum(np.maximum(0.0, ag_l - g) + np.maximum(0.0, rs1 - g) for g in column_mm)
+        bwd_sp = (2 * ag_l + hidden_bwd) * tp_exposed + tp_fwd * (replay - 1.0)  # + the replayed forward's
+        tp_bwd = np.where((tp > 1) & sp, bwd_sp, tp_bwd)
+    if opts.tp_comm_overlap:
+        # Transformer Engine / Megatron (tp_comm_overlap) and torch async TP: with SP each all-gather is split
+        # into tp chunks exchanged while the GEMM it feeds runs on the chunks already there, and each
+        # reduce-scatter likewise behind the GEMM that produces it. Exposed: what the layer's GEMMs cannot cover,
+        # plus the first chunk of each collective (nothing to compute on before it arrives).
+        comm = 2 * ag_rs_l
+        hidden = lambda c, gemm: np.maximum(0.0, c - gemm) + c / tp  # noqa: E731
+        tp_fwd = np.where((tp > 1) & sp, hidden(comm, mm), tp_fwd)
+        tp_bwd = np.where((tp > 1) & sp, hidden(comm, 2 * mm) * replay, tp_bwd)
+    # Embedding and head under TP: the vocabulary-parallel embedding's all-reduce (reduce-scatter with SP);
+    # with SP the final norm's output is gathered for the head; vocabulary-parallel cross-entropy all-reduces
+    # three [tokens] fp32 vectors (max logit, sum of exponentials, target logit); backward, the head's input
+    # gradient is all-reduced (gather + reduce-scatter with SP).
+    ar_small = collective_time_s(system, "allreduce", T * 4.0, tp, 1.0)
+    half_ag_rs = ag_rs / 2  # one of the two calls (same volume each)
+    tp_embed = np.where(tp > 1, np.where(sp, half_ag_rs, ar), 0.0) * tp_exposed
+    tp_head_fwd = np.where(tp > 1, np.where(sp, half_ag_rs, 0.0) + 3 * ar_small, 0.0) * tp_exposed
+    tp_head_bwd = np.where(tp > 1, np.where(sp, ag_rs, ar), 0.0) * tp_exposed
+
+    # -- context parallel: the K/V exchange of the attention core, as the stack runs it (Options.cp_comm) --
+    cp_fwd, cp_bwd = _context_parallel_s(system, model, opts, T, tp, cp, core, core_bwd * (core - merge_fwd) + merge_bwd)
+
+    layer_fwd = fwd_compute + tp_fwd + cp_fwd + a2a_fwd
+    layer_bwd = bwd_compute + tp_bwd + cp_bwd + a2a_bwd
+
+    # -- first/last stage extras: embedding lookup, output projection (logits) and cross-entropy --
+    logits_mm = matmul_time_s(system, T, V / tp, h, opts=opts)
+    ce_bytes = T * (V / tp) * opts.ce_bytes_per_logit  # the loss's traffic over the logits, both directions
+    head_fwd = logits_mm + memory_time_s(system, ce_bytes / 2, 2) + tp_head_fwd
+    head_bwd = 2 * logits_mm + memory_time_s(system, ce_bytes / 2, 2) + tp_head_bwd
+    embed = memory_time_s(system, 2 * T * h * BF16_BYTES, 1) + tp_embed
+
+    # -- pipeline: p2p activations between stages (Megatron scatter/gather: 1/t of them per rank) --
+    stride_pp = tp * cp * dp
+    # what a stage sends per rank: the SP shard, or with Megatron's scatter/gather 1/t of the replicated
+    # activation; paratrain's runtime without SP sends it whole
+    p2p_bytes = act_bytes / np.where(sp | opts.p2p_scatter_gather, tp, 1.0)
+    # NxD's pipeline sends are 2-rank all-gathers in which the receiver transmits a buffer of the same size too
+    # (Options.p2p_pair_allgather): every rank's links carry twice the bytes it sends
+    p2p = np.where(pp > 1, p2p_time_s(system, p2p_bytes * (2.0 if opts.p2p_pair_allgather else 1.0), stride_pp, pp),
+                   0.0)
+    chunks = np.where(sched >= 2, v, 1.0)
+    p2p_per_mb = 2 * chunks * p2p  # forward send + backward send per chunk
+
+    # -- pipeline stages: layers per rank, and the slowest rank, which sets the pipeline's pace --
+    v_shape = sched >= 3  # zbv, dualpipev
+    # Gradients reduce (and FSDP shards) over dp x cp ranks: cp ranks hold gradients of different tokens of
+    # the same sequences. Ranks are numbered tp fastest, then cp, so that group starts at stride tp.
+    dp_group = dp * cp
+    per_node = np.maximum(1.0, np.minimum(dp_group, system.devices_per_node / tp))
+    hsdp_shard = per_node if dp_replicate is None else dp_group / np.asarray(dp_replicate, float)
+    dp_shard = np.where(kind == 2, hsdp_shard, dp_group)
+
+    moe_mem = moe_plan.memory_terms(flops_model, opts, T=T, tp=tp, cp=cp, dp=dp, ep=ep, etp=etp, zero=zero, rc=rc,
+                                    routed=moe[5], sp=sp) if moe is not None else None
+
+    def memory_of(loads):
+        return memory_per_device(model, system, seq, opts, T=T, tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, rc=rc,
+                                 sched=sched, v=v, m=m, zero=zero, dp_shard=dp_shard, loads=loads, moe=moe_mem,
+                                 ep=ep, etp=etp)
+
+    balanced = balanced_loads(L, pp, v, v_shape)
+    memory = None
+    if stage_loads is None and split == "auto":
+        chosen = best_loads(L, pp, v, v_shape, layer_fwd + layer_bwd, embed, head_fwd + head_bwd, balanced)
+        # a faster split whose fuller ranks no longer fit in memory is no use where the balanced one fits
+        mem_chosen, mem_balanced = memory_of(chosen), memory_of(balanced)
+        keep = ~mem_chosen["fits"] & mem_balanced["fits"]
+        stage_loads = Loads(*(np.where(keep, b, c) for b, c in
+                              ((balanced.first, chosen.first), (balanced.last, chosen.last),
+                               (balanced.inner, chosen.inner), (balanced.balanced, chosen.balanced))))
+        memory = {k: np.where(keep, mem_balanced[k], mem_chosen[k]) for k in mem_chosen}
+    loads = stage_loads or balanced
+    layers_per_stage, embed_on, head_on = _slowest_rank(loads, pp, v_shape, layer_fwd + layer_bwd, embed,
+                                                        head_fwd + head_bwd)
+    stage_fwd = layers_per_stage * layer_fwd + embed_on * embed + head_on * head_fwd
+    stage_bwd = layers_per_stage * layer_bwd + head_on * head_bwd
+    stage_mb = stage_fwd + stage_bwd + p2p_per_mb  # the slowest stage per microbatch
+
+    # zero-bubble split of backward: W (weight gradients) = half of the backward matmuls
+    stage_w = layers_per_stage * mm
+    bubble = pipeline_bubble_s(sched, pp, v, m, stage_fwd, stage_bwd - stage_w, stage_w)
+    pipeline = m * stage_mb + bubble
+
+    # -- data parallel: gradient reduce (and parameter gather for ZeRO-1/2/3) --
+    params_rank, layers_rank = _largest_rank(model, loads, pp, v_shape)
+    params_dev = params_rank / tp
+    # Link sharing: data-parallel traffic hidden behind compute still needs its links free. Across nodes the
+    # node's NICs also carry the pipeline's sends when the stages are on different nodes; inside a node (the
+    # whole DP group within one NVLink/NeuronLink domain) the links also carry the TP collectives. That
+    # busy time is taken out of the window the DP traffic can hide in.
+    node = system.devices_per_node
+    dp_out = tp * dp_group > node  # the DP group spans nodes
+    pp_out = (pp > 1) & (stride_pp >= node)
+    tp_busy = m * (layers_per_stage * (tp_fwd + tp_bwd) + head_on * (tp_head_fwd + tp_head_bwd) + embed_on * tp_embed)
+    link_busy = np.where(dp_out, np.where(pp_out, m * p2p_per_mb, 0.0), np.where(tp > 1, tp_busy, 0.0))
+    dp_time, dp_exposed = _data_parallel_s(system, opts, params_dev, dp_group, dp_shard, tp, zero, kind, m,
+                                           stage_fwd, stage_bwd, layers_rank,
+                                           layers_rank * model.params_per_layer() / tp / params_dev, link_busy,
+                                           pp=pp, chunks=np.where(sched == 2, v, 1.0))
+    expert_opt = 0.0
+    if moe is not None:  # routed experts reduce over their own expert-data-parallel group
+        ex_time, ex_exposed, ex_params, ex_shard = moe_plan.expert_data_parallel_s(
+            flops_model, system, opts, tp=tp, cp=cp, dp=dp, ep=ep, etp=etp, zero=zero, kind=kind, m=m,
+            stage_fwd=stage_fwd, stage_bwd=stage_bwd, layers=layers_rank, link_busy=link_busy + dp_time, pp=pp,
+            chunks=np.where(sched == 2, v, 1.0))
+        dp_time, dp_exposed = dp_time + ex_time, dp_exposed + ex_exposed
+        expert_opt = memory_time_s(system, np.where(zero >= 1, ex_params / ex_shard, ex_params) * ADAM_STEP_BYTES, 0)
+
+    # -- optimizer step: memory-bound Adam over this device's share of the parameters --
+    opt_share = np.where(zero >= 1, params_dev / dp_shard, params_dev)
+    step_bytes = ADAM_STEP_BYTES if opts.master_weights else BF16_ADAM_STEP_BYTES
+    optimizer = memory_time_s(system, opt_share * step_bytes, 4) + expert_opt
+
+    # FP8 with a weight cache: each step casts the device's layer weights once (amax, cast) and keeps a transposed
+    # copy for backward
+    cast_bytes, cast_kernels = cast_cost(system, opts)
+    weight_cast = memory_time_s(system, layers_rank * model.params_per_layer() / tp
+                                * (cast_bytes + low_precision_bytes(system, opts)), 2 * cast_kernels)
+    fp8_cast = np.where(opts.fp8 & opts.fp8_weight_cache & (zero < 3), weight_cast, 0.0)
+    step = pipeline + dp_exposed + optimizer + fp8_cast
+
+    # -- FLOPs: one attention convention, causal, for counting and for timing (flash attention skips the masked
+    # half; the other convention, the full s x s square of Narayanan et al. 2021 / PaLM, is reported beside it) --
+    tokens = global_batch * seq
+    flops = {}
+    for name, attn_per_token in (("causal", CAUSAL_ATTENTION_FLOPS), ("full", 4.0)):
+        attn_fwd = attn_per_token * L * seq * h  # forward attention FLOPs per token
+        fwd = 2.0 * flops_model.num_matmul_params() + attn_fwd
+        mlp_flops = 2.0 * L * _mlp_params_per_layer(model) if opts.recompute_mlp else 0.0
+        if opts.recompute_mlp and flops_model.num_experts:  # the active routed experts are recomputed too
+            mlp_flops += 2.0 * flops_model.moe_layers * flops_model.experts_per_token * 3 * h * flops_model.moe_ffn
+        selective_flops = attn_fwd + mlp_flops
+        if opts.selective_ops:  # the recomputed matmuls (N x K per device times tp: the whole layer's)
+            selective_flops = 2.0 * L * sum(n * k for n, k in _op_sac_recomputed(model, 1))
+        recompute = np.where(rc == 2, fwd - 2.0 * V * h, np.where(rc == 1, selective_flops, 0.0)) * tokens
+        flops[name] = (3.0 * fwd * tokens, 3.0 * fwd * tokens + recompute)
+    model_flops, hardware_flops = flops[ATTENTION_CONVENTION]
+    # with FP8 (FP4) matmuls MFU is taken against that format's peak (the rate they run at), so it stays below 1
+    peak = devices * (low_precision_flops(system, opts) if opts.fp8 else system.device_peak_flops)
+    mfu = model_flops / (step * peak)
+    hfu = hardware_flops / (step * peak)
+
+    # -- memory per device (the worst stage) --
+    memory = memory or memory_of(loads)
+    ones = np.ones_like(step)
+    price = system.prices.on_demand_usd_per_hour
+    cost_per_hour = nodes * price if price is not None else np.full_like(step, np.nan)
+    return {
+        "step_time_s": step, "tokens_per_s": tokens / step, "mfu": mfu, "hfu": hfu,
+        "model_flops_per_step": model_flops * np.ones_like(step), "hardware_flops_per_step": hardware_flops,
+        "model_flops_full_attention_per_step": flops["full"][0] * np.ones_like(step),
+        "mfu_full_attention": flops["full"][0] / (step * peak), "hfu_full_attention": flops["full"][1] / (step * peak),
+        "microbatches": m, "devices": devices,
+        "time_compute_s": m * (layers_per_stage * (fwd_compute + bwd_compute)),
+        "time_tp_comm_s": m * (layers_per_stage * (tp_fwd + tp_bwd) + head_on * (tp_head_fwd + tp_head_bwd)
+                               + embed_on * tp_embed),
+        "time_cp_comm_s": m * layers_per_stage * (cp_fwd + cp_bwd),
+        "time_ep_comm_s": m * layers_per_stage * (a2a_fwd + a2a_bwd) * ones,
+        "time_pp_comm_s": m * p2p_per_mb,
+        "time_head_s": m * head_on * (head_fwd + head_bwd - tp_head_fwd - tp_head_bwd),
+        "time_bubble_s": bubble, "time_dp_comm_s": dp_time, "time_dp_exposed_s": dp_exposed,
+        "time_optimizer_s": optimizer, "time_fp8_cast_s": fp8_cast * np.ones_like(step), "bubble_fraction": bubble / step,
+        # buffer bytes handed to collectives per device per step, by kind (for the simulator/cost model)
+        "comm_tp_bytes": np.where(tp > 1, m * layers_per_stage * act_bytes * np.where(rc == 2, 6.0, 4.0)
+                                  * ((1.0 + FP8_BYTES / BF16_BYTES) / 2 if opts.fp8 and opts.fp8_tp_allgather else 1.0), 0.0),
+        "comm_pp_bytes": np.where(pp > 1, m * 2 * chunks * p2p_bytes, 0.0),
+        "comm_ep_bytes": m * layers_per_stage * (moe[4] if moe is not None else 0.0) * ones,
+        "comm_dp_bytes": np.where(dp * cp > 1, params_dev * (opts.grad_bytes + opts.param_bytes * np.where(
+            kind >= 1, np.where((pp > 1) & opts.fsdp_pp_unsharded, 1.0, np.where(zero == 2, m, 2 * m)),
+            np.where(zero >= 1, 1.0, 0.0))), 0.0),
+        "cost_usd_per_hour": cost_per_hour,
+        "stage_layers_first": loads.first * ones, "stage_layers_last": loads.last * ones,
+        "stage_layers_inner": loads.inner * ones, "stage_balanced": loads.balanced & (ones > 0),
+        **memory,
+    }
+
+
+def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd):
+    """(forward, backward) exposed time of one layer's context-parallel K/V exchange (Options.cp_comm).
+
+    ring (Megatron-Core cp_comm_type p2p, ring attention): the K/V of the local tokens pass (cp - 1) times
+    between neighbours while the attention blocks compute; backward passes K/V and dK/dV. allgather (Dubey et al.
+    2024, Llama 3 sec. 3.3.2: "we first all-gather the key (K) and value (V) tensors, and then compute attention
+    output for the local query (Q) tensor chunk"; "the all-gather communication latency is exposed in the critical
+    path"): one all-gather of K/V before the attention forward, the reduce-scatter of dK/dV after its backward,
+    both exposed. allgather_rotate (torch.distributed.tensor context_parallel with rotate method "allgather",
+    torchtitan's default context_parallel_rotate_method: "all-gather all kv shards on ranks after the first
+    sub-SDPA computation"): the gather hides only behind the local block's attention (1/cp of it); backward
+    gathers K/V again the same way and rotates dK/dV around a ring in fp32 (its dkv_rotater is always
+    ALL_TO_ALL, convert_to_f32), hidden behind the other blocks' backward."""
+    kv_width = query_dim(model) / tp if opts.cp_kv_repeated else model.kv_dim / np.minimum(tp, model.n_kv_heads)
+    kv_local = 2 * T * kv_width * BF16_BYTES  # K and V of the local tokens, as they reach the attention op
+    if opts.cp_comm == "ring":
+        ring = (cp - 1) * p2p_time_s(system, kv_local, tp, cp)
+        fwd, bwd = np.maximum(0.0, ring - core_fwd), np.maximum(0.0, 2 * ring - 2 * core_fwd)
+    else:
+        gather = collective_time_s(system, "allgather", cp * kv_local, cp, tp)
+        if opts.cp_comm == "allgather":
+            fwd = gather
+            bwd = collective_time_s(system, "reducescatter", cp * kv_local, cp, tp)
+        else:
+            dkv_ring = (cp - 1) * p2p_time_s(system, 2 * kv_local, tp, cp)  # fp32: twice the bf16 K/V bytes
+            fwd = np.maximum(0.0, gather - core_fwd / cp)
+            bwd = np.maximum(0.0, gather - core_bwd / cp) + np.maximum(0.0, dkv_ring - core_bwd * (cp - 1) / cp)
+    return np.where(cp > 1, fwd, 0.0), np.where(cp > 1, bwd, 0.0)
