@@ -234,3 +234,22 @@ def test_a_failures_table_in_a_simulate_config_is_named(capsys, tmp_path):
     err = _one_line(capsys, ["simulate", "--config", str(tmp_path / "sim.toml"), "--devices", "64", "--step-time",
                              "10s", "--duration", "1d"])
     assert "failures = {'foo': 1}: allowed: failures = \"file.toml\"" in err
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "arrow"])
+def test_a_truncated_parquet_or_arrow_file_names_the_file(capsys, tmp_path, fmt):
+    """A cut-short Parquet file printed pyarrow's 'Parquet magic bytes not found in footer' without the file."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    table = pa.table({"text": [f"hello world {i}" for i in range(2000)]})
+    path = tmp_path / f"a.{fmt}"
+    if fmt == "parquet":
+        pq.write_table(table, path)
+    else:
+        with pa.ipc.new_file(str(path), table.schema) as w:
+            w.write_table(table)
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    err = _one_line(capsys, ["data", "prepare", "--set", f"data.source='{path}'", "--set",
+                             f"data.prepared_dir='{tmp_path / 'p'}'"])
+    assert f"data.source '{path}': not a readable {fmt} file (" in err

@@ -289,11 +289,15 @@ def _columns(f: SourceFile, spec: SourceSpec) -> dict[str, str]:
 
 
 def _arrow_schema(f: SourceFile):
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
-    if f.fmt == "parquet":
-        return pq.ParquetFile(f.path).schema_arrow
-    return _open_arrow(f.path).schema
+    try:
+        if f.fmt == "parquet":
+            return pq.ParquetFile(f.path).schema_arrow
+        return _open_arrow(f.path).schema
+    except (pa.ArrowException, OSError) as exc:  # a cut-short copy: pyarrow's message names no file
+        raise refuse(f.path, f"not a readable {f.fmt} file ({exc})") from None
 
 
 def _open_arrow(path: Path):
