@@ -253,3 +253,13 @@ def test_a_truncated_parquet_or_arrow_file_names_the_file(capsys, tmp_path, fmt)
     err = _one_line(capsys, ["data", "prepare", "--set", f"data.source='{path}'", "--set",
                              f"data.prepared_dir='{tmp_path / 'p'}'"])
     assert f"data.source '{path}': not a readable {fmt} file (" in err
+
+
+def test_probe_on_a_missing_accelerator_is_one_line(capsys):
+    """`probe --device cuda` on a CPU-only torch ended in 'AssertionError: Torch not compiled with CUDA enabled'."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the probe would run")
+    err = _one_line(capsys, ["probe", "--device", "cuda", "--quick", "--out", "/nonexistent/x.toml"])
+    assert "--device='cuda': not available here (torch sees no accelerator); allowed here: auto, cpu" in err

@@ -81,7 +81,8 @@ def known_device_type(name: str) -> bool:
     return True
 
 
-def resolve_device_type(requested: str, acc: Accelerator, known: Callable[[str], bool] = known_device_type) -> str:
+def resolve_device_type(requested: str, acc: Accelerator, known: Callable[[str], bool] = known_device_type,
+                        field: str = "train.device") -> str:
     """The device type this process runs on: auto = the accelerator torch reports (else cpu); an explicit
     type must be the one present. One error names the field, the value, why, and what is allowed here."""
     check_device_name(requested)
@@ -97,7 +98,7 @@ def resolve_device_type(requested: str, acc: Accelerator, known: Callable[[str],
         why = f"not available here (torch sees {acc.describe()})"
         if requested == NEURON:
             why += "; Trainium needs TorchNeuron (torch-neuronx) installed"
-    raise ValueError(f"train.device='{requested}': {why}; allowed here: {allowed}")
+    raise ValueError(f"{field}='{requested}': {why}; allowed here: {allowed}")
 
 
 def device_index(device_type: str, local_rank: int, acc: Accelerator) -> int | None:

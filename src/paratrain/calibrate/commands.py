@@ -5,7 +5,7 @@ from __future__ import annotations
 from paratrain.calibrate.probe import probe_json, run_probe, write_probe
 from paratrain.calibrate.session import Calibration, print_calibration, print_probe, run_calibration
 from paratrain.cli import Output, command, from_options, opt, options_of, show
-from paratrain.device import CPU, CUDA, NEURON
+from paratrain.device import CPU, CUDA, NEURON, Accelerator, resolve_device_type
 
 PROBE_DEVICES = (CPU, CUDA, NEURON)
 
@@ -20,6 +20,7 @@ PROBE_DEVICES = (CPU, CUDA, NEURON)
                           "only)", PROBE_DEVICES[0], choices=PROBE_DEVICES)),
          quick=(bool, opt("fewer sizes and repeats (about 10 s)")))
 def run_probe_cmd(args) -> None:
+    resolve_device_type(args.device, Accelerator.detect(), field="--device")  # one line, before any measurement
     res = run_probe(args.device, list(args.groups), quick=args.quick, log=lambda m: None if args.json else print(m))
     out = write_probe(res, args.out, args.name, args.ranks)
     show(args, {**probe_json(res), "hardware_file": str(out)}, lambda: print_probe(res, out))
