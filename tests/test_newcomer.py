@@ -263,3 +263,19 @@ def test_probe_on_a_missing_accelerator_is_one_line(capsys):
         pytest.skip("this machine has CUDA: the probe would run")
     err = _one_line(capsys, ["probe", "--device", "cuda", "--quick", "--out", "/nonexistent/x.toml"])
     assert "--device='cuda': not available here (torch sees no accelerator); allowed here: auto, cpu" in err
+
+
+@pytest.mark.parametrize("root", ["s3:/bucket/run", "s3:bucket"])
+def test_an_s3_url_with_a_slash_missing_is_refused(root, tmp_path, monkeypatch):
+    """checkpoint.dir='s3:/bucket' (one slash) was taken as a local folder 's3:' under the working directory: the
+    run 'saved to S3' on local disk, exit 0."""
+    from paratrain.train.checkpoint import check_resume_source
+    from paratrain.train.storage import Storage
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=f"checkpoint.dir='{root}': a URL with a slash missing"):
+        Storage(root)
+    with pytest.raises(ValueError, match=f"--resume-from='{root}': a URL with a slash missing"):
+        check_resume_source("auto", root)
+    assert Storage(f"./{root}").root == str(tmp_path / root)  # a folder with a colon, said so, still works
+    assert Storage("s3://bucket/run").remote

@@ -52,7 +52,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from paratrain.device import HOST_BACKEND, accelerator_rng_state, pin_memory, set_accelerator_rng_state
 from paratrain.train.faults import FaultInjector
-from paratrain.train.storage import RetryPolicy, Storage, StorageError, describe, is_transient
+from paratrain.train.storage import RetryPolicy, Storage, StorageError, check_root, describe, is_transient
 
 MANIFEST = "MANIFEST.json"
 REFUSED = "REFUSED.json"
@@ -171,6 +171,7 @@ def check_resume_source(resume: str, resume_from: str | None) -> None:
                   else ""))
     if "://" in value and not value.startswith(("s3://", "file://")):
         raise ValueError(f"{name}={value!r}: unsupported URL scheme; {allowed}")
+    check_root(value, name)  # a URL with a slash missing
     if value.startswith("s3://"):
         return
     local = Path(value.removeprefix("file://"))

@@ -13,6 +13,7 @@ import hashlib
 import logging
 import os
 import random
+import re
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -128,14 +129,26 @@ def s3_options() -> dict:
     return opts
 
 
+_URL_LIKE = re.compile(r"[A-Za-z][A-Za-z0-9+.-]+:/?(?!/)")  # s3:/bucket, s3:bucket (a one-letter C: is a drive)
+
+
+def check_root(root: str, field: str = "checkpoint.dir") -> None:
+    """A checkpoint location we can use: a filesystem path, s3://bucket/prefix or file://path. A URL with a slash
+    missing (`s3:/bucket`) is refused: it was taken as a local folder named 's3:' and the run saved there."""
+    allowed = "allowed: a local or shared filesystem path or s3://bucket/prefix"
+    if "://" in root and not root.startswith(("s3://", "file://")):
+        raise ValueError(f"{field}={root!r}: {allowed}")
+    if "://" not in root and _URL_LIKE.match(root):
+        raise ValueError(f"{field}={root!r}: a URL with a slash missing (scheme://...)?; {allowed} (a local folder "
+                         f"whose name has a colon: ./{root})")
+
+
 class Storage:
     """One checkpoint root. Paths passed around are strings: absolute local paths or s3://bucket/key."""
 
     def __init__(self, root: str | Path, policy: RetryPolicy | None = None):
         root = str(root)
-        if "://" in root and not root.startswith(("s3://", "file://")):
-            raise ValueError(f"checkpoint.dir={root!r}: allowed are a local or shared filesystem path or "
-                             "s3://bucket/prefix")
+        check_root(root)
         self.remote = root.startswith("s3://")
         self.root = root.rstrip("/") if self.remote else str(Path(root.removeprefix("file://")).absolute())
         self.policy = policy or RetryPolicy()
