@@ -279,3 +279,15 @@ def test_an_s3_url_with_a_slash_missing_is_refused(root, tmp_path, monkeypatch):
         check_resume_source("auto", root)
     assert Storage(f"./{root}").root == str(tmp_path / root)  # a folder with a colon, said so, still works
     assert Storage("s3://bucket/run").remote
+
+
+def test_hardware_list_columns_stay_aligned_with_long_chip_names(capsys):
+    """`h100-hbm2e-500w` (15 characters in 11- and 12-wide columns) shifted its rows of `hardware list`."""
+    assert main(["hardware", "list"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    systems = [ln for ln in out if ln.startswith(("system ", "dgx-h100 ", "grand-teton-h100 "))]
+    chips = [ln for ln in out if ln.startswith(("chip ", "h100 ", "h100-hbm2e-500w "))]
+    assert len(systems) == 3 and len(chips) == 3
+    for rows, column in ((systems, "chips"), (chips, "BF16 TF")):
+        end = rows[0].index(column) + len(column)  # right-aligned numbers end under their header
+        assert all(ln[end - 1] != " " and ln[end] == " " for ln in rows[1:]), rows

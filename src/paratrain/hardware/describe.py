@@ -51,20 +51,22 @@ def describe(catalog, name: str) -> dict:
 
 
 def print_list(rows: list[dict], chips: list[dict]) -> None:
-    print(f"{'system':<20} {'chip':<11} {'chips':>5} {'devices':>7} {'device':<30} {'BF16 TF/node':>12} "
+    w = max([11, *(len(r["chip"]) for r in rows)])  # h100-hbm2e-500w (15) shifted its row
+    cw = max([12, *(len(c["name"]) for c in chips)])
+    print(f"{'system':<20} {'chip':<{w}} {'chips':>5} {'devices':>7} {'device':<30} {'BF16 TF/node':>12} "
           f"{'GiB/dev':>7} {'scale-out GB/s':>14}  $/node-hour by purchase option (`show` for region, source, date)")
     for r in rows:
         quotes = r["prices_usd_per_node_hour"]
         price = ", ".join(f"{k} {v:.2f}" for k, v in quotes.items()) if quotes else "no public price"
-        print(f"{r['name']:<20} {r['chip']:<11} {r['chips_per_node']:>5} {r['devices_per_node']:>7} "
+        print(f"{r['name']:<20} {r['chip']:<{w}} {r['chips_per_node']:>5} {r['devices_per_node']:>7} "
               f"{r['device_unit']:<30} {r['bf16_tflops_per_node']:>12,.0f} {r['hbm_bytes_per_device'] / 2**30:>7.1f} "
               f"{r['scale_out_gbytes_per_s']:>14,.0f}  {price}")
     print()
-    print(f"{'chip':<12} {'BF16 TF':>8} {'FP8 TF':>8} {'HBM GiB':>8} {'HBM GB/s':>9} {'W':>6}  status")
+    print(f"{'chip':<{cw}} {'BF16 TF':>8} {'FP8 TF':>8} {'HBM GiB':>8} {'HBM GB/s':>9} {'W':>6}  status")
     for c in chips:
         fp8 = "-" if c["fp8_tflops"] is None else f"{c['fp8_tflops']:.0f}"
         power = "-" if c["power_w"] is None else f"{c['power_w']:.0f}"
-        print(f"{c['name']:<12} {c['bf16_tflops']:>8.0f} {fp8:>8} {c['hbm_gib']:>8.1f} "
+        print(f"{c['name']:<{cw}} {c['bf16_tflops']:>8.0f} {fp8:>8} {c['hbm_gib']:>8.1f} "
               f"{c['hbm_bw_gbytes_per_s']:>9.0f} {power:>6}  {c['status']}")
 
 
