@@ -15,7 +15,8 @@ Node failure: TP2 (inside each host) x DP2 (across the hosts), the data-parallel
 dies), its launcher is started again, and the job resumes from the newest complete checkpoint and finishes with
 the uninterrupted losses. (The steps before the kill are the plain two-host run; a separate TP2 x FSDP2 run
 without a failure was dropped for the CPU budget, issue #21.) Its hosts run the torchrun command and environment
-`paratrain launch --dry-run --json` gives, with the workers forked warm from the agent (tests/torchrun_fork.py).
+`paratrain launch --dry-run --json` gives, the agent forked from the session's fork server into the host's
+namespace and the workers from the agent (tests/torchrun_fork.py start).
 Elastic shrink: FSDP DP2 across the hosts (one rank each); with --nnodes 1:2 and host b gone for good, host a goes
 on alone (DP2 -> DP1, same global batch by gradient accumulation), resharding the checkpoint, and finishes with
 the same losses. It runs `paratrain launch` itself on each host (exec of torchrun, cold `-m paratrain` workers).
@@ -38,7 +39,7 @@ from pathlib import Path
 import netns
 import pytest
 import torch
-from torchrun_fork import forked
+import torchrun_fork
 
 from paratrain.cli import main
 from paratrain.train.checkpoint import MANIFEST
@@ -122,17 +123,22 @@ def launch_args(host: netns.Host, rdzv_host: netns.Host, nnodes: str, nproc: int
 
 
 def start_host(host: netns.Host, rdzv_host: netns.Host, nnodes: str, nproc: int, sets: list[str],
-               log: Path, run_id: str, extra: list[str] = (), fork: bool = False) -> subprocess.Popen:
+               log: Path, run_id: str, extra: list[str] = (), fork: bool = False
+               ) -> subprocess.Popen | torchrun_fork.Agent:
     """`paratrain launch` inside the host's namespace. With fork: the torchrun command and environment that
     `paratrain launch --dry-run --json` gives for it (its torchrun arguments, `paratrain train` arguments and
-    worker environment), run with the workers forked warm (tests/torchrun_fork.py: ~3.5 CPU-s less per worker);
-    `paratrain launch` itself then only runs in this process."""
+    worker environment), its agent forked from the session's fork server into the host's namespace and its
+    workers forked from the agent (tests/torchrun_fork.py start: ~3.5 CPU-s less per process); `paratrain launch`
+    itself then only runs in this process."""
     args = launch_args(host, rdzv_host, nnodes, nproc, sets, run_id, extra)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    cmd = [sys.executable, "-m", "paratrain", *args]
     if fork:
         launch = dry_run(args)
-        cmd, env = forked(launch["command"]), {**env, **launch["env"]}
+        agent = torchrun_fork.start(*torchrun_fork.split_launch(launch["command"]), {**env, **launch["env"]}, log,
+                                    netns=host.netns, append=True)
+        host.procs.append(agent)  # killed with the host (its namespace's pids), waited for like the others
+        return agent
+    cmd = [sys.executable, "-m", "paratrain", *args]
     fh = open(log, "ab")  # noqa: SIM115 - closed when the process ends (the child owns the descriptor)
     try:
         return host.popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT)
@@ -234,9 +240,10 @@ def test_host_killed_and_restarted_resumes_from_checkpoint(hosts, data_dir, refe
     # TP2 x DP2: TP inside each host, the two data-parallel replicas (HSDP) on different hosts, so killing host b
     # takes out one replica and half of every TP group's ranks. Steps 1-4 (before the kill) are the plain two-host
     # run: a separate run without a failure (~30 CPU-s) would show nothing these steps do not.
-    # The 8 workers (2 per host, each host's twice) are forked warm from torchrun's agent, which runs the command
-    # and environment `paratrain launch --dry-run --json` gives (~28 CPU-s of imports less); `paratrain launch`
-    # exec'ing torchrun with cold `-m paratrain` workers is the shrink test's.
+    # The 3 agents (host b's twice) run the command and environment `paratrain launch --dry-run --json` gives,
+    # forked warm from the session's fork server into their host's namespace, and fork their 8 workers (2 per
+    # agent, host a's twice) warm (~38 CPU-s of imports less); `paratrain launch` exec'ing torchrun with cold
+    # `-m paratrain` workers is the shrink test's.
     sets, extra = {"parallel.tp": 2}, ["--hybrid-shard"]
     run_dir, logs = run_with_failure(hosts, data_dir, tmp_path, "2:2", 2, restart_b=True, sets=sets, extra=extra,
                                      fork=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -33,39 +34,69 @@ def torchrun_cmd(torchrun_args: list[str], paratrain_args: list[str]) -> list[st
             *paratrain_args]
 
 
-def forked(command: list[str]) -> list[str]:
-    """`PYTHON -m torch.distributed.run TORCHRUN_ARGS -m paratrain ARGS` (the command `paratrain launch` execs) with
-    its workers forked warm: the same torchrun arguments, the same paratrain arguments."""
+def split_launch(command: list[str]) -> tuple[list[str], list[str]]:
+    """(TORCHRUN_ARGS, ARGS) of `PYTHON -m torch.distributed.run TORCHRUN_ARGS -m paratrain ARGS`, the command
+    `paratrain launch` execs."""
     assert command[1:3] == ["-m", "torch.distributed.run"], command
     at = next(i for i in range(3, len(command)) if command[i:i + 2] == ["-m", "paratrain"])
-    return torchrun_cmd(command[3:at], command[at + 2:])
+    return command[3:at], command[at + 2:]
+
+
+class Agent:
+    """A torchrun agent `start` forked from the fork server, waited for like a subprocess.Popen."""
+
+    def __init__(self, process):
+        self.process, self.pid = process, process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired("torchrun", timeout)
+        return self.process.exitcode
+
+
+def start(torchrun_args: list[str], paratrain_args: list[str], env: dict[str, str], log_path: Path,
+          cwd: Path | None = None, netns: str | None = None, append: bool = False) -> Agent:
+    """`torchrun TORCHRUN_ARGS -m paratrain PARATRAIN_ARGS` with the agent itself forked warm: from the session's
+    fork server (tests/dist_pool.py, which imported torch and paratrain once), in its own session with `env`, its
+    stdout and stderr into `log_path` (appended to with `append`), inside the network namespace `netns` if given
+    (as `ip netns exec` puts it: setns); its workers forked from it as in `torchrun_cmd`. Saves the ~3.5 CPU-s a
+    `python -c PRELOAD` agent spends importing."""
+    import dist_pool
+
+    argv = [*torchrun_args, "--run-path", "--start-method", "fork", str(WORKER), *paratrain_args]
+    agent = dist_pool.forkserver().Process(target=_agent, args=(argv, dict(env), str(log_path), cwd, netns, append))
+    agent.start()
+    return Agent(agent)
 
 
 def run(torchrun_args: list[str], paratrain_args: list[str], env: dict[str, str], log_path: Path, timeout_s: float,
         cwd: Path | None = None) -> tuple[int | str, str]:
-    """`torchrun TORCHRUN_ARGS -m paratrain PARATRAIN_ARGS` with the agent itself forked warm too: from the session's
-    fork server (tests/dist_pool.py, which imported torch and paratrain once), in its own session with `env`, its
-    stdout and stderr into `log_path`; its workers forked from it as in `torchrun_cmd`. Saves the ~3.5 CPU-s a
-    `python -c PRELOAD` agent spends importing. Returns (exit code, or "timeout after N s" once the whole process
-    group was killed; the log's text)."""
-    import dist_pool
-
-    argv = [*torchrun_args, "--run-path", "--start-method", "fork", str(WORKER), *paratrain_args]
-    agent = dist_pool.forkserver().Process(target=_agent, args=(argv, dict(env), str(log_path), cwd))
-    agent.start()
-    agent.join(timeout_s)
-    code: int | str | None = agent.exitcode
+    """`start`, then wait: (exit code, or "timeout after N s" once the whole process group was killed; the log)."""
+    agent = start(torchrun_args, paratrain_args, env, log_path, cwd)
+    agent.process.join(timeout_s)
+    code: int | str | None = agent.returncode
     if code is None:  # still running: kill torchrun and its workers (killing the agent alone would orphan them)
         os.killpg(agent.pid, signal.SIGKILL)
-        agent.join()
+        agent.process.join()
         code = f"timeout after {timeout_s} s"
     return code, Path(log_path).read_text(errors="replace")
 
 
-def _agent(argv: list[str], env: dict[str, str], log_path: str, cwd: Path | None) -> None:
+def _agent(argv: list[str], env: dict[str, str], log_path: str, cwd: Path | None, netns: str | None,
+           append: bool) -> None:
     """In a process forked by the fork server: become torchrun (`python -m torch.distributed.run ARGV`)."""
     os.setsid()
-    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    if netns is not None:
+        _enter_netns(netns)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | (os.O_APPEND if append else os.O_TRUNC), 0o644)
     for fd in (1, 2):
         os.dup2(log, fd)
     os.close(log)
@@ -77,3 +108,16 @@ def _agent(argv: list[str], env: dict[str, str], log_path: str, cwd: Path | None
     from torch.distributed.run import main
 
     main(argv)
+
+
+def _enter_netns(name: str) -> None:
+    """setns(2) into the network namespace `ip netns add NAME` made (os.setns needs Python 3.12)."""
+    import ctypes
+
+    clone_newnet = 0x40000000
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        if ctypes.CDLL(None, use_errno=True).setns(fd, clone_newnet) != 0:
+            raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
+    finally:
+        os.close(fd)
