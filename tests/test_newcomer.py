@@ -291,3 +291,23 @@ def test_hardware_list_columns_stay_aligned_with_long_chip_names(capsys):
     for rows, column in ((systems, "chips"), (chips, "BF16 TF")):
         end = rows[0].index(column) + len(column)  # right-aligned numbers end under their header
         assert all(ln[end - 1] != " " and ln[end] == " " for ln in rows[1:]), rows
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["plan", "--model", "llama2-7b", "--hardware", "p5.48xlarge", "--nodes", "1", "--write-config", "F/x.toml"],
+     "--write-config"),
+    (["compare", "--model", "llama2-7b", "--train-tokens", "1e10", "--targets", "p5.48xlarge:1", "--report", "F/r"],
+     "--report"),
+    (["train", "--summary-json", "F/a.json"], "--summary-json"),
+    (["export", "--checkpoint", "nope", "--hf-out", "F/hf"], "--hf-out"),
+    (["probe", "--quick", "--out", "F/local.toml"], "--out"),
+    (["simulate", "--devices", "16", "--step-time", "10s", "--duration", "1d", "--plot", "F/plots"], "--plot"),
+])
+def test_an_output_that_cannot_be_written_is_refused_before_the_work(capsys, tmp_path, argv, flag):
+    """An unwritable --write-config/--report/--summary-json/--hf-out/--out was a FileNotFoundError traceback after
+    the work (probe: after its measurements; train: after the whole run, the summary lost)."""
+    blocker = tmp_path / "F"
+    blocker.write_text("a file where a folder is needed")
+    argv = [a.replace("F/", f"{blocker}/") for a in argv]
+    err = _one_line(capsys, argv)
+    assert f"{flag} '{blocker}/" in err and f"cannot write there ({blocker} is a file)" in err

@@ -26,6 +26,7 @@ import types
 import typing
 from dataclasses import MISSING, dataclass
 from importlib.resources import files
+from pathlib import Path
 
 from paratrain.config import FIELD_HELP, TrainConfig
 from paratrain.config.options import described
@@ -137,8 +138,32 @@ def add_options(parser: argparse.ArgumentParser, cls) -> None:
 
 
 def check_options(cls, args) -> typing.Any:
-    """The parsed options (each checked as it was parsed) as an instance of `cls`."""
+    """The parsed options (each checked as it was parsed) as an instance of `cls`; an option declared with
+    writes="file" / "dir" (what the command writes) must be writable, before the command does any work."""
+    for f in dataclasses.fields(cls):
+        if f.metadata.get("writes") and getattr(args, f.name, None):
+            check_writable(flag_of(f), getattr(args, f.name), f.metadata["writes"])
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def check_writable(flag: str, path: str, kind: str) -> None:
+    """A file (its folder) or a folder we can create and write in; else one line (an unwritable --out used to be
+    a FileNotFoundError traceback after the work: a probe's measurements, a compare, a whole training run)."""
+    import tempfile
+
+    if "://" in path:
+        return  # a remote location: its own storage layer checks and retries
+    folder = Path(path).absolute() if kind == "dir" else Path(path).absolute().parent
+    while not folder.exists():  # created by the command later: nothing is created here
+        folder = folder.parent
+    try:
+        if not folder.is_dir():
+            raise NotADirectoryError(f"{folder} is a file")
+        with tempfile.TemporaryFile(dir=folder):  # root passes os.access everywhere: try a write
+            pass
+    except OSError as exc:
+        raise UserError(f"{flag} {path!r}: cannot write there ({exc.strerror or exc}); allowed: a path in a folder "
+                        f"this user can create and write") from None
 
 
 def command(name: str, cls, help: str, /, **fields):
@@ -239,7 +264,8 @@ class RunFiles:
                                   "(its newest complete one); local, shared filesystem or s3://bucket/prefix. "
                                   "Default: checkpoint.resume (\"auto\": the newest complete one in checkpoint.dir)",
                                   metavar="PATH")
-    summary_json: str | None = opt("write the run summary as JSON to this file (main rank)", metavar="FILE")
+    summary_json: str | None = opt("write the run summary as JSON to this file (main rank)", metavar="FILE",
+                                   writes="file")
 
 
 @dataclass(kw_only=True)

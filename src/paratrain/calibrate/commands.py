@@ -11,7 +11,7 @@ PROBE_DEVICES = (CPU, CUDA, NEURON)
 
 
 @command("probe", Output, "measure this machine and write a hardware file for the planner",
-         out=(str, opt("hardware TOML to write", "runs/hardware/local.toml", metavar="FILE")),
+         out=(str, opt("hardware TOML to write", "runs/hardware/local.toml", metavar="FILE", writes="file")),
          name=(str, opt("system name in the catalog", "local")),
          ranks=(int | None, opt("ranks per node the entry describes (default: this machine's cores on CPU); more "
                                 "ranks than cores share them, each at its share of a core", ge=1)),

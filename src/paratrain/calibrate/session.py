@@ -20,7 +20,7 @@ class Calibration:
     hardware: str = described("hardware TOML file holding the system to calibrate", required=True, metavar="FILE")
     system: str = described("system name inside that file", "local")
     out: str | None = described("hardware TOML to write (default: <hardware>.calibrated.toml beside it)", None,
-                                metavar="FILE")
+                                metavar="FILE", writes="file")
     in_place: bool = described("rewrite the --hardware file itself", False)
     holdout: float = described("fraction of runs kept out of the fit and only predicted (every other run), in [0, 1)",
                                0.0, ge=0, lt=1)

@@ -34,7 +34,7 @@ class CostArgs(options_of(Assumptions, ("pue", "failures"), unset=True), Prices,
     config: str | None = opt("TOML file with a [cost] table: purchase, pue, failures, price_per_node_hour_usd = "
                              "{SYSTEM = USD} (flags override it)", metavar="FILE")
     sensitivity_plot: str | None = opt("write the plot of $ per million tokens by system and purchase option (with "
-                                       "the +-30% price range) to this file", metavar="PNG")
+                                       "the +-30% price range) to this file", metavar="PNG", writes="file")
 
 
 def _progress(total: int, quiet: bool):
@@ -48,7 +48,7 @@ def _progress(total: int, quiet: bool):
          steps=(int | None, opt("optimizer steps to train (tokens = steps x seq x global batch)", ge=1,
                                 exclusive="length")),
          targets=(str | None, opt("SYSTEM:NODES,... e.g. trn1.32xlarge:16,p4d.24xlarge:16")),
-         report=(str | None, opt("write an HTML report with plots to DIR", metavar="DIR")),
+         report=(str | None, opt("write an HTML report with plots to DIR", metavar="DIR", writes="dir")),
          fp8=(bool, opt("layer matmuls in FP8 at each chip's FP8 peak (the planner's FP8 model; Trainium3's FP8 "
                         "peak is MXFP8)")),
          claims=(bool, opt("run the source documents' cost claims (trn1 vs p4d on 7B; Trn2/Trn3 vs H100/H200/B200 "

@@ -20,7 +20,8 @@ from paratrain.infer.session import generate_from_config, print_generation
          prompt_ids=(list[str], opt("a prompt as token ids", factory=list, metavar="ID,ID,...")),
          max_new_tokens=(int, opt("tokens to generate per prompt", 32, ge=1)),
          no_cache=(bool, opt("recompute the whole sequence each step (baseline)")),
-         summary_json=(str | None, opt("write the timings and tokens as JSON (main rank)", metavar="FILE")))
+         summary_json=(str | None, opt("write the timings and tokens as JSON (main rank)", metavar="FILE",
+                                       writes="file")))
 def run_generate(args) -> None:
     summary = generate_from_config(load_config(args.config, args.set), args.checkpoint, args.prompt, args.prompt_ids,
                                    args.max_new_tokens, from_options(Sampling, args), use_cache=not args.no_cache)

@@ -32,7 +32,8 @@ class PlanTarget(Workload, OnSystem, Output):
     train_tokens: float | None = opt("tokens to train: adds run time and cost", gt=0)
     max_seq: int | None = opt("the model's context length (default: the preset's); longer than the preset's "
                               "assumes RoPE scaling to it. A --seq beyond it is refused", ge=1)
-    write_config: str | None = opt("write the (best) layout as a training config TOML", metavar="FILE")
+    write_config: str | None = opt("write the (best) layout as a training config TOML", metavar="FILE",
+                                   writes="file")
 
 
 # The layout flags are the trainer's [parallel] keys (names, types, bounds, help; defaults from the schema), so a

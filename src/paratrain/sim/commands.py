@@ -27,7 +27,7 @@ from paratrain.sim.results import summarize
          price=(str | None, opt("", group=TITLES["cost"], refused="ambiguous (USD per device-hour here, per "
                                 "node-hour in `paratrain compare`); use --price-per-device-hour-usd USD")),
          plot=(str | None, opt("write PNGs of goodput vs checkpoint interval, vs cluster size and vs spare nodes",
-                               metavar="DIR", group="output")),
+                               metavar="DIR", group="output", writes="dir")),
          daly_check=(bool, opt("reproduce Daly's published examples analytically and by simulation, then exit",
                                group="output")))
 def run_simulate(args) -> None:

@@ -82,7 +82,7 @@ def run_verify(args) -> int:
 
 @command("export", (ConfigArgs, Output), "export a checkpoint as a Hugging Face Llama folder",
          checkpoint=(str, opt("checkpoint folder or directory (local or s3://)", required=True)),
-         hf_out=(str, opt("output folder", required=True, metavar="DIR")),
+         hf_out=(str, opt("output folder", required=True, metavar="DIR", writes="dir")),
          config=(str | None, opt("the training config (default: the run's config.toml above the checkpoint)",
                                  short="-c", metavar="FILE")),
          dtype=(str, opt("dtype of the exported weights", "fp32", choices=["fp32", "bf16"])),
