@@ -47,3 +47,28 @@ def test_the_help_file_is_package_data():
     globs = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["paratrain"]
     assert (ROOT / "src/paratrain/cli_help.md").is_file()
     assert any(fnmatch("cli_help.md", g) for g in globs)
+
+
+def test_main_builds_only_its_command_and_every_help_reads_the_same(capsys):
+    """main() gives the command its argv names its options (build_parser(only=...)); the others are listed by their
+    help line only. Every `--help` (the root, each group, each command) and a bad command's error read exactly as
+    with the whole parser built."""
+    from paratrain.cli import chosen_commands
+
+    full = dict(_parsers(build_parser()))
+    for name, parser in full.items():
+        argv = [] if name == "paratrain" else name.split()
+        lazy = dict(_parsers(build_parser(only=chosen_commands([*argv, "--help"]))))
+        assert lazy[name].format_help() == parser.format_help(), name
+        assert lazy[name].format_usage() == parser.format_usage(), name
+    assert chosen_commands(["serve", "plan", "--model", "x"]) == {"serve", "serve plan"}
+    assert chosen_commands(["--version"]) == set()
+    lazy = build_parser(only=chosen_commands(["trian"]))
+    errors = []
+    for parser in (lazy, build_parser()):
+        try:
+            parser.parse_args(["trian"])
+        except SystemExit as exc:
+            errors.append((exc.code, capsys.readouterr().err))
+    assert len(errors) == 2 and errors[0] == errors[1] and "invalid choice: 'trian'" in errors[0][1], errors
+    assert len(dict(_parsers(lazy))) == len(full)  # every command still listed

@@ -323,7 +323,18 @@ def _parser(sub, name: str, help: str, text: list[str], **kw) -> argparse.Argume
                           formatter_class=argparse.RawDescriptionHelpFormatter, **kw)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def chosen_commands(argv: list[str]) -> set[str]:
+    """The command `argv` names, as `build_parser(only=...)` takes it: its first word ('train', or a group: 'serve')
+    and its first two ('serve plan'). The root parser's options take no values, so the first word that is not an
+    option is the command."""
+    words = [a for a in argv if a[:1] != "-"][:2]
+    return {words[0], " ".join(words)} if words else set()
+
+
+def build_parser(only: set[str] | None = None) -> argparse.ArgumentParser:
+    """The whole CLI. With `only` (main: the command its argv names), only those commands get their options and
+    config-key flags; the others are listed with their help line (what `paratrain --help` and a bad command's
+    error show): 7 commands' ~107 config-key flags each cost ~40 ms per call, and tests call main ~200 times."""
     texts = command_help()
     parser = OneLineParser(prog="paratrain", epilog=texts["paratrain"][0], description=(
         "Plan, run and survive large-scale LLM training (Trainium, GPU)."),
@@ -343,6 +354,8 @@ def build_parser() -> argparse.ArgumentParser:
             configured = issubclass(cls, ConfigArgs)  # not 100 config keys in the usage line
             p = _parser(subs[above], name.split()[-1], help, texts.get(name, texts.get(" ".join(above), [])),
                         usage="%(prog)s [options] [--SECTION.KEY VALUE ...]" if configured else None)
+            if only is not None and name not in only:
+                continue
             add_options(p, cls)
             add_config_keys(p) if configured else None
             p.set_defaults(func=lambda args, run=run, cls=cls: run(check_options(cls, args)))
@@ -351,7 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    parser = build_parser()
+    parser = build_parser(only=chosen_commands(argv))
     try:
         args, unknown = parser.parse_known_args(argv)
         if unknown:  # argparse's own error would name only the root parser, not the command they were given to
