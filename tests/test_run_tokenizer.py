@@ -30,7 +30,8 @@ def test_generate_export_and_resume_use_the_runs_own_tokenizer(reference, tmp_pa
     cfg = load_config(run / "config.toml", [f'metrics.run_dir="{run}"', f'data.prepared_dir="{data}"'])
     ours, shared = Tokenizer.from_file(str(run / "tokenizer.json")), Tokenizer.from_file(str(data / "tokenizer.json"))
     assert ours.to_str() != shared.to_str()
-    assert load_tokenizer(cfg).to_str() == load_tokenizer(cfg, str(run / "checkpoints")).to_str() == ours.to_str()
+    assert load_tokenizer(cfg, "latest").to_str() == load_tokenizer(cfg, str(run / "checkpoints")).to_str() \
+        == ours.to_str()
     summary = export_hf(str(run / "checkpoints"), cfg, tmp_path / "hf")
     hf = tmp_path / "hf"
     assert next(hf.glob("*.safetensors")).stat().st_mode == (hf / "config.json").stat().st_mode  # safetensors: 0600

@@ -38,12 +38,14 @@ def keep_run_tokenizer(cfg) -> None:
 
 
 def run_tokenizer(cfg, checkpoint: str | None = None) -> Path | None:
-    """The tokenizer.json of a run's weights: the one kept beside the run's config.toml (above `checkpoint`,
-    else in metrics.run_dir), else the prepared data folder's (runs from before the copy); None if none."""
+    """The tokenizer.json of the weights of `checkpoint`: the one kept beside its run's config.toml (above the
+    checkpoint; "latest": metrics.run_dir's), else the prepared data folder's (runs from before the copy, or no
+    checkpoint named); None if none."""
     places = []
     if checkpoint and checkpoint != "latest" and "://" not in checkpoint:
         places += [p for p in Path(checkpoint).absolute().parents[:3] if (p / "config.toml").is_file()]
-    places.append(Path(cfg.metrics.run_dir))
+    if checkpoint == "latest":
+        places.append(Path(cfg.metrics.run_dir))
     found = next((p / RUN_TOKENIZER for p in places if (p / RUN_TOKENIZER).is_file()), None)
     prepared = prepared_tokenizer(cfg)
     return found or (prepared if prepared.is_file() else None)
