@@ -317,3 +317,22 @@ def test_mixture_of_experts_reads_the_experts_its_tokens_route_to():
         estimate(mix, h200, Replica(tp=2, ep=3), 1, 128, 128)
     plans = plan(mix, h200, Target(rate=5, prompt=512, output=128, itl_s=0.05))
     assert plans and plans[0].estimate.itl_s <= 0.05
+
+
+@pytest.mark.parametrize("name", ["deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b"])
+def test_training_schema_moe_presets_hold_every_expert_and_multiply_the_active_ones(name):
+    """The training schema's MoE presets (model.config: dense first layers, shared experts, router) served:
+    the devices of a replica hold all the parameters (DeepSeek-V3's 671B, not its 37B active: a replica of 2
+    H100s was once offered), a token multiplies with the active ones, and batch 1 reads about the active ones."""
+    from paratrain.plan.serve import _matmul_params_stage, _streamed_weight_bytes, load_serving_model
+
+    cfg = load_serving_model(name) if name != "mixtral-8x7b" else PRESETS[name]
+    rep = Replica(tp=8)
+    held = weight_bytes_per_device(cfg, rep) * rep.tp / 2  # bf16 bytes -> parameters, over the replica
+    assert held == pytest.approx(cfg.num_params(), rel=0.01)
+    active = _matmul_params_stage(cfg, rep) * rep.tp
+    assert active == pytest.approx(cfg.num_matmul_params(), rel=0.01)
+    one_token = _streamed_weight_bytes(cfg, rep, tokens=1.0) * rep.tp / 2
+    assert cfg.num_matmul_params() * 0.95 < one_token < 1.3 * cfg.num_matmul_params()
+    two_h100 = estimate(cfg, H100, Replica(tp=2), 1, 1024, 256)
+    assert two_h100.fits == (cfg.num_params() * 2 / 2 < 2 * 80e9)  # bf16 weights alone against 2 x 80 GB

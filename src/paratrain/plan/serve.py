@@ -96,7 +96,30 @@ def load_serving_model(spec: str | Path | ModelConfig) -> ModelConfig:
 
 
 def _is_moe(model: ModelConfig) -> bool:
-    return isinstance(model, MoEConfig)
+    return isinstance(model, MoEConfig) or model.num_experts > 0
+
+
+def _experts(model: ModelConfig) -> int:
+    """Routed experts per MoE layer: serving's MoEConfig.experts, or the training schema's num_experts."""
+    return model.experts if isinstance(model, MoEConfig) else model.num_experts
+
+
+def _layer_params(model: ModelConfig, active: bool = False) -> float:
+    """Parameters of an average layer: all of them (what a device holds) or, `active`, what one token multiplies
+    with. The training schema's MoE models (model.config presets: DeepSeek-V3, Qwen3-MoE, ...) count their dense
+    first layers, shared experts and router through ModelConfig.layer_params, the one place that rule lives."""
+    if isinstance(model, MoEConfig):
+        return model.active_params_per_layer() if active else model.params_per_layer()
+    if model.num_experts:
+        return model.layer_params(active) / model.layers
+    return model.params_per_layer()
+
+
+def _routed_expert_params(model: ModelConfig) -> float:
+    """One routed expert's parameters, times the share of layers that have experts (an average layer)."""
+    if isinstance(model, MoEConfig):
+        return model.expert_params()
+    return 3 * model.hidden * model.moe_ffn * model.moe_layers / model.layers
 
 
 # bytes per weight element; int4 weight-only carries one fp16 scale per group of 128 (AWQ/GPTQ's default).
@@ -247,7 +270,7 @@ def check_replica(model: ModelConfig, system: System, rep: Replica, layout: str 
         (padded or model.n_kv_heads % rep.tp == 0 or rep.tp % model.n_kv_heads == 0,
          f"tp = {rep.tp}: must divide or be a multiple of kv_heads = {model.n_kv_heads}"),
         (model.layers >= rep.pp, f"pp = {rep.pp}: must be <= layers = {model.layers}"),
-        (rep.ep == 1 or (_is_moe(model) and rep.tp % rep.ep == 0 and model.experts % rep.ep == 0),
+        (rep.ep == 1 or (_is_moe(model) and rep.tp % rep.ep == 0 and _experts(model) % rep.ep == 0),
          f"ep = {rep.ep}: needs a mixture-of-experts model, and ep must divide tp = {rep.tp} and the experts"),
         (rep.tp <= system.devices_per_node,
          f"tp = {rep.tp}: tensor parallelism stays inside one {system.name} ({system.devices_per_node} "
@@ -295,7 +318,7 @@ def weight_bytes_per_device(model: ModelConfig, rep: Replica, layout: str = "sha
     """Weights one device holds: its 1/pp of the layers sharded over tp, plus the embedding (first stage) and
     the output head (last stage) sharded over tp; the fuller of the two end stages (both when pp = 1)."""
     wb = WEIGHT_PRECISIONS[rep.weights]
-    layers = math.ceil(model.layers / rep.pp) * (model.params_per_layer() / rep.tp
+    layers = math.ceil(model.layers / rep.pp) * (_layer_params(model) / rep.tp
                                                  + _padded_attention_params(model, rep, layout))
     ends = model.embedding_params() + model.head_params() if rep.pp == 1 else \
         max(model.embedding_params(), model.head_params())
@@ -312,14 +335,16 @@ def _streamed_weight_bytes(model: ModelConfig, rep: Replica, tokens=1.0, layout:
     pad = layers * _padded_attention_params(model, rep, layout) * wb
     if not _is_moe(model):
         return (layers * model.params_per_layer() + head) / rep.tp * wb + pad
-    touched = model.experts * (1 - (1 - model.experts_per_token / model.experts) ** np.asarray(tokens, dtype=float))
-    per_layer = model.attention_params_per_layer() + model.hidden * model.experts + touched * model.expert_params()
+    experts = _experts(model)
+    touched = experts * (1 - (1 - model.experts_per_token / experts) ** np.asarray(tokens, dtype=float))
+    expert = _routed_expert_params(model)
+    per_layer = _layer_params(model) - experts * expert + touched * expert  # all but the untouched experts
     return (layers * per_layer + head) / rep.tp * wb + pad
 
 
 def _matmul_params_stage(model: ModelConfig, rep: Replica, layout: str = "shard") -> float:
     """Parameters each token multiplies with on the stage (active experts only), per device."""
-    per_layer = model.active_params_per_layer() if _is_moe(model) else model.params_per_layer()
+    per_layer = _layer_params(model, active=True)
     layers = math.ceil(model.layers / rep.pp)
     return (layers * per_layer + model.vocab * model.hidden) / rep.tp + layers * _padded_attention_params(
         model, rep, layout)

@@ -33,14 +33,16 @@ def print_estimate(est) -> None:
 def print_plan(model, system, target, plans, costs, check) -> None:
     print(f"{model.name} on {system.name}: {target.rate:g} req/s of {target.prompt}+{target.output} tokens, "
           f"TTFT <= {target.ttft_s or '-'} s, ITL <= {target.itl_s or '-'} s, planned at <= {target.max_utilization:.0%} load")
-    print(f"{'#':>2} {'tp':>3} {'pp':>3} {'w':>5} {'kv':>5} {'batch':>5} {'replicas':>8} {'chips':>7} {'nodes':>5} "
+    experts = any(p.estimate.replica.ep > 1 for p in plans)  # a MoE plan's rows differ by ep too: show it
+    print(f"{'#':>2} {'tp':>3} {'pp':>3} " + (f"{'ep':>3} " if experts else "")
+          + f"{'w':>5} {'kv':>5} {'batch':>5} {'replicas':>8} {'chips':>7} {'nodes':>5} "
           f"{'TTFT ms':>8} {'ITL ms':>7} {'$/h':>9} {'$/M out':>8} {'$/M in':>7}")
     for i, (p, c) in enumerate(zip(plans, costs, strict=True), 1):
         e, r = p.estimate, p.estimate.replica
         usd = "-" if c.usd_per_hour is None else f"{c.usd_per_hour:,.0f}"
         out = "-" if c.usd_per_million_output_tokens is None else f"{c.usd_per_million_output_tokens:.3f}"
         inp = "-" if c.usd_per_million_input_tokens is None else f"{c.usd_per_million_input_tokens:.3f}"
-        print(f"{i:>2} {r.tp:>3} {r.pp:>3} {r.weights:>5} {r.kv:>5} {e.batch:>5} {p.replicas:>8} {p.chips:>7g} "
+        print(f"{i:>2} {r.tp:>3} {r.pp:>3} " + (f"{r.ep:>3} " if experts else "") + f"{r.weights:>5} {r.kv:>5} {e.batch:>5} {p.replicas:>8} {p.chips:>7g} "
               f"{c.nodes:>5} {e.ttft_s * 1e3:>8.0f} {e.itl_s * 1e3:>7.1f} {usd:>9} {out:>8} {inp:>7}")
     best = costs[0]
     print(f"chips per 1,000 req/s: {best.chips_per_1000_rps:,.0f}"
