@@ -65,7 +65,7 @@ FIELD_HELP = {
                     "(Trainium, TorchNeuron) or any other torch.accelerator type",
     "train.eval_batches": "batches per eval", "train.log_every": "console line every N steps (without progress bar)",
     "train.deterministic": "torch deterministic algorithms", "train.compile": "torch.compile attention and MLP blocks",
-    "train.progress": "progress bar on the console",
+    "train.progress": "progress bar on stderr when it is a terminal (in a log file: a line every log_every steps)",
     "metrics.run_dir": "metrics.jsonl, TensorBoard logs, config.toml and (default) checkpoints go here",
     "metrics.jsonl": "write metrics.jsonl", "metrics.tensorboard": "write TensorBoard logs",
     "metrics.hardware": "catalog system (or TOML file) whose peak defines MFU and whose planner prediction is "

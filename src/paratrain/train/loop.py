@@ -240,8 +240,11 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
     sampler = make_sampler(train_data, cfg.train.global_batch, cfg.train.seed)  # one source, or the mixture
 
     run_dir = Path(cfg.metrics.run_dir)
+    # a bar redraws with "\r": in a log file (Slurm, a pipe, torchrun's redirects) it is one endless line, so
+    # there the loop prints a line every train.log_every steps instead (torchtitan's logs)
+    bar = cfg.train.progress and sys.stderr.isatty()
     logger = MetricsLogger(run_dir, env.is_main, cfg.metrics.jsonl, cfg.metrics.tensorboard,
-                           cfg.train.steps, cfg.train.progress,
+                           cfg.train.steps, bar,
                            trackers=_trackers(cfg, trackers, run_dir) if env.is_main else None)
     ck = cfg.checkpoint
     saves = bool(ck.interval or ck.save_final)
@@ -328,7 +331,7 @@ def _train(cfg: TrainConfig, resume_from: str | None, env, degrees: dict, ckpt_d
         last_loss = loss_value
         logger.log(done_step + 1, record)
         logger.advance(1, {"loss": loss_value, "tok/s": record["tokens_per_s"], "mfu": record["mfu"]})
-        if (done_step + 1) % cfg.train.log_every == 0 and not cfg.train.progress:
+        if (done_step + 1) % cfg.train.log_every == 0 and not bar:
             logger.write(f"step {done_step + 1:>6} loss {loss_value:.4f} lr {record['lr']:.2e} "
                          f"tok/s {record['tokens_per_s']:,.0f} mfu {record['mfu']:.1%} "
                          f"mem {record['memory_bytes'] / 2**20:,.0f} MiB")
