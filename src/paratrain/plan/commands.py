@@ -98,7 +98,7 @@ def cmd_plan(args) -> None:
             "fitting": result.fitting, "seconds": result.seconds, "configs_per_s": result.configs_per_s,
             "objective": args.objective}
     show(args, {"best": best.to_dict(), "candidates": [c.to_dict() for c in result.candidates], "search": info},
-         lambda: report.print_plan(result, info))
+         lambda: report.print_plan(result, info, experts=model.num_experts > 0))
 
 
 def _write(args, est, model, system) -> None:
