@@ -20,6 +20,9 @@ worker that kept the ~130 groups of test_parallel.py's meshes burnt ~0.1 core ju
 epoll_wait/s in one idle worker), and six idle workers cost more CPU than the tests they ran. Destroying the
 groups after a case is not an option: DTensor's sharding-propagation caches compare meshes by value and hand the
 next, equal mesh the destroyed groups ("Could not resolve the process group registered under the name 47").
+Tried and not kept: one gloo transport device for all of a rank's groups (each device's loop thread wakes every
+10 ms): idle ranks 0.028 -> 0.012 CPU-s per second, but the tasks dearer (the 8-rank pipeline test and
+test_layouts_match_single_device, side by side twice in both orders: 63 -> 71 CPU-s).
 """
 
 from __future__ import annotations
@@ -52,7 +55,6 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results, sys_pat
     own_env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), "OMP_NUM_THREADS": "1"}
     os.environ.update(own_env)
     store = dist.FileStore(store_path, world_size)
-    _share_gloo_device()
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
                             timeout=timedelta(seconds=TASK_TIMEOUT_S / 2))
     _share_groups()
@@ -72,26 +74,6 @@ def _worker(rank: int, world_size: int, store_path: str, tasks, results, sys_pat
         except Exception as exc:  # noqa: BLE001 - unpicklable result
             results.put((rank, pickle.dumps(("error", f"rank {rank}: result not picklable: {exc}"))))
     dist.destroy_process_group()
-
-
-def _share_gloo_device() -> None:
-    """In a pool rank: every gloo process group uses one transport device (torch makes one per group). Each device
-    runs an event-loop thread that wakes every 10 ms, idle or not (gloo tcp/loop.cc): a 4-rank worker with the
-    default group and 3 subgroups had 4 of them, ~400 epoll_wait/s, and the 2- and 4-rank pools' 6 idle ranks
-    burnt 0.028 CPU-s per second between their tasks. gloo pairs of several contexts share a device (its
-    listener tells their connections apart), as gloo's own tests share one device across contexts; torch's
-    `new_group` takes no gloo options, hence the subclass."""
-    from torch.distributed import distributed_c10d as c10d
-
-    base, device = c10d.ProcessGroupGloo, c10d.ProcessGroupGloo.create_default_device()
-
-    class SharedDeviceGloo(base):
-        def __init__(self, store, rank, size, timeout):
-            options = base._Options()
-            options._devices, options._timeout = [device], timeout
-            super().__init__(store, rank, size, options)
-
-    c10d.ProcessGroupGloo = SharedDeviceGloo
 
 
 def _share_groups() -> None:
