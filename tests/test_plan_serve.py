@@ -300,11 +300,11 @@ def test_fit_recovers_known_efficiencies_and_reads_generate_summaries():
 
 
 def test_mixture_of_experts_reads_the_experts_its_tokens_route_to():
-    from paratrain.plan.serve import MOE_PRESETS, load_serving_model
+    from paratrain.plan.serve import load_serving_model
 
     mix = load_serving_model("mixtral-8x7b")
-    assert mix is MOE_PRESETS["mixtral-8x7b"] and 46e9 < mix.num_params() < 47.5e9  # Mixtral 8x7B: 46.7B
-    assert 12e9 < mix.layers * mix.active_params_per_layer() + mix.vocab * mix.hidden < 13.5e9  # 12.9B active
+    assert mix is PRESETS["mixtral-8x7b"] and 46e9 < mix.num_params() < 47.5e9  # Mixtral 8x7B: 46.7B
+    assert 12e9 < mix.layer_params(active=True) + mix.vocab * mix.hidden < 13.5e9  # 12.9B active
     h200 = resolve_system("p5en.48xlarge")
     one, eight, many = (float(decode_step_s(mix, h200, Replica(tp=2), b, 160)) for b in (1, 8, 256))
     # batch 1 reads 2 of 8 experts per layer, batch 8 about 7.2 (1 - (6/8)^8), then all 8: weights dominate
@@ -321,12 +321,12 @@ def test_mixture_of_experts_reads_the_experts_its_tokens_route_to():
 
 @pytest.mark.parametrize("name", ["deepseek-v3", "qwen3-30b-a3b", "mixtral-8x7b"])
 def test_training_schema_moe_presets_hold_every_expert_and_multiply_the_active_ones(name):
-    """The training schema's MoE presets (model.config: dense first layers, shared experts, router) served:
+    """The MoE presets (model.config: dense first layers, shared experts, router) served:
     the devices of a replica hold all the parameters (DeepSeek-V3's 671B, not its 37B active: a replica of 2
     H100s was once offered), a token multiplies with the active ones, and batch 1 reads about the active ones."""
     from paratrain.plan.serve import _matmul_params_stage, _streamed_weight_bytes, load_serving_model
 
-    cfg = load_serving_model(name) if name != "mixtral-8x7b" else PRESETS[name]
+    cfg = load_serving_model(name)
     rep = Replica(tp=8)
     held = weight_bytes_per_device(cfg, rep) * rep.tp / 2  # bf16 bytes -> parameters, over the replica
     assert held == pytest.approx(cfg.num_params(), rel=0.01)
@@ -336,3 +336,17 @@ def test_training_schema_moe_presets_hold_every_expert_and_multiply_the_active_o
     assert cfg.num_matmul_params() * 0.95 < one_token < 1.3 * cfg.num_matmul_params()
     two_h100 = estimate(cfg, H100, Replica(tp=2), 1, 1024, 256)
     assert two_h100.fits == (cfg.num_params() * 2 / 2 < 2 * 80e9)  # bf16 weights alone against 2 x 80 GB
+
+
+def test_a_serving_model_toml_with_the_older_expert_names_reads_as_the_schemas_moe(tmp_path):
+    """`experts` / `expert_ffn` (the serving model's own names before it used model.config's MoE) are read as
+    num_experts / moe_ffn_hidden: the same model as the preset."""
+    from paratrain.plan.serve import load_serving_model
+
+    mix = PRESETS["mixtral-8x7b"]
+    keys = ("layers", "hidden", "heads", "kv_heads", "ffn_hidden", "vocab", "max_seq", "experts_per_token")
+    path = tmp_path / "mix.toml"
+    path.write_text("\n".join(f"{k} = {getattr(mix, k)}" for k in keys) + "\nexperts = 8\nexpert_ffn = 14336\n")
+    cfg = load_serving_model(str(path))
+    assert (cfg.name, cfg.num_experts, cfg.moe_ffn) == ("mix", 8, 14336)
+    assert cfg.num_params() == mix.num_params() and cfg.active_params() == mix.active_params()

@@ -34,7 +34,6 @@ from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
-from pydantic import Field
 
 from paratrain.config.options import described
 from paratrain.hardware.catalog import System, Tier, resolve_system
@@ -43,82 +42,40 @@ from paratrain.plan.collectives import collective_time_s, p2p_time_s
 from paratrain.plan.kernels import soft_roofline
 from paratrain.plan.precision import BF16_BYTES
 
-
-class MoEConfig(ModelConfig):
-    """A mixture-of-experts decoder for the serving model (the runtime's Llama has no experts): every MLP is
-    `experts` SwiGLU experts of width `expert_ffn` (default ffn_hidden) and a router; each token goes to
-    `experts_per_token` of them (Mixtral: 8 experts, top 2)."""
-
-    experts: int = Field(gt=1)
-    experts_per_token: int = Field(gt=0)
-    expert_ffn: int | None = Field(default=None, gt=0)
-
-    @property
-    def expert_width(self) -> int:
-        return self.expert_ffn or self.ffn
-
-    def expert_params(self) -> int:
-        return 3 * self.hidden * self.expert_width
-
-    def attention_params_per_layer(self) -> int:
-        h, kv = self.hidden, self.kv_dim
-        return 2 * h * h + 2 * h * kv + 2 * h  # q, o, k, v and the two norms
-
-    def params_per_layer(self) -> int:  # every expert is held (memory), plus the router
-        return self.attention_params_per_layer() + self.experts * self.expert_params() + self.hidden * self.experts
-
-    def active_params_per_layer(self) -> int:  # what one token multiplies with (FLOPs)
-        return self.attention_params_per_layer() + self.experts_per_token * self.expert_params() \
-            + self.hidden * self.experts
-
-
-# Mixtral 8x7B shape (Jiang et al. 2024, and the released config.json)
-MOE_PRESETS = {"mixtral-8x7b": MoEConfig(name="mixtral-8x7b", layers=32, hidden=4096, heads=32, kv_heads=8,
-                                          ffn_hidden=14336, vocab=32000, max_seq=32768, rope_theta=1e6,
-                                          experts=8, experts_per_token=2)}
+# A serving model TOML may name its experts as earlier versions of this module did; they are the training
+# schema's fields (model.config: num_experts, moe_ffn_hidden), the one MoE description both planners read.
+SERVING_MOE_KEYS = {"experts": "num_experts", "expert_ffn": "moe_ffn_hidden"}
 
 
 def load_serving_model(spec: str | Path | ModelConfig) -> ModelConfig:
-    """A preset (paratrain's, or a MOE_PRESETS name) or a model TOML; a TOML with `experts` is a MoEConfig."""
+    """A preset (model.config: dense Llamas and the MoE presets, mixtral-8x7b among them) or a model TOML; a TOML
+    with `experts` / `expert_ffn` (this module's older names) reads them as num_experts / moe_ffn_hidden."""
     if isinstance(spec, ModelConfig):
         return spec
     key = str(spec)
-    if key in MOE_PRESETS:
-        return MOE_PRESETS[key]
     if key.endswith(".toml") and Path(key).is_file():
         with open(key, "rb") as fh:
             data = tomllib.load(fh)
         data = data.get("model", data)
-        if "experts" in data:
+        if any(old in data for old in SERVING_MOE_KEYS):
+            data = {SERVING_MOE_KEYS.get(k, k): v for k, v in data.items()}
             data.setdefault("name", Path(key).stem)
-            return MoEConfig(**data)
+            return ModelConfig(**data)
     return load_model_config(spec)
 
 
 def _is_moe(model: ModelConfig) -> bool:
-    return isinstance(model, MoEConfig) or model.num_experts > 0
-
-
-def _experts(model: ModelConfig) -> int:
-    """Routed experts per MoE layer: serving's MoEConfig.experts, or the training schema's num_experts."""
-    return model.experts if isinstance(model, MoEConfig) else model.num_experts
+    return model.num_experts > 0
 
 
 def _layer_params(model: ModelConfig, active: bool = False) -> float:
     """Parameters of an average layer: all of them (what a device holds) or, `active`, what one token multiplies
-    with. The training schema's MoE models (model.config presets: DeepSeek-V3, Qwen3-MoE, ...) count their dense
-    first layers, shared experts and router through ModelConfig.layer_params, the one place that rule lives."""
-    if isinstance(model, MoEConfig):
-        return model.active_params_per_layer() if active else model.params_per_layer()
-    if model.num_experts:
-        return model.layer_params(active) / model.layers
-    return model.params_per_layer()
+    with; a MoE model's dense first layers, shared experts and router counted by ModelConfig.layer_params."""
+    return model.layer_params(active) / model.layers if _is_moe(model) else model.params_per_layer()
 
 
 def _routed_expert_params(model: ModelConfig) -> float:
     """One routed expert's parameters, times the share of layers that have experts (an average layer)."""
-    if isinstance(model, MoEConfig):
-        return model.expert_params()
     return 3 * model.hidden * model.moe_ffn * model.moe_layers / model.layers
 
 
@@ -270,7 +227,7 @@ def check_replica(model: ModelConfig, system: System, rep: Replica, layout: str 
         (padded or model.n_kv_heads % rep.tp == 0 or rep.tp % model.n_kv_heads == 0,
          f"tp = {rep.tp}: must divide or be a multiple of kv_heads = {model.n_kv_heads}"),
         (model.layers >= rep.pp, f"pp = {rep.pp}: must be <= layers = {model.layers}"),
-        (rep.ep == 1 or (_is_moe(model) and rep.tp % rep.ep == 0 and _experts(model) % rep.ep == 0),
+        (rep.ep == 1 or (_is_moe(model) and rep.tp % rep.ep == 0 and model.num_experts % rep.ep == 0),
          f"ep = {rep.ep}: needs a mixture-of-experts model, and ep must divide tp = {rep.tp} and the experts"),
         (rep.tp <= system.devices_per_node,
          f"tp = {rep.tp}: tensor parallelism stays inside one {system.name} ({system.devices_per_node} "
@@ -335,7 +292,7 @@ def _streamed_weight_bytes(model: ModelConfig, rep: Replica, tokens=1.0, layout:
     pad = layers * _padded_attention_params(model, rep, layout) * wb
     if not _is_moe(model):
         return (layers * model.params_per_layer() + head) / rep.tp * wb + pad
-    experts = _experts(model)
+    experts = model.num_experts
     touched = experts * (1 - (1 - model.experts_per_token / experts) ** np.asarray(tokens, dtype=float))
     expert = _routed_expert_params(model)
     per_layer = _layer_params(model) - experts * expert + touched * expert  # all but the untouched experts
