@@ -58,7 +58,6 @@ def print_plan(result, info, experts: bool = False) -> None:
     print(f"{best.model} on {best.nodes} x {best.system} (stack: {info['stack']}): {info['combinations']:,} combinations, "
           f"{info['evaluated']:,} valid layouts evaluated, {info['fitting']:,} fit; {info['seconds'] * 1000:.0f} ms "
           f"({info['configs_per_s']:,.0f} layouts/s)")
-    experts = experts or any(c.layout.ep > 1 or c.layout.etp > 1 for c in result.candidates)
     head = (f"{'#':>2} {'nodes':>5} {'tp':>3} {'pp':>3} {'dp':>6} {'cp':>2} {'sp':>3} "
             + (f"{'ep':>3} {'etp':>3} " if experts else "")
             + f"{'mb':>3} {'recompute':>9} "
