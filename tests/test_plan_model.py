@@ -960,6 +960,33 @@ def test_trainium_gemms_run_in_whole_tensor_engine_tiles():
     assert small == pytest.approx(full, rel=0.05)  # half the columns, about the same time (memory term aside)
 
 
+def test_trainium1_flash_attention_runs_at_its_vector_engine_bound():
+    """The NKI flash kernel's block is bound by NeuronCore-v2's VectorE (row max, PSUM copies of P^T, rescale), not
+    by TensorE: chips.toml's derived flash_attention_eff (0.40 of peak) times a flash attention core on Trainium1.
+    Unfused attention (batched GEMMs) keeps the GEMMs' matmul_eff_max; a stack that names its kernel's efficiency
+    (Options.attention_eff) wins; a chip without the field (GPUs, Trainium2) is unchanged."""
+    from paratrain.plan.layer import _per_layer_compute
+
+    trn, gpu = resolve_system("trn1.32xlarge"), resolve_system("p5.48xlarge")
+    eff = trn.chip.efficiency
+    assert eff.flash_attention_eff == pytest.approx(0.40) and eff.matmul_eff_max > eff.flash_attention_eff
+    assert gpu.chip.efficiency.flash_attention_eff is None
+    assert resolve_system("trn2.48xlarge").chip.efficiency.flash_attention_eff is None
+    model, seq, tp = PRESETS["llama3-8b"], 8192, 32
+
+    def core(system, **kw):
+        opts = Options(**kw)
+        return float(_per_layer_compute(model, system, seq, opts, seq, tp, True, 1)[1])
+    slow = dataclasses.replace(trn, chip=dataclasses.replace(trn.chip, efficiency=dataclasses.replace(
+        eff, flash_attention_eff=None)))
+    overhead = 2 * eff.kernel_overhead_s
+    # compute-bound at these sizes: the time scales as 1 / efficiency
+    assert (core(trn, attention="flash") - overhead) == pytest.approx(
+        (core(slow, attention="flash") - overhead) * eff.matmul_eff_max / 0.40, rel=0.02)
+    assert core(trn, attention="unfused") == core(slow, attention="unfused")
+    assert core(trn, attention="flash", attention_eff=0.5) == core(slow, attention="flash", attention_eff=0.5)
+
+
 def test_collective_time_of_one_group_is_bitwise_the_vectorised_one():
     """collective_time_s takes a scalar fast path (plain floats, no numpy per call) for one group: bitwise the
     numpy path's result for every catalog system (switched fabrics, 2D tori), kind, size and stride, and

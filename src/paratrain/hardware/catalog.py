@@ -34,13 +34,16 @@ class ChipEfficiency:
 
     matmul_eff_max: fraction of peak a large matmul reaches. kernel_overhead_s: fixed cost per kernel
     (launch, pipeline fill, tail wave), what makes small matmuls inefficient. memory_bw_eff: fraction of HBM
-    bandwidth that memory-bound ops (norms, activations, softmax, optimizer) reach.
+    bandwidth that memory-bound ops (norms, activations, softmax, optimizer) reach. flash_attention_eff: fraction of
+    peak the fused (flash) attention kernel's matmuls reach where its non-matmul engines, not the matrix engine,
+    bound it (None: as matmul_eff_max).
     """
 
     matmul_eff_max: float
     kernel_overhead_s: float
     memory_bw_eff: float
     source: str
+    flash_attention_eff: float | None = None
 
 
 @dataclass(frozen=True)
@@ -275,7 +278,7 @@ CHIP_FIELDS = {
 }
 CHIP_EFF_FIELDS = {
     "matmul_eff_max": ("frac", True), "kernel_overhead_s": ("nonneg", True),
-    "memory_bw_eff": ("frac", True), "source": ("str", True),
+    "memory_bw_eff": ("frac", True), "source": ("str", True), "flash_attention_eff": ("frac", False),
 }
 LINK_FIELDS = {
     "display_name": ("str", False), "endpoint": ("endpoint", True), "bw_gbytes_per_s": ("pos", True),
@@ -585,6 +588,8 @@ def _entry_table(entry: Chip | Interconnect) -> dict:
     for key in ("name", "origin"):
         data.pop(key)
     data["conflicts"] = list(entry.conflicts)
+    if isinstance(data.get("efficiency"), dict):  # a chip's optional efficiency fields left unset (None)
+        data["efficiency"] = _drop_empty(data["efficiency"])
     return _drop_empty(data)
 
 

@@ -146,8 +146,11 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     core_traffic = BF16_BYTES * b_seqs * heads * (4 * s_local * d)
     if opts.attention == "unfused":
         core_traffic = core_traffic + 2 * BF16_BYTES * b_seqs * heads * s_local * keys  # scores written, read
+    # the stack's attention kernel where it names one (FlashAttention-2 on Hopper); else a flash kernel at the chip's
+    # own bound where its vector engines limit it (Trainium: chips.toml flash_attention_eff); else the GEMMs' rate
     attn_eff = opts.attention_eff if opts.attention_eff is not None else (
-        opts.matmul_eff if opts.matmul_eff is not None else eff.matmul_eff_max)
+        eff.flash_attention_eff if opts.attention == "flash" and eff.flash_attention_eff is not None else (
+            opts.matmul_eff if opts.matmul_eff is not None else eff.matmul_eff_max))
     core = soft_roofline(core_flops / (system.device_peak_flops * attn_eff),
                          core_traffic / (system.device_hbm_bw_bytes_per_s * eff.memory_bw_eff)) + 2 * eff.kernel_overhead_s
     sp_b, tp_b, core_b, kernels = elementwise_bytes_per_token(model, seq, opts.attention)
