@@ -204,6 +204,40 @@ def test_gathers_are_rings_on_nccl_and_log_steps_on_neuron(box):
         2 * bandwidth + 2 * 16 * 10e-6)
 
 
+def test_nccl_gathers_are_one_flat_ring_over_every_rank(box):
+    """NCCL's all-gather / reduce-scatter is one ring through all nRanks: nRanks - 1 latency steps, nNodes - 1 over
+    the network and the rest over NVLink (src/graph/tuning.cc), so a 16-node group of 8 ranks per node pays 112
+    NVLink steps, not the 7 of one node; the bandwidth terms stay hierarchical. Neuron's recursive doubling-halving,
+    all-reduce and groups inside one node keep their steps."""
+    import dataclasses
+
+    nvl = dataclasses.replace(box.tiers[0].interconnect, latency_us=4.0)
+    net = dataclasses.replace(box.tiers[1].interconnect, latency_us=10.0)
+    def on(vendor):
+        return dataclasses.replace(box, chip=dataclasses.replace(box.chip, vendor=vendor),
+                                   tiers=(dataclasses.replace(box.tiers[0], interconnect=nvl),
+                                          dataclasses.replace(box.tiers[1], interconnect=net)))
+    S, ranks, nodes = 1e6, 128, 16
+    bandwidth = 7 / 8 * S / 100e9 + 15 / 16 * (S / 8) / (50e9 / 8)
+    flat = (ranks - nodes) * 4e-6 + (nodes - 1) * 10e-6
+    for kind in ("allgather", "reducescatter"):
+        assert float(collective_time_s(on("nvidia"), kind, S, ranks, 1)) == pytest.approx(bandwidth + flat)
+        assert float(collective_time_s(on("nvidia"), kind, np.array([S]), np.array([ranks]), np.array([1.0]))[0]) \
+            == pytest.approx(bandwidth + flat)  # the array path: the same
+        assert float(collective_time_s(on("aws"), kind, S, ranks, 1)) == pytest.approx(
+            bandwidth + 2 * 3 * 4e-6 + 2 * 4 * 10e-6)  # log steps per level
+    # stride 2 (TP 2): 4 ranks per node, 32 nodes: 128 - 32 NVLink steps
+    assert float(collective_time_s(on("nvidia"), "allgather", S, 128, 2)) == pytest.approx(
+        3 / 4 * S / 100e9 + 31 / 32 * (S / 4) / (50e9 / 8) + (128 - 32) * 4e-6 + 31 * 10e-6)
+    # one node, or one rank per node: unchanged (7 NVLink steps; 15 network steps)
+    assert float(collective_time_s(on("nvidia"), "allgather", S, 8, 1)) == pytest.approx(7 / 8 * S / 100e9 + 7 * 4e-6)
+    assert float(collective_time_s(on("nvidia"), "allgather", S, 16, 8)) == pytest.approx(
+        15 / 16 * S / (50e9 / 8) + 15 * 10e-6)
+    # all-reduce keeps the cheaper of ring and tree per level
+    assert float(collective_time_s(on("nvidia"), "allreduce", S, ranks, 1)) == pytest.approx(
+        2 * bandwidth + 2 * 6 * 4e-6 + 2 * 8 * 10e-6)
+
+
 def test_fsdp_exposed_time_grows_with_scale_at_small_microbatches():
     """Per-layer gathers with one layer of prefetch: at microbatch 1 the 255-step rings of 2,048 GPUs no longer
     hide behind a layer's compute; at microbatch 2 more of them do."""

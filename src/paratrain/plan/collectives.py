@@ -50,8 +50,9 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
         # all-reduce: NCCL and Neuron pick ring (n-1 steps per phase) or tree / recursive halving-doubling
         # (log2 n) whichever is cheaper; all-gather and reduce-scatter: NCCL runs them as rings only (no tree:
         # src/graph/tuning.cc counts nsteps = nRanks - 1), Neuron also has recursive doubling-halving for them
-        # (Neuron docs, "Inter-node Collectives": ring, mesh and RDH)
-        steps = ring_steps(n) if kind == "allreduce" or not ring_only_gathers else n - 1.0
+        # (Neuron docs, "Inter-node Collectives": ring, mesh and RDH); NCCL's ring is flat (flat_ring_steps)
+        steps = ring_steps(n) if kind == "allreduce" or not ring_only_gathers \
+            else flat_ring_steps(n, degree / np.maximum(inside, inside_prev))
         link = tier.interconnect
         step_s = (link.latency_us + (share - 1) * link.timeshare_step_us) * 1e-6
         level = factor * ((n - 1) / n * data * share / bw + steps * step_s) + link.collective_overhead_us * 1e-6
@@ -76,7 +77,7 @@ def _collective_scalar_s(system: System, kind: str, factor: float, nbytes: float
         if kind == "allreduce" or not ring_only_gathers:
             steps = min(n - 1.0, 2.0 * math.ceil(math.log2(max(n, 1.0))))  # ring_steps
         else:
-            steps = n - 1.0
+            steps = flat_ring_steps(n, degree / max(inside, inside_prev))
         link = tier.interconnect
         step_s = (link.latency_us + (share - 1) * link.timeshare_step_us) * 1e-6
         if n > 1:
@@ -101,6 +102,15 @@ def torus_link_fraction(system: System, tier, members, stride):
     chips = np.minimum(members, np.maximum(1.0, members * np.asarray(stride, dtype=float) / per_chip))
     used = np.select([chips >= tier.domain_devices / per_chip, chips >= 3], [links, 2.0], 1.0)
     return np.minimum(used, links) / links
+
+
+def flat_ring_steps(n, domains):
+    """Latency-bound steps of an NCCL ring all-gather / reduce-scatter at one tier: NCCL runs them as one flat ring
+    over all the group's ranks, nRanks - 1 steps, nNodes - 1 of them over the network and the rest over NVLink
+    (src/graph/tuning.cc: latency = baseLat + (nsteps - nInterSteps) x intraLat + nInterSteps x interLat, nsteps =
+    nRanks - 1, nInterSteps = nNodes - 1). Per tier: its n - 1 hops inside each of the `domains` domains of that tier
+    the group spans (the ring passes through every one of them), not once as a hierarchical ring would."""
+    return domains * (n - 1.0)
 
 
 def ring_steps(n):
