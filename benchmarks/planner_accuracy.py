@@ -343,6 +343,9 @@ def _eval_options(system, r: dict) -> Options:
     # dp_overlap: where the run's software reduces gradients only after the backward (Megatron-LM 2021's local DDP,
     # as the Neuron reference port runs it: 0); empty = the system's
     cp_comm |= {"dp_overlap": float(r["dp_overlap"])} if r.get("dp_overlap") else {}
+    # softmax_fused: 0 where the run's unfused attention softmax was not one fused kernel (neuronx-nemo-megatron before
+    # its 2.18 release: no NEURON_FUSE_SOFTMAX, masked_softmax_fusion False); empty = fused
+    cp_comm |= {"fused_softmax": False} if r.get("softmax_fused") == "0" else {}
     # mxfp8: FP8 with MX block scaling (one E8M0 scale per 32 elements), what the Blackwell tables call MXFP8
     # / FP8-MX; fp8 is per-tensor current scaling (FP8-CS) unless the chip's FP8 is block-scaled only
     mx = {"block_scaling": True} if r["precision"] == "mxfp8" else {}

@@ -1021,6 +1021,32 @@ def test_trainium1_flash_attention_runs_at_its_vector_engine_bound():
     assert core(trn, attention="flash", attention_eff=0.5) == core(slow, attention="flash", attention_eff=0.5)
 
 
+def test_an_unfused_softmax_reads_and_writes_the_scores_more_often():
+    """Options.fused_softmax False (neuronx-nemo-megatron before 2.18: no NEURON_FUSE_SOFTMAX, masked_softmax_fusion
+    False): XLA's standard softmax makes UNFUSED_SOFTMAX_EXTRA_PASSES more passes over the a x s scores per token
+    than the fused kernel; nothing changes with flash attention (no scores in HBM) or by default."""
+    from paratrain.plan.layer import (
+        UNFUSED_SOFTMAX_EXTRA_PASSES,
+        _per_layer_compute,
+        elementwise_bytes_per_token,
+    )
+
+    model, seq = PRESETS["llama2-7b"], 4096
+    fused = elementwise_bytes_per_token(model, seq, "unfused")
+    unfused = elementwise_bytes_per_token(model, seq, "unfused", fused_softmax=False)
+    assert unfused[2] - fused[2] == UNFUSED_SOFTMAX_EXTRA_PASSES * model.heads * seq * 2
+    assert unfused[:2] == fused[:2] and unfused[3] > fused[3]
+    assert elementwise_bytes_per_token(model, seq, "flash", fused_softmax=False) == \
+        elementwise_bytes_per_token(model, seq, "flash")
+    trn = resolve_system("trn1.32xlarge")
+
+    def elem(**kw):
+        return float(_per_layer_compute(model, trn, seq, Options(**kw), seq, 8, True, 1)[2])
+    assert elem(attention="unfused", fused_softmax=False) > 1.2 * elem(attention="unfused")
+    assert elem(attention="flash", fused_softmax=False) == elem(attention="flash")
+    assert Options().fused_softmax
+
+
 def test_collective_time_of_one_group_is_bitwise_the_vectorised_one():
     """collective_time_s takes a scalar fast path (plain floats, no numpy per call) for one group: bitwise the
     numpy path's result for every catalog system (switched fabrics, 2D tori), kind, size and stride, and

@@ -48,11 +48,18 @@ def mlp_activation_bytes_per_token(model: ModelConfig) -> float:
     return float((3 if model.arch == "llama" else 2) * model.ffn * BF16_BYTES)
 
 
-def elementwise_bytes_per_token(model: ModelConfig, seq: int, attention: str):
+# Passes over the attention scores that an unfused softmax in XLA's standard lowering adds to the fused kernel's read
+# and write (Options.fused_softmax False): three reads and a write against one and one
+UNFUSED_SOFTMAX_EXTRA_PASSES = 2
+
+
+def elementwise_bytes_per_token(model: ModelConfig, seq: int, attention: str, fused_softmax: bool = True):
     """HBM traffic of the memory-bound ops of one layer's forward, per token: (sp_part, tp_part, core, kernels).
 
     sp_part: norms and residual/dropout adds (replicated across TP ranks without SP). tp_part: activation
-    function, rotary. core: the unfused attention's scale/mask/softmax/dropout over a*s scores.
+    function, rotary. core: the unfused attention's scale/mask/softmax/dropout over a*s scores (the softmax as one
+    fused kernel, or with fused_softmax False in XLA's standard lowering: UNFUSED_SOFTMAX_EXTRA_PASSES more, and its
+    reductions as kernels of their own).
     kernels: number of separate elementwise kernels (each pays the chip's kernel overhead).
     """
     h, kv, a = model.hidden, model.kv_dim, model.heads
@@ -71,6 +78,8 @@ def elementwise_bytes_per_token(model: ModelConfig, seq: int, attention: str):
         kernels = 7
     if attention == "flash":
         core, kernels = 0, kernels - 1
+    elif not fused_softmax:
+        core, kernels = core + UNFUSED_SOFTMAX_EXTRA_PASSES * a * seq * BF16_BYTES, kernels + 2
     return float(norms + residual), float(act + rope), float(core), kernels
 
 
@@ -153,7 +162,7 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
             opts.matmul_eff if opts.matmul_eff is not None else eff.matmul_eff_max))
     core = soft_roofline(core_flops / (system.device_peak_flops * attn_eff),
                          core_traffic / (system.device_hbm_bw_bytes_per_s * eff.memory_bw_eff)) + 2 * eff.kernel_overhead_s
-    sp_b, tp_b, core_b, kernels = elementwise_bytes_per_token(model, seq, opts.attention)
+    sp_b, tp_b, core_b, kernels = elementwise_bytes_per_token(model, seq, opts.attention, opts.fused_softmax)
     if opts.eager:
         kernels = EAGER_ELEMENTWISE_KERNELS
         matmuls = matmuls + EAGER_EXTRA_MATMULS * system.chip.efficiency.kernel_overhead_s

@@ -157,6 +157,12 @@ class Options:
     weights updated in place and m, v in bf16 (BF16_OPTIMIZER_BYTES, BF16_ADAM_STEP_BYTES: Neuron's "Autocast:BF16+SR",
     XLA_USE_BF16=1, as neuronx-nemo-megatron's bf16SR and the Neuron Megatron-LM reference run). Gradients are bf16 then
     too: pass grad_bytes=2.
+    fused_softmax: unfused attention's scale-mask-softmax runs as one kernel that reads and writes the scores once
+    (Megatron's fused softmax, Neuron's NEURON_FUSE_SOFTMAX=1 "custom lowering for Softmax"); False: the softmax as
+    XLA's standard lowering fuses it (reduce-max, reduce-sum of exp, normalise: three reads and one write of the
+    scores, the mask fused into the reads; backward a reduce of dy * y, then dx: four reads and a write against the
+    fused kernel's two and one), i.e. two more passes over the scores each way, as neuronx-nemo-megatron ran before its
+    2.18 release set NEURON_FUSE_SOFTMAX (its configs: masked_softmax_fusion False). No effect with flash attention.
     cp_kv_repeated: the attention op receives K and V already repeated to the query heads (torchtitan's Llama runs
     repeat_kv before SDPA, and torch's context_parallel wraps SDPA), so context parallelism exchanges K/V at the
     query width, not GQA's.
@@ -205,6 +211,7 @@ class Options:
     fp8_tp_allgather: bool = False
     cp_kv_repeated: bool = False
     master_weights: bool = True
+    fused_softmax: bool = True
 
     @classmethod
     def for_system(cls, system: System, attention: str | None = None, stack: str | None = None,
