@@ -238,6 +238,43 @@ def test_nccl_gathers_are_one_flat_ring_over_every_rank(box):
         2 * bandwidth + 2 * 6 * 4e-6 + 2 * 8 * 10e-6)
 
 
+def test_nccl_rings_take_ll128_where_it_is_faster(box):
+    """NCCL's tuner times a ring with each protocol and runs the faster (src/graph/tuning.cc): LL128's steps are
+    shorter (here 2 and 4 us against Simple's 4 and 10) at 0.92 of the bandwidth, so a latency-bound gather over
+    16 nodes runs LL128 and a bandwidth-bound one Simple; a link without LL128 (EFA on p4d, Neuron) keeps Simple."""
+    import dataclasses
+
+    from paratrain.plan.collectives import LL128_BW_RATIO
+
+    def on(vendor="nvidia", net_ll128=4.0):
+        nvl = dataclasses.replace(box.tiers[0].interconnect, latency_us=4.0, ll128_latency_us=2.0)
+        net = dataclasses.replace(box.tiers[1].interconnect, latency_us=10.0, ll128_latency_us=net_ll128)
+        return dataclasses.replace(box, chip=dataclasses.replace(box.chip, vendor=vendor),
+                                   tiers=(dataclasses.replace(box.tiers[0], interconnect=nvl),
+                                          dataclasses.replace(box.tiers[1], interconnect=net)))
+    ranks, nodes = 128, 16
+    def times(S):
+        bandwidth = 7 / 8 * S / 100e9 + 15 / 16 * (S / 8) / (50e9 / 8)
+        simple = bandwidth + (ranks - nodes) * 4e-6 + (nodes - 1) * 10e-6
+        ll128 = bandwidth / LL128_BW_RATIO + (ranks - nodes) * 2e-6 + (nodes - 1) * 4e-6
+        return simple, ll128
+    small, large = 1e6, 1e10
+    assert times(small)[1] < times(small)[0] and times(large)[0] < times(large)[1]
+    for S in (small, large):
+        for kind in ("allgather", "reducescatter"):
+            got = float(collective_time_s(on(), kind, S, ranks, 1))
+            assert got == pytest.approx(min(times(S)))
+            assert float(collective_time_s(on(), kind, np.array([S]), np.array([ranks]), np.array([1.0]))[0]) \
+                == pytest.approx(got)
+            assert float(collective_time_s(on(net_ll128=0.0), kind, S, ranks, 1)) == pytest.approx(times(S)[0])
+    # Neuron: no NCCL protocols (its log steps, test above); all-reduce: one latency
+    aws = float(collective_time_s(on("aws"), "allgather", small, ranks, 1))
+    assert aws == pytest.approx(7 / 8 * small / 100e9 + 15 / 16 * (small / 8) / (50e9 / 8) + 2 * 3 * 4e-6
+                                + 2 * 4 * 10e-6)
+    assert float(collective_time_s(on(), "allreduce", small, ranks, 1)) == pytest.approx(
+        float(collective_time_s(on(net_ll128=0.0), "allreduce", small, ranks, 1)))
+
+
 def test_fsdp_exposed_time_grows_with_scale_at_small_microbatches():
     """Per-layer gathers with one layer of prefetch: at microbatch 1 the 255-step rings of 2,048 GPUs no longer
     hide behind a layer's compute; at microbatch 2 more of them do."""

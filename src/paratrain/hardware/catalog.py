@@ -94,6 +94,10 @@ class Interconnect:
     # of them together: a ring collective gets it only where its group covers the whole torus, which has two
     # edge-disjoint Hamiltonian cycles (plan.collectives.torus_link_fraction)
     torus_links_per_chip: int = 0
+    # Per-step latency of NCCL's LL128 protocol on this link (src/graph/tuning.cc hwLat[..][Ring][LL128]), which NCCL's
+    # tuner may pick over Simple (latency_us) for a ring all-gather / reduce-scatter; 0: the link does not run it
+    # (not an NVIDIA link, or a network whose NCCL plugin forces NCCL_PROTO=simple)
+    ll128_latency_us: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
     conflicts: tuple[str, ...] = ()
     origin: str = ""
@@ -284,7 +288,8 @@ LINK_FIELDS = {
     "display_name": ("str", False), "endpoint": ("endpoint", True), "bw_gbytes_per_s": ("pos", True),
     "latency_us": ("nonneg", True), "bw_eff": ("frac", True), "source": ("str", True),
     "collective_overhead_us": ("nonneg", False), "timeshare_step_us": ("nonneg", False),
-    "torus_links_per_chip": ("nonneg_int", False), "sources": ("strdict", False), "conflicts": ("strlist", False),
+    "torus_links_per_chip": ("nonneg_int", False), "ll128_latency_us": ("nonneg", False), "sources": ("strdict", False),
+    "conflicts": ("strlist", False),
 }
 SYSTEM_FIELDS = {
     "display_name": ("str", False), "chip": ("str", True), "chips_per_node": ("posint", True),

@@ -11,6 +11,10 @@ import numpy as np
 
 from paratrain.hardware.catalog import System
 
+# NCCL's LL128 protocol carries 120 data bytes in each 128-byte line: its ring bandwidth is 0.92 of Simple's
+# (src/graph/tuning.cc: `busBw * (0.92 /*120.0/128.0*/)`)
+LL128_BW_RATIO = 0.92
+
 
 def collective_time_s(system: System, kind: str, nbytes, degree, stride):
     """Time of a hierarchical ring collective over a group of `degree` ranks spaced `stride` apart.
@@ -24,7 +28,12 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
     collective_overhead_us per level (launch and synchronisation of one collective call). Where ranks
     time-share cores (a CPU host running more ranks than cores), each step also waits for the next rank to be
     scheduled: + (ranks per core - 1) x timeshare_step_us per step, and each rank gets 1/(ranks per core)
-    of a core to copy and reduce with (bandwidth divided alike).
+    of a core to copy and reduce with (bandwidth divided alike). NCCL's all-gather / reduce-scatter ring is timed
+    with each protocol it may pick and the faster one kept, as its tuner picks (src/graph/tuning.cc): Simple (the
+    links' latency_us) or, where every link the group crosses runs it (Interconnect.ll128_latency_us > 0), LL128,
+    whose steps are shorter and whose bandwidth is LL128_BW_RATIO of Simple's. All-reduce keeps one latency (its
+    tree / ring step count already takes the cheaper algorithm; the LL protocols of small all-reduces are not
+    modelled).
     """
     factor = {"allreduce": 2.0, "allgather": 1.0, "reducescatter": 1.0}[kind]
     if np.ndim(nbytes) == np.ndim(degree) == np.ndim(stride) == 0:
@@ -39,6 +48,8 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
     inside_prev = np.ones_like(total)
     share = timesharing_ranks(system)
     ring_only_gathers = system.chip.vendor == "nvidia"
+    ll128 = ring_only_gathers and kind != "allreduce"  # NCCL's LL128 alternative for its flat rings (below)
+    total_ll128, ll128_ok = np.zeros_like(total), np.ones(total.shape, dtype=bool)
     for tier in system.tiers:
         if tier.domain_devices:
             inside = np.clip(np.floor(tier.domain_devices / stride), 1.0, degree)
@@ -57,8 +68,13 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
         step_s = (link.latency_us + (share - 1) * link.timeshare_step_us) * 1e-6
         level = factor * ((n - 1) / n * data * share / bw + steps * step_s) + link.collective_overhead_us * 1e-6
         total = total + np.where(n > 1, level, 0.0)
+        if ll128:
+            level = factor * ((n - 1) / n * data / (bw * LL128_BW_RATIO) + steps * link.ll128_latency_us * 1e-6) \
+                + link.collective_overhead_us * 1e-6
+            total_ll128 = total_ll128 + np.where(n > 1, level, 0.0)
+            ll128_ok = ll128_ok & ((n <= 1) | (link.ll128_latency_us > 0))
         inside_prev = np.maximum(inside, inside_prev)
-    return total
+    return np.where(ll128_ok, np.minimum(total, total_ll128), total) if ll128 else total
 
 
 def _collective_scalar_s(system: System, kind: str, factor: float, nbytes: float, degree: float, stride: float):
@@ -68,6 +84,8 @@ def _collective_scalar_s(system: System, kind: str, factor: float, nbytes: float
     total, inside_prev = 0.0, 1.0
     share = timesharing_ranks(system)
     ring_only_gathers = system.chip.vendor == "nvidia"
+    ll128 = ring_only_gathers and kind != "allreduce"
+    total_ll128, ll128_ok = 0.0, True
     for tier in system.tiers:
         inside = min(max(float(math.floor(tier.domain_devices / stride)), 1.0), degree) if tier.domain_devices \
             else degree
@@ -83,8 +101,13 @@ def _collective_scalar_s(system: System, kind: str, factor: float, nbytes: float
         if n > 1:
             total = total + (factor * ((n - 1) / n * data * share / bw + steps * step_s)
                              + link.collective_overhead_us * 1e-6)
+            if ll128:
+                total_ll128 = total_ll128 + (factor * ((n - 1) / n * data / (bw * LL128_BW_RATIO)
+                                                       + steps * link.ll128_latency_us * 1e-6)
+                                             + link.collective_overhead_us * 1e-6)
+                ll128_ok = ll128_ok and link.ll128_latency_us > 0
         inside_prev = max(inside, inside_prev)
-    return total
+    return min(total, total_ll128) if ll128 and ll128_ok else total
 
 
 def torus_link_fraction(system: System, tier, members, stride):
