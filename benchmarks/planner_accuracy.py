@@ -1,6 +1,6 @@
 """Planner accuracy on published training runs: CALIBRATION sets (constants were fitted on them) and EVALUATION
 sets (never used to set a constant), reported apart, per set step-time MAPE and Spearman, and the signed errors
-of the evaluation runs by layout kind (3D, FSDP/ZeRO-3, TP+FSDP, TP-only, CP), system and model size.
+of the evaluation runs by layout kind (3D, FSDP/ZeRO-3, TP+FSDP, TP-only, DDP/ZeRO-1/2, CP), system and model size.
 
     .venv/bin/python benchmarks/planner_accuracy.py                       # all sets, worst rows
     .venv/bin/python benchmarks/planner_accuracy.py --calibrate           # refit the A100 physical parameters
@@ -416,7 +416,8 @@ def _eval_row(catalog, r: dict):
     else:  # model TFLOP/s per device, full-square attention count
         measured = (est.model_flops_full_attention_per_step if est else float("nan")) / (value * 1e12 * devices)
     kind = ("CP" if int(r["cp"]) > 1 else "FSDP/ZeRO-3" if fsdp and int(r["pp"]) == 1 and int(r["tp"]) == 1
-            else "3D" if int(r["pp"]) > 1 else "TP+FSDP" if fsdp else "TP-only")
+            else "3D" if int(r["pp"]) > 1 else "TP+FSDP" if fsdp else "TP-only" if int(r["tp"]) > 1
+            else "DDP/ZeRO-1/2")  # tp 1, replicated parameters: data parallelism alone
     size = (model.num_params() if not isinstance(model, str) else None)
     label = f"{r['model']} {r['system']} {devices}dev tp{r['tp']} pp{r['pp']} cp{r['cp']} {r['dp_kind']} {r['precision']}"
     return (label, est.step_time_s if est else float("nan"), measured, kind, r["system"], r["model"], size)
