@@ -9,7 +9,7 @@ a per-layout constant, so what is learnt transfers to layouts that were not meas
     chip.memory_bw_eff      fraction of memory bandwidth that memory-bound ops reach
     link.bw_eff             fraction of the link's bandwidth a large collective reaches (all links scaled alike)
     link.latency_us         per-step latency of a collective, with the time-sharing term the probe measured
-                            (timeshare_step_us; all links scaled alike)
+                            (timeshare_step_us; NCCL's LL128 step, ll128_latency_us; all links scaled alike)
     link.collective_overhead_us  fixed software cost of one collective call (framework dispatch: DTensor
                             redistribution, FSDP's copy-in/out; the probe times bare collectives)
     system.dp_overlap       fraction of data-parallel communication hidden behind backward compute
@@ -129,6 +129,7 @@ def apply_parameters(system: System, params: dict[str, float]) -> System:
         bw_gbytes_per_s=t.interconnect.bw_gbytes_per_s * max(t.interconnect.bw_eff * params["link_bw_scale"], 1.0),
         latency_us=t.interconnect.latency_us * params["link_latency_scale"],
         timeshare_step_us=t.interconnect.timeshare_step_us * params["link_latency_scale"],
+        ll128_latency_us=t.interconnect.ll128_latency_us * params["link_latency_scale"],  # NCCL's other protocol alike
         collective_overhead_us=params["collective_overhead_s"] * 1e6)) for t in system.tiers)
     eff = dataclasses.replace(system.efficiency, dp_overlap=params["dp_overlap"])
     return dataclasses.replace(system, chip=chip, tiers=tiers, efficiency=eff)
@@ -442,6 +443,8 @@ def write_back(hardware_file: str | Path, system_name: str, params: dict[str, fl
         link["bw_eff"] = min(scaled, 1.0)
         link["latency_us"] = link["latency_us"] * params["link_latency_scale"]
         link["timeshare_step_us"] = link.get("timeshare_step_us", 0.0) * params["link_latency_scale"]
+        if link.get("ll128_latency_us"):
+            link["ll128_latency_us"] = link["ll128_latency_us"] * params["link_latency_scale"]
         link["collective_overhead_us"] = params["collective_overhead_s"] * 1e6
         link["source"] = link.get("source", "") + f"; {note}"
         link["_calibrated"] = True
