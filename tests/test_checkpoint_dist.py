@@ -28,6 +28,13 @@ REPO = Path(__file__).resolve().parents[1]
 RTOL = 1e-5
 DATA = ["data.max_source_bytes=300000", "data.vocab_size=384"]
 FSDP2 = ["parallel.dp=2", 'parallel.dp_kind="fsdp"']
+# One microbatch per rank and step where nothing but the checkpoint is under test: every microbatch's forward and
+# backward costs each rank its DTensor and FSDP ops, and a checkpoint (what is saved, how it is resharded) does not
+# depend on how a step's batch was split. Gradient accumulation over microbatches under each layout: the parity
+# tests (tests/parity.py, microbatch 2 of 8 rows); the pipeline cases below keep the microbatches their schedules
+# need. Losses of one run split another way stay within RTOL (fp32, another summation order).
+ONE_MB_DP2 = "train.microbatch=4"  # 8 rows over dp 2
+ONE_MB = "train.microbatch=8"  # 8 rows, no data parallelism
 
 
 def settings(tmp: Path, run: str, steps: int, every: int, *extra: str) -> list[str]:
@@ -53,13 +60,13 @@ def _close(got: list[float], want: list[float]) -> bool:
 
 
 def test_fsdp_dp2_async_saves_resume_bitwise_and_into_one_process(dist_run, tmp, capsys):
-    full = dist_run(2, _train, settings(tmp, "dp2", 6, 3, *FSDP2, "checkpoint.async_save=true"))
+    full = dist_run(2, _train, settings(tmp, "dp2", 6, 3, *FSDP2, ONE_MB_DP2, "checkpoint.async_save=true"))
     losses = full[0]["losses"]
     assert len(losses) == 6 and full[1]["losses"] == losses
     step3 = str(tmp / "dp2" / "checkpoints" / step_name(3))
-    again = dist_run(2, _train, settings(tmp, "dp2-again", 6, 3, *FSDP2), step3)
+    again = dist_run(2, _train, settings(tmp, "dp2-again", 6, 3, *FSDP2, ONE_MB_DP2), step3)
     assert again[0]["losses"] == losses[3:] and again[1]["losses"] == losses[3:]  # same layout: bitwise
-    single = _train(settings(tmp, "dp2-single", 6, 3), step3)
+    single = _train(settings(tmp, "dp2-single", 6, 3, ONE_MB), step3)
     assert _close(single["losses"], losses[3:]), (single["losses"], losses[3:])
     out = capsys.readouterr().err
     assert (f"resumed from {step3} at step 3: saved as dp2 on 2 rank(s), now single device on 1 rank(s) "
@@ -67,8 +74,9 @@ def test_fsdp_dp2_async_saves_resume_bitwise_and_into_one_process(dist_run, tmp,
 
 
 # 2 layers: every DTensor op costs CPU, and resharding does not depend on the depth
-TP2_FSDP2 = ["parallel.tp=2", "parallel.sp=true", "parallel.dp=2", 'parallel.dp_kind="fsdp"', "model.layers=2"]
-TP4_SP = ["parallel.tp=4", "parallel.sp=true", "model.layers=2"]
+TP2_FSDP2 = ["parallel.tp=2", "parallel.sp=true", "parallel.dp=2", 'parallel.dp_kind="fsdp"', "model.layers=2",
+             ONE_MB_DP2]
+TP4_SP = ["parallel.tp=4", "parallel.sp=true", "model.layers=2", ONE_MB]
 
 
 def test_reshard_tp2_fsdp2_to_tp4_and_one_process(dist_run, tmp):
@@ -83,7 +91,7 @@ def test_reshard_tp2_fsdp2_to_tp4_and_one_process(dist_run, tmp):
     tp4 = dist_run(4, _train, settings(tmp, "tp4", 4, 2, *TP4_SP), step2)
     assert tp4[0]["layout"] == {"pp": 1, "dp": 1, "cp": 1, "tp": 4}
     assert all(_close(r["losses"], losses[2:]) for r in tp4), ([r["losses"] for r in tp4], losses[2:])
-    single = _train(settings(tmp, "tp2fsdp2-single", 4, 2, "model.layers=2"), step2)
+    single = _train(settings(tmp, "tp2fsdp2-single", 4, 2, "model.layers=2", ONE_MB), step2)
     assert _close(single["losses"], losses[2:]), (single["losses"], losses[2:])
 
 
@@ -92,8 +100,9 @@ PP2_FSDP2 = ["parallel.pp=2", 'parallel.pp_schedule="1f1b"', "parallel.dp=2", 'p
 
 @pytest.mark.parametrize("name, layout", [
     ("pp2-fsdp2-async", [*PP2_FSDP2, "checkpoint.async_save=true"]),
-    # TP without SP: DTensor and plain parameters mixed; one layer per stage (DTensor ops cost CPU)
-    ("tp2-pp2-no-sp", ["parallel.tp=2", "parallel.pp=2", "model.layers=2"]),
+    # TP without SP: DTensor and plain parameters mixed; one layer per stage and 2 microbatches of 4 rows, as
+    # many as the 2 stages need (DTensor ops cost CPU)
+    ("tp2-pp2-no-sp", ["parallel.tp=2", "parallel.pp=2", "model.layers=2", ONE_MB_DP2]),
 ])
 def test_pipeline_resume_under_the_same_layout_is_bitwise(dist_run, tmp, name, layout):
     """Pipeline layouts resumed under the same layout (what a torchrun restart does), on 4 ranks.
@@ -121,7 +130,7 @@ def _train_saving_format_1(sets: list[str]) -> dict:
 def test_format_1_pipeline_checkpoint_resumes_under_pipeline_bitwise(dist_run, tmp):
     """A format-1 checkpoint written under PP2 (one rank's param_groups stored) resumes under PP2: the missing
     hyperparameters are restored from the saved group of the same index, and the losses continue bitwise."""
-    sets = ["parallel.pp=2", 'parallel.pp_schedule="gpipe"']
+    sets = ["parallel.pp=2", 'parallel.pp_schedule="gpipe"', "train.microbatch=4"]  # 2 microbatches: 2 stages
     full = dist_run(2, _train_saving_format_1, settings(tmp, "pp2-format1", 4, 2, *sets))
     step2 = tmp / "pp2-format1" / "checkpoints" / step_name(2)
     assert json.loads((step2 / "MANIFEST.json").read_text())["format"] == 1
@@ -132,7 +141,7 @@ def test_format_1_pipeline_checkpoint_resumes_under_pipeline_bitwise(dist_run, t
 PP2_ZBV_DP2 = ["parallel.pp=2", 'parallel.pp_schedule="zbv"', "parallel.dp=2", 'parallel.dp_kind="ddp"',
                "train.microbatch=1"]
 PP4_INTERLEAVED = ["model.layers=8", "parallel.pp=4", 'parallel.pp_schedule="interleaved_1f1b"',
-                   "parallel.virtual_stages=2", "train.microbatch=1"]
+                   "parallel.virtual_stages=2", "train.microbatch=2"]  # 4 microbatches: one per rank
 
 
 def test_reshard_pipeline_v_schedule_dp2_to_pp4_interleaved(dist_run, tmp):
