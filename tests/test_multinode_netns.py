@@ -19,7 +19,13 @@ without a failure was dropped for the CPU budget, issue #21.) Its hosts run the 
 namespace and the workers from the agent (tests/torchrun_fork.py start).
 Elastic shrink: FSDP DP2 across the hosts (one rank each); with --nnodes 1:2 and host b gone for good, host a goes
 on alone (DP2 -> DP1, same global batch by gradient accumulation), resharding the checkpoint, and finishes with
-the same losses. It runs `paratrain launch` itself on each host (exec of torchrun, cold `-m paratrain` workers).
+the same losses. Host a runs `paratrain launch` itself (exec of torchrun, cold `-m paratrain` workers: the path
+a user's command takes, here its only test with real hosts); host b, which dies, runs the command `paratrain
+launch --dry-run --json` gives with its agent and worker forked warm (~6 CPU-s of imports less).
+
+Microbatches of 4 of a step's 8 rows (train_overrides): every microbatch costs each rank its DTensor and FSDP ops,
+and neither the rendezvous, the restart nor the resharding depends on how a step's batch is split. Each
+data-parallel replica of the two-host runs takes one per step; the shrink's host a, alone, accumulates two.
 
 Needs root (ip netns); skipped with the reason otherwise. Namespaces are unique per test and always removed.
 """
@@ -92,7 +98,7 @@ def data_overrides(prepared: Path) -> list[str]:
 def train_overrides(data: Path, run_dir: Path, **extra) -> list[str]:
     """A small model and few steps; checkpoints every CKPT_INTERVAL steps into the shared run folder."""
     sets = {"model.preset": '"tiny"', "model.layers": 2, "model.vocab": 512, "train.seq_len": 32,
-            "train.global_batch": 8, "train.microbatch": 2, "train.steps": STEPS, "optim.warmup_steps": 2,
+            "train.global_batch": 8, "train.microbatch": 4, "train.steps": STEPS, "optim.warmup_steps": 2,
             "train.eval_every": 0, "train.progress": "false", "train.log_every": 1, "train.device": '"cpu"',
             "metrics.tensorboard": "false",
             "metrics.run_dir": f'"{run_dir}"', "checkpoint.interval": CKPT_INTERVAL, "checkpoint.keep": 10}
@@ -211,23 +217,24 @@ def assert_losses_match(got: list[float], want: list[float], rtol: float) -> Non
 
 
 def run_with_failure(hosts, data_dir, tmp_path, nnodes: str, nproc: int, restart_b: bool, sets: dict,
-                     extra: list[str], fork: bool = False):
-    """Data parallel across the two hosts; SIGKILL every process of host b after the checkpoint at step 4."""
+                     extra: list[str], fork: tuple[bool, bool] = (False, False)):
+    """Data parallel across the two hosts; SIGKILL every process of host b after the checkpoint at step 4.
+    `fork`: per host, whether its agent is forked warm (start_host)."""
     a, b = hosts
     run_dir = tmp_path / "run"
     sets = train_overrides(data_dir, run_dir, **sets)
     logs = [tmp_path / "host_a.log", tmp_path / "host_b.log"]
     launch = ["--max-restarts", "3", "--summary-json", str(tmp_path / "summary.json"), *extra]
     run_id = f"fail{tmp_path.name}"
-    procs = [start_host(h, a, nnodes, nproc, sets, log, run_id, launch, fork)
-             for h, log in zip(hosts, logs, strict=True)]
+    procs = [start_host(h, a, nnodes, nproc, sets, log, run_id, launch, warm)
+             for h, log, warm in zip(hosts, logs, fork, strict=True)]
     wait_for_checkpoint(run_dir / "checkpoints", 4, procs, logs)
     killed = b.kill_all()
     assert killed >= 1 + nproc, f"expected host b's agent and {nproc} worker(s), found {killed} processes"
     with logs[1].open("a") as fh:
         fh.write("\n=== host b killed (SIGKILL) ===\n")
     if restart_b:
-        procs[1] = start_host(b, a, nnodes, nproc, sets, logs[1], run_id, launch, fork)
+        procs[1] = start_host(b, a, nnodes, nproc, sets, logs[1], run_id, launch, fork[1])
     else:
         procs = procs[:1]
     wait_all(procs, logs)
@@ -246,7 +253,7 @@ def test_host_killed_and_restarted_resumes_from_checkpoint(hosts, data_dir, refe
     # `-m paratrain` workers is the shrink test's.
     sets, extra = {"parallel.tp": 2}, ["--hybrid-shard"]
     run_dir, logs = run_with_failure(hosts, data_dir, tmp_path, "2:2", 2, restart_b=True, sets=sets, extra=extra,
-                                     fork=True)
+                                     fork=(True, True))
     resumed = resumed_steps(logs)
     assert resumed and min(resumed) >= 4, f"the job did not resume from a checkpoint\n{tails(logs)}"
     a = hosts[0]  # what `paratrain launch` prints as "2 node(s) x 2: dp_replicate: across nodes, tp: intra-node"
@@ -266,9 +273,11 @@ def test_host_killed_and_restarted_resumes_from_checkpoint(hosts, data_dir, refe
 @pytest.mark.timeout(600)  # the module's data and reference run land in the first test's setup
 def test_elastic_shrink_to_one_host_reshards_and_finishes(hosts, data_dir, reference_losses, tmp_path):
     # min 1 node: after host b dies, host a's next rendezvous round closes with itself after last_call_timeout
-    # FSDP (plain, not hybrid) across the two hosts, then its DP2 shards resharded into one rank
+    # FSDP (plain, not hybrid) across the two hosts, then its DP2 shards resharded into one rank. Host a runs
+    # `paratrain launch` as a user types it; host b (killed for good) its --dry-run command, forked warm.
     run_dir, logs = run_with_failure(hosts, data_dir, tmp_path, "1:2", 1, restart_b=False,
-                                     sets={"parallel.dp_kind": '"fsdp"'}, extra=["--rdzv-conf", "last_call_timeout=2"])
+                                     sets={"parallel.dp_kind": '"fsdp"'}, extra=["--rdzv-conf", "last_call_timeout=2"],
+                                     fork=(False, True))
     assert "dp: across nodes" in logs[0].read_text()
     resumed = resumed_steps(logs)
     assert resumed and min(resumed) >= 4, f"the job did not resume from a checkpoint\n{tails(logs)}"

@@ -22,9 +22,12 @@ def ref(run_dir):
 @pytest.mark.slow
 def test_torchrun_tp2_dp2_sp_matches_single_process(run_dir, ref):
     tmp_path = run_dir
+    # one microbatch of 4 rows per replica (the reference: 4 of 2 rows): what runs here is the torchrun launch of
+    # `paratrain train` under TP x SP x FSDP; every microbatch costs each rank its DTensor ops (accumulation over
+    # microbatches: the second layout of the test below, and the parity tests)
     got = run_torchrun(4, train_args(tmp_path, "tp2dp2", parallel__tp=2, parallel__dp=2, parallel__sp="true",
-                                     parallel__dp_kind='"fsdp"', parallel__recompute='"selective"'),
-                       fork=True)
+                                     parallel__dp_kind='"fsdp"', parallel__recompute='"selective"',
+                                     train__microbatch=4), fork=True)
     assert got["layout"] == {"pp": 1, "dp": 2, "cp": 1, "tp": 2} and got["world_size"] == 4
     assert_losses_close(got["losses"], ref["losses"])
 
@@ -48,11 +51,13 @@ def _train_cli(args_per_layout):
 def test_cli_runs_each_layout_kind_like_single_process(run_dir, ref, dist_run):
     """The same config under other layouts of issue 3 (TP4+SP with full recompute and replicated kv heads,
     TP2 x DP2 with DDP, HSDP 2 x 2), through `paratrain train` on 4 ranks (the persistent pool instead of
-    torchrun, to stay fast): every step's loss equals the single-process run's within 1e-5."""
+    torchrun, to stay fast): every step's loss equals the single-process run's within 1e-5. Microbatches of 4 rows
+    where a rank holds more than 2 (the reference runs 4 of 2 rows; each microbatch costs every rank its DTensor
+    ops): TP4 accumulates 2 per step, TP2 x DP2 and HSDP (2 rows per replica) run one."""
     tmp_path = run_dir
     layouts = {
-        "tp4sp": dict(parallel__tp=4, parallel__sp="true", parallel__recompute='"full"'),
-        "tp2dp2ddp": dict(parallel__tp=2, parallel__dp=2, parallel__dp_kind='"ddp"'),
+        "tp4sp": dict(parallel__tp=4, parallel__sp="true", parallel__recompute='"full"', train__microbatch=4),
+        "tp2dp2ddp": dict(parallel__tp=2, parallel__dp=2, parallel__dp_kind='"ddp"', train__microbatch=4),
         "hsdp": dict(parallel__dp=4, parallel__dp_kind='"hsdp"', parallel__dp_replicate=2,
                      parallel__recompute='"selective"'),
     }
