@@ -651,6 +651,7 @@ def main() -> int:
               "neuron_trn1_nemo": "Neuron trn1 neuronx-nemo-megatron benchmarks (Llama 2 7B/13B, GPT-3 23B/46B/175B, SDK 2.13-2.18)",
               "neuron_trn1_megatron": "Neuron trn1 Megatron-LM reference (GPT-3 6.7B TP8 DP64, no SP, no recompute, SDK 2.9-2.13)",
               "nemo_b200": "NeMo / Megatron-Bridge on DGX-B200 (FP8/MXFP8, Llama 3 8B-405B, GPT-3 175B, 8-512 GPUs)",
+              "nemo_gb200": "Megatron-Bridge on DGX-GB200 (NVL72; FP8-CS/MXFP8, Llama 3 8B-405B, 8-256 GPUs)",
               "ibm_fsdp1_a100": "IBM fms-fsdp FSDP1/HSDP on 128 A100, 400 Gbps per node (Llama 2 7B/13B/70B)",
               "ibm_fsdp2_h100": "IBM/Meta torchtitan FSDP2 (+TP4) at 512 H100, IBM Cloud RoCE (Llama 3 70B/405B, BF16/FP8)"}
     for key, rows in grouped.items():

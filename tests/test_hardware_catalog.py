@@ -78,7 +78,8 @@ def test_every_link_parameter_names_its_source():
     """The link's `source` covers its bandwidth; the planner parameters beside it (per-step latency, achieved
     fraction of bandwidth, per-call overhead) each need their own line: measured, calibrated or an assumption."""
     for link in load_catalog().interconnects.values():
-        needed = ["latency_us", "bw_eff"] + (["collective_overhead_us"] if link.collective_overhead_us else [])
+        needed = ["latency_us", "bw_eff"] + (["collective_overhead_us"] if link.collective_overhead_us else []) \
+            + (["ll128_latency_us"] if link.ll128_latency_us else [])
         for key in needed:
             assert link.sources.get(key, "").strip(), f"{link.name}.{key}"
 
@@ -95,6 +96,11 @@ def test_published_numbers_are_the_catalog_numbers():
     assert trn3.chip.hbm_bw_gbytes_per_s == 4900
     assert cat.system("p4d.24xlarge").prices.on_demand_usd_per_hour == pytest.approx(21.957642)
     assert cat.chip("h100").power_w == 700
+    # GB200 NVL72's rack figures (with sparsity): 720 PF FP8, 13.4 TB HBM3e at 576 TB/s, one NVLink domain of 72
+    gb = cat.system("dgx-gb200")
+    assert 72 * gb.chip.fp8_tflops * 2 / 1000 == pytest.approx(720) and gb.chip.bf16_tflops * 2 == gb.chip.fp8_tflops
+    assert 72 * gb.chip.hbm_bytes == pytest.approx(13.4e12, rel=0.01) and 72 * gb.chip.hbm_bw_gbytes_per_s == 576e3
+    assert gb.tiers[0].domain_devices == 72 and gb.devices_per_node == 4
 
 
 def test_tier_bandwidth_is_shared_by_the_devices_of_its_endpoint():
