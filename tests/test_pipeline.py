@@ -12,7 +12,10 @@ AdamW is nearly invariant to a uniform gradient scale, so a wrong clipping norm 
 Tolerance: losses, norms and eval loss rtol 1e-5 (atol 1e-6); gradient relative error 1e-5 (fp32; the
 measured errors are ~1e-7).
 
-Cases are grouped per world size and run in one call each to the persistent gloo pool.
+Cases are grouped per world size and run in one call each to the persistent gloo pool. The model is the tiny
+Llama with 4 blocks (8 under PP4's 2-chunk schedules) where a schedule needs that many stages or a case checks
+several blocks per stage (PP2, PP2_MIXED's 1f1b cases); the other single-chunk cases run one block per stage and
+2 microbatches (4 under PP4): a case's CPU grows with blocks x microbatches, and halving either halved it.
 """
 
 import functools
@@ -41,27 +44,35 @@ PP2 = [["parallel.pp=2", *sched(s)] for s in ("gpipe", "1f1b", "zbv", "dualpipev
     ["parallel.pp=2", *sched("interleaved_1f1b", "parallel.virtual_stages=2"), 'parallel.recompute="selective"'],
     ["parallel.pp=2", *sched("gpipe"), "parallel.pp_layers=[0, 4]"],  # first stage: embedding only
 ]
+# Each stage holds one block (several blocks per stage: PP2 above, and PP2_MIXED's 1f1b cases). The CPU of a
+# case grows with the blocks a rank runs times the microbatches (measured: halving either halves the case).
 PP4_MODEL = ["model.layers=8", "train.microbatch=1"]  # 8 stages for the 2-chunk schedules; 8 microbatches
-PP4 = [["parallel.pp=4", *PP4_MODEL, *sched(s)] for s in ("gpipe", "1f1b", "zbv", "dualpipev")] + [
+ONE_CHUNK_PP4 = ["model.layers=4", "train.microbatch=2"]  # 4 stages of one block; 4 microbatches (1f1b: m >= pp)
+PP4 = [["parallel.pp=4", *ONE_CHUNK_PP4, *sched(s)] for s in ("gpipe", "1f1b")] + [
+    ["parallel.pp=4", *PP4_MODEL, *sched(s)] for s in ("zbv", "dualpipev")] + [
     ["parallel.pp=4", *PP4_MODEL, *sched("interleaved_1f1b", "parallel.virtual_stages=2")],
 ]
+ONE_BLOCK_PER_STAGE = ["model.layers=2"]  # a single-chunk PP2 layout: one block per stage
+TWO_MICROBATCHES = "train.microbatch=4"  # without dp: 2 microbatches of 4 rows (1f1b and gpipe need m >= pp = 2)
 PP2_MIXED = [
-    ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", *sched("1f1b")],
+    # two blocks per stage under TP+SP (the residual stays sequence-sharded across a block boundary in a stage)
+    ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", TWO_MICROBATCHES, *sched("1f1b")],
     ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", *sched("zbv")],
-    ["parallel.pp=2", "parallel.dp=2", 'parallel.dp_kind="fsdp"', *sched("1f1b")],
+    ["parallel.pp=2", "parallel.dp=2", 'parallel.dp_kind="fsdp"', *sched("1f1b")],  # two FSDP units per stage
     # FSDP under the split (input/weight) backward: before stage_reshard_after_forward, the last stage's block
     # got no gradient and inner stages' gradients were 54-88% off.
     ["parallel.pp=2", "parallel.dp=2", 'parallel.dp_kind="fsdp"', "train.microbatch=1", *sched("zbv")],
     ["parallel.pp=2", "parallel.dp=2", 'parallel.dp_kind="ddp"', "train.microbatch=1",
      *sched("interleaved_1f1b", "parallel.virtual_stages=2")],
 ]
+# On 8 ranks: one block per stage (2 microbatches per rank): blocks per stage are PP2_MIXED's matter
 PP2_TP2_DP2 = [
     ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", "parallel.dp=2", 'parallel.dp_kind="fsdp"',
-     *sched("1f1b"), 'parallel.recompute="selective"'],
+     *ONE_BLOCK_PER_STAGE, *sched("1f1b"), 'parallel.recompute="selective"'],
     ["parallel.pp=2", "parallel.dp=4", 'parallel.dp_kind="hsdp"', "parallel.dp_replicate=2", "train.microbatch=1",
-     *sched("1f1b")],
+     *ONE_BLOCK_PER_STAGE, *sched("1f1b")],
 ]
-# Not on 8 ranks (each 8-rank case costs ~7 CPU-s on 2 cores): PP2 x TP2+SP x DP2 with DDP under dualpipev. Its parts
+# Not on 8 ranks (an 8-rank case of 4 blocks cost ~7 CPU-s on 2 cores): PP2 x TP2+SP x DP2 with DDP under dualpipev. Its parts
 # are covered on 4 ranks: TP2+SP under PP2 (PP2_MIXED, 1f1b and zbv), DDP under PP2 (PP2_MIXED interleaved_1f1b;
 # test_pipeline_context.PP2_CP2 gpipe, and dualpipev with full recompute), TP2+SP x DDP (test_parallel.py).
 
@@ -113,6 +124,8 @@ def _check(cases, per_rank_results):
     failures = []
     for i, overrides in enumerate(cases):
         ref = _reference(overrides)
+        if min(ref["norms"]) <= 0.5:  # the norm is only tested if clipping scales the gradients
+            failures.append(f"{' '.join(overrides)}: clipping inactive in the reference: {ref['norms']}")
         covered = set()
         for rank, results in enumerate(per_rank_results):
             got = results[i]

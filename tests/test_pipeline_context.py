@@ -13,20 +13,30 @@ relative L2 error 1e-5 (fp32; the ring only reorders fp32 sums).
 import pytest
 import torch
 from parity import make_config
-from test_pipeline import PP2_TP2_DP2, _check, _steps_with_norms, sched
+from test_pipeline import (
+    ONE_BLOCK_PER_STAGE,
+    PP2_TP2_DP2,
+    TWO_MICROBATCHES,
+    _check,
+    _steps_with_norms,
+    sched,
+)
 
 from paratrain.parallel.mesh import init_distributed
 from paratrain.train.loop import build_runner
 
+# Single-chunk schedules: one block per stage and 2 microbatches (the CPU of a case grows with blocks x
+# microbatches; several blocks per stage: test_pipeline.PP2 and PP2_MIXED). The 2-chunk schedules need 4 blocks.
+ONE_CHUNK = [*ONE_BLOCK_PER_STAGE, TWO_MICROBATCHES]
 PP2_CP2 = [
-    ["parallel.pp=2", "parallel.cp=2", *sched("1f1b")],  # fsdp over (dp, cp) = 2 ranks
-    ["parallel.pp=2", "parallel.cp=2", 'parallel.dp_kind="ddp"', *sched("gpipe")],
+    ["parallel.pp=2", "parallel.cp=2", *ONE_CHUNK, *sched("1f1b")],  # fsdp over (dp, cp) = 2 ranks
+    ["parallel.pp=2", "parallel.cp=2", 'parallel.dp_kind="ddp"', *ONE_CHUNK, *sched("gpipe")],
     ["parallel.pp=2", "parallel.cp=2", *sched("interleaved_1f1b", "parallel.virtual_stages=2")],
     ["parallel.pp=2", "parallel.cp=2", *sched("zbv")],  # split backward: input grads, then weight grads
     ["parallel.pp=2", "parallel.cp=2", 'parallel.dp_kind="ddp"', 'parallel.recompute="full"', *sched("dualpipev")],
 ]
 PP2_CP2_8 = [
-    ["parallel.pp=2", "parallel.cp=2", "parallel.tp=2", "parallel.sp=true", *sched("1f1b")],
+    ["parallel.pp=2", "parallel.cp=2", "parallel.tp=2", "parallel.sp=true", *ONE_CHUNK, *sched("1f1b")],
     # shards over (dp_shard, cp); 2 microbatches per rank (interleaved with more is PP2_CP2's, on 4 ranks)
     ["parallel.pp=2", "parallel.cp=2", "parallel.dp=2", 'parallel.dp_kind="hsdp"', "parallel.dp_replicate=2",
      *sched("interleaved_1f1b", "parallel.virtual_stages=2")],
