@@ -325,8 +325,8 @@ def test_context_parallel_bf16_close_to_single_device_bf16(dist_run):
     """bf16 autocast: CP2 vs the single-device bf16 run. Both round differently (the ring merges bf16 block outputs
     in fp32), so the bound is bf16-sized, about 2x the single device's own bf16-vs-fp32 difference (measured:
     loss 6.5e-5 relative, gradients 9.4e-3; CP2 vs single bf16: 4.8e-5 and 8.2e-3): loss rtol 1e-3, gradient 2e-2."""
-    ref = reference(make_config(BF16))
-    for rank, (got,) in enumerate(dist_run(2, _run_cases, [["parallel.cp=2"] + BF16])):
+    ref = reference(make_config(BF16), STEPS)
+    for rank, (got,) in enumerate(dist_run(2, _run_cases, [["parallel.cp=2"] + BF16], STEPS)):
         try:
             assert_matches_reference(ref, got, rtol=1e-3, atol=1e-4, grad_rtol=2e-2)
         except AssertionError as exc:
