@@ -1102,3 +1102,24 @@ def test_collective_time_of_one_group_is_bitwise_the_vectorised_one():
                     one = collective_time_s(system, kind, nbytes, degree, stride)
                     assert one == collective_time_s(system, kind, np.array([nbytes]), degree, stride)[0], \
                         (name, kind, nbytes, degree, stride)
+
+
+def test_megatron_fp8_primary_weights_drop_the_bf16_copy_and_gather_fp8():
+    """Megatron-Bridge's FP8 current-scaling config sets fp8_param_gather (Options.fp8_param_gather, on in the megatron
+    stack): the weights are the FP8 weight and its transpose only (2 bytes per parameter instead of bf16's 2 plus
+    the 2 of the FP8 cache) and the distributed optimizer's post-step gather carries 1 byte per parameter. MXFP8 and
+    torchao float8 (fsdp2) keep their bf16 weights."""
+    from paratrain.hardware.catalog import get_catalog
+
+    system = get_catalog().system("dgx-h100")
+    lay = Layout(tp=4, pp=2, sp=True, microbatch=1, recompute="full", zero_stage=1)
+    def run(**kw):
+        return estimate("llama3-8b", system, 4, 8192, 64, lay, Options.for_system(system, stack="megatron", fp8=True, **kw))
+    on, off = run(), run(fp8_param_gather=False)
+    params_dev = on.memory_breakdown_bytes["weights"] / 2  # 2 bytes each with FP8 primary weights
+    assert off.memory_breakdown_bytes["weights"] == pytest.approx(4 * params_dev)
+    assert on.comm_bytes_per_device["dp"] < off.comm_bytes_per_device["dp"]
+    assert on.time_breakdown_s["dp_comm"] < off.time_breakdown_s["dp_comm"]
+    mx_on, mx_off = run(block_scaling=True), run(block_scaling=True, fp8_param_gather=False)
+    assert mx_on.memory_breakdown_bytes["weights"] == mx_off.memory_breakdown_bytes["weights"]
+    assert Options.for_system(system, stack="fsdp2", fp8=True).gather_bytes == 2

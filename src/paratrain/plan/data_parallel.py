@@ -40,7 +40,7 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     forward, and the reduce-scatters after the last backward, exposed.
     """
     grad_bytes = params_dev * opts.grad_bytes
-    param_bytes = params_dev * opts.param_bytes
+    param_bytes = params_dev * opts.gather_bytes  # FP8 with Megatron's fp8_param_gather (Options.gather_bytes)
     bucket = default_bucket_bytes(opts, dp if bucket_dp is None else bucket_dp)
     buckets = np.maximum(1.0, np.ceil(grad_bytes / bucket))
     units = stage_layers_dev + 1.0  # block_share: the blocks' part of the parameters (backward re-gathers them)

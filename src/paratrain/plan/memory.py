@@ -115,11 +115,13 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
         inflight = inflight_microbatches(sched, pp, v, m, r)
         # FP8 with a weight cache keeps the cast weight and its transpose between microbatches (2 x 1 byte)
         fp8_copies = np.where((zero < 3) & opts.fp8 & opts.fp8_weight_cache, 2 * FP8_BYTES, 0.0) * params_dev
+        # FP8 primary weights (Options.fp8_param_gather): those two FP8 copies are the weights; no bf16 copy
+        bf16_weights = np.where((zero < 3) & opts.fp8_primary_weights & opts.fp8_weight_cache, 0.0, WEIGHT_BYTES)
         ex = moe or {"weights": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "once": 0.0}
         # FSDP kept gathered under a pipeline (Options.fsdp_pp_unsharded): the gathered copy beside the shard, and
         # the gradients accumulated unsharded in the reduce dtype until the last backward
         gathered = np.where(pinned, params_dev * opts.param_bytes, 0.0)
-        ranks.append((params_dev * WEIGHT_BYTES / np.where(zero == 3, dp_shard, 1.0) + gathered + fp8_copies
+        ranks.append((params_dev * bf16_weights / np.where(zero == 3, dp_shard, 1.0) + gathered + fp8_copies
                       + layers * ex["weights"],
                       params_dev * opts.grad_bytes / np.where((zero >= 2) & ~pinned, dp_shard, 1.0) + layers * ex["grads"],
                       params_dev * (OPTIMIZER_BYTES if opts.master_weights else BF16_OPTIMIZER_BYTES)

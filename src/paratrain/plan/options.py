@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from paratrain.config.schema import ParallelSection
 from paratrain.hardware.catalog import System
-from paratrain.plan.precision import WEIGHT_BYTES
+from paratrain.plan.precision import FP8_BYTES, WEIGHT_BYTES
 
 ATTENTION = ("flash", "unfused")
 CP_COMM = ("ring", "allgather", "allgather_rotate")  # how context parallelism exchanges K/V (Options.cp_comm)
@@ -74,6 +74,10 @@ class Options:
     fp8_weight_cache: the FP8 copy of each weight (and its transpose) is made on the first microbatch of a step
     and kept (Transformer Engine's is_first_microbatch, as Megatron-Core passes it): one cast per step, 2 bytes
     per parameter more memory; otherwise (torchao float8) every forward and backward call casts the weight.
+    fp8_param_gather: Megatron-Core's FP8 primary weights (--fp8-param-gather; Megatron-Bridge's and NeMo 2's FP8
+    mixed-precision configs set it): with fp8 the model's weights exist only as FP8 (and Transformer Engine's FP8
+    transpose for the backward) beside the distributed optimizer's fp32 master, so no bf16 copy is kept, and the
+    data-parallel parameter gathers carry 1 byte per parameter (`gather_bytes`).
     tp_comm_overlap: tensor-parallel collectives (with SP) pipelined with the GEMMs next to them, as
     Transformer Engine's userbuffer overlap (Megatron-Core/NeMo tp_comm_overlap) and torch's async TP do; the GEMMs
     run split into the chunks the collectives deliver (tp_overlap_split_s). tp_overlap_sms: ((matmul name, SMs), ...)
@@ -184,6 +188,7 @@ class Options:
     attention_eff: float | None = None
     matmul_eff: float | None = None
     fp8_weight_cache: bool = False
+    fp8_param_gather: bool = False
     recompute_mlp: bool = False
     selective_ops: bool = False
     dp_overlap: float | None = None
@@ -230,6 +235,19 @@ class Options:
         if system.chip.vendor == "local":  # measured by `paratrain probe`: paratrain's runtime runs here
             kw = {**PARATRAIN_RUNTIME, **kw}
         return cls(attention=attention or default, **kw)
+
+    @property
+    def gather_bytes(self) -> float:
+        """Bytes per parameter the data-parallel parameter gathers carry: FP8 primary weights (fp8_param_gather)
+        gather 1 byte, else param_bytes."""
+        return FP8_BYTES if self.fp8_primary_weights else self.param_bytes
+
+    @property
+    def fp8_primary_weights(self) -> bool:
+        """fp8_param_gather in effect: per-tensor FP8 only. Megatron-Bridge's FP8 current-scaling and delayed-scaling
+        configs set it in every release read; its MXFP8 config had it off (bf16_with_mxfp8_mixed: False) before
+        turning it on with reuse_grad_buf_for_mxfp8_param_ag, and which release the MXFP8 rows ran is not known."""
+        return bool(self.fp8 and self.fp8_param_gather and not self.block_scaling)
 
     def __post_init__(self) -> None:
         if self.attention not in ATTENTION:

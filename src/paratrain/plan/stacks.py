@@ -39,6 +39,9 @@ STACKS: dict[str, Stack] = {
 # Megatron's distributed optimizer hides the post-step parameter all-gather behind the next forward; NxD's
 # ZeRO-1 runs it after the optimizer step. fp8_weight_cache: Megatron-Core passes Transformer Engine's
 # is_first_microbatch, so a step casts each weight to FP8 once and keeps it; torchao float8 casts at every call.
+# fp8_param_gather: Megatron-Bridge's bf16_with_fp8_current_scaling_mixed / bf16_with_fp8_mixed (and NeMo 2's
+# MegatronMixedPrecision recipes of the same names) set fp8_param_gather = True (megatron/bridge/training/
+# mixed_precision.py): FP8 primary weights, FP8 parameter all-gathers (plan.options.Options.fp8_param_gather).
 # moe_gemm_per_expert: Megatron-Core's TEGroupedMLP runs Transformer Engine's GroupedLinear, which on Hopper
 # launches one cuBLASLt GEMM per local expert over several streams (TE PR #853 "Grouped GEMM via multi-stream
 # cuBLAS"; TE issue #1386: cuBLAS grouped/CUTLASS were slower for the MoE shapes measured, so not used).
@@ -82,6 +85,7 @@ STACK_OPTIONS: dict[str, dict] = {
     "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "p2p_pair_allgather": True,
             "tp_bwd_overlap": True},
     "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "tp_overlap_sms": TE_OVERLAP_SMS, "overlap_param_gather": True, "fp8_weight_cache": True,
+                 "fp8_param_gather": True,
                  "bucket_bytes": MEGATRON_BUCKET_PARAMS * 2, "moe_gemm_per_expert": True, "ce_bytes_per_logit": 10.0, "wgrad_accumulation_fusion": True,
                  "moe_probs_in_experts": True},
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "cp_comm": "allgather_rotate",
