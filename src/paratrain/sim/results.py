@@ -37,10 +37,13 @@ def interval(values: np.ndarray) -> dict:
     """mean, 95% CI of the mean, and the p5-p95 spread of single runs."""
     values = np.asarray(values, dtype=float)
     n = values.size
-    mean = float(values.mean())
+    lo, hi = float(values.min()), float(values.max())
+    # numpy's summation rounds: the mean of 100 equal goodputs came out one ulp below each of them, and the
+    # interval clipped to the observed range then no longer held its own mean; the true mean lies in the range
+    mean = min(max(float(values.mean()), lo), hi)
     half = t_quantile_975(n - 1) * float(values.std(ddof=1)) / math.sqrt(n) if n > 1 else math.inf
     # A mean cannot lie outside the observed range: clip (matters for rare events such as spare waits).
-    low, high = max(mean - half, float(values.min())), min(mean + half, float(values.max()))
+    low, high = max(mean - half, lo), min(mean + half, hi)
     return {
         "mean": mean,
         "ci95": [low, high],
