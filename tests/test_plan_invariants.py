@@ -9,6 +9,9 @@ from dataclasses import replace
 import numpy as np
 
 from paratrain.hardware.catalog import get_catalog
+from paratrain.model.config import PRESETS
+from paratrain.plan.api import Layout, estimate
+from paratrain.plan.moe import expert_params_per_layer
 from paratrain.sim.config import SimConfig
 from paratrain.sim.engine import simulate
 from paratrain.sim.failures import llama3_causes, scale_rates
@@ -35,6 +38,21 @@ def _scaled_links(system, bw=1.0, latency=1.0):
 
 def _fits_layout(system, tp):
     return tp <= system.devices_per_node
+
+
+def test_deepseek_stages_after_the_first_hold_the_expert_state_of_all_their_layers():
+    """DeepSeek-V3's first 3 layers are dense, the rest MoE: a pipeline stage after the first holds the routed
+    experts of every one of its layers, not the average layer's 58/61 of them (the bookkeeping the invariant
+    sweep caught: the planner had counted average layers on every rank)."""
+    model = PRESETS["deepseek-v3"]
+    lay = Layout(tp=1, pp=4, ep=32, microbatch=1, recompute="full", dp_kind="fsdp", pp_layers=(13, 16, 16, 16))
+    nodes, dp = 16, 16 * 8 // 4
+    est = estimate(model, "p5en.48xlarge", nodes, 1024, dp * 4, lay)
+    per_moe_layer = expert_params_per_layer(model) * model.layers / model.moe_layers
+    edp = dp / 32  # tp x cp x dp / (ep x etp): the expert-data-parallel ranks that shard a ZeRO-3 expert
+    experts = 16 * per_moe_layer / 32 * 2 / edp  # bf16 weights of the 16 MoE layers of a later stage
+    assert est.memory_breakdown_bytes["weights"] >= experts
+    assert est.memory_per_device_bytes >= STATE_BYTES * model.num_params() / est.devices
 
 
 def test_simulator_goodput_in_unit_interval_and_monotone_in_failures_and_checkpoint_cost():

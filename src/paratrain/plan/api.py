@@ -510,7 +510,10 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
     if objective not in ("time", "cost"):
         raise ValueError(f"objective = {objective!r}: allowed: time, cost")
     if objective == "cost" and system.prices.on_demand_usd_per_hour is None:
-        raise ValueError(f"objective = cost: system {system.name} has no public price in the catalog")
+        # the note that names the prices it does have (trn2.48xlarge lists a spot price: "no public price" beside
+        # it in `hardware list` read as a contradiction)
+        raise ValueError(f"objective = cost: {no_price_note(system).replace(': cost fields are null', '')}; "
+                         f"allowed: --objective time, or a system with an on-demand price")
     from paratrain.plan.stacks import STACKS, check_stack
 
     if stack is not None:

@@ -73,6 +73,13 @@ def process_groups(tp, pp, dp, cp, dp_shard, ep=1, etp=1):
             + (ep > 1) + ((ep > 1) & (expert_dp > 1)))
 
 
+def moe_blocks_held(moe: dict, layers):
+    """How many average layers of plan.moe.memory_terms' per-layer terms (each `share` of one MoE block) a pipeline
+    rank holding `layers` MoE layers carries: layers / share. DeepSeek-V3's stages after the first (MoE layers
+    only) hold 61 / 58 times the average layer's expert state."""
+    return np.asarray(layers, dtype=float) / moe["share"]
+
+
 def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sched, v, m, zero, dp_shard,
                       loads: Loads | None = None, moe: dict | None = None, ep=1, etp=1):
     """Memory of the rank that needs the most (loads: layers per rank, default the balanced split). Each rank
@@ -118,15 +125,19 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
         # FP8 primary weights (Options.fp8_param_gather): those two FP8 copies are the weights; no bf16 copy
         bf16_weights = np.where((zero < 3) & opts.fp8_primary_weights & opts.fp8_weight_cache, 0.0, WEIGHT_BYTES)
         ex = moe or {"weights": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "once": 0.0}
+        # the model's first dense layers (DeepSeek-V3: 3) sit on the first rank: the others hold MoE layers only,
+        # more expert state than the average layer. The first rank keeps the average (the dense view gives its
+        # dense layers the average FFN width, less than theirs, which the average's expert share offsets)
+        held = np.where(r == 0, layers, moe_blocks_held(ex, layers)) if moe else layers
         # FSDP kept gathered under a pipeline (Options.fsdp_pp_unsharded): the gathered copy beside the shard, and
         # the gradients accumulated unsharded in the reduce dtype until the last backward
         gathered = np.where(pinned, params_dev * opts.param_bytes, 0.0)
         ranks.append((params_dev * bf16_weights / np.where(zero == 3, dp_shard, 1.0) + gathered + fp8_copies
-                      + layers * ex["weights"],
-                      params_dev * opts.grad_bytes / np.where((zero >= 2) & ~pinned, dp_shard, 1.0) + layers * ex["grads"],
+                      + held * ex["weights"],
+                      params_dev * opts.grad_bytes / np.where((zero >= 2) & ~pinned, dp_shard, 1.0) + held * ex["grads"],
                       params_dev * (OPTIMIZER_BYTES if opts.master_weights else BF16_OPTIMIZER_BYTES)
-                      / np.where(zero >= 1, dp_shard, 1.0) + layers * ex["optimizer"],
-                      (per_layer + ex["activations"]) * layers * inflight + rebuilt + ex["once"]
+                      / np.where(zero >= 1, dp_shard, 1.0) + held * ex["optimizer"],
+                      (per_layer * layers + ex["activations"] * held) * inflight + rebuilt + ex["once"]
                       + np.where(head, head_extra, working)))
     shape = np.broadcast_shapes(*(np.shape(x) for r in ranks for x in r))
     parts = np.array([[np.broadcast_to(x, shape) for x in r] for r in ranks])  # rank, part, layouts...

@@ -494,7 +494,8 @@ def memory_terms(model: ModelConfig, opts, *, T, tp, cp, dp, ep, etp, zero, rc, 
             model, T, tp, ep, etp, routed, opts.fp8, sp=sp, norm_act=True, probs_in_experts=opts.moe_probs_in_experts))
     once = dispatch_buffer_bytes(model, routed) + np.where(rebuilt, act, 0.0)
     return {"weights": weights, "grads": grads, "optimizer": optimizer,
-            "activations": np.where(rebuilt, 0.0, act), "once": once}
+            "activations": np.where(rebuilt, 0.0, act), "once": once,
+            "share": model.moe_layers / model.layers}
 
 
 def expert_axes(model: ModelConfig, arrays: tuple, ok):
