@@ -7,7 +7,9 @@ from __future__ import annotations
 from dataclasses import replace
 
 import numpy as np
+import pytest
 
+from paratrain.cli import main
 from paratrain.hardware.catalog import get_catalog
 from paratrain.model.config import PRESETS
 from paratrain.plan.api import Layout, estimate
@@ -80,3 +82,22 @@ def test_interval_holds_its_mean_when_every_sample_is_equal():
     assert float(values.mean()) < values[0]  # the rounding this guards against
     out = interval(values)
     assert out["ci95"][0] <= out["mean"] <= out["ci95"][1]
+
+
+@pytest.mark.parametrize("argv, names", [
+    (["estimate", "--seq", "0"], "--seq"),
+    (["estimate", "--nodes", "-2"], "--nodes"),
+    (["estimate", "--hardware", "no-such-system"], "no-such-system"),
+    (["estimate", "--tp", "3"], "pp*cp*tp"),
+    (["estimate", "--microbatch", "3"], "microbatch"),
+    (["plan", "--global-batch", "0"], "--global-batch"),
+    (["plan", "--hardware", "trn2.48xlarge", "--objective", "cost"], "spot $"),
+])
+def test_bad_input_gets_one_clear_line(capsys, argv, names):
+    base = {"--model": "llama2-7b", "--hardware": "p5.48xlarge", "--nodes": "2", "--seq": "4096",
+            "--global-batch": "64"}
+    given = dict(zip(argv[1::2], argv[2::2], strict=False))
+    rest = [x for k, v in base.items() if k not in given for x in (k, v)]
+    assert main([argv[0], *rest, *argv[1:]]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and names in err[0], err
