@@ -261,3 +261,18 @@ def test_bad_input_gets_one_clear_line(capsys, argv, names):
     assert main([argv[0], *rest, *argv[1:]]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and names in err[0], err
+
+
+def test_selective_recompute_holds_one_layers_replayed_scores_with_unfused_attention():
+    """Selective recompute replays the attention core in backward: with unfused attention (NxD on Trn1) that layer's
+    s x s scores are held again, so at long sequences selective needs more memory than full recompute's one
+    rebuilt block only by what it keeps per layer, and never less than the scores of that one layer (found by the
+    invariant sweep: at 131k tokens full recompute reported 114 GiB, selective 53 GiB without them)."""
+    model, seq = PRESETS["llama3.2-3b"], 131072
+    runs = {rc: estimate(model, "trn1.32xlarge", 8, seq, 64, Layout(tp=8, sp=True, microbatch=1, recompute=rc,
+                                                                     dp_kind="ddp", zero_stage=1))
+            for rc in ("none", "selective", "full")}
+    memory = [runs[rc].memory_per_device_bytes for rc in ("none", "selective", "full")]
+    assert memory == sorted(memory, reverse=True)
+    scores = seq * 2 * model.heads * seq / 8  # one layer's bf16 softmax output on a TP 8 rank
+    assert runs["selective"].memory_breakdown_bytes["activations"] >= scores

@@ -101,7 +101,11 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
         layer_selective = T * (selective_ops_bytes_per_token(model, tp, sp) + core / tp)
     layer_input = T * 2 * model.hidden * sp_scale
     per_layer = np.select([rc == 0, rc == 1], [layer_full, layer_selective], layer_input)
-    rebuilt = np.where(rc == 2, layer_full, 0.0)  # one layer rebuilt during backward
+    # one layer rebuilt during backward: full recompute its whole block, selective recompute its attention core (the
+    # s x s scores of unfused attention are held again for that layer's backward; flash keeps only the log-sum-exp;
+    # per-op SAC does not replay attention)
+    replayed_core = (opts.attention == "unfused") and not opts.selective_ops
+    rebuilt = np.select([rc == 2, (rc == 1) & replayed_core], [layer_full, T * core / tp], 0.0)
     logits = T * model.vocab / tp * opts.loss_peak_bytes_per_logit  # the loss backward's peak on the last stage
     one = same_rank(pp, v_shape)
     ranks = []  # (weights, grads, optimizer, activations) of the first, last and inner ranks
