@@ -34,6 +34,7 @@ from paratrain.hardware.catalog import resolve_system  # noqa: E402
 from paratrain.plan.serve import (  # noqa: E402
     EFFICIENCY_FIELDS,
     EFFICIENCY_FILE,
+    HOST_FIELDS,
     efficiency_tables,
     load_serving_model,
     serving_efficiency,
@@ -48,7 +49,10 @@ BUCKET_FIELDS = ("prefill_bucket", "decode_bucket")
 # A stack with too few calibration rows to pin five parameters fits only some and takes the rest from a parent
 # table: NxD Inference runs on the same chips and collectives library as transformers-neuronx but with fused
 # attention/MLP kernels, so its 2 trn2 rows refit the prefill rate only.
-INHERITS = {"aws": ("aws-tnx-2024", ("prefill_flops_eff",))}
+# vLLM's 2024 nightly (V0 engine) runs the same CUDA kernels as the `nvidia` table's engines on the same GPUs
+# but waits for its Python engine loop every step and runs its own custom all-reduce: its calibration rows fit
+# those two (8B at TP 1 pins the host time, 70B at TP 4 and Mixtral at TP 2 the per-call all-reduce cost).
+INHERITS = {"aws": ("aws-tnx-2024", ("prefill_flops_eff",)), "vllm-2024": ("nvidia", ("host_step_s", "collective_us"))}
 # Facts about each stack's software, not fitted (plan/serve.py ServingEfficiency):
 # attention: NxD Inference runs its fused attention kernel (--attn-kernel-enabled in the tutorials' configs),
 #   TensorRT-LLM and vLLM fused (flash) attention; transformers-neuronx 2.18 has no flash attention kernel below
@@ -60,6 +64,7 @@ INHERITS = {"aws": ("aws-tnx-2024", ("prefill_flops_eff",))}
 #   vLLM / TensorRT-LLM / NxD Inference: heads split evenly, paged KV read to the tokens held.
 STACK_FACTS = {
     "nvidia": {"attention": "flash", "head_layout": "shard", "buckets": False},
+    "vllm-2024": {"attention": "flash", "head_layout": "shard", "buckets": False},
     "nvidia-trtllm-2023": {"attention": "flash", "head_layout": "shard", "buckets": False,
                            "gqa_decode": "per_query_head"},
     "aws": {"attention": "flash", "head_layout": "shard", "buckets": False},
@@ -103,7 +108,8 @@ def write_tables(rows: list[dict]) -> None:
         fitted_tables[fam] = fitted
         software = sorted({r["software"].split(" (")[0] for r in cal})
         fitted_what = "" if parent is None else f"{', '.join(free)} (the rest from [{parent}]) "
-        lines = [f"[{fam}]"] + [f"{n} = {float(f'{getattr(fitted, n):.3g}')!r}" for n in EFFICIENCY_FIELDS]
+        names = EFFICIENCY_FIELDS + tuple(n for n in HOST_FIELDS if n in free or getattr(fitted, n))
+        lines = [f"[{fam}]"] + [f"{n} = {float(f'{getattr(fitted, n):.3g}')!r}" for n in names]
         lines += [f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}".replace("'", '"')
                   for k, v in STACK_FACTS[fam].items()]
         lines.append(f'source = "{fitted_what}fitted {date.today()} by benchmarks/serving_accuracy.py --calibrate on the {len(cal)} '

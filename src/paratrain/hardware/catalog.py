@@ -302,7 +302,7 @@ SYSTEM_FIELDS = {
 SERVING_FIELDS = {
     "decode_bw_eff": ("frac", True), "kv_bw_eff": ("frac", True), "prefill_flops_eff": ("frac", True),
     "layer_overhead_s": ("nonneg", True), "collective_us": ("nonneg", True), "attention": ("attention", False),
-    "source": ("str", True),
+    "host_step_s": ("nonneg", False), "source": ("str", True),
     # facts about the serving software; plan.serve.ServingEfficiency checks their values (HEAD_LAYOUTS, GQA_DECODE)
     "head_layout": ("str", False), "buckets": ("bool", False), "gqa_decode": ("str", False),
 }

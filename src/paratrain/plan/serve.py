@@ -87,6 +87,11 @@ PAGE_TOKENS = 16  # vLLM's default KV block size (--block-size 16)
 MEMORY_UTILIZATION = 0.9  # share of device memory the engine takes (vLLM gpu_memory_utilization default)
 EFFICIENCY_FILE = Path(__file__).with_name("serving_efficiency.toml")
 EFFICIENCY_FIELDS = ("decode_bw_eff", "kv_bw_eff", "prefill_flops_eff", "layer_overhead_s", "collective_us")
+# Fitted only where a stack's calibration rows name it (benchmarks/serving_accuracy.py INHERITS), 0 elsewhere:
+# host time per engine step the device waits for (vLLM's V0 engine loop: scheduling, input preparation and
+# output processing in Python between CUDA-graph replays; the vLLM v0.6.0 blog profiles Llama 3 8B on one H100
+# at 38% GPU time, the rest on the CPU side). Engines with a C++ runtime or an overlapped scheduler: 0.
+HOST_FIELDS = ("host_step_s",)
 # shard: tp divides the query heads, each device keeps max(kv_heads / tp, 1) kv heads (vLLM, TensorRT-LLM, NxD
 # Inference). pad: transformers-neuronx (2.18, decoder.py DecoderLayer.to_neuron and the GQA checks of
 # DecoderLmHeadForSamplingNoEmbedding): query heads padded with zeros up to a multiple of tp (Llama-2-13B's 40
@@ -115,6 +120,7 @@ class ServingEfficiency:
     head_layout: str = "shard"  # how the stack spreads attention heads over tp: HEAD_LAYOUTS
     buckets: bool = False  # static shapes: prompts and the attended KV padded to power-of-two buckets
     gqa_decode: str = "grouped"  # how the decode attention kernel reads a GQA cache: GQA_DECODE
+    host_step_s: float = 0.0  # host time per engine step not overlapped with the device (HOST_FIELDS)
 
     def __post_init__(self) -> None:
         if self.attention not in ("flash", "unfused"):
@@ -126,7 +132,7 @@ class ServingEfficiency:
         for name in ("decode_bw_eff", "kv_bw_eff", "prefill_flops_eff"):
             if not 0 < getattr(self, name) <= 1:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be in (0, 1]")
-        for name in ("layer_overhead_s", "collective_us"):
+        for name in ("layer_overhead_s", "collective_us", "host_step_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} = {getattr(self, name)}: must be >= 0")
 
@@ -365,7 +371,7 @@ def prefill_time_s(model: ModelConfig, system: System, rep: Replica, prompt_toke
         system.device_hbm_bw_bytes_per_s * eff.decode_bw_eff)
     stage = soft_roofline(compute, memory) + layers * eff.layer_overhead_s + _tp_comm_s(sys_s, model, rep, tokens, layers)
     hand_off = p2p_time_s(sys_s, tokens * model.hidden * BF16_BYTES, rep.tp, rep.pp) if rep.pp > 1 else 0.0
-    return rep.pp * stage + (rep.pp - 1) * hand_off
+    return rep.pp * stage + (rep.pp - 1) * hand_off + eff.host_step_s  # the prefill is one engine step
 
 
 def decode_step_s(model: ModelConfig, system: System, rep: Replica, batch, context,
@@ -393,7 +399,7 @@ def decode_step_s(model: ModelConfig, system: System, rep: Replica, batch, conte
     stage = soft_roofline(compute, weights + kv) + layers * eff.layer_overhead_s + _tp_comm_s(
         sys_s, model, rep, tokens, layers)
     hand_off = p2p_time_s(sys_s, tokens * model.hidden * BF16_BYTES, rep.tp, rep.pp) if rep.pp > 1 else 0.0
-    return rep.pp * (stage + hand_off)
+    return rep.pp * (stage + hand_off) + eff.host_step_s
 
 
 def _draft_model(rep: Replica) -> ModelConfig | None:

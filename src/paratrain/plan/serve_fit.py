@@ -23,6 +23,7 @@ from paratrain.hardware.catalog import System
 from paratrain.model.config import ModelConfig
 from paratrain.plan.serve import (
     EFFICIENCY_FIELDS,
+    HOST_FIELDS,
     WEIGHT_PRECISIONS,
     Replica,
     ServingEfficiency,
@@ -35,7 +36,7 @@ from paratrain.plan.serve import (
 KINDS = ("ttft", "tpot", "static_throughput", "e2e", "itl_concurrency")
 # The search box of the fit: physical ranges, not free knobs (fractions of a peak, fixed costs in us).
 BOUNDS = {"decode_bw_eff": (0.3, 0.9), "kv_bw_eff": (0.05, 0.9), "prefill_flops_eff": (0.1, 0.9),
-          "layer_overhead_s": (0.0, 400e-6), "collective_us": (0.0, 100.0)}
+          "layer_overhead_s": (0.0, 400e-6), "collective_us": (0.0, 100.0), "host_step_s": (0.0, 5e-3)}
 
 
 def predict(row: dict, eff: ServingEfficiency | None = None) -> float:
@@ -85,9 +86,9 @@ def fit(rows: list[dict], start: ServingEfficiency, rounds: int = 2, points: int
 
     if not rows:
         raise ValueError("fit: no measurements to fit")
-    unknown = [n for n in free if n not in EFFICIENCY_FIELDS]
+    unknown = [n for n in free if n not in EFFICIENCY_FIELDS + HOST_FIELDS]
     if unknown or not free:
-        raise ValueError(f"free = {free!r}: allowed: a non-empty subset of {', '.join(EFFICIENCY_FIELDS)}")
+        raise ValueError(f"free = {free!r}: allowed: a non-empty subset of {', '.join(EFFICIENCY_FIELDS + HOST_FIELDS)}")
     lo = np.array([bounds[n][0] for n in free])
     hi = np.array([bounds[n][1] for n in free])
     best = replace(start, **{n: float(np.clip(getattr(start, n), *bounds[n])) for n in free})
@@ -107,7 +108,7 @@ def fit(rows: list[dict], start: ServingEfficiency, rounds: int = 2, points: int
         return np.log1p(errors(rows, at(x)))
 
     x0 = np.clip((np.array([getattr(best, n) for n in free]) - lo) / (hi - lo), 0.0, 1.0)
-    lower = np.where(np.isin(free, ("layer_overhead_s", "collective_us")), 0.0, 1e-3)
+    lower = np.where(np.isin(free, ("layer_overhead_s", "collective_us") + HOST_FIELDS), 0.0, 1e-3)
     solved = least_squares(residuals, np.maximum(x0, lower), bounds=(lower, np.ones(len(free))), x_scale=1.0)
     refined = at(solved.x)
     return refined if loss(rows, refined) <= best_loss else best
