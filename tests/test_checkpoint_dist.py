@@ -96,20 +96,37 @@ def test_reshard_tp2_fsdp2_to_tp4_and_one_process(dist_run, tmp):
 
 
 PP2_FSDP2 = ["parallel.pp=2", 'parallel.pp_schedule="1f1b"', "parallel.dp=2", 'parallel.dp_kind="fsdp"']
+# One layer per stage (2 layers): the resumes, restarts and the quarantine do not depend on the depth, and every
+# layer costs each rank its FSDP ops.
+PIPELINE_LAYOUTS = {
+    "pp2-fsdp2-async": [*PP2_FSDP2, "model.layers=2", "checkpoint.async_save=true"],
+    # TP without SP: DTensor and plain parameters mixed; 2 microbatches of 4 rows, as many as the 2 stages need
+    "tp2-pp2-no-sp": ["parallel.tp=2", "parallel.pp=2", "model.layers=2", ONE_MB_DP2],
+}
 
 
-@pytest.mark.parametrize("name, layout", [
-    ("pp2-fsdp2-async", [*PP2_FSDP2, "checkpoint.async_save=true"]),
-    # TP without SP: DTensor and plain parameters mixed; one layer per stage and 2 microbatches of 4 rows, as
-    # many as the 2 stages need (DTensor ops cost CPU)
-    ("tp2-pp2-no-sp", ["parallel.tp=2", "parallel.pp=2", "model.layers=2", ONE_MB_DP2]),
-])
-def test_pipeline_resume_under_the_same_layout_is_bitwise(dist_run, tmp, name, layout):
+@pytest.fixture(scope="module")
+def full_run(dist_run, tmp):
+    """full_run(name): the uninterrupted 4-step run of PIPELINE_LAYOUTS[name] on 4 ranks, saving at steps 2 and
+    4; made once per module. The bitwise resumes start from its step 2, and the torchrun restart test takes
+    PP2 x FSDP2's losses as the uninterrupted reference (a run's saves cannot change its losses)."""
+    runs: dict[str, list[dict]] = {}
+
+    def get(name: str) -> list[dict]:
+        if name not in runs:
+            runs[name] = dist_run(4, _train, settings(tmp, name, 4, 2, *PIPELINE_LAYOUTS[name]))
+        return runs[name]
+    return get
+
+
+@pytest.mark.parametrize("name", list(PIPELINE_LAYOUTS))
+def test_pipeline_resume_under_the_same_layout_is_bitwise(dist_run, tmp, full_run, name):
     """Pipeline layouts resumed under the same layout (what a torchrun restart does), on 4 ranks.
     Regression: in checkpoint format 1 the optimizer's param_groups (one list per rank) were one duplicated DCP
     key, stored from one rank only, so the other pipeline rank loaded no hyperparameters and failed at its first
     step (KeyError 'betas'); format 2 stores them per parameter name."""
-    full = dist_run(4, _train, settings(tmp, name, 4, 2, *layout))
+    layout = PIPELINE_LAYOUTS[name]
+    full = full_run(name)
     losses = full[0]["losses"]
     assert all(r["losses"] == losses for r in full) and len(losses) == 4
     step2 = str(tmp / name / "checkpoints" / step_name(2))
@@ -187,7 +204,7 @@ def test_rng_rule_own_state_for_same_layout_rank0_state_otherwise(dist_run, tmp_
 # ---- a rank killed under torchrun ------------------------------------------------------------------------
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_torchrun_restarts_after_rank_kills_mid_run_and_during_a_save_and_finishes_like_uninterrupted(dist_run, tmp):
+def test_torchrun_restarts_after_rank_kills_mid_run_and_during_a_save_and_finishes_like_uninterrupted(full_run, tmp):
     """One torchrun job on 4 ranks (PP2 1F1B x DP2 FSDP, checkpoints every 2 of 4 steps, --max-restarts 2) loses a
     rank twice:
       attempt 0: rank 3 (last stage, second replica) SIGKILLed right after step 3: mid-run, the other ranks go on
@@ -196,12 +213,10 @@ def test_torchrun_restarts_after_rank_kills_mid_run_and_during_a_save_and_finish
                  the others wait for it in the commit);
       attempt 2: the partial step 4 is moved to quarantine, training resumes from step 2 and ends with exactly the
                  uninterrupted run's losses (same layout: bitwise), final loss included."""
-    # the uninterrupted run; its saves cannot change its losses, so it makes none. One layer per stage: the 12
-    # worker starts (3 attempts x 4 ranks) each pay the first PP + FSDP steps, and the restarts, resumes and the
-    # quarantine do not depend on the depth (4 layers: test_pipeline_resume_under_the_same_layout_is_bitwise).
+    # the uninterrupted run: the pool's PP2 x FSDP2 run of the bitwise test (its saves cannot change its losses).
+    # One layer per stage: the 12 worker starts (3 attempts x 4 ranks) each pay the first PP + FSDP steps.
     layout = [*PP2_FSDP2, "model.layers=2"]
-    reference = dist_run(4, _train, settings(tmp, "elastic-ref", 4, 0, *layout, "checkpoint.save_final=false"))
-    reference = reference[0]["losses"]
+    reference = full_run("pp2-fsdp2-async")[0]["losses"]
     # the idle pools stay open: ~0.03 cores for their ranks while torchrun runs (~0.6 CPU-s), against ~5 CPU-s
     # for the next pool test to fork them anew
     sets = settings(tmp, "elastic", 4, 2, *layout)
