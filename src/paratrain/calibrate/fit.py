@@ -146,16 +146,33 @@ def sized_for(system: System, world_size: int) -> System:
     return dataclasses.replace(system, chips_per_node=chips, devices_per_chip=world_size // chips)
 
 
-def predict(system: System, m: Measurement):
-    from paratrain.plan.api import Layout, estimate
+def predict(system: System, m: Measurement, checked=None):
+    """The planner's estimate of run m on `system` sized for it. checked: m's layout as checked_layouts returned
+    it for a system of the same size (the check is then not repeated: the same estimate)."""
+    from paratrain.plan.api import estimate_checked
     from paratrain.plan.options import Options
+
+    sized = sized_for(system, m.world_size)
+    if checked is None:
+        checked = _checked(sized, m)
+    return estimate_checked(m.model, sized, 1, m.seq, m.global_batch, checked, Options.for_system(sized, **m.options))
+
+
+def checked_layouts(system: System, measurements: list[Measurement]) -> list:
+    """Each run's layout validated once (plan.api.check_layout) on `system` sized for it. A fit predicts every run
+    ~10^3 times on systems that differ only in efficiencies (apply_parameters keeps every size), and the check
+    was a fifth of each prediction's time."""
+    return [_checked(sized_for(system, m.world_size), m) for m in measurements]
+
+
+def _checked(sized: System, m: Measurement):
+    from paratrain.plan.api import Layout, check_layout
 
     fields = dict(m.layout)
     if "schedule" in fields:  # run summaries written before Layout.schedule became pp_schedule (the trainer's name)
         fields.setdefault("pp_schedule", fields.pop("schedule"))
     layout = Layout(**{k: v for k, v in fields.items() if k in Layout.__dataclass_fields__})
-    sized = sized_for(system, m.world_size)
-    return estimate(m.model, sized, 1, m.seq, m.global_batch, layout, Options.for_system(sized, **m.options))
+    return check_layout(m.model, sized, 1, m.seq, m.global_batch, layout)
 
 
 def _to_unit(params: dict[str, float]) -> np.ndarray:
@@ -189,9 +206,14 @@ def _free_and_fixed(system: System, fixed: dict[str, float] | None) -> tuple[lis
     return [n for n in PARAMETERS if n not in fixed], fixed
 
 
-def _log_ratios(system: System, params: dict[str, float], measurements: list[Measurement]) -> np.ndarray:
+def _log_ratios(system: System, params: dict[str, float], measurements: list[Measurement],
+                checked: list | None = None) -> np.ndarray:
+    """log(predicted / measured) per run; checked: checked_layouts(system, measurements), to skip the checks."""
     sys_ = apply_parameters(system, params)
-    return np.array([math.log(predict(sys_, m).step_time_s / m.step_time_s) for m in measurements])
+    if checked is None:
+        checked = checked_layouts(sys_, measurements)
+    return np.array([math.log(predict(sys_, m, lay).step_time_s / m.step_time_s)
+                     for m, lay in zip(measurements, checked, strict=True)])
 
 
 def _least_squares(system: System, measurements: list[Measurement], names: list[str], start: dict[str, float],
@@ -206,10 +228,12 @@ def _least_squares(system: System, measurements: list[Measurement], names: list[
     lo = _to_unit({n: PARAMETERS[n][0] for n in PARAMETERS})
     hi = _to_unit({n: PARAMETERS[n][1] for n in PARAMETERS})
 
+    checked = checked_layouts(system, measurements)  # once: every residual predicts the same runs
+
     def residuals(xf: np.ndarray) -> np.ndarray:
         x = x0.copy()
         x[free] = xf
-        return _log_ratios(system, _from_unit(x), measurements)
+        return _log_ratios(system, _from_unit(x), measurements, checked)
 
     # Several starts: the step-time model is piecewise (max of overlapped terms), so one start can stall.
     best = None
@@ -230,7 +254,8 @@ def sensitivity(system: System, measurements: list[Measurement], params: dict[st
                 names: list[str]) -> np.ndarray:
     """runs x names: change of each run's log step time for one STEP of each parameter at `params` (a step
     up, or down at the upper bound)."""
-    base = _log_ratios(system, params, measurements)
+    checked = checked_layouts(system, measurements)
+    base = _log_ratios(system, params, measurements, checked)
     x0 = _to_unit(params)
     hi = _to_unit({n: PARAMETERS[n][1] for n in PARAMETERS})
     cols = []
@@ -239,7 +264,7 @@ def sensitivity(system: System, measurements: list[Measurement], params: dict[st
         x = x0.copy()
         step = STEP[name] if x0[i] + STEP[name] <= hi[i] else -STEP[name]
         x[i] += step
-        cols.append((_log_ratios(system, _from_unit(x), measurements) - base) * (STEP[name] / step))
+        cols.append((_log_ratios(system, _from_unit(x), measurements, checked) - base) * (STEP[name] / step))
     return np.stack(cols, axis=1) if cols else np.zeros((len(measurements), 0))
 
 
