@@ -466,8 +466,8 @@ def expert_data_parallel_s(model: ModelConfig, system: System, opts, *, tp, cp, 
                            stage_fwd, stage_bwd, layers, link_busy, pp=1.0, chunks=1.0):
     """(total, exposed, expert parameters on the device, edp shard degree) of the routed experts' gradient (and
     ZeRO/FSDP parameter) traffic per step over the edp group (stride ep x etp: the expert mesh is etp innermost,
-    then ep), with plan.data_parallel's rules for the ZeRO stage. link_busy: the dense part's DP traffic,
-    which has to hide in the same window first. pp, chunks: the stage's pipeline degree and model chunks
+    then ep), with plan.data_parallel's rules for the ZeRO stage. link_busy: the link time already taken
+    out of that window (the dense part's DP traffic hidden in it, and the other traffic on the same links). pp, chunks: the stage's pipeline degree and model chunks
     (Megatron-Core buckets and dispatches the expert buffers per stage and chunk as the dense ones)."""
     edp = edp_degree(tp, cp, dp, ep, etp)
     # HSDP on experts: sharded inside a node as the dense part is, replicated across nodes

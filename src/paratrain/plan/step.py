@@ -257,11 +257,12 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
                                            layers_rank * model.params_per_layer() / tp / params_dev, link_busy,
                                            pp=pp, chunks=np.where(sched == 2, v, 1.0))
     expert_opt = 0.0
-    if moe is not None:  # routed experts reduce over their own expert-data-parallel group
+    if moe is not None:  # routed experts reduce over their own expert-data-parallel group, in what the dense
+        # part's hidden traffic leaves of the window (its exposed part runs after the compute, outside it)
         ex_time, ex_exposed, ex_params, ex_shard = moe_plan.expert_data_parallel_s(
             flops_model, system, opts, tp=tp, cp=cp, dp=dp, ep=ep, etp=etp, zero=zero, kind=kind, m=m,
-            stage_fwd=stage_fwd, stage_bwd=stage_bwd, layers=layers_rank, link_busy=link_busy + dp_time, pp=pp,
-            chunks=np.where(sched == 2, v, 1.0))
+            stage_fwd=stage_fwd, stage_bwd=stage_bwd, layers=layers_rank, link_busy=link_busy + dp_time - dp_exposed,
+            pp=pp, chunks=np.where(sched == 2, v, 1.0))
         dp_time, dp_exposed = dp_time + ex_time, dp_exposed + ex_exposed
         expert_opt = memory_time_s(system, np.where(zero >= 1, ex_params / ex_shard, ex_params) * ADAM_STEP_BYTES, 0)
 
