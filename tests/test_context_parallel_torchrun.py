@@ -7,7 +7,10 @@ path on two hosts."""
 import pytest
 from e2e import assert_losses_close, run_single, run_torchrun, train_args
 
-CP_RUN = {"train__steps": 3, "train__eval_every": 2, "train__eval_batches": 1, "train__global_batch": 4}
+# one microbatch of the step's 4 rows (CP splits each sequence over the ranks; accumulation is not what this
+# launch tests, and every microbatch costs both ranks their ring exchanges)
+CP_RUN = {"train__steps": 3, "train__eval_every": 2, "train__eval_batches": 1, "train__global_batch": 4,
+          "train__microbatch": 4}
 
 
 @pytest.mark.slow  # ~40 s on 2 cores: tokenizer training, a single-process run and a 2-rank torchrun
