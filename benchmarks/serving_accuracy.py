@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import csv
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from datetime import date
 from pathlib import Path
 
@@ -30,29 +30,44 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
+from paratrain.calibrate.serving import identify, leave_one_out  # noqa: E402
 from paratrain.hardware.catalog import resolve_system  # noqa: E402
 from paratrain.plan.serve import (  # noqa: E402
     EFFICIENCY_FIELDS,
     EFFICIENCY_FILE,
     HOST_FIELDS,
+    ServingEfficiency,
     efficiency_tables,
     load_serving_model,
     serving_efficiency,
 )
-from paratrain.plan.serve_fit import errors, fit, loss  # noqa: E402
+from paratrain.plan.serve_fit import BOUNDS, errors, fit, loss  # noqa: E402
 
 DATA = ROOT / "benchmarks" / "serving_measurements.csv"
 INT_FIELDS = ("tp", "batch", "prompt", "output")
 # the buckets a static-shape engine was configured with, where the row's source states them (NxD Inference
 # tutorials: --context-encoding-buckets / --token-generation-buckets)
 BUCKET_FIELDS = ("prefill_bucket", "decode_bucket")
-# A stack with too few calibration rows to pin five parameters fits only some and takes the rest from a parent
-# table: NxD Inference runs on the same chips and collectives library as transformers-neuronx but with fused
-# attention/MLP kernels, so its 2 trn2 rows refit the prefill rate only.
-# vLLM's 2024 nightly (V0 engine) runs the same CUDA kernels as the `nvidia` table's engines on the same GPUs
-# but waits for its Python engine loop every step and runs its own custom all-reduce: its calibration rows fit
-# those two (8B at TP 1 pins the host time, 70B at TP 4 and Mixtral at TP 2 the per-call all-reduce cost).
-INHERITS = {"aws": ("aws-tnx-2024", ("prefill_flops_eff",)), "vllm-2024": ("nvidia", ("host_step_s", "collective_us"))}
+# Which parameters a stack's calibration rows may fit, and where the others come from. Every stack fits only
+# what its rows identify (calibrate.serving.identify: the sensitivity of each row to one step of each candidate
+# and calibrate.fit.select_parameters, the rule `paratrain calibrate` applies to a machine's own runs); the
+# rest are held: at the parent table's values where a stack names a parent (the same chips and, for that
+# parameter, the same physics), else at PRIORS, else at the table's previous value.
+# nvidia (NIM / TensorRT-LLM / vLLM of 2024-2025) has 3 calibration rows: what they leave unidentified comes
+#   from nvidia-trtllm-2023 (the same GPUs and TensorRT-LLM's decode attention kernel and custom all-reduce,
+#   fitted there on 13 rows), except the per-layer cost (PRIORS).
+# aws (NxD Inference) runs on the same chips and collectives library as transformers-neuronx but with fused
+#   attention/MLP kernels, so its 2 trn2 rows may refit the prefill rate only.
+# vllm-2024 (the 2024 nightly, V0 engine) runs the same CUDA kernels as the `nvidia` table's engines on the same
+#   GPUs but waits for its Python engine loop every step and runs its own custom all-reduce: its rows may fit
+#   those two (8B at TP 1 pins the host time, 70B at TP 4 and Mixtral at TP 2 the per-call all-reduce cost).
+INHERITS = {"nvidia": ("nvidia-trtllm-2023", EFFICIENCY_FIELDS),
+            "aws": ("aws-tnx-2024", ("prefill_flops_eff",)),
+            "vllm-2024": ("nvidia", ("host_step_s", "collective_us"))}
+# Held values with a physical reason, where the parent's value is the wrong physics for the stack.
+PRIORS = {"nvidia": {"layer_overhead_s": (0.0, "today's engines replay each decode step as one CUDA graph (NIM's "
+                                          "TensorRT-LLM, vLLM): no per-kernel launch left to pay per layer, unlike "
+                                          "nvidia-trtllm-2023's 121 us (TensorRT-LLM v0.5-0.6)")}}
 # Facts about each stack's software, not fitted (plan/serve.py ServingEfficiency):
 # attention: NxD Inference runs its fused attention kernel (--attn-kernel-enabled in the tutorials' configs),
 #   TensorRT-LLM and vLLM fused (flash) attention; transformers-neuronx 2.18 has no flash attention kernel below
@@ -62,6 +77,7 @@ INHERITS = {"aws": ("aws-tnx-2024", ("prefill_flops_eff",)), "vllm-2024": ("nvid
 #   does not divide the kv heads (decoder.py), and compiles static shapes: prompts pad to power-of-two context
 #   buckets, decode attends over the whole power-of-two token bucket (bucket.py; developer guide "Bucketing").
 #   vLLM / TensorRT-LLM / NxD Inference: heads split evenly, paged KV read to the tokens held.
+FACT_FIELDS = ("attention", "head_layout", "buckets", "gqa_decode")
 STACK_FACTS = {
     "nvidia": {"attention": "flash", "head_layout": "shard", "buckets": False},
     "vllm-2024": {"attention": "flash", "head_layout": "shard", "buckets": False},
@@ -92,32 +108,94 @@ def family(row: dict) -> str:
     return row["stack"]
 
 
-def write_tables(rows: list[dict]) -> None:
-    """Fit each stack family on its calibration rows and rewrite serving_efficiency.toml (header kept)."""
+def benchmark_run(row: dict) -> tuple:
+    """The benchmark run a row comes from: a run's TTFT and TPOT are left out together (one is no check of
+    the other)."""
+    return tuple(row[k] for k in ("stack", "model", "hardware", "tp", "weights", "kv", "batch", "prompt", "output"))
+
+
+def stack_order(fams) -> list[str]:
+    """Every stack after its parent (INHERITS)."""
+    done: list[str] = []
+    todo = sorted(fams)
+    while todo:
+        fam = next(f for f in todo if INHERITS.get(f, (None,))[0] in (None, *done))
+        done.append(fam)
+        todo.remove(fam)
+    return done
+
+
+def fit_stack(fam: str, cal: list[dict], fitted_tables: dict) -> tuple[ServingEfficiency, dict]:
+    """One stack's table: the identified parameters fitted on its calibration rows, the rest held; and the
+    report (fitted, held with where from and why, fit and leave-one-out errors)."""
+    parent, candidates = INHERITS.get(fam, (None, EFFICIENCY_FIELDS))
+    previous = efficiency_tables().get(fam) or serving_efficiency(cal[0]["system"])
+    start = fitted_tables[parent] if parent else previous
+    facts = {f.name: f.default for f in fields(ServingEfficiency) if f.name in FACT_FIELDS}
+    priors = PRIORS.get(fam, {})
+    start = replace(start, **{**facts, **STACK_FACTS[fam]}, **{n: v for n, (v, _) in priors.items()})
+    _, chosen, why = identify(cal, start, list(candidates), BOUNDS)
+    fitted = fit(cal, start, free=tuple(chosen)) if chosen else start
+    held = {}
+    # every parameter not fitted (a host time only where the stack may fit one: 0 elsewhere)
+    for name in [n for n in EFFICIENCY_FIELDS + HOST_FIELDS if n not in chosen
+                 and (n in EFFICIENCY_FIELDS or n in candidates)]:
+        where = (f"prior ({priors[name][1]})" if name in priors else f"[{parent}]" if parent
+                 else "its previous value")
+        if name in why or name in candidates:
+            held[name] = f"at {where}: {why.get(name, 'not identified').split(' (')[0]}"
+        elif parent:
+            held[name] = f"at {where}: not a parameter these rows may fit (INHERITS)"
+    loo = leave_one_out(cal, start, chosen, BOUNDS, key=benchmark_run, reselect=True)
+    report = {"fitted": chosen, "held": held, "rows": len(cal), "runs": len({benchmark_run(r) for r in cal}),
+              "mape_fit": float(np.mean(np.abs(errors(cal, fitted)))), "log_error_fit": loss(cal, fitted),
+              "mape_leave_one_out": float(np.mean([abs(p / r["value"] - 1) for r, p in loo])) if loo else None}
+    return fitted, report
+
+
+def table_source(fam: str, cal: list[dict], report: dict) -> str:
+    software = sorted({r["software"].split(" (")[0] for r in cal})
+    held = "; ".join(f"held {n} {why}" for n, why in report["held"].items() if "INHERITS" not in why)
+    rest = [n for n, why in report["held"].items() if "INHERITS" in why]
+    loo = report["mape_leave_one_out"]
+    return (f"fitted {', '.join(report['fitted']) or 'nothing'} on the {len(cal)} {fam} calibration rows of "
+            f"benchmarks/serving_measurements.csv ({', '.join(software)}) by benchmarks/serving_accuracy.py "
+            f"--calibrate, {date.today()}" + (f"; {held}" if held else "")
+            + (f"; {', '.join(rest)} from [{INHERITS[fam][0]}]" if rest else "")
+            + f"; mean |log error| {report['log_error_fit']:.3f}, MAPE {report['mape_fit']:.1%}; leave-one-out "
+            + (f"MAPE {loo:.1%} over {report['runs']} runs" if loo is not None else "none (one run)"))
+
+
+def write_tables(rows: list[dict]) -> dict:
+    """Fit each stack family on its calibration rows and rewrite serving_efficiency.toml (header kept);
+    returns each stack's report."""
     text = EFFICIENCY_FILE.read_text()
     header = text[:text.index("\n[")].rstrip("\n") + "\n"
-    tables = []
+    tables, reports = [], {}
     fitted_tables: dict = {}
-    for fam in sorted({family(r) for r in rows}, key=lambda f: (f in INHERITS, f)):  # parents first
+    for fam in stack_order({family(r) for r in rows}):
         cal = [r for r in rows if family(r) == fam and r["split"] == "calibration"]
-        parent, free = INHERITS.get(fam, (None, EFFICIENCY_FIELDS))
-        start = (fitted_tables[parent] if parent else efficiency_tables().get(fam)
-                 or serving_efficiency(cal[0]["system"]))
-        start = replace(start, **STACK_FACTS[fam])
-        fitted = fit(cal, start, free=free)
-        fitted_tables[fam] = fitted
-        software = sorted({r["software"].split(" (")[0] for r in cal})
-        fitted_what = "" if parent is None else f"{', '.join(free)} (the rest from [{parent}]) "
-        names = EFFICIENCY_FIELDS + tuple(n for n in HOST_FIELDS if n in free or getattr(fitted, n))
+        fitted, report = fit_stack(fam, cal, fitted_tables)
+        fitted_tables[fam], reports[fam] = fitted, report
+        names = EFFICIENCY_FIELDS + tuple(n for n in HOST_FIELDS if getattr(fitted, n))
         lines = [f"[{fam}]"] + [f"{n} = {float(f'{getattr(fitted, n):.3g}')!r}" for n in names]
         lines += [f"{k} = {str(v).lower() if isinstance(v, bool) else repr(v)}".replace("'", '"')
                   for k, v in STACK_FACTS[fam].items()]
-        lines.append(f'source = "{fitted_what}fitted {date.today()} by benchmarks/serving_accuracy.py --calibrate on the {len(cal)} '
-                     f'{fam} calibration rows of benchmarks/serving_measurements.csv ({", ".join(software)}); '
-                     f'mean |log error| {loss(cal, fitted):.3f}"')
+        lines.append(f'source = "{table_source(fam, cal, report)}"')
         tables.append("\n".join(lines))
-        print(f"[{fam}] fitted on {len(cal)} calibration rows: {fitted}")
+        print_stack_report(fam, fitted, report)
     EFFICIENCY_FILE.write_text(header + "\n" + "\n\n".join(tables) + "\n")
+    return reports
+
+
+def print_stack_report(fam: str, fitted: ServingEfficiency, report: dict) -> None:
+    loo = report["mape_leave_one_out"]
+    print(f"[{fam}] {report['rows']} calibration rows ({report['runs']} runs): fit MAPE {report['mape_fit']:.1%}, "
+          f"leave-one-out MAPE " + (f"{loo:.1%}" if loo is not None else "- (one run)"))
+    for n in report["fitted"]:
+        print(f"  fitted {n:>18} = {getattr(fitted, n):.4g}")
+    for n, why in report["held"].items():
+        print(f"  held   {n:>18} = {getattr(fitted, n):.4g}  {why}")
 
 
 def summary(rows: list[dict], errs: np.ndarray) -> str:

@@ -29,7 +29,7 @@ GENERATE_KEYS = ("model_shape", "tp", "batch", "padded_prompt_tokens", "prefill_
 # One "meaningful step" of each parameter (as calibrate.fit.STEP): +-0.1 of a fraction, x1.25 of a fixed cost
 # (from at least TIME_FLOOR, so that a cost now at 0 still has a step)
 FRACTIONS = ("decode_bw_eff", "kv_bw_eff", "prefill_flops_eff")
-TIME_FLOOR = {"layer_overhead_s": 1e-6, "collective_us": 1.0}
+TIME_FLOOR = {"layer_overhead_s": 1e-6, "collective_us": 1.0, "host_step_s": 1e-5}
 # The search box for a machine's own runs. plan.serve_fit.BOUNDS is the box of production serving stacks
 # (CUDA graphs, fused kernels: tens of us per layer); paratrain's runtime is eager PyTorch, where one layer's
 # forward is ~15 dispatched ops of 10-100 us each on a CPU host (more when ranks share cores), and small
@@ -113,13 +113,14 @@ def _step(eff: ServingEfficiency, name: str, sign: float = 1.0) -> ServingEffici
     return replace(eff, **{name: max(value, TIME_FLOOR[name]) * 1.25 ** sign})
 
 
-def sensitivity(rows: list[dict], eff: ServingEfficiency, names: list[str]) -> np.ndarray:
+def sensitivity(rows: list[dict], eff: ServingEfficiency, names: list[str],
+                bounds: dict = RUNTIME_BOUNDS) -> np.ndarray:
     """measurements x names: change of each measurement's log time for one step of each parameter
-    (a step down for a fraction that a step up would carry past its upper bound)."""
+    (a step down for a fraction that a step up would carry past its upper bound in `bounds`)."""
     base = np.log([predict(r, eff) for r in rows])
     cols = []
     for name in names:
-        sign = -1.0 if name in FRACTIONS and getattr(eff, name) + 0.1 > RUNTIME_BOUNDS[name][1] else 1.0
+        sign = -1.0 if name in FRACTIONS and getattr(eff, name) + 0.1 > bounds[name][1] else 1.0
         moved = np.log([predict(r, _step(eff, name, sign)) for r in rows])
         cols.append((moved - base) * sign)  # per step up
     return np.stack(cols, axis=1)
@@ -156,10 +157,7 @@ def calibrate_serving(system: System, rows: list[dict]) -> ServingCalibration:
     """Fit the identified serving parameters to the measurements (from the system's current serving table)."""
     start, fixed = _start(system)
     names = [n for n in EFFICIENCY_FIELDS if n not in fixed]
-    # sensitivities at a first fit of every free parameter (where the runs point), as calibrate.fit does
-    first = fit(rows, start, free=tuple(names), bounds=RUNTIME_BOUNDS)
-    J = sensitivity(rows, first, names)
-    chosen, held = select_parameters(J, names, len(rows))
+    J, chosen, held = identify(rows, start, names, RUNTIME_BOUNDS)
     eff = fit(rows, start, free=tuple(chosen), bounds=RUNTIME_BOUNDS) if chosen else start
     note = ", ".join(chosen) or "nothing"
     eff = replace(eff, source=f"`paratrain calibrate` on {len({r['run'] for r in rows})} paratrain generate run(s) "
@@ -168,7 +166,20 @@ def calibrate_serving(system: System, rows: list[dict]) -> ServingCalibration:
     table = [{"run": r["run"], "kind": r["kind"], "batch": r["batch"], "prompt": r["prompt"], "output": r["output"],
               "measured_ms": r["value"], "before_ms": predict(r, start), "fitted_ms": predict(r, eff)} for r in rows]
     return ServingCalibration(eff, start, chosen, held, fixed, {n: J[:, i].tolist() for i, n in enumerate(names)},
-                              table, _leave_one_out(rows, start, eff, chosen))
+                              table, _leave_one_out(rows, start, chosen))
+
+
+def identify(rows: list[dict], start: ServingEfficiency, names: list[str],
+             bounds: dict) -> tuple[np.ndarray, list[str], dict[str, str]]:
+    """The parameters among `names` that the measurements identify, and why each other one is held: the
+    sensitivities at a first fit of every name (where the rows point, from `start`), as calibrate.fit does,
+    then calibrate.fit.select_parameters (at most one fewer than the measurements). The one rule for the
+    serving model, for a machine's own runs (calibrate_serving) and for the published serving tables
+    (benchmarks/serving_accuracy.py --calibrate)."""
+    first = fit(rows, start, free=tuple(names), bounds=bounds)
+    J = sensitivity(rows, first, names, bounds)
+    chosen, held = select_parameters(J, names, len(rows))
+    return J, chosen, held
 
 
 def _start(system: System) -> tuple[ServingEfficiency, list[str]]:
@@ -184,23 +195,30 @@ def _start(system: System) -> tuple[ServingEfficiency, list[str]]:
     return replace(start, decode_bw_eff=bw, kv_bw_eff=bw), ["decode_bw_eff", "kv_bw_eff"]
 
 
-def _leave_one_out(rows: list[dict], start: ServingEfficiency, eff: ServingEfficiency,
-                   chosen: list[str]) -> list[dict]:
+def _leave_one_out(rows: list[dict], start: ServingEfficiency, chosen: list[str]) -> list[dict]:
     """Each run's measurements predicted by a fit of the chosen parameters on the other runs' measurements.
     Repeats of one batch and prompt length are left out together: a repeat is no check of its twin."""
-    def shape(r: dict) -> tuple[int, int]:
-        return r["batch"], r["prompt"]
+    out = leave_one_out(rows, start, chosen, RUNTIME_BOUNDS, key=lambda r: (r["batch"], r["prompt"]))
+    return [{"run": r["run"], "kind": r["kind"], "measured_ms": r["value"], "predicted_ms": p,
+             "error": p / r["value"] - 1} for r, p in out]
 
-    groups = list(dict.fromkeys(shape(r) for r in rows))
+
+def leave_one_out(rows: list[dict], start: ServingEfficiency, chosen: list[str], bounds: dict,
+                  key, reselect: bool = False) -> list[tuple[dict, float]]:
+    """(row, prediction) for every row, each group of rows (rows with one `key`) predicted by a fit of the
+    chosen parameters on the other groups, from `start` (never from the full fit, which saw the group).
+    `reselect`: each fold fits only what its own rows identify (identify on the other groups), so that a
+    parameter only the left-out group pinned stays at start instead of wandering. Empty when there are fewer
+    than 2 groups or nothing is fitted."""
+    groups = list(dict.fromkeys(key(r) for r in rows))
     if len(groups) < 2 or not chosen:
         return []
     out = []
     for group in groups:
-        others = [r for r in rows if shape(r) != group]
-        # from the previous values, like the fit itself (never from the full fit, which saw this run)
-        left_out = fit(others, start, free=tuple(chosen), bounds=RUNTIME_BOUNDS)
-        out += [{"run": r["run"], "kind": r["kind"], "measured_ms": r["value"], "predicted_ms": predict(r, left_out),
-                 "error": predict(r, left_out) / r["value"] - 1} for r in rows if shape(r) == group]
+        others = [r for r in rows if key(r) != group]
+        free = identify(others, start, chosen, bounds)[1] if reselect else chosen
+        left_out = fit(others, start, free=tuple(free), bounds=bounds) if free else start
+        out += [(r, predict(r, left_out)) for r in rows if key(r) == group]
     return out
 
 
