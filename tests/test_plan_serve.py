@@ -310,6 +310,35 @@ def test_evaluation_rows_within_20_percent():
     assert np.isfinite(errs).all()
 
 
+def test_published_serving_tables_fit_only_what_their_rows_identify():
+    """Each table's source names what its calibration rows fitted (at most one fewer than the rows) and where
+    every other parameter is held; the default GPU table [nvidia] (3 rows) is what the rule gives from its
+    parent, and its leave-one-out error is reported beside the fit's own."""
+    import re
+
+    from paratrain.plan.serve import EFFICIENCY_FIELDS, efficiency_tables
+
+    bench = _bench()
+    rows = bench.load_rows()
+    tables = efficiency_tables()
+    cal = {fam: [r for r in rows if r["stack"] == fam and r["split"] == "calibration"] for fam in tables}
+    for fam, table in tables.items():
+        fitted = re.match(r"fitted (.+?) on the (\d+) ", table.source)
+        names = fitted.group(1).split(", ")
+        assert int(fitted.group(2)) == len(cal[fam]) and 1 <= len(names) <= max(1, len(cal[fam]) - 1), fam
+        for name in set(EFFICIENCY_FIELDS) - set(names):  # each other one held, and where from
+            assert re.search(rf"held {name} at |{name}[a-z_, ]* from \[", table.source), (fam, name)
+        assert "leave-one-out" in table.source
+    nvidia, parent = tables["nvidia"], tables["nvidia-trtllm-2023"]
+    eff, report = bench.fit_stack("nvidia", cal["nvidia"], {"nvidia-trtllm-2023": parent})
+    assert report["fitted"] == ["decode_bw_eff", "prefill_flops_eff"] and len(cal["nvidia"]) == 3
+    for name in EFFICIENCY_FIELDS:
+        assert getattr(nvidia, name) == pytest.approx(getattr(eff, name), rel=5e-3, abs=1e-9), name
+    assert (nvidia.kv_bw_eff, nvidia.collective_us) == (parent.kv_bw_eff, parent.collective_us)
+    assert nvidia.layer_overhead_s == 0.0  # the CUDA-graph prior, not the parent's 121 us
+    assert report["mape_leave_one_out"] > report["mape_fit"]  # 2 parameters on 3 rows: the fit checks nothing
+
+
 def test_fit_recovers_known_efficiencies_and_reads_generate_summaries():
     from dataclasses import replace
 
