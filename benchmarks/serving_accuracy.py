@@ -14,6 +14,7 @@ Row kinds and what is predicted (plan/serve_fit.py, which also holds the fit):
 
     python benchmarks/serving_accuracy.py              # the table: every row, prediction, error
     python benchmarks/serving_accuracy.py --calibrate  # fit on calibration rows, rewrite serving_efficiency.toml
+        (per stack only what its rows identify, the rest held: printed with the fit's and the leave-one-out MAPE)
 """
 
 from __future__ import annotations
