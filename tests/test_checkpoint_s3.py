@@ -3,6 +3,7 @@ reach paratrain the usual AWS ways (AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, ...), a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import socket
 
@@ -15,7 +16,11 @@ from paratrain.train.checkpoint import MANIFEST, step_name
 from paratrain.train.faults import FaultInjector
 from paratrain.train.storage import RetryPolicy, Storage, StorageError
 
-moto_server = pytest.importorskip("moto.server")
+# Skipped without moto, found without importing it: the pool's ranks import this module for _rank_main, which
+# needs no S3 server, and importing moto.server cost each rank ~0.6 CPU-s; this process imports it in S3Server.
+# (find_spec of "moto.server" would import moto itself, ~0.3 CPU-s: moto and its server's flask instead)
+pytestmark = pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("moto", "flask")),
+                                reason="moto[server] not installed")
 BUCKET = "paratrain-ckpt"
 reference = test_checkpoint.reference  # the same uninterrupted local run, as a fixture of this module
 
@@ -32,6 +37,8 @@ class S3Server:
         self._server = None
 
     def start(self, *_):
+        from moto import server as moto_server
+
         self._server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=self.port, verbose=False)
         self._server.start()
 
