@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import random
 import sys
 import time
 from collections import defaultdict
@@ -154,6 +155,28 @@ def searches(t: Tally, name, system, model, seq, nodes):
                     <= 1e-9 * c.cost_usd_per_run, where)
 
 
+def optimality(t: Tally, name, system, model, nodes, rng, samples=60):
+    """Random valid layouts that fit, with the search's timing options, are never faster than the search's best."""
+    opts = Options.for_system(system, system_stack=False)
+    found = search(model, system, nodes, 4096, 256, top=1, options=opts, any_stack=True).candidates
+    if not found:
+        return
+    best, devices = found[0], nodes * system.devices_per_node
+    for _ in range(samples):
+        tp, pp = rng.choice([1, 2, 4, 8, 16, 32]), rng.choice([1, 2, 3, 4, 5, 8])
+        kind, zero = rng.choice([("ddp", 0), ("ddp", 1), ("ddp", 2), ("fsdp", 3), ("fsdp", 2)])
+        sched = rng.choice(["1f1b", "gpipe", "interleaved_1f1b", "zbv"]) if pp > 1 else "1f1b"
+        if devices % (tp * pp):
+            continue
+        lay = Layout(tp=tp, pp=pp, sp=tp > 1 and rng.random() < 0.8, microbatch=rng.choice([1, 2, 4]),
+                     recompute=rng.choice(["none", "selective", "full"]), dp_kind=kind, zero_stage=zero,
+                     pp_schedule=sched, virtual_stages={"interleaved_1f1b": rng.choice([2, 4]), "zbv": 2}.get(sched, 1))
+        est = try_estimate(model, system, nodes, 4096, 256, lay, options=opts)
+        if est is not None and est.fits:
+            t.check("plan: no fitting layout is faster than its best", est.step_time_s >= best.step_time_s * (1 - 1e-9),
+                    f"{name} {model} n{nodes}: {lay} {est.step_time_s:.4g} < {best.step_time_s:.4g} s")
+
+
 def serving(t: Tally, name, system, model):
     for tp in (1, 2, 8, 32):
         for weights in ("bf16", "fp8"):
@@ -200,7 +223,7 @@ def main() -> int:
         ["llama3.2-3b", "llama2-7b", "llama3-8b", "llama2-13b", "llama3-70b", "llama3.1-405b", "mixtral-8x7b",
          "qwen3-30b-a3b", "deepseek-v3"]
     seqs = (4096, 32768) if args.quick else (2048, 8192, 32768, 131072)
-    t, slower_fp8, start = Tally(), [], time.perf_counter()
+    t, slower_fp8, start, rng = Tally(), [], time.perf_counter(), random.Random(0)
     for i, name in enumerate(systems):
         print(f"[{i + 1}/{len(systems)}] {name} ({time.perf_counter() - start:.0f} s)", file=sys.stderr, flush=True)
         system = catalog.systems[name]
@@ -220,6 +243,8 @@ def main() -> int:
                         single(t, name, system, model, seq, nodes, lay, est, slower_fp8)
             if model in ("llama2-7b", "llama3-70b", "llama3.1-405b", "mixtral-8x7b", "deepseek-v3"):
                 searches(t, name, system, model, 8192, 16)
+            if model in ("llama2-7b", "llama3-70b", "mixtral-8x7b"):
+                optimality(t, name, system, model, 4, rng)
         for model in ("llama3-8b", "llama3-70b", "mixtral-8x7b"):
             serving(t, name, system, model)
     print("[1M devices] p5.48xlarge x 125,000, trn2-ultraserver x 4,096", file=sys.stderr, flush=True)

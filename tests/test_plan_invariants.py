@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 from dataclasses import replace
 
 import numpy as np
@@ -293,3 +294,30 @@ def test_a_faster_chip_never_makes_a_moe_fsdp_step_slower():
         assert quick.time_breakdown_s["dp_exposed"] - base.time_breakdown_s["dp_exposed"] \
             <= (base.time_breakdown_s["compute"] + base.time_breakdown_s["head"]
                 - quick.time_breakdown_s["compute"] - quick.time_breakdown_s["head"])
+
+
+def test_no_fitting_layout_beats_the_search():
+    """Random valid layouts (tp, pp, microbatch, ZeRO/FSDP, schedule, chunks, SP, recompute) that fit, estimated one
+    by one with the same timing options, are never faster than `plan`'s best: the search misses none."""
+    rng = random.Random(0)
+    for name, model, nodes in (("trn2.48xlarge", "llama3-70b", 8), ("dgx-b200", "mixtral-8x7b", 4)):
+        system = _system(name)
+        opts = Options.for_system(system, system_stack=False)
+        best = search(model, system, nodes, 4096, 256, top=1, options=opts, any_stack=True).candidates[0]
+        devices, tried = nodes * system.devices_per_node, 0
+        while tried < 25:
+            tp, pp = rng.choice([1, 2, 4, 8, 16]), rng.choice([1, 2, 3, 4, 8])
+            kind, zero = rng.choice([("ddp", 0), ("ddp", 1), ("ddp", 2), ("fsdp", 3), ("fsdp", 2)])
+            sched = rng.choice(["1f1b", "gpipe", "interleaved_1f1b", "zbv"]) if pp > 1 else "1f1b"
+            if devices % (tp * pp):
+                continue
+            lay = Layout(tp=tp, pp=pp, sp=tp > 1 and rng.random() < 0.8, microbatch=rng.choice([1, 2, 4]),
+                         recompute=rng.choice(["none", "selective", "full"]), dp_kind=kind, zero_stage=zero,
+                         pp_schedule=sched, virtual_stages={"interleaved_1f1b": 2, "zbv": 2}.get(sched, 1))
+            try:
+                est = estimate(model, system, nodes, 4096, 256, lay, options=opts)
+            except ValueError:
+                continue
+            if est.fits:
+                tried += 1
+                assert est.step_time_s >= best.step_time_s * (1 - 1e-9), (name, lay, best.layout)
