@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from paratrain.cli import main
-from paratrain.hardware.catalog import get_catalog
+from paratrain.hardware.catalog import get_catalog, write_catalog_file
 from paratrain.model.config import PRESETS
 from paratrain.plan import serve
 from paratrain.plan.api import Layout, estimate, search
@@ -321,3 +321,20 @@ def test_no_fitting_layout_beats_the_search():
             if est.fits:
                 tried += 1
                 assert est.step_time_s >= best.step_time_s * (1 - 1e-9), (name, lay, best.layout)
+
+
+def test_a_copied_hardware_file_with_faster_links_plans_no_slower(tmp_path, capsys):
+    """The user's way to try a faster network: copy the system into a hardware file with every link twice as fast
+    (catalog.write_catalog_file, `--hardware FILE`); `plan`'s best is then never slower."""
+    system = _system("trn1.32xlarge")
+    links = [replace(t.interconnect, name=f"{t.interconnect.name}-x2", bw_gbytes_per_s=2 * t.interconnect.bw_gbytes_per_s)
+             for t in system.tiers]
+    fast = replace(system, name="trn1-x2", tiers=tuple(replace(t, interconnect=lk) for t, lk in zip(system.tiers, links,
+                                                                                                      strict=True)))
+    path = write_catalog_file(tmp_path / "trn1-x2.toml", interconnects=links, systems=[fast])
+    best = {}
+    for hardware in ("trn1.32xlarge", str(path)):
+        assert main(["plan", "--model", "llama3-70b", "--hardware", hardware, "--nodes", "16", "--seq", "8192",
+                     "--global-batch", "256", "--top", "1", "--json"]) == 0
+        best[hardware] = json.loads(capsys.readouterr().out)["best"]["step_time_s"]
+    assert best[str(path)] <= best["trn1.32xlarge"]
