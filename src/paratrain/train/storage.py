@@ -14,14 +14,12 @@ import logging
 import os
 import random
 import re
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
-
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.api import CheckpointException
 
 log = logging.getLogger("paratrain.checkpoint")
 T = TypeVar("T")
@@ -47,10 +45,18 @@ PERMANENT_BOTOCORE_ERRORS = {"NoCredentialsError", "PartialCredentialsError", "P
                              "UnknownCredentialError", "InvalidConfigError", "ParamValidationError"}
 
 
+def _is_checkpoint_exception(exc: BaseException) -> bool:
+    """isinstance(exc, DCP's CheckpointException), without importing DCP: while torch.distributed.checkpoint is
+    not loaded no error can be one. Keeps this module (and the run lease, `paratrain checkpoint list`) free of
+    torch at import: a process that only holds or checks a lease paid ~2.6 CPU-s for torch and DCP."""
+    api = sys.modules.get("torch.distributed.checkpoint.api")
+    return api is not None and isinstance(exc, api.CheckpointException)
+
+
 def root_causes(exc: BaseException) -> list[BaseException]:
     """The errors behind `exc`: DCP's CheckpointException gathers every failed rank's error as an
     (exception, traceback) pair (torch 2.13); unwrap those (recursively), anything else is its own cause."""
-    if isinstance(exc, CheckpointException):
+    if _is_checkpoint_exception(exc):
         inner = [f[0] if isinstance(f, tuple) else getattr(f, "exception", f) for f in exc.failures.values()]
         return [c for e in inner if isinstance(e, BaseException) for c in root_causes(e)] or [exc]
     return [exc]
@@ -92,7 +98,9 @@ def retry(fn: Callable[[], T], what: str, policy: RetryPolicy) -> T:
     for attempt in range(policy.attempts):
         try:
             return fn()
-        except (Exception, CheckpointException) as exc:  # noqa: BLE001 - classified just below
+        except BaseException as exc:  # noqa: BLE001 - Exception or DCP's CheckpointException, classified below
+            if not (isinstance(exc, Exception) or _is_checkpoint_exception(exc)):
+                raise
             if not is_transient(exc):
                 raise StorageError(f"{what}: {describe(exc)}") from exc
             if attempt + 1 == policy.attempts:
@@ -174,6 +182,8 @@ class Storage:
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
             return FsspecWriter(path, sync_files=False, **s3_options())
+        from torch.distributed.checkpoint import FileSystemWriter
+
         return FileSystemWriter(path, sync_files=True)  # fsync: the manifest must never precede the data
 
     def reader(self, path: str):
@@ -181,6 +191,8 @@ class Storage:
             from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
             return FsspecReader(path, **s3_options())
+        from torch.distributed.checkpoint import FileSystemReader
+
         return FileSystemReader(path)
 
     # ---- small operations, each retried -------------------------------------------------------------------
