@@ -20,6 +20,7 @@ import torch
 MOE = ['model.preset="tiny-moe"', "model.layers=2", "model.aux_loss_coef=0.1", "train.steps=3"]
 PP3 = "model.layers=3"
 CAPACITY = "model.capacity_factor=1.0"
+MB4 = "train.microbatch=4"  # without dp: 2 microbatches of 4 rows (accumulation still runs), not 4 of 2
 STEPS = 2
 EP2 = [['parallel.ep=2', 'parallel.dp_kind="ddp"'], ['parallel.ep=2', 'parallel.dp_kind="fsdp"', CAPACITY]]
 BF16 = [['parallel.ep=2', 'parallel.dp_kind="ddp"', 'train.dtype="bf16"'],  # autocast
@@ -44,7 +45,8 @@ def _cases(cases):
 
 
 def _references(*models):
-    """The single-device run of each model section (MOE plus `models` entries, each a tuple of model.* keys)."""
+    """The single-device run of each model section (MOE plus `models` entries, each a tuple of model.* keys, and
+    train.* keys where a case sets its microbatch: capacity and the aux loss are per microbatch)."""
     from parity import make_config, reference
 
     refs = {model: reference(make_config(MOE + list(model)), STEPS) for model in models or ((), (CAPACITY,))}
@@ -57,7 +59,7 @@ def _assert_layouts_match(refs, cases, per_rank):
     from parity import assert_cases_match
 
     for i, case in enumerate(cases):
-        ref = refs[tuple(c for c in case if c.startswith("model."))]
+        ref = refs[tuple(c for c in case if c.startswith(("model.", "train.")))]
         assert_cases_match(ref, [case], [[results[i]] for results in per_rank])
         for results in per_rank:
             got = results[i]["grad_norms"][0]
@@ -93,7 +95,7 @@ SPLIT = [['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=1', 'parallel.dp_kind=
          ['parallel.ep=2', 'parallel.tp=2', 'parallel.etp=2', 'parallel.sp=true', 'parallel.dp_kind="fsdp"', CAPACITY],
          ['parallel.cp=2', 'parallel.ep=2', 'parallel.dp_kind="ddp"', CAPACITY],
          ['parallel.cp=2', 'parallel.tp=2', 'parallel.etp=1', 'parallel.ep=4', 'parallel.sp=true',
-          'parallel.dp_kind="fsdp"', CAPACITY]]
+          'parallel.dp_kind="fsdp"', CAPACITY, MB4]]
 
 
 def test_expert_layouts_with_tp_or_cp_ranks_borrowed_and_sp_match_single_device(dist_run):
@@ -101,7 +103,7 @@ def test_expert_layouts_with_tp_or_cp_ranks_borrowed_and_sp_match_single_device(
     capacity): the parity harness on 4 ranks, as above. Making the aux loss's reduction over cp differentiate
     like tp's (identity) fails the CP2 x EP2 case; ranking capacity per rank instead of over the microbatch fails
     the capacity cases."""
-    refs = _references((), (CAPACITY,))  # the same two references as the test above (cached per session)
+    refs = _references((), (CAPACITY,), (CAPACITY, MB4))  # the first two as the test above (cached per session)
     _assert_layouts_match(refs, SPLIT, dist_run(4, _cases, SPLIT))
 
 
