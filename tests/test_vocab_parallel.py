@@ -18,18 +18,19 @@ from paratrain.parallel import check_layout
 LOSS_RTOL, LOSS_ATOL, GRAD_RTOL = 1e-5, 1e-6, 1e-5
 SHAPE, STEPS = ["model.layers=2"], 2
 TIED = ["model.tie_embeddings=true"]
+MB4 = "train.microbatch=4"  # TP without dp: 2 microbatches of 4 rows (accumulation still runs), not 4 of 2
 FSDP_DP = ['parallel.dp_kind="fsdp"', 'parallel.vocab_parallel="dp"']
 CASES = {  # world size -> (untied cases, tied cases)
     2: ([["parallel.dp=2", *FSDP_DP], ["parallel.dp=2", 'parallel.dp_kind="ddp"', 'parallel.vocab_parallel="dp"']],
-        [["parallel.tp=2"], ["parallel.tp=2", "parallel.sp=true"], ["parallel.dp=2", *FSDP_DP]]),
+        [["parallel.tp=2", MB4], ["parallel.tp=2", "parallel.sp=true", MB4], ["parallel.dp=2", *FSDP_DP]]),
     4: ([["parallel.dp=4", *FSDP_DP]],
         [["parallel.tp=2", "parallel.dp=2", 'parallel.dp_kind="fsdp"'], ["parallel.dp=4", *FSDP_DP]]),
 }
 
 
-@pytest.fixture(scope="module")
-def refs():
-    return reference(make_config(SHAPE), STEPS), reference(make_config(SHAPE + TIED), STEPS)
+def _reference(case):
+    """The single-device run of a case's model and microbatches (cached per session)."""
+    return reference(make_config(SHAPE + [c for c in case if c.startswith(("model.", "train."))]), STEPS)
 
 
 def _run(untied, tied):
@@ -37,12 +38,11 @@ def _run(untied, tied):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_vocab_parallel_matches_single_device(dist_run, refs, world):
+def test_vocab_parallel_matches_single_device(dist_run, world):
     untied, tied = CASES[world]
     per_rank = dist_run(world, _run, untied, tied)
-    n = len(untied)
-    assert_cases_match(refs[0], untied, [r[:n] for r in per_rank], LOSS_RTOL, LOSS_ATOL, GRAD_RTOL)
-    assert_cases_match(refs[1], [TIED + c for c in tied], [r[n:] for r in per_rank], LOSS_RTOL, LOSS_ATOL, GRAD_RTOL)
+    for i, case in enumerate(untied + [TIED + c for c in tied]):
+        assert_cases_match(_reference(case), [case], [[r[i]] for r in per_rank], LOSS_RTOL, LOSS_ATOL, GRAD_RTOL)
 
 
 def _full_vocab_tensors(vocab_parallel: str) -> dict:
