@@ -20,6 +20,8 @@ worker that kept the ~130 groups of test_parallel.py's meshes burnt ~0.1 core ju
 epoll_wait/s in one idle worker), and six idle workers cost more CPU than the tests they ran. Destroying the
 groups after a case is not an option: DTensor's sharding-propagation caches compare meshes by value and hand the
 next, equal mesh the destroyed groups ("Could not resolve the process group registered under the name 47").
+Between tasks the ranks are paused (SIGSTOP; `DistPool._pause`): even with shared groups, the idle ranks of the
+2- and 4-rank pools burnt 0.027 CPU-s per second of the session while other tests ran; paused, 0.
 Tried and not kept: one gloo transport device for all of a rank's groups (each device's loop thread wakes every
 10 ms): idle ranks 0.028 -> 0.012 CPU-s per second, but the tasks dearer (the 8-rank pipeline test and
 test_layouts_match_single_device, side by side twice in both orders: 63 -> 71 CPU-s).
