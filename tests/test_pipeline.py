@@ -62,7 +62,7 @@ PP2_MIXED = [
     # FSDP under the split (input/weight) backward: before stage_reshard_after_forward, the last stage's block
     # got no gradient and inner stages' gradients were 54-88% off.
     ["parallel.pp=2", "parallel.dp=2", 'parallel.dp_kind="fsdp"', "train.microbatch=1", *sched("zbv")],
-    ["parallel.pp=2", "parallel.dp=2", 'parallel.dp_kind="ddp"', "train.microbatch=1",
+    ["parallel.pp=2", "parallel.dp=2", 'parallel.dp_kind="ddp"',  # 2 microbatches per rank: m = pp
      *sched("interleaved_1f1b", "parallel.virtual_stages=2")],
 ]
 # On 8 ranks: one block per stage (2 microbatches per rank): blocks per stage are PP2_MIXED's matter
@@ -174,11 +174,13 @@ def test_bf16_autocast_pipeline_close_to_single_device(dist_run):
     """bf16 autocast runs around the whole schedule step (and the TP loss-parallel context with it). Not
     bitwise: stated tolerance rtol 1e-3 on the losses (measured differences ~1e-5 relative)."""
     bf16 = ['train.dtype="bf16"']
-    ref = reference(make_config(bf16), STEPS)["losses"]
-    cases = [bf16 + ["parallel.pp=2", *sched("zbv")], bf16 + ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true"]]
+    cases = [bf16 + ["parallel.pp=2", *sched("zbv")],
+             bf16 + ["parallel.pp=2", "parallel.tp=2", "parallel.sp=true", *ONE_BLOCK_PER_STAGE, TWO_MICROBATCHES]]
     got = dist_run(2, _losses_of, cases[:1])[0] + dist_run(4, _losses_of, cases[1:])[0]
-    for losses in got:
-        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-3, atol=0)
+    for case, losses in zip(cases, got, strict=True):
+        ref = reference(make_config([c for c in case if c.startswith(("model.", "train."))]), STEPS)["losses"]
+        torch.testing.assert_close(torch.tensor(losses), torch.tensor(ref), rtol=1e-3, atol=0, msg=lambda m, c=case:
+                                   f"{' '.join(c)}: {m}")
 
 
 # ---------------------------------------------------------------------------------------------------------
