@@ -23,7 +23,7 @@ from parity import (
 )
 
 from paratrain.cli import main
-from paratrain.config import load_config
+from paratrain.config import effective_dp, load_config
 from paratrain.parallel import check_layout
 
 LOSS_RTOL, LOSS_ATOL, GRAD_RTOL = 1e-5, 1e-6, 1e-5
@@ -97,12 +97,16 @@ def test_layouts_match_single_device(dist_run, world, recompute):
 
 
 def test_zero2_and_hsdp_match_single_device(dist_run):
+    zero2 = ["parallel.dp=4", "parallel.dp_kind=\"fsdp\"", "parallel.reshard_after_forward=false"]
+    # parallel.zero_stage=2 is the same runtime layout (parallelize reads the pair effective_dp returns): checked
+    # here instead of a second, identical 4-rank run
+    assert effective_dp(make_config(["parallel.dp=4", "parallel.zero_stage=2"]).parallel) == ("fsdp", False)
+    assert effective_dp(make_config(zero2).parallel) == ("fsdp", False)
     cases = [
-        ["parallel.dp=4", "parallel.dp_kind=\"fsdp\"", "parallel.reshard_after_forward=false"],
+        zero2,
         ["parallel.dp=4", "parallel.dp_kind=\"hsdp\"", "parallel.dp_replicate=2"],
         ["parallel.tp=2", "parallel.dp=2", "parallel.dp_kind=\"hsdp\"", "parallel.dp_replicate=2",
          "parallel.sp=true"],
-        ["parallel.dp=4", "parallel.zero_stage=2"],
         ["parallel.tp=2", "parallel.dp=2", "parallel.dp_kind=\"fsdp\""],  # TP without SP: plain norm weights
         ["parallel.tp=2", "parallel.dp=2", "parallel.dp_kind=\"ddp\""],
     ]
