@@ -159,6 +159,26 @@ def test_compile_wraps_attention_and_mlp_only():
     assert compiled == {"Attention", "FeedForward"}
 
 
+def test_override_values_read_as_toml_reads_them():
+    """`--set` values: the common forms (true/false, decimal ints, plain "strings") skip the TOML parser and give
+    exactly what tomllib gives; every other form goes to tomllib, and a value that is no TOML is a bare string."""
+    import tomllib
+
+    from paratrain.config.load import parse_override
+
+    def toml(raw):
+        try:
+            return tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            return raw
+
+    for raw in ["true", "false", "True", " true", "0", "-0", "+7", "007", "00", "1_000", "0x1f", "12" * 15, "1e-3",
+                "5.0", "inf", '"fsdp"', '""', '"runs/a b#c"', '"é"', '"a\\"b"', '"tab\there"', '"x"y"', "'lit'",
+                "[1, 2]", '"a" # note', "fsdp", "-", "+", ""]:
+        value = parse_override(f"train.x={raw}")[1]
+        assert (type(value), value) == (type(toml(raw)), toml(raw)), raw
+
+
 def test_config_reference_doc_is_current():
     """docs/config.md is generated from the schema; regenerate with `paratrain config --reference`."""
     from pathlib import Path
