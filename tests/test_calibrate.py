@@ -260,3 +260,23 @@ def test_plan_on_a_probed_file_writes_a_config_that_predicts_against_it(tmp_path
     assert main(["plan", "--model", "tiny", "--hardware", str(hw), "--nodes", "1", "--seq", "128",
                  "--global-batch", "16", "--write-config", str(out), "--json"]) == 0
     assert load_config(str(out), []).metrics.run_dir == f"{run_dir}-2"
+
+
+def test_the_planners_one_layout_select_is_numpys():
+    """plan.numeric.select (the planner's np.select, on Python scalars for one layout): the same value, dtype and
+    type as np.select for 0-d conditions and mixed Python / numpy choices; arrays go to np.select itself."""
+    import random
+
+    from paratrain.plan.numeric import select
+
+    rng = random.Random(0)
+    values = [0, 2, 2.5, -3.0, np.float64(1.5), np.float32(2.5), np.int64(3), np.asarray(4.0), np.asarray(5), True,
+              np.inf, np.asarray(2.0, dtype=np.float32)]
+    conds = [True, False, np.bool_(True), np.bool_(False), np.asarray(True), np.asarray(False)]
+    for _ in range(3000):
+        k = rng.randint(1, 5)
+        cl, ch, d = [rng.choice(conds) for _ in range(k)], [rng.choice(values) for _ in range(k)], rng.choice(values)
+        got, want = select(cl, ch, d), np.select(cl, ch, d)
+        assert (type(got), got.dtype, got.shape) == (type(want), want.dtype, want.shape) and got == want, (cl, ch, d)
+    x = np.arange(4)
+    assert np.array_equal(select([x > 1, x == 0], [x * 2, x - 1], -1), np.select([x > 1, x == 0], [x * 2, x - 1], -1))

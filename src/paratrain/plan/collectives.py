@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from paratrain.hardware.catalog import System
+from paratrain.plan.numeric import select
 
 # NCCL's LL128 protocol carries 120 data bytes in each 128-byte line: its ring bandwidth is 0.92 of Simple's
 # (src/graph/tuning.cc: `busBw * (0.92 /*120.0/128.0*/)`)
@@ -123,7 +124,7 @@ def torus_link_fraction(system: System, tier, members, stride):
         return 1.0
     per_chip = system.devices_per_chip
     chips = np.minimum(members, np.maximum(1.0, members * np.asarray(stride, dtype=float) / per_chip))
-    used = np.select([chips >= tier.domain_devices / per_chip, chips >= 3], [links, 2.0], 1.0)
+    used = select([chips >= tier.domain_devices / per_chip, chips >= 3], [links, 2.0], 1.0)
     return np.minimum(used, links) / links
 
 

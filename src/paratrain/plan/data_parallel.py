@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from paratrain.plan.collectives import collective_time_s
+from paratrain.plan.numeric import select
 
 
 def _calls_s(system, kind, total_bytes, calls, degree, stride):
@@ -60,8 +61,8 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     # ZeRO-1/2, which run as that: each unit gathered once per microbatch, reduce-scattered once per step
     as_fsdp = ((kind >= 1) & (zero == 2)) | (zero12 & opts.zero12_as_fsdp)
     fwd_ag = _calls_s(system, "allgather", param_bytes, units, dp, stride_dp)
-    gathers = np.select([as_fsdp, kind == 1, kind == 2], [m * fwd_ag, m * unit_ag, m * shard_ag], 0.0)
-    reduces = np.select([zero == 0, as_fsdp, zero <= 2, kind == 1, kind == 2],
+    gathers = select([as_fsdp, kind == 1, kind == 2], [m * fwd_ag, m * unit_ag, m * shard_ag], 0.0)
+    reduces = select([zero == 0, as_fsdp, zero <= 2, kind == 1, kind == 2],
                         [reduce_ar, unit_rs, reduce_rs, unit_rs, shard_rs + repl_ar])
     post_step = np.where(zero12 & ~as_fsdp, post_gather, 0.0)  # DeepSpeed/Megatron: gather after the step
     overlap = system.efficiency.dp_overlap if opts.dp_overlap is None else opts.dp_overlap

@@ -9,6 +9,7 @@ import numpy as np
 
 from paratrain.model.config import ModelConfig
 from paratrain.plan.layer import query_dim
+from paratrain.plan.numeric import select
 from paratrain.plan.pipeline import _rank_params, inflight_microbatches
 from paratrain.plan.precision import (
     BF16_BYTES,
@@ -100,12 +101,12 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     if opts.selective_ops:  # torchtitan's per-op SAC keeps the save list's outputs, plus the log-sum-exp (core)
         layer_selective = T * (selective_ops_bytes_per_token(model, tp, sp) + core / tp)
     layer_input = T * 2 * model.hidden * sp_scale
-    per_layer = np.select([rc == 0, rc == 1], [layer_full, layer_selective], layer_input)
+    per_layer = select([rc == 0, rc == 1], [layer_full, layer_selective], layer_input)
     # one layer rebuilt during backward: full recompute its whole block, selective recompute its attention core (the
     # s x s scores of unfused attention are held again for that layer's backward; flash keeps only the log-sum-exp;
     # per-op SAC does not replay attention)
     replayed_core = (opts.attention == "unfused") and not opts.selective_ops
-    rebuilt = np.select([rc == 2, (rc == 1) & replayed_core], [layer_full, T * core / tp], 0.0)
+    rebuilt = select([rc == 2, (rc == 1) & replayed_core], [layer_full, T * core / tp], 0.0)
     logits = T * model.vocab / tp * opts.loss_peak_bytes_per_logit  # the loss backward's peak on the last stage
     one = same_rank(pp, v_shape)
     ranks = []  # (weights, grads, optimizer, activations) of the first, last and inner ranks

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from paratrain.model.config import ModelConfig
+from paratrain.plan.numeric import select
 from paratrain.plan.stages import Loads, rank_times, same_rank
 
 
@@ -21,7 +22,7 @@ def pipeline_bubble_s(sched, pp, v, m, fwd, bwd_input, bwd_weight):
     """
     full = fwd + bwd_input + bwd_weight
     zb = np.where(m >= 2 * pp, np.maximum(0.0, (fwd + bwd_input - 2 * bwd_weight) / 2.0), full / 2.0)
-    per = np.select([sched <= 1, sched == 2, sched >= 3], [full, full / v, zb])
+    per = select([sched <= 1, sched == 2, sched >= 3], [full, full / v, zb])
     return np.where(pp > 1, (pp - 1) * per, 0.0)
 
 
@@ -32,7 +33,7 @@ def _slowest_rank(loads: Loads, pp, v_shape, per_layer, embed, head):
     one = same_rank(pp, v_shape)
     is_last = last >= np.maximum(first, inner)
     is_first = ~is_last & (first >= inner)
-    layers = np.select([is_last, is_first], [loads.last, loads.first], loads.inner)
+    layers = select([is_last, is_first], [loads.last, loads.first], loads.inner)
     embed_on = np.where(is_first | (is_last & one), 1.0, 0.0)
     head_on = np.where(is_last | (is_first & one), 1.0, 0.0)
     return layers, embed_on, head_on
@@ -53,7 +54,7 @@ def _largest_rank(model: ModelConfig, loads: Loads, pp, v_shape):
     step are the slowest)."""
     first, last, inner = _rank_params(model, loads, pp, v_shape)
     params = np.maximum.reduce([first, last, inner])
-    layers = np.select([params == last, params == first], [loads.last, loads.first], loads.inner)
+    layers = select([params == last, params == first], [loads.last, loads.first], loads.inner)
     return params, layers
 
 
@@ -67,4 +68,4 @@ def inflight_microbatches(sched, pp, v, m, rank=0):
     r = np.asarray(rank, dtype=float)
     one_f_one_b = np.minimum(pp - r, m)
     interleaved = np.minimum((2 * (pp - r - 1) + (v - 1) * pp + 1) / v, m)
-    return np.select([sched == 0, sched == 2, sched >= 3], [m, interleaved, np.minimum(pp, m)], one_f_one_b)
+    return select([sched == 0, sched == 2, sched >= 3], [m, interleaved, np.minimum(pp, m)], one_f_one_b)
