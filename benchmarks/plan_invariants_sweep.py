@@ -155,6 +155,21 @@ def searches(t: Tally, name, system, model, seq, nodes):
                     <= 1e-9 * c.cost_usd_per_run, where)
 
 
+def random_layout(rng, devices: int, tps, pps, interleaved_chunks) -> Layout | None:
+    """One random layout (tp, pp, SP, microbatch, recompute, DDP/ZeRO/FSDP, schedule, chunks) for `devices`, or
+    None when tp x pp does not divide them (the caller draws again). Used by the sweep and by
+    tests/test_plan_invariants.py's search-optimality test."""
+    tp, pp = rng.choice(tps), rng.choice(pps)
+    kind, zero = rng.choice([("ddp", 0), ("ddp", 1), ("ddp", 2), ("fsdp", 3), ("fsdp", 2)])
+    sched = rng.choice(["1f1b", "gpipe", "interleaved_1f1b", "zbv"]) if pp > 1 else "1f1b"
+    if devices % (tp * pp):
+        return None
+    return Layout(tp=tp, pp=pp, sp=tp > 1 and rng.random() < 0.8, microbatch=rng.choice([1, 2, 4]),
+                  recompute=rng.choice(["none", "selective", "full"]), dp_kind=kind, zero_stage=zero,
+                  pp_schedule=sched,
+                  virtual_stages={"interleaved_1f1b": rng.choice(interleaved_chunks), "zbv": 2}.get(sched, 1))
+
+
 def optimality(t: Tally, name, system, model, nodes, rng, samples=60):
     """Random valid layouts that fit, with the search's timing options, are never faster than the search's best."""
     opts = Options.for_system(system, system_stack=False)
@@ -163,14 +178,9 @@ def optimality(t: Tally, name, system, model, nodes, rng, samples=60):
         return
     best, devices = found[0], nodes * system.devices_per_node
     for _ in range(samples):
-        tp, pp = rng.choice([1, 2, 4, 8, 16, 32]), rng.choice([1, 2, 3, 4, 5, 8])
-        kind, zero = rng.choice([("ddp", 0), ("ddp", 1), ("ddp", 2), ("fsdp", 3), ("fsdp", 2)])
-        sched = rng.choice(["1f1b", "gpipe", "interleaved_1f1b", "zbv"]) if pp > 1 else "1f1b"
-        if devices % (tp * pp):
+        lay = random_layout(rng, devices, [1, 2, 4, 8, 16, 32], [1, 2, 3, 4, 5, 8], [2, 4])
+        if lay is None:
             continue
-        lay = Layout(tp=tp, pp=pp, sp=tp > 1 and rng.random() < 0.8, microbatch=rng.choice([1, 2, 4]),
-                     recompute=rng.choice(["none", "selective", "full"]), dp_kind=kind, zero_stage=zero,
-                     pp_schedule=sched, virtual_stages={"interleaved_1f1b": rng.choice([2, 4]), "zbv": 2}.get(sched, 1))
         est = try_estimate(model, system, nodes, 4096, 256, lay, options=opts)
         if est is not None and est.fits:
             t.check("plan: no fitting layout is faster than its best", est.step_time_s >= best.step_time_s * (1 - 1e-9),

@@ -299,6 +299,8 @@ def test_a_faster_chip_never_makes_a_moe_fsdp_step_slower():
 def test_no_fitting_layout_beats_the_search():
     """Random valid layouts (tp, pp, microbatch, ZeRO/FSDP, schedule, chunks, SP, recompute) that fit, estimated one
     by one with the same timing options, are never faster than `plan`'s best: the search misses none."""
+    from benchmarks.plan_invariants_sweep import random_layout
+
     rng = random.Random(0)
     for name, model, nodes in (("trn2.48xlarge", "llama3-70b", 8), ("dgx-b200", "mixtral-8x7b", 4)):
         system = _system(name)
@@ -306,14 +308,9 @@ def test_no_fitting_layout_beats_the_search():
         best = search(model, system, nodes, 4096, 256, top=1, options=opts, any_stack=True).candidates[0]
         devices, tried = nodes * system.devices_per_node, 0
         while tried < 25:
-            tp, pp = rng.choice([1, 2, 4, 8, 16]), rng.choice([1, 2, 3, 4, 8])
-            kind, zero = rng.choice([("ddp", 0), ("ddp", 1), ("ddp", 2), ("fsdp", 3), ("fsdp", 2)])
-            sched = rng.choice(["1f1b", "gpipe", "interleaved_1f1b", "zbv"]) if pp > 1 else "1f1b"
-            if devices % (tp * pp):
+            lay = random_layout(rng, devices, [1, 2, 4, 8, 16], [1, 2, 3, 4, 8], [2])
+            if lay is None:
                 continue
-            lay = Layout(tp=tp, pp=pp, sp=tp > 1 and rng.random() < 0.8, microbatch=rng.choice([1, 2, 4]),
-                         recompute=rng.choice(["none", "selective", "full"]), dp_kind=kind, zero_stage=zero,
-                         pp_schedule=sched, virtual_stages={"interleaved_1f1b": 2, "zbv": 2}.get(sched, 1))
             try:
                 est = estimate(model, system, nodes, 4096, 256, lay, options=opts)
             except ValueError:
