@@ -868,6 +868,52 @@ def test_nxd_pipeline_sends_are_pair_allgathers(box):
     assert stack_options("nxd", box.chip)["p2p_pair_allgather"] is True
 
 
+def test_nxd_sums_kv_replica_gradients_where_tp_exceeds_the_kv_heads():
+    """NxD's GQAQKVColumnParallelLinear replicates each K/V head on tp / kv-heads ranks and all-reduces their K and V
+    output gradients in fp32 before the QKV backward (qkv_linear_utils.py): per layer and microbatch one all-reduce of
+    2 x tokens x head_dim x 4 bytes over the replicas (interleaved, tp / replicas ranks apart on Trn1) plus the casts
+    to fp32 and back, exposed. None at TP 8 (one KV head per rank, no replica), none for a model with as many KV
+    heads as tp, none on other stacks."""
+    from paratrain.plan.kernels import memory_time_s
+    from paratrain.plan.stacks import stack_options
+    from paratrain.plan.step import kv_replica_grad_s
+
+    trn1 = resolve_system("trn1.32xlarge")
+    model, T = PRESETS["llama3-8b"], 8192.0  # 8 KV heads of 128
+    nxd = Options.for_system(trn1, stack="nxd")
+    assert nxd.kv_replica_grad_bytes == 4 and not stack_options("megatron", trn1.chip).get("kv_replica_grad_bytes")
+    elements = 2 * T * 128
+    expected = collective_time_s(trn1, "allreduce", elements * 4, 4, 8) + memory_time_s(trn1, elements * 2 * 6, 2)
+    assert float(kv_replica_grad_s(trn1, model, nxd, T, 32)) == pytest.approx(expected)
+    assert float(kv_replica_grad_s(trn1, model, nxd, T, 8)) == 0.0
+    assert float(kv_replica_grad_s(trn1, PRESETS["llama2-7b"], nxd, T, 32)) == 0.0  # 32 KV heads
+    assert float(kv_replica_grad_s(trn1, model, Options(), T, 32)) == 0.0
+    lay = Layout(tp=32, pp=1, sp=True, microbatch=1, recompute="selective")
+    with_ = estimate(model, trn1, 32, 8192, 1024, lay, nxd)
+    without = estimate(model, trn1, 32, 8192, 1024, lay, dataclasses.replace(nxd, kv_replica_grad_bytes=0))
+    added = with_.time_breakdown_s["tp_comm"] - without.time_breakdown_s["tp_comm"]
+    assert added == pytest.approx(with_.microbatches * model.layers * expected)
+    assert with_.step_time_s > without.step_time_s
+
+
+def test_nxd_cross_entropy_runs_on_fp32_logits():
+    """NxD's Llama examples cast the logits to fp32 before parallel_cross_entropy: 28 bytes of HBM traffic per
+    logit (plan.stacks.NXD_CE_BYTES) against the default's 12, on the head's memory-bound time."""
+    from paratrain.plan.kernels import memory_time_s
+    from paratrain.plan.stacks import NXD_CE_BYTES
+
+    trn1 = resolve_system("trn1.32xlarge")
+    model = PRESETS["llama3-8b"]
+    nxd = Options.for_system(trn1, stack="nxd")
+    assert nxd.ce_bytes_per_logit == NXD_CE_BYTES == 28
+    lay = Layout(tp=32, pp=1, sp=True, microbatch=1, recompute="selective")
+    a = estimate(model, trn1, 32, 8192, 1024, lay, nxd)
+    b = estimate(model, trn1, 32, 8192, 1024, lay, dataclasses.replace(nxd, ce_bytes_per_logit=12.0))
+    logits = 8192 * model.vocab / 32
+    per_mb = 2 * (memory_time_s(trn1, logits * 28 / 2, 2) - memory_time_s(trn1, logits * 12 / 2, 2))
+    assert a.time_breakdown_s["head"] - b.time_breakdown_s["head"] == pytest.approx(a.microbatches * per_mb)
+
+
 def test_a_tp_group_on_part_of_the_neuronlink_torus_drives_fewer_links():
     """Neuron runs rings as edge-disjoint cycles: the whole 4 x 4 torus of a trn1 node has two (all 4 links of a
     chip), a group on 3-8 chips one (2 links), two chips one link; a switched fabric (NVSwitch) gives every

@@ -170,6 +170,12 @@ class Options:
     cp_kv_repeated: the attention op receives K and V already repeated to the query heads (torchtitan's Llama runs
     repeat_kv before SDPA, and torch's context_parallel wraps SDPA), so context parallelism exchanges K/V at the
     query width, not GQA's.
+    kv_replica_grad_bytes: where tp exceeds the KV heads and the stack replicates each K/V head on tp / kv-heads
+    ranks (NxD's GQAQKVColumnParallelLinear, kv_size_multiplier), the backward all-reduces the K and V output
+    gradients over those replicas before the QKV GEMMs' backward (neuronx_distributed/modules/qkv_linear_utils.py:
+    xm.all_reduce of grad_output_k, grad_output_v over get_kv_shared_replica_groups, cast to reduce_dtype, whose
+    default is float32): bytes per element of that all-reduce (4; 0: no such all-reduce, the stack replicates no
+    K/V head or the model has enough of them).
     fp8_tp_allgather: with fp8 and SP, the layers' TP all-gathers carry FP8 (1 byte per element), the
     reduce-scatters BF16: torchao's Float8ColwiseParallel / PrepareFloat8ModuleInput cast the input before its
     all-gather, and Float8RowwiseParallel casts the output gradient (NoopFwToFloat8BwDynamic) before the
@@ -217,6 +223,7 @@ class Options:
     cp_kv_repeated: bool = False
     master_weights: bool = True
     fused_softmax: bool = True
+    kv_replica_grad_bytes: float = 0.0
 
     @classmethod
     def for_system(cls, system: System, attention: str | None = None, stack: str | None = None,
@@ -261,6 +268,8 @@ class Options:
             raise ValueError(f"ce_bytes_per_logit = {self.ce_bytes_per_logit}: allowed: a number > 0")
         if not self.loss_peak_bytes_per_logit > 0:
             raise ValueError(f"loss_peak_bytes_per_logit = {self.loss_peak_bytes_per_logit}: allowed: a number > 0")
+        if self.kv_replica_grad_bytes not in (0, 2, 4):
+            raise ValueError(f"kv_replica_grad_bytes = {self.kv_replica_grad_bytes}: allowed: 0, 2, 4")
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"grad_bytes = {self.grad_bytes}: allowed: 2, 4")
         if self.dp_overlap is not None and not 0 <= self.dp_overlap <= 1:

@@ -67,6 +67,21 @@ STACKS: dict[str, Stack] = {
 # Megatron-Bridge v0.2.0), bf16 gradients (grad_bytes 2); Megatron-LM alone defaults to max(40M, 1M x dp), the
 # Options default. Overlap flags and their dispatch order: plan.data_parallel._megatron_dp_exposed_s.
 MEGATRON_BUCKET_PARAMS = 128 * 2**20
+# kv_replica_grad_bytes: NxD's GQAQKVColumnParallelLinear (neuronx_distributed/modules/qkv_linear.py) replicates each
+# K/V head on kv_size_multiplier ranks where tp exceeds the KV heads (its Llama 3 scripts: --kv_replicator 4 at
+# TP32) and in the backward sums their K/V output gradients over those ranks: since the 2.24 release (c9ee222,
+# qkv_linear_utils.py) one xm.all_reduce of both cast to reduce_dtype, float32 by default; in 2.19-2.21 (0f2a90f,
+# 3aa65c6) two all-reduces, one each, in the gradients' own dtype (bf16: about the same time, one more call floor).
+# Timed as the current code. Megatron-Core and torchtitan split KV heads over TP ranks without replicas.
+NXD_KV_REDUCE_BYTES = 4
+# ce_bytes_per_logit: NxD's Llama examples (examples/training/llama/modeling_llama_nxd.py, 2.20 4f95471 to 2.29) cast the
+# vocab-parallel logits to fp32 (logits.to(torch.float32), after the SP transpose) and run parallel_cross_entropy
+# (neuronx_distributed/parallel_layers/loss_functions.py): max over the vocabulary, sub_, exp, sum, div_ kept for the
+# backward, whose in-place target scatter and mul_ by the loss gradient feed the cast back to bf16. As XLA fuses it
+# (an elementwise chain fuses into its consumer; each reduction reads its input once), per logit: the cast read 2,
+# write 4; the max read 4; the exp-sum read 4; the normalised softmax read 4, write 4; backward the softmax read 4 and
+# the bf16 gradient written 2: 28 bytes (the default's 12 counts one fp32 softmax read and write and a gradient write)
+NXD_CE_BYTES = 28.0
 # eager_rope_bytes (plan.options.EAGER_ROPE_BYTES): torchtitan's apply_rotary_emb (torchtitan/models/llama3/model.py)
 # casts q and k to fp32 (read 2, write 4 bytes per element), multiplies them as complex numbers by freqs_cis (read 4,
 # write 4; view_as_complex / view_as_real are views) and casts back (read 4, write 2): 20 bytes per element
@@ -83,7 +98,7 @@ PYTORCH_LOSS_PEAK_BYTES = 12.0
 # and what its published Llama tables name "selective op"): plan.options.Options.selective_ops
 STACK_OPTIONS: dict[str, dict] = {
     "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "p2p_pair_allgather": True,
-            "tp_bwd_overlap": True},
+            "tp_bwd_overlap": True, "kv_replica_grad_bytes": NXD_KV_REDUCE_BYTES, "ce_bytes_per_logit": NXD_CE_BYTES},
     "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "tp_overlap_sms": TE_OVERLAP_SMS, "overlap_param_gather": True, "fp8_weight_cache": True,
                  "fp8_param_gather": True,
                  "bucket_bytes": MEGATRON_BUCKET_PARAMS * 2, "moe_gemm_per_expert": True, "ce_bytes_per_logit": 10.0, "wgrad_accumulation_fusion": True,

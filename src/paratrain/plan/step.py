@@ -165,6 +165,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         hidden = lambda c, gemm: np.maximum(0.0, c - gemm) + c / tp  # noqa: E731
         tp_fwd = np.where((tp > 1) & sp, hidden(comm, mm), tp_fwd)
         tp_bwd = np.where((tp > 1) & sp, hidden(comm, 2 * mm) * replay, tp_bwd)
+    tp_bwd = tp_bwd + kv_replica_grad_s(system, model, opts, T, tp)  # NxD's K/V replicas (exposed)
     # Embedding and head under TP: the vocabulary-parallel embedding's all-reduce (reduce-scatter with SP);
     # with SP the final norm's output is gathered for the head; vocabulary-parallel cross-entropy all-reduces
     # three [tokens] fp32 vectors (max logit, sum of exponentials, target logit); backward, the head's input
@@ -363,3 +364,23 @@ def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd):
             fwd = np.maximum(0.0, gather - core_fwd / cp)
             bwd = np.maximum(0.0, gather - core_bwd / cp) + np.maximum(0.0, dkv_ring - core_bwd * (cp - 1) / cp)
     return np.where(cp > 1, fwd, 0.0), np.where(cp > 1, bwd, 0.0)
+
+
+def kv_replica_grad_s(system, model, opts, T, tp):
+    """Exposed backward time per layer of summing the K/V output gradients over the ranks that hold replicas of one
+    K/V head (Options.kv_replica_grad_bytes; NxD's GQAQKVColumnParallelLinear where tp exceeds the KV heads, see
+    plan.stacks): one all-reduce of the rank's K and V gradients (T tokens, its one KV head's width each, gathered
+    under SP) over tp / kv-heads replicas, cast to the reduce dtype and back around it. The QKV backward's two GEMMs
+    both need the summed gradient, so nothing hides it. The replicas are tp / replicas ranks apart (NxD's
+    arrange_kv_groups on Trn1: "(K0,K1,K2,K3)(K0,K1,K2,K3)...", interleaved; Trn2 places them on adjacent ranks,
+    which this does not tell apart)."""
+    tp = np.asarray(tp, dtype=float)
+    replicas = tp / np.minimum(tp, model.n_kv_heads)
+    if not opts.kv_replica_grad_bytes or not np.any(replicas > 1):
+        return np.zeros_like(tp)
+    elements = 2 * T * model.kv_dim / np.minimum(tp, model.n_kv_heads)  # K and V, one head's width each
+    reduce = collective_time_s(system, "allreduce", elements * opts.kv_replica_grad_bytes, replicas,
+                               tp / replicas)
+    cast = memory_time_s(system, elements * 2 * (BF16_BYTES + opts.kv_replica_grad_bytes), 2) \
+        if opts.kv_replica_grad_bytes != BF16_BYTES else 0.0
+    return np.where(replicas > 1, reduce + cast, 0.0)
