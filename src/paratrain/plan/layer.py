@@ -120,6 +120,28 @@ def unfused_rope_s(model: ModelConfig, system: System, T, tp):
     return fwd, bwd
 
 
+def layer_kernels(model: ModelConfig, opts: Options) -> int:
+    """Kernels one layer's forward launches on one device, as the compute model counts them: its matmuls (eager's
+    separate q/k/v and gate/up ones included), the attention core's two, its elementwise kernels and the FP8 casts."""
+    kernels = EAGER_ELEMENTWISE_KERNELS if opts.eager else elementwise_bytes_per_token(
+        model, model.max_seq, opts.attention, opts.fused_softmax)[3]
+    matmuls = len(layer_matmuls(model, model.max_seq, opts.attention)) + (EAGER_EXTRA_MATMULS if opts.eager else 0)
+    return matmuls + 2 + kernels
+
+
+def host_issue_s(model: ModelConfig, opts: Options, tp_calls_fwd, rc):
+    """(forward s, backward s) the host needs to issue one layer's kernels and TP collective calls for one
+    microbatch (Options.host_launch_s each): forward layer_kernels plus its TP calls; backward twice the forward's
+    kernels (autograd's input- and weight-gradient kernels per matmul, one backward kernel or two per elementwise
+    op) and its TP calls, plus what recompute replays (full: the forward again; selective: the attention core's
+    two matmuls and its softmax). rc: RECOMPUTE codes (2 full, 1 selective)."""
+    fwd_kernels = layer_kernels(model, opts)
+    replay = np.where(rc == 2, fwd_kernels + tp_calls_fwd, np.where(rc == 1, 3.0, 0.0))
+    fwd = opts.host_launch_s * (fwd_kernels + tp_calls_fwd)
+    bwd = opts.host_launch_s * (2.0 * fwd_kernels + tp_calls_fwd + replay)
+    return fwd, bwd
+
+
 def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     """Forward compute time of one layer on one device, split into matmuls, attention core and elementwise."""
     matmuls, cast_bytes, mlp, column = 0.0, 0.0, 0.0, []

@@ -176,6 +176,11 @@ class Options:
     xm.all_reduce of grad_output_k, grad_output_v over get_kv_shared_replica_groups, cast to reduce_dtype, whose
     default is float32): bytes per element of that all-reduce (4; 0: no such all-reduce, the stack replicates no
     K/V head or the model has enough of them).
+    host_launch_s: host (CPU) time the stack's eager training loop spends issuing one of a layer's kernels or
+    collective calls (Python, the dispatcher, autograd, the launch). CUDA launches are asynchronous, so the GPU only
+    runs ahead of the host while its kernels take longer than the host needs to issue them; a layer pass whose
+    kernels are shorter waits for the host (plan.layer.host_issue_s: the pass takes the longer of the two). 0: not
+    modelled (the host assumed always ahead). Megatron-LM 2021-22 on A100 (the benchmark's MEGATRON options) sets it.
     fp8_tp_allgather: with fp8 and SP, the layers' TP all-gathers carry FP8 (1 byte per element), the
     reduce-scatters BF16: torchao's Float8ColwiseParallel / PrepareFloat8ModuleInput cast the input before its
     all-gather, and Float8RowwiseParallel casts the output gradient (NoopFwToFloat8BwDynamic) before the
@@ -224,6 +229,7 @@ class Options:
     master_weights: bool = True
     fused_softmax: bool = True
     kv_replica_grad_bytes: float = 0.0
+    host_launch_s: float = 0.0
 
     @classmethod
     def for_system(cls, system: System, attention: str | None = None, stack: str | None = None,
@@ -272,6 +278,8 @@ class Options:
             raise ValueError(f"kv_replica_grad_bytes = {self.kv_replica_grad_bytes}: allowed: 0, 2, 4")
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"grad_bytes = {self.grad_bytes}: allowed: 2, 4")
+        if not self.host_launch_s >= 0:
+            raise ValueError(f"host_launch_s = {self.host_launch_s}: allowed: a number >= 0 (seconds)")
         if self.dp_overlap is not None and not 0 <= self.dp_overlap <= 1:
             raise ValueError(f"dp_overlap = {self.dp_overlap}: allowed: a number in [0, 1]")
         if self.matmul_eff is not None and not 0 < self.matmul_eff <= 1:

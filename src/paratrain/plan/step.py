@@ -36,6 +36,7 @@ from paratrain.plan.layer import (
     _op_sac_recomputed,
     _per_layer_compute,
     cp_merge_s,
+    host_issue_s,
     query_dim,
     unfused_rope_s,
 )
@@ -181,6 +182,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
 
     layer_fwd = fwd_compute + tp_fwd + cp_fwd + a2a_fwd
     layer_bwd = bwd_compute + tp_bwd + cp_bwd + a2a_bwd
+    if opts.host_launch_s:  # an eager loop whose host issues kernels slower than the GPU runs them: the GPU waits
+        host_fwd, host_bwd = host_issue_s(model, opts, np.where(tp > 1, np.where(sp, 4.0, 2.0), 0.0), rc)
+        layer_fwd, layer_bwd = np.maximum(layer_fwd, host_fwd), np.maximum(layer_bwd, host_bwd)
 
     # -- first/last stage extras: embedding lookup, output projection (logits) and cross-entropy --
     logits_mm = matmul_time_s(system, T, V / tp, h, opts=opts)
