@@ -786,7 +786,7 @@ def test_context_parallel_kv_exchange_per_stack():
     p5 = resolve_system("p5.48xlarge")
     model = PRESETS["llama3-8b"]
     seq, cp, tp, m = 65536, 4, 8, 2
-    lay = Layout(tp=tp, cp=cp, sp=True, microbatch=1, recompute="full", zero_stage=1)
+    lay = Layout(tp=tp, cp=cp, sp=True, microbatch=1, recompute="none", zero_stage=1)
     times = {kind: estimate(model, p5, cp * tp // 8, seq, m, lay, Options(cp_comm=kind)).time_breakdown_s["cp_comm"]
              for kind in ("ring", "allgather", "allgather_rotate")}
     kv_local = 2 * (seq / cp) * model.kv_dim / min(tp, model.n_kv_heads) * 2
@@ -804,6 +804,32 @@ def test_context_parallel_kv_exchange_per_stack():
     assert "cp_comm" not in stack_options("megatron", p5.chip) and Options().cp_comm == "ring"
     with pytest.raises(ValueError, match="cp_comm = 'a2a': allowed: ring, allgather, allgather_rotate"):
         Options(cp_comm="a2a")
+
+
+def test_context_parallel_exchange_replayed_by_recompute_and_the_last_dkv_rotation_exposed():
+    """Recompute that replays the attention op replays its K/V exchange: full recompute and Korthikanti's selective
+    (the attention core) gather again, torchtitan's per-op SAC (SDPA's outputs kept) does not. torch's ring backward
+    rotates dK/dV (fp32) once per step and waits for the last rotation after its loop, so at least one fp32 dK/dV hop
+    per layer backward is exposed whatever the attention hides (_templated_ring_attention_backward)."""
+    p5 = resolve_system("p5.48xlarge")
+    model = PRESETS["llama3-8b"]
+    seq, cp, tp, m = 65536, 4, 8, 2  # TP 8 fills a node: the CP ranks talk over the network
+
+    def cp_time(recompute, kind, **kw):
+        lay = Layout(tp=tp, cp=cp, sp=True, microbatch=1, recompute=recompute, zero_stage=1)
+        est = estimate(model, p5, cp * tp // 8, seq, m, lay, Options(cp_comm=kind, **kw))
+        return est.time_breakdown_s["cp_comm"]
+    kv_local = 2 * (seq / cp) * model.kv_dim / min(tp, model.n_kv_heads) * 2
+    gather = collective_time_s(p5, "allgather", cp * kv_local, cp, tp)
+    scatter = collective_time_s(p5, "reducescatter", cp * kv_local, cp, tp)
+    calls = m * model.layers
+    assert cp_time("none", "allgather") == pytest.approx(calls * (gather + scatter))
+    assert cp_time("full", "allgather") == pytest.approx(calls * (2 * gather + scatter))
+    assert cp_time("selective", "allgather") == pytest.approx(calls * (2 * gather + scatter))
+    assert cp_time("selective", "allgather", selective_ops=True) == pytest.approx(calls * (gather + scatter))
+    last_hop = float(p2p_time_s(p5, 2 * kv_local, tp, cp))
+    assert cp_time("none", "allgather_rotate") >= calls * last_hop > 0
+    assert cp_time("full", "allgather_rotate") > cp_time("none", "allgather_rotate")
 
 
 def test_pytorch_native_stacks_share_the_kernel_rates():

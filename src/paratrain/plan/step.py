@@ -179,6 +179,10 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
 
     # -- context parallel: the K/V exchange of the attention core, as the stack runs it (Options.cp_comm) --
     cp_fwd, cp_bwd = _context_parallel_s(system, model, opts, T, tp, cp, core, core_bwd * (core - merge_fwd) + merge_bwd)
+    # recompute that replays the attention op replays its K/V exchange too (torch.utils.checkpoint reruns the forward,
+    # and with it the ring or all-gather inside the attention op: full recompute, and Korthikanti's selective, which
+    # replays the attention core); torchtitan's per-op SAC saves SDPA's outputs, so its exchange is not replayed
+    cp_bwd = cp_bwd + np.where((rc == 2) | ((rc == 1) & (not opts.selective_ops)), cp_fwd, 0.0)
 
     layer_fwd = fwd_compute + tp_fwd + cp_fwd + a2a_fwd
     layer_bwd = bwd_compute + tp_bwd + cp_bwd + a2a_bwd
@@ -352,7 +356,8 @@ def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd):
     torchtitan's default context_parallel_rotate_method: "all-gather all kv shards on ranks after the first
     sub-SDPA computation"): the gather hides only behind the local block's attention (1/cp of it); backward
     gathers K/V again the same way and rotates dK/dV around a ring in fp32 (its dkv_rotater is always
-    ALL_TO_ALL, convert_to_f32), hidden behind the other blocks' backward."""
+    ALL_TO_ALL, convert_to_f32), each rotation hidden behind the next block's backward but the last, which the op
+    waits for after its loop (_templated_ring_attention_backward at the torch of Dec 2024 and since)."""
     kv_width = query_dim(model) / tp if opts.cp_kv_repeated else model.kv_dim / np.minimum(tp, model.n_kv_heads)
     kv_local = 2 * T * kv_width * BF16_BYTES  # K and V of the local tokens, as they reach the attention op
     if opts.cp_comm == "ring":
@@ -364,9 +369,12 @@ def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd):
             fwd = gather
             bwd = collective_time_s(system, "reducescatter", cp * kv_local, cp, tp)
         else:
-            dkv_ring = (cp - 1) * p2p_time_s(system, 2 * kv_local, tp, cp)  # fp32: twice the bf16 K/V bytes
+            dkv_one = p2p_time_s(system, 2 * kv_local, tp, cp)  # fp32: twice the bf16 K/V bytes
             fwd = np.maximum(0.0, gather - core_fwd / cp)
-            bwd = np.maximum(0.0, gather - core_bwd / cp) + np.maximum(0.0, dkv_ring - core_bwd * (cp - 1) / cp)
+            # cp rotations: the one sent after step i hides behind step i + 1's block; the last is waited for after
+            # the loop (`dkv_rotater.next_buffer()` before the return), with no block left to hide behind
+            bwd = (np.maximum(0.0, gather - core_bwd / cp) + np.maximum(0.0, (cp - 1) * dkv_one - core_bwd * (cp - 1) / cp)
+                   + dkv_one)
     return np.where(cp > 1, fwd, 0.0), np.where(cp > 1, bwd, 0.0)
 
 
