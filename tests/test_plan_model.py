@@ -845,6 +845,28 @@ def test_pytorch_native_stacks_share_the_kernel_rates():
         assert rates["megatron"] is None
 
 
+def test_megatron_attention_runs_at_cudnn_rate_on_hopper():
+    """Megatron/NeMo attention is Transformer Engine's cuDNN fused attention, which TE prefers on Hopper: timed at
+    cuDNN's published BF16 causal forward rate there (plan.stacks.CUDNN_HOPPER_EFF, below the GEMMs' 0.70), the
+    PyTorch-native stacks at FlashAttention-2's; elsewhere (B200, calibrated on its own rows) at the chip's rate.
+    Slower attention makes a long-sequence step longer, a short-sequence one barely."""
+    from paratrain.plan import stacks
+
+    h100, b200 = resolve_system("p5.48xlarge").chip, resolve_system("dgx-b200").chip
+    assert stacks.stack_options("megatron", h100)["attention_eff"] == pytest.approx(539.0 / 989.0)
+    assert stacks.CUDNN_HOPPER_EFF < h100.efficiency.matmul_eff_max
+    assert "attention_eff" not in stacks.stack_options("megatron", b200)
+    assert stacks.stack_options("fsdp2", h100)["attention_eff"] < stacks.CUDNN_HOPPER_EFF
+    p5 = resolve_system("p5.48xlarge")
+    lay = Layout(tp=8, cp=1, sp=True, microbatch=1, recompute="none", zero_stage=1)
+
+    def step(seq, **kw):
+        return estimate(PRESETS["llama3-8b"], p5, 1, seq, 8, lay, Options.for_system(p5, **kw)).step_time_s
+    long_ratio = step(65536, stack="megatron") / step(65536, stack="megatron", attention_eff=0.7)
+    short_ratio = step(2048, stack="megatron") / step(2048, stack="megatron", attention_eff=0.7)
+    assert long_ratio > short_ratio > 1.0
+
+
 def test_torch_ring_attention_merges_cost_per_step():
     """torch's context_parallel (allgather_rotate, torchtitan) merges every ring step's output into an fp32
     accumulator and accumulates dQ/dK/dV in fp32 per step (plan.layer.CP_MERGE_*): memory-bound time that grows

@@ -115,9 +115,16 @@ MLP_RECOMPUTE_STACKS = {"nxd"}
 GPU_ONLY = {"tp_comm_overlap", "moe_gemm_per_expert"}  # NVIDIA userbuffers / symmetric memory; Transformer Engine
 # PyTorch SDPA's flash backend (what torchtitan runs) is FlashAttention-2, which reaches ~35% of peak on Hopper
 # (Shah et al. 2024, FlashAttention-3, abstract: "FlashAttention-2 achieving only 35% utilization on H100");
-# Megatron/NeMo run cuDNN fused attention (FlashAttention-3 class, up to 75%: close to the GEMMs' efficiency,
-# so the chip's matmul efficiency is used); on A100 FlashAttention-2 reaches 50-73% (Dao 2023) = its GEMMs'.
+# Megatron/NeMo run Transformer Engine's cuDNN fused attention: on Hopper TE prefers it to FlashAttention
+# (transformer_engine/pytorch/attention/dot_product_attention/utils.py get_attention_backend: "Disabling
+# FlashAttention to give FusedAttention preference on Hopper+ for performance reasons"). Its measured BF16 rate
+# (CUDNN_HOPPER_EFF) is below FlashAttention-3's 75% headline, which is head dim 256 without a mask. On A100
+# FlashAttention-2 reaches 50-73% (Dao 2023) = its GEMMs'.
 FA2_HOPPER_EFF = 0.35
+# cuDNN's fused attention forward, BF16, head dim 128, causal, 16k tokens: 539 TFLOP/s on an H100 SXM5 (Shah et al.
+# 2024, FlashAttention-3, Fig. 5, the cuDNN bars: 518 / 529 / 539 at 4k / 8k / 16k; 595 without the mask), of the
+# 989 dense BF16 peak. Its backward (Fig. 6: 516 at 16k, no mask) is 0.87 of that forward, FLASH_BWD_EFF's ratio.
+CUDNN_HOPPER_EFF = 539.0 / 989.0
 # PyTorch-native stacks (torchtitan, Composer: eager or torch.compile kernels, cuBLAS GEMMs, no Transformer Engine)
 # reach less of a Hopper chip than the GEMM efficiency its catalog entry assumes (0.70, Megatron/TE class): their
 # GEMMs and attention are scaled by this. Calibrated: `benchmarks/planner_accuracy.py --calibrate-h100` on the
@@ -153,6 +160,8 @@ def stack_options(name: str, chip) -> dict:
     if name in PYTORCH_NATIVE and chip.name in HOPPER_CHIPS:
         opts["attention_eff"] = FA2_HOPPER_EFF * PYTORCH_HOPPER_SCALE
         opts["matmul_eff"] = chip.efficiency.matmul_eff_max * PYTORCH_HOPPER_SCALE
+    if name == "megatron" and chip.name in HOPPER_CHIPS:
+        opts["attention_eff"] = CUDNN_HOPPER_EFF
     if name in PYTORCH_NATIVE and chip.name in AMPERE_CHIPS:
         opts["matmul_eff"] = chip.efficiency.matmul_eff_max * PYTORCH_AMPERE_SCALE
     return opts
