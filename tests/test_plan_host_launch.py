@@ -38,6 +38,9 @@ def test_small_layers_take_the_host_time_and_large_ones_do_not():
     base = _step(small, MEGATRON_2021, tp=2).step_time_s
     slow = [_step(small, dataclasses.replace(MEGATRON_2021, host_launch_s=h), tp=2).step_time_s for h in (1e-3, 2e-3)]
     assert slow[0] > 3 * base  # a millisecond per launch: far above this layer's GPU time
+    waited = _step(small, dataclasses.replace(MEGATRON_2021, host_launch_s=1e-3), tp=2).time_breakdown_s["host_wait"]
+    assert 0 < waited < slow[0] and waited == pytest.approx(slow[0] - base, rel=0.05)  # reported in the breakdown
+    assert _step(small, MEGATRON_2021, tp=2).time_breakdown_s["host_wait"] == 0.0
     # host-bound: the layers' part grows by exactly what the host needs more (32 / (dp 4 x mb 1) = 8 microbatches x 4 layers)
     fwd, bwd = host_issue_s(small, dataclasses.replace(MEGATRON_2021, host_launch_s=1e-3), np.array(2.0), np.array(2))
     assert slow[1] - slow[0] == pytest.approx(8 * 4 * float(fwd + bwd), rel=1e-9)

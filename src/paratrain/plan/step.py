@@ -186,8 +186,10 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
 
     layer_fwd = fwd_compute + tp_fwd + cp_fwd + a2a_fwd
     layer_bwd = bwd_compute + tp_bwd + cp_bwd + a2a_bwd
+    host_wait = 0.0  # per layer and microbatch: how long the GPU waits for the host to issue its kernels
     if opts.host_launch_s:  # an eager loop whose host issues kernels slower than the GPU runs them: the GPU waits
         host_fwd, host_bwd = host_issue_s(model, opts, np.where(tp > 1, np.where(sp, 4.0, 2.0), 0.0), rc)
+        host_wait = np.maximum(host_fwd - layer_fwd, 0.0) + np.maximum(host_bwd - layer_bwd, 0.0)
         layer_fwd, layer_bwd = np.maximum(layer_fwd, host_fwd), np.maximum(layer_bwd, host_bwd)
 
     # -- first/last stage extras: embedding lookup, output projection (logits) and cross-entropy --
@@ -324,6 +326,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         "time_tp_comm_s": m * (layers_per_stage * (tp_fwd + tp_bwd) + head_on * (tp_head_fwd + tp_head_bwd)
                                + embed_on * tp_embed),
         "time_cp_comm_s": m * layers_per_stage * (cp_fwd + cp_bwd),
+        "time_host_wait_s": m * layers_per_stage * host_wait * ones,
         "time_ep_comm_s": m * layers_per_stage * (a2a_fwd + a2a_bwd) * ones,
         "time_pp_comm_s": m * p2p_per_mb,
         "time_head_s": m * head_on * (head_fwd + head_bwd - tp_head_fwd - tp_head_bwd),
