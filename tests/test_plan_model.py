@@ -962,6 +962,30 @@ def test_nxd_cross_entropy_runs_on_fp32_logits():
     assert a.time_breakdown_s["head"] - b.time_breakdown_s["head"] == pytest.approx(a.microbatches * per_mb)
 
 
+def test_nxd_accumulates_each_microbatchs_gradients_in_a_pass_over_hbm():
+    """NxD's ZeRO-1 adds each microbatch's bf16 gradients into a full-size fp32 main_grad in a hook (torch_xla
+    ZeroRedundancyOptimizer use_grad_acc_hook): read 2, read 4, write 4 bytes per parameter of the rank per
+    microbatch, on the backward; with bf16 gradients (XLA_USE_BF16 stacks) 2 + 2 + 2. Off by default."""
+    from paratrain.plan.kernels import memory_time_s
+
+    trn1 = resolve_system("trn1.32xlarge")
+    model = PRESETS["llama2-7b"]
+    lay = Layout(tp=8, pp=1, sp=True, microbatch=1, recompute="selective")
+    params_dev = model.num_params() / 8
+    for opts, per_param in ((Options.for_system(trn1, stack="nxd"), 10),
+                            (Options.for_system(trn1, stack="nxd", grad_bytes=2, master_weights=False), 6)):
+        est = estimate(model, trn1, 16, 4096, 1024, lay, opts)
+        assert est.time_breakdown_s["grad_accum"] == pytest.approx(
+            est.microbatches * memory_time_s(trn1, params_dev * per_param, 1), rel=1e-9)
+        off = estimate(model, trn1, 16, 4096, 1024, lay, dataclasses.replace(opts, grad_accum_in_hbm=False))
+        assert off.time_breakdown_s["grad_accum"] == 0.0
+        # the step grows by it, less what more backward hides of the data-parallel traffic
+        hidden = off.time_breakdown_s["dp_exposed"] - est.time_breakdown_s["dp_exposed"]
+        assert 0 <= hidden < est.time_breakdown_s["grad_accum"]
+        assert est.step_time_s - off.step_time_s == pytest.approx(est.time_breakdown_s["grad_accum"] - hidden, rel=1e-6)
+    assert not Options().grad_accum_in_hbm
+
+
 def test_a_tp_group_on_part_of_the_neuronlink_torus_drives_fewer_links():
     """Neuron runs rings as edge-disjoint cycles: the whole 4 x 4 torus of a trn1 node has two (all 4 links of a
     chip), a group on 3-8 chips one (2 links), two chips one link; a switched fabric (NVSwitch) gives every

@@ -181,6 +181,14 @@ class Options:
     runs ahead of the host while its kernels take longer than the host needs to issue them; a layer pass whose
     kernels are shorter waits for the host (plan.layer.host_issue_s: the pass takes the longer of the two). 0: not
     modelled (the host assumed always ahead). Megatron-LM 2021-22 on A100 (the benchmark's MEGATRON options) sets it.
+    grad_accum_in_hbm: every microbatch's weight gradients are added into the step's gradient buffer by a pass of
+    their own over HBM, not inside the weight-gradient GEMM: read the new bf16 gradient, read and write the buffer
+    (2 + 2 x grad_bytes bytes per parameter of the rank, on its backward). NxD with ZeRO-1 and fp32 accumulation
+    (torch_xla's ZeroRedundancyOptimizer use_grad_acc_hook: a post-accumulate hook runs
+    `main_grad.add_(param.grad.to(optimizer_dtype))` on a full-size fp32 main_grad, then frees param.grad), and the
+    XLA_USE_BF16 stacks (neuronx-nemo-megatron, the Neuron Megatron-LM reference: autograd or Megatron's local DDP add
+    into a bf16 .grad / main_grad). False: not timed (a GPU stack accumulating in the GEMM, Megatron-Core's
+    gradient_accumulation_fusion, is timed only for expert GEMMs: plan.moe.wgrad_accumulate_s).
     fp8_tp_allgather: with fp8 and SP, the layers' TP all-gathers carry FP8 (1 byte per element), the
     reduce-scatters BF16: torchao's Float8ColwiseParallel / PrepareFloat8ModuleInput cast the input before its
     all-gather, and Float8RowwiseParallel casts the output gradient (NoopFwToFloat8BwDynamic) before the
@@ -230,6 +238,7 @@ class Options:
     fused_softmax: bool = True
     kv_replica_grad_bytes: float = 0.0
     host_launch_s: float = 0.0
+    grad_accum_in_hbm: bool = False
 
     @classmethod
     def for_system(cls, system: System, attention: str | None = None, stack: str | None = None,

@@ -244,6 +244,10 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
                                                         head_fwd + head_bwd)
     stage_fwd = layers_per_stage * layer_fwd + embed_on * embed + head_on * head_fwd
     stage_bwd = layers_per_stage * layer_bwd + head_on * head_bwd
+    # gradient accumulation as a pass of its own over the rank's gradients each microbatch (Options.grad_accum_in_hbm)
+    grad_accum = memory_time_s(system, _largest_rank(model, loads, pp, v_shape)[0] / tp
+                               * (BF16_BYTES + 2 * opts.grad_bytes), 1) if opts.grad_accum_in_hbm else 0.0
+    stage_bwd = stage_bwd + grad_accum
     stage_mb = stage_fwd + stage_bwd + p2p_per_mb  # the slowest stage per microbatch
 
     # zero-bubble split of backward: W (weight gradients) = half of the backward matmuls
@@ -332,6 +336,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         "time_head_s": m * head_on * (head_fwd + head_bwd - tp_head_fwd - tp_head_bwd),
         "time_bubble_s": bubble, "time_dp_comm_s": dp_time, "time_dp_exposed_s": dp_exposed,
         "time_optimizer_s": optimizer, "time_fp8_cast_s": fp8_cast * np.ones_like(step), "bubble_fraction": bubble / step,
+        "time_grad_accum_s": m * grad_accum * ones,
         # buffer bytes handed to collectives per device per step, by kind (for the simulator/cost model)
         "comm_tp_bytes": np.where(tp > 1, m * layers_per_stage * act_bytes * np.where(rc == 2, 6.0, 4.0)
                                   * ((1.0 + FP8_BYTES / BF16_BYTES) / 2 if opts.fp8 and opts.fp8_tp_allgather else 1.0), 0.0),
