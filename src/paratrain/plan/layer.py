@@ -122,7 +122,8 @@ def unfused_rope_s(model: ModelConfig, system: System, T, tp):
 
 def layer_kernels(model: ModelConfig, opts: Options) -> int:
     """Kernels one layer's forward launches on one device, as the compute model counts them: its matmuls (eager's
-    separate q/k/v and gate/up ones included), the attention core's two, its elementwise kernels and the FP8 casts."""
+    separate q/k/v and gate/up ones included), the attention core's two and its elementwise kernels (FP8 casts and MoE
+    expert kernels not counted: no stack that sets Options.host_launch_s runs them)."""
     kernels = EAGER_ELEMENTWISE_KERNELS if opts.eager else elementwise_bytes_per_token(
         model, model.max_seq, opts.attention, opts.fused_softmax)[3]
     matmuls = len(layer_matmuls(model, model.max_seq, opts.attention)) + (EAGER_EXTRA_MATMULS if opts.eager else 0)
