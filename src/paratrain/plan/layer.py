@@ -178,7 +178,7 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     core_traffic = BF16_BYTES * b_seqs * heads * (4 * s_local * d)
     if opts.attention == "unfused":
         core_traffic = core_traffic + 2 * BF16_BYTES * b_seqs * heads * s_local * keys  # scores written, read
-    # the stack's attention kernel where it names one (FlashAttention-2 on Hopper); else a flash kernel at the chip's
+    # the stack's attention kernel where it names one (on Hopper FlashAttention-2, or TE's cuDNN attention); else a flash kernel at the chip's
     # own bound where its vector engines limit it (Trainium: chips.toml flash_attention_eff); else the GEMMs' rate
     attn_eff = opts.attention_eff if opts.attention_eff is not None else (
         eff.flash_attention_eff if opts.attention == "flash" and eff.flash_attention_eff is not None else (

@@ -99,7 +99,8 @@ class Options:
     matmul_eff: fraction of peak the GEMMs reach where the software does not reach the chip's matmul_eff_max
     (PyTorch-native stacks on Hopper, see plan.stacks); None: the chip's.
     attention_eff: fraction of peak the attention kernel reaches where it is not the chip's matmul_eff_max
-    (FlashAttention-2, PyTorch SDPA's flash backend, on Hopper: see plan.stacks).
+    (on Hopper: FlashAttention-2, PyTorch SDPA's flash backend, for the PyTorch-native stacks; Transformer Engine's
+    cuDNN fused attention for megatron: see plan.stacks).
     overlap_param_gather: Megatron-Core's distributed optimizer with overlap_grad_reduce and overlap_param_gather
     (NeMo / Megatron-Bridge's settings): the post-step parameter all-gather and the gradient reduce-scatter are
     dispatched as Megatron-Core does (_megatron_dp_exposed_s: bucket by bucket behind the first microbatch's
