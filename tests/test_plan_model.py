@@ -919,8 +919,8 @@ def test_nxd_pipeline_sends_are_pair_allgathers(box):
 def test_nxd_sums_kv_replica_gradients_where_tp_exceeds_the_kv_heads():
     """NxD's GQAQKVColumnParallelLinear replicates each K/V head on tp / kv-heads ranks and all-reduces their K and V
     output gradients in fp32 before the QKV backward (qkv_linear_utils.py): per layer and microbatch one all-reduce of
-    2 x tokens x head_dim x 4 bytes over the replicas (interleaved, tp / replicas ranks apart on Trn1) plus the casts
-    to fp32 and back, exposed. None at TP 8 (one KV head per rank, no replica), none for a model with as many KV
+    2 x tokens x head_dim x 4 bytes over the replicas (interleaved, tp / replicas ranks apart on Trn1; neighbours on
+    Trn2) plus the casts to fp32 and back, exposed. None at TP 8 (one KV head per rank, no replica), none for a model with as many KV
     heads as tp, none on other stacks."""
     from paratrain.plan.kernels import memory_time_s
     from paratrain.plan.stacks import stack_options
@@ -942,6 +942,11 @@ def test_nxd_sums_kv_replica_gradients_where_tp_exceeds_the_kv_heads():
     added = with_.time_breakdown_s["tp_comm"] - without.time_breakdown_s["tp_comm"]
     assert added == pytest.approx(with_.microbatches * model.layers * expected)
     assert with_.step_time_s > without.step_time_s
+    trn2 = resolve_system("trn2.48xlarge")  # NxD on Trn2 puts one head's replicas on neighbouring ranks
+    on_trn2 = Options.for_system(trn2, stack="nxd")
+    assert on_trn2.kv_replicas_adjacent and not nxd.kv_replicas_adjacent
+    assert float(kv_replica_grad_s(trn2, model, on_trn2, T, 16)) == pytest.approx(
+        collective_time_s(trn2, "allreduce", elements * 4, 2, 1) + memory_time_s(trn2, elements * 2 * 6, 2))
 
 
 def test_nxd_cross_entropy_runs_on_fp32_logits():

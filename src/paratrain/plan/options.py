@@ -176,7 +176,8 @@ class Options:
     gradients over those replicas before the QKV GEMMs' backward (neuronx_distributed/modules/qkv_linear_utils.py:
     xm.all_reduce of grad_output_k, grad_output_v over get_kv_shared_replica_groups, cast to reduce_dtype, whose
     default is float32): bytes per element of that all-reduce (4; 0: no such all-reduce, the stack replicates no
-    K/V head or the model has enough of them).
+    K/V head or the model has enough of them). kv_replicas_adjacent: those replicas are neighbouring ranks (NxD on
+    Trn2); otherwise tp / replicas ranks apart (NxD on Trn1).
     host_launch_s: host (CPU) time the stack's eager training loop spends issuing one of a layer's kernels or
     collective calls (Python, the dispatcher, autograd, the launch). CUDA launches are asynchronous, so the GPU only
     runs ahead of the host while its kernels take longer than the host needs to issue them; a layer pass whose
@@ -238,6 +239,7 @@ class Options:
     master_weights: bool = True
     fused_softmax: bool = True
     kv_replica_grad_bytes: float = 0.0
+    kv_replicas_adjacent: bool = False
     host_launch_s: float = 0.0
     grad_accum_in_hbm: bool = False
 

@@ -74,6 +74,10 @@ MEGATRON_BUCKET_PARAMS = 128 * 2**20
 # 3aa65c6) two all-reduces, one each, in the gradients' own dtype (bf16: about the same time, one more call floor).
 # Timed as the current code. Megatron-Core and torchtitan split KV heads over TP ranks without replicas.
 NXD_KV_REDUCE_BYTES = 4
+# kv_replicas_adjacent: NxD's arrange_kv_groups (parallel_state.py) puts the replicas of one K/V head on adjacent ranks
+# on Trn2 ("Replicate single kv head on adjacent ranks (specific to Trn2 currently)"), interleaved tp / replicas ranks
+# apart on Trn1 and Trn3 ("(K0,K1,K2,K3)(K0,K1,K2,K3)...", the hardware enum's other values)
+NXD_ADJACENT_KV_CHIPS = {"trainium2"}
 # ce_bytes_per_logit: NxD's Llama examples (examples/training/llama/modeling_llama_nxd.py, 2.20 4f95471 to 2.29) cast the
 # vocab-parallel logits to fp32 (logits.to(torch.float32), after the SP transpose) and run parallel_cross_entropy
 # (neuronx_distributed/parallel_layers/loss_functions.py): max over the vocabulary, sub_, exp, sum, div_ kept for the
@@ -160,6 +164,8 @@ def stack_options(name: str, chip) -> dict:
     opts = dict(STACK_OPTIONS[check_stack(name)])
     if chip.vendor != "nvidia":
         opts.update({k: False for k in GPU_ONLY})
+    if name == "nxd" and chip.name in NXD_ADJACENT_KV_CHIPS:
+        opts["kv_replicas_adjacent"] = True
     if name in PYTORCH_NATIVE and chip.name in HOPPER_CHIPS:
         opts["attention_eff"] = FA2_HOPPER_EFF * PYTORCH_HOPPER_SCALE
         opts["matmul_eff"] = chip.efficiency.matmul_eff_max * PYTORCH_HOPPER_SCALE

@@ -392,15 +392,15 @@ def kv_replica_grad_s(system, model, opts, T, tp):
     plan.stacks): one all-reduce of the rank's K and V gradients (T tokens, its one KV head's width each, gathered
     under SP) over tp / kv-heads replicas, cast to the reduce dtype and back around it. The QKV backward's two GEMMs
     both need the summed gradient, so nothing hides it. The replicas are tp / replicas ranks apart (NxD's
-    arrange_kv_groups on Trn1: "(K0,K1,K2,K3)(K0,K1,K2,K3)...", interleaved; Trn2 places them on adjacent ranks,
-    which this does not tell apart)."""
+    arrange_kv_groups on Trn1: "(K0,K1,K2,K3)(K0,K1,K2,K3)...", interleaved), or neighbours
+    (Options.kv_replicas_adjacent: NxD on Trn2)."""
     tp = np.asarray(tp, dtype=float)
     replicas = tp / np.minimum(tp, model.n_kv_heads)
     if not opts.kv_replica_grad_bytes or not np.any(replicas > 1):
         return np.zeros_like(tp)
     elements = 2 * T * model.kv_dim / np.minimum(tp, model.n_kv_heads)  # K and V, one head's width each
     reduce = collective_time_s(system, "allreduce", elements * opts.kv_replica_grad_bytes, replicas,
-                               tp / replicas)
+                               1.0 if opts.kv_replicas_adjacent else tp / replicas)
     cast = memory_time_s(system, elements * 2 * (BF16_BYTES + opts.kv_replica_grad_bytes), 2) \
         if opts.kv_replica_grad_bytes != BF16_BYTES else 0.0
     return np.where(replicas > 1, reduce + cast, 0.0)
