@@ -89,8 +89,25 @@ def test_fsdp_on_two_ranks_agrees_with_the_single_device_run(dist_run, tmp):
     assert test[0]["steps"][0]["local_norm"] != test[1]["steps"][0]["local_norm"]  # different shards per rank
 
 
-def test_cli_compares_two_layouts(tmp, capsys):
+def test_cli_compares_two_layouts(tmp, capsys, monkeypatch):
+    """`paratrain verify --json` end to end: both runs as the `python -m paratrain.train.verify` workers it starts
+    (forked warm from the test session's fork server: tests/torchrun_fork.py python_m_forked, ~4 CPU-s of imports
+    less per run), their traces compared."""
+    import torchrun_fork
+
+    import paratrain.train.verify as verify
+
+    runs, real_run = [], verify.subprocess.run
+
+    def run(argv, **kw):  # only verify's workers; any other subprocess of this process runs as it would
+        if argv[1:3] != ["-m", "paratrain.train.verify"]:
+            return real_run(argv, **kw)
+        runs.append(argv)
+        return torchrun_fork.python_m_forked(argv, **kw)
+
+    monkeypatch.setattr(verify.subprocess, "run", run)
     code = main(["verify", "--against-layout", 'parallel.recompute="full"', "--steps", "1", "--json",
                  *[a for s in job(tmp, "cli") for a in ("--set", s)]])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["passed"] and len(out["rows"]) == 1 and out["rtol"] == 1e-4
+    assert [argv[1:3] for argv in runs] == [["-m", "paratrain.train.verify"]] * 2  # the reference, then the test

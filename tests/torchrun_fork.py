@@ -121,3 +121,41 @@ def _enter_netns(name: str) -> None:
             raise OSError(ctypes.get_errno(), f"setns into network namespace {name}")
     finally:
         os.close(fd)
+
+
+def python_m_forked(argv: list[str], env: dict[str, str] | None = None, capture_output: bool = False,
+                    text: bool = False, **_) -> subprocess.CompletedProcess:
+    """`subprocess.run([sys.executable, "-m", MODULE, *ARGS], env=...)` with the process forked warm from the
+    session's fork server (which imported torch and paratrain once) instead of a new interpreter (~4 CPU-s of
+    imports each): MODULE runs as __main__ (runpy), with `env` as its whole environment and ARGS as sys.argv[1:],
+    its stdout and stderr captured into files. For product code that starts its own `python -m` workers
+    (paratrain verify); the interpreter's start itself is what it does not cover."""
+    import tempfile
+
+    import dist_pool
+
+    assert argv[:2] == [sys.executable, "-m"], argv
+    with tempfile.TemporaryDirectory(prefix="paratrain-fork-") as tmp:
+        out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
+        proc = dist_pool.forkserver().Process(target=_python_m, args=(argv[2], argv[3:], dict(env or os.environ),
+                                                                      str(out), str(err)))
+        proc.start()
+        proc.join()
+        stdout, stderr = out.read_bytes(), err.read_bytes()
+    if text:
+        stdout, stderr = stdout.decode(errors="replace"), stderr.decode(errors="replace")
+    return subprocess.CompletedProcess(argv, proc.exitcode, stdout if capture_output else None,
+                                       stderr if capture_output else None)
+
+
+def _python_m(module: str, args: list[str], env: dict[str, str], out: str, err: str) -> None:
+    import runpy
+
+    for fd, path in ((1, out), (2, err)):
+        f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(f, fd)
+        os.close(f)
+    os.environ.clear()
+    os.environ.update(env)
+    sys.argv = [module, *args]
+    runpy.run_module(module, run_name="__main__", alter_sys=True)
