@@ -347,7 +347,12 @@ def _cli_env(**extra) -> dict:
 
 
 def _subprocess_train(cmd: list[str], env: dict, timeout_s: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
+    """`python -m paratrain ...` in a process of its own, forked warm from the session's fork server
+    (tests/torchrun_fork.py python_m_forked: ~4 CPU-s of imports less than a new interpreter; the plain
+    `python -m paratrain` start is run by the torchrun workers of test_context_parallel_torchrun.py)."""
+    import torchrun_fork
+
+    return torchrun_fork.python_m_forked(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=timeout_s)
 
 
 def test_sigkill_during_checkpoint_write_keeps_previous_and_discards_partial(reference, tmp_path, capsys):

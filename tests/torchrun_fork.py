@@ -124,12 +124,14 @@ def _enter_netns(name: str) -> None:
 
 
 def python_m_forked(argv: list[str], env: dict[str, str] | None = None, capture_output: bool = False,
-                    text: bool = False, **_) -> subprocess.CompletedProcess:
+                    text: bool = False, cwd: Path | str | None = None,
+                    timeout: float | None = None) -> subprocess.CompletedProcess:
     """`subprocess.run([sys.executable, "-m", MODULE, *ARGS], env=...)` with the process forked warm from the
     session's fork server (which imported torch and paratrain once) instead of a new interpreter (~4 CPU-s of
     imports each): MODULE runs as __main__ (runpy), with `env` as its whole environment and ARGS as sys.argv[1:],
-    its stdout and stderr captured into files. For product code that starts its own `python -m` workers
-    (paratrain verify); the interpreter's start itself is what it does not cover."""
+    its stdout and stderr captured into files, in `cwd`; the return code is -N for a process killed by signal N,
+    as subprocess gives it. For product code that starts its own `python -m` workers (paratrain verify) and for
+    a run that must die in a process of its own (a SIGKILL); the interpreter's start is what it does not cover."""
     import tempfile
 
     import dist_pool
@@ -138,9 +140,13 @@ def python_m_forked(argv: list[str], env: dict[str, str] | None = None, capture_
     with tempfile.TemporaryDirectory(prefix="paratrain-fork-") as tmp:
         out, err = Path(tmp, "stdout"), Path(tmp, "stderr")
         proc = dist_pool.forkserver().Process(target=_python_m, args=(argv[2], argv[3:], dict(env or os.environ),
-                                                                      str(out), str(err)))
+                                                                      str(out), str(err), cwd))
         proc.start()
-        proc.join()
+        proc.join(timeout)
+        if proc.exitcode is None:
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(argv, timeout, out.read_bytes(), err.read_bytes())
         stdout, stderr = out.read_bytes(), err.read_bytes()
     if text:
         stdout, stderr = stdout.decode(errors="replace"), stderr.decode(errors="replace")
@@ -148,9 +154,11 @@ def python_m_forked(argv: list[str], env: dict[str, str] | None = None, capture_
                                        stderr if capture_output else None)
 
 
-def _python_m(module: str, args: list[str], env: dict[str, str], out: str, err: str) -> None:
+def _python_m(module: str, args: list[str], env: dict[str, str], out: str, err: str, cwd) -> None:
     import runpy
 
+    if cwd is not None:
+        os.chdir(cwd)
     for fd, path in ((1, out), (2, err)):
         f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(f, fd)
