@@ -317,11 +317,40 @@ def test_fp4_and_block_scaled_formats():
     assert low_precision_bytes(b200, Options(fp4=True)) == pytest.approx(0.5 + 1 / 32)
     assert cast_cost(b200, Options(fp8=True, block_scaling=True))[0] < cast_cost(b200, Options(fp8=True))[0]
     mx = estimate("llama3-70b", b200, 1, 8192, 64, lay, Options(fp8=True, block_scaling=True))
-    assert mx.step_time_s < fp8.step_time_s  # same peak, cheaper casts
+    assert mx.step_time_s > fp8.step_time_s  # cheaper casts, slower block-scaled GEMMs (the test below)
     trn3 = resolve_system("trn3-ultraserver")
     assert block_scaled(trn3, Options(fp8=True)) and not block_scaled(trn3, Options(fp8=True, block_scaling=False))
     assert low_precision_flops(trn3, Options(fp4=True)) == low_precision_flops(trn3, Options(fp8=True))
     assert low_precision_flops(trn3, Options(fp8=True, block_scaling=False)) == trn3.device_peak_flops  # MX-only rate
+
+
+def test_mxfp8_is_slower_than_per_tensor_fp8_on_blackwell_for_its_gemms_not_its_casts():
+    """Transformer Engine's MXFP8 on a B200: each operand quantized once into a row-wise and a column-wise copy
+    (2 + 2 x (1 + 1/32) bytes, one kernel), cheaper than current scaling's amax pass and cast (5 bytes); per-tensor
+    FP8 keeps no transpose on Blackwell (any-layout FP8 GEMMs) but writes one on Hopper; the block-scaled GEMMs
+    run at block_scaled_matmul_eff of the per-tensor rate (TE's GEMM profiling guide), which is what puts
+    MXFP8 behind FP8-CS, as Megatron-Bridge measures on DGX-B200 and GB200."""
+    from dataclasses import replace
+
+    from paratrain.plan.kernels import cast_cost, fp8_copies, matmul_time_s, weight_cast_bytes
+
+    b200, h100 = resolve_system("dgx-b200"), resolve_system("dgx-h100")
+    cs, mx = Options(fp8=True), Options(fp8=True, block_scaling=True)
+    assert cast_cost(b200, mx) == (pytest.approx(2 + 2 * (1 + 1 / 32)), 4) and cast_cost(b200, cs) == (5.0, 8)
+    assert (fp8_copies(b200, cs), fp8_copies(h100, cs), fp8_copies(b200, mx)) == (1, 2, 2)
+    assert (weight_cast_bytes(b200, cs), weight_cast_bytes(h100, cs)) == (5.0, 6.0)
+    assert weight_cast_bytes(b200, mx) == pytest.approx(2 + 2 * (1 + 1 / 32))
+    eff = b200.chip.efficiency
+    assert 0.9 < eff.block_scaled_matmul_eff < 1.0 and h100.chip.efficiency.block_scaled_matmul_eff == 1.0
+    n = 16384  # compute-bound: the ratio of the GEMM times is the efficiency ratio
+    ratio = (matmul_time_s(b200, n, n, n, True, mx) - eff.kernel_overhead_s) / (
+        matmul_time_s(b200, n, n, n, True, cs) - eff.kernel_overhead_s)
+    assert ratio == pytest.approx(1 / eff.block_scaled_matmul_eff, rel=0.01)
+    lay = Layout(tp=1, pp=1, zero_stage=1, microbatch=2)  # the calibration layout (Llama 3 8B, one DGX-B200)
+    t_cs, t_mx = (estimate("llama3-8b", b200, 1, 8192, 128, lay, o).step_time_s for o in (cs, mx))
+    assert 1.0 < t_mx / t_cs < 1.05
+    same_gemms = replace(b200, chip=replace(b200.chip, efficiency=replace(eff, block_scaled_matmul_eff=1.0)))
+    assert estimate("llama3-8b", same_gemms, 1, 8192, 128, lay, mx).step_time_s < t_cs  # the casts alone: faster
 
 
 def test_tp_comm_overlap_hides_behind_the_gemms_but_not_the_first_chunk():

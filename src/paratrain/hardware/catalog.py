@@ -36,7 +36,9 @@ class ChipEfficiency:
     (launch, pipeline fill, tail wave), what makes small matmuls inefficient. memory_bw_eff: fraction of HBM
     bandwidth that memory-bound ops (norms, activations, softmax, optimizer) reach. flash_attention_eff: fraction of
     peak the fused (flash) attention kernel's matmuls reach where its non-matmul engines, not the matrix engine,
-    bound it (None: as matmul_eff_max).
+    bound it (None: as matmul_eff_max). block_scaled_matmul_eff: a block-scaled (MXFP8) GEMM's throughput over a
+    per-tensor-scaled FP8 GEMM's of the same shapes at the same listed peak (the scale factors the tensor cores load
+    per 32-element block of K; 1: no difference known).
     """
 
     matmul_eff_max: float
@@ -44,6 +46,7 @@ class ChipEfficiency:
     memory_bw_eff: float
     source: str
     flash_attention_eff: float | None = None
+    block_scaled_matmul_eff: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,12 @@ class Chip:
     # the FP8/FP4 rates are those of block-scaled (MX) formats, one scale per 32 elements (Trainium3: "2,517
     # MXFP8/MXFP4 TFLOPS"): what the planner assumes its low-precision matmuls use unless told otherwise
     fp8_block_scaled: bool = False
+    # per-tensor FP8 GEMMs run in any operand layout (cuBLASLt on Blackwell; Transformer Engine's
+    # nvte_is_non_tn_fp8_gemm_supported), so TE keeps no transposed FP8 copy of a per-tensor-scaled tensor for the
+    # backward's GEMMs (quantizer.cpp: create_transpose = columnwise_usage && !nvte_is_non_tn_fp8_gemm_supported());
+    # Hopper runs FP8 GEMMs only as TN and writes the transpose. Block-scaled tensors need their column-wise copy
+    # either way (plan.kernels.fp8_copies)
+    fp8_any_layout: bool = False
     # A systolic matrix engine's tile (Trainium's TensorEngine: 128 x 128 PEs, a matmul instruction contracts <= 128
     # partitions against a stationary tile of <= 128 columns and streams <= 512 moving columns): a GEMM dimension
     # that is not a multiple of it runs in whole tiles (plan.kernels.matmul_tile_factor). 0: not modelled (GPUs)
@@ -275,7 +284,7 @@ class Catalog:
 CHIP_FIELDS = {
     "display_name": ("str", False), "vendor": ("str", True), "status": ("str", False),
     "bf16_tflops": ("pos", True), "fp8_tflops": ("pos", False), "fp4_tflops": ("pos", False),
-    "fp8_block_scaled": ("bool", False), "matmul_tile": ("nonneg_int", False), "matmul_moving_tile": ("nonneg_int", False),
+    "fp8_block_scaled": ("bool", False), "fp8_any_layout": ("bool", False), "matmul_tile": ("nonneg_int", False), "matmul_moving_tile": ("nonneg_int", False),
     "hbm_bytes": ("posint", True), "hbm_bw_gbytes_per_s": ("pos", True), "cores_per_chip": ("posint", True),
     "power_w": ("pos", False), "source": ("str", True), "sources": ("strdict", False),
     "conflicts": ("strlist", False), "efficiency": ("table", True),
@@ -283,6 +292,7 @@ CHIP_FIELDS = {
 CHIP_EFF_FIELDS = {
     "matmul_eff_max": ("frac", True), "kernel_overhead_s": ("nonneg", True),
     "memory_bw_eff": ("frac", True), "source": ("str", True), "flash_attention_eff": ("frac", False),
+    "block_scaled_matmul_eff": ("frac", False),
 }
 LINK_FIELDS = {
     "display_name": ("str", False), "endpoint": ("endpoint", True), "bw_gbytes_per_s": ("pos", True),

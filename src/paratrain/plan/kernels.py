@@ -40,6 +40,8 @@ def matmul_time_s(system: System, m, n, k, fp8: bool = False, opts: Options | No
     traffic = in_bytes * (m * k + k * n) + BF16_BYTES * m * n + extra_bytes
     peak = low_precision_flops(system, opts or Options(fp8=True)) if fp8 else system.device_peak_flops
     mm_eff = opts.matmul_eff if opts is not None and opts.matmul_eff is not None else eff.matmul_eff_max
+    if fp8 and mxfp8(system, opts or Options(fp8=True)):
+        mm_eff = mm_eff * eff.block_scaled_matmul_eff  # the block scales the tensor cores load (catalog source)
     compute = flops * matmul_tile_factor(system, m, n, k) / (peak * mm_eff)
     memory = traffic / (system.device_hbm_bw_bytes_per_s * eff.memory_bw_eff)
     return soft_roofline(compute, memory) + eff.kernel_overhead_s
@@ -85,6 +87,25 @@ def block_scaled(system: System, opts: Options) -> bool:
     return system.chip.fp8_block_scaled if opts.block_scaling is None else opts.block_scaling
 
 
+def mxfp8(system: System, opts: Options) -> bool:
+    """Whether the layer matmuls run in a block-scaled 8-bit format (MXFP8): the format
+    chip.efficiency.block_scaled_matmul_eff describes (FP4's own peak already is a block-scaled rate)."""
+    return bool(opts.fp8 and not opts.fp4 and block_scaled(system, opts))
+
+
+def fp8_copies(system: System, opts: Options) -> int:
+    """Low-precision copies Transformer Engine makes of an operand used both ways round (an input X: the forward
+    GEMM and the weight gradient's; a weight: the forward and dgrad; an output gradient: dgrad and wgrad). A
+    block-scaled tensor has its scales along the contraction dimension, so the transposed GEMM needs a copy scaled
+    the other way, quantized from the BF16 source in the same pass (TE common/cast mxfp8_quantize:
+    use_rowwise_scaling = output->has_data(), use_colwise_scaling = output->has_columnwise_data(); one kernel
+    reads the tile once and writes both); a per-tensor-scaled one needs a transposed copy only where FP8 GEMMs
+    run TN-only (Hopper; chip.fp8_any_layout)."""
+    if block_scaled(system, opts):
+        return 2
+    return 1 if system.chip.fp8_any_layout else 2
+
+
 def low_precision_bytes(system: System, opts: Options) -> float:
     """Bytes per element of a low-precision matmul operand, its block scale included."""
     element = FP4_BYTES if opts.fp4 else FP8_BYTES
@@ -92,13 +113,22 @@ def low_precision_bytes(system: System, opts: Options) -> float:
 
 
 def cast_cost(system: System, opts: Options) -> tuple[float, int]:
-    """(HBM bytes per element, kernels per layer) of scaling and casting the layer matmuls' operands. Per-tensor
-    current scaling reads the tensor once for its amax and once to cast (2 + 2 + 1 bytes, two kernels per
-    operand); block scaling finds each block's scale while casting (2 bytes read, the element and its share of
-    the scale written, one kernel per operand)."""
+    """(HBM bytes per element, kernels per layer) of scaling and casting the layer matmuls' activation operands.
+    Per-tensor current scaling reads the tensor once for its amax and once to cast (2 + 2 + 1 bytes, two kernels
+    per operand); block scaling finds each block's scale while casting, one kernel per operand that reads the BF16
+    tensor once and writes both its copies (fp8_copies), each element with its share of the scales: 2 + 2 x
+    (1 + 1/32) bytes for MXFP8 (Transformer Engine quantizes a Linear's input with
+    set_usage(rowwise=True, columnwise=backward_needs_input) and its output gradient for dgrad and wgrad)."""
     if block_scaled(system, opts):
-        return BF16_BYTES + low_precision_bytes(system, opts), FP8_CAST_KERNELS // 2
+        return BF16_BYTES + fp8_copies(system, opts) * low_precision_bytes(system, opts), FP8_CAST_KERNELS // 2
     return float(FP8_CAST_BYTES), FP8_CAST_KERNELS
+
+
+def weight_cast_bytes(system: System, opts: Options) -> float:
+    """HBM bytes per parameter of casting a cached weight once a step: the activations' cast (cast_cost), plus,
+    for a per-tensor-scaled weight on a TN-only chip, the transposed copy it writes (Hopper: TE's cast-transpose)."""
+    extra = 0.0 if block_scaled(system, opts) else (fp8_copies(system, opts) - 1) * low_precision_bytes(system, opts)
+    return cast_cost(system, opts)[0] + extra
 
 
 def memory_time_s(system: System, nbytes, kernels):

@@ -26,10 +26,10 @@ from paratrain.plan.collectives import collective_time_s, p2p_time_s
 from paratrain.plan.data_parallel import _data_parallel_s
 from paratrain.plan.kernels import (
     cast_cost,
-    low_precision_bytes,
     low_precision_flops,
     matmul_time_s,
     memory_time_s,
+    weight_cast_bytes,
 )
 from paratrain.plan.layer import (
     _mlp_params_per_layer,
@@ -286,11 +286,10 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     step_bytes = ADAM_STEP_BYTES if opts.master_weights else BF16_ADAM_STEP_BYTES
     optimizer = memory_time_s(system, opt_share * step_bytes, 4) + expert_opt
 
-    # FP8 with a weight cache: each step casts the device's layer weights once (amax, cast) and keeps a transposed
-    # copy for backward
-    cast_bytes, cast_kernels = cast_cost(system, opts)
-    weight_cast = memory_time_s(system, layers_rank * model.params_per_layer() / tp
-                                * (cast_bytes + low_precision_bytes(system, opts)), 2 * cast_kernels)
+    # FP8 with a weight cache: each step casts the device's layer weights once (amax, cast) and keeps the copies
+    # backward needs (plan.kernels.fp8_copies)
+    weight_cast = memory_time_s(system, layers_rank * model.params_per_layer() / tp * weight_cast_bytes(system, opts),
+                                2 * cast_cost(system, opts)[1])
     fp8_cast = np.where(opts.fp8 & opts.fp8_weight_cache & (zero < 3), weight_cast, 0.0)
     step = pipeline + dp_exposed + optimizer + fp8_cast
 
