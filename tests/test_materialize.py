@@ -57,6 +57,35 @@ def test_init_depends_on_seed_and_name_only():
     assert local.tolist() == [1.0, 1.0]
 
 
+def test_a_read_of_many_blocks_gives_each_blocks_own_stream():
+    """RandomRows.read spans several aligned blocks (read_rows) and draws them into one array: every row is
+    still the Philox stream of its own block (key blake2b(seed, name), counter b * 2**192, as the module doc
+    says), with or without column bounds, and a 1-D parameter's partial blocks are cut from whole ones."""
+    import hashlib
+
+    import numpy as np
+
+    def stream(name, b, n):
+        key = np.frombuffer(hashlib.blake2b(f"paratrain-init\0{5}\0{name}".encode(), digest_size=16).digest(),
+                            dtype=np.uint64)
+        bits = np.random.Philox(key=key, counter=np.array([0, 0, 0, b], dtype=np.uint64))
+        return torch.from_numpy(np.random.Generator(bits).standard_normal(n, dtype=np.float32) * np.float32(0.02))
+
+    m = RandomRows(5, "m", (40, 24), 0.02)
+    assert m.read_rows >= 40
+    rows = torch.stack([stream("m", r, 24) for r in range(40)])
+    assert torch.equal(read_all(m, (40, 24)), rows)
+    assert torch.equal(m.read(3, 31), rows[3:31])
+    assert torch.equal(m.read(3, 31, [(5, 17)]), rows[3:31, 5:17])
+    v = RandomRows(5, "v", (9000,), 0.02)  # blocks of 4096 values: [0, 4096), [4096, 8192), [8192, 9000)
+    values = torch.cat([stream("v", 0, 4096), stream("v", 1, 4096), stream("v", 2, 808)])
+    assert torch.equal(read_all(v, (9000,)), values)
+    assert torch.equal(v.read(4000, 8500), values[4000:8500])
+    local = torch.zeros(12, 6)
+    fill_shard_(local, (40, 24), [torch.tensor([0, 1, 2, 3, 9, 10, 11, 12, 13, 30, 38, 39]), torch.arange(6, 12)], m)
+    assert torch.equal(local, rows[[0, 1, 2, 3, 9, 10, 11, 12, 13, 30, 38, 39]][:, 6:12])
+
+
 class RecordRealTensors(TorchDispatchMode):
     """Shapes of every real floating-point tensor an op takes or returns (weights are floating point; index
     tensors are not recorded; DTensor wrappers are skipped: their local tensors pass through this mode as plain

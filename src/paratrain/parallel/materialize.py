@@ -5,7 +5,8 @@ The torchtitan way: the model is constructed on `meta` (no memory), `parallelize
 allocate its own shards (`to_empty`) and fill them. A rank never holds a full copy of a parameter that the
 layout shards: each shard is filled from a *row source* (`paratrain.model.init` for the layout-independent
 random initialisation, `paratrain.model.hf` for Hugging Face safetensors), which produces the rows the shard
-needs one aligned block at a time; consecutive rows are copied into the shard in batches of at most 2^20 values.
+needs one aligned read (one or more blocks) at a time; consecutive rows are copied into the shard in batches of
+at most 2^20 values.
 Peak memory beyond the shards: one batch (never more than the shard itself).
 
 Which global rows/columns a shard holds comes from DTensor's own rule for its placements (Shard and FSDP's
@@ -24,7 +25,10 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import _get_shard_size_and_offsets
 from torch.distributed.tensor.placement_types import _is_shard_like
 
-from paratrain.model.init import build_on_meta  # noqa: F401 - re-exported: build, parallelize, materialize
+from paratrain.model.init import (
+    build_on_meta,  # noqa: F401 - re-exported: build, parallelize, materialize
+    rows_per_read,
+)
 
 # name, global shape -> row source (see paratrain.model.init)
 SourceOf = Callable[[str, tuple[int, ...]], object]
@@ -91,12 +95,12 @@ def fill_shard_(local: torch.Tensor, shape: tuple[int, ...], index: list[torch.T
             lo = int(idx.min())
             bounds.append((lo, int(idx.max()) + 1))
             picks.append(None if _is_range(idx) else idx - lo)
-    br = source.block_rows
+    step = rows_per_read(source)
     batch = _CopyBatch(local)
     for first, count, k in _runs(rows):
         r = first
         while r < first + count:
-            stop = min(first + count, (r // br + 1) * br)  # never cross an aligned block
+            stop = min(first + count, (r // step + 1) * step)  # never cross an aligned read
             chunk = source.read(r, stop, bounds)
             for d, pick in enumerate(picks, start=1):
                 if pick is not None:
