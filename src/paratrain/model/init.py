@@ -73,7 +73,7 @@ class RandomRows:
         self.block_rows = block_rows(self.shape)
         # Rows one `read` may return (whole blocks, about READ_ELEMS values): a read of many rows draws each
         # block straight into one output array, where a read per block cost ~4x more in the per-block Python
-        # and tensor overhead (the tiny model's 5,376 rows: 77 -> 39 ms a model, paid per rank and layout built).
+        # and tensor overhead (the tiny model's 5,376 rows: 77 -> 31 ms a model, paid per rank and layout built).
         row_numel = max(math.prod(self.shape[1:]), 1)
         self.read_rows = self.block_rows * max(1, READ_ELEMS // (row_numel * self.block_rows))
         digest = hashlib.blake2b(f"paratrain-init\0{seed}\0{name}".encode(), digest_size=16).digest()
@@ -103,13 +103,19 @@ class RandomRows:
         cols = tuple(slice(None) if b is None else slice(*b) for b in (bounds or [None] * len(width)))
         out = np.empty((stop - start, *(len(range(n)[c]) for n, c in zip(width, cols, strict=True))),
                        dtype=np.float32)
+        first, last = start // br, (stop - 1) // br
+        if out.shape[1:] == width and start == first * br and stop == min(self.shape[0], (last + 1) * br):
+            for i, b in enumerate(range(first, last + 1)):  # whole blocks, all columns: drawn in place
+                self._draw(b, out[i * br:(i + 1) * br])
+            out *= np.float32(self.std)
+            return torch.from_numpy(out)
         scratch = None
-        for b in range(start // br, (stop - 1) // br + 1):
+        for b in range(first, last + 1):
             b0 = b * br
             rows = min(br, self.shape[0] - b0)
             lo, hi = max(start, b0), min(stop, b0 + rows)
             if lo == b0 and hi == b0 + rows and out.shape[1:] == width:
-                self._draw(b, out[lo - start:hi - start])  # whole block, all columns: drawn in place
+                self._draw(b, out[lo - start:hi - start])
                 continue
             if scratch is None or scratch.shape[0] != rows:
                 scratch = np.empty((rows, *width), dtype=np.float32)
