@@ -66,8 +66,11 @@ class SavedBytes:
         return sum(self.storages[k] for k in self.score_storages)
 
 
-def measure_block(tp: int, sp: bool, recompute: str, kernel: str) -> dict:
-    """Bytes saved for backward by block 0 on this rank (run on every rank of a world divisible by tp)."""
+def measure_block(tp: int, sp: bool, recompute: str, kernels=tuple(KERNELS)) -> dict:
+    """Bytes saved for backward by block 0 on this rank, for each attention kernel in `kernels` (run on every
+    rank of a world divisible by tp). One model per layout serves every kernel: the kernel is chosen per
+    forward (and its recompute), and nothing a forward/backward leaves behind is counted by the next (parameter
+    and gradient storages are excluded; the gradients are dropped in between)."""
     model = Llama(SHAPE)
     model.init_weights(0)
     rank = 0
@@ -83,16 +86,21 @@ def measure_block(tp: int, sp: bool, recompute: str, kernel: str) -> dict:
     apply_recompute(model, recompute)
     block = model.layers["0"]
     x_full = torch.randn(BATCH, SEQ, SHAPE.hidden, generator=torch.Generator().manual_seed(0))
-    x = (x_full.chunk(tp, dim=1)[rank] if sp else x_full).clone().requires_grad_()
     cos, sin = model.rope_cos[:SEQ], model.rope_sin[:SEQ]
     excluded = {_local(t).untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    counter = SavedBytes(excluded, SEQ)
-    with sdpa_kernel(KERNELS[kernel]), observe_kept_tensors(counter.observe_inputs), \
-            torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
-        out = block(x, cos, sin)
-    with sdpa_kernel(KERNELS[kernel]):  # the recompute in backward must pick the same attention kernel
-        _local(out).sum().backward()  # the recorded graph is a working one
-    return {"bytes": counter.total, "score_bytes": counter.scores}
+    out = {}
+    for kernel in kernels:
+        x = (x_full.chunk(tp, dim=1)[rank] if sp else x_full).clone().requires_grad_()
+        counter = SavedBytes(excluded, SEQ)
+        with sdpa_kernel(KERNELS[kernel]), observe_kept_tensors(counter.observe_inputs), \
+                torch.autograd.graph.saved_tensors_hooks(counter.pack, lambda t: t):
+            y = block(x, cos, sin)
+        with sdpa_kernel(KERNELS[kernel]):  # the recompute in backward must pick the same attention kernel
+            _local(y).sum().backward()  # the recorded graph is a working one
+        model.zero_grad(set_to_none=True)
+        out[kernel] = {"bytes": counter.total, "score_bytes": counter.scores}
+        del x, y, counter
+    return out
 
 
 def predicted_bytes(tp: int, sp: bool, recompute: str, kernel: str) -> int:
@@ -123,16 +131,14 @@ CASES = [(tp, sp, mode) for tp in (1, 2, 4) for sp in (False, True) for mode in 
 
 
 def _measure_cases(cases):
-    return [measure_block(*case) for case in cases]
+    """{(tp, sp, mode, kernel): bytes} of each (tp, sp, mode) case, every kernel on one model."""
+    return {(*case, kernel): got for case in cases for kernel, got in measure_block(*case).items()}
 
 
 def _all_results(dist_run) -> dict:
-    cases = [(*c, k) for c in CASES for k in KERNELS]
-    single = [c for c in cases if c[0] == 1]
-    results = dict(zip(single, _measure_cases(single), strict=True))
+    results = _measure_cases([c for c in CASES if c[0] == 1])
     for tp in (2, 4):  # each on a world of tp ranks: at world 4, tp=2 would only repeat the block on a second pair
-        multi = [c for c in cases if c[0] == tp]
-        results.update(zip(multi, dist_run(tp, _measure_cases, multi)[0], strict=True))
+        results.update(dist_run(tp, _measure_cases, [c for c in CASES if c[0] == tp])[0])
     return results
 
 
