@@ -121,3 +121,29 @@ def test_moe_model_under_data_parallelism_matches_single_device(dist_run):
     for i, case in enumerate(DP_CASES):
         ref = reference(make_config(MOE_MODEL + [c for c in case if c.startswith("model.")]), STEPS)
         assert_cases_match(ref, [case], [[results[i]] for results in per_rank])
+
+
+def test_a_resume_keeps_the_layouts_adamw_kernel(tmp_path):
+    """Which AdamW kernel a parameter group runs (train.loop.build_optimizer: fused where the group is all
+    plain or all DTensors, else the per-parameter loop) belongs to the layout, not to the checkpoint: a
+    checkpoint written by fused groups (single process, FSDP, EP x FSDP) resumed where a group mixes DTensor
+    and plain parameters (experts under DDP) must not switch the fused kernel on there (it rejects the mix).
+    The hyperparameters (lr) and the moments still come from the checkpoint."""
+    from paratrain.train.checkpoint import CheckpointManager
+
+    def model_and_optimizer(seed, **kernel):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(8, 4)
+        opt = torch.optim.AdamW(model.parameters(), lr=0.1 * seed, **kernel)
+        model(torch.randn(3, 8)).sum().backward()
+        opt.step()
+        return model, opt
+
+    model, opt = model_and_optimizer(1, fused=True)
+    CheckpointManager(tmp_path, keep=1, log=lambda _: None).save(1, [model], opt, {"step": 1})
+    fresh, fresh_opt = model_and_optimizer(2, foreach=False)
+    assert CheckpointManager(tmp_path, keep=1, log=lambda _: None).resume([fresh], fresh_opt).step == 1
+    group = fresh_opt.param_groups[0]
+    assert (group["fused"], group["foreach"], group["lr"]) == (None, False, 0.1)
+    for a, b in zip(opt.state_dict()["state"].values(), fresh_opt.state_dict()["state"].values(), strict=True):
+        assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])

@@ -23,6 +23,17 @@ def plain(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def multi_tensor_kernels_take(params) -> bool:
+    """Whether AdamW's multi-tensor kernels (foreach, fused) take these parameters in one call: they reject a
+    mix of DTensor and plain tensors (TP without SP leaves norm weights plain; experts under DDP are DTensors
+    among plain dense weights). DTensors on different meshes (experts on their own (edp, ep, etp) mesh) are
+    fine: DTensor checks a foreach op's meshes index by index (torch 2.13; the expert layouts of
+    tests/test_expert_layouts.py against the single device). The per-parameter loop such layouts got before
+    propagated the sharding of each of its ~8 ops per parameter the first time a layout was seen: ~1 CPU-s a
+    rank of the 2-layer tiny MoE model under EP2 x TP2 x FSDP, most of that case's first run."""
+    return len({isinstance(p, DTensor) for p in params}) <= 1
+
+
 class StepHooks:
     """What the training loop asks of a runner around each optimizer step, besides forward/backward: an explicit
     hook object (`runner.hooks`), so the loop never guesses a runner's kind from its attributes. These defaults
@@ -60,7 +71,6 @@ class StepHooks:
 
 
 class Runner:
-    optimizer_foreach = True  # ParallelRunner: False when parameters mix DTensor and plain tensors
     norm_groups: tuple = ()  # groups whose ranks hold different parameters (pipeline stages): none here
     norm_slots: tuple = (None, None)  # (slot of each parameter in the single-device order, count): all held here
 
@@ -151,12 +161,6 @@ class ParallelRunner(Runner):
         self.norm_groups = norm_groups  # extra groups whose ranks hold different parameters (pipeline stages)
         # (slot of each parameter in the single-device order, number of slots); None = this rank holds them all
         self.norm_slots: tuple = (None, None)
-
-    @property
-    def optimizer_foreach(self) -> bool:
-        """foreach kernels reject a mix of DTensor and plain parameters, or DTensors on different meshes."""
-        kinds = {(type(p), getattr(p, "device_mesh", None)) for p in self.parameters()}
-        return len(kinds) == 1
 
     def step_context(self):
         if not self.loss_parallel:

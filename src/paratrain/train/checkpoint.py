@@ -654,6 +654,10 @@ class CheckpointManager:
         module = state_module(parts)
         options = state_dict_options(manifest["format"])
         model_sd, optim_sd = get_state_dict(module, optimizer, options=options)
+        # Which AdamW kernel a group runs is this layout's choice (train.loop.build_optimizer), not a
+        # hyperparameter: the saved groups' `fused`/`foreach` would switch the fused kernel on for a group
+        # that mixes DTensor and plain parameters (a checkpoint of FSDP resumed under EP x DDP), which it rejects.
+        kernels = [{k: group[k] for k in ("fused", "foreach") if k in group} for group in optimizer.param_groups]
         reader = st.reader(path)
         skipped = self._check_parameter_set(path, model_sd, reader.read_metadata())
         if skipped is None:
@@ -669,6 +673,8 @@ class CheckpointManager:
             set_model_state_dict(module, state["model"], options=StateDictOptions(strict=False))
         if manifest["format"] == 1 and skipped is None:
             self._restore_format1_hyperparameters(optimizer, state["optim"]["param_groups"], path)
+        for group, kernel in zip(optimizer.param_groups, kernels, strict=True):
+            group.update(kernel)
         same = manifest["world_size"] == self.world_size and manifest["layout"] == self.layout
         extra = torch.load(io.BytesIO(st.read_bytes(f"{path}/{extra_name(self.rank if same else 0)}")),
                            weights_only=False)

@@ -32,6 +32,7 @@ from paratrain.model.moe import moe_metrics, reset_router_stats
 from paratrain.parallel import parallelize
 from paratrain.parallel.materialize import build_on_meta, materialize, random_init
 from paratrain.parallel.mesh import build_mesh, init_distributed, resolve_degrees, shutdown_distributed
+from paratrain.parallel.runner import multi_tensor_kernels_take
 from paratrain.train import staleness  # straggler metrics, eviction request, draining
 from paratrain.train.checkpoint import (
     CheckpointManager,
@@ -93,22 +94,26 @@ def run_step(runner, optimizer, scheduler, inputs, targets, grad_clip: float, ti
 
 
 def build_optimizer(runner, opt: OptimSection) -> torch.optim.Optimizer:
-    """AdamW; weight decay on matrices only (not norms), with torch's fused kernel where every parameter is of
-    one kind (all plain tensors, or DTensors on one mesh) on a device torch has fused kernels for (torchtitan's
-    default too). On DTensors the fused update is one op per step where foreach issues a dozen, and DTensor
-    propagates the sharding of each over the whole parameter list the first time it sees a layout: the first
-    step's update cost 1.0 CPU-s on 4 ranks of the 2-layer tiny model under HSDP or TP2 x FSDP2 with foreach,
-    0.16-0.26 fused (steady steps 0.006 either way; growing with the parameter count). A mix of DTensor and
-    plain parameters (TP without SP leaves norm weights plain), or of meshes (experts), is rejected by both
-    multi-tensor kernels: the per-parameter loop."""
+    """AdamW; weight decay on matrices only (not norms), with torch's fused kernel for each group whose
+    parameters the multi-tensor kernels take (`multi_tensor_kernels_take`: all plain tensors, or all
+    DTensors, on any meshes) on a device torch has fused kernels for (torchtitan's default too). On DTensors
+    the fused update is one op per step where foreach issues a dozen, and DTensor propagates the sharding of
+    each over the whole parameter list the first time it sees a layout: the first step's update cost 1.0
+    CPU-s on 4 ranks of the 2-layer tiny model under HSDP or TP2 x FSDP2 with foreach, 0.16-0.26 fused
+    (steady steps 0.006 either way; growing with the parameter count). A group that mixes DTensor and plain
+    parameters (the matrices of experts under DDP) takes the per-parameter loop. The choice is per group
+    (`fused`/`foreach` group keys), and a resume keeps it (CheckpointManager.load)."""
     params = [p for p in runner.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": opt.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    fused = runner.optimizer_foreach and all(
-        p.device.type in _get_fused_kernels_supported_devices() and torch.is_floating_point(p) for p in params)
-    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps,
-                             foreach=runner.optimizer_foreach and not fused, fused=fused or None)
+    fusable = all(p.device.type in _get_fused_kernels_supported_devices() and torch.is_floating_point(p)
+                  for p in params)
+    groups = []
+    for group, weight_decay in ((decay, opt.weight_decay), (no_decay, 0.0)):
+        multi = multi_tensor_kernels_take(group)
+        groups.append({"params": group, "weight_decay": weight_decay, "fused": (multi and fusable) or None,
+                       "foreach": multi and not fusable})
+    return torch.optim.AdamW(groups, lr=opt.lr, betas=(opt.beta1, opt.beta2), eps=opt.eps)
 
 
 WARMUP_STEPS = 2  # first steps of a process (allocator, kernel selection, first collectives): not steady state
