@@ -353,6 +353,22 @@ def test_mxfp8_is_slower_than_per_tensor_fp8_on_blackwell_for_its_gemms_not_its_
     assert estimate("llama3-8b", same_gemms, 1, 8192, 128, lay, mx).step_time_s < t_cs  # the casts alone: faster
 
 
+def test_fp8_weight_cache_memory_is_the_copies_the_gemms_need():
+    """The FP8 weight cache holds what TE keeps between microbatches: on Hopper the cast weight and its transpose
+    (2 bytes a parameter), on Blackwell the per-tensor weight alone (1 byte: any-layout FP8 GEMMs), with MXFP8 a
+    row-wise and a column-wise copy with their scales (2 x (1 + 1/32))."""
+    lay = Layout(tp=1, pp=1, zero_stage=1, microbatch=1)
+
+    def cache_bytes(system, **kw):
+        mem = [estimate("llama3-8b", system, 1, 8192, 64, lay, Options(fp8=True, fp8_weight_cache=c, **kw))
+               .memory_per_device_bytes for c in (True, False)]
+        return mem[0] - mem[1]
+    blackwell = cache_bytes("dgx-b200")
+    assert blackwell > 0
+    assert cache_bytes("dgx-h100") == pytest.approx(2 * blackwell, rel=1e-9)
+    assert cache_bytes("dgx-b200", block_scaling=True) == pytest.approx(2 * (1 + 1 / 32) * blackwell, rel=1e-9)
+
+
 def test_tp_comm_overlap_hides_behind_the_gemms_but_not_the_first_chunk():
     lay = Layout(tp=8, sp=True, zero_stage=1)
     plain = estimate("llama3-70b", "dgx-h100", 1, 8192, 8, lay, Options())

@@ -8,13 +8,13 @@ from __future__ import annotations
 import numpy as np
 
 from paratrain.model.config import ModelConfig
+from paratrain.plan.kernels import fp8_copies, low_precision_bytes
 from paratrain.plan.layer import query_dim
 from paratrain.plan.numeric import select
 from paratrain.plan.pipeline import _rank_params, inflight_microbatches
 from paratrain.plan.precision import (
     BF16_BYTES,
     BF16_OPTIMIZER_BYTES,
-    FP8_BYTES,
     OPTIMIZER_BYTES,
     WEIGHT_BYTES,
 )
@@ -89,6 +89,7 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     the routed experts' bytes per layer on top of the dense view (`model`)."""
     v_shape = np.asarray(sched) >= 3
     loads = loads or balanced_loads(model.layers, pp, v, v_shape)
+    fp8_weight_bytes = fp8_copies(system, opts) * low_precision_bytes(system, opts) if opts.fp8 else 0.0
 
     sp_part, tp_part, core = activation_bytes_per_token(model, seq / 1, opts.attention, opts.fp8)
     if opts.attention == "unfused":
@@ -125,9 +126,10 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
                                        (one, True, False), ranks_at, strict=True):
         params_dev = params / tp
         inflight = inflight_microbatches(sched, pp, v, m, r)
-        # FP8 with a weight cache keeps the cast weight and its transpose between microbatches (2 x 1 byte)
-        fp8_copies = np.where((zero < 3) & opts.fp8 & opts.fp8_weight_cache, 2 * FP8_BYTES, 0.0) * params_dev
-        # FP8 primary weights (Options.fp8_param_gather): those two FP8 copies are the weights; no bf16 copy
+        # FP8 with a weight cache keeps the cast weight between microbatches in the copies its GEMMs need
+        # (plan.kernels.fp8_copies: with its transpose on Hopper, alone on Blackwell, row- and column-wise MX)
+        fp8_cache = np.where((zero < 3) & opts.fp8 & opts.fp8_weight_cache, fp8_weight_bytes, 0.0) * params_dev
+        # FP8 primary weights (Options.fp8_param_gather): those FP8 copies are the weights; no bf16 copy
         bf16_weights = np.where((zero < 3) & opts.fp8_primary_weights & opts.fp8_weight_cache, 0.0, WEIGHT_BYTES)
         ex = moe or {"weights": 0.0, "grads": 0.0, "optimizer": 0.0, "activations": 0.0, "once": 0.0}
         # the model's first dense layers (DeepSeek-V3: 3) sit on the first rank: the others hold MoE layers only,
@@ -137,7 +139,7 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
         # FSDP kept gathered under a pipeline (Options.fsdp_pp_unsharded): the gathered copy beside the shard, and
         # the gradients accumulated unsharded in the reduce dtype until the last backward
         gathered = np.where(pinned, params_dev * opts.param_bytes, 0.0)
-        ranks.append((params_dev * bf16_weights / np.where(zero == 3, dp_shard, 1.0) + gathered + fp8_copies
+        ranks.append((params_dev * bf16_weights / np.where(zero == 3, dp_shard, 1.0) + gathered + fp8_cache
                       + held * ex["weights"],
                       params_dev * opts.grad_bytes / np.where((zero >= 2) & ~pinned, dp_shard, 1.0) + held * ex["grads"],
                       params_dev * (OPTIMIZER_BYTES if opts.master_weights else BF16_OPTIMIZER_BYTES)
