@@ -236,6 +236,65 @@ def test_nxd_trn2_8b_shipped_layout_fits():
     assert est.fits
 
 
+NXD_8B_SHIPPED = [  # model, system, nodes, seq, gbs, tp, pp, recompute: NxDT examples/conf (2.26) and NxD's script
+    ("llama3-8b", "trn1.32xlarge", 4, 8192, 1024, 32, 1, "selective"),   # hf_llama3_8B_config.yaml
+    ("llama3-8b", "trn1.32xlarge", 32, 8192, 1024, 32, 1, "selective"),  # hf_llama3.1_8B_config.yaml, tp_zero1_llama31_8B
+    ("llama3-8b", "trn2.48xlarge", 1, 8192, 1024, 16, 1, "none"),        # hf_llama3_8B_trn2_config.yaml
+]
+
+
+@pytest.fixture(scope="module")
+def nxd_8b_searches():
+    return {case: search(*case[:5], top=10**6, stack="nxd") for case in NXD_8B_SHIPPED}
+
+
+def _as_shipped(res, case):
+    return [c for c in res.candidates if (c.layout.tp, c.layout.pp, c.layout.recompute, c.layout.microbatch)
+            == (*case[5:7], case[7], 1) and not c.recompute_mlp]
+
+
+@pytest.mark.parametrize("case", NXD_8B_SHIPPED, ids=lambda c: f"{c[1]}-{c[2]}n-tp{c[5]}")
+def test_nxd_8b_shipped_layouts_are_found_and_fit(nxd_8b_searches, case):
+    """AWS's Llama 3 / 3.1 8B layouts (TP32 on trn1, TP16 on trn2, PP1, SP, ZeRO-1, mb 1, kv_replicator 4 / 2) are
+    in the nxd search and fit. Their rank is not asserted: see the next test and docs/planner.md (acc8b)."""
+    shipped = _as_shipped(nxd_8b_searches[case], case)
+    assert shipped and all(c.fits for c in shipped)
+
+
+def _measured_mfu(rows):
+    """Each NxD calibration row's model-FLOP rate as measured: the planner's MFU for the row's layout scaled by
+    predicted / measured step time (the same FLOP count on both sides)."""
+    from paratrain.plan.options import Options
+
+    out = []
+    for r in rows:
+        lay = Layout(tp=int(r["tp"]), pp=1, sp=True, dp_kind="ddp", zero_stage=1, microbatch=1, recompute=r["recompute"])
+        system = resolve_system(r["system"])
+        opts = Options.for_system(system, stack="nxd", attention=r["attention"])
+        est = estimate(r["model"], system, int(r["nodes"]), int(r["seq"]), int(r["global_batch"]), lay, opts)
+        out.append(est.mfu * est.step_time_s / (int(r["global_batch"]) / float(r["measured"])))
+    return sum(out) / len(out)
+
+
+def test_nxd_8b_planners_tp8_lead_stays_below_what_aws_measured_on_trn1(nxd_8b_searches):
+    """Why the search may rank AWS's 8B TP32 layout far behind its best (a TP 8 layout): AWS's own trn1 tables
+    (benchmarks/data/calibration_runs.csv, set neuron_trn1_nxd) show NxD's TP 8 run (Llama 2 7B, flash, SDK
+    2.20-2.21) reaching about 1.7x (1.5-2.0x row by row) the model-FLOP rate of its TP 32 runs (Llama 3.1 8B, SDK 2.20-2.24). The planner's
+    lead of its best 8B layout over the layout as shipped must not claim more than that measured ratio."""
+    import csv
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "data" / "calibration_runs.csv"
+    rows = [r for r in csv.DictReader(path.open()) if r["set"] == "neuron_trn1_nxd"]
+    tp8 = _measured_mfu([r for r in rows if r["tp"] == "8" and r["attention"] == "flash"])
+    tp32 = _measured_mfu([r for r in rows if r["tp"] == "32"])
+    assert tp8 > 1.4 * tp32  # the data: 0.35 against 0.21
+    for case in NXD_8B_SHIPPED[:2]:
+        res = nxd_8b_searches[case]
+        shipped = min(c.step_time_s for c in _as_shipped(res, case))
+        assert res.candidates[0].step_time_s < shipped <= (tp8 / tp32) * res.candidates[0].step_time_s
+
+
 def test_nxd_search_times_selective_recompute_with_and_without_the_mlp(nxd_searches):
     from paratrain.plan.api import estimate
     from paratrain.plan.options import Options
