@@ -33,6 +33,7 @@ import atexit
 import multiprocessing as mp
 import os
 import pickle
+import shutil
 import signal
 import sys
 import tempfile
@@ -211,6 +212,7 @@ class DistPool:
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(self._tmp, ignore_errors=True)  # the rendezvous file (every session left one in /tmp)
 
 
 _POOLS: dict[int, DistPool] = {}
