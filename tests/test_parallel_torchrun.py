@@ -8,6 +8,11 @@ by test_multinode_netns.py."""
 import pytest
 from e2e import assert_losses_close, run_single, run_torchrun, train_args
 
+# 3 steps (e2e's SMALL_RUN has 4): the losses of steps 2 and 3 follow AdamW updates made under each layout, the
+# second on the optimizer state the first left; a further step costs every rank its DTensor ops again (TP4 + SP
+# with full recompute ~0.4 CPU-s a rank and step, measured) and checks nothing new
+STEPS = {"train__steps": 3}
+
 
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
@@ -16,7 +21,7 @@ def run_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref(run_dir):
-    return run_single(train_args(run_dir, "single"))
+    return run_single(train_args(run_dir, "single", **STEPS))
 
 
 @pytest.mark.slow
@@ -27,7 +32,7 @@ def test_torchrun_tp2_dp2_sp_matches_single_process(run_dir, ref):
     # microbatches: the second layout of the test below, and the parity tests)
     got = run_torchrun(4, train_args(tmp_path, "tp2dp2", parallel__tp=2, parallel__dp=2, parallel__sp="true",
                                      parallel__dp_kind='"fsdp"', parallel__recompute='"selective"',
-                                     train__microbatch=4), fork=True)
+                                     train__microbatch=4, **STEPS), fork=True)
     assert got["layout"] == {"pp": 1, "dp": 2, "cp": 1, "tp": 2} and got["world_size"] == 4
     assert_losses_close(got["losses"], ref["losses"])
 
@@ -61,10 +66,11 @@ def test_cli_runs_each_layout_kind_like_single_process(run_dir, ref, dist_run):
         "hsdp": dict(parallel__dp=4, parallel__dp_kind='"hsdp"', parallel__dp_replicate=2,
                      parallel__recompute='"selective"'),
     }
-    args = [train_args(tmp_path, tag, **overrides) for tag, overrides in layouts.items()]
+    args = [train_args(tmp_path, tag, **overrides, **STEPS) for tag, overrides in layouts.items()]
     summaries = dist_run(4, _train_cli, args)[0]
     expected = {"tp4sp": {"tp": 4, "dp": 1}, "tp2dp2ddp": {"tp": 2, "dp": 2}, "hsdp": {"tp": 1, "dp": 4}}
     for (tag, _), got in zip(layouts.items(), summaries, strict=True):
         assert got["world_size"] == 4 and got["layout"] == {"pp": 1, "cp": 1, **expected[tag]}, tag
         assert got["planner_layout"]["dp_kind"] == {"tp4sp": "ddp", "tp2dp2ddp": "ddp", "hsdp": "hsdp"}[tag]
+        assert len(got["losses"]) == 3, tag
         assert_losses_close(got["losses"], ref["losses"])
