@@ -38,16 +38,19 @@ def run_single(args: list[str]) -> dict:
     return json.loads(Path(args[args.index("--summary-json") + 1]).read_text())
 
 
-def run_torchrun(nproc: int, args: list[str], timeout_s: int = 300, fork: bool = False) -> dict:
+def run_torchrun(nproc: int, args: list[str], timeout_s: int = 300, fork: bool = False,
+                 fork_agent: bool = False) -> dict:
     """`torchrun --standalone --nproc-per-node N -m paratrain ARGS`; with fork, the same torchrun with its agent and
-    workers forked warm (tests/torchrun_fork.py: ~4 CPU-s of imports less per process)."""
+    workers forked warm (tests/torchrun_fork.py: ~4 CPU-s of imports less per process); with fork_agent only the
+    agent (torchrun's main, ~2.4 CPU-s of imports less), its workers new `python -m paratrain` processes."""
     torchrun_args = ["--standalone", f"--nproc-per-node={nproc}"]
     summary = Path(args[args.index("--summary-json") + 1])
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    if fork:
+    if fork or fork_agent:
         import torchrun_fork
 
-        code, log = torchrun_fork.run(torchrun_args, args, env, summary.with_suffix(".log"), timeout_s)
+        code, log = torchrun_fork.run(torchrun_args, args, env, summary.with_suffix(".log"), timeout_s,
+                                      fork_workers=fork)
         assert code == 0, log[-3000:]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, "-m", "paratrain", *args]

@@ -63,24 +63,27 @@ class Agent:
 
 
 def start(torchrun_args: list[str], paratrain_args: list[str], env: dict[str, str], log_path: Path,
-          cwd: Path | None = None, netns: str | None = None, append: bool = False) -> Agent:
+          cwd: Path | None = None, netns: str | None = None, append: bool = False,
+          fork_workers: bool = True) -> Agent:
     """`torchrun TORCHRUN_ARGS -m paratrain PARATRAIN_ARGS` with the agent itself forked warm: from the session's
     fork server (tests/dist_pool.py, which imported torch and paratrain once), in its own session with `env`, its
     stdout and stderr into `log_path` (appended to with `append`), inside the network namespace `netns` if given
     (as `ip netns exec` puts it: setns); its workers forked from it as in `torchrun_cmd`. Saves the ~3.5 CPU-s a
-    `python -c PRELOAD` agent spends importing."""
+    `python -c PRELOAD` agent spends importing. fork_workers=False: the agent starts its workers as torchrun
+    does by default, each a new `python -m paratrain` process (the README's `torchrun ... -m paratrain` path)."""
     import dist_pool
 
-    argv = [*torchrun_args, "--run-path", "--start-method", "fork", str(WORKER), *paratrain_args]
+    argv = [*torchrun_args, "--run-path", "--start-method", "fork", str(WORKER), *paratrain_args] if fork_workers \
+        else [*torchrun_args, "-m", "paratrain", *paratrain_args]
     agent = dist_pool.forkserver().Process(target=_agent, args=(argv, dict(env), str(log_path), cwd, netns, append))
     agent.start()
     return Agent(agent)
 
 
 def run(torchrun_args: list[str], paratrain_args: list[str], env: dict[str, str], log_path: Path, timeout_s: float,
-        cwd: Path | None = None) -> tuple[int | str, str]:
+        cwd: Path | None = None, fork_workers: bool = True) -> tuple[int | str, str]:
     """`start`, then wait: (exit code, or "timeout after N s" once the whole process group was killed; the log)."""
-    agent = start(torchrun_args, paratrain_args, env, log_path, cwd)
+    agent = start(torchrun_args, paratrain_args, env, log_path, cwd, fork_workers=fork_workers)
     agent.process.join(timeout_s)
     code: int | str | None = agent.returncode
     if code is None:  # still running: kill torchrun and its workers (killing the agent alone would orphan them)
