@@ -15,12 +15,12 @@ backward: the host work that MEGATRON_HOST_LAUNCH_S is set to cover, per op.
 from __future__ import annotations
 
 import argparse
-import collections
 import re
 import sys
 
 import numpy as np
 
+from benchmarks.op_count import dispatched_ops
 from benchmarks.planner_accuracy import MEGATRON, vtrain
 from paratrain.hardware.catalog import get_catalog
 
@@ -37,7 +37,6 @@ def layer_ops(h: int = 256, heads: int = 4, seq: int = 64, batch: int = 2) -> tu
     """(forward ops, recompute + backward ops) of one checkpointed GPT layer (module docstring), on CPU."""
     import torch
     import torch.nn.functional as F
-    from torch.utils._python_dispatch import TorchDispatchMode
     from torch.utils.checkpoint import checkpoint
 
     ln1, ln2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
@@ -53,21 +52,11 @@ def layer_ops(h: int = 256, heads: int = 4, seq: int = 64, batch: int = 2) -> tu
         x = x + F.dropout(proj(torch.bmm(probs, v).transpose(0, 1).reshape(seq, batch, h)), 0.1)
         return x + F.dropout(fc2(F.gelu(fc1(ln2(x)))), 0.1)
 
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
-
     x = torch.randn(seq, batch, h, requires_grad=True)
-    with Count() as fwd:
-        out = checkpoint(layer, x, use_reentrant=False)
-    with Count() as bwd:
-        out.sum().backward()
-    return sum(fwd.ops.values()), sum(bwd.ops.values())
+    out = []
+    fwd = dispatched_ops(lambda: out.append(checkpoint(layer, x, use_reentrant=False)))
+    bwd = dispatched_ops(lambda: out[0].sum().backward())
+    return sum(fwd.values()), sum(bwd.values())
 
 
 def main() -> int:

@@ -527,32 +527,20 @@ def test_runtime_bucket_size_is_the_reducers():
 
 def test_eager_kernel_counts_are_paratrains_llama_block():
     """The eager stack's launch counts are counted from the runtime's own model, not fitted."""
-    import collections
-
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
+    from benchmarks.op_count import dispatched_ops
     from paratrain.model.llama import Llama
 
     views = {"view", "_unsafe_view", "expand", "t", "transpose", "permute", "slice", "select", "unsqueeze",
              "squeeze", "alias", "detach", "as_strided", "split", "unbind"}
 
-    class Count(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.ops[func.overloadpacket.__name__] += 1
-            return func(*args, **(kwargs or {}))
-
     cfg = PRESETS["tiny"]
     model = Llama(cfg)
     cos, sin = model.positions_tables(16, None)
     hidden = torch.randn(2, 16, cfg.hidden)
-    with Count() as count:
-        model.layers["0"](hidden, cos, sin)
-    ops = {k: v for k, v in count.ops.items() if k not in views}
+    counted = dispatched_ops(model.layers["0"], hidden, cos, sin)
+    ops = {k: v for k, v in counted.items() if k not in views}
     matmuls = ops.pop("mm") + ops.pop("addmm", 0) + ops.pop("bmm", 0)
     attention = sum(ops.pop(k) for k in list(ops) if "attention" in k)
     assert attention == 1 and matmuls == 4 + EAGER_EXTRA_MATMULS
