@@ -103,18 +103,12 @@ class RandomRows:
         cols = tuple(slice(None) if b is None else slice(*b) for b in (bounds or [None] * len(width)))
         out = np.empty((stop - start, *(len(range(n)[c]) for n, c in zip(width, cols, strict=True))),
                        dtype=np.float32)
-        first, last = start // br, (stop - 1) // br
-        if out.shape[1:] == width and start == first * br and stop == min(self.shape[0], (last + 1) * br):
-            for i, b in enumerate(range(first, last + 1)):  # whole blocks, all columns: drawn in place
-                self._draw(b, out[i * br:(i + 1) * br])
-            out *= np.float32(self.std)
-            return torch.from_numpy(out)
         scratch = None
-        for b in range(first, last + 1):
+        for b in range(start // br, (stop - 1) // br + 1):
             b0 = b * br
             rows = min(br, self.shape[0] - b0)
             lo, hi = max(start, b0), min(stop, b0 + rows)
-            if lo == b0 and hi == b0 + rows and out.shape[1:] == width:
+            if lo == b0 and hi == b0 + rows and out.shape[1:] == width:  # a whole block, all columns: in place
                 self._draw(b, out[lo - start:hi - start])
                 continue
             if scratch is None or scratch.shape[0] != rows:
