@@ -77,21 +77,7 @@ def synthetic_runs(system, noise: float, seed: int = 0) -> list[Measurement]:
     return runs
 
 
-def test_fit_recovers_known_parameters_and_predicts_held_out_layouts(local_file, tmp_path, monkeypatch):
-    import paratrain.calibrate.fit as fit_module
-
-    # calibrate's first fit (every free parameter from the probe's values, one start) is the first of the three
-    # starts of the all-parameter fit below: recorded here and reused, not computed twice (least squares is
-    # deterministic; each start's fit is independent of the others)
-    real_least_squares, single_start_fits = fit_module._least_squares, {}
-
-    def recording(system, measurements, names, start, shifts=(0.0, -0.3, 0.3)):
-        out = real_least_squares(system, measurements, names, start, shifts)
-        if len(shifts) == 1:
-            single_start_fits[(id(system), id(measurements), tuple(names), tuple(start.items()), shifts[0])] = out
-        return out
-
-    monkeypatch.setattr(fit_module, "_least_squares", recording)
+def test_fit_recovers_known_parameters_and_predicts_held_out_layouts(local_file, tmp_path):
     system = load_catalog([local_file]).system("local")
     # memory_bw_eff: a probed chip's bandwidth is measured, so the fit holds it at the probe's value (1.0)
     truth = {"matmul_eff_max": 0.55, "kernel_overhead_s": 3e-4, "memory_bw_eff": 1.0, "link_bw_scale": 0.3,
@@ -104,15 +90,10 @@ def test_fit_recovers_known_parameters_and_predicts_held_out_layouts(local_file,
     after, _ = mape(fitted, test)
     # held-out layouts: far better than the probe's values, and no worse than fitting every parameter (what
     # calibrate did before it chose the identified ones; 14.1% here since the planner's Options.dp_overlap)
-    from paratrain.calibrate.fit import _free_and_fixed, current_parameters
+    from paratrain.calibrate.fit import _free_and_fixed, _least_squares, current_parameters
 
     names, fixed = _free_and_fixed(system, None)
-    start = {**current_parameters(system), **fixed}
-    # _least_squares(system, train, names, start) with its default three starts: the one of least cost (the first
-    # on a tie), as it chooses; the first start's fit taken from calibrate's run above where it made the same one
-    per_start = [single_start_fits.get((id(system), id(train), tuple(names), tuple(start.items()), shift))
-                 or real_least_squares(system, train, names, start, shifts=(shift,)) for shift in (0.0, -0.3, 0.3)]
-    everything = min(per_start, key=lambda fitted_fun: 0.5 * float(np.dot(fitted_fun[1], fitted_fun[1])))[0]
+    everything, _ = _least_squares(system, train, names, {**current_parameters(system), **fixed})
     all_fitted, _ = mape(apply_parameters(system, everything), test)
     assert after < before / 4 and after <= all_fitted * 1.02, (before, after, all_fitted, report)
     assert report["parameters"]["memory_bw_eff"] == 1.0 and "memory_bw_eff" in report["fixed"]
