@@ -102,7 +102,7 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
              "nemo_gb200": 12.0,
              "nemo_long_seq_h100": 32.0,
              "dgxc_h100": 9.0}  # dgxc_h100: 7.7% at its addition (accdgxc, 2 Dec; docs/planner.md)
-    #  # nemo_long_seq_h100: 28.1% at its addition (accl3, 2 Dec; docs/planner.md)  # nemo_gb200: 9.2% at its addition (accgpu, 2 Dec)  # ibm_fsdp2_h100: 15.0% at its addition (acc3),
+    # nemo_long_seq_h100: 28.1% at its addition (accl3, 2 Dec; docs/planner.md)  # nemo_gb200: 9.2% at its addition (accgpu, 2 Dec)  # ibm_fsdp2_h100: 15.0% at its addition (acc3),
     # 12.7% since torchtitan's per-op checkpointing is timed; the cause left is in docs/planner.md
     for name, goal in goals.items():
         pred, meas = _errors([r[:3] for r in sets[name]])
