@@ -669,7 +669,7 @@ def main() -> int:
               "ibm_fsdp1_a100": "IBM fms-fsdp FSDP1/HSDP on 128 A100, 400 Gbps per node (Llama 2 7B/13B/70B)",
               "ibm_fsdp2_h100": "IBM/Meta torchtitan FSDP2 (+TP4) at 512 H100, IBM Cloud RoCE (Llama 3 70B/405B, BF16/FP8)",
               "nemo_long_seq_h100": "NeMo 24.03 long sequences on DGX-H100 (Llama 2 7B FP8, 8K-1M tokens, CP 1-32, 8-1,024 GPUs)",
-              "dgxc_h100": "NVIDIA dgxc-benchmarking NeMo 24.09 on DGX-H100 (Llama 3.1 8B/70B/405B, BF16+FP8, CP2, 8-2,304 GPUs)"}
+              "dgxc_h100": "NVIDIA dgxc-benchmarking NeMo 24.05-24.09 on DGX-H100 (Llama 3.1 8B/70B/405B CP2, Nemotron-4 15B/340B, GPT-3 175B; BF16+FP8, 8-2,304 GPUs)"}
     for key, rows in grouped.items():
         evaluation[key] = (titles.get(key, key), [r[:3] for r in rows])
     results = {}
