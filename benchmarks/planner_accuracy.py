@@ -43,6 +43,7 @@ import numpy as np
 from paratrain.config.names import DP_KINDS, RECOMPUTE
 from paratrain.hardware.catalog import get_catalog
 from paratrain.model.config import ModelConfig, gpt_config
+from paratrain.plan import stacks
 from paratrain.plan.api import Layout, estimate, search
 from paratrain.plan.options import Options
 from paratrain.plan.step import SCHEDULES, evaluate
@@ -349,6 +350,11 @@ def _eval_options(system, r: dict) -> Options:
     # softmax_fused: 0 where the run's unfused attention softmax was not one fused kernel (neuronx-nemo-megatron before
     # its 2.18 release: no NEURON_FUSE_SOFTMAX, masked_softmax_fusion False); empty = fused
     cp_comm |= {"fused_softmax": False} if r.get("softmax_fused") == "0" else {}
+    # attention_kernel: where the run's launcher overrode its stack's attention kernel (NeMo-Framework-Launcher
+    # 24.03-24.07: NVTE_FUSED_ATTN=0, so Transformer Engine ran flash-attn 2: "fa2"); empty = the stack's
+    if r.get("attention_kernel"):
+        eff = stacks.attention_kernel_eff(r["attention_kernel"], system.chip, r["stack"])
+        cp_comm |= {"attention_eff": eff} if eff is not None else {}
     # mxfp8: FP8 with MX block scaling (one E8M0 scale per 32 elements), what the Blackwell tables call MXFP8
     # / FP8-MX; fp8 is per-tensor current scaling (FP8-CS) unless the chip's FP8 is block-scaled only
     mx = {"block_scaling": True} if r["precision"] == "mxfp8" else {}

@@ -900,6 +900,30 @@ def test_megatron_attention_runs_at_cudnn_rate_on_hopper():
     assert long_ratio > short_ratio > 1.0
 
 
+def test_named_attention_kernel_sets_the_hopper_attention_rate():
+    """A run that names its attention kernel (NeMo-Framework-Launcher 24.03-24.07 set NVTE_FUSED_ATTN=0, so TE ran
+    flash-attn 2) is timed at that kernel's published Hopper rate: FlashAttention-2's below cuDNN's, with the PyTorch
+    scale only in a PyTorch-native stack; off Hopper no per-kernel rate (None: the chip's own). A slower attention
+    kernel lengthens a long-sequence Megatron step far more than a short one."""
+    from paratrain.plan import stacks
+
+    h100, b200 = resolve_system("p5.48xlarge").chip, resolve_system("dgx-b200").chip
+    fa2, cudnn = stacks.attention_kernel_eff("fa2", h100, "megatron"), stacks.attention_kernel_eff("cudnn", h100, "megatron")
+    assert fa2 == pytest.approx(stacks.FA2_HOPPER_EFF) and cudnn == pytest.approx(stacks.CUDNN_HOPPER_EFF)
+    assert fa2 < cudnn
+    assert stacks.attention_kernel_eff("fa2", h100, "fsdp2") == pytest.approx(stacks.stack_options("fsdp2", h100)["attention_eff"])
+    assert stacks.attention_kernel_eff("fa2", b200, "megatron") is None
+    with pytest.raises(ValueError, match="attention kernel"):
+        stacks.attention_kernel_eff("fa4", h100)
+    p5 = resolve_system("p5.48xlarge")
+    lay = Layout(tp=8, cp=1, sp=True, microbatch=1, recompute="none", zero_stage=1)
+
+    def step(seq, eff):
+        opts = Options.for_system(p5, stack="megatron", attention_eff=eff)
+        return estimate(PRESETS["llama3-8b"], p5, 1, seq, 8, lay, opts).step_time_s
+    assert step(65536, fa2) / step(65536, cudnn) > step(4096, fa2) / step(4096, cudnn) > 1.0
+
+
 def test_torch_ring_attention_merges_cost_per_step():
     """torch's context_parallel (allgather_rotate, torchtitan) merges every ring step's output into an fp32
     accumulator and accumulates dQ/dK/dV in fp32 per step (plan.layer.CP_MERGE_*): memory-bound time that grows

@@ -153,6 +153,28 @@ AMPERE_CHIPS = {"a100-80gb", "a100-40gb"}
 PYTORCH_NATIVE = {"fsdp2", "deepspeed"}
 
 
+# Attention kernels a run can name where it overrode its stack's choice (attention_kernel_eff). "fa2": Dao's
+# flash-attn 2 package, which Transformer Engine calls when its cuDNN backend is switched off (NVTE_FUSED_ATTN=0):
+# NeMo-Framework-Launcher's launcher_scripts/conf/config.yaml set that for every run from 562dcb4 (2024-02-13, the
+# 24.03 and 24.03.01 tags included: "Disable cudnn FA until we've tested it more") to 04b8d09 (2024-08-29, "enable
+# fused attention"); TE v1.4's DotProductAttention then takes FlashAttention, CP included (attn_forward_func_with_cp
+# over flash_attn's varlen forward and backward). "cudnn": TE's FusedAttention (the megatron stack's default).
+ATTENTION_KERNELS = ("fa2", "cudnn")
+
+
+def attention_kernel_eff(kernel: str, chip, stack: str | None = None) -> float | None:
+    """Options.attention_eff of a named attention kernel on this chip (hardware.catalog.Chip): on Hopper FlashAttention-2
+    at FA2_HOPPER_EFF (times PYTORCH_HOPPER_SCALE in a PyTorch-native stack, as its default), cuDNN's at
+    CUDNN_HOPPER_EFF; None elsewhere (the chip's own rate: no published per-kernel rate is used off Hopper)."""
+    if kernel not in ATTENTION_KERNELS:
+        raise ValueError(f"attention kernel = {kernel!r}: allowed: {', '.join(ATTENTION_KERNELS)}")
+    if chip.name not in HOPPER_CHIPS:
+        return None
+    if kernel == "cudnn":
+        return CUDNN_HOPPER_EFF
+    return FA2_HOPPER_EFF * (PYTORCH_HOPPER_SCALE if stack in PYTORCH_NATIVE else 1.0)
+
+
 def check_stack(name: str) -> str:
     if name not in STACKS:
         raise ValueError(f"stack = {name!r}: allowed: {', '.join(STACKS)}")
