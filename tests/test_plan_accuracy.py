@@ -94,10 +94,12 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
     """Regression guard on the evaluation sets (docs/planner.md's accuracy table; nothing was fitted on them)."""
     sets = bench.eval_sets(get_catalog())
     goals = {"nemo_h100": 10.0, "torchtitan_h100": 15.0, "torchtitan_a100": 10.0, "llama3_paper": 25.0,
-             "neuron_trn1": 10.0, "neuron_trn1_nemo": 10.0, "mosaic_fsdp": 10.0, "nemo_b200": 10.0,
+             "neuron_trn1": 6.5, "neuron_trn1_nemo": 9.0, "mosaic_fsdp": 10.0, "nemo_b200": 10.0,
              "neuron_trn1_megatron": 8.0,  # 13.0% / 9.6% since acctrn's GPT-3 rows (docs/planner.md); 8.8% / 5.9%
              # since acctrn2's gradient accumulation pass (bounds 12.0 / 12.0 before)
              # neuron_trn1_nemo: 13.0% -> 10.2% once its pre-2.18 rows ran the unfused softmax they ran (was 20.0 here)
+             # neuron_trn1 6.0 -> 5.3%, neuron_trn1_nemo 8.8 -> 7.9% once the replay's dead tail is dropped (accnxd;
+             # bounds 10.0 / 10.0 before)
              "ibm_fsdp2_h100": 15.0, "ibm_fsdp1_a100": 10.0,
              "nemo_gb200": 12.0,
              "nemo_long_seq_h100": 4.0,  # 2.2% since its rows ran flash-attn 2 (acccp, 3 Dec; was 32.0)

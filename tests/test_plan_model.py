@@ -1080,12 +1080,56 @@ def test_nxd_backward_tp_collectives_hide_behind_the_gemms_that_do_not_need_them
     assert Options.for_system(system, stack="nxd").tp_bwd_overlap
     assert hidden.time_breakdown_s["tp_comm"] < plain.time_breakdown_s["tp_comm"]
     ag = float(collective_time_s(system, "allgather", 8192 * 8192 * 2, 8, 1))
-    # per microbatch on the last stage (5 layers and the head): each layer's forward 4 calls, its replay 4, its
-    # backward's 2 exposed gathers (of 6); the head's gather forward, gather + reduce-scatter backward (all-gather
-    # and reduce-scatter of one buffer take the same time)
+    # per microbatch on the last stage (5 layers and the head): each layer's forward 4 calls, its replay 3 (the
+    # MLP's reduce-scatter feeds nothing: Options.replay_drops_dead_tail), its backward's 2 exposed gathers (of 6);
+    # the head's gather forward, gather + reduce-scatter backward (all-gather and reduce-scatter of one buffer take
+    # the same time)
     per_mb = hidden.time_breakdown_s["tp_comm"] / hidden.microbatches
-    assert per_mb == pytest.approx(5 * 10 * ag + 3 * ag, rel=0.02)
+    assert per_mb == pytest.approx(5 * 9 * ag + 3 * ag, rel=0.02)
     assert hidden.time_breakdown_s["compute"] == plain.time_breakdown_s["compute"]
+
+
+def test_nxd_replay_leaves_out_the_down_projection_and_the_reduce_scatter_nothing_reads():
+    """Options.replay_drops_dead_tail (the nxd stack): the backward's replay of a checkpointed block (full recompute;
+    selective recompute with the MLP block) reruns all but its last down-projection GEMM and that GEMM's TP
+    reduce-scatter, whose outputs no backward op reads (torch_xla's reentrant checkpoint under torch-neuronx,
+    unpinned collectives: XLA's dead-code pass drops them). Per layer and microbatch the step saves exactly that
+    GEMM and that reduce-scatter; selective recompute of the attention core alone replays no tail."""
+    from paratrain.plan.kernels import matmul_time_s
+
+    system = resolve_system("trn1.32xlarge")
+    nxd = Options.for_system(system, stack="nxd")
+    assert nxd.replay_drops_dead_tail and not Options.for_system(system, stack="megatron").replay_drops_dead_tail
+    model, T, tp = PRESETS["llama3-70b"], 8192, 32
+    down = float(matmul_time_s(system, T, model.hidden, model.ffn / tp, False, nxd))
+    rs = float(collective_time_s(system, "reducescatter", T * model.hidden * 2, tp, 1)) * (1 - system.efficiency.tp_overlap)
+    for rc, mlp, saved in (("full", False, 1), ("selective", True, 1), ("selective", False, 0)):
+        lay = Layout(tp=tp, pp=8, sp=True, recompute=rc, microbatch=1, zero_stage=1)
+        args = ("llama3-70b", "trn1.32xlarge", 16, T, 1024, lay)
+        kept = estimate(*args, dataclasses.replace(nxd, recompute_mlp=mlp, replay_drops_dead_tail=False))
+        dropped = estimate(*args, dataclasses.replace(nxd, recompute_mlp=mlp))
+        per = kept.microbatches * model.layers / 8  # microbatches x layers of a stage
+        for key, one in (("compute", down), ("tp_comm", rs)):
+            gain = (kept.time_breakdown_s[key] - dropped.time_breakdown_s[key]) / per
+            assert gain == pytest.approx(saved * one, rel=1e-6, abs=1e-12)
+        assert (dropped.step_time_s < kept.step_time_s) == bool(saved)
+
+
+def test_nxd_rmsnorm_keeps_its_fp32_input_for_the_backward():
+    """Options.norm_saved_bytes (the nxd stack: NxDT's LlamaRMSNorm normalises in fp32): each of a Llama layer's two
+    norms keeps its fp32 input and its bf16 output (6 bytes per element) where the count has the bf16 input (2),
+    on the SP shard; a GPT block (LayerNorm, not this code) is unchanged."""
+    system = resolve_system("trn1.32xlarge")
+    nxd = Options.for_system(system, stack="nxd")
+    assert nxd.norm_saved_bytes == 6 and Options.for_system(system, stack="megatron").norm_saved_bytes == 2
+    lay = Layout(tp=8, pp=1, sp=True, recompute="none", microbatch=1, zero_stage=1)
+    for model, layers_extra in ((PRESETS["llama3-8b"], 1), (gpt_config("gpt-6.7b", 32, 4096, 32, 51200, 2048), 0)):
+        args = (model, "trn1.32xlarge", 4, 2048, 256, lay)
+        bf16 = estimate(*args, dataclasses.replace(nxd, norm_saved_bytes=2.0))
+        fp32 = estimate(*args, nxd)
+        # two norms x 4 more bytes per element of h / tp, 2048 tokens, every layer, one microbatch in flight (PP 1)
+        extra = layers_extra * 2 * 4 * model.hidden / 8 * 2048 * model.layers
+        assert fp32.memory_per_device_bytes - bf16.memory_per_device_bytes == pytest.approx(extra)
 
 
 def test_fsdp_under_a_pipeline_gathers_once_per_step_as_torchtitan_runs_it(box):

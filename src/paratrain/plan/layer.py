@@ -144,8 +144,9 @@ def host_issue_s(model: ModelConfig, opts: Options, tp_calls_fwd, rc):
 
 
 def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
-    """Forward compute time of one layer on one device, split into matmuls, attention core and elementwise."""
-    matmuls, cast_bytes, mlp, column = 0.0, 0.0, 0.0, []
+    """Forward compute time of one layer on one device, split into matmuls, attention core and elementwise; the
+    last entry is the MLP's down-projection GEMM alone (what Options.replay_drops_dead_tail leaves out of a replay)."""
+    matmuls, cast_bytes, mlp, column, tail = 0.0, 0.0, 0.0, [], 0.0
     split_fwd = split_bwd = 0.0  # what splitting the GEMMs for TP overlap adds (tp_overlap_split_s)
     sac = sum(matmul_time_s(system, T, n, k, opts.fp8, opts) for n, k in _op_sac_recomputed(model, tp)) \
         if opts.selective_ops else 0.0
@@ -159,6 +160,7 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
             fwd_extra, bwd_extra = tp_overlap_split_s(system, opts, name, shard, one, T, n_dev, k_dev, tp)
             split_fwd, split_bwd = split_fwd + fwd_extra, split_bwd + bwd_extra
         mlp = mlp + (one if name.startswith("mlp") else 0.0)
+        tail = one if name == "mlp_out" else tail
         if shard == "n":  # column-parallel (QKV, MLP in): under SP an all-gather feeds each
             column.append(one)
         # FP8 (Transformer Engine / torchao current scaling): each matmul's input is scaled (an amax read) and
@@ -198,7 +200,7 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     mlp = mlp + memory_time_s(system, T * mlp_activation_bytes_per_token(model) / tp, 1)
     overlapped = (tp > 1) & sp
     return (matmuls, core, elementwise, mlp, column, sac, np.where(overlapped, split_fwd, 0.0),
-            np.where(overlapped, split_bwd, 0.0))
+            np.where(overlapped, split_bwd, 0.0), tail)
 
 
 # Transformer Engine's userbuffer TP overlap as NeMo / Megatron-Bridge configure it (tp_overlap_configs/userbuffers.py,

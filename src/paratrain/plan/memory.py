@@ -92,6 +92,8 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     fp8_weight_bytes = fp8_copies(system, opts) * low_precision_bytes(system, opts) if opts.fp8 else 0.0
 
     sp_part, tp_part, core = activation_bytes_per_token(model, seq / 1, opts.attention, opts.fp8)
+    if model.arch == "llama":  # two RMSNorms a layer, each keeping its input at Options.norm_saved_bytes
+        sp_part = sp_part + 2 * (opts.norm_saved_bytes - BF16_BYTES) * model.hidden
     if opts.attention == "unfused":
         core = core / cp  # scores over the local query rows only
     sp_scale = np.where(sp, 1.0 / tp, 1.0)

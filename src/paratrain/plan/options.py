@@ -191,6 +191,20 @@ class Options:
     XLA_USE_BF16 stacks (neuronx-nemo-megatron, the Neuron Megatron-LM reference: autograd or Megatron's local DDP add
     into a bf16 .grad / main_grad). False: not timed (a GPU stack accumulating in the GEMM, Megatron-Core's
     gradient_accumulation_fusion, is timed only for expert GEMMs: plan.moe.wgrad_accumulate_s).
+    replay_drops_dead_tail: the backward's replay of a checkpointed block (full recompute: the layer; selective
+    recompute with recompute_mlp: the MLP block) leaves out its last down-projection GEMM and that GEMM's TP
+    reduce-scatter (all-reduce without SP), whose outputs no backward op reads: torch_xla's reentrant checkpoint
+    (torch_xla/utils/checkpoint.py, what NxD's checkpoint_wrapper and apex's CheckpointFunction rerun) hands the
+    replayed outputs to torch.autograd.backward, which reads their grad_fn, not their values; under torch-neuronx
+    (DISABLE_NUMERIC_CC_TOKEN=1, pytorch/xla PR #6077) no later collective depends on the dead one's result, and an
+    unpinned collective without a channel id has no side effect in XLA (HloInstruction::HasSideEffectNoRecurse), so
+    the compiler's dead-code pass drops it with the GEMM that feeds it. NxD and neuronx-nemo-megatron call
+    reduce-scatter with pin_layout=False. False: the replay reruns the whole block (CUDA eager stacks).
+    norm_saved_bytes: bytes per element of a Llama block's RMSNorm input that autograd keeps for the backward, per
+    norm (2: the bf16 input, Korthikanti's count). NxDT's LlamaRMSNorm (neuronx_distributed_training/models/hf_models/
+    modeling_llama.py) casts the input to fp32 (utils.get_cast_dtype) and normalises it there: pow keeps the fp32
+    input (4) and the weight product the bf16 normalised output (2): 6 (plan.memory.memory_per_device: two norms a
+    layer, sharded with SP; NxDT's trn2 Llama 3 70B config recomputes LlamaRMSNorm to save them).
     fp8_tp_allgather: with fp8 and SP, the layers' TP all-gathers carry FP8 (1 byte per element), the
     reduce-scatters BF16: torchao's Float8ColwiseParallel / PrepareFloat8ModuleInput cast the input before its
     all-gather, and Float8RowwiseParallel casts the output gradient (NoopFwToFloat8BwDynamic) before the
@@ -242,6 +256,8 @@ class Options:
     kv_replicas_adjacent: bool = False
     host_launch_s: float = 0.0
     grad_accum_in_hbm: bool = False
+    replay_drops_dead_tail: bool = False
+    norm_saved_bytes: float = 2.0
 
     @classmethod
     def for_system(cls, system: System, attention: str | None = None, stack: str | None = None,

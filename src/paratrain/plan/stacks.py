@@ -89,6 +89,10 @@ NXD_CE_BYTES = 28.0
 # grad_accum_in_hbm (plan.options.Options): NxD's ZeRO-1 with fp32 gradient accumulation (mixed_precision_config
 # use_fp32_grad_acc, set with zero_one_enabled: neuronx_distributed/trainer/trainer.py -> use_grad_acc_hook) adds each
 # microbatch's bf16 gradients into a full-size fp32 main_grad in a hook (torch_xla ZeroRedundancyOptimizer._make_param_hook)
+# norm_saved_bytes (plan.options.Options): NxDT's LlamaRMSNorm.forward (models/hf_models/modeling_llama.py at 9169aa0,
+# the 2.26 release) runs hidden_states.to(float32), pow(2).mean, * rsqrt, .to(bf16), weight *: autograd keeps the
+# fp32 input (4 bytes per element) and the bf16 normalised output (2) where the count has the bf16 input (2)
+NXD_NORM_SAVED_BYTES = 6.0
 # eager_rope_bytes (plan.options.EAGER_ROPE_BYTES): torchtitan's apply_rotary_emb (torchtitan/models/llama3/model.py)
 # casts q and k to fp32 (read 2, write 4 bytes per element), multiplies them as complex numbers by freqs_cis (read 4,
 # write 4; view_as_complex / view_as_real are views) and casts back (read 4, write 2): 20 bytes per element
@@ -105,7 +109,8 @@ PYTORCH_LOSS_PEAK_BYTES = 12.0
 # and what its published Llama tables name "selective op"): plan.options.Options.selective_ops
 STACK_OPTIONS: dict[str, dict] = {
     "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "p2p_pair_allgather": True,
-            "tp_bwd_overlap": True, "kv_replica_grad_bytes": NXD_KV_REDUCE_BYTES, "ce_bytes_per_logit": NXD_CE_BYTES, "grad_accum_in_hbm": True},
+            "tp_bwd_overlap": True, "kv_replica_grad_bytes": NXD_KV_REDUCE_BYTES, "ce_bytes_per_logit": NXD_CE_BYTES, "grad_accum_in_hbm": True,
+            "replay_drops_dead_tail": True, "norm_saved_bytes": NXD_NORM_SAVED_BYTES},
     "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "tp_overlap_sms": TE_OVERLAP_SMS, "overlap_param_gather": True, "fp8_weight_cache": True,
                  "fp8_param_gather": True,
                  "bucket_bytes": MEGATRON_BUCKET_PARAMS * 2, "moe_gemm_per_expert": True, "ce_bytes_per_logit": 10.0, "wgrad_accumulation_fusion": True,

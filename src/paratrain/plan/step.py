@@ -96,7 +96,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     T = b * seq / cp  # tokens of one microbatch on one device
 
     # -- compute per layer, forward; backward = 2x matmuls and attention, 2x elementwise traffic --
-    mm, core, elem, mlp_fwd, column_mm, sac_mm, split_fwd, split_bwd = _per_layer_compute(
+    mm, core, elem, mlp_fwd, column_mm, sac_mm, split_fwd, split_bwd, tail_mm = _per_layer_compute(
         model, system, seq, opts, T, tp, sp, cp, zero)
     moe = moe_plan.layer_terms(flops_model, system, opts, T=T, tp=tp, sp=sp, ep=ep, etp=etp, rc=rc) \
         if flops_model.num_experts else None
@@ -113,6 +113,11 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     if opts.selective_ops:  # torchtitan's per-op SAC: three matmuls and every elementwise op, not the attention core
         selective = sac_mm + elem + quantize + bias_fwd + rope_fwd
     recompute_fwd = np.where(rc == 2, fwd_compute, np.where(rc == 1, selective, 0.0))
+    # the replay's last down-projection and its TP reduction feed nothing the backward reads: dropped by the
+    # compiler where Options.replay_drops_dead_tail (a dense model's full recompute, or the MLP block replayed)
+    tail_dead = (rc == 2) | ((rc == 1) & opts.recompute_mlp & (not opts.selective_ops))
+    tail_dead = tail_dead & opts.replay_drops_dead_tail & (moe is None)
+    recompute_fwd = recompute_fwd - np.where(tail_dead, tail_mm, 0.0)
     if opts.recompute_norm_act:  # Megatron-Core's recompute_modules "layernorm", "moe_act" (plan.moe)
         norm_act = moe_plan.norm_act_replay_s(flops_model, system, T, tp, sp, etp, moe[5] if moe is not None else 0.0)
         recompute_fwd = recompute_fwd + np.where(rc == 2, 0.0, norm_act)
@@ -166,6 +171,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         hidden = lambda c, gemm: np.maximum(0.0, c - gemm) + c / tp  # noqa: E731
         tp_fwd = np.where((tp > 1) & sp, hidden(comm, mm), tp_fwd)
         tp_bwd = np.where((tp > 1) & sp, hidden(comm, 2 * mm) * replay, tp_bwd)
+    # the dead tail's reduce-scatter (all-reduce without SP), one call of the replayed forward's collectives
+    tp_bwd = tp_bwd - np.where(tail_dead & (tp > 1) & (not opts.tp_comm_overlap),
+                               np.where(sp, rs1, ar) * tp_exposed, 0.0)
     tp_bwd = tp_bwd + kv_replica_grad_s(system, model, opts, T, tp)  # NxD's K/V replicas (exposed)
     # Embedding and head under TP: the vocabulary-parallel embedding's all-reduce (reduce-scatter with SP);
     # with SP the final norm's output is gathered for the head; vocabulary-parallel cross-entropy all-reduces
@@ -306,7 +314,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         selective_flops = attn_fwd + mlp_flops
         if opts.selective_ops:  # the recomputed matmuls (N x K per device times tp: the whole layer's)
             selective_flops = 2.0 * L * sum(n * k for n, k in _op_sac_recomputed(model, 1))
-        recompute = np.where(rc == 2, fwd - 2.0 * V * h, np.where(rc == 1, selective_flops, 0.0)) * tokens
+        recompute = np.where(rc == 2, fwd - 2.0 * V * h, np.where(rc == 1, selective_flops, 0.0))
+        recompute = (recompute - np.where(tail_dead, 2.0 * L * h * model.ffn, 0.0)) * tokens  # the dead down-projection
         flops[name] = (3.0 * fwd * tokens, 3.0 * fwd * tokens + recompute)
     model_flops, hardware_flops = flops[ATTENTION_CONVENTION]
     # with FP8 (FP4) matmuls MFU is taken against that format's peak (the rate they run at), so it stays below 1
