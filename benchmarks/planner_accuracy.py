@@ -358,6 +358,9 @@ def _eval_options(system, r: dict) -> Options:
     # mxfp8: FP8 with MX block scaling (one E8M0 scale per 32 elements), what the Blackwell tables call MXFP8
     # / FP8-MX; fp8 is per-tensor current scaling (FP8-CS) unless the chip's FP8 is block-scaled only
     mx = {"block_scaling": True} if r["precision"] == "mxfp8" else {}
+    # fp8_recipe: "delayed" where the run's config names FP8 delayed scaling (Transformer Engine's DelayedScaling:
+    # NeMo 1.0's fp8_hybrid with an amax history); empty = the stack's
+    mx |= {"fp8_amax_reduce": True} if r.get("fp8_recipe") == "delayed" else {}
     # bf16sr: Neuron's "Autocast:BF16+SR" (XLA_USE_BF16=1): bf16 weights, gradients and Adam states, no fp32 master
     if r["precision"] == "bf16sr":
         mx |= {"master_weights": False, "grad_bytes": 2, **cp_comm}

@@ -1347,3 +1347,33 @@ def test_megatron_fp8_primary_weights_drop_the_bf16_copy_and_gather_fp8():
     mx_on, mx_off = run(block_scaling=True), run(block_scaling=True, fp8_param_gather=False)
     assert mx_on.memory_breakdown_bytes["weights"] == mx_off.memory_breakdown_bytes["weights"]
     assert Options.for_system(system, stack="fsdp2", fp8=True).gather_bytes == 2
+
+
+def test_fp8_delayed_scaling_amax_reduction_grows_with_the_data_parallel_group():
+    """FP8 delayed scaling (Options.fp8_amax_reduce; Transformer Engine 1.6+): a blocking amax all-reduce at the end of
+    each model chunk's forward and backward over the stage's tp x cp x dp ranks, timed as NCCL's tree / LL model
+    (src/graph/tuning.cc): 6.8 + 2 x (7 x 0.6 + log2(nodes) x 5.0) us once the group fills whole 8-GPU nodes. Off for
+    BF16, for block-scaled formats and by default (per-tensor current scaling finds its scales locally)."""
+    from paratrain.hardware.catalog import get_catalog
+    from paratrain.plan.collectives import tiny_allreduce_s
+
+    system = get_catalog().system("dgx-h100")
+    assert tiny_allreduce_s(system, 16) == pytest.approx((6.8 + 2 * (7 * 0.6 + 1 * 5.0)) * 1e-6)
+    assert tiny_allreduce_s(system, 256) == pytest.approx((6.8 + 2 * (7 * 0.6 + 5 * 5.0)) * 1e-6)
+    assert tiny_allreduce_s(system, 4) == pytest.approx((6.8 + 2 * 3 * 0.6) * 1e-6)
+    assert tiny_allreduce_s(system, 1) == 0.0
+    lay = Layout(tp=4, pp=4, cp=2, sp=True, microbatch=1, recompute="selective", pp_schedule="interleaved_1f1b",
+                 virtual_stages=5, zero_stage=1)
+
+    def run(nodes, fp8=True, **kw):
+        opts = Options.for_system(system, stack="megatron", fp8=fp8, **kw)
+        return estimate("llama3-70b", system, nodes, 8192, 16 * nodes, lay, opts)  # 64 microbatches per replica
+
+    small, large = run(8, fp8_amax_reduce=True), run(256, fp8_amax_reduce=True)
+    for est, dp in ((small, 2), (large, 64)):
+        assert est.time_breakdown_s["fp8_amax"] == pytest.approx(64 * 2 * 5 * float(tiny_allreduce_s(system, 8 * dp)))
+    assert large.time_breakdown_s["fp8_amax"] > small.time_breakdown_s["fp8_amax"] > 0.0
+    assert large.step_time_s > run(256).step_time_s
+    assert run(256).time_breakdown_s["fp8_amax"] == 0.0
+    assert run(256, fp8=False, fp8_amax_reduce=True).time_breakdown_s["fp8_amax"] == 0.0
+    assert run(256, fp8_amax_reduce=True, block_scaling=True).time_breakdown_s["fp8_amax"] == 0.0

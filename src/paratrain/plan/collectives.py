@@ -1,5 +1,6 @@
 """Time of collectives and point-to-point sends over a system's interconnect tiers: hierarchical rings level by
-level, the share of a 2D torus's links a ring drives, ring or tree latency steps, ranks time-sharing a core.
+level, the share of a 2D torus's links a ring drives, ring or tree latency steps, ranks time-sharing a core, and
+the latency of an all-reduce of a few bytes (NCCL's tree / LL model).
 Used by the training step, the MoE all-to-all, the serving model and the calibrator's link fit.
 """
 
@@ -15,6 +16,13 @@ from paratrain.plan.numeric import select
 # NCCL's LL128 protocol carries 120 data bytes in each 128-byte line: its ring bandwidth is 0.92 of Simple's
 # (src/graph/tuning.cc: `busBw * (0.92 /*120.0/128.0*/)`)
 LL128_BW_RATIO = 0.92
+# NCCL's latency model of a tree all-reduce with the LL protocol, what its tuner picks for a message of a few hundred
+# bytes (src/graph/tuning.cc, v2.22.3: baseLat[Tree][LL] = 6.8 us; hwLat[NVLINK][Tree][LL] = 0.6 us and
+# hwLat[NET][Tree][LL] = 5.0 us per hop; latency = baseLat + 2 x ((nRanks/nNodes - 1) x intraLat + log2i(nNodes) x
+# interLat))
+NCCL_TREE_LL_BASE_US = 6.8
+NCCL_TREE_LL_NVLINK_US = 0.6
+NCCL_TREE_LL_NET_US = 5.0
 
 
 def collective_time_s(system: System, kind: str, nbytes, degree, stride):
@@ -142,6 +150,19 @@ def ring_steps(n):
     2 log2 n for large ones (NCCL and Neuron pick the cheaper)."""
     n = np.asarray(n, dtype=float)
     return np.minimum(n - 1.0, 2.0 * np.ceil(np.log2(np.maximum(n, 1.0))))
+
+
+def tiny_allreduce_s(system: System, ranks):
+    """Time of an all-reduce of a few hundred bytes over `ranks` consecutive ranks (every device of a node in the
+    group once it spans nodes): latency only. NVIDIA: NCCL's own model of the tree / LL all-reduce its tuner picks
+    for such a message (NCCL_TREE_LL_*); elsewhere the ring/tree model of collective_time_s on 1 KiB."""
+    ranks = np.asarray(ranks, dtype=float)
+    if system.chip.vendor != "nvidia":
+        return collective_time_s(system, "allreduce", 1024.0, ranks, 1.0)
+    per_node = np.minimum(ranks, float(system.devices_per_node))
+    nodes = ranks / per_node
+    hops = (per_node - 1.0) * NCCL_TREE_LL_NVLINK_US + np.floor(np.log2(np.maximum(nodes, 1.0))) * NCCL_TREE_LL_NET_US
+    return np.where(ranks > 1, (NCCL_TREE_LL_BASE_US + 2.0 * hops) * 1e-6, 0.0)
 
 
 def timesharing_ranks(system: System) -> float:

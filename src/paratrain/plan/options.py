@@ -78,6 +78,14 @@ class Options:
     mixed-precision configs set it): with fp8 the model's weights exist only as FP8 (and Transformer Engine's FP8
     transpose for the backward) beside the distributed optimizer's fp32 master, so no bf16 copy is kept, and the
     data-parallel parameter gathers carry 1 byte per parameter (`gather_bytes`).
+    fp8_amax_reduce: FP8 delayed scaling as Transformer Engine 1.6+ runs it (DelayedScaling, what NeMo 1.0's
+    fp8_hybrid / amax_history configs and Megatron's --fp8-recipe delayed run): at each fp8_autocast exit
+    (FP8GlobalStateManager.fp8_autocast_exit) and at the end of that region's backward (the first FP8 module's
+    backward, reduce_and_update_bwd_fp8_tensors) a MAX all-reduce of the region's amaxes with async_op=False, so
+    the compute stream waits for it, over Megatron-Core's amax reduction group: every tensor- and data- (and
+    context-) parallel rank of the pipeline stage (parallel_state._AMAX_REDUCTION_GROUP, tp x dp consecutive
+    ranks). Megatron-Core's TransformerBlock wraps each model chunk's layers in one fp8_autocast: two such
+    all-reduces per chunk per microbatch. Current scaling and MX formats find each tensor's scale locally: none.
     tp_comm_overlap: tensor-parallel collectives (with SP) pipelined with the GEMMs next to them, as
     Transformer Engine's userbuffer overlap (Megatron-Core/NeMo tp_comm_overlap) and torch's async TP do; the GEMMs
     run split into the chunks the collectives deliver (tp_overlap_split_s). tp_overlap_sms: ((matmul name, SMs), ...)
@@ -258,6 +266,7 @@ class Options:
     grad_accum_in_hbm: bool = False
     replay_drops_dead_tail: bool = False
     norm_saved_bytes: float = 2.0
+    fp8_amax_reduce: bool = False
 
     @classmethod
     def for_system(cls, system: System, attention: str | None = None, stack: str | None = None,

@@ -22,9 +22,10 @@ from paratrain.config.names import PP_SCHEDULES
 from paratrain.hardware.catalog import System
 from paratrain.model.config import ModelConfig
 from paratrain.plan import moe as moe_plan
-from paratrain.plan.collectives import collective_time_s, p2p_time_s
+from paratrain.plan.collectives import collective_time_s, p2p_time_s, tiny_allreduce_s
 from paratrain.plan.data_parallel import _data_parallel_s
 from paratrain.plan.kernels import (
+    block_scaled,
     cast_cost,
     low_precision_flops,
     matmul_time_s,
@@ -256,6 +257,11 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     grad_accum = memory_time_s(system, _largest_rank(model, loads, pp, v_shape)[0] / tp
                                * (BF16_BYTES + 2 * opts.grad_bytes), 1) if opts.grad_accum_in_hbm else 0.0
     stage_bwd = stage_bwd + grad_accum
+    # FP8 delayed scaling (Options.fp8_amax_reduce): one blocking amax all-reduce over the stage's tp x cp x dp ranks
+    # at the end of each chunk's forward and one at the end of its backward, on the compute stream's path
+    delayed = opts.fp8 and opts.fp8_amax_reduce and not block_scaled(system, opts)
+    amax = tiny_allreduce_s(system, tp * cp * dp) * chunks if delayed else 0.0
+    stage_fwd, stage_bwd = stage_fwd + amax, stage_bwd + amax
     stage_mb = stage_fwd + stage_bwd + p2p_per_mb  # the slowest stage per microbatch
 
     # zero-bubble split of backward: W (weight gradients) = half of the backward matmuls
@@ -345,6 +351,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         "time_bubble_s": bubble, "time_dp_comm_s": dp_time, "time_dp_exposed_s": dp_exposed,
         "time_optimizer_s": optimizer, "time_fp8_cast_s": fp8_cast * np.ones_like(step), "bubble_fraction": bubble / step,
         "time_grad_accum_s": m * grad_accum * ones,
+        "time_fp8_amax_s": m * 2 * amax * ones,  # in the pipeline's stage time (Options.fp8_amax_reduce)
         # buffer bytes handed to collectives per device per step, by kind (for the simulator/cost model)
         "comm_tp_bytes": np.where(tp > 1, m * layers_per_stage * act_bytes * np.where(rc == 2, 6.0, 4.0)
                                   * ((1.0 + FP8_BYTES / BF16_BYTES) / 2 if opts.fp8 and opts.fp8_tp_allgather else 1.0), 0.0),
