@@ -361,6 +361,9 @@ def _eval_options(system, r: dict) -> Options:
     # fp8_recipe: "delayed" where the run's config names FP8 delayed scaling (Transformer Engine's DelayedScaling:
     # NeMo 1.0's fp8_hybrid with an amax history); empty = the stack's
     mx |= {"fp8_amax_reduce": True} if r.get("fp8_recipe") == "delayed" else {}
+    # bucket_mb: the gradient bucket the run's optimizer names, MiB of its gradient dtype per collective call (Apex
+    # DistributedFusedAdam's bucket_cap_mb, as NeMo 1.0's distributed_fused_adam passes it); empty = the stack's
+    mx |= {"bucket_bytes": float(r["bucket_mb"]) * 2**20} if r.get("bucket_mb") else {}
     # bf16sr: Neuron's "Autocast:BF16+SR" (XLA_USE_BF16=1): bf16 weights, gradients and Adam states, no fp32 master
     if r["precision"] == "bf16sr":
         mx |= {"master_weights": False, "grad_bytes": 2, **cp_comm}
