@@ -43,9 +43,9 @@ import numpy as np
 from paratrain.config.names import DP_KINDS, RECOMPUTE
 from paratrain.hardware.catalog import get_catalog
 from paratrain.model.config import ModelConfig, gpt_config
-from paratrain.plan import stacks
 from paratrain.plan.api import Layout, estimate, search
 from paratrain.plan.options import Options
+from paratrain.plan.software import Software, software_options
 from paratrain.plan.step import SCHEDULES, evaluate
 
 REF = Path(__file__).parent / "data" / "published"  # the published tables, with their sources (README.md there)
@@ -336,43 +336,41 @@ def _system(catalog, name: str):
 
 
 def _eval_options(system, r: dict) -> Options:
-    """The software of the run: its stack's defaults (plan.stacks, the same as `plan --stack`), attention
-    kernel, FP8, TP comm overlap where the run names it (async TP / TE), eager PyTorch for torchtitan without
-    torch.compile, and the context-parallel K/V exchange where the run names one (csv column cp_comm: Llama 3's
-    all-gather; empty = the stack's)."""
-    cp_comm = {"cp_comm": r["cp_comm"]} if r.get("cp_comm") else {}
-    # reduce_bytes: bytes per gradient element reduced where the run names its reduce dtype (FSDP
-    # MixedPrecision reduce_dtype=bfloat16: 2); empty = the stack's
-    cp_comm |= {"grad_bytes": int(r["reduce_bytes"])} if r.get("reduce_bytes") else {}
-    # dp_overlap: where the run's software reduces gradients only after the backward (Megatron-LM 2021's local DDP,
-    # as the Neuron reference port runs it: 0); empty = the system's
-    cp_comm |= {"dp_overlap": float(r["dp_overlap"])} if r.get("dp_overlap") else {}
-    # softmax_fused: 0 where the run's unfused attention softmax was not one fused kernel (neuronx-nemo-megatron before
-    # its 2.18 release: no NEURON_FUSE_SOFTMAX, masked_softmax_fusion False); empty = fused
-    cp_comm |= {"fused_softmax": False} if r.get("softmax_fused") == "0" else {}
-    # attention_kernel: where the run's launcher overrode its stack's attention kernel (NeMo-Framework-Launcher
-    # 24.03-24.07: NVTE_FUSED_ATTN=0, so Transformer Engine ran flash-attn 2: "fa2"); empty = the stack's
-    if r.get("attention_kernel"):
-        eff = stacks.attention_kernel_eff(r["attention_kernel"], system.chip, r["stack"])
-        cp_comm |= {"attention_eff": eff} if eff is not None else {}
-    # mxfp8: FP8 with MX block scaling (one E8M0 scale per 32 elements), what the Blackwell tables call MXFP8
-    # / FP8-MX; fp8 is per-tensor current scaling (FP8-CS) unless the chip's FP8 is block-scaled only
-    mx = {"block_scaling": True} if r["precision"] == "mxfp8" else {}
-    # fp8_recipe: "delayed" where the run's config names FP8 delayed scaling (Transformer Engine's DelayedScaling:
-    # NeMo 1.0's fp8_hybrid with an amax history); empty = the stack's
-    mx |= {"fp8_amax_reduce": True} if r.get("fp8_recipe") == "delayed" else {}
-    # bucket_mb: the gradient bucket the run's optimizer names, MiB of its gradient dtype per collective call (Apex
-    # DistributedFusedAdam's bucket_cap_mb, as NeMo 1.0's distributed_fused_adam passes it); empty = the stack's
-    mx |= {"bucket_bytes": float(r["bucket_mb"]) * 2**20} if r.get("bucket_mb") else {}
-    # bf16sr: Neuron's "Autocast:BF16+SR" (XLA_USE_BF16=1): bf16 weights, gradients and Adam states, no fp32 master
-    if r["precision"] == "bf16sr":
-        mx |= {"master_weights": False, "grad_bytes": 2, **cp_comm}
-        cp_comm = {}
-    return Options.for_system(system, attention=r["attention"], stack=r["stack"],
-                              fp8=r["precision"] in ("fp8", "mxfp8"), **mx,
-                              eager=r["stack"] == "fsdp2" and r["compile"] == "0",
-                              tp_comm_overlap=r["tp_overlap"] == "1", recompute_mlp=r["recompute"] == "selective_mlp",
-                              **cp_comm)
+    """The software of the run, as `paratrain estimate` / `plan` flags name it (plan.software: the one mapping to
+    Options, so each column below moves an estimate as its flag does): its stack's defaults (plan.stacks, the same
+    as `plan --stack`), plus what the row names. Empty columns: the stack's."""
+    return software_options(system, Software(
+        stack=r["stack"], attention=r["attention"],  # --stack, --attention
+        # precision (--fp8, --bf16-sr; mxfp8: --fp8-recipe mxfp8, FP8 with MX block scaling, what the Blackwell
+        # tables call MXFP8 / FP8-MX); fp8 is per-tensor current scaling (FP8-CS) unless the chip's FP8 is
+        # block-scaled only. fp8_recipe (--fp8-recipe): "delayed" where the run's config names FP8 delayed scaling
+        # (Transformer Engine's DelayedScaling: NeMo 1.0's fp8_hybrid with an amax history)
+        fp8=r["precision"] == "fp8", bf16_sr=r["precision"] == "bf16sr",
+        fp8_recipe="mxfp8" if r["precision"] == "mxfp8" else r.get("fp8_recipe") or None,
+        # attention_kernel (--attention-kernel): where the run's launcher overrode its stack's attention kernel
+        # (NeMo-Framework-Launcher 24.03-24.07: NVTE_FUSED_ATTN=0, so Transformer Engine ran flash-attn 2: "fa2")
+        attention_kernel=r.get("attention_kernel") or None,
+        # bucket_mb (--grad-bucket-mb): the gradient bucket the run's optimizer names, MiB of its gradient dtype per
+        # collective call (Apex DistributedFusedAdam's bucket_cap_mb, as NeMo 1.0's distributed_fused_adam passes it)
+        grad_bucket_mb=float(r["bucket_mb"]) if r.get("bucket_mb") else None,
+        # reduce_bytes (--grad-bytes): bytes per gradient element reduced where the run names its reduce dtype (FSDP
+        # MixedPrecision reduce_dtype=bfloat16: 2)
+        grad_bytes=int(r["reduce_bytes"]) if r.get("reduce_bytes") else None,
+        # dp_overlap (--dp-overlap): where the run's software reduces gradients only after the backward (Megatron-LM
+        # 2021's local DDP, as the Neuron reference port runs it: 0); empty = the system's
+        dp_overlap=float(r["dp_overlap"]) if r.get("dp_overlap") else None,
+        # cp_comm (--cp-comm): the context-parallel K/V exchange where the run names one (Llama 3's all-gather)
+        cp_comm=r.get("cp_comm") or None,
+        # softmax_fused (--unfused-softmax): 0 where the run's unfused attention softmax was not one fused kernel
+        # (neuronx-nemo-megatron before its 2.18 release: no NEURON_FUSE_SOFTMAX, masked_softmax_fusion False)
+        fused_softmax=False if r.get("softmax_fused") == "0" else None,
+        # compile (--torch-compile): eager PyTorch for torchtitan without torch.compile; the other stacks' kernels
+        # are fused either way
+        torch_compile=not (r["stack"] == "fsdp2" and r["compile"] == "0"),
+        # tp_overlap (--tp-comm-overlap): TP comm overlap where the run names it (async TP / TE userbuffers)
+        tp_comm_overlap=r["tp_overlap"] == "1",
+        # recompute "selective_mlp" (--recompute-mlp): selective recompute that also replays the MLP block
+        recompute_mlp=r["recompute"] == "selective_mlp"))
 
 
 def _best_published(model, system, nodes, seq, gbs, fixed, free, opts):

@@ -29,7 +29,7 @@ ALLOWED: set[tuple[str, str]] = set()
 # The planner's physics, lowest first (docs/architecture.md): each module imports only the plan modules before it,
 # function-level imports included, so plan/step.py assembles the step from terms that never reach back up to it.
 # The one exception, inside a function: Options.for_system reads a stack's defaults (plan/stacks.py).
-PLAN_ORDER = ("numeric", "precision", "options", "collectives", "kernels", "layer", "stacks", "stages", "pipeline", "memory",
+PLAN_ORDER = ("numeric", "precision", "options", "collectives", "kernels", "layer", "stacks", "software", "stages", "pipeline", "memory",
               "data_parallel", "moe", "step")
 PLAN_LAZY_UP = {("paratrain.plan.options", "paratrain.plan.stacks")}
 

@@ -403,3 +403,98 @@ def test_trn1_without_stack_is_timed_as_nxd_and_any_stack_generically():
     best = search("llama2-7b", system, 16, 4096, 256, top=1, any_stack=True).candidates[0]
     assert best.step_time_s == pytest.approx(estimate("llama2-7b", system, 16, 4096, 256, best.layout, Options.for_system(
         system, system_stack=False)).step_time_s, rel=1e-9)
+
+
+# ---- software flags: the same mapping as the accuracy benchmark's csv columns (plan.software) -------------------
+BENCH = __import__("pathlib").Path(__file__).resolve().parents[1] / "benchmarks" / "planner_accuracy.py"
+H100_8B = ["estimate", "--model", "llama3-8b", "--hardware", "dgx-h100", "--nodes", "16", "--seq", "8192",
+           "--global-batch", "512", "--tp", "2", "--sp", "--dp-kind", "ddp", "--zero-stage", "1", "--recompute",
+           "selective", "--microbatch", "1", "--stack", "megatron", "--fp8", "--json"]
+H100_8B_ROW = {"stack": "megatron", "attention": "flash", "precision": "fp8", "compile": "1", "tp_overlap": "1",
+               "recompute": "selective"}  # eval_runs.csv columns of the same run, empty ones left out
+
+
+@pytest.fixture(scope="module")
+def bench():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("planner_accuracy", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("flags,columns", [
+    (["--fp8-recipe", "delayed"], {"fp8_recipe": "delayed"}),
+    (["--fp8-recipe", "mxfp8"], {"precision": "mxfp8"}),
+    (["--attention-kernel", "fa2"], {"attention_kernel": "fa2"}),
+    (["--grad-bucket-mb", "8"], {"bucket_mb": "8"}),
+    (["--grad-bytes", "4"], {"reduce_bytes": "4"}),
+    (["--dp-overlap", "0"], {"dp_overlap": "0"}),
+    (["--tp-comm-overlap", "off"], {"tp_overlap": "0"}),
+])
+def test_software_flag_moves_the_estimate_as_the_benchmark_column(capsys, bench, flags, columns):
+    """Each software flag of estimate gives the step time the benchmark's column gives the same run (one mapping,
+    plan.software), and moves it (else the test could not fail)."""
+    system = resolve_system("dgx-h100")
+    lay = Layout(tp=2, sp=True, dp_kind="ddp", zero_stage=1, recompute="selective", microbatch=1)
+
+    def benchmark(cols):
+        return estimate("llama3-8b", system, 16, 8192, 512, lay, bench._eval_options(system, H100_8B_ROW | cols))
+
+    base = _json(capsys, H100_8B)["step_time_s"]
+    flagged = _json(capsys, [*H100_8B, *flags])["step_time_s"]
+    assert base == pytest.approx(benchmark({}).step_time_s, rel=1e-12)
+    assert flagged == pytest.approx(benchmark(columns).step_time_s, rel=1e-12)
+    assert flagged != pytest.approx(base, rel=1e-4)
+
+
+def test_torch_compile_and_cp_comm_flags_match_the_benchmark_columns(capsys, bench):
+    """torchtitan (fsdp2) without torch.compile and with Llama 3's all-gather CP: the flags and the columns agree."""
+    argv = ["estimate", "--model", "llama3-8b", "--hardware", "grand-teton-h100", "--nodes", "4", "--seq", "32768",
+            "--global-batch", "16", "--max-seq", "32768", "--cp", "4", "--stack", "fsdp2", "--microbatch", "1", "--recompute", "full", "--json"]
+    row = {"stack": "fsdp2", "attention": "flash", "precision": "bf16", "compile": "1", "tp_overlap": "0",
+           "recompute": "full"}
+    from paratrain.model.config import load_model_config
+
+    model = load_model_config("llama3-8b").model_copy(update={"max_seq": 32768})
+    system = resolve_system("grand-teton-h100")
+    lay = Layout(cp=4, dp_kind="fsdp", zero_stage=3, recompute="full", microbatch=1)
+    base = _json(capsys, argv)["step_time_s"]
+    for flags, cols in ((["--torch-compile", "off"], {"compile": "0"}), (["--cp-comm", "allgather"], {"cp_comm": "allgather"})):
+        flagged = _json(capsys, [*argv, *flags])["step_time_s"]
+        expected = estimate(model, system, 4, 32768, 16, lay, bench._eval_options(system, row | cols))
+        assert flagged == pytest.approx(expected.step_time_s, rel=1e-12) and flagged != pytest.approx(base, rel=1e-4)
+
+
+@pytest.mark.parametrize("argv,expect", [
+    (["--fp8-recipe", "blockwise"], ("argument --fp8-recipe: invalid choice: 'blockwise'", "mxfp8")),
+    (["--attention-kernel", "fa3"], ("argument --attention-kernel: invalid choice: 'fa3'", "cudnn")),
+    (["--grad-bucket-mb", "0"], ("--grad-bucket-mb = 0.0: must be > 0",)),
+    (["--dp-overlap", "1.5"], ("--dp-overlap = 1.5: must be <= 1",)),
+    (["--cp-comm", "p2p"], ("argument --cp-comm: invalid choice: 'p2p'", "allgather_rotate")),
+    (["--torch-compile", "yes"], ("argument --torch-compile: invalid choice: 'yes'", "off")),
+    (["--unfused-softmax"], ("--unfused-softmax with flash attention",)),
+])
+def test_bad_software_flags_fail_with_one_line(capsys, argv, expect):
+    """One line naming the flag, the value and what is allowed (argparse's choices exit from the parser)."""
+    try:
+        code = main([*H100_8B, *argv])
+    except SystemExit as exc:
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2 and all(e in err for e in expect) and err.count("\n") == 1, err
+
+
+def test_tp_comm_overlap_is_refused_off_nvidia(capsys):
+    assert main(["estimate", *SEVEN_B, "--tp", "8", "--sp", "--tp-comm-overlap", "on"]) == 2
+    assert "--tp-comm-overlap on, on trainium1: the overlap runs on NVIDIA GPUs only" in capsys.readouterr().err
+
+
+def test_software_checks_name_the_flag_in_the_benchmarks_path_too():
+    from paratrain.plan.software import Software
+
+    with pytest.raises(ValueError, match=r"--grad-bucket-mb = -1: allowed: a number > 0 \(MiB\)"):
+        Software(grad_bucket_mb=-1)
+    with pytest.raises(ValueError, match=r"--fp8-recipe = 'blockwise': allowed: current, delayed, mxfp8"):
+        Software(fp8_recipe="blockwise")

@@ -11,7 +11,12 @@ from paratrain.model.config import load_model_config
 from paratrain.plan import report
 from paratrain.plan.api import check_seq, estimate, layout_of, search
 from paratrain.plan.config_writer import write_training_config
-from paratrain.plan.options import Options
+from paratrain.plan.options import CP_COMM
+from paratrain.plan.software import FP8_RECIPES, Software, software_options
+from paratrain.plan.stacks import ATTENTION_KERNELS
+
+SOFTWARE = "software (how the stack runs; default: the stack's; docs/cli.md)"
+ON_OFF = {"on": True, "off": False, None: None}
 
 
 @dataclass(kw_only=True)
@@ -34,6 +39,44 @@ class PlanTarget(Workload, OnSystem, Output):
                               "assumes RoPE scaling to it. A --seq beyond it is refused", ge=1)
     write_config: str | None = opt("write the (best) layout as a training config TOML", metavar="FILE",
                                    writes="file")
+    # How the run's software runs, beyond --stack (plan.software: the same mapping the accuracy benchmark's csv
+    # columns go through); unset: the stack's default
+    fp8_recipe: str | None = opt(
+        "FP8 scaling recipe (implies --fp8), as Megatron's --fp8-recipe: current (per-tensor current scaling, FP8-CS; "
+        "the default), delayed (Transformer Engine's DelayedScaling, NeMo 1.0's fp8_hybrid: adds a blocking amax "
+        "all-reduce over each stage's TP x DP ranks twice per model chunk per microbatch), mxfp8 (MX block "
+        "scaling, one scale per 32 elements: Blackwell's MXFP8)", choices=FP8_RECIPES, group=SOFTWARE)
+    attention_kernel: str | None = opt(
+        "attention kernel where the run overrides its stack's: fa2 (flash-attn 2: Transformer Engine with "
+        "NVTE_FUSED_ATTN=0, NeMo launcher 24.03-24.07; ~35% of peak on Hopper) or cudnn (TE's fused attention, "
+        "the megatron stack's default on Hopper); timed differently on Hopper only", choices=ATTENTION_KERNELS,
+        group=SOFTWARE)
+    grad_bucket_mb: float | None = opt(
+        "data-parallel gradient bucket, MiB per collective call (Apex DistributedFusedAdam / torch DDP "
+        "bucket_cap_mb); smaller buckets mean more, latency-bound calls at large DP. Default: the stack's "
+        "(megatron 256 MiB, Megatron-LM max(40M, 1M x dp) parameters, paratrain's runtime 25 MiB)", gt=0,
+        metavar="MIB", group=SOFTWARE)
+    dp_overlap: float | None = opt(
+        "fraction of compute the data-parallel traffic can hide behind: 0 where the software reduces gradients "
+        "only after the backward (Megatron-LM 2021 local DDP); default: the system's", ge=0, le=1,
+        metavar="FRACTION", group=SOFTWARE)
+    cp_comm: str | None = opt(
+        "context-parallel K/V exchange: ring (Megatron-Core p2p, hidden behind attention), allgather (one exposed "
+        "all-gather, Llama 3's), allgather_rotate (torch context_parallel as torchtitan runs it); default: the "
+        "stack's", choices=CP_COMM, group=SOFTWARE)
+    unfused_softmax: bool = opt(
+        "with --attention unfused: the softmax is several kernels, not one fused kernel (neuronx-nemo-megatron "
+        "before 2.18)", group=SOFTWARE)
+    torch_compile: Literal["on", "off"] | None = opt(
+        "off: PyTorch eager, one kernel per op (torchtitan without torch.compile: fp32 norms, rotary, SwiGLU "
+        "launched and moved separately); on: fused kernels. Default: the stack's (eager for paratrain's own "
+        "runtime on probed local hosts)", group=SOFTWARE)
+    tp_comm_overlap: Literal["on", "off"] | None = opt(
+        "tensor-parallel collectives pipelined with their GEMMs (TE userbuffers, torch async TP); NVIDIA only. "
+        "Default: the stack's (on for megatron on NVIDIA GPUs)", group=SOFTWARE)
+    recompute_mlp: bool = opt(
+        "selective recompute also replays the MLP block (NxD activations_checkpoint_recompute_mlp); plan "
+        "--stack nxd searches both", group=SOFTWARE)
 
 
 # The layout flags are the trainer's [parallel] keys (names, types, bounds, help; defaults from the schema), so a
@@ -50,14 +93,17 @@ def _load(args):
     model = model if args.max_seq is None else model.model_copy(update={"max_seq": args.max_seq})
     check_seq(model, args.seq)
     system = resolve_system(args.hardware)
-    kw = {"fp8": args.fp8} | ({} if args.grad_bytes is None else {"grad_bytes": args.grad_bytes})
-    if args.bf16_sr:  # everything bf16: the gradients too
-        if args.grad_bytes == 4:
-            raise UserError("--grad-bytes 4 with --bf16-sr: pure BF16 keeps bf16 gradients; allowed: --grad-bytes 2 "
-                            "or no --grad-bytes")
-        kw |= {"master_weights": False, "grad_bytes": 2}
-    return model, system, Options.for_system(system, attention=args.attention, stack=args.stack,
-                                             system_stack=not getattr(args, "any_stack", False), **kw)
+    return model, system, software_options(system, software_of(args), system_stack=not getattr(args, "any_stack", False))
+
+
+def software_of(args) -> Software:
+    """The software flags as plan.software names them (its checks name the flag)."""
+    return Software(stack=args.stack, attention=args.attention, fp8=args.fp8, fp8_recipe=args.fp8_recipe,
+                    bf16_sr=args.bf16_sr, attention_kernel=args.attention_kernel, grad_bucket_mb=args.grad_bucket_mb,
+                    grad_bytes=args.grad_bytes, dp_overlap=args.dp_overlap, cp_comm=args.cp_comm,
+                    fused_softmax=False if args.unfused_softmax else None,
+                    torch_compile=ON_OFF[args.torch_compile], tp_comm_overlap=ON_OFF[args.tp_comm_overlap],
+                    recompute_mlp=True if args.recompute_mlp else None)
 
 
 @command("estimate", PlanTarget, "predict time, memory and cost of one layout", **LAYOUT_FIELDS,

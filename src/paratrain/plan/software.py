@@ -1,0 +1,103 @@
+"""The run's software as a user names it (`paratrain estimate` / `plan` flags, the accuracy benchmark's csv
+columns) and the one mapping from it to `Options`: each rule is written here once, so a flag changes an estimate
+exactly as the benchmark's column does (benchmarks/planner_accuracy.py _eval_options calls `software_options`).
+
+Every field's None means "the stack's default" (plan.stacks; the system's stack where none is named). A bad value
+raises ValueError naming the flag, the value and what is allowed (the CLI prints it as one line).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from paratrain.hardware.catalog import System
+from paratrain.plan.options import ATTENTION, CP_COMM, Options
+from paratrain.plan.stacks import ATTENTION_KERNELS, attention_kernel_eff
+
+# FP8 scaling recipes, named as Megatron-LM's --fp8-recipe names them (megatron/training/arguments.py: delayed,
+# tensorwise, mxfp8, blockwise): "current" is per-tensor current scaling ("tensorwise", Megatron-Bridge's FP8-CS,
+# torchao float8's dynamic scaling), "delayed" Transformer Engine's DelayedScaling (amax history, a MAX all-reduce
+# of the amaxes per fp8_autocast region: Options.fp8_amax_reduce), "mxfp8" MX block scaling (one E8M0 scale per 32
+# elements, found while casting: Options.block_scaling). Blockwise (DeepSeek-V3's 1x128 / 128x128) is not modelled.
+FP8_RECIPES = ("current", "delayed", "mxfp8")
+MIB_BYTES = 2**20
+
+
+@dataclass(frozen=True)
+class Software:
+    """What a run names about its software beyond the layout. The flag each field is spelled as is in its error.
+
+    stack: plan.stacks name (None: the system's). attention: "flash" / "unfused" (None: the stack's).
+    fp8: layer matmuls in FP8; fp8_recipe: one of FP8_RECIPES (None: current scaling, or the chip's own block
+    scaling); implies fp8. bf16_sr: pure BF16 with stochastic rounding (no fp32 master, bf16 gradients).
+    attention_kernel: one of plan.stacks.ATTENTION_KERNELS, where the run overrode its stack's kernel (its rate on
+    Hopper: stacks.attention_kernel_eff; elsewhere the chip's). grad_bucket_mb: the data-parallel gradient bucket,
+    MiB per collective call (Apex DistributedFusedAdam's bucket_cap_mb, torch DDP's bucket_cap_mb). grad_bytes:
+    bytes per gradient element reduced (2, 4). dp_overlap: fraction of compute data-parallel traffic may hide
+    behind ([0, 1]; 0: gradients reduced after the backward). cp_comm: Options.CP_COMM. fused_softmax: False where
+    an unfused attention's softmax is not one kernel. torch_compile: False = PyTorch eager (Options.eager).
+    tp_comm_overlap: TP collectives pipelined with their GEMMs. recompute_mlp: selective recompute also replays
+    the MLP block (Options.recompute_mlp).
+    """
+
+    stack: str | None = None
+    attention: str | None = None
+    fp8: bool = False
+    fp8_recipe: str | None = None
+    bf16_sr: bool = False
+    attention_kernel: str | None = None
+    grad_bucket_mb: float | None = None
+    grad_bytes: int | None = None
+    dp_overlap: float | None = None
+    cp_comm: str | None = None
+    fused_softmax: bool | None = None
+    torch_compile: bool | None = None
+    tp_comm_overlap: bool | None = None
+    recompute_mlp: bool | None = None
+
+    def __post_init__(self) -> None:
+        for flag, value, allowed in (("--attention", self.attention, ATTENTION),
+                                     ("--fp8-recipe", self.fp8_recipe, FP8_RECIPES),
+                                     ("--attention-kernel", self.attention_kernel, ATTENTION_KERNELS),
+                                     ("--cp-comm", self.cp_comm, CP_COMM), ("--grad-bytes", self.grad_bytes, (2, 4))):
+            if value is not None and value not in allowed:
+                raise ValueError(f"{flag} = {value!r}: allowed: {', '.join(map(str, allowed))}")
+        if self.grad_bucket_mb is not None and not self.grad_bucket_mb > 0:
+            raise ValueError(f"--grad-bucket-mb = {self.grad_bucket_mb}: allowed: a number > 0 (MiB)")
+        if self.dp_overlap is not None and not 0 <= self.dp_overlap <= 1:
+            raise ValueError(f"--dp-overlap = {self.dp_overlap}: allowed: a number in [0, 1]")
+        if self.bf16_sr and self.grad_bytes == 4:
+            raise ValueError("--grad-bytes 4 with --bf16-sr: pure BF16 keeps bf16 gradients; allowed: --grad-bytes 2 "
+                             "or no --grad-bytes")
+
+
+def software_options(system: System, sw: Software, system_stack: bool = True) -> Options:
+    """Options of `sw` on `system`: the stack's defaults (Options.for_system), each field given overriding them.
+    system_stack False (plan --any-stack): generic timing where no stack is named."""
+    kw: dict = {"fp8": sw.fp8 or sw.fp8_recipe is not None}
+    if sw.fp8_recipe == "mxfp8":
+        kw["block_scaling"] = True
+    if sw.fp8_recipe == "delayed":
+        kw["fp8_amax_reduce"] = True
+    if sw.bf16_sr:  # everything bf16: the gradients too (a named --grad-bytes 2 is the same)
+        kw |= {"master_weights": False, "grad_bytes": 2}
+    if sw.grad_bytes is not None:
+        kw["grad_bytes"] = sw.grad_bytes
+    if sw.grad_bucket_mb is not None:
+        kw["bucket_bytes"] = float(sw.grad_bucket_mb) * MIB_BYTES
+    if sw.attention_kernel is not None:  # off Hopper no per-kernel rate: the chip's own (the stack's default)
+        runs_as = system.stack.runs_as if system_stack and system.stack is not None else None
+        eff = attention_kernel_eff(sw.attention_kernel, system.chip, sw.stack or runs_as)  # the stack it is timed as
+        kw |= {"attention_eff": eff} if eff is not None else {}
+    optional = {"dp_overlap": sw.dp_overlap, "cp_comm": sw.cp_comm, "fused_softmax": sw.fused_softmax,
+                "eager": None if sw.torch_compile is None else not sw.torch_compile,
+                "tp_comm_overlap": sw.tp_comm_overlap, "recompute_mlp": sw.recompute_mlp}
+    kw |= {k: v for k, v in optional.items() if v is not None}
+    opts = Options.for_system(system, attention=sw.attention, stack=sw.stack, system_stack=system_stack, **kw)
+    if sw.tp_comm_overlap and system.chip.vendor != "nvidia":  # userbuffers / symmetric memory (stacks.GPU_ONLY)
+        raise ValueError(f"--tp-comm-overlap on, on {system.chip.name}: the overlap runs on NVIDIA GPUs only; "
+                         f"allowed: off, or no --tp-comm-overlap")
+    if sw.fused_softmax is False and opts.attention == "flash":  # a flash kernel has no separate softmax pass
+        raise ValueError("--unfused-softmax with flash attention: only an unfused attention has a softmax kernel; "
+                         "allowed: with --attention unfused (or a stack that runs it)")
+    return opts
