@@ -224,7 +224,9 @@ def test_stage_keeps_global_layer_names_and_only_its_parts():
 
 
 @pytest.mark.parametrize("overrides, message", [
-    (["parallel.pp=8"], r"parallel.pp=8 x 1 chunk\(s\) per rank = 8 pipeline stages, but the model has 4 layers"),
+    (["parallel.pp=8"], r"parallel.pp=8 x 1 chunk\(s\) per rank = 8 pipeline stages need at least 6 layers "
+                       r"\(one per inner stage; the first and last may hold none\) but the model has 4; allowed: "
+                       r"stages <= model.layers \+ 2"),
     (["parallel.pp=2", "model.layers=4", *sched("interleaved_1f1b", "parallel.virtual_stages=4")],
      r"parallel.pp=2 x 4 chunk\(s\) per rank = 8 pipeline stages"),
     (["parallel.pp=4", "train.global_batch=4", "train.microbatch=2", *sched("1f1b")],

@@ -290,3 +290,54 @@ def test_search_finds_pipeline_degrees_that_do_not_divide_the_layers():
     res = search(seventy, "p5.48xlarge", 12, 8192, 96, top=1, constraints={"pp": [12]})
     assert res.candidates and res.candidates[0].layout.pp == 12
     assert sum(res.candidates[0].layout.pp_layers) == 70
+
+
+# ---- empty end stages: one rule for the stage count and for explicit splits ----------------------------------
+def test_stage_count_rule_is_the_sum_of_the_per_stage_minimum():
+    """stages_le_layers and check_pp_layers read one rule (config.rules.fewest_stage_layers): the fewest layers
+    that fill S stages is what every stage may hold at least, summed, and the runtime's balanced split of that
+    many layers is the split the rule describes (inner stages one layer, the ends none)."""
+    from paratrain.config.rules import fewest_layers, fewest_stage_layers
+
+    for stages in (2, 3, 4, 34, 128):
+        fewest = int(fewest_layers(stages))
+        assert fewest == sum(int(fewest_stage_layers(i, stages)) for i in range(stages))
+        assert balanced_layers(fewest, stages) == [0] + [1] * (stages - 2) + [0]
+        assert check_pp_layers(balanced_layers(fewest, stages), fewest, stages, 1) == (0,) + (1,) * (stages - 2) + (0,)
+
+
+# 32 layers on 2 ranks x 17 chunks = 34 stages: the first and the last chunk hold only the embedding / the head
+META_ENDS = ["--model", "llama3-8b", "--hardware", "p5.48xlarge", "--nodes", "4", "--seq", "8192",
+             "--global-batch", "256", "--tp", "4", "--pp", "2", "--sp", "--recompute", "selective",
+             "--pp-schedule", "interleaved_1f1b"]
+
+
+def test_empty_end_chunks_are_accepted_and_too_many_stages_refused(capsys):
+    from paratrain.config import load_config
+    from paratrain.parallel.pipeline import check_stages
+
+    ends = ",".join(["0"] + ["1"] * 32 + ["0"])
+    assert main(["estimate", *META_ENDS, "--virtual-stages", "17", "--pp-layers", ends, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["layout"]["pp_layers"] == [0] + [1] * 32 + [0]
+    # the balanced split of 32 layers over 34 stages is the same one
+    est = estimate("llama3-8b", "p5.48xlarge", 4, 8192, 256,
+                   Layout(tp=4, pp=2, sp=True, recompute="selective", pp_schedule="interleaved_1f1b",
+                          virtual_stages=17, pp_layers="balanced"))
+    explicit = estimate("llama3-8b", "p5.48xlarge", 4, 8192, 256,
+                        Layout(tp=4, pp=2, sp=True, recompute="selective", pp_schedule="interleaved_1f1b",
+                               virtual_stages=17, pp_layers=(0,) + (1,) * 32 + (0,)))
+    assert list(est.layout.pp_layers) == [0] + [1] * 32 + [0]
+    assert est.step_time_s == pytest.approx(explicit.step_time_s, rel=1e-12)
+    # the trainer reads the same layout the same way
+    cfg = load_config(None, ['model.preset="tiny"', "model.layers=32", "model.vocab=256", "parallel.pp=2",
+                             'parallel.pp_schedule="interleaved_1f1b"', "parallel.virtual_stages=17",
+                             f"parallel.pp_layers=[{ends}]"])
+    assert check_stages(cfg) == (17, [0] + [1] * 32 + [0])
+    # 36 stages cannot be filled by 32 layers; an empty inner stage is refused too
+    assert main(["estimate", *META_ENDS, "--virtual-stages", "18"]) == 2
+    err = capsys.readouterr().err
+    assert "parallel.pp=2 x 18 chunk(s) per rank = 36 pipeline stages need at least 34 layers" in err
+    assert "but the model has 32; allowed: stages <= model.layers + 2" in err
+    inner_empty = ",".join(["1", "0"] + ["1"] * 31 + ["0"])
+    assert main(["estimate", *META_ENDS, "--virtual-stages", "17", "--pp-layers", inner_empty]) == 2
+    assert "stage(s) [1] would hold no work; allowed: >= 1 layer per inner stage" in capsys.readouterr().err

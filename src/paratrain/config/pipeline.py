@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from paratrain.config.dp import stage_reshard_after_forward  # noqa: F401 - re-exported for the runtime
 from paratrain.config.layout import resolve_degrees, view_of
 from paratrain.config.names import V_SCHEDULES
-from paratrain.config.rules import View, check
+from paratrain.config.rules import View, check, fewest_stage_layers
 
 if TYPE_CHECKING:
     from paratrain.config.schema import TrainConfig
@@ -55,7 +55,7 @@ def check_pp_layers(pp_layers, layers: int, pp: int, v: int, field: str = "pp_la
     if sum(given) != layers:
         raise ValueError(f"{field}={shown}: sums to {sum(given)} but the model has {layers} layers; allowed: layer "
                          f"counts summing to {layers}")
-    empty = [i for i, n in enumerate(given) if n < 0 or (n == 0 and 0 < i < stages - 1)]
+    empty = [i for i, n in enumerate(given) if n < fewest_stage_layers(i, stages)]
     if empty:
         raise ValueError(f"{field}={shown}: stage(s) {empty} would hold no work; allowed: >= 1 layer per inner "
                          f"stage (0 only for the first or last stage, which hold embedding/head)")

@@ -89,6 +89,22 @@ def _pipelined(v):
     return v.pp > 1
 
 
+def fewest_stage_layers(stage, stages):
+    """The fewest transformer layers pipeline stage `stage` of `stages` may hold: 0 for the first and the last
+    stage (they still run the embedding, or the norm, the output head and the loss: Llama 3 405B's pipeline left
+    its first chunk with only the embedding and its last with only the output and the loss, Dubey et al. 2024
+    sec. 3.3.2), 1 for every inner stage (a stage with no work). The one rule behind both the stage count
+    (`fewest_layers`, rule stages_le_layers) and explicit splits (config.pipeline.check_pp_layers)."""
+    stage, stages = np.asarray(stage), np.asarray(stages)
+    return np.where((stage == 0) | (stage == stages - 1), 0, 1)
+
+
+def fewest_layers(stages):
+    """The fewest layers that fill `stages` pipeline stages: the sum of fewest_stage_layers over them (every
+    inner stage one layer, the two ends none), so 126 layers fill 16 x 8 = 128 stages as [0, 1 x 126, 0]."""
+    return np.maximum(np.asarray(stages) - 2, 0)
+
+
 def _coded(value, names: tuple, table: tuple):
     """value in names, for a name (one layout) or an array of indices into `table` (the planner's grid: small
     integer codes instead of strings, so a grid of millions of layouts stays cheap)."""
@@ -179,10 +195,11 @@ RULES: tuple[Rule, ...] = (
     Rule("v_chunks", lambda v: _or(_not(_and(_pipelined(v), _is(v, V_SCHEDULES))), np.isin(v.virtual_stages, (1, 2))),
          lambda v: f"parallel.virtual_stages={v.virtual_stages} with parallel.pp_schedule='{v.schedule}': the V "
                    f"schedules place exactly 2 chunks per rank; allowed: virtual_stages 1 (means 2) or 2"),
-    Rule("stages_le_layers", lambda v: _or(_not(_pipelined(v)), v.pp * v.chunks <= v.model.layers),
-         lambda v: f"parallel.pp={v.pp} x {v.chunks} chunk(s) per rank = {v.pp * v.chunks} pipeline stages, but "
-                   f"the model has {v.model.layers} layers; allowed: stages <= model.layers (a smaller pp or "
-                   f"virtual_stages)"),
+    Rule("stages_le_layers", lambda v: _or(_not(_pipelined(v)), fewest_layers(v.pp * v.chunks) <= v.model.layers),
+         lambda v: f"parallel.pp={v.pp} x {v.chunks} chunk(s) per rank = {v.pp * v.chunks} pipeline stages need "
+                   f"at least {fewest_layers(v.pp * v.chunks)} layers (one per inner stage; the first and last may "
+                   f"hold none) but the model has {v.model.layers}; allowed: stages <= model.layers + 2 (a smaller "
+                   f"pp or virtual_stages)"),
     Rule("pp_tied_embeddings", lambda v: _or(_not(_pipelined(v)), not v.model.tie_embeddings),
          lambda v: "model.tie_embeddings=true with parallel.pp > 1: the embedding and the output head sit "
                    "on different stages; allowed: tie_embeddings=false for pipeline parallelism", runtime_only=True),

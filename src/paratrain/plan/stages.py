@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from paratrain.config.pipeline import balanced_layers, check_pp_layers, stage_ranks
+from paratrain.config.rules import fewest_layers
 
 EPS = 1e-9  # layers: absorbs float rounding when a time is divided back into whole layers
 # An uneven split is chosen only if it makes the slowest rank at least this much faster per microbatch: smaller
@@ -66,7 +67,8 @@ def balanced_loads(layers: int, pp, v, v_shape) -> Loads:
     lookup[uniq] = np.arange(uniq.size)
     inverse = lookup[keys]
     combos = [(int(k) // 2 // base, int(k) // 2 % base, bool(k % 2)) for k in uniq]
-    table = np.array([rank_loads(balanced_layers(layers, p * c), p, vs) if p * c <= layers
+    # stage counts the layers cannot fill (config.rules' stages_le_layers refuses them): a placeholder
+    table = np.array([rank_loads(balanced_layers(layers, p * c), p, vs) if fewest_layers(p * c) <= layers
                       else (layers, layers, 0) for p, c, vs in combos], dtype=float)
     out[:] = table[inverse.ravel()].T.reshape((3,) + pp.shape)
     return Loads(out[0], out[1], out[2], np.ones(pp.shape, bool))
