@@ -404,11 +404,11 @@ def _eval_row(catalog, r: dict):
     gbs = None if r["global_batch"] == "best" else int(r["global_batch"])
     model = _eval_model(r["model"], seq)
     fsdp = r["dp_kind"] in ("fsdp", "hsdp")  # hsdp: sharded inside a node, replicated across nodes
-    # sp, zero_stage: where the run names them (a pre-SP Megatron-LM without a distributed optimizer: 0, 0);
-    # empty = SP with TP, ZeRO-1 (ZeRO-3 for FSDP)
+    # sp, zero_stage: where the run names them (a pre-SP Megatron-LM without a distributed optimizer: 0, 0; FSDP
+    # that does not reshard after forward, Llama 3's: 2); empty = SP with TP, ZeRO-1 (ZeRO-3 for FSDP)
     fixed = {"tp": int(r["tp"]), "pp": int(r["pp"]), "cp": int(r["cp"]),
              "sp": r["sp"] == "1" if r.get("sp") else int(r["tp"]) > 1, "dp_kind": r["dp_kind"],
-             "zero_stage": 3 if fsdp else int(r["zero_stage"]) if r.get("zero_stage") else 1}
+             "zero_stage": int(r["zero_stage"]) if r.get("zero_stage") else 3 if fsdp else 1}
     # "selective_mlp": selective recompute that also replays the MLP block (Options.recompute_mlp)
     free = {k: r[k] for k in ("recompute", "schedule", "microbatch", "vp")}
     free["recompute"] = {"selective_mlp": "selective"}.get(free["recompute"], free["recompute"])

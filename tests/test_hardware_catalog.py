@@ -110,6 +110,23 @@ def test_tier_bandwidth_is_shared_by_the_devices_of_its_endpoint():
     assert efa.per_device_bw_bytes_per_s(trn1) == pytest.approx(expected)
 
 
+def test_meta_llama3_cluster_slows_only_what_crosses_its_pods():
+    """Dubey et al. 2024 sec. 3.3.1: 3,072-GPU pods, 1:7 oversubscribed between them. A group inside a pod runs as on
+    a non-blocking 400 Gb/s-per-GPU fabric (dgx-h100: the same chip, NVLink and per-GPU bandwidth); a group spanning
+    pods pays the aggregation layer's 1/7 share for the part of the ring that leaves the pod."""
+    from paratrain.plan.collectives import collective_time_s
+
+    cat = load_catalog()
+    meta, dgx = cat.system("meta-llama3-h100"), cat.system("dgx-h100")
+    assert meta.chip.name == dgx.chip.name and [t.domain_devices for t in meta.tiers] == [8, 3072, 0]
+    pod, between = meta.tiers[1].per_device_bw_bytes_per_s(meta), meta.tiers[2].per_device_bw_bytes_per_s(meta)
+    assert pod / between == pytest.approx(7.0, rel=1e-6)
+    inside = [collective_time_s(s, "reducescatter", 1e9, 64, 8) for s in (meta, dgx)]  # 512 GPUs: one pod
+    assert inside[0] == pytest.approx(inside[1], rel=1e-12)
+    across = [collective_time_s(s, "reducescatter", 1e9, 64, 128) for s in (meta, dgx)]  # 8,192 GPUs: 3 pods
+    assert across[0] > 1.1 * across[1]  # hierarchical: only the 1/24 left after the pod-level step crosses
+
+
 def test_user_directory_adds_a_system(tmp_path, monkeypatch):
     (tmp_path / "mine.toml").write_text(USER_SYSTEM)
     monkeypatch.setenv("PARATRAIN_HARDWARE_DIR", str(tmp_path))

@@ -93,7 +93,10 @@ def test_trainium_calibration_spans_sdk_versions_and_models(bench):
 def test_evaluation_sets_stay_within_their_reported_error(bench):
     """Regression guard on the evaluation sets (docs/planner.md's accuracy table; nothing was fitted on them)."""
     sets = bench.eval_sets(get_catalog())
-    goals = {"nemo_h100": 10.0, "torchtitan_h100": 15.0, "torchtitan_a100": 10.0, "llama3_paper": 25.0,
+    goals = {"nemo_h100": 10.0, "torchtitan_h100": 15.0, "torchtitan_a100": 10.0,
+             # llama3_paper: 17.7% with the planner's best pipeline, 14.1% once its rows run the pipeline and FSDP
+             # ZeRO-2 Dubey et al. 2024 sec. 3.3.2 publish (v 8, empty end chunks; accmeta, 3 Dec; was 25.0)
+             "llama3_paper": 15.0,
              "neuron_trn1": 6.5, "neuron_trn1_nemo": 9.0, "mosaic_fsdp": 10.0, "nemo_b200": 10.0,
              "neuron_trn1_megatron": 8.0,  # 13.0% / 9.6% since acctrn's GPT-3 rows (docs/planner.md); 8.8% / 5.9%
              # since acctrn2's gradient accumulation pass (bounds 12.0 / 12.0 before)
