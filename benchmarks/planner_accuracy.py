@@ -350,6 +350,9 @@ def _eval_options(system, r: dict) -> Options:
         # attention_kernel (--attention-kernel): where the run's launcher overrode its stack's attention kernel
         # (NeMo-Framework-Launcher 24.03-24.07: NVTE_FUSED_ATTN=0, so Transformer Engine ran flash-attn 2: "fa2")
         attention_kernel=r.get("attention_kernel") or None,
+        # cross_entropy (--cross-entropy): the loss kernel the run's config names (NeMo 1.0's
+        # cross_entropy_loss_fusion: true runs Megatron-Core's fused_vocab_parallel_cross_entropy: "mcore_fused")
+        cross_entropy=r.get("cross_entropy") or None,
         # bucket_mb (--grad-bucket-mb): the gradient bucket the run's optimizer names, MiB of its gradient dtype per
         # collective call (Apex DistributedFusedAdam's bucket_cap_mb, as NeMo 1.0's distributed_fused_adam passes it)
         grad_bucket_mb=float(r["bucket_mb"]) if r.get("bucket_mb") else None,

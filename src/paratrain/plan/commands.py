@@ -13,7 +13,7 @@ from paratrain.plan.api import check_seq, estimate, layout_of, search
 from paratrain.plan.config_writer import write_training_config
 from paratrain.plan.options import CP_COMM
 from paratrain.plan.software import FP8_RECIPES, Software, software_options
-from paratrain.plan.stacks import ATTENTION_KERNELS
+from paratrain.plan.stacks import ATTENTION_KERNELS, CROSS_ENTROPY_BYTES
 
 SOFTWARE = "software (how the stack runs; default: the stack's; docs/cli.md)"
 ON_OFF = {"on": True, "off": False, None: None}
@@ -51,6 +51,11 @@ class PlanTarget(Workload, OnSystem, Output):
         "NVTE_FUSED_ATTN=0, NeMo launcher 24.03-24.07; ~35% of peak on Hopper) or cudnn (TE's fused attention, "
         "the megatron stack's default on Hopper); timed differently on Hopper only", choices=ATTENTION_KERNELS,
         group=SOFTWARE)
+    cross_entropy: str | None = opt(
+        "the loss kernel where the run names it: te (Transformer Engine's Triton cross-entropy on the bf16 logits, "
+        "the megatron stack's default, 10 bytes per logit) or mcore_fused (Megatron-Core's "
+        "fused_vocab_parallel_cross_entropy over an fp32 copy, NeMo 1.0's cross_entropy_loss_fusion: 32)",
+        choices=tuple(CROSS_ENTROPY_BYTES), group=SOFTWARE)
     grad_bucket_mb: float | None = opt(
         "data-parallel gradient bucket, MiB per collective call (Apex DistributedFusedAdam / torch DDP "
         "bucket_cap_mb); smaller buckets mean more, latency-bound calls at large DP. Default: the stack's "
@@ -103,7 +108,7 @@ def software_of(args) -> Software:
                     grad_bytes=args.grad_bytes, dp_overlap=args.dp_overlap, cp_comm=args.cp_comm,
                     fused_softmax=False if args.unfused_softmax else None,
                     torch_compile=ON_OFF[args.torch_compile], tp_comm_overlap=ON_OFF[args.tp_comm_overlap],
-                    recompute_mlp=True if args.recompute_mlp else None)
+                    recompute_mlp=True if args.recompute_mlp else None, cross_entropy=args.cross_entropy)
 
 
 @command("estimate", PlanTarget, "predict time, memory and cost of one layout", **LAYOUT_FIELDS,

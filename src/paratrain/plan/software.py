@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from paratrain.hardware.catalog import System
 from paratrain.plan.options import ATTENTION, CP_COMM, Options
-from paratrain.plan.stacks import ATTENTION_KERNELS, attention_kernel_eff
+from paratrain.plan.stacks import ATTENTION_KERNELS, CROSS_ENTROPY_BYTES, attention_kernel_eff
 
 # FP8 scaling recipes, named as Megatron-LM's --fp8-recipe names them (megatron/training/arguments.py: delayed,
 # tensorwise, mxfp8, blockwise): "current" is per-tensor current scaling ("tensorwise", Megatron-Bridge's FP8-CS,
@@ -37,7 +37,8 @@ class Software:
     behind ([0, 1]; 0: gradients reduced after the backward). cp_comm: Options.CP_COMM. fused_softmax: False where
     an unfused attention's softmax is not one kernel. torch_compile: False = PyTorch eager (Options.eager).
     tp_comm_overlap: TP collectives pipelined with their GEMMs. recompute_mlp: selective recompute also replays
-    the MLP block (Options.recompute_mlp).
+    the MLP block (Options.recompute_mlp). cross_entropy: the loss kernel where the run names it, one of
+    plan.stacks.CROSS_ENTROPY_BYTES (its HBM bytes per logit: Options.ce_bytes_per_logit).
     """
 
     stack: str | None = None
@@ -54,12 +55,14 @@ class Software:
     torch_compile: bool | None = None
     tp_comm_overlap: bool | None = None
     recompute_mlp: bool | None = None
+    cross_entropy: str | None = None
 
     def __post_init__(self) -> None:
         for flag, value, allowed in (("--attention", self.attention, ATTENTION),
                                      ("--fp8-recipe", self.fp8_recipe, FP8_RECIPES),
                                      ("--attention-kernel", self.attention_kernel, ATTENTION_KERNELS),
-                                     ("--cp-comm", self.cp_comm, CP_COMM), ("--grad-bytes", self.grad_bytes, (2, 4))):
+                                     ("--cp-comm", self.cp_comm, CP_COMM), ("--grad-bytes", self.grad_bytes, (2, 4)),
+                                     ("--cross-entropy", self.cross_entropy, tuple(CROSS_ENTROPY_BYTES))):
             if value is not None and value not in allowed:
                 raise ValueError(f"{flag} = {value!r}: allowed: {', '.join(map(str, allowed))}")
         if self.grad_bucket_mb is not None and not self.grad_bucket_mb > 0:
@@ -85,6 +88,8 @@ def software_options(system: System, sw: Software, system_stack: bool = True) ->
         kw["grad_bytes"] = sw.grad_bytes
     if sw.grad_bucket_mb is not None:
         kw["bucket_bytes"] = float(sw.grad_bucket_mb) * MIB_BYTES
+    if sw.cross_entropy is not None:
+        kw["ce_bytes_per_logit"] = CROSS_ENTROPY_BYTES[sw.cross_entropy]
     if sw.attention_kernel is not None:  # off Hopper no per-kernel rate: the chip's own (the stack's default)
         runs_as = system.stack.runs_as if system_stack and system.stack is not None else None
         eff = attention_kernel_eff(sw.attention_kernel, system.chip, sw.stack or runs_as)  # the stack it is timed as

@@ -57,6 +57,17 @@ STACKS: dict[str, Stack] = {
 # Triton parallel cross-entropy (TE v2.9-v2.14 transformer_engine/common/triton/cross_entropy.py): on the bf16
 # logits, online_softmax_kernel reads them (2 bytes), cross_entropy_kernel reads them again and writes the
 # gradient in place (2 + 2), the backward's element_mul_kernel scales it by the per-token loss gradient (2 + 2).
+# A run that names its cross-entropy (csv column cross_entropy = --cross-entropy; plan.software) gets these HBM bytes per
+# logit, forward + backward (Options.ce_bytes_per_logit): "te", the Triton kernel above (the megatron stack's
+# default); "mcore_fused", Megatron-Core's fused_vocab_parallel_cross_entropy (megatron/core/fusions/
+# fused_cross_entropy.py, the same at core_r0.8.0-r0.10.0), what NeMo 1.0's cross_entropy_loss_fusion: true runs
+# (TransformerConfig.cross_entropy_loss_fusion -> LanguageModule.compute_language_model_loss). Its four jit_fuser
+# (torch.compile from torch 2.2) functions over the fp32 copy it makes (VocabParallelCrossEntropy, tensor_parallel/
+# cross_entropy.py): calculate_logits_max's .float() and max (read 2, write 4); calculate_predicted_logits' in-place
+# subtract, exp and sum (read 4, write 4); calculate_cross_entropy_loss's in-place div_ (read 4, write 4); backward,
+# calculate_gradients' in-place mul_ of the saved softmax, written back as the mutated input, and .to(bfloat16)
+# (read 4, write 4 + 2): 32 bytes.
+CROSS_ENTROPY_BYTES = {"te": 10.0, "mcore_fused": 32.0}
 # wgrad_accumulation_fusion: Megatron-Bridge's gradient_accumulation_fusion defaults on where Transformer Engine is
 # installed (models/gpt_provider.py can_enable_gradient_accumulation_fusion); TE accumulates into main_grad.
 # moe_probs_in_experts: Megatron-Core applies the routing probabilities in the expert activation (TEGroupedMLP
@@ -113,7 +124,7 @@ STACK_OPTIONS: dict[str, dict] = {
             "replay_drops_dead_tail": True, "norm_saved_bytes": NXD_NORM_SAVED_BYTES},
     "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "tp_overlap_sms": TE_OVERLAP_SMS, "overlap_param_gather": True, "fp8_weight_cache": True,
                  "fp8_param_gather": True,
-                 "bucket_bytes": MEGATRON_BUCKET_PARAMS * 2, "moe_gemm_per_expert": True, "ce_bytes_per_logit": 10.0, "wgrad_accumulation_fusion": True,
+                 "bucket_bytes": MEGATRON_BUCKET_PARAMS * 2, "moe_gemm_per_expert": True, "ce_bytes_per_logit": CROSS_ENTROPY_BYTES["te"], "wgrad_accumulation_fusion": True,
                  "moe_probs_in_experts": True},
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "cp_comm": "allgather_rotate",
               "fsdp_pp_unsharded": True, "fp8_tp_allgather": True, "eager_rope_bytes": TORCHTITAN_ROPE_BYTES,
