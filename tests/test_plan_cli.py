@@ -433,6 +433,7 @@ def bench():
     (["--dp-overlap", "0"], {"dp_overlap": "0"}),
     (["--tp-comm-overlap", "off"], {"tp_overlap": "0"}),
     (["--cross-entropy", "mcore_fused"], {"cross_entropy": "mcore_fused"}),
+    (["--cross-entropy", "mcore"], {"cross_entropy": "mcore"}),
 ])
 def test_software_flag_moves_the_estimate_as_the_benchmark_column(capsys, bench, flags, columns):
     """Each software flag of estimate gives the step time the benchmark's column gives the same run (one mapping,

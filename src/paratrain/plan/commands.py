@@ -54,7 +54,8 @@ class PlanTarget(Workload, OnSystem, Output):
     cross_entropy: str | None = opt(
         "the loss kernel where the run names it: te (Transformer Engine's Triton cross-entropy on the bf16 logits, "
         "the megatron stack's default, 10 bytes per logit) or mcore_fused (Megatron-Core's "
-        "fused_vocab_parallel_cross_entropy over an fp32 copy, NeMo 1.0's cross_entropy_loss_fusion: 32)",
+        "fused_vocab_parallel_cross_entropy over an fp32 copy, NeMo 1.0's cross_entropy_loss_fusion: 32) or mcore "
+        "(the same unfused, eager: 52)",
         choices=tuple(CROSS_ENTROPY_BYTES), group=SOFTWARE)
     grad_bucket_mb: float | None = opt(
         "data-parallel gradient bucket, MiB per collective call (Apex DistributedFusedAdam / torch DDP "

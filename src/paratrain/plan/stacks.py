@@ -66,8 +66,12 @@ STACKS: dict[str, Stack] = {
 # cross_entropy.py): calculate_logits_max's .float() and max (read 2, write 4); calculate_predicted_logits' in-place
 # subtract, exp and sum (read 4, write 4); calculate_cross_entropy_loss's in-place div_ (read 4, write 4); backward,
 # calculate_gradients' in-place mul_ of the saved softmax, written back as the mutated input, and .to(bfloat16)
-# (read 4, write 4 + 2): 32 bytes.
-CROSS_ENTROPY_BYTES = {"te": 10.0, "mcore_fused": 32.0}
+# (read 4, write 4 + 2): 32 bytes. "mcore": the same loss unfused, what Megatron-Core runs without that flag
+# (tensor_parallel.vocab_parallel_cross_entropy, eager; core_v0.7.0 casts with logits.float() before the call, core_r0.8.0
+# on inside calculate_logits_max): the fp32 copy (2 + 4), max (4), subtract (4 + 4; in place from 0.8), exp in place
+# (4 + 4), sum (4), div_ (4 + 4); backward the in-place mul_ (4 + 4) and the fp32 gradient's cast to the bf16
+# logits' dtype (4 + 2): 52 bytes.
+CROSS_ENTROPY_BYTES = {"te": 10.0, "mcore_fused": 32.0, "mcore": 52.0}
 # wgrad_accumulation_fusion: Megatron-Bridge's gradient_accumulation_fusion defaults on where Transformer Engine is
 # installed (models/gpt_provider.py can_enable_gradient_accumulation_fusion); TE accumulates into main_grad.
 # moe_probs_in_experts: Megatron-Core applies the routing probabilities in the expert activation (TEGroupedMLP
