@@ -44,7 +44,7 @@ class PlanTarget(Workload, OnSystem, Output):
     fp8_recipe: str | None = opt(
         "FP8 scaling recipe (implies --fp8), as Megatron's --fp8-recipe: current (per-tensor current scaling, FP8-CS; "
         "the default), delayed (Transformer Engine's DelayedScaling, NeMo 1.0's fp8_hybrid: adds a blocking amax "
-        "all-reduce over each stage's TP x DP ranks twice per model chunk per microbatch), mxfp8 (MX block "
+        "all-reduce over each stage's TP x CP x DP ranks twice per model chunk per microbatch), mxfp8 (MX block "
         "scaling, one scale per 32 elements: Blackwell's MXFP8)", choices=FP8_RECIPES, group=SOFTWARE)
     attention_kernel: str | None = opt(
         "attention kernel where the run overrides its stack's: fa2 (flash-attn 2: Transformer Engine with "
