@@ -97,13 +97,16 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
              # llama3_paper: 17.7% with the planner's best pipeline, 14.1% once its rows run the pipeline and FSDP
              # ZeRO-2 Dubey et al. 2024 sec. 3.3.2 publish (v 8, empty end chunks; accmeta, 3 Dec; was 25.0)
              "llama3_paper": 15.0,
-             "neuron_trn1": 6.5, "neuron_trn1_nemo": 9.0, "mosaic_fsdp": 10.0, "nemo_b200": 10.0,
+             "neuron_trn1": 6.5, "neuron_trn1_nemo": 9.0, "nemo_b200": 10.0,
+             # mosaic_fsdp 7.8 -> 6.2%, ibm_fsdp1_a100 6.4 -> 5.4% once llm-foundry's Triton attention is timed as the
+             # FA1-class kernel it is and the A100 PyTorch scale refit (pthopper, 3 Dec; bounds 10.0 / 10.0 before)
+             "mosaic_fsdp": 7.0,
              "neuron_trn1_megatron": 8.0,  # 13.0% / 9.6% since acctrn's GPT-3 rows (docs/planner.md); 8.8% / 5.9%
              # since acctrn2's gradient accumulation pass (bounds 12.0 / 12.0 before)
              # neuron_trn1_nemo: 13.0% -> 10.2% once its pre-2.18 rows ran the unfused softmax they ran (was 20.0 here)
              # neuron_trn1 6.0 -> 5.3%, neuron_trn1_nemo 8.8 -> 7.9% once the replay's dead tail is dropped (accnxd;
              # bounds 10.0 / 10.0 before)
-             "ibm_fsdp2_h100": 15.0, "ibm_fsdp1_a100": 10.0,
+             "ibm_fsdp2_h100": 15.0, "ibm_fsdp1_a100": 7.0,
              "nemo_gb200": 12.0,
              "nemo_long_seq_h100": 4.0,  # 2.2% since its rows ran flash-attn 2 (acccp, 3 Dec; was 32.0)
              "dgxc_h100": 8.0}  # dgxc_h100: 6.7% with the runs' own cross-entropy (accdgx, 3 Dec; guard 9 -> 8), 7.7% at its addition (accdgxc, 2 Dec), 8.3% with the Nemotron-4/GPT-3 rows, 7.8% with acccp's FA2 rows, 7.7% with FP8 delayed scaling's amax all-reduce, 7.6% with the runs' gradient buckets (accdp, 3 Dec)
@@ -125,6 +128,10 @@ def test_pytorch_a100_scale_is_calibrated_on_one_node_rows(bench):
 
     with bench.CAL_CSV.open(encoding="utf-8") as fh:
         cal = [r for r in csv.DictReader(fh) if r["set"] == "mosaic_a100_1node"]
+    with bench.EVAL_CSV.open(encoding="utf-8") as fh:
+        foundry = [r for r in csv.DictReader(fh) if "llm-foundry" in r["source"]]
+    # every llm-foundry row ran submit_benchmarks.py's default attn_impl triton: timed as FA1 class, as is the fit
+    assert foundry and all(r["attention_kernel"] == "fa1" for r in cal + foundry)
     assert len(cal) >= 8 and {r["nodes"] for r in cal} == {"1"} and {r["system"] for r in cal} == {"dgx-a100-80gb"}
     catalog = get_catalog()
 
@@ -133,7 +140,7 @@ def test_pytorch_a100_scale_is_calibrated_on_one_node_rows(bench):
             rows = bench.eval_sets(catalog, bench.CAL_CSV)["mosaic_a100_1node"]
         return bench.mape([r[1] for r in rows], [r[2] for r in rows])
     fitted = stacks.PYTORCH_AMPERE_SCALE
-    assert cal_mape(fitted) < 8.0
+    assert cal_mape(fitted) < 6.0  # 4.9% with the rows' FA1-class attention (pthopper, 3 Dec; 6.4% and < 8.0 before)
     assert cal_mape(fitted) <= min(cal_mape(fitted - 0.01), cal_mape(fitted + 0.01))  # the grid's optimum
     sets = bench.eval_sets(catalog)
     for name in ("torchtitan_a100", "ibm_fsdp1_a100"):

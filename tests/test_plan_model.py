@@ -22,6 +22,7 @@ from paratrain.plan.options import (
     Options,
 )
 from paratrain.plan.pipeline import inflight_microbatches, pipeline_bubble_s
+from paratrain.plan.software import Software, software_options
 
 
 @pytest.fixture()
@@ -922,6 +923,30 @@ def test_named_attention_kernel_sets_the_hopper_attention_rate():
         opts = Options.for_system(p5, stack="megatron", attention_eff=eff)
         return estimate(PRESETS["llama3-8b"], p5, 1, seq, 8, lay, opts).step_time_s
     assert step(65536, fa2) / step(65536, cudnn) > step(4096, fa2) / step(4096, cudnn) > 1.0
+
+
+def test_flash_attention_1_runs_at_half_of_fa2_on_hopper_and_a100():
+    """MosaicML's llm-foundry rows ran its Triton FlashAttention (attn_impl triton, FA1 class): attention_kernel "fa1" is
+    timed at FA1_OVER_FA2 of FlashAttention-2's rate on the same chip and stack (Dao 2023: FA2 about 2x FA1) on Hopper
+    and on A100, where FA2 runs at the PyTorch GEMMs' rate; no per-kernel rate elsewhere. A slower kernel makes a
+    Composer-style no-recompute step longer, the more so the longer the sequence."""
+    from paratrain.plan import stacks
+
+    h100, a100, b200 = (resolve_system(n).chip for n in ("dgx-h100", "dgx-a100-80gb", "dgx-b200"))
+    assert stacks.FA1_OVER_FA2 == pytest.approx(0.5)
+    fa2_h = stacks.attention_kernel_eff("fa2", h100, "fsdp2")
+    assert stacks.attention_kernel_eff("fa1", h100, "fsdp2") == pytest.approx(fa2_h * stacks.FA1_OVER_FA2)
+    a100_fa2 = stacks.stack_options("fsdp2", a100)["matmul_eff"]
+    assert stacks.attention_kernel_eff("fa1", a100, "fsdp2") == pytest.approx(a100_fa2 * stacks.FA1_OVER_FA2)
+    assert stacks.attention_kernel_eff("fa2", a100, "fsdp2") is None  # FA2 off Hopper: the chip's own (GEMM) rate
+    assert stacks.attention_kernel_eff("fa1", b200, "fsdp2") is None
+    dgx = resolve_system("dgx-a100-80gb")
+    lay = Layout(tp=1, cp=1, sp=False, dp_kind="fsdp", zero_stage=3, microbatch=1, recompute="none")
+
+    def step(seq, kernel):
+        sw = Software(stack="fsdp2", attention_kernel=kernel)
+        return estimate(PRESETS["llama3-8b"], dgx, 1, seq, 8, lay, software_options(dgx, sw)).step_time_s
+    assert step(8192, "fa1") / step(8192, None) > step(2048, "fa1") / step(2048, None) > 1.0
 
 
 def test_torch_ring_attention_merges_cost_per_step():

@@ -48,8 +48,10 @@ class PlanTarget(Workload, OnSystem, Output):
         "scaling, one scale per 32 elements: Blackwell's MXFP8)", choices=FP8_RECIPES, group=SOFTWARE)
     attention_kernel: str | None = opt(
         "attention kernel where the run overrides its stack's: fa2 (flash-attn 2: Transformer Engine with "
-        "NVTE_FUSED_ATTN=0, NeMo launcher 24.03-24.07; ~35% of peak on Hopper) or cudnn (TE's fused attention, "
-        "the megatron stack's default on Hopper); timed differently on Hopper only", choices=ATTENTION_KERNELS,
+        "NVTE_FUSED_ATTN=0, NeMo launcher 24.03-24.07; ~35% of peak on Hopper), cudnn (TE's fused attention, "
+        "the megatron stack's default on Hopper) or fa1 (FlashAttention-1 class, e.g. llm-foundry's attn_impl "
+        "triton: half FA2's rate, on Hopper and A100); timed differently on Hopper (fa1: and A100) only",
+        choices=ATTENTION_KERNELS,
         group=SOFTWARE)
     cross_entropy: str | None = opt(
         "the loss kernel where the run names it: te (Transformer Engine's Triton cross-entropy on the bf16 logits, "

@@ -162,11 +162,12 @@ PYTORCH_HOPPER_SCALE = 0.79  # grid 0.55-0.85: 1.5% on those 3 rows since eager'
 # backward's lower efficiency, plan.step.FLASH_BWD_EFF, was counted)
 HOPPER_CHIPS = {"h100", "h200", "h100-hbm2e-500w", "h100-pcie"}
 # The same on A100: the chip's 0.80 was calibrated on Megatron-LM 2021-22 runs (fused kernels, unfused attention);
-# PyTorch-native FSDP stacks reach 0.84 of it. Calibrated: `benchmarks/planner_accuracy.py --calibrate-a100-pytorch`
+# PyTorch-native FSDP stacks reach 0.89 of it. Calibrated: `benchmarks/planner_accuracy.py --calibrate-a100-pytorch`
 # (grid 0.70-1.00) on the calibration set mosaic_a100_1node (MosaicML llm-foundry MPT 1B-30B on one 8 x A100 80GB
-# node, seq 2048 and 4096, Composer FSDP; 10 rows, 6.4%); evaluated on torchtitan's 64-A100 rows, IBM fms-fsdp's
-# 128-A100 rows and MosaicML's multi-node A100 rows (their other tables).
-PYTORCH_AMPERE_SCALE = 0.84
+# node, seq 2048 and 4096, Composer FSDP; 10 rows, 4.9% since their Triton attention is timed as the FA1-class
+# kernel it is, attention_kernel "fa1"; 0.84 and 6.4% before, with it at the GEMMs' rate); evaluated on
+# torchtitan's 64-A100 rows, IBM fms-fsdp's 128-A100 rows and MosaicML's multi-node A100 rows (their other tables).
+PYTORCH_AMPERE_SCALE = 0.89
 AMPERE_CHIPS = {"a100-80gb", "a100-40gb"}
 # Stacks whose kernels are PyTorch's own (cuBLAS GEMMs through torch, SDPA's FlashAttention-2; no Transformer
 # Engine): torchtitan and DeepSpeed (ZeRO on PyTorch modules, as with Hugging Face models) get the scales above
@@ -179,20 +180,35 @@ PYTORCH_NATIVE = {"fsdp2", "deepspeed"}
 # 24.03 and 24.03.01 tags included: "Disable cudnn FA until we've tested it more") to 04b8d09 (2024-08-29, "enable
 # fused attention"); TE v1.4's DotProductAttention then takes FlashAttention, CP included (attn_forward_func_with_cp
 # over flash_attn's varlen forward and backward). "cudnn": TE's FusedAttention (the megatron stack's default).
-ATTENTION_KERNELS = ("fa2", "cudnn")
+# "fa1": a FlashAttention-1-class kernel, what MosaicML's llm-foundry benchmarks ran: submit_benchmarks.py's
+# --attn_impl defaults to "triton" (scripts/train/benchmarking/submit_benchmarks.py at 061f2c7 and every version
+# before it; sweep.sh passes none; the mpt-*.yaml set attn_impl: triton), llm-foundry's Triton port of
+# FlashAttention (llmfoundry/models/layers/flash_attn_triton.py on the pre-MLIR triton of setup.py,
+# triton_pre_mlir_sm90), "slightly faster than" its CUDA `flash` = flash-attn 1.0.x (TUTORIAL.md at 061f2c7).
+ATTENTION_KERNELS = ("fa2", "cudnn", "fa1")
+# FlashAttention-1 against FlashAttention-2 on one chip: FA2 "yields around 2x speedup compared to FlashAttention"
+# (Dao 2023, FlashAttention-2, abstract, A100: FA1 "25-40% of the theoretical maximum FLOPs/s", FA2 50-73%; sec. 4.1
+# 1.7-3.0x). Both versions issue the same Ampere mma instructions on Hopper (the FA2 paper's H100 runs use "no
+# special instructions"), so the ratio is taken to hold there too (an assumption: no H100 FA1 rate is published)
+FA1_OVER_FA2 = 0.5
 
 
 def attention_kernel_eff(kernel: str, chip, stack: str | None = None) -> float | None:
     """Options.attention_eff of a named attention kernel on this chip (hardware.catalog.Chip): on Hopper FlashAttention-2
     at FA2_HOPPER_EFF (times PYTORCH_HOPPER_SCALE in a PyTorch-native stack, as its default), cuDNN's at
-    CUDNN_HOPPER_EFF; None elsewhere (the chip's own rate: no published per-kernel rate is used off Hopper)."""
+    CUDNN_HOPPER_EFF; FlashAttention-1 at FA1_OVER_FA2 of FA2's rate, on Hopper and on A100 (where FA2 runs at the
+    GEMMs' rate, as the model times it); None elsewhere (the chip's own rate: no published per-kernel rate)."""
     if kernel not in ATTENTION_KERNELS:
         raise ValueError(f"attention kernel = {kernel!r}: allowed: {', '.join(ATTENTION_KERNELS)}")
+    native = stack in PYTORCH_NATIVE
+    if kernel == "fa1" and chip.name in AMPERE_CHIPS:
+        return chip.efficiency.matmul_eff_max * (PYTORCH_AMPERE_SCALE if native else 1.0) * FA1_OVER_FA2
     if chip.name not in HOPPER_CHIPS:
         return None
     if kernel == "cudnn":
         return CUDNN_HOPPER_EFF
-    return FA2_HOPPER_EFF * (PYTORCH_HOPPER_SCALE if stack in PYTORCH_NATIVE else 1.0)
+    fa2 = FA2_HOPPER_EFF * (PYTORCH_HOPPER_SCALE if native else 1.0)
+    return fa2 * FA1_OVER_FA2 if kernel == "fa1" else fa2
 
 
 def check_stack(name: str) -> str:
