@@ -373,7 +373,10 @@ def _eval_options(system, r: dict) -> Options:
         # tp_overlap (--tp-comm-overlap): TP comm overlap where the run names it (async TP / TE userbuffers)
         tp_comm_overlap=r["tp_overlap"] == "1",
         # recompute "selective_mlp" (--recompute-mlp): selective recompute that also replays the MLP block
-        recompute_mlp=r["recompute"] == "selective_mlp"))
+        recompute_mlp=r["recompute"] == "selective_mlp",
+        # recompute "selective_layer" (--recompute full --recompute-every 2): torchtitan's selective layer AC at its
+        # default selective_ac_option "2", every other block fully checkpointed (config_manager.py at 0413364)
+        recompute_every=2 if r["recompute"] == "selective_layer" else None))
 
 
 def _best_published(model, system, nodes, seq, gbs, fixed, free, opts):
@@ -414,7 +417,7 @@ def _eval_row(catalog, r: dict):
              "zero_stage": int(r["zero_stage"]) if r.get("zero_stage") else 3 if fsdp else 1}
     # "selective_mlp": selective recompute that also replays the MLP block (Options.recompute_mlp)
     free = {k: r[k] for k in ("recompute", "schedule", "microbatch", "vp")}
-    free["recompute"] = {"selective_mlp": "selective"}.get(free["recompute"], free["recompute"])
+    free["recompute"] = {"selective_mlp": "selective", "selective_layer": "full"}.get(free["recompute"], free["recompute"])
     opts = _eval_options(system, r)
     if "best" in free.values() or gbs is None:  # not published: the planner's best fitting choice for the published fields
         est = _best_published(model, system, nodes, seq, gbs, fixed, free, opts)

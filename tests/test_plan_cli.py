@@ -463,7 +463,8 @@ def test_torch_compile_and_cp_comm_flags_match_the_benchmark_columns(capsys, ben
     system = resolve_system("grand-teton-h100")
     lay = Layout(cp=4, dp_kind="fsdp", zero_stage=3, recompute="full", microbatch=1)
     base = _json(capsys, argv)["step_time_s"]
-    for flags, cols in ((["--torch-compile", "off"], {"compile": "0"}), (["--cp-comm", "allgather"], {"cp_comm": "allgather"})):
+    for flags, cols in ((["--torch-compile", "off"], {"compile": "0"}), (["--cp-comm", "allgather"], {"cp_comm": "allgather"}),
+                        (["--recompute-every", "2"], {"recompute": "selective_layer"})):
         flagged = _json(capsys, [*argv, *flags])["step_time_s"]
         expected = estimate(model, system, 4, 32768, 16, lay, bench._eval_options(system, row | cols))
         assert flagged == pytest.approx(expected.step_time_s, rel=1e-12) and flagged != pytest.approx(base, rel=1e-4)
@@ -474,6 +475,7 @@ def test_torch_compile_and_cp_comm_flags_match_the_benchmark_columns(capsys, ben
     (["--attention-kernel", "fa3"], ("argument --attention-kernel: invalid choice: 'fa3'", "cudnn")),
     (["--grad-bucket-mb", "0"], ("--grad-bucket-mb = 0.0: must be > 0",)),
     (["--dp-overlap", "1.5"], ("--dp-overlap = 1.5: must be <= 1",)),
+    (["--recompute-every", "0"], ("--recompute-every = 0: must be >= 1",)),
     (["--cp-comm", "p2p"], ("argument --cp-comm: invalid choice: 'p2p'", "allgather_rotate")),
     (["--torch-compile", "yes"], ("argument --torch-compile: invalid choice: 'yes'", "off")),
     (["--unfused-softmax"], ("--unfused-softmax with flash attention",)),

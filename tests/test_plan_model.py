@@ -949,6 +949,28 @@ def test_flash_attention_1_runs_at_half_of_fa2_on_hopper_and_a100():
     assert step(8192, "fa1") / step(8192, None) > step(2048, "fa1") / step(2048, None) > 1.0
 
 
+def test_layer_selective_checkpointing_lies_between_none_and_full():
+    """torchtitan's selective layer AC (Options.recompute_every 2: every other block fully checkpointed, the others keep
+    everything) replays half the layers: its recomputed FLOPs are halfway between no and full recompute, its step
+    time and activation memory between the two; N = 1 is full recompute."""
+    from paratrain.hardware.catalog import resolve_system as rs
+
+    dgx = rs("dgx-a100-80gb")
+    model = PRESETS["llama3-8b"]
+
+    def est(rc, every=1):
+        lay = Layout(tp=1, dp_kind="fsdp", zero_stage=3, microbatch=1, recompute=rc)
+        return estimate(model, dgx, 1, 8192, 8, lay, Options.for_system(dgx, stack="fsdp2", recompute_every=every))
+    none, full, half = est("none"), est("full"), est("full", 2)
+    assert est("full", 1).step_time_s == pytest.approx(full.step_time_s)
+    assert none.step_time_s < half.step_time_s < full.step_time_s
+    assert half.hardware_flops_per_step == pytest.approx((none.hardware_flops_per_step + full.hardware_flops_per_step) / 2)
+    act = lambda e: e.memory_breakdown_bytes["activations"]  # noqa: E731
+    assert act(none) > act(half) > act(full)
+    with pytest.raises(ValueError, match="recompute_every"):
+        Options(recompute_every=0)
+
+
 def test_torch_ring_attention_merges_cost_per_step():
     """torch's context_parallel (allgather_rotate, torchtitan) merges every ring step's output into an fp32
     accumulator and accumulates dQ/dK/dV in fp32 per step (plan.layer.CP_MERGE_*): memory-bound time that grows

@@ -85,6 +85,9 @@ class PlanTarget(Workload, OnSystem, Output):
     recompute_mlp: bool = opt(
         "selective recompute also replays the MLP block (NxD activations_checkpoint_recompute_mlp); plan "
         "--stack nxd searches both", group=SOFTWARE)
+    recompute_every: int | None = opt(
+        "full recompute checkpoints one layer in N, the others keep all activations (torchtitan's selective layer "
+        "AC, selective_ac_option N; its default 2); default 1: every layer", ge=1, metavar="N", group=SOFTWARE)
 
 
 # The layout flags are the trainer's [parallel] keys (names, types, bounds, help; defaults from the schema), so a
@@ -111,7 +114,8 @@ def software_of(args) -> Software:
                     grad_bytes=args.grad_bytes, dp_overlap=args.dp_overlap, cp_comm=args.cp_comm,
                     fused_softmax=False if args.unfused_softmax else None,
                     torch_compile=ON_OFF[args.torch_compile], tp_comm_overlap=ON_OFF[args.tp_comm_overlap],
-                    recompute_mlp=True if args.recompute_mlp else None, cross_entropy=args.cross_entropy)
+                    recompute_mlp=True if args.recompute_mlp else None, cross_entropy=args.cross_entropy,
+                    recompute_every=args.recompute_every)
 
 
 @command("estimate", PlanTarget, "predict time, memory and cost of one layout", **LAYOUT_FIELDS,

@@ -137,7 +137,7 @@ def host_issue_s(model: ModelConfig, opts: Options, tp_calls_fwd, rc):
     op) and its TP calls, plus what recompute replays (full: the forward again; selective: the attention core's
     two matmuls and its softmax). rc: RECOMPUTE codes (2 full, 1 selective)."""
     fwd_kernels = layer_kernels(model, opts)
-    replay = np.where(rc == 2, fwd_kernels + tp_calls_fwd, np.where(rc == 1, 3.0, 0.0))
+    replay = np.where(rc == 2, (fwd_kernels + tp_calls_fwd) / opts.recompute_every, np.where(rc == 1, 3.0, 0.0))
     fwd = opts.host_launch_s * (fwd_kernels + tp_calls_fwd)
     bwd = opts.host_launch_s * (2.0 * fwd_kernels + tp_calls_fwd + replay)
     return fwd, bwd

@@ -104,7 +104,9 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     if opts.selective_ops:  # torchtitan's per-op SAC keeps the save list's outputs, plus the log-sum-exp (core)
         layer_selective = T * (selective_ops_bytes_per_token(model, tp, sp) + core / tp)
     layer_input = T * 2 * model.hidden * sp_scale
-    per_layer = select([rc == 0, rc == 1], [layer_full, layer_selective], layer_input)
+    # full recompute with Options.recompute_every N checkpoints one layer in N; the other layers keep everything
+    rf = 1.0 / opts.recompute_every
+    per_layer = select([rc == 0, rc == 1], [layer_full, layer_selective], rf * layer_input + (1.0 - rf) * layer_full)
     # one layer rebuilt during backward: full recompute its whole block, selective recompute its attention core (the
     # s x s scores of unfused attention are held again for that layer's backward; flash keeps only the log-sum-exp;
     # per-op SAC does not replay attention)

@@ -104,6 +104,10 @@ class Options:
     keeps its input, the outputs of wq, wv, SDPA (with its log-sum-exp), w1 and w2 (w2's before its reduction, full
     width), and the reduce-scatters' outputs (selective_ops_terms). Otherwise "selective" is Korthikanti et al.'s
     (the attention core replayed).
+    recompute_every: full recompute checkpoints one layer in N and the others keep all their activations (replay
+    nothing): torchtitan's "selective layer" activation checkpointing, mode "selective" with selective_ac_option N
+    (config_manager.py's default "2", "checkpoint every other layer", at 0413364; parallelize_llama.checkpoint_wrapper
+    wraps every N-th block in ptd_checkpoint_wrapper and returns the others as they are). 1: every layer (full).
     matmul_eff: fraction of peak the GEMMs reach where the software does not reach the chip's matmul_eff_max
     (PyTorch-native stacks on Hopper, see plan.stacks); None: the chip's.
     attention_eff: fraction of peak the attention kernel reaches where it is not the chip's matmul_eff_max
@@ -234,6 +238,7 @@ class Options:
     fp8_param_gather: bool = False
     recompute_mlp: bool = False
     selective_ops: bool = False
+    recompute_every: int = 1
     dp_overlap: float | None = None
     bucket_bytes: float | None = None
     eager: bool = False
@@ -315,6 +320,8 @@ class Options:
             raise ValueError(f"kv_replica_grad_bytes = {self.kv_replica_grad_bytes}: allowed: 0, 2, 4")
         if self.grad_bytes not in (2, 4):
             raise ValueError(f"grad_bytes = {self.grad_bytes}: allowed: 2, 4")
+        if not (isinstance(self.recompute_every, int) and self.recompute_every >= 1):
+            raise ValueError(f"recompute_every = {self.recompute_every!r}: allowed: an integer >= 1")
         if not self.host_launch_s >= 0:
             raise ValueError(f"host_launch_s = {self.host_launch_s}: allowed: a number >= 0 (seconds)")
         if self.dp_overlap is not None and not 0 <= self.dp_overlap <= 1:

@@ -38,7 +38,8 @@ class Software:
     an unfused attention's softmax is not one kernel. torch_compile: False = PyTorch eager (Options.eager).
     tp_comm_overlap: TP collectives pipelined with their GEMMs. recompute_mlp: selective recompute also replays
     the MLP block (Options.recompute_mlp). cross_entropy: the loss kernel where the run names it, one of
-    plan.stacks.CROSS_ENTROPY_BYTES (its HBM bytes per logit: Options.ce_bytes_per_logit).
+    plan.stacks.CROSS_ENTROPY_BYTES (its HBM bytes per logit: Options.ce_bytes_per_logit). recompute_every: full
+    recompute checkpoints one layer in N (Options.recompute_every; torchtitan's selective layer AC).
     """
 
     stack: str | None = None
@@ -56,6 +57,7 @@ class Software:
     tp_comm_overlap: bool | None = None
     recompute_mlp: bool | None = None
     cross_entropy: str | None = None
+    recompute_every: int | None = None
 
     def __post_init__(self) -> None:
         for flag, value, allowed in (("--attention", self.attention, ATTENTION),
@@ -69,6 +71,8 @@ class Software:
             raise ValueError(f"--grad-bucket-mb = {self.grad_bucket_mb}: allowed: a number > 0 (MiB)")
         if self.dp_overlap is not None and not 0 <= self.dp_overlap <= 1:
             raise ValueError(f"--dp-overlap = {self.dp_overlap}: allowed: a number in [0, 1]")
+        if self.recompute_every is not None and not (isinstance(self.recompute_every, int) and self.recompute_every >= 1):
+            raise ValueError(f"--recompute-every = {self.recompute_every!r}: allowed: an integer >= 1")
         if self.bf16_sr and self.grad_bytes == 4:
             raise ValueError("--grad-bytes 4 with --bf16-sr: pure BF16 keeps bf16 gradients; allowed: --grad-bytes 2 "
                              "or no --grad-bytes")
@@ -96,7 +100,8 @@ def software_options(system: System, sw: Software, system_stack: bool = True) ->
         kw |= {"attention_eff": eff} if eff is not None else {}
     optional = {"dp_overlap": sw.dp_overlap, "cp_comm": sw.cp_comm, "fused_softmax": sw.fused_softmax,
                 "eager": None if sw.torch_compile is None else not sw.torch_compile,
-                "tp_comm_overlap": sw.tp_comm_overlap, "recompute_mlp": sw.recompute_mlp}
+                "tp_comm_overlap": sw.tp_comm_overlap, "recompute_mlp": sw.recompute_mlp,
+                "recompute_every": sw.recompute_every}
     kw |= {k: v for k, v in optional.items() if v is not None}
     opts = Options.for_system(system, attention=sw.attention, stack=sw.stack, system_stack=system_stack, **kw)
     if sw.tp_comm_overlap and system.chip.vendor != "nvidia":  # userbuffers / symmetric memory (stacks.GPU_ONLY)

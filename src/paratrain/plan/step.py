@@ -113,15 +113,20 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     selective = core + (mlp_fwd if opts.recompute_mlp else 0.0)
     if opts.selective_ops:  # torchtitan's per-op SAC: three matmuls and every elementwise op, not the attention core
         selective = sac_mm + elem + quantize + bias_fwd + rope_fwd
-    recompute_fwd = np.where(rc == 2, fwd_compute, np.where(rc == 1, selective, 0.0))
+    # full recompute checkpoints one layer in Options.recompute_every (torchtitan's selective layer AC); the others
+    # keep every activation and replay nothing: rf, the recomputed fraction of the layers
+    rf = 1.0 / opts.recompute_every
+    if rf < 1.0 and flops_model.num_experts:
+        raise ValueError("recompute_every > 1 (layer-selective checkpointing) is modelled for dense models only")
+    recompute_fwd = np.where(rc == 2, rf * fwd_compute, np.where(rc == 1, selective, 0.0))
     # the replay's last down-projection and its TP reduction feed nothing the backward reads: dropped by the
     # compiler where Options.replay_drops_dead_tail (a dense model's full recompute, or the MLP block replayed)
     tail_dead = (rc == 2) | ((rc == 1) & opts.recompute_mlp & (not opts.selective_ops))
     tail_dead = tail_dead & opts.replay_drops_dead_tail & (moe is None)
-    recompute_fwd = recompute_fwd - np.where(tail_dead, tail_mm, 0.0)
+    recompute_fwd = recompute_fwd - np.where(tail_dead, np.where(rc == 2, rf, 1.0) * tail_mm, 0.0)
     if opts.recompute_norm_act:  # Megatron-Core's recompute_modules "layernorm", "moe_act" (plan.moe)
         norm_act = moe_plan.norm_act_replay_s(flops_model, system, T, tp, sp, etp, moe[5] if moe is not None else 0.0)
-        recompute_fwd = recompute_fwd + np.where(rc == 2, 0.0, norm_act)
+        recompute_fwd = recompute_fwd + np.where(rc == 2, 1.0 - rf, 1.0) * norm_act
     # FlashAttention's backward recomputes the scores and probabilities and runs 5 matmuls to the forward's 2
     # (Dao 2023, FlashAttention-2 sec. 3.2), at a lower fraction of peak than its forward (FLASH_BWD_EFF);
     # unfused attention keeps P and runs 4 (dP, dV, dQ, dK) as plain batched GEMMs
@@ -150,7 +155,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     tp_fwd = np.where(tp > 1, 2 * np.where(sp, ag_rs_l, ar), 0.0) * tp_exposed
     # recompute replays the forward's TP collectives: all of them (full) or the MLP's one pair (recompute_mlp)
     # or under per-op SAC the all-gathers (not in its save list; the reduce-scatters' outputs are kept)
-    replay = np.where(rc == 2, 2.0, np.where((rc == 1) & (opts.recompute_mlp | (opts.selective_ops & sp)), 1.5, 1.0))
+    replay = np.where(rc == 2, 1.0 + rf, np.where((rc == 1) & (opts.recompute_mlp | (opts.selective_ops & sp)), 1.5, 1.0))
     tp_bwd = tp_fwd * replay
     if opts.tp_bwd_overlap:
         # NxD's LinearWithAsyncCommunication.backward (neuronx_distributed/parallel_layers/layers.py), with SP: a
@@ -191,7 +196,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     # recompute that replays the attention op replays its K/V exchange too (torch.utils.checkpoint reruns the forward,
     # and with it the ring or all-gather inside the attention op: full recompute, and Korthikanti's selective, which
     # replays the attention core); torchtitan's per-op SAC saves SDPA's outputs, so its exchange is not replayed
-    cp_bwd = cp_bwd + np.where((rc == 2) | ((rc == 1) & (not opts.selective_ops)), cp_fwd, 0.0)
+    cp_bwd = cp_bwd + np.where(rc == 2, rf, np.where((rc == 1) & (not opts.selective_ops), 1.0, 0.0)) * cp_fwd
 
     layer_fwd = fwd_compute + tp_fwd + cp_fwd + a2a_fwd
     layer_bwd = bwd_compute + tp_bwd + cp_bwd + a2a_bwd
@@ -320,8 +325,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         selective_flops = attn_fwd + mlp_flops
         if opts.selective_ops:  # the recomputed matmuls (N x K per device times tp: the whole layer's)
             selective_flops = 2.0 * L * sum(n * k for n, k in _op_sac_recomputed(model, 1))
-        recompute = np.where(rc == 2, fwd - 2.0 * V * h, np.where(rc == 1, selective_flops, 0.0))
-        recompute = (recompute - np.where(tail_dead, 2.0 * L * h * model.ffn, 0.0)) * tokens  # the dead down-projection
+        recompute = np.where(rc == 2, rf * (fwd - 2.0 * V * h), np.where(rc == 1, selective_flops, 0.0))
+        dead = np.where(tail_dead, np.where(rc == 2, rf, 1.0) * 2.0 * L * h * model.ffn, 0.0)  # the dead down-projection
+        recompute = (recompute - dead) * tokens
         flops[name] = (3.0 * fwd * tokens, 3.0 * fwd * tokens + recompute)
     model_flops, hardware_flops = flops[ATTENTION_CONVENTION]
     # with FP8 (FP4) matmuls MFU is taken against that format's peak (the rate they run at), so it stays below 1
@@ -353,7 +359,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         "time_grad_accum_s": m * grad_accum * ones,
         "time_fp8_amax_s": m * 2 * amax * ones,  # in the pipeline's stage time (Options.fp8_amax_reduce)
         # buffer bytes handed to collectives per device per step, by kind (for the simulator/cost model)
-        "comm_tp_bytes": np.where(tp > 1, m * layers_per_stage * act_bytes * np.where(rc == 2, 6.0, 4.0)
+        "comm_tp_bytes": np.where(tp > 1, m * layers_per_stage * act_bytes * np.where(rc == 2, 4.0 + 2.0 * rf, 4.0)
                                   * ((1.0 + FP8_BYTES / BF16_BYTES) / 2 if opts.fp8 and opts.fp8_tp_allgather else 1.0), 0.0),
         "comm_pp_bytes": np.where(pp > 1, m * 2 * chunks * p2p_bytes, 0.0),
         "comm_ep_bytes": m * layers_per_stage * (moe[4] if moe is not None else 0.0) * ones,
