@@ -214,3 +214,21 @@ def test_existing_tokenizer_separates_documents_with_its_own_eos(tmp_path):
     assert meta["eos_id"] == tok.token_to_id("</s>") and meta["documents"] == 2
     tokens = all_tokens(tmp_path / "out")
     assert (tokens == meta["eos_id"]).sum() == 2 and tokens[-1] == meta["eos_id"]  # after each document
+
+
+def test_sigusr2_prints_every_threads_stack_and_the_run_goes_on(tmp_path):
+    """`kill -USR2 <rank pid>` (train.watchdog.stack_dumps_on_signal, installed by `paratrain train`): where a
+    hung rank is, without a debugger; the handler is gone again when the run ends."""
+    import os
+    import signal
+    import time
+
+    from paratrain.train.watchdog import stack_dumps_on_signal
+
+    before = signal.getsignal(signal.SIGUSR2)
+    with (tmp_path / "dump.txt").open("w") as fh, stack_dumps_on_signal(file=fh):
+        os.kill(os.getpid(), signal.SIGUSR2)
+        time.sleep(0.2)  # the process goes on after the dump
+    dump = (tmp_path / "dump.txt").read_text()
+    assert "Current thread" in dump and "test_sigusr2_prints_every_threads_stack" in dump, dump
+    assert signal.getsignal(signal.SIGUSR2) == before

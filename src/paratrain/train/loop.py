@@ -59,7 +59,7 @@ from paratrain.train.preemption import Preemption
 from paratrain.train.profiling import StepTimer
 from paratrain.train.run_files import check_run_tokenizer, keep_run_tokenizer
 from paratrain.train.storage import RetryPolicy
-from paratrain.train.watchdog import Watchdog
+from paratrain.train.watchdog import Watchdog, stack_dumps_on_signal
 
 
 def lr_lambda(opt: OptimSection, total_steps: int):
@@ -211,7 +211,8 @@ def train_process(cfg: TrainConfig, resume_from: str | None = None, faults: Faul
     left at the end if this call joined it, so the ranks exit together with no gloo thread left running."""
     check_launch(cfg, int(os.environ.get("WORLD_SIZE", "1")))
     joined_here = not dist.is_initialized()  # a caller that set up the process group keeps it
-    summary = train(cfg, resume_from=resume_from, faults=faults)
+    with stack_dumps_on_signal():  # `kill -USR2 <pid>`: where this rank is, printed to its log
+        summary = train(cfg, resume_from=resume_from, faults=faults)
     if joined_here:
         shutdown_distributed()
     return summary

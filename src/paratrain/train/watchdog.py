@@ -8,12 +8,17 @@ covers NCCL only, and gloo reports just the timeout.
 
 from __future__ import annotations
 
+import contextlib
+import faulthandler
+import signal
+import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch.distributed as dist
 
+STACK_DUMP_SIGNAL = "SIGUSR2"  # SIGUSR1 and SIGTERM are the preemption notice (train/preemption.py)
 PHASES = ("data_loading", "compute")  # where a step is marked: its batch read, its step queued
 KEY = "paratrain/progress/{rank}"
 
@@ -75,3 +80,20 @@ class Watchdog:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+
+@contextlib.contextmanager
+def stack_dumps_on_signal(name: str = STACK_DUMP_SIGNAL, file=None) -> Iterator[None]:
+    """While inside: `kill -USR2 <pid>` prints every thread's Python stack to stderr, the rank goes on. Where a
+    hung rank waits (a collective, the store, I/O) is then one signal away, with no debugger attached; torch's
+    own flight recorder covers NCCL only. faulthandler writes from the C signal handler, so it answers while
+    the main thread is blocked inside a gloo or NCCL call. `file`: where to (default stderr, the rank's log)."""
+    signum = getattr(signal, name, None)
+    if signum is None:  # a platform without it (Windows): nothing to install
+        yield
+        return
+    faulthandler.register(signum, file=file or sys.stderr, all_threads=True)
+    try:
+        yield
+    finally:
+        faulthandler.unregister(signum)
