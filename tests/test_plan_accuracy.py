@@ -177,6 +177,23 @@ def test_b200_is_calibrated_on_dense_one_node_rows_and_held_out_on_others(bench)
         assert any(moved) == (name == "nemo_b200"), name
 
 
+def test_h100_megatron_calibration_set_is_one_node_and_held_apart(bench):
+    """megatron_h100_1node (the Hopper GEMM efficiency's set, --calibrate-h100-megatron): Megatron-Core runs on one
+    8-GPU DGX-H100 (no network term to fit), more than one model, source and precision; the evaluation sets its rows
+    came from (dgxc_h100, nemo_h100) keep no single-node row, and no H100 evaluation set shares a row with it."""
+    import csv
+
+    with bench.CAL_CSV.open(encoding="utf-8") as fh:
+        cal = [r for r in csv.DictReader(fh) if r["set"] == "megatron_h100_1node"]
+    with bench.EVAL_CSV.open(encoding="utf-8") as fh:
+        ev = list(csv.DictReader(fh))
+    assert len(cal) >= 8 and {r["system"] for r in cal} == {"dgx-h100"} and {r["nodes"] for r in cal} == {"1"}
+    assert {r["stack"] for r in cal} == {"megatron"} and {r["precision"] for r in cal} == {"bf16", "fp8"}
+    assert len({r["model"] for r in cal}) >= 2 and len({r["source"].split(" ")[0] for r in cal}) >= 3
+    assert not [r for r in ev if r["set"] in ("dgxc_h100", "nemo_h100") and r["nodes"] == "1"]
+    assert {r["set"] for r in ev if r["system"] == "dgx-h100"} >= {"dgxc_h100", "nemo_h100", "nemo_long_seq_h100"}
+
+
 def test_version_spread_floor_is_the_best_one_prediction_per_layout(bench, tmp_path):
     """Rows that differ only in their measurement and its source (one layout on several SDKs) can get only one
     prediction: the floor is the best constant's MAPE over them (a measured value: the objective is convex and
