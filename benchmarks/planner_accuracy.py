@@ -23,7 +23,7 @@ efficiency, --calibrate-h100-megatron; held out: every other H100 row).
 
 Evaluation data: vTrain multi-node (benchmarks/planner_vtrain_multi.csv) and benchmarks/data/eval_runs.csv
 (torchtitan H100/A100, NeMo / Megatron-Bridge DGX-H100, Llama 3 paper, Neuron trn1 NxD and neuronx-nemo-megatron,
-MosaicML llm-foundry FSDP on H100/A100), one row per published run
+MosaicML llm-foundry FSDP on H100/A100, BLOOM 176B and MT-NLG 530B: 3D + ZeRO-1 on 384-3,360 A100), one row per published run
 with its source; fields marked "best" were not published and take the planner's best fitting choice. Each
 run's software is its stack's (plan.stacks, as `plan --stack`), plus its precision, torch.compile and TP
 overlap. A100 calibration (--calibrate): coordinate descent over five global A100 parameters minimising the
@@ -360,7 +360,20 @@ MPT_VOCAB = 50368
 NEMOTRON = {"nemotron4-15b": (32, 6144, 48), "nemotron4-340b": (96, 18432, 96)}
 
 
+# Megatron-DeepSpeed GPT shapes of two published 3D + ZeRO-1 runs (set fsdp_scale): layers, hidden, heads, vocabulary.
+# BLOOM 176B (bigscience-workshop/bigscience train/tr11-176B-ml/README.md @00327f8: NLAYERS 70, NHIDDEN 14336, NHEADS
+# 112, padded vocabulary 250,880 "v*h: 250880*14336"; tied embeddings, 4h GeLU MLP, ALiBi instead of position
+# embeddings). MT-NLG 530B (Smith et al. 2022, arXiv 2201.11990 sec. 2.4 / cli99/llm-analysis
+# examples/megatron-turing-nlg/README.md @b60b392: 105 layers, hidden 20480, 128 heads, FFN 4h; the GPT-2 BPE padded
+# to Megatron's 51,200)
+MEGATRON_DEEPSPEED = {"bloom-176b": (70, 14336, 112, 250880), "mt-nlg-530b": (105, 20480, 128, VOCAB)}
+
+
 def _eval_model(name: str, seq: int):
+    if name in MEGATRON_DEEPSPEED:
+        layers, hidden, heads, vocab = MEGATRON_DEEPSPEED[name]
+        return ModelConfig(name=name, arch="gpt", layers=layers, hidden=hidden, heads=heads, vocab=vocab,
+                           max_seq=seq, tie_embeddings=True)
     if name in NEMOTRON:
         layers, hidden, heads = NEMOTRON[name]
         return ModelConfig(name=name, arch="llama", layers=layers, hidden=hidden, heads=heads, kv_heads=8,
@@ -430,7 +443,10 @@ def _eval_options(system, r: dict) -> Options:
         recompute_mlp=r["recompute"] == "selective_mlp",
         # recompute "selective_layer" (--recompute full --recompute-every 2): torchtitan's selective layer AC at its
         # default selective_ac_option "2", every other block fully checkpointed (config_manager.py at 0413364)
-        recompute_every=2 if r["recompute"] == "selective_layer" else None))
+        recompute_every=2 if r["recompute"] == "selective_layer" else None,
+        # zero1_grad_allreduce (--zero1-grad-allreduce): ZeRO-1 that all-reduces the whole gradient buffer (DeepSpeed's
+        # BF16_Optimizer, bf16 with ZeRO stage 0 in the DeepSpeed config: BLOOM's)
+        zero1_grad_allreduce=True if r.get("zero1_grad_allreduce") == "1" else None))
 
 
 def _best_published(model, system, nodes, seq, gbs, fixed, free, opts):
@@ -486,6 +502,8 @@ def _eval_row(catalog, r: dict):
         measured = gbs * seq / (value * devices)
     elif r["unit"] == "seq_per_s":
         measured = gbs / value
+    elif r["unit"] == "step_time_s":  # the run's published seconds per iteration
+        measured = value
     else:  # model TFLOP/s per device, full-square attention count
         measured = (est.model_flops_full_attention_per_step if est else float("nan")) / (value * 1e12 * devices)
     kind = ("CP" if int(r["cp"]) > 1 else "FSDP/ZeRO-3" if fsdp and int(r["pp"]) == 1 and int(r["tp"]) == 1
@@ -746,6 +764,7 @@ def main() -> int:
               "ibm_fsdp1_a100": "IBM fms-fsdp FSDP1/HSDP on 128 A100, 400 Gbps per node (Llama 2 7B/13B/70B)",
               "ibm_fsdp2_h100": "IBM/Meta torchtitan FSDP2 (+TP4) at 512 H100, IBM Cloud RoCE (Llama 3 70B/405B, BF16/FP8)",
               "nemo_long_seq_h100": "NeMo 24.03 long sequences on DGX-H100 (Llama 2 7B FP8, 8K-1M tokens, CP 1-32, 8-1,024 GPUs)",
+              "fsdp_scale": "Sharded / ZeRO data parallelism at scale: BLOOM 176B (384 A100, 3D + ZeRO-1), MT-NLG 530B (2,240-3,360 A100, 3D + ZeRO-1)",
               "dgxc_h100": "NVIDIA dgxc-benchmarking NeMo 24.05-24.09 on DGX-H100 (Llama 3.1 8B/70B/405B CP2, Nemotron-4 15B/340B, GPT-3 175B; BF16+FP8, 8-2,304 GPUs)"}
     for key, rows in grouped.items():
         evaluation[key] = (titles.get(key, key), [r[:3] for r in rows])

@@ -470,6 +470,23 @@ def test_torch_compile_and_cp_comm_flags_match_the_benchmark_columns(capsys, ben
         assert flagged == pytest.approx(expected.step_time_s, rel=1e-12) and flagged != pytest.approx(base, rel=1e-4)
 
 
+def test_zero1_grad_allreduce_flag_matches_the_benchmark_column(capsys, bench):
+    """DeepSpeed's BF16_Optimizer (BLOOM's rows): --zero1-grad-allreduce and the csv's zero1_grad_allreduce 1 give the
+    same estimate, and it differs from the reduce-scattering ZeRO-1 (else the test could not fail)."""
+    argv = ["estimate", "--model", "llama2-7b", "--hardware", "p4de.24xlarge", "--nodes", "4", "--seq", "2048",
+            "--global-batch", "32", "--tp", "8", "--stack", "deepspeed", "--attention", "unfused", "--dp-overlap", "0",
+            "--zero-stage", "1", "--recompute", "full", "--microbatch", "1", "--json"]
+    row = {"stack": "deepspeed", "attention": "unfused", "precision": "bf16", "compile": "1", "tp_overlap": "0",
+           "recompute": "full", "dp_overlap": "0"}
+    system = resolve_system("p4de.24xlarge")
+    lay = Layout(tp=8, sp=False, zero_stage=1, recompute="full", microbatch=1)
+    base = _json(capsys, argv)["step_time_s"]
+    flagged = _json(capsys, [*argv, "--zero1-grad-allreduce"])["step_time_s"]
+    expected = estimate("llama2-7b", system, 4, 2048, 32, lay,
+                        bench._eval_options(system, row | {"zero1_grad_allreduce": "1"}))
+    assert flagged == pytest.approx(expected.step_time_s, rel=1e-12) and flagged > base * (1 + 1e-4)
+
+
 @pytest.mark.parametrize("argv,expect", [
     (["--fp8-recipe", "blockwise"], ("argument --fp8-recipe: invalid choice: 'blockwise'", "mxfp8")),
     (["--attention-kernel", "fa3"], ("argument --attention-kernel: invalid choice: 'fa3'", "cudnn")),

@@ -1424,3 +1424,53 @@ def test_fp8_delayed_scaling_amax_reduction_grows_with_the_data_parallel_group()
     assert run(256).time_breakdown_s["fp8_amax"] == 0.0
     assert run(256, fp8=False, fp8_amax_reduce=True).time_breakdown_s["fp8_amax"] == 0.0
     assert run(256, fp8_amax_reduce=True, block_scaling=True).time_breakdown_s["fp8_amax"] == 0.0
+
+
+def test_tied_embeddings_under_a_pipeline_all_reduce_their_gradient_between_first_and_last_stage():
+    """A tied embedding under pp > 1 (Megatron-LM _allreduce_word_embedding_grads, DeepSpeed's ReduceTiedGrads): one
+    exposed all-reduce of the V x h / tp gradient between the first and the last stage, after the backward, which an
+    untied model (its output layer a weight of its own) does not have."""
+    from paratrain.hardware.catalog import get_catalog
+    from paratrain.model.config import ModelConfig
+    from paratrain.plan.collectives import collective_time_s
+
+    system = get_catalog().system("p4de.24xlarge")
+    tied = ModelConfig(name="t", arch="gpt", layers=24, hidden=4096, heads=32, vocab=250880, max_seq=2048,
+                       tie_embeddings=True)
+    untied = tied.model_copy(update={"tie_embeddings": False})
+    opts = Options.for_system(system, stack="deepspeed", attention="unfused")
+
+    def step(model, pp):
+        lay = Layout(tp=4, pp=pp, sp=False, microbatch=1, recompute="full", zero_stage=1, pp_layers="balanced")
+        return estimate(model, system, 8, 2048, 64, lay, opts)
+    for pp in (2, 4):
+        gap = step(tied, pp).time_breakdown_s["dp_exposed"] - step(untied, pp).time_breakdown_s["dp_exposed"]
+        expected = collective_time_s(system, "allreduce", 250880 * 4096 / 4 * opts.grad_bytes, 2.0,
+                                     4 * (64 // (4 * pp)) * (pp - 1))
+        assert gap == pytest.approx(expected, rel=1e-9) and gap > 0.1
+
+
+def test_deepspeed_bf16_optimizer_all_reduces_its_gradients_before_the_zero1_gather():
+    """DeepSpeed's BF16_Optimizer (Options.zero1_grad_allreduce): ZeRO-1 with the whole fp32 gradient buffer all-reduced
+    (an all-reduce moves twice a reduce-scatter's bytes) and the updated weights all-gathered after the step. The
+    memory (optimizer states partitioned) is ZeRO-1's either way; ZeRO-0 and ZeRO-3 are unchanged by it."""
+    from paratrain.hardware.catalog import get_catalog
+    from paratrain.plan.collectives import collective_time_s
+
+    system = get_catalog().system("p4de.24xlarge")
+    base = Options.for_system(system, stack="deepspeed", attention="unfused", dp_overlap=0.0)
+
+    def run(zero, **kw):
+        lay = Layout(tp=8, pp=1, sp=False, microbatch=1, recompute="full", zero_stage=zero,
+                     dp_kind="fsdp" if zero == 3 else "ddp")
+        return estimate("llama2-7b", system, 4, 2048, 32, lay, dataclasses.replace(base, **kw))
+    rs, ar = run(1), run(1, zero1_grad_allreduce=True)
+    params_dev = rs.memory_breakdown_bytes["grads"] / base.grad_bytes
+    gap = ar.time_breakdown_s["dp_exposed"] - rs.time_breakdown_s["dp_exposed"]
+    grads = params_dev * base.grad_bytes
+    buckets = max(1.0, np.ceil(grads / (max(40e6, 1e6 * 4) * base.grad_bytes)))
+    one = lambda kind: buckets * collective_time_s(system, kind, grads / buckets, 4.0, 8.0)  # noqa: E731
+    assert gap == pytest.approx(one("allreduce") - one("reducescatter"), rel=1e-6) and gap > 0
+    assert ar.memory_breakdown_bytes == rs.memory_breakdown_bytes
+    for zero in (0, 3):
+        assert run(zero, zero1_grad_allreduce=True).step_time_s == run(zero).step_time_s

@@ -88,6 +88,10 @@ class PlanTarget(Workload, OnSystem, Output):
     recompute_every: int | None = opt(
         "full recompute checkpoints one layer in N, the others keep all activations (torchtitan's selective layer "
         "AC, selective_ac_option N; its default 2); default 1: every layer", ge=1, metavar="N", group=SOFTWARE)
+    zero1_grad_allreduce: bool = opt(
+        "with --zero-stage 1: the gradients are all-reduced whole, then each rank's updated partition all-gathered "
+        "(DeepSpeed's BF16_Optimizer: bf16 with ZeRO stage 0 in the DeepSpeed config); default: reduce-scattered",
+        group=SOFTWARE)
 
 
 # The layout flags are the trainer's [parallel] keys (names, types, bounds, help; defaults from the schema), so a
@@ -115,7 +119,8 @@ def software_of(args) -> Software:
                     fused_softmax=False if args.unfused_softmax else None,
                     torch_compile=ON_OFF[args.torch_compile], tp_comm_overlap=ON_OFF[args.tp_comm_overlap],
                     recompute_mlp=True if args.recompute_mlp else None, cross_entropy=args.cross_entropy,
-                    recompute_every=args.recompute_every)
+                    recompute_every=args.recompute_every,
+                    zero1_grad_allreduce=True if args.zero1_grad_allreduce else None)
 
 
 @command("estimate", PlanTarget, "predict time, memory and cost of one layout", **LAYOUT_FIELDS,

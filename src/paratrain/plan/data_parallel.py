@@ -62,7 +62,9 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     as_fsdp = ((kind >= 1) & (zero == 2)) | (zero12 & opts.zero12_as_fsdp)
     fwd_ag = _calls_s(system, "allgather", param_bytes, units, dp, stride_dp)
     gathers = select([as_fsdp, kind == 1, kind == 2], [m * fwd_ag, m * unit_ag, m * shard_ag], 0.0)
-    reduces = select([zero == 0, as_fsdp, zero <= 2, kind == 1, kind == 2],
+    # Options.zero1_grad_allreduce (DeepSpeed's BF16_Optimizer): ZeRO-1 all-reduces the whole gradient buffer
+    zero1_ar = (zero == 1) & opts.zero1_grad_allreduce
+    reduces = select([(zero == 0) | zero1_ar, as_fsdp, zero <= 2, kind == 1, kind == 2],
                         [reduce_ar, unit_rs, reduce_rs, unit_rs, shard_rs + repl_ar])
     post_step = np.where(zero12 & ~as_fsdp, post_gather, 0.0)  # DeepSpeed/Megatron: gather after the step
     overlap = system.efficiency.dp_overlap if opts.dp_overlap is None else opts.dp_overlap

@@ -104,6 +104,11 @@ class Options:
     keeps its input, the outputs of wq, wv, SDPA (with its log-sum-exp), w1 and w2 (w2's before its reduction, full
     width), and the reduce-scatters' outputs (selective_ops_terms). Otherwise "selective" is Korthikanti et al.'s
     (the attention core replayed).
+    zero1_grad_allreduce: ZeRO-1 that all-reduces the whole gradient buffer and then all-gathers the updated weights
+    (instead of reduce-scattering it): DeepSpeed's BF16_Optimizer, what a bf16 run with ZeRO stage 0 in its DeepSpeed
+    config gets (its own ZeRO-1: optimizer states partitioned, the fp32 gradient buffer not): get_grads_for_reduction
+    returns the whole fp32_groups_gradients_flat, which the engine all-reduces over the data-parallel group, and
+    update_lp_params all-gathers each rank's updated partition (microsoft/DeepSpeed deepspeed/runtime/bf16_optimizer.py).
     recompute_every: full recompute checkpoints one layer in N and the others keep all their activations (replay
     nothing): torchtitan's "selective layer" activation checkpointing, mode "selective" with selective_ac_option N
     (config_manager.py's default "2", "checkpoint every other layer", at 0413364; parallelize_llama.checkpoint_wrapper
@@ -239,6 +244,7 @@ class Options:
     recompute_mlp: bool = False
     selective_ops: bool = False
     recompute_every: int = 1
+    zero1_grad_allreduce: bool = False
     dp_overlap: float | None = None
     bucket_bytes: float | None = None
     eager: bool = False

@@ -40,6 +40,8 @@ class Software:
     the MLP block (Options.recompute_mlp). cross_entropy: the loss kernel where the run names it, one of
     plan.stacks.CROSS_ENTROPY_BYTES (its HBM bytes per logit: Options.ce_bytes_per_logit). recompute_every: full
     recompute checkpoints one layer in N (Options.recompute_every; torchtitan's selective layer AC).
+    zero1_grad_allreduce: ZeRO-1 all-reduces the whole gradient buffer before its post-step gather (DeepSpeed's
+    BF16_Optimizer; Options.zero1_grad_allreduce).
     """
 
     stack: str | None = None
@@ -58,6 +60,7 @@ class Software:
     recompute_mlp: bool | None = None
     cross_entropy: str | None = None
     recompute_every: int | None = None
+    zero1_grad_allreduce: bool | None = None
 
     def __post_init__(self) -> None:
         for flag, value, allowed in (("--attention", self.attention, ATTENTION),
@@ -101,7 +104,7 @@ def software_options(system: System, sw: Software, system_stack: bool = True) ->
     optional = {"dp_overlap": sw.dp_overlap, "cp_comm": sw.cp_comm, "fused_softmax": sw.fused_softmax,
                 "eager": None if sw.torch_compile is None else not sw.torch_compile,
                 "tp_comm_overlap": sw.tp_comm_overlap, "recompute_mlp": sw.recompute_mlp,
-                "recompute_every": sw.recompute_every}
+                "recompute_every": sw.recompute_every, "zero1_grad_allreduce": sw.zero1_grad_allreduce}
     kw |= {k: v for k, v in optional.items() if v is not None}
     opts = Options.for_system(system, attention=sw.attention, stack=sw.stack, system_stack=system_stack, **kw)
     if sw.tp_comm_overlap and system.chip.vendor != "nvidia":  # userbuffers / symmetric memory (stacks.GPU_ONLY)

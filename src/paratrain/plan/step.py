@@ -290,6 +290,14 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
                                            stage_fwd, stage_bwd, layers_rank,
                                            layers_rank * model.params_per_layer() / tp / params_dev, link_busy,
                                            pp=pp, chunks=np.where(sched == 2, v, 1.0))
+    # Tied word embeddings under a pipeline: the first stage's embedding and the last stage's output layer are one
+    # weight whose two gradients are summed between those two ranks after the last backward, before the optimizer
+    # step (Megatron-LM finalize_model_grads -> _allreduce_word_embedding_grads; DeepSpeed PipelineEngine's
+    # ReduceTiedGrads, an instruction of its TrainSchedule after the last backward): V x h / tp gradients, exposed
+    if model.tie_embeddings:
+        tied = collective_time_s(system, "allreduce", V * h / tp * opts.grad_bytes, 2.0, stride_pp * np.maximum(pp - 1, 1))
+        tied = np.where(pp > 1, tied, 0.0)
+        dp_time, dp_exposed = dp_time + tied, dp_exposed + tied
     expert_opt = 0.0
     if moe is not None:  # routed experts reduce over their own expert-data-parallel group, in what the dense
         # part's hidden traffic leaves of the window (its exposed part runs after the compute, outside it)
