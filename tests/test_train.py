@@ -232,3 +232,18 @@ def test_sigusr2_prints_every_threads_stack_and_the_run_goes_on(tmp_path):
     dump = (tmp_path / "dump.txt").read_text()
     assert "Current thread" in dump and "test_sigusr2_prints_every_threads_stack" in dump, dump
     assert signal.getsignal(signal.SIGUSR2) == before
+
+
+def test_stack_dumps_fall_back_to_the_process_stderr_when_stderr_is_captured(monkeypatch):
+    """A caller that captured sys.stderr in a StringIO (capsys, a notebook) still trains: the dumps go to the
+    process's own stderr."""
+    import io
+    import signal
+
+    from paratrain.train.watchdog import stack_dumps_on_signal
+
+    monkeypatch.setattr("sys.stderr", io.StringIO())
+    before = signal.getsignal(signal.SIGUSR2)
+    with stack_dumps_on_signal():
+        pass
+    assert signal.getsignal(signal.SIGUSR2) == before

@@ -89,11 +89,24 @@ def stack_dumps_on_signal(name: str = STACK_DUMP_SIGNAL, file=None) -> Iterator[
     own flight recorder covers NCCL only. faulthandler writes from the C signal handler, so it answers while
     the main thread is blocked inside a gloo or NCCL call. `file`: where to (default stderr, the rank's log)."""
     signum = getattr(signal, name, None)
-    if signum is None:  # a platform without it (Windows): nothing to install
+    target = _with_descriptor(file or sys.stderr, sys.__stderr__)
+    if signum is None or target is None:  # a platform without it (Windows), or nowhere to write: nothing to install
         yield
         return
-    faulthandler.register(signum, file=file or sys.stderr, all_threads=True)
+    faulthandler.register(signum, file=target, all_threads=True)
     try:
         yield
     finally:
         faulthandler.unregister(signum)
+
+
+def _with_descriptor(*files):
+    """The first of `files` backed by an OS file descriptor (faulthandler writes to the descriptor from the signal
+    handler): a caller's captured stderr (pytest's capsys, an io.StringIO) has none, the process's own has."""
+    for f in files:
+        try:
+            f.fileno()
+            return f
+        except (AttributeError, OSError, ValueError):  # io.UnsupportedOperation is an OSError and a ValueError
+            continue
+    return None
