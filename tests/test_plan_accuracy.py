@@ -111,8 +111,10 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
              "nemo_long_seq_h100": 4.0,  # 2.2% since its rows ran flash-attn 2 (acccp, 3 Dec; was 32.0)
              # fsdp_scale (fsdpdata, 3 Dec): BLOOM 176B on 384 A100 (3D + ZeRO-1) and MT-NLG 530B on 2,240-3,360 A100,
              # every row fast: 18.2% at its addition, 15.2% once the tied embedding's gradient all-reduce and DeepSpeed
-             # BF16_Optimizer's whole-buffer all-reduce are timed; what is left is in docs/planner.md "fsdpdata"
-             "fsdp_scale": 16.0,
+             # BF16_Optimizer's whole-buffer all-reduce are timed; what is left is in docs/planner.md "fsdpdata";
+             # 13.0% since BF16_Optimizer's per-microbatch fp32 accumulation and DeepSpeed's serial pipeline sends
+             # are timed (pipegap, 3 Dec; was 16.0)
+             "fsdp_scale": 14.0,
              "dgxc_h100": 8.0}  # dgxc_h100: 6.7% with the runs' own cross-entropy (accdgx, 3 Dec; guard 9 -> 8), 7.7% at its addition (accdgxc, 2 Dec), 8.3% with the Nemotron-4/GPT-3 rows, 7.8% with acccp's FA2 rows, 7.7% with FP8 delayed scaling's amax all-reduce, 7.6% with the runs' gradient buckets (accdp, 3 Dec)
     # nemo_long_seq_h100: 28.1% at its addition (accl3, 2 Dec; docs/planner.md)  # nemo_gb200: 9.2% at its addition (accgpu, 2 Dec)  # ibm_fsdp2_h100: 15.0% at its addition (acc3),
     # 12.7% since torchtitan's per-op checkpointing is timed; the cause left is in docs/planner.md

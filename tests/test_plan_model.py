@@ -1474,3 +1474,85 @@ def test_deepspeed_bf16_optimizer_all_reduces_its_gradients_before_the_zero1_gat
     assert ar.memory_breakdown_bytes == rs.memory_breakdown_bytes
     for zero in (0, 3):
         assert run(zero, zero1_grad_allreduce=True).step_time_s == run(zero).step_time_s
+
+
+def test_deepspeed_bf16_optimizer_accumulates_each_microbatch_into_fp32_in_two_eager_kernels():
+    """pipegap: BF16_Optimizer.update_hp_grads after every backward (DeepSpeed PipelineEngine, bf16): the cast of the
+    bf16 gradient (read 2, write 4) and add_ into the fp32 buffer (read 4 + 4, write 4), 18 bytes per parameter of the
+    rank each microbatch; --zero1-grad-allreduce (the software flag naming that optimizer) turns it on."""
+    from paratrain.hardware.catalog import get_catalog
+    from paratrain.plan.kernels import memory_time_s
+    from paratrain.plan.stacks import DEEPSPEED_BF16_ACCUM_BYTES
+
+    system = get_catalog().system("p4de.24xlarge")
+    lay = Layout(tp=8, pp=1, sp=False, microbatch=1, recompute="full", zero_stage=1)
+    on = software_options(system, Software(stack="deepspeed", attention="unfused", zero1_grad_allreduce=True))
+    off = software_options(system, Software(stack="deepspeed", attention="unfused"))
+    assert DEEPSPEED_BF16_ACCUM_BYTES == 2 + 4 + 3 * 4 and on.grad_accum_in_hbm and not off.grad_accum_in_hbm
+    est = estimate("llama2-7b", system, 4, 2048, 32, lay, on)
+    params_dev = PRESETS["llama2-7b"].num_params() / 8
+    assert est.microbatches == 8
+    assert est.time_breakdown_s["grad_accum"] == pytest.approx(8 * memory_time_s(system, params_dev * 18.0, 1), rel=1e-9)
+    assert estimate("llama2-7b", system, 4, 2048, 32, lay, off).time_breakdown_s["grad_accum"] == 0.0
+
+
+def _deepspeed_train_schedule_s(p, m, fwd, bwd, c):
+    """Replay of DeepSpeed's TrainSchedule (deepspeed/runtime/pipe/schedule.py: step -> microbatch, and per step
+    RecvActivation, SendGrad on a forward step, SendActivation, RecvGrad on a backward one, then the pass), each
+    send and its receive a rendezvous of c seconds (blocking dist.send / dist.recv). Returns the makespan."""
+    def step_mb(step, s):
+        if step % 2 == s % 2:  # a forward step
+            return (step - s % 2) // 2 - s // 2, True
+        return (step // 2 - p + (s + 1) // 2) if step % 2 == 0 else ((step - 1) // 2 - p + 1 + s // 2), False
+    ok = lambda k: 0 <= k < m  # noqa: E731
+    plans = []
+    for s in range(p):
+        ops, prev = [], -1
+        for step in range(2 * (m + p - 1)):
+            k, fwd_step = step_mb(step, s)
+            pairs = (("RA", k, s > 0), ("SG", prev, s > 0)) if fwd_step else (("SA", prev, s < p - 1), ("RG", k, s < p - 1))
+            ops += [(op, j) for op, j, valid in pairs if valid and ok(j)] + ([("F" if fwd_step else "B", k)] if ok(k) else [])
+            prev = k
+        plans.append(ops)
+    peer = {"SA": (1, "RA"), "RA": (-1, "SA"), "SG": (-1, "RG"), "RG": (1, "SG")}
+    at, clock = [0] * p, [0.0] * p
+    while any(at[s] < len(plans[s]) for s in range(p)):
+        moved = False
+        for s in range(p):
+            while at[s] < len(plans[s]):
+                op, k = plans[s][at[s]]
+                if op in ("F", "B"):
+                    clock[s] += fwd if op == "F" else bwd
+                    at[s] += 1
+                    moved = True
+                    continue
+                q = s + peer[op][0]
+                if at[q] >= len(plans[q]) or plans[q][at[q]] != (peer[op][1], k):
+                    break
+                clock[s] = clock[q] = max(clock[s], clock[q]) + c
+                at[s], at[q], moved = at[s] + 1, at[q] + 1, True
+        assert moved, "the replay deadlocked"
+    return max(clock)
+
+
+def test_deepspeed_pipeline_sends_lie_on_the_path_one_after_the_other():
+    """pipegap: DeepSpeed's PipelineEngine (Options.p2p_serial, the deepspeed stack) exchanges a stage's activation and
+    gradient with blocking sends one after the other: 2(m - 1) + p - 2 exchanges of both directions (2c) on the
+    slowest rank's path (p - 1 with one microbatch), against m where the sends of a microbatch go at once (Megatron).
+    Checked against a replay of its TrainSchedule, then in the planner (the step grows by exactly the extra ones)."""
+    for p, m in ((4, 8), (6, 1), (5, 12), (12, 40)):
+        extra = _deepspeed_train_schedule_s(p, m, 1.0, 3.0, 0.01) - _deepspeed_train_schedule_s(p, m, 1.0, 3.0, 0.0)
+        assert extra == pytest.approx((2 * (m - 1) + p - 2 if m > 1 else p - 1) * 2 * 0.01, rel=1e-9)
+    from paratrain.hardware.catalog import get_catalog
+
+    system = get_catalog().system("p4de.24xlarge")
+    model = gpt_config("gpt-4l", 8, 4096, 32, 51200, 2048)
+    lay = Layout(tp=8, pp=4, sp=False, microbatch=1, recompute="full", zero_stage=1, pp_layers="balanced")
+    on = Options.for_system(system, stack="deepspeed", attention="unfused")
+    assert on.p2p_serial and not Options().p2p_serial
+    serial = estimate(model, system, 4, 2048, 16, lay, on)  # dp 1: m = 16
+    at_once = estimate(model, system, 4, 2048, 16, lay, dataclasses.replace(on, p2p_serial=False))
+    c = p2p_time_s(system, 2048 * 4096 * 2 / 8, 8, 4)  # 1/t of the activation per rank (scatter/gather)
+    assert at_once.time_breakdown_s["pp_comm"] == pytest.approx(16 * 2 * c, rel=1e-9)
+    assert serial.time_breakdown_s["pp_comm"] == pytest.approx((2 * 15 + 2) * 2 * c, rel=1e-9)
+    assert serial.step_time_s - at_once.step_time_s == pytest.approx(16 * 2 * c, rel=1e-6)

@@ -90,7 +90,8 @@ class PlanTarget(Workload, OnSystem, Output):
         "AC, selective_ac_option N; its default 2); default 1: every layer", ge=1, metavar="N", group=SOFTWARE)
     zero1_grad_allreduce: bool = opt(
         "with --zero-stage 1: the gradients are all-reduced whole, then each rank's updated partition all-gathered "
-        "(DeepSpeed's BF16_Optimizer: bf16 with ZeRO stage 0 in the DeepSpeed config); default: reduce-scattered",
+        "(DeepSpeed's BF16_Optimizer: bf16 with ZeRO stage 0 in the DeepSpeed config), and its eager fp32 gradient "
+        "accumulation each microbatch timed; default: reduce-scattered",
         group=SOFTWARE)
 
 

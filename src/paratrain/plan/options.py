@@ -208,6 +208,18 @@ class Options:
     XLA_USE_BF16 stacks (neuronx-nemo-megatron, the Neuron Megatron-LM reference: autograd or Megatron's local DDP add
     into a bf16 .grad / main_grad). False: not timed (a GPU stack accumulating in the GEMM, Megatron-Core's
     gradient_accumulation_fusion, is timed only for expert GEMMs: plan.moe.wgrad_accumulate_s).
+    p2p_serial: pipeline sends and receives are separate blocking calls, one after the other, as DeepSpeed's
+    PipelineEngine runs its TrainSchedule (microsoft/DeepSpeed deepspeed/runtime/pipe/schedule.py, engine.py, p2p.py:
+    dist.send / dist.recv, synchronous; the same from 2021 to 2022): a forward step receives the activation, then
+    sends the previous backward's gradient; a backward step sends the previous forward's activation, then receives
+    the gradient. In the steady state each send waits for its neighbour to finish the pass it is in, and both
+    directions' transfers lie on the path one after the other, where Megatron's send_forward_recv_backward exchanges
+    them at once. Replaying that schedule with rendezvous sends (a send and its receive start together and end after
+    one transfer time c) gives 2(m - 1) + p - 2 exchanges of 2c each on the path (p - 1 with one microbatch): 4c per
+    microbatch plus the fill and drain's 2c per stage, against m of 2c (m x p2p_per_mb) where False
+    (tests/test_plan_model.py replays the schedule). 1F1B and GPipe (pp > 1) only.
+    grad_accum_bytes: HBM bytes per parameter that grad_accum_in_hbm's pass moves; None: one fused read-add-write,
+    2 + 2 x grad_bytes. DeepSpeed's BF16_Optimizer runs it eagerly in two kernels (plan.stacks.DEEPSPEED_BF16_ACCUM_BYTES).
     replay_drops_dead_tail: the backward's replay of a checkpointed block (full recompute: the layer; selective
     recompute with recompute_mlp: the MLP block) leaves out its last down-projection GEMM and that GEMM's TP
     reduce-scatter (all-reduce without SP), whose outputs no backward op reads: torch_xla's reentrant checkpoint
@@ -275,6 +287,8 @@ class Options:
     kv_replicas_adjacent: bool = False
     host_launch_s: float = 0.0
     grad_accum_in_hbm: bool = False
+    grad_accum_bytes: float | None = None
+    p2p_serial: bool = False
     replay_drops_dead_tail: bool = False
     norm_saved_bytes: float = 2.0
     fp8_amax_reduce: bool = False

@@ -12,7 +12,12 @@ from dataclasses import dataclass
 
 from paratrain.hardware.catalog import System
 from paratrain.plan.options import ATTENTION, CP_COMM, Options
-from paratrain.plan.stacks import ATTENTION_KERNELS, CROSS_ENTROPY_BYTES, attention_kernel_eff
+from paratrain.plan.stacks import (
+    ATTENTION_KERNELS,
+    CROSS_ENTROPY_BYTES,
+    DEEPSPEED_BF16_ACCUM_BYTES,
+    attention_kernel_eff,
+)
 
 # FP8 scaling recipes, named as Megatron-LM's --fp8-recipe names them (megatron/training/arguments.py: delayed,
 # tensorwise, mxfp8, blockwise): "current" is per-tensor current scaling ("tensorwise", Megatron-Bridge's FP8-CS,
@@ -41,7 +46,8 @@ class Software:
     plan.stacks.CROSS_ENTROPY_BYTES (its HBM bytes per logit: Options.ce_bytes_per_logit). recompute_every: full
     recompute checkpoints one layer in N (Options.recompute_every; torchtitan's selective layer AC).
     zero1_grad_allreduce: ZeRO-1 all-reduces the whole gradient buffer before its post-step gather (DeepSpeed's
-    BF16_Optimizer; Options.zero1_grad_allreduce).
+    BF16_Optimizer; Options.zero1_grad_allreduce), and that optimizer's per-microbatch fp32 gradient accumulation is
+    timed with it (Options.grad_accum_in_hbm at plan.stacks.DEEPSPEED_BF16_ACCUM_BYTES).
     """
 
     stack: str | None = None
@@ -106,6 +112,8 @@ def software_options(system: System, sw: Software, system_stack: bool = True) ->
                 "tp_comm_overlap": sw.tp_comm_overlap, "recompute_mlp": sw.recompute_mlp,
                 "recompute_every": sw.recompute_every, "zero1_grad_allreduce": sw.zero1_grad_allreduce}
     kw |= {k: v for k, v in optional.items() if v is not None}
+    if sw.zero1_grad_allreduce:  # BF16_Optimizer also adds each microbatch's bf16 gradients into its fp32 buffer
+        kw |= {"grad_accum_in_hbm": True, "grad_accum_bytes": DEEPSPEED_BF16_ACCUM_BYTES}
     opts = Options.for_system(system, attention=sw.attention, stack=sw.stack, system_stack=system_stack, **kw)
     if sw.tp_comm_overlap and system.chip.vendor != "nvidia":  # userbuffers / symmetric memory (stacks.GPU_ONLY)
         raise ValueError(f"--tp-comm-overlap on, on {system.chip.name}: the overlap runs on NVIDIA GPUs only; "

@@ -104,6 +104,16 @@ NXD_CE_BYTES = 28.0
 # grad_accum_in_hbm (plan.options.Options): NxD's ZeRO-1 with fp32 gradient accumulation (mixed_precision_config
 # use_fp32_grad_acc, set with zero_one_enabled: neuronx_distributed/trainer/trainer.py -> use_grad_acc_hook) adds each
 # microbatch's bf16 gradients into a full-size fp32 main_grad in a hook (torch_xla ZeroRedundancyOptimizer._make_param_hook)
+# p2p_serial (plan.options.Options): DeepSpeed's PipelineEngine sends and receives one tensor at a time with blocking
+# dist.send / dist.recv in its TrainSchedule's order (deepspeed/runtime/pipe/p2p.py, schedule.py TrainSchedule.steps)
+# grad_accum_bytes (plan.options.Options, with grad_accum_in_hbm; set by plan.software for zero1_grad_allreduce, which
+# names DeepSpeed's BF16_Optimizer): every backward of every pipeline stage ends in BF16_Optimizer.update_hp_grads
+# (PipelineEngine._exec_backward_pass calls it after torch.autograd.backward on all but the last stage, whose
+# DeepSpeedEngine.backward -> BF16_Optimizer.backward calls it too; microsoft/DeepSpeed deepspeed/runtime/pipe/engine.py
+# and bf16_optimizer.py at 56c5223 "bf16+pipeline parallelism" (#1801, Apr 2022) and at 1ed5aa9): for each of the rank's
+# parameters `hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype)...)`, eager PyTorch: the cast reads the bf16 gradient (2)
+# and writes an fp32 copy (4), add_ reads that copy and the fp32 buffer and writes the buffer (4 + 4 + 4): 18 bytes
+DEEPSPEED_BF16_ACCUM_BYTES = 18.0
 # norm_saved_bytes (plan.options.Options): NxDT's LlamaRMSNorm.forward (models/hf_models/modeling_llama.py at 9169aa0,
 # the 2.26 release) runs hidden_states.to(float32), pow(2).mean, * rsqrt, .to(bf16), weight *: autograd keeps the
 # fp32 input (4 bytes per element) and the bf16 normalised output (2) where the count has the bf16 input (2)
@@ -134,7 +144,7 @@ STACK_OPTIONS: dict[str, dict] = {
               "fsdp_pp_unsharded": True, "fp8_tp_allgather": True, "eager_rope_bytes": TORCHTITAN_ROPE_BYTES,
               "selective_ops": True, "cp_kv_repeated": True, "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES},
     "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False,
-                  "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES},
+                  "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES, "p2p_serial": True},
 }
 # Stacks whose selective recompute may also replay the MLP block, searched both ways: NxD's
 # activations_checkpoint_recompute_mlp (NxDT examples/conf/hf_llama3_70B_config.yaml ships it with TP32 PP8)

@@ -259,8 +259,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     stage_fwd = layers_per_stage * layer_fwd + embed_on * embed + head_on * head_fwd
     stage_bwd = layers_per_stage * layer_bwd + head_on * head_bwd
     # gradient accumulation as a pass of its own over the rank's gradients each microbatch (Options.grad_accum_in_hbm)
-    grad_accum = memory_time_s(system, _largest_rank(model, loads, pp, v_shape)[0] / tp
-                               * (BF16_BYTES + 2 * opts.grad_bytes), 1) if opts.grad_accum_in_hbm else 0.0
+    accum_bytes = BF16_BYTES + 2 * opts.grad_bytes if opts.grad_accum_bytes is None else opts.grad_accum_bytes
+    grad_accum = memory_time_s(system, _largest_rank(model, loads, pp, v_shape)[0] / tp * accum_bytes, 1) \
+        if opts.grad_accum_in_hbm else 0.0
     stage_bwd = stage_bwd + grad_accum
     # FP8 delayed scaling (Options.fp8_amax_reduce): one blocking amax all-reduce over the stage's tp x cp x dp ranks
     # at the end of each chunk's forward and one at the end of its backward, on the compute stream's path
@@ -273,6 +274,10 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     stage_w = layers_per_stage * mm
     bubble = pipeline_bubble_s(sched, pp, v, m, stage_fwd, stage_bwd - stage_w, stage_w)
     pipeline = m * stage_mb + bubble
+    p2p_path = m * p2p_per_mb  # the sends on the slowest rank's path: one exchange each way per microbatch
+    if opts.p2p_serial:  # DeepSpeed's engine: 2(m - 1) + p - 2 exchanges each way, p - 1 for one microbatch
+        p2p_path = np.where(pp > 1, np.where(m > 1, 2 * (m - 1) + pp - 2, pp - 1) * p2p_per_mb, 0.0)
+        pipeline = pipeline + p2p_path - m * p2p_per_mb
 
     # -- data parallel: gradient reduce (and parameter gather for ZeRO-1/2/3) --
     params_rank, layers_rank = _largest_rank(model, loads, pp, v_shape)
@@ -360,7 +365,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         "time_cp_comm_s": m * layers_per_stage * (cp_fwd + cp_bwd),
         "time_host_wait_s": m * layers_per_stage * host_wait * ones,
         "time_ep_comm_s": m * layers_per_stage * (a2a_fwd + a2a_bwd) * ones,
-        "time_pp_comm_s": m * p2p_per_mb,
+        "time_pp_comm_s": p2p_path * ones,
         "time_head_s": m * head_on * (head_fwd + head_bwd - tp_head_fwd - tp_head_bwd),
         "time_bubble_s": bubble, "time_dp_comm_s": dp_time, "time_dp_exposed_s": dp_exposed,
         "time_optimizer_s": optimizer, "time_fp8_cast_s": fp8_cast * np.ones_like(step), "bubble_fraction": bubble / step,
