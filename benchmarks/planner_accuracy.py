@@ -765,7 +765,8 @@ def main() -> int:
               "ibm_fsdp2_h100": "IBM/Meta torchtitan FSDP2 (+TP4) at 512 H100, IBM Cloud RoCE (Llama 3 70B/405B, BF16/FP8)",
               "nemo_long_seq_h100": "NeMo 24.03 long sequences on DGX-H100 (Llama 2 7B FP8, 8K-1M tokens, CP 1-32, 8-1,024 GPUs)",
               "fsdp_scale": "Sharded / ZeRO data parallelism at scale: BLOOM 176B (384 A100, 3D + ZeRO-1), MT-NLG 530B (2,240-3,360 A100, 3D + ZeRO-1)",
-              "dgxc_h100": "NVIDIA dgxc-benchmarking NeMo 24.05-24.09 on DGX-H100 (Llama 3.1 8B/70B/405B CP2, Nemotron-4 15B/340B, GPT-3 175B; BF16+FP8, 8-2,304 GPUs)"}
+              "dgxc_h100": "NVIDIA dgxc-benchmarking NeMo 24.05-24.09 on DGX-H100 (Llama 3.1 8B/70B/405B CP2, Nemotron-4 15B/340B, GPT-3 175B; BF16+FP8, 8-2,304 GPUs)",
+              "megatron_fsdp": "Megatron FSDP (ZeRO-3) in Megatron-Bridge on DGX-GB200 (Llama 3 70B FSDP64, 405B TP2 FSDP64; FP8-CS, 64-128 GPUs, 25.09-26.04.01)"}
     for key, rows in grouped.items():
         evaluation[key] = (titles.get(key, key), [r[:3] for r in rows])
     results = {}

@@ -115,6 +115,9 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
              # 13.0% since BF16_Optimizer's per-microbatch fp32 accumulation and DeepSpeed's serial pipeline sends
              # are timed (pipegap, 3 Dec; was 16.0)
              "fsdp_scale": 14.0,
+             # megatron_fsdp (mfsdp, 3 Dec): Megatron FSDP (ZeRO-3) in Megatron-Bridge's DGX-GB200 tables, Llama 3 70B
+             # FSDP64 and 405B TP2 FSDP64 at 64-128 GPUs: 4.2% at its addition, six of seven rows fast (-8.2% .. +0.2%)
+             "megatron_fsdp": 5.0,
              "dgxc_h100": 8.0}  # dgxc_h100: 6.7% with the runs' own cross-entropy (accdgx, 3 Dec; guard 9 -> 8), 7.7% at its addition (accdgxc, 2 Dec), 8.3% with the Nemotron-4/GPT-3 rows, 7.8% with acccp's FA2 rows, 7.7% with FP8 delayed scaling's amax all-reduce, 7.6% with the runs' gradient buckets (accdp, 3 Dec)
     # nemo_long_seq_h100: 28.1% at its addition (accl3, 2 Dec; docs/planner.md)  # nemo_gb200: 9.2% at its addition (accgpu, 2 Dec)  # ibm_fsdp2_h100: 15.0% at its addition (acc3),
     # 12.7% since torchtitan's per-op checkpointing is timed; the cause left is in docs/planner.md
@@ -221,3 +224,18 @@ def test_version_spread_floor_is_the_best_one_prediction_per_layout(bench, tmp_p
     # three configurations, each on several SDKs: Llama 2 7B unfused (2.15-2.18) and with NxD's flash kernel (the
     # tp_zero1 script's default from 2.19: 2.20, 2.21), Llama 3.1 8B (2.20-2.24)
     assert 0 < nxd["floor_pct"] < 10 and nxd["layouts"] == 3
+
+
+def test_megatron_fsdp_set_is_sharded_data_parallel_at_scale(bench):
+    """megatron_fsdp (mfsdp): Megatron FSDP (ZeRO-3, data_parallel_sharding_strategy optim_grads_params) runs at
+    64 GPUs and more, all on systems of the catalog, none of them a calibration row."""
+    import csv
+
+    catalog = get_catalog()
+    with bench.EVAL_CSV.open(encoding="utf-8") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["set"] == "megatron_fsdp"]
+    with bench.CAL_CSV.open(encoding="utf-8") as fh:
+        cal = {(r["model"], r["system"], r["nodes"], r["measured"]) for r in csv.DictReader(fh)}
+    assert len(rows) >= 7 and {r["dp_kind"] for r in rows} == {"fsdp"} and {r["stack"] for r in rows} == {"megatron"}
+    assert all(int(r["nodes"]) * bench._system(catalog, r["system"]).devices_per_node >= 64 for r in rows)
+    assert not {(r["model"], r["system"], r["nodes"], r["measured"]) for r in rows} & cal
