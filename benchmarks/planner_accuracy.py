@@ -262,6 +262,13 @@ def calibrate_pytorch_scale(catalog, attr: str = "PYTORCH_HOPPER_SCALE", data_se
 B200_MATMUL_EFF = np.round(np.arange(0.40, 0.81, 0.01), 2)  # grid of the B200 GEMM efficiency
 
 
+def calibration_set_mape(cat, name: str, rows_filter=None) -> float:
+    """MAPE of calibration_runs.csv's set `name` on catalog `cat` (the rows `rows_filter(label)` keeps: all by
+    default)."""
+    rows = [r for r in eval_sets(cat, CAL_CSV)[name] if rows_filter is None or rows_filter(r[0])]
+    return mape([r[1] for r in rows], [r[2] for r in rows])
+
+
 def all_set_mapes(cat) -> dict[str, float]:
     """{set: step-time MAPE} of every set of both runs files (calibration and evaluation) on catalog `cat`."""
     sets = {**eval_sets(cat, CAL_CSV), **eval_sets(cat)}
@@ -275,13 +282,9 @@ def calibrate_b200(catalog) -> dict:
     layout cannot separate the per-kernel cost or the HBM efficiency from it (kept at their H100 values).
     Prints the held-out B200 set (eval_runs.csv nemo_b200: Llama 3.1 405B on 128 GPUs, NeMo 25.02's 8B/70B/
     405B/GPT-3 175B) at the fitted value; returns {set: MAPE} before and after for every csv set."""
-    mapes = all_set_mapes
-    results = []
-    for eff in B200_MATMUL_EFF:
-        rows = eval_sets(_Swapped(catalog, {"matmul_eff_max": float(eff)}, chip="b200"), CAL_CSV)["nemo_b200_1node"]
-        results.append((mape([r[1] for r in rows], [r[2] for r in rows]), float(eff)))
-    best, eff = min(results)
-    before, after = mapes(catalog), mapes(_Swapped(catalog, {"matmul_eff_max": eff}, chip="b200"))
+    best, eff = min((calibration_set_mape(_Swapped(catalog, {"matmul_eff_max": float(e)}, chip="b200"),
+                                          "nemo_b200_1node"), float(e)) for e in B200_MATMUL_EFF)
+    before, after = all_set_mapes(catalog), all_set_mapes(_Swapped(catalog, {"matmul_eff_max": eff}, chip="b200"))
     print(f"b200 matmul_eff_max calibrated: {eff} -> nemo_b200_1node MAPE {best:.2f}%, held-out nemo_b200 "
           f"{after['nemo_b200']:.2f}% (catalog value {catalog.chip('b200').efficiency.matmul_eff_max}: "
           f"{before['nemo_b200_1node']:.2f}% / {before['nemo_b200']:.2f}%)")
@@ -299,9 +302,8 @@ def h100_set_mape(catalog, eff: float, rows_filter=None) -> float:
     rows `rows_filter(label)` keeps: all by default)."""
     from paratrain.plan.stacks import HOPPER_CHIPS
 
-    rows = eval_sets(_Swapped(catalog, {"matmul_eff_max": float(eff)}, chip=HOPPER_CHIPS), CAL_CSV)[H100_SET]
-    rows = [r for r in rows if rows_filter is None or rows_filter(r[0])]
-    return mape([r[1] for r in rows], [r[2] for r in rows])
+    return calibration_set_mape(_Swapped(catalog, {"matmul_eff_max": float(eff)}, chip=HOPPER_CHIPS), H100_SET,
+                                rows_filter)
 
 
 def calibrate_h100_megatron(catalog) -> dict:
@@ -744,7 +746,7 @@ def main() -> int:
                   "neuron_trn1_nxd": "Neuron trn1 NxD benchmarks (set the Trainium1 efficiencies)",
                   "nemo_b200_1node": "Megatron-Bridge Llama 3 8B on one DGX-B200, FP8-CS/MXFP8 (set the B200 GEMM efficiency)",
                   "megatron_h100_1node": "Megatron-Core/NeMo Llama 2 7B / Llama 3 8B on one DGX-H100, BF16+FP8 (the Hopper GEMM "
-                                         "efficiency's set, --calibrate-h100-megatron; its fit is not applied yet: docs/planner.md, h100cal)"}
+                                         "efficiency's set, --calibrate-h100-megatron; its fit 0.64 is not applied: docs/planner.md, h100cal)"}
     cal_grouped = eval_sets(catalog, CAL_CSV)
     for key, rows in cal_grouped.items():
         calibration[key] = (cal_titles.get(key, key), [r[:3] for r in rows])
