@@ -200,6 +200,8 @@ def test_h100_megatron_calibration_set_is_one_node_and_held_apart(bench):
     assert {r["stack"] for r in cal} == {"megatron"} and {r["precision"] for r in cal} == {"bf16", "fp8"}
     assert len({r["model"] for r in cal}) >= 2 and len({r["source"].split(" ")[0] for r in cal}) >= 3
     assert not [r for r in ev if r["set"] in ("dgxc_h100", "nemo_h100") and r["nodes"] == "1"]
+    key = lambda r: (r["model"], r["system"], r["nodes"], r["precision"], r["measured"])  # noqa: E731
+    assert not {key(r) for r in cal} & {key(r) for r in ev}  # no row in both files
     assert {r["set"] for r in ev if r["system"] == "dgx-h100"} >= {"dgxc_h100", "nemo_h100", "nemo_long_seq_h100"}
 
 
