@@ -44,6 +44,7 @@ from pathlib import Path
 import numpy as np
 
 from paratrain.config.names import DP_KINDS, RECOMPUTE
+from paratrain.config.ranks import DEFAULT_RANK_ORDER
 from paratrain.hardware.catalog import get_catalog
 from paratrain.model.config import ModelConfig, gpt_config
 from paratrain.plan.api import Layout, estimate, search
@@ -486,7 +487,10 @@ def _eval_row(catalog, r: dict):
     # that does not reshard after forward, Llama 3's: 2); empty = SP with TP, ZeRO-1 (ZeRO-3 for FSDP)
     fixed = {"tp": int(r["tp"]), "pp": int(r["pp"]), "cp": int(r["cp"]),
              "sp": r["sp"] == "1" if r.get("sp") else int(r["tp"]) > 1, "dp_kind": r["dp_kind"],
-             "zero_stage": int(r["zero_stage"]) if r.get("zero_stage") else 3 if fsdp else 1}
+             "zero_stage": int(r["zero_stage"]) if r.get("zero_stage") else 3 if fsdp else 1,
+             # rank_order (parallel.rank_order): how the run's ranks map onto tp, cp, dp, pp where it differs from
+             # the default tp-cp-dp-pp (Llama 3's [TP, CP, PP, DP]: tp-cp-pp-dp); empty = the default
+             "rank_order": r.get("rank_order") or DEFAULT_RANK_ORDER}
     # "selective_mlp": selective recompute that also replays the MLP block (Options.recompute_mlp)
     free = {k: r[k] for k in ("recompute", "schedule", "microbatch", "vp")}
     free["recompute"] = {"selective_mlp": "selective", "selective_layer": "full"}.get(free["recompute"], free["recompute"])

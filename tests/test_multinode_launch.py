@@ -14,6 +14,7 @@ from paratrain.launch.torchrun import (
     build_command,
     check_layout,
     groups_crossing_nodes,
+    hybrid_shard_replicas,
     parse_nnodes,
     placement,
     rank_grid,
@@ -118,6 +119,17 @@ def test_placement_tp_inside_node_dp_and_pp_across():
     assert groups_crossing_nodes(dims, "tp", 4) == 0 and groups_crossing_nodes(dims, "tp", 2) == 2
 
 
+def test_placement_follows_the_rank_order():
+    """Llama 3's [TP, CP, PP, DP] keeps the pipeline inside a node and sends DP across (the default: the reverse);
+    --hybrid-shard refuses an order whose shard groups would interleave with the stages."""
+    sets = ["parallel.tp=2", "parallel.pp=2", "train.global_batch=8", "train.microbatch=1"]
+    cfg = load_config(None, [*sets, 'parallel.rank_order="tp-cp-pp-dp"'])
+    assert placement(cfg, nnodes=2, nproc_per_node=4) == {"pp": "intra-node", "dp": "across nodes",
+                                                         "tp": "intra-node"}
+    with pytest.raises(ValueError, match="pp sits inside dp"):
+        hybrid_shard_replicas(cfg, 2, 4)
+
+
 def test_hybrid_shard_replicas_across_nodes_shards_inside(capsys):
     out = dry_run(capsys, "--nnodes", "4", "--nproc-per-node", "4", "--rdzv-endpoint", "n1", "--hybrid-shard",
                   "--set", "parallel.tp=2", "--set", "train.microbatch=2")
@@ -140,23 +152,38 @@ def test_restart_without_checkpoints_is_flagged(capsys):
 @pytest.mark.parametrize("overrides", [
     ["parallel.tp=2", "parallel.pp=2"],
     ["parallel.tp=2", 'parallel.dp_kind="hsdp"', "parallel.dp_replicate=2", "train.microbatch=1"],
+    # Llama 3's [TP, CP, PP, DP] (Megatron's --use-tp-pp-dp-mapping): dp outermost, the pipeline inside it
+    ["parallel.tp=2", "parallel.pp=2", 'parallel.rank_order="tp-cp-pp-dp"'],
+    ["parallel.tp=2", "parallel.pp=2", 'parallel.dp_kind="hsdp"', "parallel.dp_replicate=2",
+     'parallel.rank_order="tp-cp-pp-dp"'],
 ])
 def test_rank_grid_matches_the_device_mesh_paratrain_builds(overrides):
     """The placement check assumes ranks sit on the mesh as paratrain's build_mesh puts them (8 ranks, fake
-    process group: the mesh layout without any communication)."""
+    process group: the mesh layout without any communication). Seen from rank 5, each dimension's group (and the
+    dp x cp group FSDP shards over) is the one Megatron's RankGenerator gives for the order (config.ranks)."""
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    from paratrain.config.ranks import order_dims, rank_groups
     from paratrain.launch.torchrun import mesh_dims
     from paratrain.parallel.mesh import DistEnv, build_mesh
 
     cfg = load_config(None, overrides)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=8)
+    dist.init_process_group("fake", store=FakeStore(), rank=5, world_size=8)
     try:
-        mesh = build_mesh(cfg.parallel, DistEnv(rank=0, world_size=8, local_rank=0, device=torch.device("cpu")))
+        mesh = build_mesh(cfg.parallel, DistEnv(rank=5, world_size=8, local_rank=5, device=torch.device("cpu")))
         dims = mesh_dims(cfg, 8)
         assert mesh.mesh_dim_names == tuple(dims)
-        assert torch.equal(mesh.mesh, torch.as_tensor(rank_grid(dims)))
+        assert torch.equal(mesh.mesh, torch.as_tensor(rank_grid(dims, cfg.parallel.rank_order)))
+        sizes = {"tp": 2, "cp": 1, "pp": cfg.parallel.pp, "dp": 8 // (2 * cfg.parallel.pp)}
+        mine = lambda group: next(g for g in rank_groups(order_dims(cfg.parallel.rank_order), sizes, group)  # noqa: E731
+                                  if 5 in g)
+        for d in ("tp", "pp", "dp"):
+            assert mesh[d].mesh.flatten().tolist() == mine((d,))
+        flat = "dp_shard_cp" if "dp_shard" in dims else "dp_cp"
+        inner = mesh["dp_shard" if "dp_shard" in dims else "dp", "cp"]._flatten(flat)
+        assert sorted(inner.mesh.flatten().tolist()) == sorted(mine(("dp", "cp")) if flat == "dp_cp" else
+                                                              [r for r in mine(("dp",)) if r in mesh["dp_shard"].mesh])
     finally:
         dist.destroy_process_group()
 

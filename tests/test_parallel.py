@@ -356,6 +356,12 @@ def test_mesh_puts_tp_innermost(dist_run):
     assert [r["dp"] for r in tp_dp] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     pp_tp = dist_run(4, _mesh_groups, ["parallel.tp=2", "parallel.pp=2", "model.layers=4"])
     assert [r["tp"] for r in pp_tp] == [[0, 1], [0, 1], [2, 3], [2, 3]] and pp_tp[0]["pp"] == [0, 2]
+    # parallel.rank_order tp-cp-pp-dp (Llama 3's [TP, CP, PP, DP]): the stages adjacent, dp outermost, in the
+    # gloo groups the mesh really creates (paratrain.config.ranks; tests/test_rank_order.py checks Megatron's)
+    pp_dp = dist_run(4, _mesh_groups, ["parallel.pp=2", "parallel.dp=2", "model.layers=4",
+                                       "parallel.rank_order=\"tp-cp-pp-dp\""])
+    assert [r["pp"] for r in pp_dp] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+    assert [r["dp"] for r in pp_dp] == [[0, 2], [1, 3], [0, 2], [1, 3]]
 
 
 def _head_and_loss(overrides):

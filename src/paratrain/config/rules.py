@@ -33,6 +33,7 @@ from paratrain.config.names import (
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
 )
+from paratrain.config.ranks import DEFAULT_RANK_ORDER, order_dims, valid_order
 
 _and, _or, _not = np.logical_and, np.logical_or, np.logical_not
 
@@ -57,6 +58,7 @@ class View:
     ep: object = 1
     etp: object = 1
     dp_replicate: object = 1  # hsdp's replica groups (dp = dp_replicate x dp_shard)
+    rank_order: str = DEFAULT_RANK_ORDER  # one for all layouts of a View (paratrain.config.ranks)
 
     @property
     def chunks(self):
@@ -233,6 +235,21 @@ RULES: tuple[Rule, ...] = (
          lambda v: f"parallel.ep={v.ep} with parallel.dp_kind='hsdp': ep must divide the ranks of one shard group "
                    f"refolded for the experts, dp/dp_replicate*cp*tp/etp = {_shard_ranks(v)}; allowed: divisors of "
                    f"{_shard_ranks(v)}", needs_dp=True, runtime_only=True),
+    # -- rank order (paratrain.config.ranks) -------------------------------------------------------------------
+    Rule("rank_order_names", lambda v: valid_order(v.rank_order),
+         lambda v: f"parallel.rank_order='{v.rank_order}': allowed: tp, cp, dp, pp each once, '-'-separated, "
+                   f"innermost first, tp first (TP exchanges activations in every layer on the compute's path and "
+                   f"keeps the fastest links), e.g. {DEFAULT_RANK_ORDER} (the default; Megatron-Core's, torchtitan's) "
+                   f"or tp-cp-pp-dp (Megatron's --use-tp-pp-dp-mapping, Llama 3's [TP, CP, PP, DP])"),
+    Rule("rank_order_experts", lambda v: _or(v.model.num_experts == 0, _default_order(v)),
+         lambda v: f"parallel.rank_order='{v.rank_order}' with model.num_experts={v.model.num_experts}: the "
+                   f"experts refold a stage's dp x cp x tp ranks as one block, pp outside it (Megatron-Core also "
+                   f"refuses pp inside the expert groups); allowed: rank_order='{DEFAULT_RANK_ORDER}'"),
+    Rule("rank_order_hsdp", lambda v: _or(_or(_not(_coded(v.dp_kind, ("hsdp",), DP_KINDS)), v.cp == 1),
+                                          _dp_cp_adjacent(v)),
+         lambda v: f"parallel.rank_order='{v.rank_order}' with parallel.dp_kind='hsdp' and parallel.cp={v.cp}: "
+                   f"HSDP shards over dp_shard x cp, which this order splits apart (another dimension between dp "
+                   f"and cp); allowed: an order with dp next to cp (e.g. {DEFAULT_RANK_ORDER}), or cp=1"),
     # -- batch and microbatches (need dp) ---------------------------------------------------------------------
     Rule("global_batch_dp", lambda v: v.global_batch % np.maximum(v.dp, 1) == 0,
          lambda v: f"train.global_batch={v.global_batch} must be divisible by the data-parallel size {v.dp}; "
@@ -258,6 +275,15 @@ RULES: tuple[Rule, ...] = (
          lambda v: f"{_where(v)}: {v.schedule} needs microbatches >= 2*pp = {2 * v.pp} (its V holds 2 stages per "
                    f"rank); allowed: a larger global_batch or a smaller microbatch", needs_dp=True, needs_batch=True),
 )
+
+
+def _default_order(v) -> bool:
+    return order_dims(v.rank_order) == order_dims(DEFAULT_RANK_ORDER)
+
+
+def _dp_cp_adjacent(v) -> bool:
+    dims = order_dims(v.rank_order)
+    return "dp" in dims and "cp" in dims and abs(dims.index("dp") - dims.index("cp")) == 1
 
 
 def _etp_valid(v):

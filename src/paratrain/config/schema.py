@@ -24,6 +24,7 @@ from paratrain.config.names import (  # noqa: F401 - the names each field allows
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
 )
+from paratrain.config.ranks import DEFAULT_RANK_ORDER, MESH_DIMS  # noqa: F401 - MESH_DIMS re-exported
 from paratrain.device import check_device_name
 from paratrain.model.config import PRESETS, ModelConfig, load_model_config
 from paratrain.stragglers import DEFAULT_THRESHOLD, DEFAULT_WINDOW
@@ -137,13 +138,11 @@ def default_prepared_dir(data: dict) -> str:
 # torch DDP's bucket_cap_mb: the one default of the DDP reducer, the stale-gradient runner and the planner
 DEFAULT_DDP_BUCKET_MB = 25.0
 
-# Mesh dimensions, outermost to innermost: tp innermost = the fastest links (see parallel/mesh.py).
-MESH_DIMS = ("pp", "dp", "cp", "tp")
-
 
 
 class ParallelSection(Section):
-    """Degrees of each mesh dimension. Ranks map with tp innermost (fastest link), then cp, then dp, pp outermost.
+    """Degrees of each mesh dimension. Ranks map onto them in rank_order (default tp innermost = the fastest
+    links, then cp, then dp, pp outermost; paratrain.config.ranks).
     The planner's layout (paratrain.plan.Layout) is this section plus train.microbatch; the rules that relate the
     fields are in paratrain.config.rules (docs/architecture.md)."""
 
@@ -162,6 +161,10 @@ class ParallelSection(Section):
     sp: bool = False
     dp_kind: Literal[DP_KINDS] = "fsdp"
     dp_replicate: int = Field(default=1, ge=1, description="hsdp: replica groups (across nodes); shard within")
+    rank_order: str = Field(default=DEFAULT_RANK_ORDER, description="how ranks map onto the mesh dimensions, "
+                            "innermost first (Megatron-Core's `order`): tp-cp-dp-pp = consecutive ranks share a tp "
+                            "group, pp outermost; tp-cp-pp-dp = Megatron's --use-tp-pp-dp-mapping and Llama 3's "
+                            "[TP, CP, PP, DP], dp outermost. Allowed: tp first, then cp, dp, pp in any order")
     reshard_after_forward: bool | None = None  # fsdp/hsdp: True = zero_stage 3, False = 2; None: from zero_stage
     zero_stage: Literal[0, 1, 2, 3] | None = None  # DeepSpeed's numbering (paratrain.config.dp); None: from dp_kind
     recompute: Literal[RECOMPUTE] = "none"

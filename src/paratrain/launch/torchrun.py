@@ -18,6 +18,7 @@ import numpy as np
 
 from paratrain.config import MESH_DIMS, TrainConfig, check_batch_layout, resolve_degrees
 from paratrain.config.options import described
+from paratrain.config.ranks import DEFAULT_RANK_ORDER, expand_hsdp, mesh_ranks, order_dims
 
 DEFAULT_RDZV_PORT = 29400  # torchrun's default c10d rendezvous port
 DEFAULT_MASTER_PORT = 29500  # torchrun's default static master port
@@ -177,21 +178,25 @@ def shell_line(cmd: list[str], env: dict[str, str]) -> str:
 # ---- placement: which mesh groups stay inside a node -------------------------------------------------------
 
 
-def rank_grid(dims: dict[str, int]) -> np.ndarray:
-    """Global ranks laid out on the mesh, row-major in the given dimension order (as init_device_mesh does)."""
-    return np.arange(int(np.prod(list(dims.values())))).reshape(tuple(dims.values()))
+def rank_grid(dims: dict[str, int], rank_order: str = DEFAULT_RANK_ORDER) -> np.ndarray:
+    """Global ranks laid out on the mesh whose axes are `dims` (their order), placed by `rank_order` as build_mesh
+    places them (paratrain.config.ranks; the default is init_device_mesh's row-major grid)."""
+    order = expand_hsdp(rank_order) if "dp_shard" in dims else order_dims(rank_order)
+    return mesh_ranks(order, dims, tuple(dims))
 
 
-def groups_crossing_nodes(dims: dict[str, int], dim: str, nproc_per_node: int) -> int:
+def groups_crossing_nodes(dims: dict[str, int], dim: str, nproc_per_node: int,
+                          rank_order: str = DEFAULT_RANK_ORDER) -> int:
     """How many process groups along `dim` contain ranks of more than one node."""
-    grid = np.moveaxis(rank_grid(dims), list(dims).index(dim), -1).reshape(-1, dims[dim])
+    grid = np.moveaxis(rank_grid(dims, rank_order), list(dims).index(dim), -1).reshape(-1, dims[dim])
     nodes = grid // nproc_per_node
     return int((nodes.min(axis=1) != nodes.max(axis=1)).sum())
 
 
 def mesh_dims(cfg: TrainConfig, world_size: int) -> dict[str, int]:
-    """The mesh paratrain builds for this world size (pp, dp, cp, tp outermost to innermost); for HSDP the dp
-    dimension is split into (dp_replicate, dp_shard), replicas outermost, as FSDP2's HSDP mesh is."""
+    """The mesh axes paratrain builds for this world size (pp, dp, cp, tp: their names and sizes; which ranks
+    sit where is parallel.rank_order); for HSDP the dp dimension is split into (dp_replicate, dp_shard), replicas
+    outermost, as FSDP2's HSDP mesh is."""
     degrees = resolve_degrees(cfg.parallel, world_size)
     dims = {d: degrees[d] for d in MESH_DIMS}
     if cfg.parallel.dp_kind != "hsdp":
@@ -207,13 +212,19 @@ def mesh_dims(cfg: TrainConfig, world_size: int) -> dict[str, int]:
 def placement(cfg: TrainConfig, nnodes: int, nproc_per_node: int) -> dict[str, str]:
     """For each mesh dimension of size > 1: 'intra-node' or 'across nodes' (some or all groups span hosts)."""
     dims = mesh_dims(cfg, nnodes * nproc_per_node)
-    return {d: ("across nodes" if groups_crossing_nodes(dims, d, nproc_per_node) else "intra-node")
+    order = cfg.parallel.rank_order
+    return {d: ("across nodes" if groups_crossing_nodes(dims, d, nproc_per_node, order) else "intra-node")
             for d, size in dims.items() if size > 1}
 
 
 def hybrid_shard_replicas(cfg: TrainConfig, nnodes: int, nproc_per_node: int) -> int:
     """dp_replicate that makes each FSDP shard group exactly one node: nnodes for pp=1 (nnodes/pp in general)."""
     p = cfg.parallel
+    inside_dp = order_dims(p.rank_order)[:order_dims(p.rank_order).index("dp")]
+    if "pp" in inside_dp:  # the shard groups would interleave with the pipeline stages, not fill a node
+        raise ValueError(f"--hybrid-shard with parallel.rank_order='{p.rank_order}': pp sits inside dp, so a node "
+                         f"holds several stages' ranks, not whole shard groups; allowed: an order with dp inside pp "
+                         f"(e.g. {DEFAULT_RANK_ORDER}), or parallel.dp_kind/dp_replicate set by hand")
     per_node = p.tp * p.cp
     if nproc_per_node % per_node:
         raise ValueError(f"--hybrid-shard: --nproc-per-node={nproc_per_node} must be a multiple of "
@@ -243,8 +254,9 @@ def check_layout(cfg: TrainConfig, nnodes: NodeRange, nproc_per_node: int) -> di
             hint = " (every node count in an elastic range must give a valid layout)" if nnodes.elastic else ""
             raise ValueError(f"--nnodes={nnodes}: with {n} node(s) x {nproc_per_node} = {world} ranks: "
                              f"{exc}{hint}") from None
-        if out[n].get("tp") == "across nodes":  # cannot happen while tp is the innermost mesh dimension
-            raise ValueError(f"parallel.tp={tp}: the mesh order {MESH_DIMS} would put TP groups across hosts")
+        if out[n].get("tp") == "across nodes":  # cannot happen while tp is innermost (the rank_order rule)
+            raise ValueError(f"parallel.tp={tp}: parallel.rank_order='{cfg.parallel.rank_order}' would put TP "
+                             f"groups across hosts")
     return out
 
 

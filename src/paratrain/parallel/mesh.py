@@ -1,9 +1,11 @@
 """Distributed environment and the device mesh, built from the config and passed explicitly.
 
 Mesh dimensions, outermost to innermost: pp, dp, cp, tp (expert parallelism refolds dp x cp x tp as edp x ep x etp:
-parallel/expert.py expert_mesh). Consecutive ranks share a tp group, so tensor
-parallelism lands on the fastest links (the same NeuronLink ring / NVLink island); pipeline stages are
-furthest apart, since they exchange the least (one activation per microbatch).
+parallel/expert.py expert_mesh). Which ranks sit where on them is parallel.rank_order (paratrain.config.ranks,
+the rule the launcher and the planner read too): by default consecutive ranks share a tp group, so tensor
+parallelism lands on the fastest links (the same NeuronLink ring / NVLink island), and pipeline stages are
+furthest apart, since they exchange the least (one activation per microbatch); tp-cp-pp-dp puts dp outermost
+instead (Llama 3's layout). The mesh's axes keep their names and order either way, so mesh["dp"] etc. hold.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from paratrain.config import MESH_DIMS, ParallelSection, resolve_degrees  # noqa: F401 (re-exported)
+from paratrain.config.ranks import HSDP_MESH_DIMS, expand_hsdp, mesh_ranks, order_dims
 from paratrain.device import backend_for, pick_device  # noqa: F401 (pick_device re-exported)
 
 
@@ -59,9 +62,18 @@ def build_mesh(pcfg: ParallelSection, env: DistEnv) -> DeviceMesh | None:
         return None
     if pcfg.dp_kind == "hsdp":
         # dp split into (dp_replicate: across nodes) x (dp_shard: within); "dp" stays addressable as a whole.
-        dims = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-        sizes = (degrees["pp"], pcfg.dp_replicate, degrees["dp"] // pcfg.dp_replicate, degrees["cp"], degrees["tp"])
-        mesh = init_device_mesh(env.device.type, sizes, mesh_dim_names=dims)
+        sizes = {**degrees, "dp_replicate": pcfg.dp_replicate, "dp_shard": degrees["dp"] // pcfg.dp_replicate}
+        mesh = _mesh(env, expand_hsdp(pcfg.rank_order), sizes, HSDP_MESH_DIMS)
         mesh["dp_replicate", "dp_shard"]._flatten("dp")
         return mesh
-    return init_device_mesh(env.device.type, tuple(degrees[d] for d in MESH_DIMS), mesh_dim_names=MESH_DIMS)
+    return _mesh(env, order_dims(pcfg.rank_order), degrees, MESH_DIMS)
+
+
+def _mesh(env: DistEnv, order: tuple[str, ...], sizes: dict[str, int], names: tuple[str, ...]) -> DeviceMesh:
+    """The mesh with axes `names` whose ranks sit as `order` (innermost first) places them. The default order's
+    grid is init_device_mesh's own (row-major arange); any other is DeviceMesh's explicit mesh tensor (torch 2.13
+    keeps it as a rank map, so slicing and _flatten follow the real ranks)."""
+    ranks = mesh_ranks(order, sizes, names)
+    if order == tuple(reversed(names)):
+        return init_device_mesh(env.device.type, ranks.shape, mesh_dim_names=names)
+    return DeviceMesh(env.device.type, torch.from_numpy(ranks.copy()), mesh_dim_names=names)

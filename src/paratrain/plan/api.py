@@ -25,6 +25,7 @@ from paratrain.config import (
 )
 from paratrain.config.dp import check_dp_fields
 from paratrain.config.names import DP_KINDS, RECOMPUTE
+from paratrain.config.ranks import DEFAULT_RANK_ORDER
 from paratrain.config.rules import EXPERT, View, check, mask
 from paratrain.hardware.catalog import System, resolve_system
 from paratrain.model.config import ModelConfig, load_model_config
@@ -62,7 +63,10 @@ class Layout:
     ep, etp (MoE models): expert-parallel degree and expert tensor parallelism (1, the default, or tp), the
     trainer's parallel.ep / parallel.etp; the tp x cp x dp ranks of a stage are refolded as etp x ep x edp for
     the expert layers, so ep borrows from dp and cp (and from tp when etp = 1), as torchtitan's
-    expert_parallel_degree does. Valid values: paratrain.config.rules (the trainer's rules); timed in plan/moe.py."""
+    expert_parallel_degree does. Valid values: paratrain.config.rules (the trainer's rules); timed in plan/moe.py.
+
+    rank_order: how ranks map onto tp, cp, dp, pp, innermost first (the trainer's parallel.rank_order, Megatron-Core's
+    `order`; paratrain.config.ranks): what decides which groups share a node or a pod. search keeps the default."""
 
     tp: int = 1
     pp: int = 1
@@ -79,6 +83,7 @@ class Layout:
     ep: int = 1
     etp: int = 1
     dp_replicate: int | None = None
+    rank_order: str = DEFAULT_RANK_ORDER  # the trainer's parallel.rank_order (paratrain.config.ranks)
 
     def __post_init__(self) -> None:
         if isinstance(self.pp_layers, list):  # from JSON / TOML: keep the layout hashable
@@ -105,6 +110,8 @@ class Layout:
             fields["dp_replicate"] = self.dp_replicate
         if self.ep > 1 or self.etp > 1:  # MoE expert layout (plan/moe.py; the trainer's parallel.ep / etp)
             fields.update(ep=self.ep, etp=self.etp)
+        if self.rank_order != DEFAULT_RANK_ORDER:
+            fields["rank_order"] = self.rank_order
         return parallel_section(fields)
 
 
@@ -135,7 +142,7 @@ def layout_from_parallel(pcfg: ParallelSection, microbatch: int, dp: int | None 
                   virtual_stages=pcfg.virtual_stages, zero_stage=pcfg.zero_stage, dp_kind=pcfg.dp_kind,
                   pp_layers=tuple(pcfg.pp_layers) if pcfg.pp_layers else None,
                   dp_replicate=pcfg.dp_replicate if pcfg.dp_kind == "hsdp" and pcfg.dp_replicate > 1 else None,
-                  ep=pcfg.ep, etp=pcfg.etp)
+                  ep=pcfg.ep, etp=pcfg.etp, rank_order=pcfg.rank_order)
 
 
 @dataclass
@@ -277,7 +284,7 @@ def _evaluate_one(model, system, nodes, seq, global_batch, layout: Layout, opts,
                    cp=layout.cp, microbatch=layout.microbatch, sp=layout.sp,
                    recompute=RECOMPUTE.index(layout.recompute), zero_stage=layout.zero_stage,
                    dp_kind=DP_KINDS.index(layout.dp_kind), dp_replicate=layout.dp_replicate, opts=opts,
-                   ep=layout.ep, etp=layout.etp,
+                   ep=layout.ep, etp=layout.etp, rank_order=layout.rank_order,
                    **_internal(layout), **split)
     return {k: np.asarray(v).item() for k, v in res.items()}
 

@@ -25,11 +25,14 @@ NCCL_TREE_LL_NVLINK_US = 0.6
 NCCL_TREE_LL_NET_US = 5.0
 
 
-def collective_time_s(system: System, kind: str, nbytes, degree, stride):
+def collective_time_s(system: System, kind: str, nbytes, degree, stride, inner=None, outer_stride=None):
     """Time of a hierarchical ring collective over a group of `degree` ranks spaced `stride` apart.
 
-    Ranks are numbered tp fastest, then cp, dp, pp, so a group with stride s has D // s members inside a
-    domain of D devices. Level by level from the innermost tier: reduce-scatter inside the domain, the
+    A group with stride s has D // s members inside a domain of D devices (ranks numbered in
+    parallel.rank_order, paratrain.config.ranks: the stride is the product of the degrees inside the group's
+    dimension). A group of two dimensions the order keeps apart (dp x cp in tp-cp-pp-dp) is `inner` members
+    `stride` apart, repeated every `outer_stride` (config.ranks.group_geometry): clip(D // stride, 1, inner) x
+    clip(D // outer_stride, 1, degree / inner) members inside the domain; inner None: one run. Level by level from the innermost tier: reduce-scatter inside the domain, the
     next level works on 1/n of the data, then all-gather back (the all-reduce = RS + AG of Thakur et al. 2005
     ring costs: 2(n-1)/n * bytes / bw; RS or AG alone (n-1)/n * bytes / bw). nbytes is the full buffer
     (all-reduce input, all-gather output, reduce-scatter input). Latency: min(n-1, 2 log2 n) steps per level
@@ -45,14 +48,18 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
     modelled).
     """
     factor = {"allreduce": 2.0, "allgather": 1.0, "reducescatter": 1.0}[kind]
-    if np.ndim(nbytes) == np.ndim(degree) == np.ndim(stride) == 0:
+    if np.ndim(nbytes) == np.ndim(degree) == np.ndim(stride) == np.ndim(inner) == np.ndim(outer_stride) == 0:
         try:
-            return np.float64(_collective_scalar_s(system, kind, factor, float(nbytes), float(degree), float(stride)))
+            return np.float64(_collective_scalar_s(system, kind, factor, float(nbytes), float(degree), float(stride),
+                                                   None if inner is None else float(inner),
+                                                   None if outer_stride is None else float(outer_stride)))
         except ZeroDivisionError:  # a zero bandwidth: numpy's inf below
             pass
     nbytes = np.asarray(nbytes, dtype=float)
     degree = np.asarray(degree, dtype=float)
     stride = np.asarray(stride, dtype=float)
+    if inner is not None:  # a sub-group (HSDP's shards) of a run is one run: inner no more than the degree
+        inner = np.minimum(np.asarray(inner, dtype=float), degree)
     total = np.zeros(np.broadcast(nbytes, degree, stride).shape)
     inside_prev = np.ones_like(total)
     share = timesharing_ranks(system)
@@ -60,7 +67,10 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
     ll128 = ring_only_gathers and kind != "allreduce"  # NCCL's LL128 alternative for its flat rings (below)
     total_ll128, ll128_ok = np.zeros_like(total), np.ones(total.shape, dtype=bool)
     for tier in system.tiers:
-        if tier.domain_devices:
+        if tier.domain_devices and inner is not None:
+            inside = (np.clip(np.floor(tier.domain_devices / stride), 1.0, inner)
+                      * np.clip(np.floor(tier.domain_devices / outer_stride), 1.0, degree / inner))
+        elif tier.domain_devices:
             inside = np.clip(np.floor(tier.domain_devices / stride), 1.0, degree)
         else:
             inside = degree * np.ones_like(total)
@@ -86,11 +96,13 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride):
     return np.where(ll128_ok, np.minimum(total, total_ll128), total) if ll128 else total
 
 
-def _collective_scalar_s(system: System, kind: str, factor: float, nbytes: float, degree: float, stride: float):
+def _collective_scalar_s(system: System, kind: str, factor: float, nbytes: float, degree: float, stride: float,
+                         inner: float | None = None, outer_stride: float | None = None):
     """collective_time_s for one group: the same operations in the same order on Python floats (bitwise the same
     result), without numpy's overhead on 0-d arrays (~60 us a call; a calibration fit or a layout search makes
     ~10^5 calls)."""
     total, inside_prev = 0.0, 1.0
+    inner = None if inner is None else min(inner, degree)
     share = timesharing_ranks(system)
     ring_only_gathers = system.chip.vendor == "nvidia"
     ll128 = ring_only_gathers and kind != "allreduce"
@@ -98,6 +110,9 @@ def _collective_scalar_s(system: System, kind: str, factor: float, nbytes: float
     for tier in system.tiers:
         inside = min(max(float(math.floor(tier.domain_devices / stride)), 1.0), degree) if tier.domain_devices \
             else degree
+        if tier.domain_devices and inner is not None:
+            inside = (min(max(float(math.floor(tier.domain_devices / stride)), 1.0), inner)
+                      * min(max(float(math.floor(tier.domain_devices / outer_stride)), 1.0), degree / inner))
         n = inside / inside_prev
         data = nbytes / inside_prev
         bw = tier.per_device_bw_bytes_per_s(system) * float(torus_link_fraction(system, tier, inside, stride))

@@ -98,7 +98,7 @@ class PlanTarget(Workload, OnSystem, Output):
 # The layout flags are the trainer's [parallel] keys (names, types, bounds, help; defaults from the schema), so a
 # layout is spelled the same in `estimate` and `train` (--pp-schedule = --parallel.pp_schedule).
 LAYOUT = "layout (the trainer's parallel.* keys; docs/config.md)"
-LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "sp", "ep", "etp", "dp_kind", "dp_replicate", "zero_stage", "recompute",
+LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "sp", "ep", "etp", "dp_kind", "dp_replicate", "rank_order", "zero_stage", "recompute",
                "pp_schedule", "virtual_stages")
 LAYOUT_FIELDS = {name: (kind, f) for name, kind, f in [
     *section_options("parallel", LAYOUT_KEYS, LAYOUT), *section_options("train", ("microbatch",), LAYOUT)]}

@@ -10,10 +10,11 @@ from paratrain.plan.collectives import collective_time_s
 from paratrain.plan.numeric import select
 
 
-def _calls_s(system, kind, total_bytes, calls, degree, stride):
+def _calls_s(system, kind, total_bytes, calls, degree, stride, **split):
     """`calls` collectives of equal size sharing `total_bytes`: the volume is paid once, the latency and
-    per-call overhead `calls` times (what makes many small collectives slower than one large one)."""
-    return calls * collective_time_s(system, kind, total_bytes / np.maximum(calls, 1), degree, stride)  # 0 calls: 0
+    per-call overhead `calls` times (what makes many small collectives slower than one large one). split: the
+    group's inner / outer_stride where the rank order keeps its dimensions apart (collective_time_s)."""
+    return calls * collective_time_s(system, kind, total_bytes / np.maximum(calls, 1), degree, stride, **split)
 
 
 def default_bucket_bytes(opts, dp):
@@ -24,8 +25,12 @@ def default_bucket_bytes(opts, dp):
 
 
 def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, kind, m, stage_fwd, stage_bwd,
-                     stage_layers_dev, block_share, link_busy=0.0, pp=1.0, chunks=1.0, bucket_dp=None):
+                     stage_layers_dev, block_share, link_busy=0.0, pp=1.0, chunks=1.0, bucket_dp=None, dp_split=None):
     """(all DP communication time, the part not hidden behind compute) per step.
+
+    dp_split: (inner, outer_stride) of the dp group where the rank order splits it (paratrain.config.ranks
+    group_geometry: Llama 3's tp-cp-pp-dp puts the cp ranks of a dp x cp group 2,048 apart from the next dp's);
+    None: one run of ranks stride_dp apart. Sub-groups of it (HSDP's shards) are runs (rule rank_order_hsdp).
 
     DDP all-reduces gradients in buckets (default_bucket_bytes; bucket_dp: the group whose size sets the default
     bucket where it is not dp, Megatron-Core's dense group for the expert buffers) once per step;
@@ -40,27 +45,28 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     opts.fsdp_pp_unsharded (torchtitan): one gather per unit per step, prefetched behind the first microbatch's
     forward, and the reduce-scatters after the last backward, exposed.
     """
+    sp = {} if dp_split is None else {"inner": dp_split[0], "outer_stride": dp_split[1]}
     grad_bytes = params_dev * opts.grad_bytes
     param_bytes = params_dev * opts.gather_bytes  # FP8 with Megatron's fp8_param_gather (Options.gather_bytes)
     bucket = default_bucket_bytes(opts, dp if bucket_dp is None else bucket_dp)
     buckets = np.maximum(1.0, np.ceil(grad_bytes / bucket))
     units = stage_layers_dev + 1.0  # block_share: the blocks' part of the parameters (backward re-gathers them)
-    reduce_ar = _calls_s(system, "allreduce", grad_bytes, buckets, dp, stride_dp)
-    reduce_rs = _calls_s(system, "reducescatter", grad_bytes, buckets, dp, stride_dp)
-    post_gather = _calls_s(system, "allgather", param_bytes, buckets, dp, stride_dp)
-    unit_rs = _calls_s(system, "reducescatter", grad_bytes, units, dp, stride_dp)
-    shard_rs = _calls_s(system, "reducescatter", grad_bytes, units, dp_shard, stride_dp)
+    reduce_ar = _calls_s(system, "allreduce", grad_bytes, buckets, dp, stride_dp, **sp)
+    reduce_rs = _calls_s(system, "reducescatter", grad_bytes, buckets, dp, stride_dp, **sp)
+    post_gather = _calls_s(system, "allgather", param_bytes, buckets, dp, stride_dp, **sp)
+    unit_rs = _calls_s(system, "reducescatter", grad_bytes, units, dp, stride_dp, **sp)
+    shard_rs = _calls_s(system, "reducescatter", grad_bytes, units, dp_shard, stride_dp, **sp)
     # per microbatch: every unit gathered for forward, the blocks again for backward
-    unit_ag = (_calls_s(system, "allgather", param_bytes, units, dp, stride_dp)
-               + _calls_s(system, "allgather", param_bytes * block_share, stage_layers_dev, dp, stride_dp))
-    shard_ag = (_calls_s(system, "allgather", param_bytes, units, dp_shard, stride_dp)
-                + _calls_s(system, "allgather", param_bytes * block_share, stage_layers_dev, dp_shard, stride_dp))
+    unit_ag = (_calls_s(system, "allgather", param_bytes, units, dp, stride_dp, **sp)
+               + _calls_s(system, "allgather", param_bytes * block_share, stage_layers_dev, dp, stride_dp, **sp))
+    shard_ag = (_calls_s(system, "allgather", param_bytes, units, dp_shard, stride_dp, **sp)
+                + _calls_s(system, "allgather", param_bytes * block_share, stage_layers_dev, dp_shard, stride_dp, **sp))
     repl_ar = _calls_s(system, "allreduce", grad_bytes / dp_shard, units, dp / dp_shard, stride_dp * dp_shard)
     zero12 = (zero >= 1) & (zero <= 2)
     # FSDP without resharding after forward (fsdp/hsdp with zero_stage 2, FSDP1's SHARD_GRAD_OP), and paratrain's
     # ZeRO-1/2, which run as that: each unit gathered once per microbatch, reduce-scattered once per step
     as_fsdp = ((kind >= 1) & (zero == 2)) | (zero12 & opts.zero12_as_fsdp)
-    fwd_ag = _calls_s(system, "allgather", param_bytes, units, dp, stride_dp)
+    fwd_ag = _calls_s(system, "allgather", param_bytes, units, dp, stride_dp, **sp)
     gathers = select([as_fsdp, kind == 1, kind == 2], [m * fwd_ag, m * unit_ag, m * shard_ag], 0.0)
     # Options.zero1_grad_allreduce (DeepSpeed's BF16_Optimizer): ZeRO-1 all-reduces the whole gradient buffer
     zero1_ar = (zero == 1) & opts.zero1_grad_allreduce
@@ -84,8 +90,8 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     layers = np.maximum(stage_layers_dev, 1.0)
     c_f, c_b = overlap * stage_fwd / layers, overlap * stage_bwd / layers
     group = np.where(kind == 2, dp_shard, dp)
-    ag1 = collective_time_s(system, "allgather", param_bytes * block_share / layers, group, stride_dp)
-    rs1 = collective_time_s(system, "reducescatter", grad_bytes * block_share / layers, group, stride_dp)
+    ag1 = collective_time_s(system, "allgather", param_bytes * block_share / layers, group, stride_dp, **sp)
+    rs1 = collective_time_s(system, "reducescatter", grad_bytes * block_share / layers, group, stride_dp, **sp)
     fwd = ag1 + (layers - 1) * np.maximum(0.0, ag1 - c_f)
     kept = as_fsdp & (kind >= 1)  # parameters still gathered from the forward: no backward re-gather
     bwd = np.where(kept, 0.0, layers * np.maximum(0.0, ag1 - c_b))

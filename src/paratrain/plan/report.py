@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from paratrain.config.ranks import DEFAULT_RANK_ORDER
+
 
 def why_nothing_fits(result, model, system, nodes: int, seq: int, global_batch: int) -> str:
     """Why a search found no candidate: no valid layout at all, or none that fits in memory (or the deadline)."""
@@ -29,7 +31,8 @@ def print_estimate(est) -> None:
           f"microbatch {lay.microbatch} ({est.microbatches} per step)  recompute {lay.recompute}"
           f"{' (+ MLP)' if est.recompute_mlp else ''}  "
           f"schedule {lay.pp_schedule} (v={lay.virtual_stages})  {lay.dp_kind} zero-{lay.zero_stage}"
-          + (f"  ep {lay.ep} etp {lay.etp}" if lay.ep > 1 or lay.etp > 1 else ""))
+          + (f"  ep {lay.ep} etp {lay.etp}" if lay.ep > 1 or lay.etp > 1 else "")
+          + (f"  ranks {lay.rank_order}" if lay.rank_order != DEFAULT_RANK_ORDER else ""))
     if lay.pp > 1:
         kind = "balanced" if est.balanced_step_time_s is None else \
             f"uneven; balanced would take {est.balanced_step_time_s:.4f} s"

@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from paratrain.config.names import PP_SCHEDULES
+from paratrain.config.ranks import DEFAULT_RANK_ORDER, dim_strides, group_geometry, group_span, order_dims
 from paratrain.hardware.catalog import System
 from paratrain.model.config import ModelConfig
 from paratrain.plan import moe as moe_plan
@@ -68,7 +69,8 @@ FLASH_BWD_EFF = 63 / 73
 
 def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *, nodes, tp, pp, dp, cp,
              microbatch, sp, recompute, pp_schedule, virtual_stages, zero_stage, dp_kind, opts: Options,
-             split: str = "balanced", stage_loads: Loads | None = None, ep=1, etp=1, dp_replicate=None) -> dict:
+             split: str = "balanced", stage_loads: Loads | None = None, ep=1, etp=1, dp_replicate=None,
+             rank_order: str = DEFAULT_RANK_ORDER) -> dict:
     """Evaluate layouts (numpy arrays of equal length, or scalars). Integer codes index RECOMPUTE, SCHEDULES
     and DP_KINDS. Returns a dict of arrays (times in s, bytes, FLOPs); no validity filtering here.
 
@@ -78,7 +80,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     both. The loads used come back as stage_layers_{first,last,inner} and stage_balanced. ep, etp: expert
     parallelism of a MoE model (plan/moe.py: the dense formulas time its dense view, the routed experts add on).
     virtual_stages: model chunks per pipeline rank (2 under the V schedules). dp_replicate (HSDP): replica groups,
-    None = one per node."""
+    None = one per node. rank_order: how ranks map onto tp, cp, dp, pp (paratrain.config.ranks, the trainer's
+    parallel.rank_order; one for all layouts): each group's stride, and so which groups stay inside a node."""
     if split not in STAGE_SPLITS:
         raise ValueError(f"split = {split!r}: allowed: {', '.join(STAGE_SPLITS)}")
     f64 = lambda x: np.asarray(x, dtype=float)  # noqa: E731
@@ -95,6 +98,18 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     devices = nodes * system.devices_per_node
     m = global_batch / (dp * b)  # microbatches per replica per step
     T = b * seq / cp  # tokens of one microbatch on one device
+    # where each dimension's groups sit (the one rule the runtime's mesh follows): strides, and the dp x cp
+    # gradient group's geometry (one run of ranks, or split apart where the order puts pp between dp and cp)
+    dims = order_dims(rank_order)
+    if flops_model.num_experts and dims != order_dims(DEFAULT_RANK_ORDER):
+        raise ValueError(f"rank_order = {rank_order!r} with a mixture-of-experts model: allowed: {DEFAULT_RANK_ORDER} "
+                         f"(rule rank_order_experts)")
+    sizes = {"tp": tp, "cp": cp, "dp": dp, "pp": pp}
+    strides = dim_strides(dims, sizes)
+    stride_pp, stride_cp = strides["pp"], strides["cp"]
+    _, grad_stride, grad_inner, grad_outer = group_geometry(dims, sizes, ("dp", "cp"))
+    split_apart = abs(dims.index("dp") - dims.index("cp")) > 1
+    dp_split = (grad_inner, grad_outer) if split_apart else None
 
     # -- compute per layer, forward; backward = 2x matmuls and attention, 2x elementwise traffic --
     mm, core, elem, mlp_fwd, column_mm, sac_mm, split_fwd, split_bwd, tail_mm = _per_layer_compute(
@@ -192,7 +207,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     tp_head_bwd = np.where(tp > 1, np.where(sp, ag_rs, ar), 0.0) * tp_exposed
 
     # -- context parallel: the K/V exchange of the attention core, as the stack runs it (Options.cp_comm) --
-    cp_fwd, cp_bwd = _context_parallel_s(system, model, opts, T, tp, cp, core, core_bwd * (core - merge_fwd) + merge_bwd)
+    cp_fwd, cp_bwd = _context_parallel_s(system, model, opts, T, tp, cp, core, core_bwd * (core - merge_fwd) + merge_bwd,
+                                         stride_cp)
     # recompute that replays the attention op replays its K/V exchange too (torch.utils.checkpoint reruns the forward,
     # and with it the ring or all-gather inside the attention op: full recompute, and Korthikanti's selective, which
     # replays the attention core); torchtitan's per-op SAC saves SDPA's outputs, so its exchange is not replayed
@@ -214,7 +230,6 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     embed = memory_time_s(system, 2 * T * h * BF16_BYTES, 1) + tp_embed
 
     # -- pipeline: p2p activations between stages (Megatron scatter/gather: 1/t of them per rank) --
-    stride_pp = tp * cp * dp
     # what a stage sends per rank: the SP shard, or with Megatron's scatter/gather 1/t of the replicated
     # activation; paratrain's runtime without SP sends it whole
     p2p_bytes = act_bytes / np.where(sp | opts.p2p_scatter_gather, tp, 1.0)
@@ -228,9 +243,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     # -- pipeline stages: layers per rank, and the slowest rank, which sets the pipeline's pace --
     v_shape = sched >= 3  # zbv, dualpipev
     # Gradients reduce (and FSDP shards) over dp x cp ranks: cp ranks hold gradients of different tokens of
-    # the same sequences. Ranks are numbered tp fastest, then cp, so that group starts at stride tp.
+    # the same sequences. In the default order (tp fastest, then cp) that group is one run at stride tp.
     dp_group = dp * cp
-    per_node = np.maximum(1.0, np.minimum(dp_group, system.devices_per_node / tp))
+    per_node = np.maximum(1.0, np.minimum(dp_group, system.devices_per_node / grad_stride))
     hsdp_shard = per_node if dp_replicate is None else dp_group / np.asarray(dp_replicate, float)
     dp_shard = np.where(kind == 2, hsdp_shard, dp_group)
 
@@ -287,14 +302,14 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     # whole DP group within one NVLink/NeuronLink domain) the links also carry the TP collectives. That
     # busy time is taken out of the window the DP traffic can hide in.
     node = system.devices_per_node
-    dp_out = tp * dp_group > node  # the DP group spans nodes
+    dp_out = group_span(grad_stride, grad_inner, grad_outer, dp_group) > node  # the DP group spans nodes
     pp_out = (pp > 1) & (stride_pp >= node)
     tp_busy = m * (layers_per_stage * (tp_fwd + tp_bwd) + head_on * (tp_head_fwd + tp_head_bwd) + embed_on * tp_embed)
     link_busy = np.where(dp_out, np.where(pp_out, m * p2p_per_mb, 0.0), np.where(tp > 1, tp_busy, 0.0))
-    dp_time, dp_exposed = _data_parallel_s(system, opts, params_dev, dp_group, dp_shard, tp, zero, kind, m,
+    dp_time, dp_exposed = _data_parallel_s(system, opts, params_dev, dp_group, dp_shard, grad_stride, zero, kind, m,
                                            stage_fwd, stage_bwd, layers_rank,
                                            layers_rank * model.params_per_layer() / tp / params_dev, link_busy,
-                                           pp=pp, chunks=np.where(sched == 2, v, 1.0))
+                                           pp=pp, chunks=np.where(sched == 2, v, 1.0), dp_split=dp_split)
     # Tied word embeddings under a pipeline: the first stage's embedding and the last stage's output layer are one
     # weight whose two gradients are summed between those two ranks after the last backward, before the optimizer
     # step (Megatron-LM finalize_model_grads -> _allreduce_word_embedding_grads; DeepSpeed PipelineEngine's
@@ -386,8 +401,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     }
 
 
-def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd):
-    """(forward, backward) exposed time of one layer's context-parallel K/V exchange (Options.cp_comm).
+def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd, stride_cp=None):
+    """(forward, backward) exposed time of one layer's context-parallel K/V exchange (Options.cp_comm) over the
+    cp group, its ranks stride_cp apart (the rank order's; None: tp, the default order's).
 
     ring (Megatron-Core cp_comm_type p2p, ring attention): the K/V of the local tokens pass (cp - 1) times
     between neighbours while the attention blocks compute; backward passes K/V and dK/dV. allgather (Dubey et al.
@@ -402,16 +418,17 @@ def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd):
     waits for after its loop (_templated_ring_attention_backward at the torch of Dec 2024 and since)."""
     kv_width = query_dim(model) / tp if opts.cp_kv_repeated else model.kv_dim / np.minimum(tp, model.n_kv_heads)
     kv_local = 2 * T * kv_width * BF16_BYTES  # K and V of the local tokens, as they reach the attention op
+    stride = tp if stride_cp is None else stride_cp
     if opts.cp_comm == "ring":
-        ring = (cp - 1) * p2p_time_s(system, kv_local, tp, cp)
+        ring = (cp - 1) * p2p_time_s(system, kv_local, stride, cp)
         fwd, bwd = np.maximum(0.0, ring - core_fwd), np.maximum(0.0, 2 * ring - 2 * core_fwd)
     else:
-        gather = collective_time_s(system, "allgather", cp * kv_local, cp, tp)
+        gather = collective_time_s(system, "allgather", cp * kv_local, cp, stride)
         if opts.cp_comm == "allgather":
             fwd = gather
-            bwd = collective_time_s(system, "reducescatter", cp * kv_local, cp, tp)
+            bwd = collective_time_s(system, "reducescatter", cp * kv_local, cp, stride)
         else:
-            dkv_one = p2p_time_s(system, 2 * kv_local, tp, cp)  # fp32: twice the bf16 K/V bytes
+            dkv_one = p2p_time_s(system, 2 * kv_local, stride, cp)  # fp32: twice the bf16 K/V bytes
             fwd = np.maximum(0.0, gather - core_fwd / cp)
             # cp rotations: the one sent after step i hides behind step i + 1's block; the last is waited for after
             # the loop (`dkv_rotater.next_buffer()` before the return), with no block left to hide behind
