@@ -490,7 +490,10 @@ def _eval_row(catalog, r: dict):
              "zero_stage": int(r["zero_stage"]) if r.get("zero_stage") else 3 if fsdp else 1,
              # rank_order (parallel.rank_order): how the run's ranks map onto tp, cp, dp, pp where it differs from
              # the default tp-cp-dp-pp (Llama 3's [TP, CP, PP, DP]: tp-cp-pp-dp); empty = the default
-             "rank_order": r.get("rank_order") or DEFAULT_RANK_ORDER}
+             "rank_order": r.get("rank_order") or DEFAULT_RANK_ORDER,
+             # offload_layers (--offload-layers): the blocks whose activations the run keeps in host memory
+             # (Megatron-Core's cpu_offloading_num_layers, as the recipe sets it); empty = none
+             "offload_layers": int(r["offload_layers"]) if r.get("offload_layers") else 0}
     # "selective_mlp": selective recompute that also replays the MLP block (Options.recompute_mlp)
     free = {k: r[k] for k in ("recompute", "schedule", "microbatch", "vp")}
     free["recompute"] = {"selective_mlp": "selective", "selective_layer": "full"}.get(free["recompute"], free["recompute"])

@@ -149,6 +149,8 @@ def test_hardware_file_path_resolves(tmp_path):
     ("cores_per_chip = 1", "cores_per_chip = 1\nflops = 3", "chips.test-chip.flops: unknown field; allowed:"),
     ("cores_per_chip = 1", "cores_per_chip = 1\nfp8_block_scaled = 1", "chips.test-chip.fp8_block_scaled = 1: must be true or false"),
     ('source = "test"\n[chips.test-chip.efficiency]', '[chips.test-chip.efficiency]', "chips.test-chip.source: missing"),
+    ('device_unit = "test device"', 'device_unit = "test device"\nhost_link_gbytes_per_s = 64',
+     "systems.test-box.host_link_gbytes_per_s and host_link_source: each needs the other"),
 ])
 def test_malformed_file_gives_one_clear_error(tmp_path, old, new, expect):
     assert old in USER_SYSTEM
@@ -273,3 +275,16 @@ def test_price_tables_merge_option_by_option(tmp_path):
     box.write_text(USER_SYSTEM)
     quote = load_catalog([box]).system("test-box").prices.quote("on-demand")
     assert quote.usd_per_node_hour == 10.0 and quote.date == "not given" and quote.source == "test"
+
+
+def test_host_links_are_sourced_and_absent_where_unpublished():
+    """The host link each device offloads activations over (System.host_link_gbytes_per_s, one direction): named
+    with its source where set; GB200's NVLink-C2C share (900 GB/s both ways per superchip, 2 GPUs) above the PCIe
+    Gen5 x16 of H100/H200 (64) above A100's Gen4 (32); no figure (so no offloading) for Trainium."""
+    systems = load_catalog().systems
+    links = {name: s.host_link_gbytes_per_s for name, s in systems.items()}
+    assert all(systems[n].host_link_source for n, bw in links.items() if bw is not None)
+    assert links["dgx-gb200"] == 900 / 2 / 2 and links["dgx-h100"] == links["p5en.48xlarge"] == 64
+    assert links["p4d.24xlarge"] == links["dgx-a100-80gb"] == 32
+    trainium = [n for n in systems if systems[n].chip.vendor == "aws"]
+    assert trainium and all(links[n] is None for n in trainium)

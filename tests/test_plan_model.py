@@ -1556,3 +1556,33 @@ def test_deepspeed_pipeline_sends_lie_on_the_path_one_after_the_other():
     assert at_once.time_breakdown_s["pp_comm"] == pytest.approx(16 * 2 * c, rel=1e-9)
     assert serial.time_breakdown_s["pp_comm"] == pytest.approx((2 * 15 + 2) * 2 * c, rel=1e-9)
     assert serial.step_time_s - at_once.step_time_s == pytest.approx(16 * 2 * c, rel=1e-6)
+
+
+def test_offload_layers_is_the_trainers_field_timed_on_the_host_link():
+    """parallel.offload_layers in the planner: the trainer's field (same default, one conversion each way, the
+    trainer's rules: at most a stage's layers, not with full recompute, one error naming field, value and what
+    is allowed); refused on a system without a host link in the catalog (Trainium) and never searched there;
+    each offloaded block takes its activations off the device (one block stays in flight) and costs time only
+    where its copy over the host link outlasts its compute."""
+    from paratrain.config import ParallelSection
+    from paratrain.plan.api import layout_from_parallel, search
+
+    assert Layout().offload_layers == ParallelSection().offload_layers == 0
+    lay = layout_from_parallel(ParallelSection(offload_layers=3), 1)
+    assert lay.offload_layers == 3 and lay.to_parallel().offload_layers == 3
+    args = ("llama3-70b", "dgx-h100", 8, 4096, 64)
+    base = Layout(pp=2, tp=8, sp=True, microbatch=1)
+    with pytest.raises(ValueError, match=r"parallel\.offload_layers=41: .* allowed: 0 to 40$"):
+        estimate(*args, dataclasses.replace(base, offload_layers=41))
+    with pytest.raises(ValueError, match=r"offload_layers=2 with parallel\.recompute='full'.* allowed: offload_layers=0"):
+        estimate(*args, dataclasses.replace(base, offload_layers=2, recompute="full"))
+    with pytest.raises(ValueError, match=r"offload_layers=2 on trn1\.32xlarge: .* allowed: offload_layers=0$"):
+        estimate("llama2-7b", "trn1.32xlarge", 4, 4096, 256, Layout(tp=8, offload_layers=2))
+    assert not any(c.layout.offload_layers for c in search("llama2-7b", "trn1.32xlarge", 1, 4096, 64, top=50).candidates)
+    runs = [estimate(*args, dataclasses.replace(base, pp=1, offload_layers=n)) for n in (0, 1, 10, 80)]
+    acts = [e.memory_breakdown_bytes["activations"] for e in runs]
+    per_block = (acts[0] - acts[2]) / 9  # one microbatch in flight: 10 blocks off, one of them in flight
+    assert acts[1] == pytest.approx(acts[0]) and acts[0] > acts[2] > acts[3]  # one block: only in flight
+    assert acts[3] == pytest.approx(acts[0] - 79 * per_block)
+    # a block's 0.14 GB per microbatch at 64 GB/s (2.2 ms) within its TP8 forward (2.4 ms): hidden on an H100
+    assert [e.step_time_s for e in runs] == pytest.approx([runs[0].step_time_s] * 4)

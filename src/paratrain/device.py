@@ -183,6 +183,17 @@ def pin_memory() -> bool:
     return torch.accelerator.is_available()
 
 
+def host_copy(t: torch.Tensor) -> torch.Tensor:
+    """A copy of `t` in host memory (activation offloading, parallel/offload.py): page-locked where an accelerator
+    copies into it, so the copy out is queued behind the device's work instead of making the host wait for it
+    (the device tensor's memory is reused only by work queued after the copy); on the host a plain copy."""
+    import torch
+
+    pinned = not is_host(t.device) and pin_memory()
+    out = torch.empty_like(t, device=CPU, pin_memory=pinned)
+    return out.copy_(t, non_blocking=pinned)
+
+
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A batch tensor on the compute device without making the host wait: host to accelerator copies go from
     page-locked memory and do not block (a pageable source is pinned first; pinning is a host copy, no device

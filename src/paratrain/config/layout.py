@@ -54,7 +54,8 @@ def view_of(model_cfg: ModelConfig, pcfg: ParallelSection, seq_len: int, global_
                 virtual_stages=pcfg.virtual_stages, dp_kind=pcfg.dp_kind, zero=zero_stage_of(pcfg), seq=seq_len,
                 model=model_cfg, dp=dp if dp is not None else (pcfg.dp if pcfg.dp > 0 else None),
                 microbatch=microbatch, global_batch=global_batch, ep=pcfg.ep, etp=pcfg.etp,
-                dp_replicate=pcfg.dp_replicate, rank_order=pcfg.rank_order)
+                dp_replicate=pcfg.dp_replicate, rank_order=pcfg.rank_order, offload=pcfg.offload_layers,
+                recompute=pcfg.recompute)
 
 
 def check_tp_layout(model_cfg: ModelConfig, tp: int, sp: bool, seq_len: int) -> None:

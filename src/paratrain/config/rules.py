@@ -30,6 +30,7 @@ from paratrain.config.names import (
     DP_KINDS,
     MULTI_STAGE_SCHEDULES,
     PP_SCHEDULES,
+    RECOMPUTE,
     SINGLE_STAGE_SCHEDULES,
     V_SCHEDULES,
 )
@@ -59,6 +60,8 @@ class View:
     etp: object = 1
     dp_replicate: object = 1  # hsdp's replica groups (dp = dp_replicate x dp_shard)
     rank_order: str = DEFAULT_RANK_ORDER  # one for all layouts of a View (paratrain.config.ranks)
+    offload: object = 0  # parallel.offload_layers: blocks per stage whose activations wait in host memory
+    recompute: object = "none"  # a name of RECOMPUTE, or (arrays) indices into it
 
     @property
     def chunks(self):
@@ -202,6 +205,15 @@ RULES: tuple[Rule, ...] = (
                    f"at least {fewest_layers(v.pp * v.chunks)} layers (one per inner stage; the first and last may "
                    f"hold none) but the model has {v.model.layers}; allowed: stages <= model.layers + 2 (a smaller "
                    f"pp or virtual_stages)"),
+    # -- activation offloading (parallel.offload_layers) ------------------------------------------------------
+    Rule("offload_stage_layers", lambda v: v.offload <= stage_layers(v),
+         lambda v: f"parallel.offload_layers={v.offload}: more blocks than a pipeline stage holds (model.layers="
+                   f"{v.model.layers} over pp={v.pp} x {v.chunks} chunk(s) per rank: {stage_layers(v)} per stage); "
+                   f"allowed: 0 to {stage_layers(v)}"),
+    Rule("offload_full_recompute", lambda v: _or(v.offload == 0, _not(_coded(v.recompute, ("full",), RECOMPUTE))),
+         lambda v: f"parallel.offload_layers={v.offload} with parallel.recompute='full': a fully recomputed block "
+                   f"keeps only its input, held by the checkpoint itself, so there is nothing to move to host memory; "
+                   f"allowed: offload_layers=0, or recompute 'none' or 'selective'"),
     Rule("pp_tied_embeddings", lambda v: _or(_not(_pipelined(v)), not v.model.tie_embeddings),
          lambda v: "model.tie_embeddings=true with parallel.pp > 1: the embedding and the output head sit "
                    "on different stages; allowed: tie_embeddings=false for pipeline parallelism", runtime_only=True),
@@ -284,6 +296,13 @@ def _default_order(v) -> bool:
 def _dp_cp_adjacent(v) -> bool:
     dims = order_dims(v.rank_order)
     return "dp" in dims and "cp" in dims and abs(dims.index("dp") - dims.index("cp")) == 1
+
+
+def stage_layers(v):
+    """The layers of one pipeline stage (model chunk) of the runtime's balanced split, rounded up: the most
+    parallel.offload_layers may name (a stage holding fewer offloads all of its blocks)."""
+    stages = np.where(v.pp > 1, v.pp * v.chunks, 1)  # one stage without a pipeline, whatever the schedule says
+    return -(-v.model.layers // stages)
 
 
 def _etp_valid(v):

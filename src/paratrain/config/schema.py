@@ -168,6 +168,10 @@ class ParallelSection(Section):
     reshard_after_forward: bool | None = None  # fsdp/hsdp: True = zero_stage 3, False = 2; None: from zero_stage
     zero_stage: Literal[0, 1, 2, 3] | None = None  # DeepSpeed's numbering (paratrain.config.dp); None: from dp_kind
     recompute: Literal[RECOMPUTE] = "none"
+    offload_layers: int = Field(default=0, ge=0, description="activations of the first N blocks of each pipeline "
+                                "stage kept in host memory from their forward to their backward (Megatron-Core's "
+                                "--cpu-offloading-num-layers; torch save_on_cpu); at most a stage's layers, not with "
+                                "recompute='full'")
     vocab_parallel: Literal["auto", "off", "tp", "dp"] = Field(
         default="auto", description="where the embedding and output head are sharded by vocabulary rows: tp (Megatron's "
         "vocab-parallel embedding + cross entropy over the TP group, tied embeddings allowed), dp (the same over the "

@@ -237,6 +237,12 @@ class System:
     # on `paratrain generate` summaries); plan.serve.serving_efficiency prefers it to the vendor's stack table.
     # (field, value) pairs: the System stays hashable
     serving: tuple[tuple[str, Any], ...] = ()
+    # One direction of the link between one device and host memory, GB/s, what the device's share of it is when
+    # every device of the node copies at once (PCIe x16 per GPU; GB200's NVLink-C2C shared by the 2 GPUs of a
+    # superchip): what activation offloading (parallel.offload_layers) copies over. None: no published figure, so
+    # the planner refuses to offload on this system. host_link_source: where the number comes from (required)
+    host_link_gbytes_per_s: float | None = None
+    host_link_source: str = ""
 
     @property
     def devices_per_node(self) -> int:
@@ -306,6 +312,7 @@ SYSTEM_FIELDS = {
     "devices_per_chip": ("posint", True), "device_unit": ("str", True), "tiers": ("tiers", True),
     "source": ("str", True), "conflicts": ("strlist", False), "prices": ("table", False),
     "efficiency": ("table", True), "stack": ("table", False), "serving": ("table", False),
+    "host_link_gbytes_per_s": ("pos", False), "host_link_source": ("str", False),
 }
 # The serving model's parameters (plan/serving_efficiency.toml documents each) as `paratrain calibrate` fits
 # them for one system
@@ -495,6 +502,9 @@ def _system(origin: str, name: str, raw: dict, chips: dict[str, Chip], links: di
                       st.get("attention", "flash"), st.get("runs_as"))
     serving = tuple(_check(origin, f"{where}.serving", raw["serving"], SERVING_FIELDS).items()) \
         if "serving" in raw else ()
+    if ("host_link_gbytes_per_s" in raw) != bool(raw.get("host_link_source")):
+        raise CatalogError(f"{origin}: {where}.host_link_gbytes_per_s and host_link_source: each needs the other "
+                           f"(every number names its source); allowed: both, or neither")
     per_node = raw["chips_per_node"] * raw["devices_per_chip"]
     inner = [t.domain_devices for t in tiers[:-1]]
     if inner and per_node % inner[-1] and inner[-1] % per_node:
@@ -505,7 +515,8 @@ def _system(origin: str, name: str, raw: dict, chips: dict[str, Chip], links: di
         chips_per_node=raw["chips_per_node"], devices_per_chip=raw["devices_per_chip"],
         device_unit=raw["device_unit"], tiers=tiers, efficiency=SystemEfficiency(**eff),
         prices=prices, source=raw["source"], stack=stack, conflicts=tuple(raw.get("conflicts", ())), origin=origin,
-        serving=serving,
+        serving=serving, host_link_gbytes_per_s=raw.get("host_link_gbytes_per_s"),
+        host_link_source=raw.get("host_link_source", ""),
     )
 
 
@@ -625,6 +636,8 @@ def system_table(system: System) -> dict:
         "source": system.source, "conflicts": list(system.conflicts),
         "efficiency": asdict(system.efficiency),
     }
+    if system.host_link_gbytes_per_s is not None:
+        data.update(host_link_gbytes_per_s=system.host_link_gbytes_per_s, host_link_source=system.host_link_source)
     if system.stack is not None:
         stack = asdict(system.stack)
         data["stack"] = {k: list(v) if isinstance(v, tuple) else v for k, v in stack.items()}

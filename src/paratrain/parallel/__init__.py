@@ -5,7 +5,7 @@ otherwise, pipeline.py), applies `apply_techniques` -- the one place the order o
 those parts, materialises this rank's shards, and builds the runner the training loop drives.
 
 Each technique lives in its own file: pipeline.py (stage split, schedule runner), tensor.py (TP/SP/loss
-parallel), context.py (ring attention), expert.py (MoE experts), recompute.py, compile.py, data.py
+parallel), context.py (ring attention), expert.py (MoE experts), recompute.py, offload.py, compile.py, data.py
 (FSDP/DDP/HSDP), stale_dp.py (bounded staleness / time budget); mesh.py builds the device mesh, runner.py drives
 a step; the layout rules (which layouts are allowed) are in the torch-free `paratrain.config`.
 """
@@ -26,6 +26,7 @@ from paratrain.config.pipeline import stage_reshard_after_forward
 from paratrain.parallel.compile import apply_compile
 from paratrain.parallel.materialize import SourceOf, on_meta, place, random_init
 from paratrain.parallel.mesh import DistEnv, resolve_degrees
+from paratrain.parallel.offload import apply_offload
 from paratrain.parallel.precision import Precision
 from paratrain.parallel.recompute import apply_recompute
 from paratrain.parallel.runner import ParallelRunner, Runner
@@ -109,6 +110,7 @@ def apply_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh 
       2. context parallelism (ring attention)       context.py
       3. expert parallelism (MoE)                   expert.py
       4. activation recomputation                   recompute.py
+         then activation offloading to the host     offload.py (parallel.offload_layers)
       5. torch.compile of what runs                 compile.py
       6. data parallelism: FSDP2 / HSDP / DDP       data.py  (stale-gradient DP: its runner reduces, stale_dp.py)
     Why this order:
@@ -118,6 +120,9 @@ def apply_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh 
       (ep, tp) itself; EP before DP, which must leave the expert weights to EP's reducer;
     - TP (and EP) before recompute, so a recomputed region replays its collectives in backward;
     - recompute before FSDP, so FSDP's per-block hooks (unshard before backward) wrap the recomputed forward;
+    - offload after recompute, so a checkpoint inside an offloaded block keeps its own saved-tensor hooks
+      innermost (what it keeps stays on the device; the rest of the block moves), and after TP, so what moves
+      is this rank's shard;
     - compile after recompute, so the compiled region is what runs, checkpointing included;
     - DP last: FSDP shards the parameters TP has already distributed (2-D DTensors over dp x tp), and the DDP
       reducer hooks the final parameters (of every part: one set of buckets for all of this rank's stages)."""
@@ -142,6 +147,7 @@ def apply_techniques(parts: list[nn.Module], cfg: TrainConfig, mesh: DeviceMesh 
     experts = apply_expert_parallel(parts, cfg, mesh)  # 3.
     for part in parts:
         apply_recompute(part, pcfg.recompute)  # 4.
+        apply_offload(part, pcfg.offload_layers)  # 4. (then)
         apply_compile(part, cfg.train.compile)  # 5.
     return apply_data_parallel(parts, cfg, mesh, ignored=vocab_params, experts=experts)  # 6.
 

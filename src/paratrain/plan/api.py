@@ -84,6 +84,7 @@ class Layout:
     etp: int = 1
     dp_replicate: int | None = None
     rank_order: str = DEFAULT_RANK_ORDER  # the trainer's parallel.rank_order (paratrain.config.ranks)
+    offload_layers: int = 0  # the trainer's parallel.offload_layers (activations of that many blocks per stage on the host)
 
     def __post_init__(self) -> None:
         if isinstance(self.pp_layers, list):  # from JSON / TOML: keep the layout hashable
@@ -99,7 +100,7 @@ class Layout:
         """The trainer's [parallel] section of this layout (the one conversion; ValueError naming the field)."""
         fields = {"dp": -1 if self.dp is None else self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp,
                   "sp": self.sp, "recompute": self.recompute, "pp_schedule": self.pp_schedule,
-                  "virtual_stages": self.virtual_stages}
+                  "virtual_stages": self.virtual_stages, "offload_layers": self.offload_layers}
         if self.dp_kind is not None:
             fields["dp_kind"] = self.dp_kind
         if self.zero_stage is not None:
@@ -142,7 +143,7 @@ def layout_from_parallel(pcfg: ParallelSection, microbatch: int, dp: int | None 
                   virtual_stages=pcfg.virtual_stages, zero_stage=pcfg.zero_stage, dp_kind=pcfg.dp_kind,
                   pp_layers=tuple(pcfg.pp_layers) if pcfg.pp_layers else None,
                   dp_replicate=pcfg.dp_replicate if pcfg.dp_kind == "hsdp" and pcfg.dp_replicate > 1 else None,
-                  ep=pcfg.ep, etp=pcfg.etp, rank_order=pcfg.rank_order)
+                  ep=pcfg.ep, etp=pcfg.etp, rank_order=pcfg.rank_order, offload_layers=pcfg.offload_layers)
 
 
 @dataclass
@@ -207,6 +208,10 @@ def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, glob
     except ValueError as exc:
         raise ValueError(f"{exc} ({devices} devices: {nodes} x {system.devices_per_node} {system.device_unit})") from None
     check_dp_fields(pcfg)
+    if lay.offload_layers and system.host_link_gbytes_per_s is None:
+        raise ValueError(f"parallel.offload_layers={lay.offload_layers} on {system.name}: the catalog has no host link "
+                         f"bandwidth for it (systems.{system.name}.host_link_gbytes_per_s, no published source), so "
+                         f"the copies cannot be timed; allowed: offload_layers=0")
     check(view_of(model, pcfg, seq, global_batch, lay.microbatch, dp), runtime=False)  # expert layout included
     if isinstance(lay.pp_layers, str):
         if lay.pp_layers not in STAGE_SPLITS:
@@ -284,7 +289,7 @@ def _evaluate_one(model, system, nodes, seq, global_batch, layout: Layout, opts,
                    cp=layout.cp, microbatch=layout.microbatch, sp=layout.sp,
                    recompute=RECOMPUTE.index(layout.recompute), zero_stage=layout.zero_stage,
                    dp_kind=DP_KINDS.index(layout.dp_kind), dp_replicate=layout.dp_replicate, opts=opts,
-                   ep=layout.ep, etp=layout.etp, rank_order=layout.rank_order,
+                   ep=layout.ep, etp=layout.etp, rank_order=layout.rank_order, offload=layout.offload_layers,
                    **_internal(layout), **split)
     return {k: np.asarray(v).item() for k, v in res.items()}
 
@@ -519,6 +524,32 @@ def _with_mlp_recompute(model, system, seq, global_batch, opts, stack, grid, res
     return grid, res, np.concatenate([np.zeros(n, bool), np.ones(sel.size, bool)])
 
 
+def _with_offload(model, system, seq, global_batch, opts, grid, res, mlp):
+    """(grid, results, recompute_mlp flags) with, where the system's host link is in the catalog, every layout that
+    does not fit once more with the fewest offloaded blocks per stage that make it fit (plan.memory's
+    offload_min_layers; parallel.offload_layers), appended: 0 and that one count are what is searched. Fully
+    recomputed layouts are not offloaded (config.rules offload_full_recompute)."""
+    sel = np.flatnonzero(~np.asarray(res["fits"], bool) & np.isfinite(res["offload_min_layers"])
+                         & (grid["recompute"] != RECOMPUTE.index("full")))
+    if system.host_link_gbytes_per_s is None or not sel.size:
+        return grid, res, mlp
+    n = grid["tp"].size
+    sub = {k: v[sel] for k, v in grid.items()}
+    sub["offload"] = np.asarray(res["offload_min_layers"])[sel]
+    more = {}
+    for flag in (False, True):  # each with its own Options (MLP replayed or not)
+        rows = np.flatnonzero(mlp[sel] == flag)
+        if rows.size:
+            part = evaluate(model, system, seq, global_batch, split="auto",
+                            opts=replace(opts, recompute_mlp=opts.recompute_mlp or flag),
+                            **{k: v[rows] for k, v in sub.items()})
+            for k, v in part.items():
+                more.setdefault(k, np.zeros(sel.size, np.asarray(v).dtype))[rows] = v
+    join = lambda a, b: np.concatenate([np.broadcast_to(np.asarray(a), (n,)), np.broadcast_to(np.asarray(b), (sel.size,))])  # noqa: E731
+    return ({k: np.concatenate([grid[k], sub[k]]) for k in grid}, {k: join(res[k], more[k]) for k in res},
+            np.concatenate([mlp, mlp[sel]]))
+
+
 def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int, global_batch: int, *,
            top: int = 10, objective: str = "time", options: Options | None = None, max_microbatch: int = 64,
            cp_options: list[int] | None = None, train_tokens: float | None = None,
@@ -559,10 +590,12 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
         grid = _grid(model, system, n, seq, global_batch, max_microbatch, cp_options, searched, constraints)
         combinations += int(grid.pop("raw"))
         grid["nodes"] = np.full(grid["tp"].shape, n)
+        grid["offload"] = np.zeros(grid["tp"].shape, int)
         grids.append(grid)
     grid = {k: np.concatenate([g[k] for g in grids]) for k in grids[0]}
     res = evaluate(model, system, seq, global_batch, opts=opts, split="auto", **grid)
     grid, res, mlp = _with_mlp_recompute(model, system, seq, global_batch, opts, stack, grid, res)
+    grid, res, mlp = _with_offload(model, system, seq, global_batch, opts, grid, res, mlp)
     fits = res["fits"]
     score = res["step_time_s"] if objective == "time" else res["cost_usd_per_hour"] / res["tokens_per_s"]
     allowed = fits
@@ -594,7 +627,7 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
                         recompute=RECOMPUTE[grid["recompute"][i]], pp_schedule=SCHEDULES[grid["pp_schedule"][i]],
                         virtual_stages=int(grid["virtual_stages"][i]), zero_stage=int(grid["zero_stage"][i]),
                         dp_kind=DP_KINDS[grid["dp_kind"][i]], pp_layers="auto", ep=int(grid["ep"][i]),
-                        etp=int(grid["etp"][i]))
+                        etp=int(grid["etp"][i]), offload_layers=int(grid["offload"][i]))
         row = {k: float(np.asarray(v)[i]) if np.ndim(v) else float(v) for k, v in res.items()}
         layout = replace(layout, pp_layers=_concrete_split(model, layout, row))
         even = layout.pp_layers is None or is_balanced(layout.pp_layers, model.layers)

@@ -99,7 +99,7 @@ class PlanTarget(Workload, OnSystem, Output):
 # layout is spelled the same in `estimate` and `train` (--pp-schedule = --parallel.pp_schedule).
 LAYOUT = "layout (the trainer's parallel.* keys; docs/config.md)"
 LAYOUT_KEYS = ("tp", "pp", "dp", "cp", "sp", "ep", "etp", "dp_kind", "dp_replicate", "rank_order", "zero_stage", "recompute",
-               "pp_schedule", "virtual_stages")
+               "pp_schedule", "virtual_stages", "offload_layers")
 LAYOUT_FIELDS = {name: (kind, f) for name, kind, f in [
     *section_options("parallel", LAYOUT_KEYS, LAYOUT), *section_options("train", ("microbatch",), LAYOUT)]}
 

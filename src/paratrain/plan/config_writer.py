@@ -30,6 +30,8 @@ def layout_name(layout: dict) -> str:
         parts.append("sp")
     if layout.get("recompute", "none") != "none":
         parts.append(f"rc-{layout['recompute']}")
+    if int(layout.get("offload_layers") or 0):
+        parts.append(f"off{layout['offload_layers']}")
     return "-".join(parts or ["single"]) + f"-mb{layout.get('microbatch', 1)}"
 
 

@@ -81,16 +81,25 @@ def moe_blocks_held(moe: dict, layers):
     return np.asarray(layers, dtype=float) / moe["share"]
 
 
-def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sched, v, m, zero, dp_shard,
-                      loads: Loads | None = None, moe: dict | None = None, ep=1, etp=1):
-    """Memory of the rank that needs the most (loads: layers per rank, default the balanced split). Each rank
-    holds its own schedule's microbatches in flight: the first rank the most, the last (with the head and its
-    logits) the fewest, the inner ranks counted as the second, the most loaded of them. moe: plan.moe.memory_terms,
-    the routed experts' bytes per layer on top of the dense view (`model`)."""
-    v_shape = np.asarray(sched) >= 3
-    loads = loads or balanced_loads(model.layers, pp, v, v_shape)
-    fp8_weight_bytes = fp8_copies(system, opts) * low_precision_bytes(system, opts) if opts.fp8 else 0.0
+def offload_kept_bytes(model, T, tp, rc):
+    """Bytes per offloaded layer and microbatch that stay on the device: under selective recompute the
+    checkpointed attention core's inputs (Q, K, V), which the checkpoint holds itself, outside the saved-tensor
+    hooks that move the rest (paratrain.parallel.offload); nothing otherwise (full recompute is not offloaded:
+    config.rules offload_full_recompute)."""
+    q, kv = query_dim(model), model.kv_dim
+    return np.where(np.asarray(rc) == 1, T * BF16_BYTES * (q + 2 * kv) / tp, 0.0)
 
+
+def offloaded_layers(offload, layers, chunks=1.0):
+    """Blocks of a rank (`layers` over `chunks` model chunks) whose activations go to the host: the first
+    `offload` of each of its stages, all of a stage that holds fewer (parallel.offload_layers)."""
+    return np.minimum(np.asarray(offload, dtype=float) * chunks, layers)
+
+
+def layer_activation_bytes(model, seq, opts, *, T, tp, cp, sp, rc):
+    """(per_layer, rebuilt): the activation bytes one layer keeps per microbatch under recompute `rc`, and what
+    one layer's backward holds again while it is rebuilt (once per rank). The one activation model of the memory
+    estimate and of the offload copies (plan.step)."""
     sp_part, tp_part, core = activation_bytes_per_token(model, seq / 1, opts.attention, opts.fp8)
     if model.arch == "llama":  # two RMSNorms a layer, each keeping its input at Options.norm_saved_bytes
         sp_part = sp_part + 2 * (opts.norm_saved_bytes - BF16_BYTES) * model.hidden
@@ -112,6 +121,28 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     # per-op SAC does not replay attention)
     replayed_core = (opts.attention == "unfused") and not opts.selective_ops
     rebuilt = select([rc == 2, (rc == 1) & replayed_core], [layer_full, T * core / tp], 0.0)
+    return per_layer, rebuilt
+
+
+def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sched, v, m, zero, dp_shard,
+                      loads: Loads | None = None, moe: dict | None = None, ep=1, etp=1, offload=0):
+    """Memory of the rank that needs the most (loads: layers per rank, default the balanced split). Each rank
+    holds its own schedule's microbatches in flight: the first rank the most, the last (with the head and its
+    logits) the fewest, the inner ranks counted as the second, the most loaded of them. moe: plan.moe.memory_terms,
+    the routed experts' bytes per layer on top of the dense view (`model`).
+
+    offload (parallel.offload_layers): the activations of a rank's first `offload` blocks of each microbatch
+    wait in host memory from their forward to their backward; what stays is the rank's other blocks, what
+    offload_kept_bytes leaves on the device, and one offloaded block in flight (the copy out at the end of the
+    forward, the prefetched one in the backward; Transformer Engine's offload scheduler, which Megatron-Core
+    runs, keeps "at most (model_layers - num_layers) sets of activations" on the GPU and stalls compute to hold
+    that). Also returned: offload_min_layers, the fewest offloaded blocks that make the layout fit (0 where it fits,
+    inf where no count does), which `search` tries."""
+    v_shape = np.asarray(sched) >= 3
+    loads = loads or balanced_loads(model.layers, pp, v, v_shape)
+    fp8_weight_bytes = fp8_copies(system, opts) * low_precision_bytes(system, opts) if opts.fp8 else 0.0
+    per_layer, rebuilt = layer_activation_bytes(model, seq, opts, T=T, tp=tp, cp=cp, sp=sp, rc=rc)
+    kept = offload_kept_bytes(model, T, tp, rc)
     logits = T * model.vocab / tp * opts.loss_peak_bytes_per_logit  # the loss backward's peak on the last stage
     one = same_rank(pp, v_shape)
     ranks = []  # (weights, grads, optimizer, activations) of the first, last and inner ranks
@@ -126,6 +157,7 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     working = fsdp_unit * unit * (3 * opts.param_bytes + opts.grad_bytes)
     head_extra = np.maximum(logits + fsdp_unit * unit * opts.param_bytes, working)
     ranks_at = (0.0, np.where(one, 0.0, pp - 1), np.minimum(1.0, pp - 1))  # pipeline rank of first, last, inner
+    moved = []  # per rank: (activation bytes offloading takes off the device per offloaded block, microbatches in flight)
     for params, layers, head, r in zip(_rank_params(model, loads, pp, v_shape), (loads.first, loads.last, loads.inner),
                                        (one, True, False), ranks_at, strict=True):
         params_dev = params / tp
@@ -150,15 +182,42 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
                       / np.where(zero >= 1, dp_shard, 1.0) + held * ex["optimizer"],
                       (per_layer * layers + ex["activations"] * held) * inflight + rebuilt + ex["once"]
                       + np.where(head, head_extra, working)))
+        # the host's share of an offloaded block: its average activations (MoE experts included) less what stays
+        off = np.maximum((per_layer * layers + ex["activations"] * held) / np.maximum(layers, 1) - kept, 0.0)
+        moved.append((off, inflight, layers))
     shape = np.broadcast_shapes(*(np.shape(x) for r in ranks for x in r))
     parts = np.array([[np.broadcast_to(x, shape) for x in r] for r in ranks])  # rank, part, layouts...
-    worst = np.asarray(np.argmax(parts.sum(axis=1), axis=0))
-    weights, grads, optimizer, activations = np.take_along_axis(parts, worst[None, None], axis=0)[0]
-    total = weights + grads + optimizer + activations
     eff = system.efficiency
     groups = process_groups(tp, pp, dp, cp, dp_shard, ep, etp)
     reserved = eff.runtime_reserved_bytes + groups * eff.comm_buffer_bytes_per_group
     capacity = (system.device_memory_bytes - reserved) * eff.memory_usable_fraction
+    chunks = np.where(np.asarray(sched) >= 2, v, 1.0)
+    stage_cap = np.ceil(model.layers / np.where(np.asarray(pp) > 1, pp * chunks, 1.0))
+    fewest = _fewest_offloaded(parts.sum(axis=1), moved, capacity, stage_cap, chunks)
+    if np.any(np.asarray(offload) > 0):  # each rank's offloaded blocks leave, one of them in flight stays
+        for i, (off, inflight, layers) in enumerate(moved):
+            n = offloaded_layers(offload, layers, chunks)
+            parts[i, 3] -= np.broadcast_to(n * off * inflight - np.where(n > 0, off, 0.0), shape)
+    worst = np.asarray(np.argmax(parts.sum(axis=1), axis=0))
+    weights, grads, optimizer, activations = np.take_along_axis(parts, worst[None, None], axis=0)[0]
+    total = weights + grads + optimizer + activations
     return {"memory_weights_bytes": weights, "memory_grads_bytes": grads, "memory_optimizer_bytes": optimizer,
             "memory_activations_bytes": activations, "memory_per_device_bytes": total,
-            "memory_capacity_bytes": capacity * np.ones_like(total), "fits": total <= capacity}
+            "memory_capacity_bytes": capacity * np.ones_like(total), "fits": total <= capacity,
+            "offload_min_layers": fewest}
+
+
+def _fewest_offloaded(totals, moved, capacity, stage_cap, chunks):
+    """The fewest offloaded blocks per stage with which every rank fits (memory_per_device's offload term: n
+    blocks of each of a rank's chunks take n x chunks x off x inflight off it and leave one block's off in
+    flight): 0 where the layout fits without, inf where no count up to a stage's layers (config.rules
+    offload_stage_layers) does."""
+    need = []
+    for total, (off, inflight, layers) in zip(totals, moved, strict=True):
+        excess = total - capacity
+        with np.errstate(divide="ignore", invalid="ignore"):
+            n = np.ceil((excess + off) / (off * inflight * chunks))
+        n = np.where(excess <= 0, 0.0, np.where((off > 0) & (n * chunks <= layers), np.maximum(n, 1.0), np.inf))
+        need.append(n)
+    fewest = np.max(np.array(np.broadcast_arrays(*need)), axis=0)
+    return np.where(fewest <= stage_cap, fewest, np.inf)

@@ -32,7 +32,8 @@ def print_estimate(est) -> None:
           f"{' (+ MLP)' if est.recompute_mlp else ''}  "
           f"schedule {lay.pp_schedule} (v={lay.virtual_stages})  {lay.dp_kind} zero-{lay.zero_stage}"
           + (f"  ep {lay.ep} etp {lay.etp}" if lay.ep > 1 or lay.etp > 1 else "")
-          + (f"  ranks {lay.rank_order}" if lay.rank_order != DEFAULT_RANK_ORDER else ""))
+          + (f"  ranks {lay.rank_order}" if lay.rank_order != DEFAULT_RANK_ORDER else "")
+          + (f"  offload {lay.offload_layers} blocks/stage to host" if lay.offload_layers else ""))
     if lay.pp > 1:
         kind = "balanced" if est.balanced_step_time_s is None else \
             f"uneven; balanced would take {est.balanced_step_time_s:.4f} s"
@@ -58,20 +59,22 @@ def print_plan(result, info, experts: bool = False) -> None:
     """The ranked table, then the best layout in full. `experts` (a MoE model): ep and etp columns, which the
     search varies too (without them two rows of one table can read the same)."""
     best = result.candidates[0]
+    offload = any(c.layout.offload_layers for c in result.candidates)  # the column only where a layout offloads
     print(f"{best.model} on {best.nodes} x {best.system} (stack: {info['stack']}): {info['combinations']:,} combinations, "
           f"{info['evaluated']:,} valid layouts evaluated, {info['fitting']:,} fit; {info['seconds'] * 1000:.0f} ms "
           f"({info['configs_per_s']:,.0f} layouts/s)")
     head = (f"{'#':>2} {'nodes':>5} {'tp':>3} {'pp':>3} {'dp':>6} {'cp':>2} {'sp':>3} "
             + (f"{'ep':>3} {'etp':>3} " if experts else "")
-            + f"{'mb':>3} {'recompute':>9} "
-            f"{'pp_schedule':>16} {'v':>2} {'dp_kind':>7} {'Z':>1} {'step s':>9} {'MFU':>6} {'GiB/dev':>8} {'$/Mtok':>8}")
+            + f"{'mb':>3} {'recompute':>9} " + (f"{'off':>3} " if offload else "")
+            + f"{'pp_schedule':>16} {'v':>2} {'dp_kind':>7} {'Z':>1} {'step s':>9} {'MFU':>6} {'GiB/dev':>8} {'$/Mtok':>8}")
     print(head)
     for i, c in enumerate(result.candidates, 1):
         lay = c.layout
         cost = "-" if c.cost_usd_per_million_tokens is None else f"{c.cost_usd_per_million_tokens:.3f}"
         print(f"{i:>2} {c.nodes:>5} {lay.tp:>3} {lay.pp:>3} {lay.dp:>6} {lay.cp:>2} {'on' if lay.sp else 'off':>3} "
               + (f"{lay.ep:>3} {lay.etp:>3} " if experts else "")
-              + f"{lay.microbatch:>3} {'sel+mlp' if c.recompute_mlp else lay.recompute:>9} {lay.pp_schedule:>16} {lay.virtual_stages:>2} {lay.dp_kind:>7} "
+              + f"{lay.microbatch:>3} {'sel+mlp' if c.recompute_mlp else lay.recompute:>9} "
+              + (f"{lay.offload_layers:>3} " if offload else "") + f"{lay.pp_schedule:>16} {lay.virtual_stages:>2} {lay.dp_kind:>7} "
               f"{lay.zero_stage:>1} {c.step_time_s:>9.4f} {c.mfu:>6.1%} {c.memory_per_device_bytes / 2**30:>8.2f} {cost:>8}")
     print()
     print_estimate(best)

@@ -42,7 +42,12 @@ from paratrain.plan.layer import (
     query_dim,
     unfused_rope_s,
 )
-from paratrain.plan.memory import memory_per_device
+from paratrain.plan.memory import (
+    layer_activation_bytes,
+    memory_per_device,
+    offload_kept_bytes,
+    offloaded_layers,
+)
 from paratrain.plan.options import Options
 from paratrain.plan.pipeline import _largest_rank, _slowest_rank, pipeline_bubble_s
 from paratrain.plan.precision import ADAM_STEP_BYTES, BF16_ADAM_STEP_BYTES, BF16_BYTES, FP8_BYTES
@@ -70,7 +75,7 @@ FLASH_BWD_EFF = 63 / 73
 def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *, nodes, tp, pp, dp, cp,
              microbatch, sp, recompute, pp_schedule, virtual_stages, zero_stage, dp_kind, opts: Options,
              split: str = "balanced", stage_loads: Loads | None = None, ep=1, etp=1, dp_replicate=None,
-             rank_order: str = DEFAULT_RANK_ORDER) -> dict:
+             rank_order: str = DEFAULT_RANK_ORDER, offload=0) -> dict:
     """Evaluate layouts (numpy arrays of equal length, or scalars). Integer codes index RECOMPUTE, SCHEDULES
     and DP_KINDS. Returns a dict of arrays (times in s, bytes, FLOPs); no validity filtering here.
 
@@ -81,11 +86,14 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     parallelism of a MoE model (plan/moe.py: the dense formulas time its dense view, the routed experts add on).
     virtual_stages: model chunks per pipeline rank (2 under the V schedules). dp_replicate (HSDP): replica groups,
     None = one per node. rank_order: how ranks map onto tp, cp, dp, pp (paratrain.config.ranks, the trainer's
-    parallel.rank_order; one for all layouts): each group's stride, and so which groups stay inside a node."""
+    parallel.rank_order; one for all layouts): each group's stride, and so which groups stay inside a node.
+    offload: parallel.offload_layers, blocks per stage whose activations wait in host memory (memory:
+    plan.memory.memory_per_device; time: offload_exposed_s)."""
     if split not in STAGE_SPLITS:
         raise ValueError(f"split = {split!r}: allowed: {', '.join(STAGE_SPLITS)}")
     f64 = lambda x: np.asarray(x, dtype=float)  # noqa: E731
-    nodes, tp, pp, dp, cp, b, v, ep, etp = map(f64, (nodes, tp, pp, dp, cp, microbatch, virtual_stages, ep, etp))
+    nodes, tp, pp, dp, cp, b, v, ep, etp, offload = map(f64, (nodes, tp, pp, dp, cp, microbatch, virtual_stages, ep,
+                                                               etp, offload))
     flops_model = model  # FLOPs count the real model (a MoE's active parameters); the rest its dense view
     model = moe_plan.dense_view(model) if model.num_experts else model
     sp = np.asarray(sp, dtype=bool) & (tp > 1)
@@ -255,7 +263,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     def memory_of(loads):
         return memory_per_device(model, system, seq, opts, T=T, tp=tp, pp=pp, dp=dp, cp=cp, sp=sp, rc=rc,
                                  sched=sched, v=v, m=m, zero=zero, dp_shard=dp_shard, loads=loads, moe=moe_mem,
-                                 ep=ep, etp=etp)
+                                 ep=ep, etp=etp, offload=offload)
 
     balanced = balanced_loads(L, pp, v, v_shape)
     memory = None
@@ -273,6 +281,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
                                                         head_fwd + head_bwd)
     stage_fwd = layers_per_stage * layer_fwd + embed_on * embed + head_on * head_fwd
     stage_bwd = layers_per_stage * layer_bwd + head_on * head_bwd
+    offload_fwd, offload_bwd = offload_exposed_s(model, system, seq, opts, offloaded_layers(offload, layers_per_stage,
+                                                 chunks), layer_fwd, layer_bwd, moe_mem, T=T, tp=tp, cp=cp, sp=sp, rc=rc)
+    stage_fwd, stage_bwd = stage_fwd + offload_fwd, stage_bwd + offload_bwd
     # gradient accumulation as a pass of its own over the rank's gradients each microbatch (Options.grad_accum_in_hbm)
     accum_bytes = BF16_BYTES + 2 * opts.grad_bytes if opts.grad_accum_bytes is None else opts.grad_accum_bytes
     grad_accum = memory_time_s(system, _largest_rank(model, loads, pp, v_shape)[0] / tp * accum_bytes, 1) \
@@ -385,6 +396,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         "time_bubble_s": bubble, "time_dp_comm_s": dp_time, "time_dp_exposed_s": dp_exposed,
         "time_optimizer_s": optimizer, "time_fp8_cast_s": fp8_cast * np.ones_like(step), "bubble_fraction": bubble / step,
         "time_grad_accum_s": m * grad_accum * ones,
+        "time_offload_exposed_s": m * (offload_fwd + offload_bwd) * ones,  # in the pipeline's stage time
         "time_fp8_amax_s": m * 2 * amax * ones,  # in the pipeline's stage time (Options.fp8_amax_reduce)
         # buffer bytes handed to collectives per device per step, by kind (for the simulator/cost model)
         "comm_tp_bytes": np.where(tp > 1, m * layers_per_stage * act_bytes * np.where(rc == 2, 4.0 + 2.0 * rf, 4.0)
@@ -399,6 +411,25 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         "stage_layers_inner": loads.inner * ones, "stage_balanced": loads.balanced & (ones > 0),
         **memory,
     }
+
+
+def offload_exposed_s(model, system, seq, opts, n, layer_fwd, layer_bwd, moe_mem, *, T, tp, cp, sp, rc):
+    """(forward, backward) exposed time per microbatch of a stage's activation offloading (parallel.offload_layers):
+    each offloaded block's activations (the bytes plan.memory keeps for it, less what stays on the device) go to
+    the host over the system's host link while the block computes, and come back while the block after it runs
+    its backward (one block prefetched, on a copy stream of their own: Megatron-Core / Transformer Engine's
+    offload scheduler, torch's save_on_cpu with pinned memory). Exposed only where a copy outlasts the compute it
+    hides behind; the HBM traffic of the copies is not taken from the compute (their bytes are a few per cent of
+    the layer's). n: the offloaded blocks of the stage's rank (plan.memory.offloaded_layers)."""
+    if not np.any(n > 0):
+        return 0.0, 0.0
+    if system.host_link_gbytes_per_s is None:
+        raise ValueError(f"parallel.offload_layers with {system.name}: no host link bandwidth in the catalog "
+                         f"(systems.{system.name}.host_link_gbytes_per_s); allowed: offload_layers=0")
+    per_layer, _ = layer_activation_bytes(model, seq, opts, T=T, tp=tp, cp=cp, sp=sp, rc=rc)
+    moved = per_layer + (moe_mem["activations"] if moe_mem is not None else 0.0) - offload_kept_bytes(model, T, tp, rc)
+    copy = moved / (system.host_link_gbytes_per_s * 1e9)
+    return n * np.maximum(copy - layer_fwd, 0.0), n * np.maximum(copy - layer_bwd, 0.0)
 
 
 def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd, stride_cp=None):
