@@ -100,7 +100,9 @@ class Layout:
         """The trainer's [parallel] section of this layout (the one conversion; ValueError naming the field)."""
         fields = {"dp": -1 if self.dp is None else self.dp, "tp": self.tp, "pp": self.pp, "cp": self.cp,
                   "sp": self.sp, "recompute": self.recompute, "pp_schedule": self.pp_schedule,
-                  "virtual_stages": self.virtual_stages, "offload_layers": self.offload_layers}
+                  "virtual_stages": self.virtual_stages}
+        if self.offload_layers:  # written only where set (as ep/etp), so a planned config without it is unchanged
+            fields["offload_layers"] = self.offload_layers
         if self.dp_kind is not None:
             fields["dp_kind"] = self.dp_kind
         if self.zero_stage is not None:
