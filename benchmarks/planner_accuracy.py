@@ -372,7 +372,18 @@ NEMOTRON = {"nemotron4-15b": (32, 6144, 48), "nemotron4-340b": (96, 18432, 96)}
 MEGATRON_DEEPSPEED = {"bloom-176b": (70, 14336, 112, 250880), "mt-nlg-530b": (105, 20480, 128, VOCAB)}
 
 
+# InternLM 7B (InternLM/InternLM configs/7B_sft.py @c18bec9: HIDDEN_SIZE 4096, NUM_ATTENTION_HEAD 32, NUM_LAYER 32,
+# MLP_RATIO 8/3, VOCAB_SIZE 103168; internlm/model/linear.py FeedForward: SwiGLU, width rounded up to a multiple of
+# 256: int(4096 x 8/3) = 10922 -> 11008; modeling_internlm.py: RMSNorm, rotary, full multi-head attention, an
+# untied output head): layers, hidden, heads, FFN width, vocabulary
+INTERNLM = {"internlm-7b": (32, 4096, 32, 11008, 103168)}
+
+
 def _eval_model(name: str, seq: int):
+    if name in INTERNLM:
+        layers, hidden, heads, ffn, vocab = INTERNLM[name]
+        return ModelConfig(name=name, arch="llama", layers=layers, hidden=hidden, heads=heads, kv_heads=heads,
+                           ffn_hidden=ffn, vocab=vocab, max_seq=seq)
     if name in MEGATRON_DEEPSPEED:
         layers, hidden, heads, vocab = MEGATRON_DEEPSPEED[name]
         return ModelConfig(name=name, arch="gpt", layers=layers, hidden=hidden, heads=heads, vocab=vocab,
@@ -775,7 +786,9 @@ def main() -> int:
               "nemo_long_seq_h100": "NeMo 24.03 long sequences on DGX-H100 (Llama 2 7B FP8, 8K-1M tokens, CP 1-32, 8-1,024 GPUs)",
               "fsdp_scale": "Sharded / ZeRO data parallelism at scale: BLOOM 176B (384 A100, 3D + ZeRO-1), MT-NLG 530B (2,240-3,360 A100, 3D + ZeRO-1)",
               "dgxc_h100": "NVIDIA dgxc-benchmarking NeMo 24.05-24.09 on DGX-H100 (Llama 3.1 8B/70B/405B CP2, Nemotron-4 15B/340B, GPT-3 175B; BF16+FP8, 8-2,304 GPUs)",
-              "megatron_fsdp": "Megatron FSDP (ZeRO-3) in Megatron-Bridge on DGX-GB200 (Llama 3 70B FSDP64, 405B TP2 FSDP64; FP8-CS, 64-128 GPUs, 25.09-26.04.01)"}
+              "megatron_fsdp": "Megatron FSDP (ZeRO-3) in Megatron-Bridge on DGX-GB200 (Llama 3 70B FSDP64, 405B TP2 FSDP64; FP8-CS, 64-128 GPUs, 25.09-26.04.01)",
+              "zero1_1k": "InternLM 7B data parallel (hybrid ZeRO-1: gradient all-reduce over all GPUs) at 256-1,024 A100 80GB, "
+                          "InternLM doc/en/train_performance.md @c18bec9 FLOPS tables (4 x 100Gb RoCE per node)"}
     for key, rows in grouped.items():
         evaluation[key] = (titles.get(key, key), [r[:3] for r in rows])
     results = {}

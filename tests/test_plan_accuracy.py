@@ -122,6 +122,9 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
              # FSDP64 and 405B TP2 FSDP64 at 64-128 GPUs: 4.2% at its addition, six of seven rows fast (-8.2% .. +0.2%);
              # 3.6% with the recipes' CPU activation offloading timed (offload, 3 Dec; guard 5 -> 4)
              "megatron_fsdp": 4.0,
+             # zero1_1k (scale3d, 3 Dec): InternLM 7B, data parallel over 256-1,024 A100 (hybrid ZeRO-1, gradients
+             # all-reduced over every GPU), never tuned: 10.5% at its addition, every row fast (-1.3% .. -19.6%)
+             "zero1_1k": 11.0,
              "dgxc_h100": 8.0}  # dgxc_h100: 6.7% with the runs' own cross-entropy (accdgx, 3 Dec; guard 9 -> 8), 7.7% at its addition (accdgxc, 2 Dec), 8.3% with the Nemotron-4/GPT-3 rows, 7.8% with acccp's FA2 rows, 7.7% with FP8 delayed scaling's amax all-reduce, 7.6% with the runs' gradient buckets (accdp, 3 Dec)
     # nemo_long_seq_h100: 28.1% at its addition (accl3, 2 Dec; docs/planner.md)  # nemo_gb200: 9.2% at its addition (accgpu, 2 Dec)  # ibm_fsdp2_h100: 15.0% at its addition (acc3),
     # 12.7% since torchtitan's per-op checkpointing is timed; the cause left is in docs/planner.md
@@ -244,6 +247,21 @@ def test_megatron_fsdp_set_is_sharded_data_parallel_at_scale(bench):
         cal = {(r["model"], r["system"], r["nodes"], r["measured"]) for r in csv.DictReader(fh)}
     assert len(rows) >= 7 and {r["dp_kind"] for r in rows} == {"fsdp"} and {r["stack"] for r in rows} == {"megatron"}
     assert all(int(r["nodes"]) * bench._system(catalog, r["system"]).devices_per_node >= 64 for r in rows)
+    assert not {(r["model"], r["system"], r["nodes"], r["measured"]) for r in rows} & cal
+
+
+def test_zero1_1k_set_is_data_parallel_at_scale(bench):
+    """zero1_1k (scale3d): InternLM 7B with tp 1 pp 1 on 256-1,024 GPUs, its gradients all-reduced over every GPU
+    (HybridZeroOptimizer's zero1=8: zero_stage 0 here, docs/planner.md), none of them a calibration row."""
+    import csv
+
+    catalog = get_catalog()
+    with bench.EVAL_CSV.open(encoding="utf-8") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["set"] == "zero1_1k"]
+    with bench.CAL_CSV.open(encoding="utf-8") as fh:
+        cal = {(r["model"], r["system"], r["nodes"], r["measured"]) for r in csv.DictReader(fh)}
+    assert len(rows) == 12 and {(r["dp_kind"], r["zero_stage"], r["tp"], r["pp"]) for r in rows} == {("ddp", "0", "1", "1")}
+    assert all(int(r["nodes"]) * bench._system(catalog, r["system"]).devices_per_node >= 256 for r in rows)
     assert not {(r["model"], r["system"], r["nodes"], r["measured"]) for r in rows} & cal
 
 
