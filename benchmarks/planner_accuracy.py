@@ -524,6 +524,8 @@ def _eval_row(catalog, r: dict):
         measured = gbs / value
     elif r["unit"] == "step_time_s":  # the run's published seconds per iteration
         measured = value
+    elif r["unit"] == "model_tflops_per_device":  # causal attention count (Megatron-Bridge's MODEL_TFLOP/s/GPU)
+        measured = (est.model_flops_per_step if est else float("nan")) / (value * 1e12 * devices)
     else:  # model TFLOP/s per device, full-square attention count
         measured = (est.model_flops_full_attention_per_step if est else float("nan")) / (value * 1e12 * devices)
     kind = ("CP" if int(r["cp"]) > 1 else "FSDP/ZeRO-3" if fsdp and int(r["pp"]) == 1 and int(r["tp"]) == 1
@@ -788,7 +790,10 @@ def main() -> int:
               "dgxc_h100": "NVIDIA dgxc-benchmarking NeMo 24.05-24.09 on DGX-H100 (Llama 3.1 8B/70B/405B CP2, Nemotron-4 15B/340B, GPT-3 175B; BF16+FP8, 8-2,304 GPUs)",
               "megatron_fsdp": "Megatron FSDP (ZeRO-3) in Megatron-Bridge on DGX-GB200 (Llama 3 70B FSDP64, 405B TP2 FSDP64; FP8-CS, 64-128 GPUs, 25.09-26.04.01)",
               "zero1_1k": "InternLM 7B data parallel (hybrid ZeRO-1: gradient all-reduce over all GPUs) at 256-1,024 A100 80GB, "
-                          "InternLM doc/en/train_performance.md @c18bec9 FLOPS tables (4 x 100Gb RoCE per node)"}
+                          "InternLM doc/en/train_performance.md @c18bec9 FLOPS tables (4 x 100Gb RoCE per node)",
+              "together_b200": "Together AI's Llama 3 70B runs on two B200 clusters (use3a-ss, slinky; together-dgxc-"
+                               "benchmarking worklogs): Megatron FSDP FP8-CS + 5 offloaded layers on 64-592 GPUs, TP2 PP4 "
+                               "VP5 MXFP8 on 256-512 (Megatron-Bridge 25.11-26.02)"}
     for key, rows in grouped.items():
         evaluation[key] = (titles.get(key, key), [r[:3] for r in rows])
     results = {}
