@@ -460,7 +460,10 @@ def _eval_options(system, r: dict) -> Options:
         recompute_every=2 if r["recompute"] == "selective_layer" else None,
         # zero1_grad_allreduce (--zero1-grad-allreduce): ZeRO-1 that all-reduces the whole gradient buffer (DeepSpeed's
         # BF16_Optimizer, bf16 with ZeRO stage 0 in the DeepSpeed config: BLOOM's)
-        zero1_grad_allreduce=True if r.get("zero1_grad_allreduce") == "1" else None))
+        zero1_grad_allreduce=True if r.get("zero1_grad_allreduce") == "1" else None,
+        # last_bucket_after_backward (--last-bucket-after-backward): the gradient all-reduce follows the backward
+        # bucket by bucket, the last after it (InternLM's HybridZeroOptimizer: zero1_1k's rows)
+        last_bucket_after_backward=True if r.get("last_bucket_after_backward") == "1" else None))
 
 
 def _best_published(model, system, nodes, seq, gbs, fixed, free, opts):

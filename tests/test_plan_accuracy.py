@@ -123,8 +123,9 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
              # 3.6% with the recipes' CPU activation offloading timed (offload, 3 Dec; guard 5 -> 4)
              "megatron_fsdp": 4.0,
              # zero1_1k (scale3d, 3 Dec): InternLM 7B, data parallel over 256-1,024 A100 (hybrid ZeRO-1, gradients
-             # all-reduced over every GPU), never tuned: 10.5% at its addition, every row fast (-1.3% .. -19.6%)
-             "zero1_1k": 11.0,
+             # all-reduced over every GPU), never tuned: 10.5% at its addition, every row fast (-1.3% .. -19.6%);
+             # 9.0% with InternLM's last bucket reduced after the backward (scalegap, 3 Dec; guard 11 -> 9.5)
+             "zero1_1k": 9.5,
              # together_b200 (b200scale, 3 Dec): Together AI's Llama 3 70B runs on two B200 clusters via dgxc-
              # benchmarking, 8.0% at its addition: FSDP FP8-CS on 64-592 GPUs -0.3 .. -17.2% (fast with scale: the
              # planner keeps FSDP's traffic hidden), TP2 PP4 VP5 MXFP8 on 256-512 GPUs +3.4 .. +23.4% (slow; the

@@ -487,6 +487,23 @@ def test_zero1_grad_allreduce_flag_matches_the_benchmark_column(capsys, bench):
     assert flagged == pytest.approx(expected.step_time_s, rel=1e-12) and flagged > base * (1 + 1e-4)
 
 
+def test_last_bucket_after_backward_flag_matches_the_benchmark_column(capsys, bench):
+    """InternLM's HybridZeroOptimizer (zero1_1k's rows): --last-bucket-after-backward and the csv's
+    last_bucket_after_backward 1 give the same estimate, slower than without (else the test could not fail)."""
+    argv = ["estimate", "--model", "llama2-7b", "--hardware", "p4de.24xlarge", "--nodes", "4", "--seq", "2048",
+            "--global-batch", "256", "--stack", "deepspeed", "--grad-bucket-mb", "1024", "--grad-bytes", "2",
+            "--zero-stage", "0", "--recompute", "full", "--microbatch", "8", "--json"]
+    row = {"stack": "deepspeed", "attention": "flash", "precision": "bf16", "compile": "1", "tp_overlap": "0",
+           "recompute": "full", "bucket_mb": "1024", "reduce_bytes": "2"}
+    system = resolve_system("p4de.24xlarge")
+    lay = Layout(tp=1, sp=False, zero_stage=0, recompute="full", microbatch=8)
+    base = _json(capsys, argv)["step_time_s"]
+    flagged = _json(capsys, [*argv, "--last-bucket-after-backward"])["step_time_s"]
+    expected = estimate("llama2-7b", system, 4, 2048, 256, lay,
+                        bench._eval_options(system, row | {"last_bucket_after_backward": "1"}))
+    assert flagged == pytest.approx(expected.step_time_s, rel=1e-12) and flagged > base * (1 + 1e-4)
+
+
 @pytest.mark.parametrize("argv,expect", [
     (["--fp8-recipe", "blockwise"], ("argument --fp8-recipe: invalid choice: 'blockwise'", "mxfp8")),
     (["--attention-kernel", "fa3"], ("argument --attention-kernel: invalid choice: 'fa3'", "cudnn")),

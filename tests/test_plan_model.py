@@ -1476,6 +1476,31 @@ def test_deepspeed_bf16_optimizer_all_reduces_its_gradients_before_the_zero1_gat
         assert run(zero, zero1_grad_allreduce=True).step_time_s == run(zero).step_time_s
 
 
+def test_last_bucket_after_backward_exposes_one_bucket_or_the_chain_from_the_first_fill():
+    """scalegap: InternLM's HybridZeroOptimizer all-reduces each 512M-element gradient bucket once it fills during the
+    backward and the remainder in step(), after it (Options.last_bucket_after_backward). Compute-bound (1 GiB
+    buckets behind a long full-recompute backward): the planner's default hides all of it, the flag exposes one
+    bucket's all-reduce exactly. Communication-bound (one short microbatch): the chain starts only after 1/K of the
+    backward, so the flag adds window / K to what the default exposes."""
+    system = resolve_system("p4de.24xlarge")
+    sw = dict(stack="deepspeed", grad_bucket_mb=1024.0, grad_bytes=2)
+    off, on = (software_options(system, Software(**sw, last_bucket_after_backward=flag)) for flag in (None, True))
+    assert on.last_bucket_after_backward and not off.last_bucket_after_backward
+
+    def run(opts, mb, rc):
+        lay = Layout(tp=1, pp=1, sp=False, microbatch=mb, recompute=rc, zero_stage=0)
+        return estimate("llama2-7b", system, 16, 2048, 128 * mb, lay, opts).time_breakdown_s
+    grads = PRESETS["llama2-7b"].num_params() * 2.0
+    buckets = np.ceil(grads / (1024.0 * 2**20))
+    long_off, long_on = run(off, 8, "full"), run(on, 8, "full")
+    assert long_off["dp_exposed"] == 0.0 and long_on["dp_comm"] == long_off["dp_comm"] > 0.5
+    assert long_on["dp_exposed"] == pytest.approx(long_off["dp_comm"] / buckets, rel=1e-9)
+    short_off, short_on = run(off, 1, "none"), run(on, 1, "none")
+    assert short_off["dp_exposed"] > 0.0
+    window = short_off["dp_comm"] - short_off["dp_exposed"]
+    assert short_on["dp_exposed"] - short_off["dp_exposed"] == pytest.approx(window / buckets, rel=1e-9)
+
+
 def test_deepspeed_bf16_optimizer_accumulates_each_microbatch_into_fp32_in_two_eager_kernels():
     """pipegap: BF16_Optimizer.update_hp_grads after every backward (DeepSpeed PipelineEngine, bf16): the cast of the
     bf16 gradient (read 2, write 4) and add_ into the fp32 buffer (read 4 + 4, write 4), 18 bytes per parameter of the

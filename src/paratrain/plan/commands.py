@@ -93,6 +93,10 @@ class PlanTarget(Workload, OnSystem, Output):
         "(DeepSpeed's BF16_Optimizer: bf16 with ZeRO stage 0 in the DeepSpeed config), and its eager fp32 gradient "
         "accumulation each microbatch timed; default: reduce-scattered",
         group=SOFTWARE)
+    last_bucket_after_backward: bool = opt(
+        "the gradient all-reduce follows the backward bucket by bucket, the first once its bucket fills, the last "
+        "after the backward (InternLM's HybridZeroOptimizer): one bucket's reduce is exposed at least; default: "
+        "all of it may hide behind the last backward", group=SOFTWARE)
 
 
 # The layout flags are the trainer's [parallel] keys (names, types, bounds, help; defaults from the schema), so a
@@ -121,7 +125,8 @@ def software_of(args) -> Software:
                     torch_compile=ON_OFF[args.torch_compile], tp_comm_overlap=ON_OFF[args.tp_comm_overlap],
                     recompute_mlp=True if args.recompute_mlp else None, cross_entropy=args.cross_entropy,
                     recompute_every=args.recompute_every,
-                    zero1_grad_allreduce=True if args.zero1_grad_allreduce else None)
+                    zero1_grad_allreduce=True if args.zero1_grad_allreduce else None,
+                    last_bucket_after_backward=True if args.last_bucket_after_backward else None)
 
 
 @command("estimate", PlanTarget, "predict time, memory and cost of one layout", **LAYOUT_FIELDS,

@@ -39,7 +39,9 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     unit for the forward of every microbatch and every block again for its backward, and reduce-scatters each
     unit once per step (gradient sync only on the last microbatch); HSDP does that inside a node (dp_shard
     ranks) and all-reduces each unit's shard across nodes. The gradient reduce can only hide behind the last
-    microbatch's backward (earlier microbatches only accumulate); FSDP/HSDP prefetch their gathers behind
+    microbatch's backward (earlier microbatches only accumulate); with opts.last_bucket_after_backward
+    (InternLM's HybridZeroOptimizer) the bucketed all-reduce cannot start before its first bucket fills and its
+    last bucket waits for the backward's end (_bucket_chain_exposed_s); FSDP/HSDP prefetch their gathers behind
     every microbatch, but all DP traffic together cannot hide behind more than the step's compute; the
     post-step gather of ZeRO-1/2 has nothing to hide behind. FSDP under a pipeline with
     opts.fsdp_pp_unsharded (torchtitan): one gather per unit per step, prefetched behind the first microbatch's
@@ -76,7 +78,11 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     overlap = system.efficiency.dp_overlap if opts.dp_overlap is None else opts.dp_overlap
     window_all = np.maximum(0.0, overlap * m * (stage_fwd + stage_bwd) - link_busy)
     window_last = np.maximum(0.0, overlap * stage_bwd - link_busy / np.maximum(m, 1.0))
-    exposed = np.maximum(np.maximum(gathers + reduces - window_all, reduces - window_last), 0.0) + post_step
+    behind_last = reduces - window_last
+    if opts.last_bucket_after_backward:  # InternLM's HybridZeroOptimizer (Options.last_bucket_after_backward)
+        bucketed_ar = ((zero == 0) | zero1_ar) & (kind == 0)  # its bucketed all-reduce; sharded kinds keep theirs
+        behind_last = np.where(bucketed_ar, _bucket_chain_exposed_s(reduces, buckets, window_last), behind_last)
+    exposed = np.maximum(np.maximum(gathers + reduces - window_all, behind_last), 0.0) + post_step
     if opts.overlap_param_gather:  # Megatron-Core's distributed optimizer: its own dispatch order, below
         usable = np.maximum(0.0, overlap - link_busy / np.maximum(m * (stage_fwd + stage_bwd), 1e-30))
         megatron = _megatron_dp_exposed_s(post_step, reduces, buckets, pp, chunks, stage_fwd, stage_bwd, usable)
@@ -116,6 +122,16 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     exposed = np.where(pinned, np.maximum(0.0, np.minimum(fwd, fwd_ag)) + reduces, exposed)
     total = gathers + reduces + post_step
     return np.where(dp > 1, total, 0.0), np.where(dp > 1, exposed, 0.0)
+
+
+def _bucket_chain_exposed_s(reduces, buckets, window):
+    """Exposed time of `buckets` equal gradient all-reduces (`reduces` in all) issued one after another as the
+    backward (`window`, the part of it communication can hide behind) fills each bucket: the first starts after
+    1/buckets of the backward, the last after the backward's end. Compute-bound (each call shorter than its
+    bucket's compute): the last call, exposed whole; communication-bound: the chain's length from the first
+    bucket's fill on, past the backward's end."""
+    per_call = reduces / buckets
+    return np.maximum(per_call, reduces - window * (buckets - 1.0) / buckets)
 
 
 def _megatron_dp_exposed_s(gather, reduce, buckets, pp, chunks, fwd, bwd, usable):

@@ -48,6 +48,8 @@ class Software:
     zero1_grad_allreduce: ZeRO-1 all-reduces the whole gradient buffer before its post-step gather (DeepSpeed's
     BF16_Optimizer; Options.zero1_grad_allreduce), and that optimizer's per-microbatch fp32 gradient accumulation is
     timed with it (Options.grad_accum_in_hbm at plan.stacks.DEEPSPEED_BF16_ACCUM_BYTES).
+    last_bucket_after_backward: the gradient all-reduce follows the backward bucket by bucket, its last bucket
+    after the backward (InternLM's HybridZeroOptimizer; Options.last_bucket_after_backward).
     """
 
     stack: str | None = None
@@ -67,6 +69,7 @@ class Software:
     cross_entropy: str | None = None
     recompute_every: int | None = None
     zero1_grad_allreduce: bool | None = None
+    last_bucket_after_backward: bool | None = None
 
     def __post_init__(self) -> None:
         for flag, value, allowed in (("--attention", self.attention, ATTENTION),
@@ -110,7 +113,8 @@ def software_options(system: System, sw: Software, system_stack: bool = True) ->
     optional = {"dp_overlap": sw.dp_overlap, "cp_comm": sw.cp_comm, "fused_softmax": sw.fused_softmax,
                 "eager": None if sw.torch_compile is None else not sw.torch_compile,
                 "tp_comm_overlap": sw.tp_comm_overlap, "recompute_mlp": sw.recompute_mlp,
-                "recompute_every": sw.recompute_every, "zero1_grad_allreduce": sw.zero1_grad_allreduce}
+                "recompute_every": sw.recompute_every, "zero1_grad_allreduce": sw.zero1_grad_allreduce,
+                "last_bucket_after_backward": sw.last_bucket_after_backward}
     kw |= {k: v for k, v in optional.items() if v is not None}
     if sw.zero1_grad_allreduce:  # BF16_Optimizer also adds each microbatch's bf16 gradients into its fp32 buffer
         kw |= {"grad_accum_in_hbm": True, "grad_accum_bytes": DEEPSPEED_BF16_ACCUM_BYTES}
