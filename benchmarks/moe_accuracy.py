@@ -19,6 +19,10 @@ run on the catalog's `dgx-b200` (8 x B200 on NVLink 5 with 8 x 400 Gb/s InfiniBa
 stand-in here built the same from p6-b200 and DGX H100's rails); precision "mxfp8" is FP8 with MX block scaling
 (Options.block_scaling), what the Blackwell rows publish as MXFP8. The B200's GEMM efficiency is calibrated on
 dense DGX-B200 runs (benchmarks/planner_accuracy.py --calibrate-b200), never on these rows.
+
+Set "together_b200_moe" (EVALUATION, never tuned; docs/planner.md, "togethermoe"): Together AI's own runs of NVIDIA's
+versioned DeepSeek-V3 and Qwen3-235B recipes at 256 / 512 B200 (togethercomputer/together-dgxc-benchmarking
+worklogs), timed on the catalog's dgx-b200 like the b200scale rows; measured as step times (unit step_time_s).
 """
 
 from __future__ import annotations
@@ -98,6 +102,16 @@ def options_of(system, r: dict) -> Options:
                               recompute_mlp=r["recompute_mlp"] == "1", **bucket)
 
 
+def measured_step_s(r: dict, tokens_per_device: float) -> float:
+    """The published step time of a row: `unit` tokens_per_s_per_device (Megatron-Bridge's performance tables) or
+    step_time_s (a run log's step time; the together_b200_moe rows)."""
+    if r["unit"] == "tokens_per_s_per_device":
+        return tokens_per_device / float(r["measured"])
+    if r["unit"] == "step_time_s":
+        return float(r["measured"])
+    raise ValueError(f"unit = {r['unit']!r}: allowed: tokens_per_s_per_device, step_time_s")
+
+
 def _fastest(model, system, nodes, seq, gbs, fixed, opts, recomputes, microbatches):
     """The fastest estimate that fits over the given recompute and microbatch choices (None: none fits)."""
     best = None
@@ -135,7 +149,7 @@ def predict(catalog, r: dict):
         est = _fastest(model, system, nodes, seq, gbs, fixed, opts,
                        CHOICES["recompute"] if r["recompute"] == "best" else [r["recompute"]], mbs)
     devices = nodes * system.devices_per_node
-    measured = gbs * seq / (float(r["measured"]) * devices)
+    measured = measured_step_s(r, gbs * seq / devices)
     label = (f"{r['model']} {r['system']} {devices}dev tp{r['tp']} pp{r['pp']} ep{r['ep']} {r['precision']} "
              f"gbs{gbs}{note}")
     bound = float(r["claim"]) if r["claim"] != "none" else None

@@ -619,3 +619,20 @@ def test_expert_wgrad_accumulates_into_main_grad():
     one = moe.wgrad_accumulate_s(system, opts, per_expert, 2 * cfg.moe_ffn, cfg.hidden) \
         + moe.wgrad_accumulate_s(system, opts, per_expert, cfg.hidden, cfg.moe_ffn)
     assert terms[8] == pytest.approx(cfg.moe_layers / cfg.layers * cfg.num_experts / 8 * one)
+
+
+def test_together_b200_moe_set_accuracy():
+    """Evaluation set together_b200_moe (moe_runs.csv; Together AI's DeepSeek-V3 / Qwen3-235B runs of NVIDIA's
+    versioned recipes at 256-512 B200, never tuned; docs/planner.md, "togethermoe"): 14.6% step-time MAPE when the
+    set was added (3 Dec 2026); the guard fails if the set gets worse. Its rows claim no per-row bound (the cluster
+    runs these recipes 10-14% slower than NVIDIA's published DGX-B200 numbers), so this is their only test."""
+    with _ACCURACY.RUNS_CSV.open(encoding="utf-8") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["set"] == "together_b200_moe"]
+    catalog = get_catalog()
+    errs = []
+    for r in rows:
+        _, pred, meas, est, _ = _ACCURACY.predict(catalog, r)
+        assert est is not None and est.fits, r["model"]
+        errs.append(abs(pred / meas - 1) * 100)
+    assert len(errs) == 15
+    assert np.mean(errs) < 15.0
