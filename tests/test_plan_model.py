@@ -1479,12 +1479,12 @@ def test_deepspeed_bf16_optimizer_all_reduces_its_gradients_before_the_zero1_gat
 def test_last_bucket_after_backward_exposes_one_bucket_or_the_chain_from_the_first_fill():
     """scalegap: InternLM's HybridZeroOptimizer all-reduces each 512M-element gradient bucket once it fills during the
     backward and the remainder in step(), after it (Options.last_bucket_after_backward). Compute-bound (1 GiB
-    buckets behind a long full-recompute backward): the planner's default hides all of it, the flag exposes one
+    buckets behind a long full-recompute backward): without the rule all of it hides, the flag exposes one
     bucket's all-reduce exactly. Communication-bound (one short microbatch): the chain starts only after 1/K of the
     backward, so the flag adds window / K to what the default exposes."""
     system = resolve_system("p4de.24xlarge")
     sw = dict(stack="deepspeed", grad_bucket_mb=1024.0, grad_bytes=2)
-    off, on = (software_options(system, Software(**sw, last_bucket_after_backward=flag)) for flag in (None, True))
+    off, on = (software_options(system, Software(**sw, last_bucket_after_backward=flag)) for flag in (False, True))
     assert on.last_bucket_after_backward and not off.last_bucket_after_backward
 
     def run(opts, mb, rc):
@@ -1499,6 +1499,32 @@ def test_last_bucket_after_backward_exposes_one_bucket_or_the_chain_from_the_fir
     assert short_off["dp_exposed"] > 0.0
     window = short_off["dp_comm"] - short_off["dp_exposed"]
     assert short_on["dp_exposed"] - short_off["dp_exposed"] == pytest.approx(window / buckets, rel=1e-9)
+
+
+def test_last_bucket_rule_is_the_default_of_the_stacks_that_reduce_from_backward_hooks():
+    """lastbucket: PyTorch DDP's Reducer, Megatron-Core's buckets and DeepSpeed's ZeRO-1/2 issue each gradient bucket
+    from the backward's hooks, the embedding's last (plan.stacks): last_bucket_after_backward is their default, not
+    NxD's (torch-xla reduces in the optimizer step). Megatron's distributed optimizer without interleaving: a
+    compute-bound backward hides every bucket but the last (one reduce-scatter exposed, not zero; the next
+    forward's parameter gather does not hide it); interleaved, chunk 0's whole reduce is exposed either way."""
+    from paratrain.plan.data_parallel import _megatron_dp_exposed_s
+    from paratrain.plan.stacks import stack_options
+
+    chip = resolve_system("dgx-h100").chip
+    assert {name: stack_options(name, chip).get("last_bucket_after_backward", False)
+            for name in ("megatron", "fsdp2", "deepspeed", "nxd")} == {
+        "megatron": True, "fsdp2": True, "deepspeed": True, "nxd": False}
+    gather, reduce, k, fwd, bwd, usable = 0.2, 0.4, 8.0, 1.0, 2.0, 0.9
+    off, on = (_megatron_dp_exposed_s(gather, reduce, k, 1.0, 1.0, fwd, bwd, usable, flag) for flag in (False, True))
+    assert on - off == pytest.approx(reduce / k, rel=1e-12) and reduce / k > 0
+    inter = [_megatron_dp_exposed_s(gather, reduce, k, 4.0, 2.0, fwd, bwd, usable, flag) for flag in (False, True)]
+    assert inter[0] == inter[1] > reduce / 2
+    system = resolve_system("dgx-h100")
+    lay = Layout(tp=1, pp=1, sp=False, microbatch=2, recompute="full", zero_stage=1)
+    exposed = [estimate("llama3-8b", system, 2, 4096, 64, lay, software_options(
+        system, Software(stack="megatron", last_bucket_after_backward=flag))).time_breakdown_s["dp_exposed"]
+        for flag in (False, None)]
+    assert exposed[1] > exposed[0]
 
 
 def test_deepspeed_bf16_optimizer_accumulates_each_microbatch_into_fp32_in_two_eager_kernels():

@@ -79,13 +79,15 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     window_all = np.maximum(0.0, overlap * m * (stage_fwd + stage_bwd) - link_busy)
     window_last = np.maximum(0.0, overlap * stage_bwd - link_busy / np.maximum(m, 1.0))
     behind_last = reduces - window_last
-    if opts.last_bucket_after_backward:  # InternLM's HybridZeroOptimizer (Options.last_bucket_after_backward)
-        bucketed_ar = ((zero == 0) | zero1_ar) & (kind == 0)  # its bucketed all-reduce; sharded kinds keep theirs
-        behind_last = np.where(bucketed_ar, _bucket_chain_exposed_s(reduces, buckets, window_last), behind_last)
+    if opts.last_bucket_after_backward:  # buckets issued from the backward's hooks, the last after it (Options)
+        # DDP's bucketed all-reduce or ZeRO-1/2's bucketed reduce-scatter; FSDP/HSDP time their units below
+        bucketed = (kind == 0) & ~as_fsdp
+        behind_last = np.where(bucketed, _bucket_chain_exposed_s(reduces, buckets, window_last), behind_last)
     exposed = np.maximum(np.maximum(gathers + reduces - window_all, behind_last), 0.0) + post_step
     if opts.overlap_param_gather:  # Megatron-Core's distributed optimizer: its own dispatch order, below
         usable = np.maximum(0.0, overlap - link_busy / np.maximum(m * (stage_fwd + stage_bwd), 1e-30))
-        megatron = _megatron_dp_exposed_s(post_step, reduces, buckets, pp, chunks, stage_fwd, stage_bwd, usable)
+        megatron = _megatron_dp_exposed_s(post_step, reduces, buckets, pp, chunks, stage_fwd, stage_bwd, usable,
+                                          opts.last_bucket_after_backward)
         exposed = np.where(zero12 & ~as_fsdp, np.maximum(megatron, gathers + reduces + post_step - window_all),
                            exposed)
     # FSDP/HSDP layer by layer: with prefetch (FSDP2 and DeepSpeed ZeRO-3 gather layer i+1 while layer i
@@ -134,7 +136,7 @@ def _bucket_chain_exposed_s(reduces, buckets, window):
     return np.maximum(per_call, reduces - window * (buckets - 1.0) / buckets)
 
 
-def _megatron_dp_exposed_s(gather, reduce, buckets, pp, chunks, fwd, bwd, usable):
+def _megatron_dp_exposed_s(gather, reduce, buckets, pp, chunks, fwd, bwd, usable, last_bucket=False):
     """Exposed time of Megatron-Core's distributed optimizer with overlap_grad_reduce and overlap_param_gather,
     as NeMo 2.x / Megatron-Bridge configure it (MegatronCommOverlapCallback / CommOverlapConfig
     _get_optimizer_overlap_cfgs: both on when dp > 1, align_param_gather when pp > 1 and vp > 1). gather /
@@ -151,12 +153,17 @@ def _megatron_dp_exposed_s(gather, reduce, buckets, pp, chunks, fwd, bwd, usable
     Interleaved with align_param_gather: chunks 0 and 1 are dispatched before the first forward (chunk 0
     exposed), chunk c >= 2 at chunk c-1's first forward (forward_step_helper_preprocess), so each hides behind
     pp chunk forwards of the warm-up; the gradients of chunk c reduce after its last backward
-    (backward_step_helper_postprocess) behind pp chunk backwards, chunk 0's after the last one, exposed."""
+    (backward_step_helper_postprocess) behind pp chunk backwards, chunk 0's after the last one, exposed.
+    Without interleaving the hooks dispatch each bucket once its gradients are in (register_grad_ready ->
+    start_grad_sync on the last microbatch); the buckets run in reverse parameter order, so the last one (the
+    embedding's) waits for the backward's end (last_bucket: _bucket_chain_exposed_s). The parameter gather of
+    the next forward does not hide it: finish_grad_sync waits for every bucket before the optimizer step."""
     pp = np.asarray(pp, float)
     n = np.maximum(chunks, 1.0)
     k = np.maximum(buckets, 1.0)
     per_chunk = lambda c, window: c / n + (n - 1) * np.maximum(0.0, (c - usable * pp * window) / n)  # noqa: E731
     interleaved = per_chunk(gather, fwd) + per_chunk(reduce, bwd)
     chain = gather / k + (k - 1) * np.maximum(0.0, (gather - usable * fwd) / k)
-    flat = chain + np.maximum(pp - 1.0, 0.0) * gather + np.maximum(0.0, reduce - usable * bwd)
+    grads = _bucket_chain_exposed_s(reduce, k, usable * bwd) if last_bucket else np.maximum(0.0, reduce - usable * bwd)
+    flat = chain + np.maximum(pp - 1.0, 0.0) * gather + grads
     return np.where((pp > 1) & (n > 1), interleaved, flat)

@@ -109,15 +109,17 @@ class Options:
     config gets (its own ZeRO-1: optimizer states partitioned, the fp32 gradient buffer not): get_grads_for_reduction
     returns the whole fp32_groups_gradients_flat, which the engine all-reduces over the data-parallel group, and
     update_lp_params all-gathers each rank's updated partition (microsoft/DeepSpeed deepspeed/runtime/bf16_optimizer.py).
-    last_bucket_after_backward: a bucketed gradient all-reduce (zero_stage 0, or zero1_grad_allreduce) whose calls
-    follow the backward bucket by bucket: the first starts once its bucket has filled, the last (the remainder,
+    last_bucket_after_backward: a bucketed data-parallel gradient reduce (DDP's all-reduce, zero1_grad_allreduce, or
+    ZeRO-1/2's reduce-scatter; not FSDP, whose last unit is timed on its own) whose calls follow the backward
+    bucket by bucket: the first starts once its bucket has filled, the last (the remainder,
     holding the embedding's gradient, the last one produced) only after the backward, so at least one bucket's
     reduce is exposed even where the backward is long enough to hide the rest (plan.data_parallel). InternLM's
     HybridZeroOptimizer (InternLM/InternLM internlm/solver/optimizer/hybrid_zero_optim.py @c18bec9): the gradient
     hook calls _reduce_grads_stored_in_bucket when the next gradient would overflow reduce_bucket_size, and
     _reduce_and_copy runs torch.cuda.synchronize() before each all-reduce on its communication stream; step()
     reduces what is left in the bucket (_reduce_grads_stored_in_bucket) and synchronizes again before the
-    optimizer runs.
+    optimizer runs. The megatron, fsdp2 and deepspeed stacks' default (PyTorch DDP's Reducer, Megatron-Core's
+    buckets, DeepSpeed's ZeRO-1/2 buckets: plan.stacks).
     recompute_every: full recompute checkpoints one layer in N and the others keep all their activations (replay
     nothing): torchtitan's "selective layer" activation checkpointing, mode "selective" with selective_ac_option N
     (config_manager.py's default "2", "checkpoint every other layer", at 0413364; parallelize_llama.checkpoint_wrapper

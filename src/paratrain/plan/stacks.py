@@ -132,6 +132,18 @@ TORCHTITAN_ROPE_BYTES = 20
 PYTORCH_LOSS_PEAK_BYTES = 12.0
 # selective_ops: torchtitan's "selective" activation checkpointing is per-op (selective_ac_option "op", its default
 # and what its published Llama tables name "selective op"): plan.options.Options.selective_ops
+# last_bucket_after_backward (plan.options.Options): the data-parallel (non-FSDP) gradient reduce runs in buckets issued
+# from the backward's hooks in reverse parameter order, so the last bucket (the first layers' and the embedding's
+# gradients, the last produced) starts only at the backward's end: PyTorch DDP's Reducer (torch/csrc/distributed/c10d/
+# reducer.cpp @ad78a7b: mark_variable_ready -> mark_bucket_ready once a bucket's pending count reaches 0, buckets
+# launched in order, finalize_backward queued after the final one), what torchtitan's DDP (replicate) runs;
+# Megatron-Core's DDP and distributed optimizer (megatron/core/distributed/param_and_grad_buffer.py @0e9fcc1: buckets
+# built over `params[::-1]`, "reverse order to roughly follow backprop order"; register_grad_ready -> start_grad_sync
+# once every parameter of a bucket group has its gradient, on the last microbatch); DeepSpeed's ZeRO-1/2
+# (deepspeedai/DeepSpeed deepspeed/runtime/zero/stage_1_and_2.py @7dee2e0: each gradient's hook runs
+# reduce_independent_p_g_buckets_and_remove_grads, which calls reduce_ipg_grads when the next gradient would overflow
+# reduce_bucket_size; independent_gradient_partition_epilogue reduces the remainder after the backward). Not NxD:
+# torch-xla's ZeRO-1 reduce-scatters in the optimizer step of the compiled graph, not from backward hooks.
 STACK_OPTIONS: dict[str, dict] = {
     "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "p2p_pair_allgather": True,
             "tp_bwd_overlap": True, "kv_replica_grad_bytes": NXD_KV_REDUCE_BYTES, "ce_bytes_per_logit": NXD_CE_BYTES, "grad_accum_in_hbm": True,
@@ -139,12 +151,13 @@ STACK_OPTIONS: dict[str, dict] = {
     "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "tp_overlap_sms": TE_OVERLAP_SMS, "overlap_param_gather": True, "fp8_weight_cache": True,
                  "fp8_param_gather": True,
                  "bucket_bytes": MEGATRON_BUCKET_PARAMS * 2, "moe_gemm_per_expert": True, "ce_bytes_per_logit": CROSS_ENTROPY_BYTES["te"], "wgrad_accumulation_fusion": True,
-                 "moe_probs_in_experts": True},
+                 "moe_probs_in_experts": True, "last_bucket_after_backward": True},
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "cp_comm": "allgather_rotate",
               "fsdp_pp_unsharded": True, "fp8_tp_allgather": True, "eager_rope_bytes": TORCHTITAN_ROPE_BYTES,
-              "selective_ops": True, "cp_kv_repeated": True, "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES},
+              "selective_ops": True, "cp_kv_repeated": True, "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES,
+              "last_bucket_after_backward": True},
     "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False,
-                  "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES, "p2p_serial": True},
+                  "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES, "p2p_serial": True, "last_bucket_after_backward": True},
 }
 # Stacks whose selective recompute may also replay the MLP block, searched both ways: NxD's
 # activations_checkpoint_recompute_mlp (NxDT examples/conf/hf_llama3_70B_config.yaml ships it with TP32 PP8)
