@@ -11,6 +11,7 @@ import pytest
 from paratrain.cli import main
 from paratrain.hardware.catalog import resolve_system
 from paratrain.plan.api import Layout, estimate, search
+from paratrain.plan.software import Software, software_options
 
 SEVEN_B = ["--model", "llama2-7b", "--hardware", "trn1.32xlarge", "--nodes", "128", "--seq", "4096",
            "--global-batch", "1024"]
@@ -470,6 +471,17 @@ def test_torch_compile_and_cp_comm_flags_match_the_benchmark_columns(capsys, ben
         assert flagged == pytest.approx(expected.step_time_s, rel=1e-12) and flagged != pytest.approx(base, rel=1e-4)
 
 
+def _flag_and_column(capsys, bench, argv, row, lay, flag, column):
+    """(estimate without the flag, with it, the benchmark's estimate with the csv column at 1), for an
+    `estimate` on 4 p4de.24xlarge nodes at seq 2048 (global batch and layout from argv / lay)."""
+    system = resolve_system("p4de.24xlarge")
+    batch = int(argv[argv.index("--global-batch") + 1])
+    base = _json(capsys, argv)["step_time_s"]
+    flagged = _json(capsys, [*argv, flag])["step_time_s"]
+    expected = estimate("llama2-7b", system, 4, 2048, batch, lay, bench._eval_options(system, row | {column: "1"}))
+    return base, flagged, expected.step_time_s
+
+
 def test_zero1_grad_allreduce_flag_matches_the_benchmark_column(capsys, bench):
     """DeepSpeed's BF16_Optimizer (BLOOM's rows): --zero1-grad-allreduce and the csv's zero1_grad_allreduce 1 give the
     same estimate, and it differs from the reduce-scattering ZeRO-1 (else the test could not fail)."""
@@ -478,13 +490,10 @@ def test_zero1_grad_allreduce_flag_matches_the_benchmark_column(capsys, bench):
             "--zero-stage", "1", "--recompute", "full", "--microbatch", "1", "--json"]
     row = {"stack": "deepspeed", "attention": "unfused", "precision": "bf16", "compile": "1", "tp_overlap": "0",
            "recompute": "full", "dp_overlap": "0"}
-    system = resolve_system("p4de.24xlarge")
     lay = Layout(tp=8, sp=False, zero_stage=1, recompute="full", microbatch=1)
-    base = _json(capsys, argv)["step_time_s"]
-    flagged = _json(capsys, [*argv, "--zero1-grad-allreduce"])["step_time_s"]
-    expected = estimate("llama2-7b", system, 4, 2048, 32, lay,
-                        bench._eval_options(system, row | {"zero1_grad_allreduce": "1"}))
-    assert flagged == pytest.approx(expected.step_time_s, rel=1e-12) and flagged > base * (1 + 1e-4)
+    base, flagged, expected = _flag_and_column(capsys, bench, argv, row, lay, "--zero1-grad-allreduce",
+                                               "zero1_grad_allreduce")
+    assert flagged == pytest.approx(expected, rel=1e-12) and flagged > base * (1 + 1e-4)
 
 
 def test_last_bucket_after_backward_flag_matches_the_benchmark_column(capsys, bench):
@@ -496,17 +505,13 @@ def test_last_bucket_after_backward_flag_matches_the_benchmark_column(capsys, be
             "--zero-stage", "0", "--recompute", "full", "--microbatch", "8", "--json"]
     row = {"stack": "deepspeed", "attention": "flash", "precision": "bf16", "compile": "1", "tp_overlap": "0",
            "recompute": "full", "bucket_mb": "1024", "reduce_bytes": "2"}
-    system = resolve_system("p4de.24xlarge")
     lay = Layout(tp=1, sp=False, zero_stage=0, recompute="full", microbatch=8)
-    base = _json(capsys, argv)["step_time_s"]
-    flagged = _json(capsys, [*argv, "--last-bucket-after-backward"])["step_time_s"]
-    expected = estimate("llama2-7b", system, 4, 2048, 256, lay,
-                        bench._eval_options(system, row | {"last_bucket_after_backward": "1"}))
-    from paratrain.plan.software import Software, software_options
-
+    base, flagged, expected = _flag_and_column(capsys, bench, argv, row, lay, "--last-bucket-after-backward",
+                                               "last_bucket_after_backward")
+    system = resolve_system("p4de.24xlarge")
     without = estimate("llama2-7b", system, 4, 2048, 256, lay, software_options(system, Software(
         stack="deepspeed", grad_bucket_mb=1024.0, grad_bytes=2, last_bucket_after_backward=False))).step_time_s
-    assert flagged == base == pytest.approx(expected.step_time_s, rel=1e-12) and flagged > without * (1 + 1e-4)
+    assert flagged == base == pytest.approx(expected, rel=1e-12) and flagged > without * (1 + 1e-4)
 
 
 @pytest.mark.parametrize("argv,expect", [
