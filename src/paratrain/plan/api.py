@@ -39,7 +39,7 @@ from paratrain.plan.stages import (
     rank_loads,
     stage_split,
 )
-from paratrain.plan.step import SCHEDULES, STAGE_SPLITS, evaluate
+from paratrain.plan.step import SCHEDULES, STAGE_SPLITS, check_host_link, evaluate
 
 
 @dataclass(frozen=True)
@@ -210,10 +210,7 @@ def _check_layout(model: ModelConfig, system: System, nodes: int, seq: int, glob
     except ValueError as exc:
         raise ValueError(f"{exc} ({devices} devices: {nodes} x {system.devices_per_node} {system.device_unit})") from None
     check_dp_fields(pcfg)
-    if lay.offload_layers and system.host_link_gbytes_per_s is None:
-        raise ValueError(f"parallel.offload_layers={lay.offload_layers} on {system.name}: the catalog has no host link "
-                         f"bandwidth for it (systems.{system.name}.host_link_gbytes_per_s, no published source), so "
-                         f"the copies cannot be timed; allowed: offload_layers=0")
+    check_host_link(system, lay.offload_layers)
     check(view_of(model, pcfg, seq, global_batch, lay.microbatch, dp), runtime=False)  # expert layout included
     if isinstance(lay.pp_layers, str):
         if lay.pp_layers not in STAGE_SPLITS:

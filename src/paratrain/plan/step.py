@@ -413,6 +413,15 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     }
 
 
+def check_host_link(system: System, offload_layers: int) -> None:
+    """Offloading needs the system's host link bandwidth to time its copies: one clear error where the catalog has
+    none (no published source, e.g. Trainium)."""
+    if offload_layers and system.host_link_gbytes_per_s is None:
+        raise ValueError(f"parallel.offload_layers={offload_layers} on {system.name}: the catalog has no host link "
+                         f"bandwidth for it (systems.{system.name}.host_link_gbytes_per_s, no published source), so "
+                         f"the copies cannot be timed; allowed: offload_layers=0")
+
+
 def offload_exposed_s(model, system, seq, opts, n, layer_fwd, layer_bwd, moe_mem, *, T, tp, cp, sp, rc):
     """(forward, backward) exposed time per microbatch of a stage's activation offloading (parallel.offload_layers):
     each offloaded block's activations (the bytes plan.memory keeps for it, less what stays on the device) go to
@@ -423,9 +432,7 @@ def offload_exposed_s(model, system, seq, opts, n, layer_fwd, layer_bwd, moe_mem
     the layer's). n: the offloaded blocks of the stage's rank (plan.memory.offloaded_layers)."""
     if not np.any(n > 0):
         return 0.0, 0.0
-    if system.host_link_gbytes_per_s is None:
-        raise ValueError(f"parallel.offload_layers with {system.name}: no host link bandwidth in the catalog "
-                         f"(systems.{system.name}.host_link_gbytes_per_s); allowed: offload_layers=0")
+    check_host_link(system, int(np.max(n)))
     per_layer, _ = layer_activation_bytes(model, seq, opts, T=T, tp=tp, cp=cp, sp=sp, rc=rc)
     moved = per_layer + (moe_mem["activations"] if moe_mem is not None else 0.0) - offload_kept_bytes(model, T, tp, rc)
     copy = moved / (system.host_link_gbytes_per_s * 1e9)
