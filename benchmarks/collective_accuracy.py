@@ -46,7 +46,9 @@ def predicted_time_s(catalog, row: dict) -> float:
     if per_node != min(ranks, system.devices_per_node):
         raise ValueError(f"{row['system']}: {per_node} ranks per node of {system.devices_per_node}: not a "
                          "consecutive-rank group the planner's stride-1 timing describes")
-    return float(collective_time_s(system, row["collective"], float(row["bytes"]), float(ranks), 1.0))
+    # nccl-tests' default run leaves NVLS on where the switch has it (NCCL_NVLS_ENABLE unset); NCCL_ALGO ring does not
+    nvls = row["algorithm"].startswith("not stated")
+    return float(collective_time_s(system, row["collective"], float(row["bytes"]), float(ranks), 1.0, nvls=nvls))
 
 
 def signed_errors_pct(catalog, rows: list[dict]) -> np.ndarray:

@@ -12,7 +12,7 @@ from test_hardware_catalog import USER_SYSTEM  # tests/ is on sys.path (pytest r
 from paratrain.hardware.catalog import resolve_system
 from paratrain.model.config import PRESETS, gpt_config
 from paratrain.plan.api import Layout, estimate
-from paratrain.plan.collectives import collective_time_s, p2p_time_s
+from paratrain.plan.collectives import collective_time_s, comm_sm_fraction, p2p_time_s
 from paratrain.plan.layer import eager_elementwise_bytes_per_token
 from paratrain.plan.memory import activation_bytes_per_token, memory_per_device
 from paratrain.plan.options import (
@@ -1493,8 +1493,10 @@ def test_last_bucket_after_backward_exposes_one_bucket_or_the_chain_from_the_fir
     grads = PRESETS["llama2-7b"].num_params() * 2.0
     buckets = np.ceil(grads / (1024.0 * 2**20))
     long_off, long_on = run(off, 8, "full"), run(on, 8, "full")
-    assert long_off["dp_exposed"] == 0.0 and long_on["dp_comm"] == long_off["dp_comm"] > 0.5
-    assert long_on["dp_exposed"] == pytest.approx(long_off["dp_comm"] / buckets, rel=1e-9)
+    # hidden traffic still costs the SMs NCCL's kernels hold meanwhile (collectives.overlapped_exposed_s)
+    sm, comm = float(comm_sm_fraction(system, 16, 1)), long_off["dp_comm"]
+    assert long_off["dp_exposed"] == pytest.approx(sm * comm, rel=1e-9) and long_on["dp_comm"] == comm > 0.5
+    assert long_on["dp_exposed"] == pytest.approx(comm / buckets + sm * comm * (1 - 1 / buckets), rel=1e-9)
     short_off, short_on = run(off, 1, "none"), run(on, 1, "none")
     assert short_off["dp_exposed"] > 0.0
     window = short_off["dp_comm"] - short_off["dp_exposed"]

@@ -107,6 +107,10 @@ class Interconnect:
     # tuner may pick over Simple (latency_us) for a ring all-gather / reduce-scatter; 0: the link does not run it
     # (not an NVIDIA link, or a network whose NCCL plugin forces NCCL_PROTO=simple)
     ll128_latency_us: float = 0.0
+    # NVLink SHARP (NVLS): the NVSwitch reduces in the switch (multimem loads / stores), so a one-domain all-reduce
+    # moves each byte once each way instead of the ring's twice, at NCCL's nvlsEfficiency of the link
+    # (src/graph/tuning.cc, per compute capability); 0: the switch has no NVLS (NVSwitch before NVLink 4, not NVIDIA)
+    nvls_bw_eff: float = 0.0
     sources: dict[str, str] = field(default_factory=dict)
     conflicts: tuple[str, ...] = ()
     origin: str = ""
@@ -304,7 +308,7 @@ LINK_FIELDS = {
     "display_name": ("str", False), "endpoint": ("endpoint", True), "bw_gbytes_per_s": ("pos", True),
     "latency_us": ("nonneg", True), "bw_eff": ("frac", True), "source": ("str", True),
     "collective_overhead_us": ("nonneg", False), "timeshare_step_us": ("nonneg", False),
-    "torus_links_per_chip": ("nonneg_int", False), "ll128_latency_us": ("nonneg", False), "sources": ("strdict", False),
+    "torus_links_per_chip": ("nonneg_int", False), "ll128_latency_us": ("nonneg", False), "nvls_bw_eff": ("frac0", False), "sources": ("strdict", False),
     "conflicts": ("strlist", False),
 }
 SYSTEM_FIELDS = {

@@ -23,9 +23,14 @@ LL128_BW_RATIO = 0.92
 NCCL_TREE_LL_BASE_US = 6.8
 NCCL_TREE_LL_NVLINK_US = 0.6
 NCCL_TREE_LL_NET_US = 5.0
+# NCCL's NVLS (NVLink SHARP) all-reduce inside one NVLink domain (src/graph/tuning.cc @5067397: latency =
+# hwLat[NVLINK][NVLS][Simple] = 25 us, baseLat 0; one NVLS channel per GPU of the domain up to
+# NCCL_MAX_NVLS_ARITY = 32, src/include/device.h, search.cc ncclTopoCompute)
+NCCL_NVLS_LATENCY_US = 25.0
+NCCL_MAX_NVLS_ARITY = 32
 
 
-def collective_time_s(system: System, kind: str, nbytes, degree, stride, inner=None, outer_stride=None):
+def collective_time_s(system: System, kind: str, nbytes, degree, stride, inner=None, outer_stride=None, nvls=False):
     """Time of a hierarchical ring collective over a group of `degree` ranks spaced `stride` apart.
 
     A group with stride s has D // s members inside a domain of D devices (ranks numbered in
@@ -45,8 +50,13 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride, inner=N
     links' latency_us) or, where every link the group crosses runs it (Interconnect.ll128_latency_us > 0), LL128,
     whose steps are shorter and whose bandwidth is LL128_BW_RATIO of Simple's. All-reduce keeps one latency (its
     tree / ring step count already takes the cheaper algorithm; the LL protocols of small all-reduces are not
-    modelled).
+    modelled). nvls: the stack leaves NCCL's NVLS on, so an all-reduce inside one NVLink domain whose switch
+    reduces (Interconnect.nvls_bw_eff) takes the faster of the ring and NVLS (nvls_allreduce_s), as NCCL's tuner
+    picks.
     """
+    if nvls and kind == "allreduce":
+        ring = collective_time_s(system, kind, nbytes, degree, stride, inner, outer_stride)
+        return np.minimum(ring, nvls_allreduce_s(system, nbytes, degree, stride))
     factor = {"allreduce": 2.0, "allgather": 1.0, "reducescatter": 1.0}[kind]
     if np.ndim(nbytes) == np.ndim(degree) == np.ndim(stride) == np.ndim(inner) == np.ndim(outer_stride) == 0:
         try:
@@ -132,6 +142,54 @@ def _collective_scalar_s(system: System, kind: str, factor: float, nbytes: float
                 ll128_ok = ll128_ok and link.ll128_latency_us > 0
         inside_prev = max(inside, inside_prev)
     return min(total, total_ll128) if ll128 and ll128_ok else total
+
+
+# CTAs (one per channel, each holding an SM) an NCCL ring collective of bulk size runs on (enqueue.cc: a collective
+# gets comm->nChannels, trimmed only for small messages): the ring graph's search channels doubled (search.cc
+# ncclTopoCompute dupChannels = min(2 x nChannels, maxChannels)), as NCCL's INFO logs print them: 24 on one DGX-class
+# H100 node (NVIDIA developer forum "Compute-Communication Overlap Causes Severe GEMM Performance Degradation because
+# of Tail Effect", 2025: FSDP's ncclAllGather launches 24 blocks on a 132-SM H100), 16 once the ring leaves the node
+# over 8 NIC rails (NVIDIA/nccl#1453: "16 coll channels" on H100 nodes at 24 ranks; one search channel per NIC, doubled)
+NCCL_RING_CTAS_NVLINK = 24
+NCCL_RING_CTAS_NET = 16
+
+
+def comm_sm_fraction(system: System, degree, stride):
+    """Fraction of a chip's SMs an NCCL collective over `degree` ranks `stride` apart holds while it runs (its
+    CTAs over the chip's SMs, cores_per_chip): the compute it overlaps runs on the rest (overlapped_exposed_s).
+    Only NVIDIA chips: Neuron's collectives run on their own DMA / collective engines, none of the compute's (0)."""
+    if system.chip.vendor != "nvidia":
+        return np.zeros(np.broadcast(np.asarray(degree), np.asarray(stride)).shape)
+    span = np.asarray(degree, dtype=float) * np.asarray(stride, dtype=float)
+    ctas = np.where(span <= system.devices_per_node, NCCL_RING_CTAS_NVLINK, NCCL_RING_CTAS_NET)
+    return np.where(np.asarray(degree) > 1, ctas / system.chip.cores_per_chip, 0.0)
+
+
+def overlapped_exposed_s(comm, window, sm_fraction):
+    """Time `comm` of communication adds to `window` of compute it overlaps, where its kernels hold `sm_fraction`
+    f of the SMs: the compute runs at 1 - f while the communication runs, so the pair takes max(C, X + f C) and
+    adds max(C - X, f C); with no window the communication is exposed whole. The one rule of the data-parallel
+    overlap (plan.data_parallel) and of the MoE all-to-all (plan.moe.exposed_alltoall)."""
+    comm, window = np.asarray(comm, dtype=float), np.asarray(window, dtype=float)
+    return np.maximum(comm - window, np.where(window > 0, sm_fraction * comm, comm))
+
+
+def nvls_allreduce_s(system: System, nbytes, degree, stride):
+    """NCCL's NVLS all-reduce of a group inside the first tier's NVLink domain (inf where the group leaves it or
+    its switch has no NVLS): the switch reduces the loads and multicasts the stores, so each GPU moves
+    (n - 1)/n of the buffer each way once at nvls_bw_eff x (c - 1)/c of its link, c = min(32, n) channels, plus
+    NCCL's 25 us (tuning.cc: busBw = c x bwIntra x nvlsEfficiency x (c - 1)/c x 2, over 2(n - 1)/n)."""
+    tier = system.tiers[0]
+    link = tier.interconnect
+    n = np.asarray(degree, dtype=float)
+    inside = (n * np.asarray(stride, dtype=float) <= tier.domain_devices) | (tier.domain_devices == 0)
+    if link.nvls_bw_eff <= 0 or system.chip.vendor != "nvidia":
+        return np.full(np.broadcast(np.asarray(nbytes), n).shape, np.inf)
+    channels = np.minimum(float(NCCL_MAX_NVLS_ARITY), np.maximum(n, 2.0))
+    bw = tier.per_device_bw_bytes_per_s(system) * link.nvls_bw_eff * (channels - 1) / channels
+    t = (n - 1) / np.maximum(n, 1.0) * np.asarray(nbytes, dtype=float) / bw \
+        + (NCCL_NVLS_LATENCY_US + link.collective_overhead_us) * 1e-6
+    return np.where(inside & (n > 1), t, np.inf)
 
 
 def torus_link_fraction(system: System, tier, members, stride):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from paratrain.plan.collectives import collective_time_s
+from paratrain.plan.collectives import collective_time_s, comm_sm_fraction, overlapped_exposed_s
 from paratrain.plan.numeric import select
 
 
@@ -76,19 +76,23 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
                         [reduce_ar, unit_rs, reduce_rs, unit_rs, shard_rs + repl_ar])
     post_step = np.where(zero12 & ~as_fsdp, post_gather, 0.0)  # DeepSpeed/Megatron: gather after the step
     overlap = system.efficiency.dp_overlap if opts.dp_overlap is None else opts.dp_overlap
+    # the SMs NCCL's kernels hold while they hide behind compute (collectives.comm_sm_fraction): the compute they
+    # overlap runs on the rest, so hidden traffic still costs sm x its time (collectives.overlapped_exposed_s)
+    sm = comm_sm_fraction(system, dp, stride_dp)
     window_all = np.maximum(0.0, overlap * m * (stage_fwd + stage_bwd) - link_busy)
     window_last = np.maximum(0.0, overlap * stage_bwd - link_busy / np.maximum(m, 1.0))
-    behind_last = reduces - window_last
+    behind_last = overlapped_exposed_s(reduces, window_last, sm)
     if opts.last_bucket_after_backward:  # buckets issued from the backward's hooks, the last after it (Options)
         # DDP's bucketed all-reduce or ZeRO-1/2's bucketed reduce-scatter; FSDP/HSDP time their units below
         bucketed = (kind == 0) & ~as_fsdp
-        behind_last = np.where(bucketed, _bucket_chain_exposed_s(reduces, buckets, window_last), behind_last)
-    exposed = np.maximum(np.maximum(gathers + reduces - window_all, behind_last), 0.0) + post_step
+        behind_last = np.where(bucketed, _bucket_chain_exposed_s(reduces, buckets, window_last, sm), behind_last)
+    exposed = np.maximum(overlapped_exposed_s(gathers + reduces, window_all, sm), behind_last) + post_step
     if opts.overlap_param_gather:  # Megatron-Core's distributed optimizer: its own dispatch order, below
         usable = np.maximum(0.0, overlap - link_busy / np.maximum(m * (stage_fwd + stage_bwd), 1e-30))
         megatron = _megatron_dp_exposed_s(post_step, reduces, buckets, pp, chunks, stage_fwd, stage_bwd, usable,
-                                          opts.last_bucket_after_backward)
-        exposed = np.where(zero12 & ~as_fsdp, np.maximum(megatron, gathers + reduces + post_step - window_all),
+                                          opts.last_bucket_after_backward, sm)
+        exposed = np.where(zero12 & ~as_fsdp,
+                           np.maximum(megatron, overlapped_exposed_s(gathers + reduces + post_step, window_all, sm)),
                            exposed)
     # FSDP/HSDP layer by layer: with prefetch (FSDP2 and DeepSpeed ZeRO-3 gather layer i+1 while layer i
     # computes) a gather hides only behind one layer's compute, so when a layer's compute is short (small
@@ -100,9 +104,10 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     group = np.where(kind == 2, dp_shard, dp)
     ag1 = collective_time_s(system, "allgather", param_bytes * block_share / layers, group, stride_dp, **sp)
     rs1 = collective_time_s(system, "reducescatter", grad_bytes * block_share / layers, group, stride_dp, **sp)
-    fwd = ag1 + (layers - 1) * np.maximum(0.0, ag1 - c_f)
+    sm_group = comm_sm_fraction(system, group, stride_dp)
+    fwd = ag1 + (layers - 1) * overlapped_exposed_s(ag1, c_f, sm_group)
     kept = as_fsdp & (kind >= 1)  # parameters still gathered from the forward: no backward re-gather
-    bwd = np.where(kept, 0.0, layers * np.maximum(0.0, ag1 - c_b))
+    bwd = np.where(kept, 0.0, layers * overlapped_exposed_s(ag1, c_b, sm_group))
     # HSDP: each unit's shard is all-reduced across the replicas right after its reduce-scatter, on the same
     # stream (FSDP1 _post_backward_hook -> _all_reduce_grads; FSDP2 foreach_reduce's all_reduce after the
     # reduce-scatter), so it hides behind the backward of the layers before it, as the reduce-scatter does; the
@@ -112,7 +117,7 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
                                                 replicas, stride_dp * dp_shard), 0.0)
     root_ar = np.where(kind == 2, collective_time_s(system, "allreduce", grad_bytes * (1 - block_share) / dp_shard,
                                                     replicas, stride_dp * dp_shard), 0.0)
-    bwd_sync = layers * np.maximum(0.0, np.where(kept, 0.0, ag1) + rs1 + ar1 - c_b) + rs1 + ar1 + root_ar
+    bwd_sync = layers * overlapped_exposed_s(np.where(kept, 0.0, ag1) + rs1 + ar1, c_b, sm_group) + rs1 + ar1 + root_ar
     per_layer = m * fwd + (m - 1) * bwd + bwd_sync
     exposed = np.where(kind >= 1, np.maximum(exposed, per_layer), exposed)
     # torchtitan's FSDP under torch.distributed.pipelining (Options.fsdp_pp_unsharded): gathered once in the first
@@ -126,17 +131,18 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     return np.where(dp > 1, total, 0.0), np.where(dp > 1, exposed, 0.0)
 
 
-def _bucket_chain_exposed_s(reduces, buckets, window):
+def _bucket_chain_exposed_s(reduces, buckets, window, sm=0.0):
     """Exposed time of `buckets` equal gradient all-reduces (`reduces` in all) issued one after another as the
     backward (`window`, the part of it communication can hide behind) fills each bucket: the first starts after
     1/buckets of the backward, the last after the backward's end. Compute-bound (each call shorter than its
     bucket's compute): the last call, exposed whole; communication-bound: the chain's length from the first
-    bucket's fill on, past the backward's end."""
+    bucket's fill on, past the backward's end. sm: the SM share the hidden calls take from the backward they
+    overlap (collectives.overlapped_exposed_s)."""
     per_call = reduces / buckets
-    return np.maximum(per_call, reduces - window * (buckets - 1.0) / buckets)
+    return np.maximum(per_call + sm * (reduces - per_call), reduces - window * (buckets - 1.0) / buckets)
 
 
-def _megatron_dp_exposed_s(gather, reduce, buckets, pp, chunks, fwd, bwd, usable, last_bucket=False):
+def _megatron_dp_exposed_s(gather, reduce, buckets, pp, chunks, fwd, bwd, usable, last_bucket=False, sm=0.0):
     """Exposed time of Megatron-Core's distributed optimizer with overlap_grad_reduce and overlap_param_gather,
     as NeMo 2.x / Megatron-Bridge configure it (MegatronCommOverlapCallback / CommOverlapConfig
     _get_optimizer_overlap_cfgs: both on when dp > 1, align_param_gather when pp > 1 and vp > 1). gather /
@@ -157,13 +163,15 @@ def _megatron_dp_exposed_s(gather, reduce, buckets, pp, chunks, fwd, bwd, usable
     Without interleaving the hooks dispatch each bucket once its gradients are in (register_grad_ready ->
     start_grad_sync on the last microbatch); the buckets run in reverse parameter order, so the last one (the
     embedding's) waits for the backward's end (last_bucket: _bucket_chain_exposed_s). The parameter gather of
-    the next forward does not hide it: finish_grad_sync waits for every bucket before the optimizer step."""
+    the next forward does not hide it: finish_grad_sync waits for every bucket before the optimizer step. sm: the
+    SM share hidden traffic takes from the compute it overlaps (collectives.overlapped_exposed_s)."""
     pp = np.asarray(pp, float)
     n = np.maximum(chunks, 1.0)
     k = np.maximum(buckets, 1.0)
-    per_chunk = lambda c, window: c / n + (n - 1) * np.maximum(0.0, (c - usable * pp * window) / n)  # noqa: E731
+    per_chunk = lambda c, window: c / n + (n - 1) * overlapped_exposed_s(c / n, usable * pp * window / n, sm)  # noqa: E731
     interleaved = per_chunk(gather, fwd) + per_chunk(reduce, bwd)
-    chain = gather / k + (k - 1) * np.maximum(0.0, (gather - usable * fwd) / k)
-    grads = _bucket_chain_exposed_s(reduce, k, usable * bwd) if last_bucket else np.maximum(0.0, reduce - usable * bwd)
+    chain = gather / k + (k - 1) * overlapped_exposed_s(gather / k, usable * fwd / k, sm)
+    grads = _bucket_chain_exposed_s(reduce, k, usable * bwd, sm) if last_bucket \
+        else overlapped_exposed_s(reduce, usable * bwd, sm)
     flat = chain + np.maximum(pp - 1.0, 0.0) * gather + grads
     return np.where((pp > 1) & (n > 1), interleaved, flat)

@@ -27,7 +27,7 @@ import numpy as np
 from paratrain.config.rules import EXPERT, edp_degree, expert_view, mask  # noqa: F401 - edp_degree re-exported
 from paratrain.hardware.catalog import System
 from paratrain.model.config import ModelConfig
-from paratrain.plan.collectives import timesharing_ranks
+from paratrain.plan.collectives import overlapped_exposed_s, timesharing_ranks
 from paratrain.plan.data_parallel import _data_parallel_s
 from paratrain.plan.kernels import block_scaled, cast_cost, matmul_time_s, memory_time_s
 from paratrain.plan.pipeline import inflight_microbatches
@@ -391,7 +391,7 @@ def exposed_alltoall(opts, a2a_fwd, a2a_bwd, fwd_compute, bwd_compute, unpaired=
     What is exposed is split between forward and backward as the traffic is."""
     total = a2a_fwd + a2a_bwd
     window = opts.ep_overlap * (fwd_compute + bwd_compute)
-    paired = np.maximum(total - window, np.where(window > 0, comm_sm_fraction * total, total))
+    paired = overlapped_exposed_s(total, window, comm_sm_fraction)  # the data-parallel overlap's rule
     left = unpaired * total + (1.0 - unpaired) * paired
     scale = np.where(total > 0, left / np.where(total > 0, total, 1.0), 0.0)
     return a2a_fwd * scale, a2a_bwd * scale
