@@ -101,17 +101,20 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
              # 15.0 on dgx-h100, where the order changes nothing); 13.5% with the data parallelism, gradient precision,
              # recompute, microbatch and kernel of Meta's own account of that system (Chu et al., ISCA '25: one
              # overlapped gather and reduce-scatter per step, FP32 reduce-scatter, FA2; llama3dp, 4 Dec; was 18.0)
-             "llama3_paper": 14.0,
+             # 12.8% once hidden DP traffic costs the SMs NCCL holds (nccl, 4 Dec; guard 14 -> 13.5)
+             "llama3_paper": 13.5,
              "neuron_trn1": 6.5, "neuron_trn1_nemo": 9.0, "nemo_b200": 10.0,
              # mosaic_fsdp 7.8 -> 6.2%, ibm_fsdp1_a100 6.4 -> 5.4% once llm-foundry's Triton attention is timed as the
              # FA1-class kernel it is and the A100 PyTorch scale refit (pthopper, 3 Dec; bounds 10.0 / 10.0 before)
-             "mosaic_fsdp": 7.0,
+             # 4.9% / 3.6% / 2.9% / 8.4% / 6.1% for mosaic_fsdp / ibm_fsdp1_a100 / megatron_fsdp / zero1_1k / dgxc_h100 with the
+             # SM share of hidden DP traffic (nccl, 4 Dec; guards 7 / 7 / 4 / 9.5 / 8 -> 5.5 / 5 / 3.5 / 9 / 7)
+             "mosaic_fsdp": 5.5,
              "neuron_trn1_megatron": 8.0,  # 13.0% / 9.6% since acctrn's GPT-3 rows (docs/planner.md); 8.8% / 5.9%
              # since acctrn2's gradient accumulation pass (bounds 12.0 / 12.0 before)
              # neuron_trn1_nemo: 13.0% -> 10.2% once its pre-2.18 rows ran the unfused softmax they ran (was 20.0 here)
              # neuron_trn1 6.0 -> 5.3%, neuron_trn1_nemo 8.8 -> 7.9% once the replay's dead tail is dropped (accnxd;
              # bounds 10.0 / 10.0 before)
-             "ibm_fsdp2_h100": 15.0, "ibm_fsdp1_a100": 7.0,
+             "ibm_fsdp2_h100": 15.0, "ibm_fsdp1_a100": 5.0,
              "nemo_gb200": 12.0,
              "nemo_long_seq_h100": 4.0,  # 2.2% since its rows ran flash-attn 2 (acccp, 3 Dec; was 32.0)
              # fsdp_scale (fsdpdata, 3 Dec): BLOOM 176B on 384 A100 (3D + ZeRO-1) and MT-NLG 530B on 2,240-3,360 A100,
@@ -123,17 +126,17 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
              # megatron_fsdp (mfsdp, 3 Dec): Megatron FSDP (ZeRO-3) in Megatron-Bridge's DGX-GB200 tables, Llama 3 70B
              # FSDP64 and 405B TP2 FSDP64 at 64-128 GPUs: 4.2% at its addition, six of seven rows fast (-8.2% .. +0.2%);
              # 3.6% with the recipes' CPU activation offloading timed (offload, 3 Dec; guard 5 -> 4)
-             "megatron_fsdp": 4.0,
+             "megatron_fsdp": 3.5,
              # zero1_1k (scale3d, 3 Dec): InternLM 7B, data parallel over 256-1,024 A100 (hybrid ZeRO-1, gradients
              # all-reduced over every GPU), never tuned: 10.5% at its addition, every row fast (-1.3% .. -19.6%);
              # 9.0% with InternLM's last bucket reduced after the backward (scalegap, 3 Dec; guard 11 -> 9.5)
-             "zero1_1k": 9.5,
+             "zero1_1k": 9.0,
              # together_b200 (b200scale, 3 Dec): Together AI's Llama 3 70B runs on two B200 clusters via dgxc-
              # benchmarking, 8.0% at its addition: FSDP FP8-CS on 64-592 GPUs -0.3 .. -17.2% (fast with scale: the
              # planner keeps FSDP's traffic hidden), TP2 PP4 VP5 MXFP8 on 256-512 GPUs +3.4 .. +23.4% (slow; the
              # slinky cluster runs the same layout 19% faster than use3a-ss)
              "together_b200": 9.0,
-             "dgxc_h100": 8.0}  # dgxc_h100: 6.7% with the runs' own cross-entropy (accdgx, 3 Dec; guard 9 -> 8), 7.7% at its addition (accdgxc, 2 Dec), 8.3% with the Nemotron-4/GPT-3 rows, 7.8% with acccp's FA2 rows, 7.7% with FP8 delayed scaling's amax all-reduce, 7.6% with the runs' gradient buckets (accdp, 3 Dec)
+             "dgxc_h100": 7.0}  # dgxc_h100: 6.7% with the runs' own cross-entropy (accdgx, 3 Dec; guard 9 -> 8), 7.7% at its addition (accdgxc, 2 Dec), 8.3% with the Nemotron-4/GPT-3 rows, 7.8% with acccp's FA2 rows, 7.7% with FP8 delayed scaling's amax all-reduce, 7.6% with the runs' gradient buckets (accdp, 3 Dec)
     # nemo_long_seq_h100: 28.1% at its addition (accl3, 2 Dec; docs/planner.md)  # nemo_gb200: 9.2% at its addition (accgpu, 2 Dec)  # ibm_fsdp2_h100: 15.0% at its addition (acc3),
     # 12.7% since torchtitan's per-op checkpointing is timed; the cause left is in docs/planner.md
     for name, goal in goals.items():
