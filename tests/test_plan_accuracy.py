@@ -93,7 +93,10 @@ def test_trainium_calibration_spans_sdk_versions_and_models(bench):
 def test_evaluation_sets_stay_within_their_reported_error(bench):
     """Regression guard on the evaluation sets (docs/planner.md's accuracy table; nothing was fitted on them)."""
     sets = bench.eval_sets(get_catalog())
-    goals = {"nemo_h100": 10.0, "torchtitan_h100": 15.0, "torchtitan_a100": 10.0,
+    goals = {"nemo_h100": 10.0, "torchtitan_a100": 10.0,
+             # torchtitan_h100: 7.6 -> 6.2% once torch's CP ring, traced by the benchmarks' torch.compile, waits for
+             # each of its collectives where it issues it (cptt, 4 Dec; was 15.0)
+             "torchtitan_h100": 7.0,
              # llama3_paper: 17.7% with the planner's best pipeline, 14.1% once its rows run the pipeline and FSDP
              # ZeRO-2 Dubey et al. 2024 sec. 3.3.2 publish (v 8, empty end chunks; accmeta, 3 Dec; was 25.0); 17.2% once
              # they run on the cluster sec. 3.3.1 describes (meta-llama3-h100: 3,072-GPU pods, 1:7 between) with Meta's

@@ -814,15 +814,16 @@ def test_context_parallel_kv_exchange_per_stack():
     """Options.cp_comm: the ring (Megatron p2p) hides behind the attention blocks; Llama 3's all-gather is exposed
     (forward all-gather, backward reduce-scatter of the gathered K/V bytes); torch's allgather rotate method
     (torchtitan's default) hides its gather behind the local block only, so it costs less than the exposed
-    all-gather and more than nothing. The fsdp2 stack runs allgather_rotate, megatron the ring."""
+    all-gather and more than nothing, in eager; compiled, each collective is waited for where it is issued, so the
+    gather and every fp32 dK/dV rotation are exposed. The fsdp2 stack runs allgather_rotate, megatron the ring."""
     from paratrain.plan.stacks import stack_options
 
     p5 = resolve_system("p5.48xlarge")
     model = PRESETS["llama3-8b"]
     seq, cp, tp, m = 65536, 4, 8, 2
     lay = Layout(tp=tp, cp=cp, sp=True, microbatch=1, recompute="none", zero_stage=1)
-    times = {kind: estimate(model, p5, cp * tp // 8, seq, m, lay, Options(cp_comm=kind)).time_breakdown_s["cp_comm"]
-             for kind in ("ring", "allgather", "allgather_rotate")}
+    times = {kind: estimate(model, p5, cp * tp // 8, seq, m, lay, Options(cp_comm=kind, eager=True))
+             .time_breakdown_s["cp_comm"] for kind in ("ring", "allgather", "allgather_rotate")}
     kv_local = 2 * (seq / cp) * model.kv_dim / min(tp, model.n_kv_heads) * 2
     gather = collective_time_s(p5, "allgather", cp * kv_local, cp, tp)
     scatter = collective_time_s(p5, "reducescatter", cp * kv_local, cp, tp)
@@ -834,6 +835,9 @@ def test_context_parallel_kv_exchange_per_stack():
         collective_time_s(p5, "allgather", cp * q_local, cp, tp) + collective_time_s(p5, "reducescatter", cp * q_local, cp, tp)))
     assert stack_options("fsdp2", p5.chip)["cp_kv_repeated"] and not Options().cp_kv_repeated
     assert times["ring"] == 0.0 < times["allgather_rotate"] < times["allgather"]
+    compiled = estimate(model, p5, cp * tp // 8, seq, m, lay, Options(cp_comm="allgather_rotate"))
+    dkv_one = float(p2p_time_s(p5, 2 * kv_local, tp, cp))
+    assert compiled.time_breakdown_s["cp_comm"] == pytest.approx(m * model.layers * (2 * gather + cp * dkv_one))
     assert stack_options("fsdp2", p5.chip)["cp_comm"] == "allgather_rotate"
     assert "cp_comm" not in stack_options("megatron", p5.chip) and Options().cp_comm == "ring"
     with pytest.raises(ValueError, match="cp_comm = 'a2a': allowed: ring, allgather, allgather_rotate"):

@@ -453,7 +453,13 @@ def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd, stri
     sub-SDPA computation"): the gather hides only behind the local block's attention (1/cp of it); backward
     gathers K/V again the same way and rotates dK/dV around a ring in fp32 (its dkv_rotater is always
     ALL_TO_ALL, convert_to_f32), each rotation hidden behind the next block's backward but the last, which the op
-    waits for after its loop (_templated_ring_attention_backward at the torch of Dec 2024 and since)."""
+    waits for after its loop (_templated_ring_attention_backward at the torch of Dec 2024 and since). That overlap is
+    eager's: ft_c returns an AsyncCollectiveTensor waited at first use. Compiled (Options.eager False: torchtitan's
+    per-block torch.compile(fullgraph=True), which Dynamo traces into the ring, torch.distributed being in its
+    MOD_INLINELIST), `_maybe_wrap_tensor` emits `wait_tensor` right after each collective ("When tracing ... the result
+    tensor is not an AsyncCollectiveTensor", _attention.py `_maybe_wait`), and Inductor moves no wait without
+    `reorder_for_compute_comm_overlap`, False by default (torch/_inductor/config.py): the gather is exposed forward
+    and backward, and so are all cp dK/dV rotations."""
     kv_width = query_dim(model) / tp if opts.cp_kv_repeated else model.kv_dim / np.minimum(tp, model.n_kv_heads)
     kv_local = 2 * T * kv_width * BF16_BYTES  # K and V of the local tokens, as they reach the attention op
     stride = tp if stride_cp is None else stride_cp
@@ -467,6 +473,8 @@ def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd, stri
             bwd = collective_time_s(system, "reducescatter", cp * kv_local, cp, stride)
         else:
             dkv_one = p2p_time_s(system, 2 * kv_local, stride, cp)  # fp32: twice the bf16 K/V bytes
+            if not opts.eager:  # compiled (see the docstring): every collective of the ring waited for where issued
+                return np.where(cp > 1, gather, 0.0), np.where(cp > 1, gather + cp * dkv_one, 0.0)
             fwd = np.maximum(0.0, gather - core_fwd / cp)
             # cp rotations: the one sent after step i hides behind step i + 1's block; the last is waited for after
             # the loop (`dkv_rotater.next_buffer()` before the return), with no block left to hide behind
