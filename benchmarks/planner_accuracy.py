@@ -463,7 +463,13 @@ def _eval_options(system, r: dict) -> Options:
         zero1_grad_allreduce=True if r.get("zero1_grad_allreduce") == "1" else None,
         # last_bucket_after_backward (--last-bucket-after-backward): the gradient all-reduce follows the backward
         # bucket by bucket, the last after it (InternLM's HybridZeroOptimizer: zero1_1k's rows)
-        last_bucket_after_backward=True if r.get("last_bucket_after_backward") == "1" else None))
+        last_bucket_after_backward=True if r.get("last_bucket_after_backward") == "1" else None,
+        # optimizer_dtype (--bf16-optimizer): "bf16" where the run's optimizer keeps bf16 Adam states and no fp32
+        # master copy (NeMo's distributed_fused_adam with optim.dtype bf16: Nemotron-4 340B's dgxc_h100 BF16 rows)
+        bf16_optimizer=True if r.get("optimizer_dtype") == "bf16" else None,
+        # dropout (--no-dropout): 0 where the run sets attention and hidden dropout to 0 (the Neuron Megatron-LM
+        # reference's --attention-dropout 0 --hidden-dropout 0): the GPT count keeps no masks
+        dropout=False if r.get("dropout") == "0" else None))
 
 
 def _best_published(model, system, nodes, seq, gbs, fixed, free, opts):
@@ -531,6 +537,7 @@ def _eval_row(catalog, r: dict):
         measured = (est.model_flops_per_step if est else float("nan")) / (value * 1e12 * devices)
     else:  # model TFLOP/s per device, full-square attention count
         measured = (est.model_flops_full_attention_per_step if est else float("nan")) / (value * 1e12 * devices)
+    fsdp = fsdp and fixed["zero_stage"] >= 2  # hsdp with zero_stage 1 (InternLM's hybrid ZeRO-1) replicates parameters
     kind = ("CP" if int(r["cp"]) > 1 else "FSDP/ZeRO-3" if fsdp and int(r["pp"]) == 1 and int(r["tp"]) == 1
             else "3D" if int(r["pp"]) > 1 else "TP+FSDP" if fsdp else "TP-only" if int(r["tp"]) > 1
             else "DDP/ZeRO-1/2")  # tp 1, replicated parameters: data parallelism alone

@@ -7,11 +7,11 @@ know as FSDP1's sharding strategies:
 | zero_stage | sharded across dp ranks            | dp_kind ddp                               | dp_kind fsdp / hsdp                   |
 |---|---|---|---|
 | 0 | nothing (replicated)               | torch DDP (the runtime's `ddp`)           | -                                     |
-| 1 | optimizer state                    | DeepSpeed ZeRO-1, Megatron distributed optimizer (planner only) | -              |
+| 1 | optimizer state                    | DeepSpeed ZeRO-1, Megatron distributed optimizer (planner only) | hsdp: inside each shard group, gradients all-reduced over all (InternLM's HybridZeroOptimizer, planner only) |
 | 2 | + gradients                        | DeepSpeed ZeRO-2 (planner only)           | FSDP2 reshard_after_forward=False (FSDP1 SHARD_GRAD_OP) |
 | 3 | + parameters                       | -                                         | FSDP2 reshard_after_forward=True (FULL_SHARD), the default |
 
-The planner models every cell; paratrain's runtime runs ddp/0 and fsdp|hsdp/2|3 (the `runtime_only` rules in
+The planner models every cell (hsdp/1 when asked, not in `plan`'s search); paratrain's runtime runs ddp/0 and fsdp|hsdp/2|3 (the `runtime_only` rules in
 paratrain.config.rules refuse the rest with the allowed values). Unset zero_stage: ddp -> 0; fsdp/hsdp -> 3, or 2
 with reshard_after_forward=false, or 2 under a V pipeline schedule (zbv, dualpipev: their weight-gradient pass
 needs the parameters still gathered, see `zero_stage_of`).
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 
 ZERO_STAGES = (0, 1, 2, 3)
 # the stages each kind can mean (the planner's search and the rules use this table)
-ZERO_STAGES_OF_KIND = {"ddp": (0, 1, 2), "fsdp": (2, 3), "hsdp": (2, 3)}
+ZERO_STAGES_OF_KIND = {"ddp": (0, 1, 2), "fsdp": (2, 3), "hsdp": (1, 2, 3)}
 
 
 def zero_stage_of(pcfg: ParallelSection) -> int:

@@ -140,7 +140,10 @@ def _tp_divides(key: str, attr: str) -> Rule:
 def _kind_zero_ok(v):
     ddp = _and(_ddp(v), np.isin(v.zero, (0, 1, 2)))
     sharded = _and(_not(_ddp(v)), np.isin(v.zero, (2, 3)))
-    return _or(ddp, sharded)
+    # hsdp with zero_stage 1: the optimizer state sharded inside a shard group, replicated across the groups
+    # (InternLM's HybridZeroOptimizer, zero1 = the shard group; paratrain.config.dp)
+    hybrid_zero1 = _and(_coded(v.dp_kind, ("hsdp",), DP_KINDS), v.zero == 1)
+    return _or(_or(ddp, sharded), hybrid_zero1)
 
 
 def _interleaved_rounds_ok(v):
@@ -174,7 +177,12 @@ RULES: tuple[Rule, ...] = (
     # -- data parallelism (paratrain.config.dp) ---------------------------------------------------------------
     Rule("dp_kind_zero", _kind_zero_ok,
          lambda v: f"parallel.zero_stage={v.zero} with parallel.dp_kind='{v.dp_kind}': ddp takes 0-2 (replicated "
-                   f"parameters), fsdp/hsdp take 2 (reshard_after_forward=false) or 3 (fully sharded)"),
+                   f"parameters), fsdp/hsdp take 2 (reshard_after_forward=false) or 3 (fully sharded), hsdp also 1 "
+                   f"(the optimizer state sharded inside each shard group)"),
+    Rule("hsdp_sharded_optimizer", lambda v: _or(_not(_coded(v.dp_kind, ("hsdp",), DP_KINDS)), v.zero != 1),
+         lambda v: "parallel.zero_stage=1 with parallel.dp_kind='hsdp' (ZeRO-1 inside each shard group, InternLM's "
+                   "HybridZeroOptimizer) is not implemented by the runtime; allowed: zero_stage 2 or 3 with hsdp",
+         runtime_only=True),
     Rule("ddp_sharded_optimizer", lambda v: _or(_not(_ddp(v)), v.zero == 0),
          lambda v: f"parallel.zero_stage={v.zero} with parallel.dp_kind='ddp' (ZeRO-{v.zero} on replicated "
                    f"parameters: DeepSpeed, Megatron's distributed optimizer) is not implemented by the runtime; "

@@ -57,7 +57,8 @@ class PlanTarget(Workload, OnSystem, Output):
         "the loss kernel where the run names it: te (Transformer Engine's Triton cross-entropy on the bf16 logits, "
         "the megatron stack's default, 10 bytes per logit) or mcore_fused (Megatron-Core's "
         "fused_vocab_parallel_cross_entropy over an fp32 copy, NeMo 1.0's cross_entropy_loss_fusion: 32) or mcore "
-        "(the same unfused, eager: 52)",
+        "(the same unfused, eager: 52) or flash_xentropy (flash-attn's fused CrossEntropyLoss on the bf16 logits, "
+        "llm-foundry's default: 6, keeping 4 bytes per logit at the loss backward's peak)",
         choices=tuple(CROSS_ENTROPY_BYTES), group=SOFTWARE)
     grad_bucket_mb: float | None = opt(
         "data-parallel gradient bucket, MiB per collective call (Apex DistributedFusedAdam / torch DDP "
@@ -97,6 +98,13 @@ class PlanTarget(Workload, OnSystem, Output):
         "the gradient all-reduce follows the backward bucket by bucket, the first once its bucket fills, the last "
         "after the backward (InternLM's HybridZeroOptimizer): one bucket's reduce is exposed at least; default: "
         "all of it may hide behind the last backward", group=SOFTWARE)
+    bf16_optimizer: bool = opt(
+        "Adam's m and v in bf16 and no fp32 master copy, the bf16 weights updated in place (NeMo's "
+        "distributed_fused_adam with optim.dtype bf16 under megatron_amp_O2: store_params False): 4 bytes of "
+        "optimizer state per parameter instead of 12; gradients as the stack keeps them", group=SOFTWARE)
+    no_dropout: bool = opt(
+        "the run sets attention and hidden dropout to 0 (Megatron-LM --attention-dropout 0 --hidden-dropout 0): a "
+        "GPT model keeps no dropout masks; default: the masks are kept (Korthikanti et al.)", group=SOFTWARE)
 
 
 # The layout flags are the trainer's [parallel] keys (names, types, bounds, help; defaults from the schema), so a
@@ -126,7 +134,9 @@ def software_of(args) -> Software:
                     recompute_mlp=True if args.recompute_mlp else None, cross_entropy=args.cross_entropy,
                     recompute_every=args.recompute_every,
                     zero1_grad_allreduce=True if args.zero1_grad_allreduce else None,
-                    last_bucket_after_backward=True if args.last_bucket_after_backward else None)
+                    last_bucket_after_backward=True if args.last_bucket_after_backward else None,
+                    bf16_optimizer=True if args.bf16_optimizer else None,
+                    dropout=False if args.no_dropout else None)
 
 
 @command("estimate", PlanTarget, "predict time, memory and cost of one layout", **LAYOUT_FIELDS,

@@ -43,7 +43,10 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     (InternLM's HybridZeroOptimizer) the bucketed all-reduce cannot start before its first bucket fills and its
     last bucket waits for the backward's end (_bucket_chain_exposed_s); FSDP/HSDP prefetch their gathers behind
     every microbatch, but all DP traffic together cannot hide behind more than the step's compute; the
-    post-step gather of ZeRO-1/2 has nothing to hide behind. FSDP under a pipeline with
+    post-step gather of ZeRO-1/2 has nothing to hide behind. HSDP with ZeRO-1 (InternLM's HybridZeroOptimizer,
+    zero1 = dp_shard): the bucketed all-reduce of DDP over the whole group, the optimizer state sharded inside each
+    shard group, whose ranks then send one another their updated parameters (broadcast_params: a gather over
+    dp_shard ranks after the step). FSDP under a pipeline with
     opts.fsdp_pp_unsharded (torchtitan): one gather per unit per step, prefetched behind the first microbatch's
     forward, and the reduce-scatters after the last backward, exposed.
     """
@@ -55,7 +58,9 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     units = stage_layers_dev + 1.0  # block_share: the blocks' part of the parameters (backward re-gathers them)
     reduce_ar = _calls_s(system, "allreduce", grad_bytes, buckets, dp, stride_dp, **sp)
     reduce_rs = _calls_s(system, "reducescatter", grad_bytes, buckets, dp, stride_dp, **sp)
-    post_gather = _calls_s(system, "allgather", param_bytes, buckets, dp, stride_dp, **sp)
+    # hybrid ZeRO-1 (hsdp, zero 1): the updated shards gathered inside the shard group only
+    hybrid1 = np.asarray((kind == 2) & (zero == 1))
+    post_gather = _calls_s(system, "allgather", param_bytes, buckets, np.where(hybrid1, dp_shard, dp), stride_dp, **sp)
     unit_rs = _calls_s(system, "reducescatter", grad_bytes, units, dp, stride_dp, **sp)
     shard_rs = _calls_s(system, "reducescatter", grad_bytes, units, dp_shard, stride_dp, **sp)
     # per microbatch: every unit gathered for forward, the blocks again for backward
@@ -67,11 +72,13 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     zero12 = (zero >= 1) & (zero <= 2)
     # FSDP without resharding after forward (fsdp/hsdp with zero_stage 2, FSDP1's SHARD_GRAD_OP), and paratrain's
     # ZeRO-1/2, which run as that: each unit gathered once per microbatch, reduce-scattered once per step
-    as_fsdp = ((kind >= 1) & (zero == 2)) | (zero12 & opts.zero12_as_fsdp)
+    as_fsdp = ((kind >= 1) & (zero == 2)) | (zero12 & opts.zero12_as_fsdp & ~hybrid1)
+    sharded = (kind >= 1) & (zero >= 2)  # FSDP / HSDP proper: parameters gathered unit by unit
     fwd_ag = _calls_s(system, "allgather", param_bytes, units, dp, stride_dp, **sp)
-    gathers = select([as_fsdp, kind == 1, kind == 2], [m * fwd_ag, m * unit_ag, m * shard_ag], 0.0)
+    gathers = select([as_fsdp, sharded & (kind == 1), sharded & (kind == 2)], [m * fwd_ag, m * unit_ag, m * shard_ag],
+                     0.0)
     # Options.zero1_grad_allreduce (DeepSpeed's BF16_Optimizer): ZeRO-1 all-reduces the whole gradient buffer
-    zero1_ar = (zero == 1) & opts.zero1_grad_allreduce
+    zero1_ar = (zero == 1) & (opts.zero1_grad_allreduce | hybrid1)
     reduces = select([(zero == 0) | zero1_ar, as_fsdp, zero <= 2, kind == 1, kind == 2],
                         [reduce_ar, unit_rs, reduce_rs, unit_rs, shard_rs + repl_ar])
     post_step = np.where(zero12 & ~as_fsdp, post_gather, 0.0)  # DeepSpeed/Megatron: gather after the step
@@ -84,7 +91,7 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     behind_last = overlapped_exposed_s(reduces, window_last, sm)
     if opts.last_bucket_after_backward:  # buckets issued from the backward's hooks, the last after it (Options)
         # DDP's bucketed all-reduce or ZeRO-1/2's bucketed reduce-scatter; FSDP/HSDP time their units below
-        bucketed = (kind == 0) & ~as_fsdp
+        bucketed = ((kind == 0) | hybrid1) & ~as_fsdp
         behind_last = np.where(bucketed, _bucket_chain_exposed_s(reduces, buckets, window_last, sm), behind_last)
     exposed = np.maximum(overlapped_exposed_s(gathers + reduces, window_all, sm), behind_last) + post_step
     if opts.overlap_param_gather:  # Megatron-Core's distributed optimizer: its own dispatch order, below
@@ -119,11 +126,11 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
                                                     replicas, stride_dp * dp_shard), 0.0)
     bwd_sync = layers * overlapped_exposed_s(np.where(kept, 0.0, ag1) + rs1 + ar1, c_b, sm_group) + rs1 + ar1 + root_ar
     per_layer = m * fwd + (m - 1) * bwd + bwd_sync
-    exposed = np.where(kind >= 1, np.maximum(exposed, per_layer), exposed)
+    exposed = np.where(sharded, np.maximum(exposed, per_layer), exposed)
     # torchtitan's FSDP under torch.distributed.pipelining (Options.fsdp_pp_unsharded): gathered once in the first
     # microbatch's forward (prefetched layer by layer), kept; every unit's reduce-scatter issued together by
     # backward_maybe_with_nosync's run_post_backward after the stage's last backward, with nothing left to hide behind
-    pinned = (kind >= 1) & (np.asarray(pp) > 1) & opts.fsdp_pp_unsharded
+    pinned = sharded & (np.asarray(pp) > 1) & opts.fsdp_pp_unsharded
     gathers = np.where(pinned, fwd_ag, gathers)
     reduces = np.where(pinned, np.where(kind == 2, shard_rs + repl_ar, unit_rs), reduces)
     exposed = np.where(pinned, np.maximum(0.0, np.minimum(fwd, fwd_ag)) + reduces, exposed)

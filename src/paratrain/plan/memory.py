@@ -21,7 +21,7 @@ from paratrain.plan.precision import (
 from paratrain.plan.stages import Loads, balanced_loads, same_rank
 
 
-def activation_bytes_per_token(model: ModelConfig, seq: int, attention: str, fp8: bool = False):
+def activation_bytes_per_token(model: ModelConfig, seq: int, attention: str, fp8: bool = False, dropout: bool = True):
     """Korthikanti et al. 2022 activation memory per token per layer, split by how it shards.
 
     Returns (sp_part, tp_part, core_part) in bytes: sp_part is replicated across TP ranks unless sequence
@@ -30,13 +30,16 @@ def activation_bytes_per_token(model: ModelConfig, seq: int, attention: str, fp8
     s*b*h*(34 + 5as/h). Llama: no dropout, RMSNorm, SwiGLU (gate, up and their product kept: 6f), GQA (K,V
     are 2kv each). fp8: the inputs of the FP8 matmuls are kept for backward in FP8, 1 byte (Transformer Engine
     saves the cast input for the weight gradient): QKV and MLP inputs (h each), the output projection's input
-    (heads x head_dim) and the second MLP matmul's input (f).
+    (heads x head_dim) and the second MLP matmul's input (f). dropout False (a GPT run configured with attention
+    and hidden dropout 0, Options.dropout): no masks (2h) and, unfused, only the softmax output of the scores (2as).
     """
     h, f, kv, a, q = model.hidden, model.ffn, model.kv_dim, model.heads, query_dim(model)
     if model.arch == "gpt":
         sp_part = 4 * h + 2 * h + 2 * h + 2 * h  # 2 LayerNorm inputs, QKV input, MLP input, 2 dropout masks
         tp_part = 2 * q + 2 * kv + 2 * kv + 2 * q + 2 * f + 2 * f  # Q, K, V, proj input, fc1 out, GeLU out
         core = 5 * a * seq if attention == "unfused" else 4 * a  # softmax (2), dropout mask (1) and output (2)
+        if not dropout:  # p = 0: nn.Dropout returns its input, so no masks and the softmax output feeds P x V
+            sp_part, core = sp_part - 2 * h, (2 * a * seq if attention == "unfused" else core)
     else:
         sp_part = 4 * h + 2 * h + 2 * h  # 2 RMSNorm inputs, QKV input, MLP input
         tp_part = 2 * q + 2 * kv + 2 * kv + 2 * q + 6 * f  # Q, K, V, proj input, gate, up, gate*up
@@ -100,7 +103,7 @@ def layer_activation_bytes(model, seq, opts, *, T, tp, cp, sp, rc):
     """(per_layer, rebuilt): the activation bytes one layer keeps per microbatch under recompute `rc`, and what
     one layer's backward holds again while it is rebuilt (once per rank). The one activation model of the memory
     estimate and of the offload copies (plan.step)."""
-    sp_part, tp_part, core = activation_bytes_per_token(model, seq / 1, opts.attention, opts.fp8)
+    sp_part, tp_part, core = activation_bytes_per_token(model, seq / 1, opts.attention, opts.fp8, opts.dropout)
     if model.arch == "llama":  # two RMSNorms a layer, each keeping its input at Options.norm_saved_bytes
         sp_part = sp_part + 2 * (opts.norm_saved_bytes - BF16_BYTES) * model.hidden
     if opts.attention == "unfused":

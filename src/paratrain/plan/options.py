@@ -190,6 +190,10 @@ class Options:
     weights updated in place and m, v in bf16 (BF16_OPTIMIZER_BYTES, BF16_ADAM_STEP_BYTES: Neuron's "Autocast:BF16+SR",
     XLA_USE_BF16=1, as neuronx-nemo-megatron's bf16SR and the Neuron Megatron-LM reference run). Gradients are bf16 then
     too: pass grad_bytes=2.
+    dropout: the model's dropout layers are on (attention and hidden dropout > 0), so the GPT count keeps their
+    masks (Korthikanti et al.: two 1-byte hidden masks per token, and under unfused attention the scores' mask and
+    the dropped-out probabilities); False: a run configured with dropout 0 keeps neither (nn.Dropout with p 0
+    returns its input: ATen's dropout skips p == 0). Llama-style models have no dropout either way.
     fused_softmax: unfused attention's scale-mask-softmax runs as one kernel that reads and writes the scores once
     (Megatron's fused softmax, Neuron's NEURON_FUSE_SOFTMAX=1 "custom lowering for Softmax"); False: the softmax as
     XLA's standard lowering fuses it (reduce-max, reduce-sum of exp, normalise: three reads and one write of the
@@ -294,6 +298,7 @@ class Options:
     fp8_tp_allgather: bool = False
     cp_kv_repeated: bool = False
     master_weights: bool = True
+    dropout: bool = True
     fused_softmax: bool = True
     kv_replica_grad_bytes: float = 0.0
     kv_replicas_adjacent: bool = False

@@ -15,6 +15,7 @@ from paratrain.plan.options import ATTENTION, CP_COMM, Options
 from paratrain.plan.stacks import (
     ATTENTION_KERNELS,
     CROSS_ENTROPY_BYTES,
+    CROSS_ENTROPY_LOSS_PEAK_BYTES,
     DEEPSPEED_BF16_ACCUM_BYTES,
     attention_kernel_eff,
 )
@@ -50,6 +51,9 @@ class Software:
     timed with it (Options.grad_accum_in_hbm at plan.stacks.DEEPSPEED_BF16_ACCUM_BYTES).
     last_bucket_after_backward: the gradient all-reduce follows the backward bucket by bucket, its last bucket
     after the backward (InternLM's HybridZeroOptimizer; Options.last_bucket_after_backward).
+    bf16_optimizer: Adam's states in bf16 with no fp32 master copy (NeMo's distributed_fused_adam with optim.dtype
+    bf16: Options.master_weights False), the gradients as the stack keeps them. dropout: False where the run sets
+    attention and hidden dropout to 0 (Options.dropout: the GPT count keeps no masks).
     """
 
     stack: str | None = None
@@ -70,6 +74,8 @@ class Software:
     recompute_every: int | None = None
     zero1_grad_allreduce: bool | None = None
     last_bucket_after_backward: bool | None = None
+    bf16_optimizer: bool | None = None
+    dropout: bool | None = None
 
     def __post_init__(self) -> None:
         for flag, value, allowed in (("--attention", self.attention, ATTENTION),
@@ -100,12 +106,16 @@ def software_options(system: System, sw: Software, system_stack: bool = True) ->
         kw["fp8_amax_reduce"] = True
     if sw.bf16_sr:  # everything bf16: the gradients too (a named --grad-bytes 2 is the same)
         kw |= {"master_weights": False, "grad_bytes": 2}
+    if sw.bf16_optimizer:  # bf16 Adam states updating the bf16 weights: no master copy, gradients unchanged
+        kw["master_weights"] = False
     if sw.grad_bytes is not None:
         kw["grad_bytes"] = sw.grad_bytes
     if sw.grad_bucket_mb is not None:
         kw["bucket_bytes"] = float(sw.grad_bucket_mb) * MIB_BYTES
     if sw.cross_entropy is not None:
         kw["ce_bytes_per_logit"] = CROSS_ENTROPY_BYTES[sw.cross_entropy]
+        if sw.cross_entropy in CROSS_ENTROPY_LOSS_PEAK_BYTES:  # what that kernel keeps at the loss backward's peak
+            kw["loss_peak_bytes_per_logit"] = CROSS_ENTROPY_LOSS_PEAK_BYTES[sw.cross_entropy]
     if sw.attention_kernel is not None:  # off Hopper no per-kernel rate: the chip's own (the stack's default)
         runs_as = system.stack.runs_as if system_stack and system.stack is not None else None
         eff = attention_kernel_eff(sw.attention_kernel, system.chip, sw.stack or runs_as)  # the stack it is timed as
@@ -114,7 +124,7 @@ def software_options(system: System, sw: Software, system_stack: bool = True) ->
                 "eager": None if sw.torch_compile is None else not sw.torch_compile,
                 "tp_comm_overlap": sw.tp_comm_overlap, "recompute_mlp": sw.recompute_mlp,
                 "recompute_every": sw.recompute_every, "zero1_grad_allreduce": sw.zero1_grad_allreduce,
-                "last_bucket_after_backward": sw.last_bucket_after_backward}
+                "last_bucket_after_backward": sw.last_bucket_after_backward, "dropout": sw.dropout}
     kw |= {k: v for k, v in optional.items() if v is not None}
     if sw.zero1_grad_allreduce:  # BF16_Optimizer also adds each microbatch's bf16 gradients into its fp32 buffer
         kw |= {"grad_accum_in_hbm": True, "grad_accum_bytes": DEEPSPEED_BF16_ACCUM_BYTES}

@@ -71,7 +71,16 @@ STACKS: dict[str, Stack] = {
 # on inside calculate_logits_max): the fp32 copy (2 + 4), max (4), subtract (4 + 4; in place from 0.8), exp in place
 # (4 + 4), sum (4), div_ (4 + 4); backward the in-place mul_ (4 + 4) and the fp32 gradient's cast to the bf16
 # logits' dtype (4 + 2): 52 bytes.
-CROSS_ENTROPY_BYTES = {"te": 10.0, "mcore_fused": 32.0, "mcore": 52.0}
+# "flash_xentropy": flash-attn's fused CrossEntropyLoss (Dao-AILab/flash-attention v1.0.9 flash_attn/losses/
+# cross_entropy.py over csrc/xentropy), llm-foundry's default loss_fn 'fused_crossentropy' for MPT (llmfoundry/models/mpt/
+# modeling_mpt.py @061f2c7, setup.py pins flash-attn 1.0.9 and its xentropy-cuda-lib): xentropy_cuda_lib.forward reads
+# the bf16 logits once (2) and writes one fp32 log-sum-exp per token; the backward reads them again (2) and writes the
+# gradient (2; inplace_backward False, CrossEntropyLoss's default): 6 bytes
+CROSS_ENTROPY_BYTES = {"te": 10.0, "mcore_fused": 32.0, "mcore": 52.0, "flash_xentropy": 6.0}
+# loss_peak_bytes_per_logit (plan.options.Options) of a named cross-entropy where it differs from the stack's:
+# flash-attn's SoftmaxCrossEntropyLossFn keeps the bf16 logits (ctx.save_for_backward(logits, lse, labels)) and its
+# backward returns a new bf16 gradient beside them: 2 + 2 bytes per logit (PyTorch's F.cross_entropy: 12)
+CROSS_ENTROPY_LOSS_PEAK_BYTES = {"flash_xentropy": 4.0}
 # wgrad_accumulation_fusion: Megatron-Bridge's gradient_accumulation_fusion defaults on where Transformer Engine is
 # installed (models/gpt_provider.py can_enable_gradient_accumulation_fusion); TE accumulates into main_grad.
 # moe_probs_in_experts: Megatron-Core applies the routing probabilities in the expert activation (TEGroupedMLP

@@ -404,7 +404,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         "comm_pp_bytes": np.where(pp > 1, m * 2 * chunks * p2p_bytes, 0.0),
         "comm_ep_bytes": m * layers_per_stage * (moe[4] if moe is not None else 0.0) * ones,
         "comm_dp_bytes": np.where(dp * cp > 1, params_dev * (opts.grad_bytes + opts.gather_bytes * np.where(
-            kind >= 1, np.where((pp > 1) & opts.fsdp_pp_unsharded, 1.0, np.where(zero == 2, m, 2 * m)),
+            (kind >= 1) & (zero >= 2), np.where((pp > 1) & opts.fsdp_pp_unsharded, 1.0, np.where(zero == 2, m, 2 * m)),
             np.where(zero >= 1, 1.0, 0.0))), 0.0),
         "cost_usd_per_hour": cost_per_hour,
         "stage_layers_first": loads.first * ones, "stage_layers_last": loads.last * ones,
