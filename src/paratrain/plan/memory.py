@@ -120,11 +120,28 @@ def layer_activation_bytes(model, seq, opts, *, T, tp, cp, sp, rc):
     rf = 1.0 / opts.recompute_every
     per_layer = select([rc == 0, rc == 1], [layer_full, layer_selective], rf * layer_input + (1.0 - rf) * layer_full)
     # one layer rebuilt during backward: full recompute its whole block, selective recompute its attention core (the
-    # s x s scores of unfused attention are held again for that layer's backward; flash keeps only the log-sum-exp;
-    # per-op SAC does not replay attention)
+    # s x s scores of unfused attention are held again for that layer's backward; flash keeps only the log-sum-exp),
+    # per-op SAC every op off its save list: torch.utils.checkpoint's selective checkpointing (create_selective_
+    # checkpoint_contexts, torchtitan's apply_ac op mode at 9dec370) replays the block's forward in its backward,
+    # the saved ops' outputs taken from the cache (counted in per_layer), the others computed again (memacc)
     replayed_core = (opts.attention == "unfused") and not opts.selective_ops
-    rebuilt = select([rc == 2, (rc == 1) & replayed_core], [layer_full, T * core / tp], 0.0)
-    return per_layer, rebuilt
+    sac_rebuilt = np.maximum(layer_full - layer_selective, 0.0) if opts.selective_ops else 0.0
+    rebuilt = select([rc == 2, (rc == 1) & replayed_core, rc == 1], [layer_full, T * core / tp, sac_rebuilt], 0.0)
+    return per_layer, rebuilt + cp_gathered_kv_bytes(model, opts, T=T, tp=tp, cp=cp)
+
+
+def cp_gathered_kv_bytes(model, opts, *, T, tp, cp):
+    """The other CP ranks' K and V that an all-gather CP holds while one layer's attention runs (forward, and the
+    backward that gathers them again), on top of the local K/V the layer count keeps: torch's context_parallel
+    (_AllGatherRotater.exchange_buffers: one all_gather_tensor of the concatenated local K and V, kept as
+    _aggregated_buffer for the whole ring, torch/distributed/tensor/experimental/_attention.py) and Llama 3's
+    all-gather CP (Dubey et al. 2024 sec. 3.3.2: K and V all-gathered, then attention for the local queries). K/V are
+    query-wide where the model repeats them before the attention op (Options.cp_kv_repeated: torchtitan). Not for
+    cp_comm "ring" (Megatron-Core's p2p ring). Once per rank: one layer's attention runs at a time."""
+    if opts.cp_comm not in ("allgather", "allgather_rotate"):
+        return 0.0
+    width = query_dim(model) if opts.cp_kv_repeated else model.kv_dim
+    return (np.asarray(cp, dtype=float) - 1.0) * T * 2 * width * BF16_BYTES / tp
 
 
 def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sched, v, m, zero, dp_shard,
