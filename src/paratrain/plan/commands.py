@@ -58,7 +58,8 @@ class PlanTarget(Workload, OnSystem, Output):
         "the megatron stack's default, 10 bytes per logit) or mcore_fused (Megatron-Core's "
         "fused_vocab_parallel_cross_entropy over an fp32 copy, NeMo 1.0's cross_entropy_loss_fusion: 32) or mcore "
         "(the same unfused, eager: 52) or flash_xentropy (flash-attn's fused CrossEntropyLoss on the bf16 logits, "
-        "llm-foundry's default: 6, keeping 4 bytes per logit at the loss backward's peak)",
+        "llm-foundry's default: 6, keeping 4 bytes per logit at the loss backward's peak) or torch_compiled "
+        "(torchtitan's torch.compile'd F.cross_entropy, from its Apr 2025 bbb1b61: 8, keeping 4)",
         choices=tuple(CROSS_ENTROPY_BYTES), group=SOFTWARE)
     grad_bucket_mb: float | None = opt(
         "data-parallel gradient bucket, MiB per collective call (Apex DistributedFusedAdam / torch DDP "

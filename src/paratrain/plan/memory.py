@@ -109,10 +109,13 @@ def layer_activation_bytes(model, seq, opts, *, T, tp, cp, sp, rc):
     if opts.attention == "unfused":
         core = core / cp  # scores over the local query rows only
     sp_scale = np.where(sp, 1.0 / tp, 1.0)
-    layer_full = T * (sp_part * sp_scale + tp_part / tp + core / tp)
+    # DTensor TP (Options.tp_saves_gathered_input): the QKV and MLP inputs (sp_part's, 1 byte under fp8) kept
+    # all-gathered, at the full sequence, not its shard
+    gathered = (1.0 - sp_scale) * 2 * model.hidden * (1 if opts.fp8 else BF16_BYTES) if opts.tp_saves_gathered_input else 0.0
+    layer_full = T * (sp_part * sp_scale + gathered + tp_part / tp + core / tp)
     # recompute_mlp keeps the MLP block's input (already counted) instead of its gate/up (fc1/GeLU) outputs
     mlp_kept = (6 if model.arch == "llama" else 4) * model.ffn if opts.recompute_mlp else 0
-    layer_selective = T * (sp_part * sp_scale + (tp_part - mlp_kept) / tp)
+    layer_selective = T * (sp_part * sp_scale + gathered + (tp_part - mlp_kept) / tp)
     if opts.selective_ops:  # torchtitan's per-op SAC keeps the save list's outputs, plus the log-sum-exp (core)
         layer_selective = T * (selective_ops_bytes_per_token(model, tp, sp) + core / tp)
     layer_input = T * 2 * model.hidden * sp_scale
@@ -144,6 +147,14 @@ def cp_gathered_kv_bytes(model, opts, *, T, tp, cp):
     return (np.asarray(cp, dtype=float) - 1.0) * T * 2 * width * BF16_BYTES / tp
 
 
+def loss_peak_bytes_per_logit(opts, tp):
+    """Bytes per logit the loss backward holds on the last stage: the stack's loss, or its TP loss where tp > 1 and
+    the stack runs another there (Options.tp_loss_peak_bytes_per_logit: torch's DTensor loss_parallel)."""
+    if opts.tp_loss_peak_bytes_per_logit is None:
+        return opts.loss_peak_bytes_per_logit
+    return np.where(np.asarray(tp) > 1, opts.tp_loss_peak_bytes_per_logit, opts.loss_peak_bytes_per_logit)
+
+
 def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sched, v, m, zero, dp_shard,
                       loads: Loads | None = None, moe: dict | None = None, ep=1, etp=1, offload=0):
     """Memory of the rank that needs the most (loads: layers per rank, default the balanced split). Each rank
@@ -163,7 +174,7 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     fp8_weight_bytes = fp8_copies(system, opts) * low_precision_bytes(system, opts) if opts.fp8 else 0.0
     per_layer, rebuilt = layer_activation_bytes(model, seq, opts, T=T, tp=tp, cp=cp, sp=sp, rc=rc)
     kept = offload_kept_bytes(model, T, tp, rc)
-    logits = T * model.vocab / tp * opts.loss_peak_bytes_per_logit  # the loss backward's peak on the last stage
+    logits = T * model.vocab / tp * loss_peak_bytes_per_logit(opts, tp)  # the loss backward's peak, last stage
     one = same_rank(pp, v_shape)
     ranks = []  # (weights, grads, optimizer, activations) of the first, last and inner ranks
     pinned = (np.asarray(zero) == 3) & (np.asarray(pp) > 1) & opts.fsdp_pp_unsharded

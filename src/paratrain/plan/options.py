@@ -166,6 +166,8 @@ class Options:
     cross-entropy keeps and turns into the gradient in place; PyTorch's F.cross_entropy on fp32 logits (torchtitan,
     Composer under autocast, Hugging Face models) keeps the log-softmax output and, in its backward, holds it beside
     nll_loss's dense fp32 gradient and log_softmax_backward's fp32 result: 12 (plan.stacks).
+    tp_loss_peak_bytes_per_logit: the same where tp > 1, if the stack's loss differs there (None: the same as
+    loss_peak_bytes_per_logit); torch's DTensor loss_parallel, which torchtitan runs under TP: 16 (plan.stacks).
     moe_flex_backend: the flex dispatcher's backend where it is named ("deepep", "hybridep"; None: unnamed or
     not the flex dispatcher): its SM share and HybridEP's node-copy stage (plan.moe.hybridep_node_copy_s).
     cp_comm: how context parallelism exchanges K/V (CP_COMM; _context_parallel_s): "ring" (Megatron-Core's p2p,
@@ -203,6 +205,9 @@ class Options:
     cp_kv_repeated: the attention op receives K and V already repeated to the query heads (torchtitan's Llama runs
     repeat_kv before SDPA, and torch's context_parallel wraps SDPA), so context parallelism exchanges K/V at the
     query width, not GQA's.
+    tp_saves_gathered_input: with SP, the column-parallel matmuls save the all-gathered full-sequence block inputs
+    (the attention's and the MLP's normalised inputs) for their weight gradients, not the sequence shard (torch's
+    DTensor TP: SequenceParallel then ColwiseParallel, torchtitan); Megatron-Core saves the shard and gathers again.
     kv_replica_grad_bytes: where tp exceeds the KV heads and the stack replicates each K/V head on tp / kv-heads
     ranks (NxD's GQAQKVColumnParallelLinear, kv_size_multiplier), the backward all-reduces the K and V output
     gradients over those replicas before the QKV GEMMs' backward (neuronx_distributed/modules/qkv_linear_utils.py:
@@ -290,6 +295,7 @@ class Options:
     moe_probs_in_experts: bool = False
     ce_bytes_per_logit: float = 12.0
     loss_peak_bytes_per_logit: float = 6.0
+    tp_loss_peak_bytes_per_logit: float | None = None
     wgrad_accumulation_fusion: bool = False
     cp_comm: str = "ring"
     p2p_pair_allgather: bool = False
@@ -297,6 +303,7 @@ class Options:
     fsdp_pp_unsharded: bool = False
     fp8_tp_allgather: bool = False
     cp_kv_repeated: bool = False
+    tp_saves_gathered_input: bool = False
     master_weights: bool = True
     dropout: bool = True
     fused_softmax: bool = True
@@ -353,6 +360,9 @@ class Options:
             raise ValueError(f"ce_bytes_per_logit = {self.ce_bytes_per_logit}: allowed: a number > 0")
         if not self.loss_peak_bytes_per_logit > 0:
             raise ValueError(f"loss_peak_bytes_per_logit = {self.loss_peak_bytes_per_logit}: allowed: a number > 0")
+        if self.tp_loss_peak_bytes_per_logit is not None and not self.tp_loss_peak_bytes_per_logit > 0:
+            raise ValueError(f"tp_loss_peak_bytes_per_logit = {self.tp_loss_peak_bytes_per_logit}: allowed: None or "
+                             "a number > 0")
         if self.kv_replica_grad_bytes not in (0, 2, 4):
             raise ValueError(f"kv_replica_grad_bytes = {self.kv_replica_grad_bytes}: allowed: 0, 2, 4")
         if self.grad_bytes not in (2, 4):

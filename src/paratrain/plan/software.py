@@ -116,6 +116,7 @@ def software_options(system: System, sw: Software, system_stack: bool = True) ->
         kw["ce_bytes_per_logit"] = CROSS_ENTROPY_BYTES[sw.cross_entropy]
         if sw.cross_entropy in CROSS_ENTROPY_LOSS_PEAK_BYTES:  # what that kernel keeps at the loss backward's peak
             kw["loss_peak_bytes_per_logit"] = CROSS_ENTROPY_LOSS_PEAK_BYTES[sw.cross_entropy]
+            kw["tp_loss_peak_bytes_per_logit"] = None  # the named kernel at every tp, not the stack's TP loss
     if sw.attention_kernel is not None:  # off Hopper no per-kernel rate: the chip's own (the stack's default)
         runs_as = system.stack.runs_as if system_stack and system.stack is not None else None
         eff = attention_kernel_eff(sw.attention_kernel, system.chip, sw.stack or runs_as)  # the stack it is timed as

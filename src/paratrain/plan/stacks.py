@@ -76,11 +76,18 @@ STACKS: dict[str, Stack] = {
 # modeling_mpt.py @061f2c7, setup.py pins flash-attn 1.0.9 and its xentropy-cuda-lib): xentropy_cuda_lib.forward reads
 # the bf16 logits once (2) and writes one fp32 log-sum-exp per token; the backward reads them again (2) and writes the
 # gradient (2; inplace_backward False, CrossEntropyLoss's default): 6 bytes
-CROSS_ENTROPY_BYTES = {"te": 10.0, "mcore_fused": 32.0, "mcore": 52.0, "flash_xentropy": 6.0}
+# "torch_compiled": torchtitan's F.cross_entropy(pred.float(), labels) wrapped in torch.compile where training.compile
+# is set, from pytorch/torchtitan bbb1b61 (Apr 2025; torchtitan/components/loss.py build_cross_entropy_loss at e7c0cae;
+# at 9dec370 the line is commented out, "compiling loss function causes CUDA errors", e8977b0): Inductor fuses the
+# .float() into the reductions, whose two passes over a 128k-wide row (amax, then the sum of exp) read the bf16 logits
+# (2 + 2); the backward reads them again with the saved per-token log-sum-exp and writes the bf16 gradient (2 + 2): 8
+CROSS_ENTROPY_BYTES = {"te": 10.0, "mcore_fused": 32.0, "mcore": 52.0, "flash_xentropy": 6.0, "torch_compiled": 8.0}
 # loss_peak_bytes_per_logit (plan.options.Options) of a named cross-entropy where it differs from the stack's:
 # flash-attn's SoftmaxCrossEntropyLossFn keeps the bf16 logits (ctx.save_for_backward(logits, lse, labels)) and its
-# backward returns a new bf16 gradient beside them: 2 + 2 bytes per logit (PyTorch's F.cross_entropy: 12)
-CROSS_ENTROPY_LOSS_PEAK_BYTES = {"flash_xentropy": 4.0}
+# backward returns a new bf16 gradient beside them: 2 + 2 bytes per logit (PyTorch's F.cross_entropy: 12); torch_compiled
+# likewise: the compiled graph's partition saves its bf16 input and the per-token log-sum-exp (no fp32 log-softmax)
+# and its backward writes one bf16 gradient: 2 + 2
+CROSS_ENTROPY_LOSS_PEAK_BYTES = {"flash_xentropy": 4.0, "torch_compiled": 4.0}
 # wgrad_accumulation_fusion: Megatron-Bridge's gradient_accumulation_fusion defaults on where Transformer Engine is
 # installed (models/gpt_provider.py can_enable_gradient_accumulation_fusion); TE accumulates into main_grad.
 # moe_probs_in_experts: Megatron-Core applies the routing probabilities in the expert activation (TEGroupedMLP
@@ -133,12 +140,24 @@ NXD_NORM_SAVED_BYTES = 6.0
 TORCHTITAN_ROPE_BYTES = 20
 # cp_kv_repeated: torchtitan's Llama attention repeats K/V to the query heads (repeat_kv) before SDPA, the op torch's
 # context_parallel replaces, so CP moves query-width K/V (torchtitan/models/llama3/model.py Attention.forward)
+# tp_saves_gathered_input (plan.options.Options): torchtitan's TP plan (parallelize_llama at 9dec370) prepares the
+# attention's and the feed-forward's inputs with PrepareModuleInput(input_layouts Shard(1), desired Replicate) (fp8:
+# torchao's PrepareFloat8ModuleInput, the cast before the gather), so the all-gathered full-sequence tensor is the
+# input of wq/wk/wv and of w1/w3 (ColwiseParallel), which autograd saves for their weight gradients (F.linear on the
+# local tensors, torch/distributed/tensor/parallel/style.py); Megatron-Core's LinearWithGradAccumulationAndAsync-
+# Communication saves the sequence shard under sequence_parallel and all-gathers it again in the backward
 # loss_peak_bytes_per_logit (plan.options.Options): torchtitan's loss is F.cross_entropy(pred.flatten(0, 1).float(),
 # labels), its train step deletes the bf16 logits before backward ("need to free to before bwd to avoid peaking
 # memory", train.py at 9dec370); log_softmax keeps its fp32 output for the backward, where nll_loss_backward's dense
 # fp32 gradient and log_softmax_backward's fp32 result are live beside it: 3 x 4 bytes per logit. Composer/llm-foundry
 # (F.cross_entropy under bf16 autocast, which runs it in fp32) and Hugging Face models (logits.float()) alike.
 PYTORCH_LOSS_PEAK_BYTES = 12.0
+# tp_loss_peak_bytes_per_logit (plan.options.Options): under TP torchtitan runs that loss inside loss_parallel()
+# (parallelize_llama at 9dec370: the output projection ColwiseParallel to Shard(-1), disable_loss_parallel False by
+# default) on the vocab-sharded logits; torch's DTensor handlers (torch/distributed/tensor/parallel/loss.py) keep the
+# fp32 log-softmax for the backward, where _nll_loss_and_log_softmax_backward holds it beside a zeros_like fp32
+# grad_input, exp(log-softmax) and their sum (then its product with the loss gradient written over it): 4 x 4 bytes
+TORCH_LOSS_PARALLEL_PEAK_BYTES = 16.0
 # selective_ops: torchtitan's "selective" activation checkpointing is per-op (selective_ac_option "op", its default
 # and what its published Llama tables name "selective op"): plan.options.Options.selective_ops
 # last_bucket_after_backward (plan.options.Options): the data-parallel (non-FSDP) gradient reduce runs in buckets issued
@@ -164,6 +183,7 @@ STACK_OPTIONS: dict[str, dict] = {
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "cp_comm": "allgather_rotate",
               "fsdp_pp_unsharded": True, "fp8_tp_allgather": True, "eager_rope_bytes": TORCHTITAN_ROPE_BYTES,
               "selective_ops": True, "cp_kv_repeated": True, "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES,
+              "tp_loss_peak_bytes_per_logit": TORCH_LOSS_PARALLEL_PEAK_BYTES, "tp_saves_gathered_input": True,
               "last_bucket_after_backward": True},
     "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False,
                   "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES, "p2p_serial": True, "last_bucket_after_backward": True},
