@@ -38,6 +38,7 @@ from paratrain.hardware.catalog import get_catalog
 from paratrain.model.config import load_model_config
 from paratrain.plan.api import Layout, estimate
 from paratrain.plan.options import MOE_FLEX_BACKENDS, Options
+from paratrain.plan.software import megatron_core_options
 
 DATA = Path(__file__).parent / "data"
 RUNS_CSV = DATA / "moe_runs.csv"
@@ -99,7 +100,8 @@ def options_of(system, r: dict) -> Options:
                               moe_fused_padding=r["dispatcher"] in FUSED_PADDING,
                               moe_flex_backend=r["dispatcher"] if r["dispatcher"] in MOE_FLEX_BACKENDS else None,
                               moe_gemm_per_expert=r["grouped_gemm"] == "per_expert",
-                              recompute_mlp=r["recompute_mlp"] == "1", **bucket)
+                              recompute_mlp=r["recompute_mlp"] == "1", **bucket,
+                              **megatron_core_options(r.get("megatron_core") or None))
 
 
 def measured_step_s(r: dict, tokens_per_device: float) -> float:

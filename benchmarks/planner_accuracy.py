@@ -469,7 +469,10 @@ def _eval_options(system, r: dict) -> Options:
         bf16_optimizer=True if r.get("optimizer_dtype") == "bf16" else None,
         # dropout (--no-dropout): 0 where the run sets attention and hidden dropout to 0 (the Neuron Megatron-LM
         # reference's --attention-dropout 0 --hidden-dropout 0): the GPT count keeps no masks
-        dropout=False if r.get("dropout") == "0" else None))
+        dropout=False if r.get("dropout") == "0" else None,
+        # megatron_core (--megatron-core): the container's megatron-core release where established (Megatron-Bridge
+        # docs/releases/software-versions.md, its 3rdparty/Megatron-LM pin); empty: before 0.18
+        megatron_core=r.get("megatron_core") or None))
 
 
 def _best_published(model, system, nodes, seq, gbs, fixed, free, opts):

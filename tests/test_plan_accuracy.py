@@ -93,7 +93,11 @@ def test_trainium_calibration_spans_sdk_versions_and_models(bench):
 def test_evaluation_sets_stay_within_their_reported_error(bench):
     """Regression guard on the evaluation sets (docs/planner.md's accuracy table; nothing was fitted on them)."""
     sets = bench.eval_sets(get_catalog())
-    goals = {"nemo_h100": 10.0, "torchtitan_a100": 10.0,
+    # h100p2p (4 Dec): the Hopper GEMM efficiency at megatron_h100_1node's optimum 0.64 and Megatron's interleaved
+    # sends as overlap_p2p_comm waits for them: nemo_h100 6.2 -> 5.7, llama3_paper 12.8 -> 8.8, dgxc_h100 6.1 -> 3.2,
+    # nemo_gb200 7.3 -> 6.0, together_b200 7.9 -> 6.1, nemo_long_seq_h100 2.2 -> 1.2 (guards 10 / 13.5 / 7 / 12 / 9 / 4
+    # -> 7 / 9.5 / 4 / 7 / 7 / 2); nemo_b200 5.4 -> 7.1, ibm_fsdp2_h100 13.3 -> 14.8, mosaic_fsdp 4.9 -> 5.4 worse
+    goals = {"nemo_h100": 7.0, "torchtitan_a100": 10.0,
              # torchtitan_h100: 7.6 -> 6.2% once torch's CP ring, traced by the benchmarks' torch.compile, waits for
              # each of its collectives where it issues it (cptt, 4 Dec; was 15.0)
              "torchtitan_h100": 7.0,
@@ -105,7 +109,7 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
              # recompute, microbatch and kernel of Meta's own account of that system (Chu et al., ISCA '25: one
              # overlapped gather and reduce-scatter per step, FP32 reduce-scatter, FA2; llama3dp, 4 Dec; was 18.0)
              # 12.8% once hidden DP traffic costs the SMs NCCL holds (nccl, 4 Dec; guard 14 -> 13.5)
-             "llama3_paper": 13.5,
+             "llama3_paper": 9.5,
              "neuron_trn1": 6.5, "neuron_trn1_nemo": 9.0, "nemo_b200": 10.0,
              # mosaic_fsdp 7.8 -> 6.2%, ibm_fsdp1_a100 6.4 -> 5.4% once llm-foundry's Triton attention is timed as the
              # FA1-class kernel it is and the A100 PyTorch scale refit (pthopper, 3 Dec; bounds 10.0 / 10.0 before)
@@ -118,8 +122,8 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
              # neuron_trn1 6.0 -> 5.3%, neuron_trn1_nemo 8.8 -> 7.9% once the replay's dead tail is dropped (accnxd;
              # bounds 10.0 / 10.0 before)
              "ibm_fsdp2_h100": 15.0, "ibm_fsdp1_a100": 5.0,
-             "nemo_gb200": 12.0,
-             "nemo_long_seq_h100": 4.0,  # 2.2% since its rows ran flash-attn 2 (acccp, 3 Dec; was 32.0)
+             "nemo_gb200": 7.0,
+             "nemo_long_seq_h100": 2.0,  # 2.2% since its rows ran flash-attn 2 (acccp, 3 Dec; was 32.0)
              # fsdp_scale (fsdpdata, 3 Dec): BLOOM 176B on 384 A100 (3D + ZeRO-1) and MT-NLG 530B on 2,240-3,360 A100,
              # every row fast: 18.2% at its addition, 15.2% once the tied embedding's gradient all-reduce and DeepSpeed
              # BF16_Optimizer's whole-buffer all-reduce are timed; what is left is in docs/planner.md "fsdpdata";
@@ -138,8 +142,8 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
              # benchmarking, 8.0% at its addition: FSDP FP8-CS on 64-592 GPUs -0.3 .. -17.2% (fast with scale: the
              # planner keeps FSDP's traffic hidden), TP2 PP4 VP5 MXFP8 on 256-512 GPUs +3.4 .. +23.4% (slow; the
              # slinky cluster runs the same layout 19% faster than use3a-ss)
-             "together_b200": 9.0,
-             "dgxc_h100": 7.0}  # dgxc_h100: 6.7% with the runs' own cross-entropy (accdgx, 3 Dec; guard 9 -> 8), 7.7% at its addition (accdgxc, 2 Dec), 8.3% with the Nemotron-4/GPT-3 rows, 7.8% with acccp's FA2 rows, 7.7% with FP8 delayed scaling's amax all-reduce, 7.6% with the runs' gradient buckets (accdp, 3 Dec)
+             "together_b200": 7.0,
+             "dgxc_h100": 4.0}  # dgxc_h100: 6.7% with the runs' own cross-entropy (accdgx, 3 Dec; guard 9 -> 8), 7.7% at its addition (accdgxc, 2 Dec), 8.3% with the Nemotron-4/GPT-3 rows, 7.8% with acccp's FA2 rows, 7.7% with FP8 delayed scaling's amax all-reduce, 7.6% with the runs' gradient buckets (accdp, 3 Dec)
     # nemo_long_seq_h100: 28.1% at its addition (accl3, 2 Dec; docs/planner.md)  # nemo_gb200: 9.2% at its addition (accgpu, 2 Dec)  # ibm_fsdp2_h100: 15.0% at its addition (acc3),
     # 12.7% since torchtitan's per-op checkpointing is timed; the cause left is in docs/planner.md
     for name, goal in goals.items():

@@ -1643,3 +1643,20 @@ def test_offload_layers_is_the_trainers_field_timed_on_the_host_link():
     assert acts[3] == pytest.approx(acts[0] - 79 * per_block)
     # a block's 0.14 GB per microbatch at 64 GB/s (2.2 ms) within its TP8 forward (2.4 ms): hidden on an H100
     assert [e.step_time_s for e in runs] == pytest.approx([runs[0].step_time_s] * 4)
+
+
+def test_overlapped_p2p_closed_form_matches_replay():
+    """plan.pipeline.overlapped_p2p_path_s against the event replay of Megatron-Core's interleaved schedule
+    (benchmarks/megatron_p2p_replay.py) under overlap_p2p_comm: before core 0.18 (hidden behind a chunk's forward,
+    capped), with PR #4047's forward-send wait (hidden behind nothing) and as the combined 1F1B of EP A2A overlap runs
+    it (hidden behind one attention wgrad), a send shorter and longer than a chunk's forward; within 1% of the step."""
+    from benchmarks.megatron_p2p_replay import interleaved_programs, run
+    from paratrain.plan.pipeline import overlapped_p2p_path_s
+
+    p, v, m, fwd, bwd, dw = 4, 5, 32, 1.0, 2.0, 0.3  # dgxc_h100 70B and together_b200: PP4 VP5, 32 microbatches
+    base = run(interleaved_programs(p, v, m, fwd, bwd, False), 0.0)
+    for send in (0.3, 1.5):
+        for wait, combined, hidden in ((False, None, fwd), (True, None, 0.0), (False, dw, dw)):
+            replay = run(interleaved_programs(p, v, m, fwd, bwd, True, wait, combined), send) - base
+            closed = float(overlapped_p2p_path_s(p, v, m, send, hidden, not wait and combined is None))
+            assert abs(closed - replay) < 0.01 * (base + replay), (send, wait, combined, closed, replay)

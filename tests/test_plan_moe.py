@@ -635,4 +635,4 @@ def test_together_b200_moe_set_accuracy():
         assert est is not None and est.fits, r["model"]
         errs.append(abs(pred / meas - 1) * 100)
     assert len(errs) == 15
-    assert np.mean(errs) < 15.0
+    assert np.mean(errs) < 14.0  # 13.2% since Megatron's interleaved sends are timed as overlap_p2p_comm waits (h100p2p)

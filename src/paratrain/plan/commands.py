@@ -106,6 +106,10 @@ class PlanTarget(Workload, OnSystem, Output):
     no_dropout: bool = opt(
         "the run sets attention and hidden dropout to 0 (Megatron-LM --attention-dropout 0 --hidden-dropout 0): a "
         "GPT model keeps no dropout masks; default: the masks are kept (Korthikanti et al.)", group=SOFTWARE)
+    megatron_core: str | None = opt(
+        "the run's megatron-core release (MAJOR.MINOR[.PATCH], the container's: Megatron-Bridge "
+        "docs/releases/software-versions.md): from 0.18 the interleaved schedule waits for each forward pipeline send "
+        "at once (Megatron-LM PR #4047); default: the schedule as before 0.18", metavar="VERSION", group=SOFTWARE)
 
 
 # The layout flags are the trainer's [parallel] keys (names, types, bounds, help; defaults from the schema), so a
@@ -137,7 +141,7 @@ def software_of(args) -> Software:
                     zero1_grad_allreduce=True if args.zero1_grad_allreduce else None,
                     last_bucket_after_backward=True if args.last_bucket_after_backward else None,
                     bf16_optimizer=True if args.bf16_optimizer else None,
-                    dropout=False if args.no_dropout else None)
+                    dropout=False if args.no_dropout else None, megatron_core=args.megatron_core)
 
 
 @command("estimate", PlanTarget, "predict time, memory and cost of one layout", **LAYOUT_FIELDS,

@@ -238,6 +238,11 @@ class Options:
     one transfer time c) gives 2(m - 1) + p - 2 exchanges of 2c each on the path (p - 1 with one microbatch): 4c per
     microbatch plus the fill and drain's 2c per stage, against m of 2c (m x p2p_per_mb) where False
     (tests/test_plan_model.py replays the schedule). 1F1B and GPipe (pp > 1) only.
+    p2p_overlap: Megatron-Core's overlap_p2p_comm under the interleaved schedule: the steady state's sends and receives
+    run async beside the next pass, the warm-up's and cool-down's stay blocking (plan.pipeline.overlapped_p2p_path_s);
+    other schedules as False. False: every send on the path (m x p2p_per_mb).
+    p2p_fwd_send_wait: with p2p_overlap, each steady-state forward send is waited for right after it is posted
+    (Megatron-LM PR #4047, core >= 0.18, where deallocate_pipeline_outputs is set: plan.software.megatron_core_options).
     grad_accum_bytes: HBM bytes per parameter that grad_accum_in_hbm's pass moves; None: one fused read-add-write,
     2 + 2 x grad_bytes. DeepSpeed's BF16_Optimizer runs it eagerly in two kernels (plan.stacks.DEEPSPEED_BF16_ACCUM_BYTES).
     replay_drops_dead_tail: the backward's replay of a checkpointed block (full recompute: the layer; selective
@@ -313,6 +318,8 @@ class Options:
     grad_accum_in_hbm: bool = False
     grad_accum_bytes: float | None = None
     p2p_serial: bool = False
+    p2p_overlap: bool = False
+    p2p_fwd_send_wait: bool = False
     replay_drops_dead_tail: bool = False
     norm_saved_bytes: float = 2.0
     fp8_amax_reduce: bool = False

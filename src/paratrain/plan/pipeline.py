@@ -26,6 +26,32 @@ def pipeline_bubble_s(sched, pp, v, m, fwd, bwd_input, bwd_weight):
     return np.where(pp > 1, (pp - 1) * per, 0.0)
 
 
+def overlapped_p2p_path_s(pp, v, m, send, hidden_s, capped=True):
+    """Time the pipeline's sends add to an interleaved 1F1B step under Megatron-Core's overlap_p2p_comm
+    (forward_backward_pipelining_with_interleaving; overlap_p2p_comm_warmup_flush False, the default, which no
+    recipe changes), `send` one transfer, `hidden_s` what a steady iteration's exchange hides behind.
+
+    What the code waits for (core_r0.13-0.17): in the warm-up every chunk forward ends in a blocking
+    send_forward_recv_forward, and in the cool-down every chunk backward in a blocking send_backward_recv_backward;
+    in the steady state the sends and receives are posted async after each pass (send_forward_recv_forward after the
+    forward, send_backward_recv_backward after the backward) and waited for only before the pass that needs the
+    tensor (pre_forward / pre_backward) or one iteration later (the previous send). Replaying that program for every
+    rank with rendezvous transfers (benchmarks/megatron_p2p_replay.py) gives, over the step without sends: the first
+    microbatch's activation crossing all p v - 1 stage boundaries in the warm-up and the last gradient crossing them
+    back in the cool-down, 2 (p v - 1) sends, whatever m; and in the steady state nothing while a send is at most
+    what it hides behind (there: a chunk's forward), beyond it (send - hidden_s) per steady iteration,
+    m v - (v - 1) p of them on the last rank. Where the warm-up holds every microbatch
+    (m v <= (v - 1) p + 2 (p - 1)) the sends are all blocking: at most the m x 2 v of the schedule without overlap.
+
+    capped False where a steady iteration waits for its send whatever the schedule around it (hidden_s 0 for core
+    >= 0.18's forward-send wait, Megatron-LM PR #4047; one layer's attention wgrad for the combined 1F1B of EP A2A
+    overlap): the all-warm-up ranks' blocking sends and the last rank's waited ones add up past m x 2 v on deep
+    pipelines; within 0.6% of the replayed step for the forward-send wait."""
+    fill = 2 * (pp * v - 1) * send
+    steady = np.maximum(0.0, m * v - (v - 1) * pp) * np.maximum(0.0, send - hidden_s)
+    return np.where(pp > 1, np.where(capped, np.minimum(fill + steady, 2 * v * m * send), fill + steady), 0.0)
+
+
 def _slowest_rank(loads: Loads, pp, v_shape, per_layer, embed, head):
     """(layers, embedding there 0/1, head there 0/1) of the rank with the longest time per microbatch.
     Ties go to the head's rank, then the embedding's (a balanced split's last stage, as before)."""

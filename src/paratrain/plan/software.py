@@ -17,6 +17,7 @@ from paratrain.plan.stacks import (
     CROSS_ENTROPY_BYTES,
     CROSS_ENTROPY_LOSS_PEAK_BYTES,
     DEEPSPEED_BF16_ACCUM_BYTES,
+    MEGATRON_CORE_FWD_SEND_WAIT,
     attention_kernel_eff,
 )
 
@@ -53,7 +54,8 @@ class Software:
     after the backward (InternLM's HybridZeroOptimizer; Options.last_bucket_after_backward).
     bf16_optimizer: Adam's states in bf16 with no fp32 master copy (NeMo's distributed_fused_adam with optim.dtype
     bf16: Options.master_weights False), the gradients as the stack keeps them. dropout: False where the run sets
-    attention and hidden dropout to 0 (Options.dropout: the GPT count keeps no masks).
+    attention and hidden dropout to 0 (Options.dropout: the GPT count keeps no masks). megatron_core: the run's
+    megatron-core release, "MAJOR.MINOR[.PATCH]" (the container's; megatron_core_options), None: before 0.18.
     """
 
     stack: str | None = None
@@ -76,6 +78,7 @@ class Software:
     last_bucket_after_backward: bool | None = None
     bf16_optimizer: bool | None = None
     dropout: bool | None = None
+    megatron_core: str | None = None
 
     def __post_init__(self) -> None:
         for flag, value, allowed in (("--attention", self.attention, ATTENTION),
@@ -91,9 +94,28 @@ class Software:
             raise ValueError(f"--dp-overlap = {self.dp_overlap}: allowed: a number in [0, 1]")
         if self.recompute_every is not None and not (isinstance(self.recompute_every, int) and self.recompute_every >= 1):
             raise ValueError(f"--recompute-every = {self.recompute_every!r}: allowed: an integer >= 1")
+        if self.megatron_core is not None:
+            core_version(self.megatron_core)
         if self.bf16_sr and self.grad_bytes == 4:
             raise ValueError("--grad-bytes 4 with --bf16-sr: pure BF16 keeps bf16 gradients; allowed: --grad-bytes 2 "
                              "or no --grad-bytes")
+
+
+def core_version(text: str) -> tuple[int, int]:
+    """(major, minor) of a megatron-core release as "0.17.1" / "0.18" names it."""
+    parts = text.split(".")
+    if not (2 <= len(parts) <= 3 and all(x.isdigit() for x in parts)):
+        raise ValueError(f"--megatron-core = {text!r}: allowed: MAJOR.MINOR or MAJOR.MINOR.PATCH (e.g. 0.17.1)")
+    return int(parts[0]), int(parts[1])
+
+
+def megatron_core_options(version: str | None) -> dict:
+    """What the megatron-core release changes in Options (the one rule; the csv column megatron_core, the flag
+    --megatron-core): from 0.18 the interleaved schedule waits for each forward send at once
+    (stacks.MEGATRON_CORE_FWD_SEND_WAIT). None: the schedule as read at core_r0.13-0.17."""
+    if version is None:
+        return {}
+    return {"p2p_fwd_send_wait": core_version(version) >= MEGATRON_CORE_FWD_SEND_WAIT}
 
 
 def software_options(system: System, sw: Software, system_stack: bool = True) -> Options:
@@ -127,6 +149,7 @@ def software_options(system: System, sw: Software, system_stack: bool = True) ->
                 "recompute_every": sw.recompute_every, "zero1_grad_allreduce": sw.zero1_grad_allreduce,
                 "last_bucket_after_backward": sw.last_bucket_after_backward, "dropout": sw.dropout}
     kw |= {k: v for k, v in optional.items() if v is not None}
+    kw |= megatron_core_options(sw.megatron_core)
     if sw.zero1_grad_allreduce:  # BF16_Optimizer also adds each microbatch's bf16 gradients into its fp32 buffer
         kw |= {"grad_accum_in_hbm": True, "grad_accum_bytes": DEEPSPEED_BF16_ACCUM_BYTES}
     opts = Options.for_system(system, attention=sw.attention, stack=sw.stack, system_stack=system_stack, **kw)

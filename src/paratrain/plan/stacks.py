@@ -172,6 +172,14 @@ TORCH_LOSS_PARALLEL_PEAK_BYTES = 16.0
 # reduce_independent_p_g_buckets_and_remove_grads, which calls reduce_ipg_grads when the next gradient would overflow
 # reduce_bucket_size; independent_gradient_partition_epilogue reduces the remainder after the backward). Not NxD:
 # torch-xla's ZeRO-1 reduce-scatters in the optimizer step of the compiled graph, not from backward hooks.
+# p2p_overlap (plan.options.Options): Megatron-Bridge / NeMo 2's CommOverlapConfig sets overlap_p2p_comm True and
+# batch_p2p_comm False whenever pp > 1 and vp > 1 ("PP overlap", src/megatron/bridge/training/comm_overlap.py
+# @6b3b5ba7), and leaves overlap_p2p_comm_warmup_flush at Megatron-Core's False (model_parallel_config.py); the
+# schedule is NVIDIA/Megatron-LM megatron/core/pipeline_parallel/schedules.py at core_v0.13.0-core_r0.16.0 (b0cc2706)
+# and unchanged there through core_v0.17.1 (266f1c97). MEGATRON_CORE_FWD_SEND_WAIT: the first release whose interleaved
+# schedule waits for each forward send at once (PR #4047, 260cba7, 16 Apr 2026; in core_v0.18.0 ba7b5ebc, not in the
+# core_r0.17.0 branch): Options.p2p_fwd_send_wait, set by plan.software.megatron_core_options from the run's version.
+MEGATRON_CORE_FWD_SEND_WAIT = (0, 18)
 STACK_OPTIONS: dict[str, dict] = {
     "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "p2p_pair_allgather": True,
             "tp_bwd_overlap": True, "kv_replica_grad_bytes": NXD_KV_REDUCE_BYTES, "ce_bytes_per_logit": NXD_CE_BYTES, "grad_accum_in_hbm": True,
@@ -179,7 +187,7 @@ STACK_OPTIONS: dict[str, dict] = {
     "megatron": {"grad_bytes": 2, "tp_comm_overlap": True, "tp_overlap_sms": TE_OVERLAP_SMS, "overlap_param_gather": True, "fp8_weight_cache": True,
                  "fp8_param_gather": True,
                  "bucket_bytes": MEGATRON_BUCKET_PARAMS * 2, "moe_gemm_per_expert": True, "ce_bytes_per_logit": CROSS_ENTROPY_BYTES["te"], "wgrad_accumulation_fusion": True,
-                 "moe_probs_in_experts": True, "last_bucket_after_backward": True},
+                 "moe_probs_in_experts": True, "last_bucket_after_backward": True, "p2p_overlap": True},
     "fsdp2": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "cp_comm": "allgather_rotate",
               "fsdp_pp_unsharded": True, "fp8_tp_allgather": True, "eager_rope_bytes": TORCHTITAN_ROPE_BYTES,
               "selective_ops": True, "cp_kv_repeated": True, "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES,
@@ -209,7 +217,9 @@ CUDNN_HOPPER_EFF = 539.0 / 989.0
 # GEMMs and attention are scaled by this. Calibrated: `benchmarks/planner_accuracy.py --calibrate-h100` on the
 # calibration set torchtitan_h100_1node (torchtitan Table 1: Llama 3.1 8B FSDP on one Grand Teton node, eager,
 # compile, Float8; 3 rows); evaluated on torchtitan's multi-node rows and MosaicML's H100 SXM FSDP rows.
-PYTORCH_HOPPER_SCALE = 0.81  # grid 0.55-0.85: 1.6% on those 3 rows since the FSDP traffic hidden behind compute
+PYTORCH_HOPPER_SCALE = 0.85  # grid 0.55-1.00: 1.6% on those 3 rows since the Hopper GEMM efficiency it scales is
+# megatron_h100_1node's 0.64 (h100p2p 4 Dec 2026; refit as --calibrate-h100-megatron does); 0.81 and 1.6% at 0.70,
+# since the FSDP traffic hidden behind compute
 # costs the SMs NCCL holds (collectives.overlapped_exposed_s, nccl 4 Dec 2026; 0.79 and 1.5% before, since eager's
 # counted elementwise bytes and torchtitan's per-op selective checkpointing are timed; 0.76 and 4.7% before that; 0.73
 # and 4.4% before the flash backward's lower efficiency, plan.step.FLASH_BWD_EFF, was counted)

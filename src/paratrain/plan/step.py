@@ -49,7 +49,7 @@ from paratrain.plan.memory import (
     offloaded_layers,
 )
 from paratrain.plan.options import Options
-from paratrain.plan.pipeline import _largest_rank, _slowest_rank, pipeline_bubble_s
+from paratrain.plan.pipeline import _largest_rank, _slowest_rank, overlapped_p2p_path_s, pipeline_bubble_s
 from paratrain.plan.precision import ADAM_STEP_BYTES, BF16_ADAM_STEP_BYTES, BF16_BYTES, FP8_BYTES
 from paratrain.plan.stages import Loads, balanced_loads, best_loads
 
@@ -70,6 +70,22 @@ FLASH_BWD_MATMULS = 5  # per attention block in FlashAttention-2's backward (for
 # dS = P o (dP - D) elementwise step, the recomputed P and the dQ accumulation are the extra non-matmul work). The
 # only published forward/backward split; applied to every flash kernel (FA2, cuDNN/FA3, NKI) as their ratio
 FLASH_BWD_EFF = 63 / 73
+
+
+def _overlapped_p2p(opts, sched, pp, v, m, send, chunk_fwd, attn_mm, pipeline, p2p_path):
+    """(pipeline, p2p_path) with the interleaved schedule's sends as Megatron-Core waits for them under
+    overlap_p2p_comm (plan.pipeline.overlapped_p2p_path_s). A steady iteration's exchange hides behind the next
+    chunk's forward; with EP A2A overlap (ep_overlap > 0: overlap_moe_expert_parallel_comm, which runs
+    combined_1f1b_schedule_for_interleaved_pipelining; core_v0.17.1 models/common/model_chunk_schedule_plan.py
+    TransformerModelChunkSchedulePlan.run) both exchanges are posted at the end of the merged forward-backward step
+    and waited at the start of the next, behind only the delayed attention wgrad of its first layer
+    (delay_wgrad_compute: attn.backward_dw; attn_mm, the layer's matmuls less the MLP's); with core >= 0.18's
+    forward-send wait (Options.p2p_fwd_send_wait) behind nothing."""
+    combined = opts.ep_overlap > 0
+    hidden = 0.0 if opts.p2p_fwd_send_wait else (np.maximum(attn_mm, 0.0) if combined else chunk_fwd)
+    capped = not (combined or opts.p2p_fwd_send_wait)
+    overlapped = np.where(sched == 2, overlapped_p2p_path_s(pp, v, m, send, hidden, capped), p2p_path)
+    return pipeline + overlapped - p2p_path, overlapped
 
 
 def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *, nodes, tp, pp, dp, cp,
@@ -304,6 +320,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     if opts.p2p_serial:  # DeepSpeed's engine: 2(m - 1) + p - 2 exchanges each way, p - 1 for one microbatch
         p2p_path = np.where(pp > 1, np.where(m > 1, 2 * (m - 1) + pp - 2, pp - 1) * p2p_per_mb, 0.0)
         pipeline = pipeline + p2p_path - m * p2p_per_mb
+    if opts.p2p_overlap:  # Megatron-Core's overlap_p2p_comm, interleaved 1F1B only (plan.pipeline.overlapped_p2p_path_s)
+        pipeline, p2p_path = _overlapped_p2p(opts, sched, pp, v, m, p2p, stage_fwd / v, mm - mlp_fwd, pipeline,
+                                             p2p_path)
 
     # -- data parallel: gradient reduce (and parameter gather for ZeRO-1/2/3) --
     params_rank, layers_rank = _largest_rank(model, loads, pp, v_shape)
