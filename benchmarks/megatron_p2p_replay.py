@@ -4,6 +4,17 @@ overlap_p2p_comm_warmup_flush False); fsend_wait: core >= 0.18 (PR #4047, each f
 1F1B: forward_backward_pipelining_without_interleaving. The closed forms it checks:
 plan.pipeline.overlapped_p2p_path_s (tests/test_plan_model.py replays one layout)."""
 
+import functools
+
+
+def exchange(ops, sends, recvs):
+    """A blocking exchange appended to one rank's program: post the sends, then the receives, then wait for all of
+    them (None: no peer on that side)."""
+    keys = [x for x in sends + recvs if x]
+    ops.extend(("ps", x) for x in sends if x)
+    ops.extend(("pr", x) for x in recvs if x)
+    ops.extend(("w", x) for x in keys)
+
 
 def chunk_mb(k, p, v, forward):
     g = k % (p * v)
@@ -33,16 +44,7 @@ def interleaved_programs(p, v, m, F, B, overlap, fsend_wait=False, combined_h=No
             s = j * p + r
             return (("B", s + 1, i) if s < S - 1 else None), (("B", s, i) if s > 0 else None)
 
-        def ex(sends, recvs, ops=ops):  # blocking exchange
-            ks = [x for x in sends + recvs if x]
-            for x in sends:
-                if x:
-                    ops.append(("ps", x))
-            for x in recvs:
-                if x:
-                    ops.append(("pr", x))
-            for x in ks:
-                ops.append(("w", x))
+        ex = functools.partial(exchange, ops)
 
         # recv_forward of k=0
         ex([], [fwd_keys(0)[0]])
@@ -157,16 +159,7 @@ def onef1b_programs(p, m, F, B):
         def bout(i, r=r):
             return ("B", r, i) if r > 0 else None
 
-        def ex(sends, recvs, ops=ops):
-            ks = [x for x in sends + recvs if x]
-            for x in sends:
-                if x:
-                    ops.append(("ps", x))
-            for x in recvs:
-                if x:
-                    ops.append(("pr", x))
-            for x in ks:
-                ops.append(("w", x))
+        ex = functools.partial(exchange, ops)
 
         for i in range(warm):
             ex([], [fin(i)])
