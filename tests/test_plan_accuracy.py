@@ -110,7 +110,10 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
              # overlapped gather and reduce-scatter per step, FP32 reduce-scatter, FA2; llama3dp, 4 Dec; was 18.0)
              # 12.8% once hidden DP traffic costs the SMs NCCL holds (nccl, 4 Dec; guard 14 -> 13.5)
              "llama3_paper": 9.5,
-             "neuron_trn1": 6.5, "neuron_trn1_nemo": 9.0, "nemo_b200": 10.0,
+             "neuron_trn1": 6.5, "neuron_trn1_nemo": 9.0,
+             # nemo_b200 7.1 -> 6.8% once NeMo 25.02's rows run the FP8 recipe and loss of NeMo v2.2.0 (TE delayed
+             # scaling, Megatron-Core's fused cross-entropy; b200, 4 Dec; was 10.0)
+             "nemo_b200": 7.5,
              # mosaic_fsdp 7.8 -> 6.2%, ibm_fsdp1_a100 6.4 -> 5.4% once llm-foundry's Triton attention is timed as the
              # FA1-class kernel it is and the A100 PyTorch scale refit (pthopper, 3 Dec; bounds 10.0 / 10.0 before)
              # 4.9% / 3.6% / 2.9% / 8.4% / 6.1% for mosaic_fsdp / ibm_fsdp1_a100 / megatron_fsdp / zero1_1k / dgxc_h100 with the
