@@ -467,6 +467,12 @@ def _eval_options(system, r: dict) -> Options:
         # optimizer_dtype (--bf16-optimizer): "bf16" where the run's optimizer keeps bf16 Adam states and no fp32
         # master copy (NeMo's distributed_fused_adam with optim.dtype bf16: Nemotron-4 340B's dgxc_h100 BF16 rows)
         bf16_optimizer=True if r.get("optimizer_dtype") == "bf16" else None,
+        # "fp32_remainders" / "bf16_master" (--optimizer-state): NeMo v2.0.0's distributed_fused_adam over bf16
+        # weights keeps 16-bit param remainders, not an fp32 master (the dgxc_h100 BF16 rows with the fp32 default
+        # dtype); with fp8_params and optim.dtype bf16 a bf16 master (Nemotron-4 340B's FP8 rows): precision.
+        # OPTIMIZER_STATE_BYTES
+        optimizer_state=r.get("optimizer_dtype") if r.get("optimizer_dtype") in ("fp32_remainders", "bf16_master")
+        else None,
         # dropout (--no-dropout): 0 where the run sets attention and hidden dropout to 0 (the Neuron Megatron-LM
         # reference's --attention-dropout 0 --hidden-dropout 0): the GPT count keeps no masks
         dropout=False if r.get("dropout") == "0" else None,

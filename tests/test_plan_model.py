@@ -1288,6 +1288,24 @@ def test_pure_bf16_with_stochastic_rounding_keeps_no_fp32_master():
     assert sr.time_breakdown_s["compute"] == mixed.time_breakdown_s["compute"]
 
 
+def test_nemo_distributed_adam_param_remainders_keep_ten_bytes_per_parameter():
+    """Apex DistributedFusedAdam with store_param_remainders (NeMo's default over bf16 weights): int16 remainders
+    beside the bf16 weights, fp32 m and v, 10 bytes of state per parameter instead of 12; bf16 master with
+    bf16 m, v: 6. Memory only: the step's time is master_weights'."""
+    from paratrain.plan.software import Software, software_options
+
+    system = resolve_system("dgx-h100")
+    lay = Layout(tp=2, sp=True, microbatch=1)
+    est = {k: estimate("llama3-8b", system, 2, 8192, 128, lay, software_options(system, Software(
+        stack="megatron", optimizer_state=k))) for k in ("fp32", "fp32_remainders", "bf16_master")}
+    opt = {k: e.memory_breakdown_bytes["optimizer"] for k, e in est.items()}
+    assert opt["fp32_remainders"] == pytest.approx(opt["fp32"] * 10 / 12)
+    assert opt["bf16_master"] == pytest.approx(opt["fp32"] * 6 / 12)
+    assert est["fp32_remainders"].step_time_s == est["fp32"].step_time_s
+    with pytest.raises(ValueError, match="--optimizer-state"):
+        Software(optimizer_state="fp16")
+
+
 def test_trainium_gemms_run_in_whole_tensor_engine_tiles():
     """Trainium's TensorEngine contracts <= 128 partitions against <= 128 stationary columns with <= 512 moving
     columns per instruction (NKI nc_matmul): a GEMM dimension off those multiples runs whole tiles, GPUs are not

@@ -103,6 +103,11 @@ class PlanTarget(Workload, OnSystem, Output):
         "Adam's m and v in bf16 and no fp32 master copy, the bf16 weights updated in place (NeMo's "
         "distributed_fused_adam with optim.dtype bf16 under megatron_amp_O2: store_params False): 4 bytes of "
         "optimizer state per parameter instead of 12; gradients as the stack keeps them", group=SOFTWARE)
+    optimizer_state: str | None = opt(
+        "what the optimizer keeps per parameter (Apex DistributedFusedAdam as NeMo sets it): fp32 (master, m, v: 12 "
+        "bytes), fp32_remainders (store_param_remainders: 16-bit remainders beside the bf16 weights, fp32 m, v: 10), "
+        "bf16_master (fp8_params with optim.dtype bf16: 6), bf16 (as --bf16-optimizer: 4); default: 12, or 4 "
+        "without a master copy", group=SOFTWARE)
     no_dropout: bool = opt(
         "the run sets attention and hidden dropout to 0 (Megatron-LM --attention-dropout 0 --hidden-dropout 0): a "
         "GPT model keeps no dropout masks; default: the masks are kept (Korthikanti et al.)", group=SOFTWARE)
@@ -141,6 +146,7 @@ def software_of(args) -> Software:
                     zero1_grad_allreduce=True if args.zero1_grad_allreduce else None,
                     last_bucket_after_backward=True if args.last_bucket_after_backward else None,
                     bf16_optimizer=True if args.bf16_optimizer else None,
+                    optimizer_state=args.optimizer_state,
                     dropout=False if args.no_dropout else None, megatron_core=args.megatron_core)
 
 

@@ -21,6 +21,14 @@ from paratrain.plan.precision import (
 from paratrain.plan.stages import Loads, balanced_loads, same_rank
 
 
+def optimizer_state_bytes(opts) -> float:
+    """The optimizer's state per parameter: the run's where it names it (Options.optimizer_state_bytes), else fp32
+    master, m, v (12) or, without a master copy, bf16 m, v (4)."""
+    if opts.optimizer_state_bytes is not None:
+        return opts.optimizer_state_bytes
+    return OPTIMIZER_BYTES if opts.master_weights else BF16_OPTIMIZER_BYTES
+
+
 def activation_bytes_per_token(model: ModelConfig, seq: int, attention: str, fp8: bool = False, dropout: bool = True):
     """Korthikanti et al. 2022 activation memory per token per layer, split by how it shards.
 
@@ -209,7 +217,7 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
         ranks.append((params_dev * bf16_weights / np.where(zero == 3, dp_shard, 1.0) + gathered + fp8_cache
                       + held * ex["weights"],
                       params_dev * opts.grad_bytes / np.where((zero >= 2) & ~pinned, dp_shard, 1.0) + held * ex["grads"],
-                      params_dev * (OPTIMIZER_BYTES if opts.master_weights else BF16_OPTIMIZER_BYTES)
+                      params_dev * optimizer_state_bytes(opts)
                       / np.where(zero >= 1, dp_shard, 1.0) + held * ex["optimizer"],
                       (per_layer * layers + ex["activations"] * held) * inflight + rebuilt + ex["once"]
                       + np.where(head, head_extra, working)))

@@ -192,6 +192,9 @@ class Options:
     weights updated in place and m, v in bf16 (BF16_OPTIMIZER_BYTES, BF16_ADAM_STEP_BYTES: Neuron's "Autocast:BF16+SR",
     XLA_USE_BF16=1, as neuronx-nemo-megatron's bf16SR and the Neuron Megatron-LM reference run). Gradients are bf16 then
     too: pass grad_bytes=2.
+    optimizer_state_bytes: the optimizer's state per parameter where the run's optimizer says it (precision.
+    OPTIMIZER_STATE_BYTES: Apex DistributedFusedAdam's 16-bit param remainders, 10; a bf16 master with bf16 m, v,
+    6); None: by master_weights (12 or 4). Memory only: the Adam step's traffic stays master_weights'.
     dropout: the model's dropout layers are on (attention and hidden dropout > 0), so the GPT count keeps their
     masks (Korthikanti et al.: two 1-byte hidden masks per token, and under unfused attention the scores' mask and
     the dropped-out probabilities); False: a run configured with dropout 0 keeps neither (nn.Dropout with p 0
@@ -310,6 +313,7 @@ class Options:
     cp_kv_repeated: bool = False
     tp_saves_gathered_input: bool = False
     master_weights: bool = True
+    optimizer_state_bytes: float | None = None
     dropout: bool = True
     fused_softmax: bool = True
     kv_replica_grad_bytes: float = 0.0

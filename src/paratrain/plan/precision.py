@@ -18,4 +18,17 @@ ADAM_STEP_BYTES = 32  # per parameter per step: read p, g, m, v (fp32), write p,
 # "enables running at half precision speeds (BF16) while maintaining accuracy ... it also helps ... reduce memory
 # footprint"): m + v, and per step read p, g, m, v and write p, m, v, all 2 bytes (Options.master_weights False)
 BF16_OPTIMIZER_BYTES = 4
+# Apex DistributedFusedAdam's state per parameter, by what NeMo's distributed_fused_adam asks it to keep (the csv
+# column optimizer_dtype, Software.optimizer_state, Options.optimizer_state_bytes). Apex
+# apex/contrib/optimizers/distributed_fused_adam.py StateBucket: exp_avg_shard and exp_avg_sq_shard in the optimizer
+# dtype, params_shard (a master copy) in that dtype when store_params, an int16 param_remainders_shard when
+# store_param_remainders (the low 16 bits of the fp32 value whose high 16 bits are the bf16 weight). NeMo v2.0.0
+# (nemo:24.09) MegatronBaseModel.setup_optimization picks them where the config does not: fp8_params -> store_params;
+# optimizer dtype = model dtype -> no master; fp32 optimizer over bf16 weights -> store_param_remainders.
+OPTIMIZER_STATE_BYTES = {
+    "fp32": OPTIMIZER_BYTES,  # fp32 master, m, v (store_params; fp8_params with the default fp32 dtype)
+    "fp32_remainders": 2 + 8,  # int16 remainders, fp32 m, v (bf16 weights, dtype fp32: NeMo's default)
+    "bf16_master": 2 + 4,  # bf16 master, bf16 m, v (fp8_params with optim.dtype bf16)
+    "bf16": BF16_OPTIMIZER_BYTES,  # bf16 m, v, no master (optim.dtype bf16 = the bf16 model's dtype)
+}
 BF16_ADAM_STEP_BYTES = 14

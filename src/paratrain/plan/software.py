@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from paratrain.hardware.catalog import System
 from paratrain.plan.options import ATTENTION, CP_COMM, Options
+from paratrain.plan.precision import OPTIMIZER_STATE_BYTES
 from paratrain.plan.stacks import (
     ATTENTION_KERNELS,
     CROSS_ENTROPY_BYTES,
@@ -53,7 +54,9 @@ class Software:
     last_bucket_after_backward: the gradient all-reduce follows the backward bucket by bucket, its last bucket
     after the backward (InternLM's HybridZeroOptimizer; Options.last_bucket_after_backward).
     bf16_optimizer: Adam's states in bf16 with no fp32 master copy (NeMo's distributed_fused_adam with optim.dtype
-    bf16: Options.master_weights False), the gradients as the stack keeps them. dropout: False where the run sets
+    bf16: Options.master_weights False), the gradients as the stack keeps them. optimizer_state: what Apex
+    DistributedFusedAdam keeps per parameter where NeMo picks it, one of precision.OPTIMIZER_STATE_BYTES
+    (Options.optimizer_state_bytes; "bf16" is bf16_optimizer). dropout: False where the run sets
     attention and hidden dropout to 0 (Options.dropout: the GPT count keeps no masks). megatron_core: the run's
     megatron-core release, "MAJOR.MINOR[.PATCH]" (the container's; megatron_core_options), None: before 0.18.
     """
@@ -77,6 +80,7 @@ class Software:
     zero1_grad_allreduce: bool | None = None
     last_bucket_after_backward: bool | None = None
     bf16_optimizer: bool | None = None
+    optimizer_state: str | None = None
     dropout: bool | None = None
     megatron_core: str | None = None
 
@@ -85,7 +89,8 @@ class Software:
                                      ("--fp8-recipe", self.fp8_recipe, FP8_RECIPES),
                                      ("--attention-kernel", self.attention_kernel, ATTENTION_KERNELS),
                                      ("--cp-comm", self.cp_comm, CP_COMM), ("--grad-bytes", self.grad_bytes, (2, 4)),
-                                     ("--cross-entropy", self.cross_entropy, tuple(CROSS_ENTROPY_BYTES))):
+                                     ("--cross-entropy", self.cross_entropy, tuple(CROSS_ENTROPY_BYTES)),
+                                     ("--optimizer-state", self.optimizer_state, tuple(OPTIMIZER_STATE_BYTES))):
             if value is not None and value not in allowed:
                 raise ValueError(f"{flag} = {value!r}: allowed: {', '.join(map(str, allowed))}")
         if self.grad_bucket_mb is not None and not self.grad_bucket_mb > 0:
@@ -130,6 +135,10 @@ def software_options(system: System, sw: Software, system_stack: bool = True) ->
         kw |= {"master_weights": False, "grad_bytes": 2}
     if sw.bf16_optimizer:  # bf16 Adam states updating the bf16 weights: no master copy, gradients unchanged
         kw["master_weights"] = False
+    if sw.optimizer_state == "bf16":  # the same optimizer, named by its state
+        kw["master_weights"] = False
+    elif sw.optimizer_state is not None:  # a master copy (fp32 or bf16, or remainders): the state's size only
+        kw["optimizer_state_bytes"] = float(OPTIMIZER_STATE_BYTES[sw.optimizer_state])
     if sw.grad_bytes is not None:
         kw["grad_bytes"] = sw.grad_bytes
     if sw.grad_bucket_mb is not None:
