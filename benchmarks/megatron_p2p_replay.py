@@ -16,6 +16,22 @@ def exchange(ops, sends, recvs):
     ops.extend(("w", x) for x in keys)
 
 
+def async_pass(ops, duration, name, pending_recv, send, recv, prev_send):
+    """One steady-state pass under overlap_p2p_comm appended to a rank's program: wait for the receive it needs,
+    compute, post its send and the next receive, wait for the previous pass's send. Returns (the receive now
+    pending, the send now in flight); None: no peer on that side."""
+    if pending_recv:
+        ops.append(("w", pending_recv))
+    ops.append(("c", duration, name))
+    if send:
+        ops.append(("ps", send))
+    if recv:
+        ops.append(("pr", recv))
+    if prev_send:
+        ops.append(("w", prev_send))
+    return recv, send
+
+
 def chunk_mb(k, p, v, forward):
     g = k % (p * v)
     j = g // p
@@ -85,37 +101,15 @@ def interleaved_programs(p, v, m, F, B, overlap, fsend_wait=False, combined_h=No
                 prev_send_next, prev_send_prev = out, gout
                 ops.append(("c", combined_h, "Bdw"))  # the first layer's delayed attention wgrad
             elif overlap:
-                if pending_recv_f:
-                    ops.append(("w", pending_recv_f))
-                    pending_recv_f = None
-                ops.append(("c", F, "F"))
                 out = fwd_keys(fk)[1]
                 nxt_in = fwd_keys(fk + 1)[0] if k < rem - 1 else None
-                if out:
-                    ops.append(("ps", out))
-                if nxt_in:
-                    ops.append(("pr", nxt_in))
-                    pending_recv_f = nxt_in
-                if prev_send_next:
-                    ops.append(("w", prev_send_next))
-                prev_send_next = out
+                pending_recv_f, prev_send_next = async_pass(ops, F, "F", pending_recv_f, out, nxt_in, prev_send_next)
                 if fsend_wait and out:
                     ops.append(("w", out))
                     prev_send_next = None
-                if pending_recv_b:
-                    ops.append(("w", pending_recv_b))
-                    pending_recv_b = None
-                ops.append(("c", B, "B"))
                 gout = bwd_keys(k)[1]
                 gin = bwd_keys(k + 1)[0] if k + 1 < total else None
-                if gout:
-                    ops.append(("ps", gout))
-                if gin:
-                    ops.append(("pr", gin))
-                    pending_recv_b = gin
-                if prev_send_prev:
-                    ops.append(("w", prev_send_prev))
-                prev_send_prev = gout
+                pending_recv_b, prev_send_prev = async_pass(ops, B, "B", pending_recv_b, gout, gin, prev_send_prev)
             else:
                 ops.append(("c", F, "F"))
                 ops.append(("c", B, "B"))
