@@ -784,8 +784,8 @@ def main() -> int:
                   "mosaic_a100_1node": "MosaicML llm-foundry FSDP on one A100 80GB node (set PyTorch-on-A100 scale)",
                   "neuron_trn1_nxd": "Neuron trn1 NxD benchmarks (set the Trainium1 efficiencies)",
                   "nemo_b200_1node": "Megatron-Bridge Llama 3 8B on one DGX-B200, FP8-CS/MXFP8 (set the B200 GEMM efficiency)",
-                  "megatron_h100_1node": "Megatron-Core/NeMo Llama 2 7B / Llama 3 8B on one DGX-H100, BF16+FP8 (the Hopper GEMM "
-                                         "efficiency's set, --calibrate-h100-megatron; its fit 0.64 is not applied: docs/planner.md, h100cal)"}
+                  "megatron_h100_1node": "Megatron-Core/NeMo Llama 2 7B / Llama 3 8B on one DGX-H100, BF16+FP8 (set the Hopper GEMM "
+                                         "efficiency, --calibrate-h100-megatron: its fit 0.64 is chips.toml's since h100p2p)"}
     cal_grouped = eval_sets(catalog, CAL_CSV)
     for key, rows in cal_grouped.items():
         calibration[key] = (cal_titles.get(key, key), [r[:3] for r in rows])
