@@ -478,7 +478,10 @@ def _eval_options(system, r: dict) -> Options:
         dropout=False if r.get("dropout") == "0" else None,
         # megatron_core (--megatron-core): the container's megatron-core release where established (Megatron-Bridge
         # docs/releases/software-versions.md, its 3rdparty/Megatron-LM pin); empty: before 0.18
-        megatron_core=r.get("megatron_core") or None))
+        megatron_core=r.get("megatron_core") or None,
+        # torch (--torch): the run's torch release where it predates checkpoint early stop (2.1): MosaicML's
+        # llm-foundry image mosaicml/pytorch:2.0.1_cu118 (sweep.sh): its recomputed blocks rerun whole
+        torch=r.get("torch") or None))
 
 
 def _best_published(model, system, nodes, seq, gbs, fixed, free, opts):

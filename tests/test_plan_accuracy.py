@@ -124,7 +124,10 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
              # neuron_trn1_nemo: 13.0% -> 10.2% once its pre-2.18 rows ran the unfused softmax they ran (was 20.0 here)
              # neuron_trn1 6.0 -> 5.3%, neuron_trn1_nemo 8.8 -> 7.9% once the replay's dead tail is dropped (accnxd;
              # bounds 10.0 / 10.0 before)
-             "ibm_fsdp2_h100": 15.0, "ibm_fsdp1_a100": 5.0,
+             # ibm_fsdp2_h100 14.8 -> 11.5, ibm_fsdp1_a100 3.6 -> 1.5% once torch's non-reentrant checkpoint replay
+             # stops before the block's last GEMM (early stop, torch >= 2.1; h100pt, 4 Dec; bounds 15.0 / 5.0 before);
+             # torchtitan_h100 6.1 -> 6.7, torchtitan_a100 2.6 -> 3.6% worse (docs/planner.md, h100pt)
+             "ibm_fsdp2_h100": 12.5, "ibm_fsdp1_a100": 2.5,
              "nemo_gb200": 7.0,
              "nemo_long_seq_h100": 2.0,  # 2.2% since its rows ran flash-attn 2 (acccp, 3 Dec; was 32.0)
              # fsdp_scale (fsdpdata, 3 Dec): BLOOM 176B on 384 A100 (3D + ZeRO-1) and MT-NLG 530B on 2,240-3,360 A100,

@@ -1166,6 +1166,29 @@ def test_nxd_replay_leaves_out_the_down_projection_and_the_reduce_scatter_nothin
         assert (dropped.step_time_s < kept.step_time_s) == bool(saved)
 
 
+def test_torch_checkpoint_early_stop_drops_the_replayed_down_projection_from_torch_2_1():
+    """plan.software.torch_options: torchtitan's non-reentrant checkpoint (the fsdp2 stack) stops its replay before the
+    block's last GEMM from torch 2.1 (early stop) and reruns the whole block on torch 2.0.1 (MosaicML's image); the
+    reentrant stacks (DeepSpeed, Megatron) rerun it whatever the torch. Per layer-microbatch the full-recompute step
+    differs by exactly that GEMM."""
+    from paratrain.plan.kernels import matmul_time_s
+
+    system = resolve_system("dgx-h100")
+    opts = {v: software_options(system, Software(stack="fsdp2", torch=v)) for v in (None, "2.1", "2.0.1")}
+    assert opts[None].replay_drops_dead_tail and opts["2.1"].replay_drops_dead_tail
+    assert not opts["2.0.1"].replay_drops_dead_tail
+    for stack in ("deepspeed", "megatron"):
+        assert not software_options(system, Software(stack=stack, torch="2.5")).replay_drops_dead_tail
+    with pytest.raises(ValueError, match="--torch"):
+        Software(torch="2.x")
+    model, T = PRESETS["llama3-8b"], 8192
+    lay = Layout(tp=1, pp=1, recompute="full", microbatch=1, dp_kind="fsdp", zero_stage=3)
+    old, new = (estimate("llama3-8b", "dgx-h100", 1, T, 8, lay, opts[v]) for v in ("2.0.1", None))
+    down = float(matmul_time_s(system, T, model.hidden, model.ffn, False, opts[None]))
+    gain = (old.time_breakdown_s["compute"] - new.time_breakdown_s["compute"]) / model.layers
+    assert gain == pytest.approx(down, rel=1e-6)
+
+
 def test_nxd_rmsnorm_keeps_its_fp32_input_for_the_backward():
     """Options.norm_saved_bytes (the nxd stack: NxDT's LlamaRMSNorm normalises in fp32): each of a Llama layer's two
     norms keeps its fp32 input and its bf16 output (6 bytes per element) where the count has the bf16 input (2),

@@ -115,6 +115,10 @@ class PlanTarget(Workload, OnSystem, Output):
         "the run's megatron-core release (MAJOR.MINOR[.PATCH], the container's: Megatron-Bridge "
         "docs/releases/software-versions.md): from 0.18 the interleaved schedule waits for each forward pipeline send "
         "at once (Megatron-LM PR #4047); default: the schedule as before 0.18", metavar="VERSION", group=SOFTWARE)
+    torch: str | None = opt(
+        "the run's torch release (MAJOR.MINOR[.PATCH]): with the fsdp2 stack's non-reentrant activation checkpointing "
+        "a recomputed block stops before its last GEMM from torch 2.1 (checkpoint early stop) and reruns whole before "
+        "it; default: a torch with early stop", metavar="VERSION", group=SOFTWARE)
 
 
 # The layout flags are the trainer's [parallel] keys (names, types, bounds, help; defaults from the schema), so a
@@ -147,7 +151,8 @@ def software_of(args) -> Software:
                     last_bucket_after_backward=True if args.last_bucket_after_backward else None,
                     bf16_optimizer=True if args.bf16_optimizer else None,
                     optimizer_state=args.optimizer_state,
-                    dropout=False if args.no_dropout else None, megatron_core=args.megatron_core)
+                    dropout=False if args.no_dropout else None, megatron_core=args.megatron_core,
+                    torch=args.torch)
 
 
 @command("estimate", PlanTarget, "predict time, memory and cost of one layout", **LAYOUT_FIELDS,

@@ -256,7 +256,9 @@ class Options:
     (DISABLE_NUMERIC_CC_TOKEN=1, pytorch/xla PR #6077) no later collective depends on the dead one's result, and an
     unpinned collective without a channel id has no side effect in XLA (HloInstruction::HasSideEffectNoRecurse), so
     the compiler's dead-code pass drops it with the GEMM that feeds it. NxD and neuronx-nemo-megatron call
-    reduce-scatter with pin_layout=False. False: the replay reruns the whole block (CUDA eager stacks).
+    reduce-scatter with pin_layout=False. torch.utils.checkpoint's non-reentrant replay (torch >= 2.1, the fsdp2 stack:
+    plan.stacks.TORCH_EARLY_STOP) stops before that GEMM, torch.compile's partitioner leaves it out. False: the
+    replay reruns the whole block (Megatron's and DeepSpeed's reentrant checkpoints; torch < 2.1).
     norm_saved_bytes: bytes per element of a Llama block's RMSNorm input that autograd keeps for the backward, per
     norm (2: the bf16 input, Korthikanti's count). NxDT's LlamaRMSNorm (neuronx_distributed_training/models/hf_models/
     modeling_llama.py) casts the input to fp32 (utils.get_cast_dtype) and normalises it there: pow keeps the fp32

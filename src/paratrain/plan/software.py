@@ -19,6 +19,8 @@ from paratrain.plan.stacks import (
     CROSS_ENTROPY_LOSS_PEAK_BYTES,
     DEEPSPEED_BF16_ACCUM_BYTES,
     MEGATRON_CORE_FWD_SEND_WAIT,
+    TORCH_CHECKPOINT_STACKS,
+    TORCH_EARLY_STOP,
     attention_kernel_eff,
 )
 
@@ -59,6 +61,8 @@ class Software:
     (Options.optimizer_state_bytes; "bf16" is bf16_optimizer). dropout: False where the run sets
     attention and hidden dropout to 0 (Options.dropout: the GPT count keeps no masks). megatron_core: the run's
     megatron-core release, "MAJOR.MINOR[.PATCH]" (the container's; megatron_core_options), None: before 0.18.
+    torch: the run's torch release, "MAJOR.MINOR[.PATCH]" (torch_options), None: the stack's (a torch with
+    checkpoint early stop).
     """
 
     stack: str | None = None
@@ -83,6 +87,7 @@ class Software:
     optimizer_state: str | None = None
     dropout: bool | None = None
     megatron_core: str | None = None
+    torch: str | None = None
 
     def __post_init__(self) -> None:
         for flag, value, allowed in (("--attention", self.attention, ATTENTION),
@@ -101,17 +106,34 @@ class Software:
             raise ValueError(f"--recompute-every = {self.recompute_every!r}: allowed: an integer >= 1")
         if self.megatron_core is not None:
             core_version(self.megatron_core)
+        if self.torch is not None:
+            release_version(self.torch, "--torch")
         if self.bf16_sr and self.grad_bytes == 4:
             raise ValueError("--grad-bytes 4 with --bf16-sr: pure BF16 keeps bf16 gradients; allowed: --grad-bytes 2 "
                              "or no --grad-bytes")
 
 
-def core_version(text: str) -> tuple[int, int]:
-    """(major, minor) of a megatron-core release as "0.17.1" / "0.18" names it."""
+def release_version(text: str, flag: str) -> tuple[int, int]:
+    """(major, minor) of a release as "0.17.1" / "2.1" names it; a bad one raises naming `flag`."""
     parts = text.split(".")
     if not (2 <= len(parts) <= 3 and all(x.isdigit() for x in parts)):
-        raise ValueError(f"--megatron-core = {text!r}: allowed: MAJOR.MINOR or MAJOR.MINOR.PATCH (e.g. 0.17.1)")
+        raise ValueError(f"{flag} = {text!r}: allowed: MAJOR.MINOR or MAJOR.MINOR.PATCH (e.g. 0.17.1)")
     return int(parts[0]), int(parts[1])
+
+
+def core_version(text: str) -> tuple[int, int]:
+    """(major, minor) of a megatron-core release as "0.17.1" / "0.18" names it."""
+    return release_version(text, "--megatron-core")
+
+
+def torch_options(version: str | None, stack: str | None) -> dict:
+    """What the torch release changes in Options (the one rule; the csv column torch, the flag --torch): on a stack
+    whose recompute is torch.utils.checkpoint's non-reentrant replay (stacks.TORCH_CHECKPOINT_STACKS) the replay
+    stops before the block's last GEMM from torch 2.1 (stacks.TORCH_EARLY_STOP; Options.replay_drops_dead_tail)
+    and reruns the whole block before it. None, or another stack: the stack's default."""
+    if version is None or stack not in TORCH_CHECKPOINT_STACKS:
+        return {}
+    return {"replay_drops_dead_tail": release_version(version, "--torch") >= TORCH_EARLY_STOP}
 
 
 def megatron_core_options(version: str | None) -> dict:
@@ -148,8 +170,8 @@ def software_options(system: System, sw: Software, system_stack: bool = True) ->
         if sw.cross_entropy in CROSS_ENTROPY_LOSS_PEAK_BYTES:  # what that kernel keeps at the loss backward's peak
             kw["loss_peak_bytes_per_logit"] = CROSS_ENTROPY_LOSS_PEAK_BYTES[sw.cross_entropy]
             kw["tp_loss_peak_bytes_per_logit"] = None  # the named kernel at every tp, not the stack's TP loss
+    runs_as = system.stack.runs_as if system_stack and system.stack is not None else None
     if sw.attention_kernel is not None:  # off Hopper no per-kernel rate: the chip's own (the stack's default)
-        runs_as = system.stack.runs_as if system_stack and system.stack is not None else None
         eff = attention_kernel_eff(sw.attention_kernel, system.chip, sw.stack or runs_as)  # the stack it is timed as
         kw |= {"attention_eff": eff} if eff is not None else {}
     optional = {"dp_overlap": sw.dp_overlap, "cp_comm": sw.cp_comm, "fused_softmax": sw.fused_softmax,
@@ -159,6 +181,7 @@ def software_options(system: System, sw: Software, system_stack: bool = True) ->
                 "last_bucket_after_backward": sw.last_bucket_after_backward, "dropout": sw.dropout}
     kw |= {k: v for k, v in optional.items() if v is not None}
     kw |= megatron_core_options(sw.megatron_core)
+    kw |= torch_options(sw.torch, sw.stack or runs_as)
     if sw.zero1_grad_allreduce:  # BF16_Optimizer also adds each microbatch's bf16 gradients into its fp32 buffer
         kw |= {"grad_accum_in_hbm": True, "grad_accum_bytes": DEEPSPEED_BF16_ACCUM_BYTES}
     opts = Options.for_system(system, attention=sw.attention, stack=sw.stack, system_stack=system_stack, **kw)

@@ -180,6 +180,22 @@ TORCH_LOSS_PARALLEL_PEAK_BYTES = 16.0
 # schedule waits for each forward send at once (PR #4047, 260cba7, 16 Apr 2026; in core_v0.18.0 ba7b5ebc, not in the
 # core_r0.17.0 branch): Options.p2p_fwd_send_wait, set by plan.software.megatron_core_options from the run's version.
 MEGATRON_CORE_FWD_SEND_WAIT = (0, 18)
+# replay_drops_dead_tail (plan.options.Options) on the fsdp2 stack: torch.utils.checkpoint's non-reentrant replay
+# stops "as soon as it has computed all needed Tensors" (torch/utils/checkpoint.py set_checkpoint_early_stop, the
+# default; _recomputation_hook.pack_hook raises _StopRecomputationError at the last tensor the forward had saved).
+# The block's last save is its down-projection's inputs, which autograd saves before that GEMM runs (an op's
+# inputs are saved in the derivative setup ahead of its kernel call: tools/autograd/gen_variable_type.py
+# emit_save_inputs), so the replay ends before the GEMM, its TP reduction and the residual add. Under torch.compile
+# the checkpointed block's backward graph (torch/_functorch/partitioners.py classify_nodes: the closure of the
+# tangents' users) recomputes only the forward nodes it reads, which leaves out the same GEMM. Non-reentrant is what the runs use: torchtitan's ptd_checkpoint_wrapper (CheckpointImpl
+# NO_REENTRANT at 0413364, the torch default from 2.2 at 7c3a1fa / 9dec370: pytorch/pytorch#108435), IBM fms-fsdp's
+# non_reentrant_wrapper (fms_fsdp/policies/ac_handler.py, torch >= 2.2). TORCH_EARLY_STOP: the first torch release
+# with it (the rewrite pytorch/pytorch#90105 and #96866 "Make early stop the default", March 2023, after torch 2.0.0
+# was cut; in 2.1): a run on an older torch (MosaicML's llm-foundry image, torch 2.0.1) reruns the whole block
+# (plan.software.torch_options, the csv column torch / --torch). Megatron-Core's CheckpointFunction and DeepSpeed's
+# are reentrant (a whole rerun, then torch.autograd.backward): not these stacks.
+TORCH_EARLY_STOP = (2, 1)
+TORCH_CHECKPOINT_STACKS = {"fsdp2"}  # stacks whose recompute is torch.utils.checkpoint's non-reentrant replay
 STACK_OPTIONS: dict[str, dict] = {
     "nxd": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False, "p2p_pair_allgather": True,
             "tp_bwd_overlap": True, "kv_replica_grad_bytes": NXD_KV_REDUCE_BYTES, "ce_bytes_per_logit": NXD_CE_BYTES, "grad_accum_in_hbm": True,
@@ -192,7 +208,7 @@ STACK_OPTIONS: dict[str, dict] = {
               "fsdp_pp_unsharded": True, "fp8_tp_allgather": True, "eager_rope_bytes": TORCHTITAN_ROPE_BYTES,
               "selective_ops": True, "cp_kv_repeated": True, "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES,
               "tp_loss_peak_bytes_per_logit": TORCH_LOSS_PARALLEL_PEAK_BYTES, "tp_saves_gathered_input": True,
-              "last_bucket_after_backward": True},
+              "last_bucket_after_backward": True, "replay_drops_dead_tail": True},
     "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False,
                   "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES, "p2p_serial": True, "last_bucket_after_backward": True},
 }
