@@ -12,8 +12,9 @@ and table). Like with like: torchtitan's `memory:` is torch.cuda's reserved_byte
 torchtitan metrics.py DeviceMemoryMonitor.get_peak_stats at 9dec370), the caching allocator's segments at their peak:
 every tensor plus the allocator's rounding and fragmentation, without the CUDA context and NCCL's buffers (cudaMalloc'd
 outside the allocator). The planner's memory_per_device_bytes counts the same tensors (it checks them against the HBM
-left after the context and the communicators' buffers, memory_capacity_bytes), so a signed error below 0 of a few % is
-the allocator's slack the planner does not count (memory_usable_fraction 1.0 on the GPU systems).
+left after the context and the communicators' buffers, memory_capacity_bytes) and, for the fsdp2 stack, what FSDP2's
+reduce-scatter and all-gather streams keep in their own allocator pools (Options.fsdp_stream_pools, memfrag); the
+fragmentation inside a stream's segment is not counted (memory_usable_fraction 1.0 on the GPU systems).
 """
 
 from __future__ import annotations

@@ -130,7 +130,8 @@ def test_memory_activations_by_recompute_and_schedule(box):
     assert _memory(model, box, rc=0)["memory_activations_bytes"] == pytest.approx(L * full_layer + logits)
     assert _memory(model, box, rc=1)["memory_activations_bytes"] == pytest.approx(L * sel_layer + logits)
     full = _memory(model, box, rc=2)["memory_activations_bytes"]
-    assert full == pytest.approx(L * T * 2 * h / t + full_layer + logits)  # inputs + one layer rebuilt
+    # inputs + the larger of the loss backward and one layer rebuilt: the loss runs before any layer's backward
+    assert full == pytest.approx(L * T * 2 * h / t + max(full_layer, logits))
     # pp = 4, 1F1B: rank r holds p - r microbatches: the first stage 4 x L/4 layers = L layers' worth (the most),
     # the last one microbatch and the logits
     pp4 = _memory(model, box, pp=4.0, m=8.0)["memory_activations_bytes"]
@@ -709,8 +710,10 @@ def test_pytorch_loss_peak_and_fsdp_unit_working_set():
     """The last stage holds the loss backward's peak: 12 bytes per logit under PyTorch's F.cross_entropy on fp32
     logits (fsdp2 stack: log-softmax output, nll_loss's dense gradient, log_softmax_backward's result), 6 under
     Megatron's in-place vocab-parallel loss; FSDP (ZeRO-3) adds one layer's working set: its and the prefetched
-    layer's unsharded parameters, its unsharded gradient and the reduce-scatter input (2 + 2 + 2 + 4 bytes per
-    parameter), or, at the loss, the last layer's parameters beside the loss's peak, whichever is larger."""
+    layer's unsharded parameters and its unsharded gradient (2 + 2 + 2 bytes per parameter), or, at the loss, the
+    last layer's parameters beside the loss's peak, whichever is larger; and for the whole step (FSDP2, memfrag)
+    the root unit kept gathered (2 bytes per embedding / head parameter) and the reduce-scatter and all-gather
+    streams' cached buffers of a layer and the root (4 + 2)."""
     system = resolve_system("grand-teton-h100")
     model, s, B = PRESETS["llama3-8b"], 8192, 16
     torch_loss = Options.for_system(system, stack="fsdp2")
@@ -721,10 +724,10 @@ def test_pytorch_loss_peak_and_fsdp_unit_working_set():
     assert mem["torch"] - mem["fused"] == pytest.approx(2 * s * model.vocab * 6.0)
     fsdp = dataclasses.replace(ddp, dp_kind="fsdp", zero_stage=3)
     unit = model.params_per_layer()
-    logits = 2 * s * model.vocab * 12.0
     act = {name: estimate(model, system, 1, s, B, lay, torch_loss).memory_breakdown_bytes["activations"]
            for name, lay in (("fsdp", fsdp), ("ddp", ddp))}
-    assert act["fsdp"] - act["ddp"] == pytest.approx(max(unit * 2, unit * 10 - logits))  # the loss's side
+    root = model.embedding_params() + model.head_params()
+    assert act["fsdp"] - act["ddp"] == pytest.approx(unit * 2 + root * 2 + (unit + root) * 6)  # the loss's side
     with pytest.raises(ValueError, match="loss_peak_bytes_per_logit"):
         Options(loss_peak_bytes_per_logit=0)
 
@@ -736,15 +739,16 @@ TORCHTITAN_8B_RESERVED_GIB = {1: 77.0, 16: 62.0}
 
 @pytest.mark.parametrize("nodes", sorted(TORCHTITAN_8B_RESERVED_GIB))
 def test_fsdp2_memory_within_what_torch_reserved(nodes):
-    """What the planner counts never exceeds what torch's caching allocator reserved for the same run (reserved >=
-    allocated), and accounts for at least 85% of it (it was 71% at 128 GPUs before the loss peak and the FSDP
-    working set were counted: the sharded state alone differs by the 15 GiB measured between 8 and 128 GPUs)."""
+    """The planner's memory is within 5% of what torch's caching allocator reserved for the same run. It counted
+    allocated tensors only and stayed below (85-100% of it; 71% at 128 GPUs before the loss peak and the FSDP working
+    set were counted); since memfrag it also counts what FSDP2's streams keep cached (reserved, not allocated), the
+    root kept gathered and the loss and rebuild phases apart, and lands 2-5% above these compiled runs."""
     system = resolve_system("grand-teton-h100")
     opts = Options.for_system(system, stack="fsdp2")
     lay = Layout(dp_kind="fsdp", zero_stage=3, microbatch=2, recompute="selective")
     est = estimate("llama3-8b", system, nodes, 8192, 16 * nodes, lay, opts)
     reserved = TORCHTITAN_8B_RESERVED_GIB[nodes] * 2**30
-    assert 0.85 * reserved < est.memory_per_device_bytes <= reserved
+    assert 0.95 * reserved <= est.memory_per_device_bytes <= 1.05 * reserved
 
 
 def test_hsdp_replica_allreduce_hides_behind_backward():

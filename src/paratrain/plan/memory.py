@@ -155,6 +155,27 @@ def cp_gathered_kv_bytes(model, opts, *, T, tp, cp):
     return (np.asarray(cp, dtype=float) - 1.0) * T * 2 * width * BF16_BYTES / tp
 
 
+def head_gathered_input_bytes(model, opts, *, T, tp, sp):
+    """The output projection's all-gathered input that DTensor TP keeps for its weight gradient on the head's rank
+    (torchtitan's plan: "output" ColwiseParallel(input_layouts=Shard(1)), the final norm's output gathered to the
+    full sequence; bf16: the head is not converted to Float8Linear), beyond the shard: live at the loss."""
+    if not opts.tp_saves_gathered_input:
+        return 0.0
+    return T * model.hidden * BF16_BYTES * (1.0 - np.where(sp, 1.0 / tp, 1.0))
+
+
+def fsdp_pool_bytes(opts, *, unit, root, grads_sharded):
+    """What FSDP's own CUDA streams keep cached beyond the tensors counted elsewhere (Options.fsdp_stream_pools), per
+    rank: the reduce-scatter stream's reduce-dtype inputs of a layer and of the root (the root's, reduced last, does
+    not fit the layer's freed block between the sharded gradients written after it) plus, where the gradients are
+    counted unsharded (FSDP kept gathered under a pipeline), the sharded gradients it writes; the all-gather copy-in
+    stream's gathered buffers of the root and the first layer, live together (the root's freed at the layer's
+    copy-out). unit, root: parameters of one layer and of the root unit on this rank (after TP)."""
+    if not opts.fsdp_stream_pools:
+        return 0.0
+    return (unit + root) * (opts.grad_bytes + opts.param_bytes) + grads_sharded
+
+
 def loss_peak_bytes_per_logit(opts, tp):
     """Bytes per logit the loss backward holds on the last stage: the stack's loss, or its TP loss where tp > 1 and
     the stack runs another there (Options.tp_loss_peak_bytes_per_logit: torch's DTensor loss_parallel)."""
@@ -176,7 +197,10 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     forward, the prefetched one in the backward; Transformer Engine's offload scheduler, which Megatron-Core
     runs, keeps "at most (model_layers - num_layers) sets of activations" on the GPU and stalls compute to hold
     that). Also returned: offload_min_layers, the fewest offloaded blocks that make the layout fit (0 where it fits,
-    inf where no count does), which `search` tries."""
+    inf where no count does), which `search` tries.
+
+    What is counted is what torch's caching allocator reserves at the peak where the stack says so: FSDP's stream
+    pools (fsdp_pool_bytes), its root kept gathered, and on the head's rank the larger of the loss and rebuild phases."""
     v_shape = np.asarray(sched) >= 3
     loads = loads or balanced_loads(model.layers, pp, v, v_shape)
     fp8_weight_bytes = fp8_copies(system, opts) * low_precision_bytes(system, opts) if opts.fp8 else 0.0
@@ -192,9 +216,17 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     # it, the loss's peak beside the last layer's parameters (not resharded after forward). Both are transient: counted
     # with the activations
     unit = model.params_per_layer() / tp
-    fsdp_unit = np.where((np.asarray(zero) == 3) & ~pinned & (np.asarray(dp_shard) > 1), 1.0, 0.0)  # sharded
-    working = fsdp_unit * unit * (3 * opts.param_bytes + opts.grad_bytes)
-    head_extra = np.maximum(logits + fsdp_unit * unit * opts.param_bytes, working)
+    sharded = (np.asarray(zero) == 3) & (np.asarray(dp_shard) > 1)
+    fsdp_unit = np.where(sharded & ~pinned, 1.0, 0.0)
+    # the reduce-scatter input is the RS stream's (fsdp_pool_bytes) where those pools are counted
+    working = fsdp_unit * unit * (3 * opts.param_bytes + (0.0 if opts.fsdp_stream_pools else opts.grad_bytes))
+    # the head's rank: the loss backward (logits, the gathered head input, the last layer's parameters, kept
+    # gathered) runs before any layer is rebuilt, so its peak is the larger of the two phases, not their sum
+    loss_phase = logits + head_gathered_input_bytes(model, opts, T=T, tp=tp, sp=sp) + fsdp_unit * unit * opts.param_bytes
+    # torch.distributed.pipelining's last stage keeps every microbatch's bf16 logits (output_chunks) to the step's
+    # end, the current one's too (under pp 1 torchtitan deletes them before the backward; the loss peak excludes them)
+    kept_logits = np.where((np.asarray(pp) > 1) & opts.pp_last_stage_keeps_outputs,
+                           np.asarray(m, dtype=float) * T * model.vocab / tp * BF16_BYTES, 0.0)
     ranks_at = (0.0, np.where(one, 0.0, pp - 1), np.minimum(1.0, pp - 1))  # pipeline rank of first, last, inner
     moved = []  # per rank: (activation bytes offloading takes off the device per offloaded block, microbatches in flight)
     for params, layers, head, r in zip(_rank_params(model, loads, pp, v_shape), (loads.first, loads.last, loads.inner),
@@ -214,13 +246,21 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
         # FSDP kept gathered under a pipeline (Options.fsdp_pp_unsharded): the gathered copy beside the shard, and
         # the gradients accumulated unsharded in the reduce dtype until the last backward
         gathered = np.where(pinned, params_dev * opts.param_bytes, 0.0)
-        ranks.append((params_dev * bf16_weights / np.where(zero == 3, dp_shard, 1.0) + gathered + fp8_cache
+        # FSDP's shard is the fp32 master itself where the stack keeps no low-precision copy of it
+        shard_copy = np.where((zero == 3) & ~np.asarray(opts.fsdp_low_precision_shard), 0.0, bf16_weights)
+        # the root unit (embedding / final norm / head) and the FSDP streams' cached buffers, whole-step
+        root = params_dev - layers * unit
+        root_held = np.where(opts.fsdp_root_unsharded, fsdp_unit * root * opts.param_bytes, 0.0)
+        pools = np.where(sharded, fsdp_pool_bytes(opts, unit=unit, root=root, grads_sharded=np.where(
+            pinned, params_dev * opts.grad_bytes / dp_shard, 0.0)), 0.0)
+        transient = np.where(head, np.maximum(loss_phase, rebuilt + working) + kept_logits, rebuilt + working)
+        ranks.append((params_dev * shard_copy / np.where(zero == 3, dp_shard, 1.0) + gathered + fp8_cache
                       + held * ex["weights"],
                       params_dev * opts.grad_bytes / np.where((zero >= 2) & ~pinned, dp_shard, 1.0) + held * ex["grads"],
                       params_dev * optimizer_state_bytes(opts)
                       / np.where(zero >= 1, dp_shard, 1.0) + held * ex["optimizer"],
-                      (per_layer * layers + ex["activations"] * held) * inflight + rebuilt + ex["once"]
-                      + np.where(head, head_extra, working)))
+                      (per_layer * layers + ex["activations"] * held) * inflight + ex["once"] + transient
+                      + root_held + pools))
         # the host's share of an offloaded block: its average activations (MoE experts included) less what stays
         off = np.maximum((per_layer * layers + ex["activations"] * held) / np.maximum(layers, 1) - kept, 0.0)
         moved.append((off, inflight, layers))

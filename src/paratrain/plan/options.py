@@ -211,6 +211,27 @@ class Options:
     tp_saves_gathered_input: with SP, the column-parallel matmuls save the all-gathered full-sequence block inputs
     (the attention's and the MLP's normalised inputs) for their weight gradients, not the sequence shard (torch's
     DTensor TP: SequenceParallel then ColwiseParallel, torchtitan); Megatron-Core saves the shard and gathers again.
+    The output projection's input likewise (torchtitan's "output" ColwiseParallel(input_layouts=Shard(1))): the
+    gathered final-norm output, live at the loss on the head's rank.
+    fsdp_root_unsharded: FSDP's root unit (the parameters outside the per-layer units: embedding, final norm,
+    output head) stays gathered from its forward to the end of the backward: torch's FSDP2 never reshards the root
+    after forward (FSDPState._lazy_init: post_forward_mesh_info = None, "the parameters would be freed and
+    all-gathered immediately") and torchtitan wraps the root in its own fully_shard (apply_fsdp at 9dec370).
+    fsdp_stream_pools: FSDP's collectives allocate their buffers in their own CUDA streams, whose cached blocks the
+    caching allocator hands only to allocations of the same stream (c10/cuda/CUDACachingAllocator.cpp: "Once freed,
+    blocks can be re-allocated on the same stream, but not on any other stream"; with expandable_segments one
+    segment per stream), so those pools' high-water marks add to the default stream's in torch's reserved bytes:
+    FSDP2's reduce-scatter stream keeps the reduce dtype inputs of the largest units beside the sharded gradients it
+    writes (foreach_reduce: reduce_scatter_input and reduce_output allocated under reduce_scatter_stream), the
+    all-gather copy-in stream the gathered buffers of the root and a layer (foreach_all_gather's
+    all_gather_output, freed at the next unit's copy-out).
+    fsdp_low_precision_shard: the sharded parameters keep a copy in param dtype beside the fp32 master (Megatron's
+    distributed optimizer: its bf16 model weights); False: FSDP's shard is the fp32 parameter itself and the bf16
+    copy exists only while gathered (FSDP2's FSDPParam.all_gather_inputs casts the shard at each all-gather;
+    FSDP1's _mp_shard likewise), so it is not counted.
+    pp_last_stage_keeps_outputs: the pipeline's last stage keeps every microbatch's output (its logits) until the
+    step ends (torch.distributed.pipelining's output_chunks, returned by step(); detached since pytorch PR #138504,
+    Oct 2024), so at the last microbatch's loss all m are live (2 bytes per logit each).
     kv_replica_grad_bytes: where tp exceeds the KV heads and the stack replicates each K/V head on tp / kv-heads
     ranks (NxD's GQAQKVColumnParallelLinear, kv_size_multiplier), the backward all-reduces the K and V output
     gradients over those replicas before the QKV GEMMs' backward (neuronx_distributed/modules/qkv_linear_utils.py:
@@ -314,6 +335,10 @@ class Options:
     fp8_tp_allgather: bool = False
     cp_kv_repeated: bool = False
     tp_saves_gathered_input: bool = False
+    fsdp_root_unsharded: bool = False
+    fsdp_stream_pools: bool = False
+    fsdp_low_precision_shard: bool = True
+    pp_last_stage_keeps_outputs: bool = False
     master_weights: bool = True
     optimizer_state_bytes: float | None = None
     dropout: bool = True

@@ -158,6 +158,15 @@ PYTORCH_LOSS_PEAK_BYTES = 12.0
 # fp32 log-softmax for the backward, where _nll_loss_and_log_softmax_backward holds it beside a zeros_like fp32
 # grad_input, exp(log-softmax) and their sum (then its product with the loss gradient written over it): 4 x 4 bytes
 TORCH_LOSS_PARALLEL_PEAK_BYTES = 16.0
+# fsdp_root_unsharded, fsdp_stream_pools, fsdp_low_precision_shard, pp_last_stage_keeps_outputs (plan.options.Options;
+# memfrag, 4 Dec 2026): torch FSDP2 keeps the root unit gathered from its forward to the end of the backward
+# (FSDPState._lazy_init sets the root's post_forward_mesh_info None, torch up to PR #154704, Jun 2025; the Dec 2024
+# and the May 2025 builds the memory rows ran keep it; torchtitan's apply_fsdp wraps the root, 9dec370, e7c0cae),
+# its reduce-scatter and all-gather copy-in buffers live in their own streams' caching-allocator pools
+# (torch/distributed/_composable/fsdp/_fsdp_collectives.py foreach_reduce / foreach_all_gather;
+# c10/cuda/CUDACachingAllocator.cpp: freed blocks go back to their stream only), its shard is the fp32 parameter
+# (FSDPParam.all_gather_inputs casts it at each gather), and torch.distributed.pipelining's last stage keeps every
+# microbatch's output for step()'s merged return (stage.py forward_one_chunk output_chunks)
 # selective_ops: torchtitan's "selective" activation checkpointing is per-op (selective_ac_option "op", its default
 # and what its published Llama tables name "selective op"): plan.options.Options.selective_ops
 # last_bucket_after_backward (plan.options.Options): the data-parallel (non-FSDP) gradient reduce runs in buckets issued
@@ -208,7 +217,8 @@ STACK_OPTIONS: dict[str, dict] = {
               "fsdp_pp_unsharded": True, "fp8_tp_allgather": True, "eager_rope_bytes": TORCHTITAN_ROPE_BYTES,
               "selective_ops": True, "cp_kv_repeated": True, "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES,
               "tp_loss_peak_bytes_per_logit": TORCH_LOSS_PARALLEL_PEAK_BYTES, "tp_saves_gathered_input": True,
-              "last_bucket_after_backward": True, "replay_drops_dead_tail": True},
+              "last_bucket_after_backward": True, "replay_drops_dead_tail": True, "fsdp_root_unsharded": True,
+              "fsdp_stream_pools": True, "fsdp_low_precision_shard": False, "pp_last_stage_keeps_outputs": True},
     "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False,
                   "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES, "p2p_serial": True, "last_bucket_after_backward": True},
 }
