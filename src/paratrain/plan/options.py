@@ -253,15 +253,16 @@ class Options:
     into a bf16 .grad / main_grad). False: not timed (a GPU stack accumulating in the GEMM, Megatron-Core's
     gradient_accumulation_fusion, is timed only for expert GEMMs: plan.moe.wgrad_accumulate_s).
     p2p_serial: pipeline sends and receives are separate blocking calls, one after the other, as DeepSpeed's
-    PipelineEngine runs its TrainSchedule (microsoft/DeepSpeed deepspeed/runtime/pipe/schedule.py, engine.py, p2p.py:
-    dist.send / dist.recv, synchronous; the same from 2021 to 2022): a forward step receives the activation, then
-    sends the previous backward's gradient; a backward step sends the previous forward's activation, then receives
-    the gradient. In the steady state each send waits for its neighbour to finish the pass it is in, and both
-    directions' transfers lie on the path one after the other, where Megatron's send_forward_recv_backward exchanges
-    them at once. Replaying that schedule with rendezvous sends (a send and its receive start together and end after
-    one transfer time c) gives 2(m - 1) + p - 2 exchanges of 2c each on the path (p - 1 with one microbatch): 4c per
-    microbatch plus the fill and drain's 2c per stage, against m of 2c (m x p2p_per_mb) where False
-    (tests/test_plan_model.py replays the schedule). 1F1B and GPipe (pp > 1) only.
+    PipelineEngine runs its TrainSchedule (microsoft/DeepSpeed deepspeed/runtime/pipe/schedule.py, engine.py,
+    p2p.py: dist.send / dist.recv, synchronous, since e2fdd25 (29 Sep 2021, torch >= 1.8); before it, through
+    v0.5.3, a dist.broadcast on a 2-rank group per pair of stages, as blocking and as ordered): a forward step
+    receives the activation, then sends the previous backward's gradient; a backward step sends the previous
+    forward's activation, then receives the gradient. In the steady state each send waits for its neighbour to
+    finish the pass it is in, and both directions' transfers lie on the path one after the other, where Megatron's
+    send_forward_recv_backward exchanges them at once. Replaying that schedule with rendezvous sends (a send and its
+    receive start together and end after one transfer time c) gives 2(m - 1) + p - 2 exchanges of 2c each on the
+    path (p - 1 with one microbatch): 4c per microbatch plus the fill and drain's 2c per stage, against m of 2c (m x
+    p2p_per_mb) where False (tests/test_plan_model.py replays the schedule). 1F1B and GPipe (pp > 1) only.
     p2p_overlap: Megatron-Core's overlap_p2p_comm under the interleaved schedule: the steady state's sends and receives
     run async beside the next pass, the warm-up's and cool-down's stay blocking (plan.pipeline.overlapped_p2p_path_s);
     other schedules as False. False: every send on the path (m x p2p_per_mb).

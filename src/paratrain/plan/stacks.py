@@ -121,7 +121,8 @@ NXD_CE_BYTES = 28.0
 # use_fp32_grad_acc, set with zero_one_enabled: neuronx_distributed/trainer/trainer.py -> use_grad_acc_hook) adds each
 # microbatch's bf16 gradients into a full-size fp32 main_grad in a hook (torch_xla ZeroRedundancyOptimizer._make_param_hook)
 # p2p_serial (plan.options.Options): DeepSpeed's PipelineEngine sends and receives one tensor at a time with blocking
-# dist.send / dist.recv in its TrainSchedule's order (deepspeed/runtime/pipe/p2p.py, schedule.py TrainSchedule.steps)
+# dist.send / dist.recv in its TrainSchedule's order (deepspeed/runtime/pipe/p2p.py, schedule.py TrainSchedule.steps;
+# before e2fdd25, 29 Sep 2021, a dist.broadcast on a 2-rank group per stage pair: the same blocking rendezvous)
 # grad_accum_bytes (plan.options.Options, with grad_accum_in_hbm; set by plan.software for zero1_grad_allreduce, which
 # names DeepSpeed's BF16_Optimizer): every backward of every pipeline stage ends in BF16_Optimizer.update_hp_grads
 # (PipelineEngine._exec_backward_pass calls it after torch.autograd.backward on all but the last stage, whose
