@@ -1135,12 +1135,12 @@ def test_nxd_backward_tp_collectives_hide_behind_the_gemms_that_do_not_need_them
     assert Options.for_system(system, stack="nxd").tp_bwd_overlap
     assert hidden.time_breakdown_s["tp_comm"] < plain.time_breakdown_s["tp_comm"]
     ag = float(collective_time_s(system, "allgather", 8192 * 8192 * 2, 8, 1))
-    # per microbatch on the last stage (5 layers and the head): each layer's forward 4 calls, its replay 3 (the
-    # MLP's reduce-scatter feeds nothing: Options.replay_drops_dead_tail), its backward's 2 exposed gathers (of 6);
-    # the head's gather forward, gather + reduce-scatter backward (all-gather and reduce-scatter of one buffer take
-    # the same time)
+    rs = float(collective_time_s(system, "reducescatter", 8192 * 8192 * 2, 8, 1))  # its reductions bound it on trn1
+    # per microbatch on the last stage (5 layers and the head): each layer's forward 2 gathers and 2 reduce-scatters,
+    # its replay 2 and 1 (the MLP's reduce-scatter feeds nothing: Options.replay_drops_dead_tail), its backward's 2
+    # exposed gathers (of 6); the head's gather forward, gather + reduce-scatter backward
     per_mb = hidden.time_breakdown_s["tp_comm"] / hidden.microbatches
-    assert per_mb == pytest.approx(5 * 9 * ag + 3 * ag, rel=0.02)
+    assert per_mb == pytest.approx(5 * (6 * ag + 3 * rs) + 2 * ag + rs, rel=0.02)
     assert hidden.time_breakdown_s["compute"] == plain.time_breakdown_s["compute"]
 
 
@@ -1256,6 +1256,40 @@ def test_trn1_collectives_pay_the_per_call_floor_nccom_test_publishes():
     trn1 = resolve_system("trn1.32xlarge")
     assert collective_time_s(trn1, "allreduce", 1024, 2, 1) * 1e6 == pytest.approx(58, rel=0.1)
     assert collective_time_s(trn1, "allgather", 65536, 32, 1) * 1e6 == pytest.approx(150, rel=0.1)
+
+
+def test_trn1_reductions_run_at_the_rate_nccom_tests_on_chip_all_reduce_measures():
+    """NeuronCore-v2 reduces a collective's data through its DMA engines' collective compute (half their copy rate,
+    trainium3_arch.rst): chips.toml's reduce_gbytes_per_s, taken from nccom-test's 2-rank all-reduce on one trn1 chip
+    (18,930 us at 1 GiB), which the model then reproduces. A reduce-scatter over whole chips (KangaRing: each core
+    reduces half the buffer) is bound by it where the links would be faster (TP 32), an all-gather is not; GPUs and
+    Trainium2 carry no such rate."""
+    trn1 = resolve_system("trn1.32xlarge")
+    links_only = dataclasses.replace(trn1, chip=dataclasses.replace(trn1.chip, reduce_gbytes_per_s=0.0))
+    assert collective_time_s(trn1, "allreduce", 2**30, 2, 1) * 1e6 == pytest.approx(18930, rel=0.02)
+    mib64 = 64 * 2**20
+    rs32 = collective_time_s(trn1, "reducescatter", mib64, 32, 1)
+    assert rs32 - collective_time_s(links_only, "reducescatter", mib64, 32, 1) == pytest.approx(
+        mib64 / 2 / (trn1.chip.reduce_gbytes_per_s * 1e9) - (
+            collective_time_s(links_only, "allgather", mib64, 32, 1) - collective_time_s(links_only, "allgather", 0, 32, 1)),
+        rel=0.01)
+    assert collective_time_s(trn1, "allgather", mib64, 32, 1) == collective_time_s(links_only, "allgather", mib64, 32, 1)
+    assert not resolve_system("p5.48xlarge").chip.reduce_gbytes_per_s
+    assert not resolve_system("trn2.48xlarge").chip.reduce_gbytes_per_s
+
+
+def test_nki_flash_kernel_runs_its_diagonal_key_tiles_whole():
+    """The NKI flash kernel (nki-samples reference/attention.py) runs a 128-query tile against every 2048-key tile up
+    to and including the diagonal one whole in its forward, and 128 x 512 blocks in its backward: (n + 1) / 2n of
+    the score square for n key tiles, against half for a fine-grained kernel (GPUs)."""
+    from paratrain.plan.kernels import flash_causal_fraction
+
+    trn1 = resolve_system("trn1.32xlarge")
+    assert (trn1.chip.flash_fwd_key_tile, trn1.chip.flash_bwd_key_tile) == (2048, 512)
+    assert flash_causal_fraction(8192, 2048) == pytest.approx(5 / 8)
+    assert flash_causal_fraction(4096, 2048) == pytest.approx(3 / 4)
+    assert flash_causal_fraction(8192, 512) == pytest.approx(17 / 32)
+    assert flash_causal_fraction(8192, resolve_system("p5.48xlarge").chip.flash_fwd_key_tile) == 0.5
 
 
 def test_megatron_param_gather_and_grad_reduce_follow_megatron_cores_dispatch_order():

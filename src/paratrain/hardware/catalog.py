@@ -77,6 +77,14 @@ class Chip:
     # that is not a multiple of it runs in whole tiles (plan.kernels.matmul_tile_factor). 0: not modelled (GPUs)
     matmul_tile: int = 0
     matmul_moving_tile: int = 0
+    # The key blocks a causal flash-attention kernel works in (queries in matmul_tile rows): it skips a block only
+    # where the whole block lies above the diagonal, so the diagonal's blocks run whole (plan.kernels.
+    # flash_causal_fraction); forward and backward may block differently. 0: a fine-grained kernel, half the square
+    flash_fwd_key_tile: int = 0
+    flash_bwd_key_tile: int = 0
+    # The rate at which one device reduces a collective's data (all-reduce, reduce-scatter: bytes of reduced output
+    # per second) where that, not the links, bounds them (plan.collectives.reduction_bound_s). 0: the links bound them
+    reduce_gbytes_per_s: float = 0.0
     power_w: float | None = None
     sources: dict[str, str] = field(default_factory=dict)
     conflicts: tuple[str, ...] = ()
@@ -295,6 +303,8 @@ CHIP_FIELDS = {
     "display_name": ("str", False), "vendor": ("str", True), "status": ("str", False),
     "bf16_tflops": ("pos", True), "fp8_tflops": ("pos", False), "fp4_tflops": ("pos", False),
     "fp8_block_scaled": ("bool", False), "fp8_any_layout": ("bool", False), "matmul_tile": ("nonneg_int", False), "matmul_moving_tile": ("nonneg_int", False),
+    "flash_fwd_key_tile": ("nonneg_int", False), "flash_bwd_key_tile": ("nonneg_int", False),
+    "reduce_gbytes_per_s": ("nonneg", False),
     "hbm_bytes": ("posint", True), "hbm_bw_gbytes_per_s": ("pos", True), "cores_per_chip": ("posint", True),
     "power_w": ("pos", False), "source": ("str", True), "sources": ("strdict", False),
     "conflicts": ("strlist", False), "efficiency": ("table", True),

@@ -76,6 +76,8 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride, inner=N
     ring_only_gathers = system.chip.vendor == "nvidia"
     ll128 = ring_only_gathers and kind != "allreduce"  # NCCL's LL128 alternative for its flat rings (below)
     total_ll128, ll128_ok = np.zeros_like(total), np.ones(total.shape, dtype=bool)
+    moved = np.zeros_like(total)  # the node's levels' bandwidth terms, against the chip's reduction rate (below)
+    in_node = np.ones_like(total)  # the group's members inside one node
     for tier in system.tiers:
         if tier.domain_devices and inner is not None:
             inside = (np.clip(np.floor(tier.domain_devices / stride), 1.0, inner)
@@ -97,12 +99,17 @@ def collective_time_s(system: System, kind: str, nbytes, degree, stride, inner=N
         step_s = (link.latency_us + (share - 1) * link.timeshare_step_us) * 1e-6
         level = factor * ((n - 1) / n * data * share / bw + steps * step_s) + link.collective_overhead_us * 1e-6
         total = total + np.where(n > 1, level, 0.0)
+        if tier.domain_devices:  # inside a node: where Neuron's intra-node algorithms reduce (reduction_bound_s)
+            moved = moved + np.where(n > 1, factor * (n - 1) / n * data * share / bw, 0.0)
+            in_node = np.maximum(inside, inside_prev)
         if ll128:
             level = factor * ((n - 1) / n * data / (bw * LL128_BW_RATIO) + steps * link.ll128_latency_us * 1e-6) \
                 + link.collective_overhead_us * 1e-6
             total_ll128 = total_ll128 + np.where(n > 1, level, 0.0)
             ll128_ok = ll128_ok & ((n <= 1) | (link.ll128_latency_us > 0))
         inside_prev = np.maximum(inside, inside_prev)
+    total = total + np.maximum(reduction_bound_s(system, kind, nbytes, in_node, stride) - moved * reduced_share(kind),
+                               0.0)
     return np.where(ll128_ok, np.minimum(total, total_ll128), total) if ll128 else total
 
 
@@ -117,6 +124,7 @@ def _collective_scalar_s(system: System, kind: str, factor: float, nbytes: float
     ring_only_gathers = system.chip.vendor == "nvidia"
     ll128 = ring_only_gathers and kind != "allreduce"
     total_ll128, ll128_ok = 0.0, True
+    moved, in_node = 0.0, 1.0
     for tier in system.tiers:
         inside = min(max(float(math.floor(tier.domain_devices / stride)), 1.0), degree) if tier.domain_devices \
             else degree
@@ -135,13 +143,45 @@ def _collective_scalar_s(system: System, kind: str, factor: float, nbytes: float
         if n > 1:
             total = total + (factor * ((n - 1) / n * data * share / bw + steps * step_s)
                              + link.collective_overhead_us * 1e-6)
+            if tier.domain_devices:  # inside a node (reduction_bound_s)
+                moved = moved + factor * (n - 1) / n * data * share / bw
+                in_node = max(inside, inside_prev)
             if ll128:
                 total_ll128 = total_ll128 + (factor * ((n - 1) / n * data / (bw * LL128_BW_RATIO)
                                                        + steps * link.ll128_latency_us * 1e-6)
                                              + link.collective_overhead_us * 1e-6)
                 ll128_ok = ll128_ok and link.ll128_latency_us > 0
         inside_prev = max(inside, inside_prev)
+    total = total + max(float(reduction_bound_s(system, kind, nbytes, in_node, stride)) - moved * reduced_share(kind),
+                        0.0)
     return min(total, total_ll128) if ll128 and ll128_ok else total
+
+
+def reduced_share(kind: str) -> float:
+    """Share of a collective's link time that carries the data it reduces: an all-reduce's reduce-scatter half, a
+    reduce-scatter all of it (its all-gather half reduces nothing)."""
+    return 0.5 if kind == "allreduce" else 1.0
+
+
+def reduction_bound_s(system: System, kind: str, nbytes, degree, stride=1.0):
+    """Least time the reducing part of an all-reduce or reduce-scatter, over the `degree` ranks `stride` apart that it
+    has inside a node (its intra-node levels reduce the whole buffer; the levels across nodes work on a share), takes where
+    the chip reduces collectives at a rate of its own (chip.reduce_gbytes_per_s, per device: NeuronCores before v4
+    reduce through their DMA engines' collective compute at half the copy rate, nki/guides/architecture/
+    trainium3_arch.rst): the bytes each rank reduces at that rate. A group holding every core of the chips it spans
+    runs Neuron's KangaRing, whose primary core reduces each chunk once per chip, its own, its secondary's and the
+    partial sum it receives together, the two cores taking turns over the torus's two cycles (neuron-runtime/
+    explore/intranode-collective-comm.rst): each core reduces nbytes / cores of the chip; a group of one rank per
+    chip runs a flat ring, each rank reducing (n - 1)/n of the buffer. The links' model holds where it is slower;
+    an all-gather reduces nothing (0)."""
+    rate = system.chip.reduce_gbytes_per_s
+    if not rate or kind == "allgather":
+        return np.zeros(np.broadcast(np.asarray(nbytes), np.asarray(degree)).shape) if np.ndim(nbytes) or \
+            np.ndim(degree) else 0.0
+    degree, per_chip = np.asarray(degree, dtype=float), float(system.devices_per_chip)
+    whole_chips = (np.asarray(stride, dtype=float) == 1.0) & (degree >= per_chip)
+    share = np.where(whole_chips, 1.0 / per_chip, (degree - 1) / np.maximum(degree, 1.0))
+    return np.where(degree > 1, share * np.asarray(nbytes, dtype=float) / (rate * 1e9), 0.0)
 
 
 # CTAs (one per channel, each holding an SM) an NCCL ring collective of bulk size runs on (enqueue.cc: a collective

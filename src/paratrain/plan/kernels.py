@@ -64,6 +64,18 @@ def matmul_tile_factor(system: System, m, n, k):
     return up(k, tile) * np.minimum(up(n, tile) * up(m, moving), up(m, tile) * up(n, moving))
 
 
+def flash_causal_fraction(seq, key_tile):
+    """Fraction of the seq x seq score square a causal flash-attention kernel works through when it blocks the keys
+    key_tile at a time and skips a block only where all of it lies above the diagonal (its first key after the query
+    tile's first query; query tiles divide key tiles): of the seq / key_tile key blocks, query tile i runs the
+    floor(i / r) + 1 up to and including the diagonal one whole, (n + 1) / 2n of the square for n = ceil(seq /
+    key_tile), 1/2 + key_tile / (2 seq). key_tile 0: a kernel whose blocks are small against the sequence, 1/2."""
+    if not key_tile:
+        return 0.5
+    blocks = np.ceil(np.asarray(seq, dtype=float) / key_tile)
+    return (blocks + 1.0) / (2.0 * blocks)
+
+
 def device_fp8_flops(system: System) -> float:
     """FP8 peak of one device (the BF16 peak where the chip lists no faster FP8 rate)."""
     fp8 = system.chip.fp8_tflops

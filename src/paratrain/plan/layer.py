@@ -10,7 +10,13 @@ import numpy as np
 
 from paratrain.hardware.catalog import System
 from paratrain.model.config import ModelConfig
-from paratrain.plan.kernels import cast_cost, matmul_time_s, memory_time_s, soft_roofline
+from paratrain.plan.kernels import (
+    cast_cost,
+    flash_causal_fraction,
+    matmul_time_s,
+    memory_time_s,
+    soft_roofline,
+)
 from paratrain.plan.options import (
     EAGER_ELEMENTWISE_KERNELS,
     EAGER_EXTRA_MATMULS,
@@ -173,8 +179,11 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     s_local = seq / cp
     d = model.head_dim
     b_seqs = T / s_local  # microbatch sequences on this device
-    # Attention core per head as two batched matmuls (QK^T and AV) over the visible keys.
-    keys = seq if opts.attention == "unfused" else seq / 2.0  # flash skips the masked half (causal)
+    # Attention core per head as two batched matmuls (QK^T and AV) over the visible keys. Flash skips the masked half
+    # (causal), in the blocks its kernel works in (chip.flash_fwd_key_tile: the NKI kernel's 2048-key tiles run whole
+    # on the diagonal); under CP the stack's ring kernel is taken as fine-grained
+    keys = seq if opts.attention == "unfused" else seq * np.where(
+        cp > 1, 0.5, flash_causal_fraction(seq, system.chip.flash_fwd_key_tile))
     core_flops = 2 * 2.0 * b_seqs * heads * s_local * keys * d
     eff = system.chip.efficiency
     core_traffic = BF16_BYTES * b_seqs * heads * (4 * s_local * d)

@@ -28,6 +28,7 @@ from paratrain.plan.data_parallel import _data_parallel_s
 from paratrain.plan.kernels import (
     block_scaled,
     cast_cost,
+    flash_causal_fraction,
     low_precision_flops,
     matmul_time_s,
     memory_time_s,
@@ -170,6 +171,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     # (Dao 2023, FlashAttention-2 sec. 3.2), at a lower fraction of peak than its forward (FLASH_BWD_EFF);
     # unfused attention keeps P and runs 4 (dP, dV, dQ, dK) as plain batched GEMMs
     core_bwd = FLASH_BWD_MATMULS / 2.0 / FLASH_BWD_EFF if opts.attention == "flash" else 2.0
+    if opts.attention == "flash":  # the backward's key blocks against the forward's (chip.flash_*_key_tile)
+        core_bwd = core_bwd * np.where(cp > 1, 1.0, flash_causal_fraction(seq, system.chip.flash_bwd_key_tile)
+                                       / flash_causal_fraction(seq, system.chip.flash_fwd_key_tile))
     bwd_compute = (2 * mm + split_bwd + core_bwd * (core - merge_fwd) + merge_bwd + 2 * elem + quantize + bias_bwd + rope_bwd
                    + recompute_fwd)
     if moe is not None:  # the expert weight gradients accumulate into the main_grad buffer (plan.moe)
