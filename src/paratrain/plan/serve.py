@@ -324,10 +324,12 @@ def peak_flops(system: System, weights: str) -> float:
 
 def _serving_system(system: System, eff: ServingEfficiency) -> System:
     """The system with the serving stack's per-call collective cost on every link (decode all-reduces are tiny
-    and latency-bound: inference engines use one-shot / custom all-reduce kernels, not the training stack's)."""
+    and latency-bound: inference engines use one-shot / custom all-reduce kernels, not the training stack's). Its
+    collectives keep the links' model the serving tables were fitted with: the chip's reduction rate
+    (chip.reduce_gbytes_per_s, set from training-sized reductions) is not part of them (docs/planner.md, nxdtp)."""
     tiers = tuple(Tier(t.name, replace(t.interconnect, collective_overhead_us=eff.collective_us), t.domain_devices)
                   for t in system.tiers)
-    return replace(system, tiers=tiers)
+    return replace(system, tiers=tiers, chip=replace(system.chip, reduce_gbytes_per_s=0.0))
 
 
 def _tp_comm_s(system: System, model: ModelConfig, rep: Replica, tokens, layers: int):
