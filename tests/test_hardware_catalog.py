@@ -288,3 +288,18 @@ def test_host_links_are_sourced_and_absent_where_unpublished():
     assert links["p4d.24xlarge"] == links["dgx-a100-80gb"] == 32
     trainium = [n for n in systems if systems[n].chip.vendor == "aws"]
     assert trainium and all(links[n] is None for n in trainium)
+
+
+def test_power_capped_h100_peak_is_the_700w_part_scaled_by_what_the_cap_leaves():
+    """h100-hbm2e-500w (Grand Teton's 500 W cap) is the 700 W H100 SXM's peak times the GEMM-bound throughput a cap
+    leaves, from NVIDIA's MLPerf Inference v4.0 DGX H100 BERT-99.9 Offline runs at the default 700 W and at
+    `nvidia-smi -pl 450` interpolated to 500 W (chips.toml sources), so the 0.64 calibrated at 700 W applies to
+    both; FP8 keeps the Hopper 2:1, and the capped part sits inside torchtitan's NVL-SXM bracket (835-989)."""
+    chips = load_catalog().chips
+    sxm, capped = chips["h100"], chips["h100-hbm2e-500w"]
+    at_450_w = 50998.9 / 62182.5
+    at_500_w = at_450_w + (1.0 - at_450_w) * (500.0 - 450.0) / (700.0 - 450.0)
+    assert capped.power_w == 500.0 and sxm.power_w == 700.0
+    assert capped.bf16_tflops == pytest.approx(sxm.bf16_tflops * at_500_w, abs=0.5)
+    assert capped.fp8_tflops == 2 * capped.bf16_tflops and 835.0 < capped.bf16_tflops < sxm.bf16_tflops
+    assert capped.efficiency.matmul_eff_max == sxm.efficiency.matmul_eff_max
