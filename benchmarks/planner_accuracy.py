@@ -379,13 +379,21 @@ MEGATRON_DEEPSPEED = {"bloom-176b": (70, 14336, 112, 250880), "mt-nlg-530b": (10
 INTERNLM = {"internlm-7b": (32, 4096, 32, 11008, 103168)}
 
 
+# OPT-175B (Zhang et al. 2022, arXiv 2205.01068, Table 1: 96 layers, 96 heads, embedding 12288; facebookresearch/
+# metaseq metaseq/launcher/opt_job_constants.py @f2cd367 "175b": Size(96, 12288, 96, 128, ...), ffn_size 4 x
+# emb_size; opt_baselines.py: --share-decoder-input-output-embed, learned positions, ReLU): a GPT block with tied
+# embeddings; the GPT-2 BPE vocabulary as the released OPT checkpoints carry it (facebook/opt-* config.json
+# vocab_size 50272): layers, hidden, heads, vocabulary
+OPT = {"opt-175b": (96, 12288, 96, 50272)}
+
+
 def _eval_model(name: str, seq: int):
     if name in INTERNLM:
         layers, hidden, heads, ffn, vocab = INTERNLM[name]
         return ModelConfig(name=name, arch="llama", layers=layers, hidden=hidden, heads=heads, kv_heads=heads,
                            ffn_hidden=ffn, vocab=vocab, max_seq=seq)
-    if name in MEGATRON_DEEPSPEED:
-        layers, hidden, heads, vocab = MEGATRON_DEEPSPEED[name]
+    if name in MEGATRON_DEEPSPEED or name in OPT:
+        layers, hidden, heads, vocab = {**MEGATRON_DEEPSPEED, **OPT}[name]
         return ModelConfig(name=name, arch="gpt", layers=layers, hidden=hidden, heads=heads, vocab=vocab,
                            max_seq=seq, tie_embeddings=True)
     if name in NEMOTRON:
@@ -508,6 +516,13 @@ def _best_published(model, system, nodes, seq, gbs, fixed, free, opts):
     return best
 
 
+def _megatron2021_flops(model, gbs: int, seq: int) -> float:
+    """FLOPs of one step as Narayanan et al. 2021 (sec. 5.1, eq. 3) count them for a GPT model with full activation
+    recompute: 96 B s l h^2 (1 + s / 6h + V / 16 l h), the count behind its Table 1's (and narayanan() above)."""
+    h, layers = model.hidden, model.layers
+    return 96 * gbs * seq * layers * h * h * (1 + seq / (6 * h) + model.vocab / (16 * layers * h))
+
+
 def _eval_row(catalog, r: dict):
     """(label, predicted step time, measured step time, kind, system, model) of one published run."""
     system = _system(catalog, r["system"])
@@ -547,6 +562,8 @@ def _eval_row(catalog, r: dict):
         measured = value
     elif r["unit"] == "model_tflops_per_device":  # causal attention count (Megatron-Bridge's MODEL_TFLOP/s/GPU)
         measured = (est.model_flops_per_step if est else float("nan")) / (value * 1e12 * devices)
+    elif r["unit"] == "megatron2021_tflops_per_device":  # Narayanan et al. 2021 eq. 3, full recompute counted
+        measured = _megatron2021_flops(model, gbs, seq) / (value * 1e12 * devices)
     else:  # model TFLOP/s per device, full-square attention count
         measured = (est.model_flops_full_attention_per_step if est else float("nan")) / (value * 1e12 * devices)
     fsdp = fsdp and fixed["zero_stage"] >= 2  # hsdp with zero_stage 1 (InternLM's hybrid ZeRO-1) replicates parameters
@@ -815,7 +832,9 @@ def main() -> int:
                           "InternLM doc/en/train_performance.md @c18bec9 FLOPS tables (4 x 100Gb RoCE per node)",
               "together_b200": "Together AI's Llama 3 70B runs on two B200 clusters (use3a-ss, slinky; together-dgxc-"
                                "benchmarking worklogs): Megatron FSDP FP8-CS + 5 offloaded layers on 64-592 GPUs, TP2 PP4 "
-                               "VP5 MXFP8 on 256-512 (Megatron-Bridge 25.11-26.02)"}
+                               "VP5 MXFP8 on 256-512 (Megatron-Bridge 25.11-26.02)",
+              "fsdp_1k": "Fully sharded data parallelism at 768-4,096 GPUs: OPT-175B on 992 A100 80GB (metaseq: fairscale "
+                         "FSDP without reshard after forward + Megatron TP8, full recompute, FP16; Zhang et al. 2022)"}
     for key, rows in grouped.items():
         evaluation[key] = (titles.get(key, key), [r[:3] for r in rows])
     results = {}

@@ -156,6 +156,11 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
              # planner keeps FSDP's traffic hidden), TP2 PP4 VP5 MXFP8 on 256-512 GPUs +3.4 .. +23.4% (slow; the
              # slinky cluster runs the same layout 19% faster than use3a-ss)
              "together_b200": 7.0,
+             # fsdp_1k (fsdp1k, 4 Dec): fully sharded data parallelism at 768-4,096 GPUs, never tuned: OPT-175B on 992
+             # A100 80GB (metaseq: fairscale FSDP without reshard after forward + Megatron TP8; Zhang et al. 2022's
+             # "up to 147 TFLOP/s per GPU" in Narayanan et al.'s count), the one public run found that pins a row:
+             # 14.5% (fast) at its addition
+             "fsdp_1k": 15.0,
              "dgxc_h100": 4.0}  # dgxc_h100: 6.7% with the runs' own cross-entropy (accdgx, 3 Dec; guard 9 -> 8), 7.7% at its addition (accdgxc, 2 Dec), 8.3% with the Nemotron-4/GPT-3 rows, 7.8% with acccp's FA2 rows, 7.7% with FP8 delayed scaling's amax all-reduce, 7.6% with the runs' gradient buckets (accdp, 3 Dec)
     # nemo_long_seq_h100: 28.1% at its addition (accl3, 2 Dec; docs/planner.md)  # nemo_gb200: 9.2% at its addition (accgpu, 2 Dec)  # ibm_fsdp2_h100: 15.0% at its addition (acc3),
     # 12.7% since torchtitan's per-op checkpointing is timed; the cause left is in docs/planner.md
@@ -298,6 +303,21 @@ def test_published_runs_fit_where_they_ran(bench, monkeypatch):
         bench._eval_row(catalog, r)
         assert len(made) == 1 and made[0].fits, (r["set"], r["model"], r["nodes"], made[0].memory_per_device_bytes)
     assert len(rows) == 54
+
+
+def test_fsdp_1k_set_is_fully_sharded_at_scale(bench):
+    """fsdp_1k (fsdp1k): every row is FSDP/HSDP with sharded parameters (zero_stage >= 2) on 768-4,096 devices, and
+    OPT-175B's 147 TFLOP/s per GPU in Narayanan et al. 2021's count (full recompute) is a 19.98 s step of 992 x 2048
+    tokens on 992 GPUs (96 B s l h^2 (1 + s/6h + V/16lh) / (147e12 x 992))."""
+    import csv
+
+    catalog = get_catalog()
+    with bench.EVAL_CSV.open(encoding="utf-8") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["set"] == "fsdp_1k"]
+    assert rows and all(r["dp_kind"] in ("fsdp", "hsdp") and int(r["zero_stage"] or 3) >= 2 for r in rows)
+    assert all(768 <= int(r["nodes"]) * bench._system(catalog, r["system"]).devices_per_node <= 4096 for r in rows)
+    opt = next(r for r in rows if r["model"] == "opt-175b")
+    assert bench._eval_row(catalog, opt)[2] == pytest.approx(19.977, abs=0.01)
 
 
 def test_zero1_1k_set_is_data_parallel_at_scale(bench):
