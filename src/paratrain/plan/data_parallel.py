@@ -24,6 +24,28 @@ def default_bucket_bytes(opts, dp):
     return (np.maximum(40e6, 1e6 * dp) * opts.grad_bytes) if opts.bucket_bytes is None else opts.bucket_bytes
 
 
+def _dp_modes(opts, zero, kind, pp):
+    """Which data-parallel scheme each layout runs, the one place these tests are written (timing and bytes):
+    hybrid1: InternLM's hybrid ZeRO-1 (hsdp + zero 1); zero12: ZeRO-1/2; as_fsdp: FSDP without resharding after
+    forward (fsdp/hsdp with zero_stage 2, FSDP1's SHARD_GRAD_OP) and paratrain's ZeRO-1/2 that run as that (each
+    unit gathered once per microbatch, reduce-scattered once per step); sharded: FSDP / HSDP proper (parameters
+    gathered unit by unit); pinned: FSDP under a pipeline with opts.fsdp_pp_unsharded (gathered once per step)."""
+    hybrid1 = np.asarray((kind == 2) & (zero == 1))
+    zero12 = (zero >= 1) & (zero <= 2)
+    as_fsdp = ((kind >= 1) & (zero == 2)) | (zero12 & opts.zero12_as_fsdp & ~hybrid1)
+    sharded = (kind >= 1) & (zero >= 2)
+    pinned = sharded & (np.asarray(pp) > 1) & opts.fsdp_pp_unsharded
+    return hybrid1, zero12, as_fsdp, sharded, pinned
+
+
+def dp_bytes_per_step(opts, params_dev, zero, kind, m, pp, block_share):
+    """Buffer bytes one device hands to data-parallel collectives per step (the simulator's and cost model's
+    comm_dp_bytes): the gradient reduce once, and the parameter gathers as _data_parallel_s times them."""
+    _, zero12, as_fsdp, sharded, pinned = _dp_modes(opts, zero, kind, pp)
+    gathers = select([pinned, as_fsdp, sharded, zero12], [1.0, m, m * (1.0 + block_share), 1.0], 0.0)
+    return params_dev * (opts.grad_bytes + opts.gather_bytes * gathers)
+
+
 def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, kind, m, stage_fwd, stage_bwd,
                      stage_layers_dev, block_share, link_busy=0.0, pp=1.0, chunks=1.0, bucket_dp=None, dp_split=None):
     """(all DP communication time, the part not hidden behind compute) per step.
@@ -58,8 +80,8 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     units = stage_layers_dev + 1.0  # block_share: the blocks' part of the parameters (backward re-gathers them)
     reduce_ar = _calls_s(system, "allreduce", grad_bytes, buckets, dp, stride_dp, **sp)
     reduce_rs = _calls_s(system, "reducescatter", grad_bytes, buckets, dp, stride_dp, **sp)
+    hybrid1, zero12, as_fsdp, sharded, pinned = _dp_modes(opts, zero, kind, pp)
     # hybrid ZeRO-1 (hsdp, zero 1): the updated shards gathered inside the shard group only
-    hybrid1 = np.asarray((kind == 2) & (zero == 1))
     post_gather = _calls_s(system, "allgather", param_bytes, buckets, np.where(hybrid1, dp_shard, dp), stride_dp, **sp)
     unit_rs = _calls_s(system, "reducescatter", grad_bytes, units, dp, stride_dp, **sp)
     shard_rs = _calls_s(system, "reducescatter", grad_bytes, units, dp_shard, stride_dp, **sp)
@@ -69,11 +91,6 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     shard_ag = (_calls_s(system, "allgather", param_bytes, units, dp_shard, stride_dp, **sp)
                 + _calls_s(system, "allgather", param_bytes * block_share, stage_layers_dev, dp_shard, stride_dp, **sp))
     repl_ar = _calls_s(system, "allreduce", grad_bytes / dp_shard, units, dp / dp_shard, stride_dp * dp_shard)
-    zero12 = (zero >= 1) & (zero <= 2)
-    # FSDP without resharding after forward (fsdp/hsdp with zero_stage 2, FSDP1's SHARD_GRAD_OP), and paratrain's
-    # ZeRO-1/2, which run as that: each unit gathered once per microbatch, reduce-scattered once per step
-    as_fsdp = ((kind >= 1) & (zero == 2)) | (zero12 & opts.zero12_as_fsdp & ~hybrid1)
-    sharded = (kind >= 1) & (zero >= 2)  # FSDP / HSDP proper: parameters gathered unit by unit
     fwd_ag = _calls_s(system, "allgather", param_bytes, units, dp, stride_dp, **sp)
     gathers = select([as_fsdp, sharded & (kind == 1), sharded & (kind == 2)], [m * fwd_ag, m * unit_ag, m * shard_ag],
                      0.0)
@@ -130,7 +147,6 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     # torchtitan's FSDP under torch.distributed.pipelining (Options.fsdp_pp_unsharded): gathered once in the first
     # microbatch's forward (prefetched layer by layer), kept; every unit's reduce-scatter issued together by
     # backward_maybe_with_nosync's run_post_backward after the stage's last backward, with nothing left to hide behind
-    pinned = sharded & (np.asarray(pp) > 1) & opts.fsdp_pp_unsharded
     gathers = np.where(pinned, fwd_ag, gathers)
     reduces = np.where(pinned, np.where(kind == 2, shard_rs + repl_ar, unit_rs), reduces)
     exposed = np.where(pinned, np.maximum(0.0, np.minimum(fwd, fwd_ag)) + reduces, exposed)

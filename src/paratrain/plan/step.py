@@ -24,7 +24,7 @@ from paratrain.hardware.catalog import System
 from paratrain.model.config import ModelConfig
 from paratrain.plan import moe as moe_plan
 from paratrain.plan.collectives import collective_time_s, p2p_time_s, tiny_allreduce_s
-from paratrain.plan.data_parallel import _data_parallel_s
+from paratrain.plan.data_parallel import _data_parallel_s, dp_bytes_per_step
 from paratrain.plan.kernels import (
     block_scaled,
     cast_cost,
@@ -340,9 +340,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     pp_out = (pp > 1) & (stride_pp >= node)
     tp_busy = m * (layers_per_stage * (tp_fwd + tp_bwd) + head_on * (tp_head_fwd + tp_head_bwd) + embed_on * tp_embed)
     link_busy = np.where(dp_out, np.where(pp_out, m * p2p_per_mb, 0.0), np.where(tp > 1, tp_busy, 0.0))
+    block_share = layers_rank * model.params_per_layer() / tp / params_dev  # the blocks' part (re-gathered)
     dp_time, dp_exposed = _data_parallel_s(system, opts, params_dev, dp_group, dp_shard, grad_stride, zero, kind, m,
-                                           stage_fwd, stage_bwd, layers_rank,
-                                           layers_rank * model.params_per_layer() / tp / params_dev, link_busy,
+                                           stage_fwd, stage_bwd, layers_rank, block_share, link_busy,
                                            pp=pp, chunks=np.where(sched == 2, v, 1.0), dp_split=dp_split)
     # Tied word embeddings under a pipeline: the first stage's embedding and the last stage's output layer are one
     # weight whose two gradients are summed between those two ranks after the last backward, before the optimizer
@@ -426,9 +426,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
                                   * ((1.0 + FP8_BYTES / BF16_BYTES) / 2 if opts.fp8 and opts.fp8_tp_allgather else 1.0), 0.0),
         "comm_pp_bytes": np.where(pp > 1, m * 2 * chunks * p2p_bytes, 0.0),
         "comm_ep_bytes": m * layers_per_stage * (moe[4] if moe is not None else 0.0) * ones,
-        "comm_dp_bytes": np.where(dp * cp > 1, params_dev * (opts.grad_bytes + opts.gather_bytes * np.where(
-            (kind >= 1) & (zero >= 2), np.where((pp > 1) & opts.fsdp_pp_unsharded, 1.0, np.where(zero == 2, m, 2 * m)),
-            np.where(zero >= 1, 1.0, 0.0))), 0.0),
+        "comm_dp_bytes": np.where(dp * cp > 1, dp_bytes_per_step(opts, params_dev, zero, kind, m, pp, block_share),
+                                  0.0),
         "cost_usd_per_hour": cost_per_hour,
         "stage_layers_first": loads.first * ones, "stage_layers_last": loads.last * ones,
         "stage_layers_inner": loads.inner * ones, "stage_balanced": loads.balanced & (ones > 0),
