@@ -6,8 +6,9 @@ from __future__ import annotations
 from benchmarks.memory_accuracy import memory_rows, memory_sets, set_errors
 from paratrain.hardware.catalog import get_catalog
 
-# MAPE (%) of each set at memfrag (4 Dec 2026; 7.5 / 13.5 / 9.5 at memacc2); tighten when a set improves, never loosen
-MEMORY_MAPE_GUARD = {"torchtitan_h100_1node": 3.5, "torchtitan_h100": 9.0, "torchtitan_h200": 8.0}
+# MAPE (%) of each set at memacc3 (4 Dec 2026; 3.5 / 9.0 / 8.0 at memfrag, 7.5 / 13.5 / 9.5 at memacc2); tighten when a set
+# improves, never loosen
+MEMORY_MAPE_GUARD = {"torchtitan_h100_1node": 3.5, "torchtitan_h100": 8.5, "torchtitan_h200": 8.0}
 
 
 def test_memory_rows_sourced_and_sets_within_guard():

@@ -732,6 +732,26 @@ def test_pytorch_loss_peak_and_fsdp_unit_working_set():
         Options(loss_peak_bytes_per_logit=0)
 
 
+def test_torch_pipelining_keeps_per_microbatch_buffers():
+    """torch.distributed.pipelining (fsdp2 stack, memacc3): each stage that receives preallocates one activation
+    buffer per microbatch (the done ones also keep their input gradient), each stage but the last one gradient
+    buffer per microbatch and every microbatch's output: 2 (m - inflight) per receiving and 2 m per sending stage,
+    in stage boundaries (block output, sequence-sharded under SP). 1F1B, pp 4, m 4."""
+    from paratrain.plan.memory import pp_stage_buffer_bytes
+    system = resolve_system("grand-teton-h100")
+    opts = Options.for_system(system, stack="fsdp2")
+    assert pp_stage_buffer_bytes(opts, boundary=1.0, m=8, inflight=8, n_recv=0, n_grad=1) == 16.0  # first rank
+    assert pp_stage_buffer_bytes(opts, boundary=1.0, m=8, inflight=1, n_recv=1, n_grad=0) == 14.0  # last rank
+    model, s = PRESETS["llama3-8b"], 8192
+    lay = Layout(tp=1, pp=4, dp_kind="fsdp", zero_stage=3, microbatch=1, recompute="full", pp_schedule="1f1b")
+    mem = {on: estimate(model, system, 1, s, 8, lay, dataclasses.replace(opts, pp_stage_buffers=on))
+           for on in (True, False)}
+    boundary = s * model.hidden * 2
+    gain = mem[True].memory_per_device_bytes - mem[False].memory_per_device_bytes
+    # the rank that needs the most gains between the last rank's 2 x 3 and the inner rank's 2 x 1 + 2 x 4 boundaries
+    assert 6 * boundary - 1 <= gain <= 10 * boundary + 1
+
+
 # torchtitan's published memory readings (max reserved, GiB; benchmarks/llama3_h100_202412_torchtitan.md, Grand Teton
 # H100 96 GB): Llama 3.1 8B FSDP, local batch 2, seq 8192, per-op SAC, torch.compile (Table 1: 8 GPUs, Table 3: 128)
 TORCHTITAN_8B_RESERVED_GIB = {1: 77.0, 16: 62.0}

@@ -176,6 +176,24 @@ def fsdp_pool_bytes(opts, *, unit, root, grads_sharded):
     return (unit + root) * (opts.grad_bytes + opts.param_bytes) + grads_sharded
 
 
+def pp_stage_buffer_bytes(opts, *, boundary, m, inflight, n_recv, n_grad):
+    """What torch.distributed.pipelining keeps per pipeline stage beyond the saved activations (Options.
+    pp_stage_buffers), on one rank at its peak, its last forward (`inflight` microbatches held, m - inflight done):
+    `_prepare_forward_infra` preallocates one activation receive buffer per microbatch for every stage that receives
+    (stage.py `args_recv_info[chunk_id]` for chunk_id in range(num_microbatches)), alive for the whole run: the
+    in-flight ones are the first block's saved input (counted with the layers), the m - inflight done ones are not,
+    and those carry the input gradient backward accumulated into them (`stage_backward` reads `val.grad`; cleared
+    only by the next step's clear_runtime_states, until pytorch PR #164329, Oct 2025); `_prepare_backward_infra`
+    one gradient receive buffer per microbatch for every stage that is not the last (`grad_recv_info`), and such a
+    stage keeps every microbatch's output (forward_one_chunk appends it to output_chunks on every stage until
+    pytorch PR #153383, May 2025; fwd_cache holds it to its backward). boundary: bytes of one microbatch's stage
+    input / output (the block output, sequence-sharded under SP); n_recv, n_grad: the rank's stages that receive
+    activations / gradients."""
+    if not opts.pp_stage_buffers:
+        return 0.0
+    return boundary * (2.0 * n_recv * np.maximum(m - inflight, 0.0) + 2.0 * n_grad * m)
+
+
 def loss_peak_bytes_per_logit(opts, tp):
     """Bytes per logit the loss backward holds on the last stage: the stack's loss, or its TP loss where tp > 1 and
     the stack runs another there (Options.tp_loss_peak_bytes_per_logit: torch's DTensor loss_parallel)."""
@@ -200,7 +218,8 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     inf where no count does), which `search` tries.
 
     What is counted is what torch's caching allocator reserves at the peak where the stack says so: FSDP's stream
-    pools (fsdp_pool_bytes), its root kept gathered, and on the head's rank the larger of the loss and rebuild phases."""
+    pools (fsdp_pool_bytes), its root kept gathered, torch.distributed.pipelining's per-microbatch buffers
+    (pp_stage_buffer_bytes), and on the head's rank the larger of the loss and rebuild phases."""
     v_shape = np.asarray(sched) >= 3
     loads = loads or balanced_loads(model.layers, pp, v, v_shape)
     fp8_weight_bytes = fp8_copies(system, opts) * low_precision_bytes(system, opts) if opts.fp8 else 0.0
@@ -228,11 +247,21 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
     kept_logits = np.where((np.asarray(pp) > 1) & opts.pp_last_stage_keeps_outputs,
                            np.asarray(m, dtype=float) * T * model.vocab / tp * BF16_BYTES, 0.0)
     ranks_at = (0.0, np.where(one, 0.0, pp - 1), np.minimum(1.0, pp - 1))  # pipeline rank of first, last, inner
+    # stages per rank that receive activations / gradients (first, last, inner): a rank holds `chunks` stages; the
+    # first stage receives no activations, the last no gradients (ZB-V's V: rank 0 holds both, the last rank neither)
+    chunks_r = np.where(np.asarray(sched) >= 2, v, 1.0)
+    recv_grad = ((chunks_r - 1.0, chunks_r - np.where(v_shape, 1.0, 0.0)),
+                 (chunks_r, chunks_r - np.where(v_shape, 0.0, 1.0)), (chunks_r, chunks_r))
+    boundary = T * model.hidden * BF16_BYTES * np.where(sp, 1.0 / tp, 1.0)
+    staged = (np.asarray(pp) > 1) & ~np.asarray(one)
     moved = []  # per rank: (activation bytes offloading takes off the device per offloaded block, microbatches in flight)
-    for params, layers, head, r in zip(_rank_params(model, loads, pp, v_shape), (loads.first, loads.last, loads.inner),
-                                       (one, True, False), ranks_at, strict=True):
+    for params, layers, head, r, (n_recv, n_grad) in zip(
+            _rank_params(model, loads, pp, v_shape), (loads.first, loads.last, loads.inner), (one, True, False),
+            ranks_at, recv_grad, strict=True):
         params_dev = params / tp
         inflight = inflight_microbatches(sched, pp, v, m, r)
+        stage_buffers = np.where(staged, pp_stage_buffer_bytes(opts, boundary=boundary, m=m, inflight=inflight,
+                                                               n_recv=n_recv, n_grad=n_grad), 0.0)
         # FP8 with a weight cache keeps the cast weight between microbatches in the copies its GEMMs need
         # (plan.kernels.fp8_copies: with its transpose on Hopper, alone on Blackwell, row- and column-wise MX)
         fp8_cache = np.where((zero < 3) & opts.fp8 & opts.fp8_weight_cache, fp8_weight_bytes, 0.0) * params_dev
@@ -260,7 +289,7 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
                       params_dev * optimizer_state_bytes(opts)
                       / np.where(zero >= 1, dp_shard, 1.0) + held * ex["optimizer"],
                       (per_layer * layers + ex["activations"] * held) * inflight + ex["once"] + transient
-                      + root_held + pools))
+                      + root_held + pools + stage_buffers))
         # the host's share of an offloaded block: its average activations (MoE experts included) less what stays
         off = np.maximum((per_layer * layers + ex["activations"] * held) / np.maximum(layers, 1) - kept, 0.0)
         moved.append((off, inflight, layers))

@@ -232,6 +232,10 @@ class Options:
     pp_last_stage_keeps_outputs: the pipeline's last stage keeps every microbatch's output (its logits) until the
     step ends (torch.distributed.pipelining's output_chunks, returned by step(); detached since pytorch PR #138504,
     Oct 2024), so at the last microbatch's loss all m are live (2 bytes per logit each).
+    pp_stage_buffers: torch.distributed.pipelining's per-microbatch communication buffers and kept stage outputs
+    (plan.memory.pp_stage_buffer_bytes): one preallocated activation receive buffer per microbatch on every stage
+    that receives (the done microbatches' keep their input gradient), one gradient receive buffer per microbatch on
+    every stage that is not the last, and every microbatch's stage output (torch before May / Oct 2025).
     kv_replica_grad_bytes: where tp exceeds the KV heads and the stack replicates each K/V head on tp / kv-heads
     ranks (NxD's GQAQKVColumnParallelLinear, kv_size_multiplier), the backward all-reduces the K and V output
     gradients over those replicas before the QKV GEMMs' backward (neuronx_distributed/modules/qkv_linear_utils.py:
@@ -340,6 +344,7 @@ class Options:
     fsdp_stream_pools: bool = False
     fsdp_low_precision_shard: bool = True
     pp_last_stage_keeps_outputs: bool = False
+    pp_stage_buffers: bool = False
     master_weights: bool = True
     optimizer_state_bytes: float | None = None
     dropout: bool = True

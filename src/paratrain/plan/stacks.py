@@ -168,6 +168,13 @@ TORCH_LOSS_PARALLEL_PEAK_BYTES = 16.0
 # c10/cuda/CUDACachingAllocator.cpp: freed blocks go back to their stream only), its shard is the fp32 parameter
 # (FSDPParam.all_gather_inputs casts it at each gather), and torch.distributed.pipelining's last stage keeps every
 # microbatch's output for step()'s merged return (stage.py forward_one_chunk output_chunks)
+# pp_stage_buffers (plan.options.Options; memacc3, 4 Dec 2026): torch.distributed.pipelining preallocates its receive
+# buffers per microbatch, activations on every stage but the first and gradients on every stage but the last
+# (stage.py _prepare_forward_infra / _prepare_backward_infra: `for chunk_id in range(num_microbatches)`, called from
+# the schedules' __init__ for every local stage: PipelineScheduleSingle and PipelineScheduleMulti, torch 2.5-2.13); the
+# input gradient of each done microbatch stays in its receive buffer's .grad until the next step (until pytorch PR
+# #164329, Oct 2025) and every stage keeps every microbatch's output in output_chunks (until PR #153383, May 2025):
+# what the Dec 2024 build of the memory rows ran (plan.memory.pp_stage_buffer_bytes)
 # selective_ops: torchtitan's "selective" activation checkpointing is per-op (selective_ac_option "op", its default
 # and what its published Llama tables name "selective op"): plan.options.Options.selective_ops
 # last_bucket_after_backward (plan.options.Options): the data-parallel (non-FSDP) gradient reduce runs in buckets issued
@@ -219,7 +226,8 @@ STACK_OPTIONS: dict[str, dict] = {
               "selective_ops": True, "cp_kv_repeated": True, "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES,
               "tp_loss_peak_bytes_per_logit": TORCH_LOSS_PARALLEL_PEAK_BYTES, "tp_saves_gathered_input": True,
               "last_bucket_after_backward": True, "replay_drops_dead_tail": True, "fsdp_root_unsharded": True,
-              "fsdp_stream_pools": True, "fsdp_low_precision_shard": False, "pp_last_stage_keeps_outputs": True},
+              "fsdp_stream_pools": True, "fsdp_low_precision_shard": False, "pp_last_stage_keeps_outputs": True,
+              "pp_stage_buffers": True},
     "deepspeed": {"grad_bytes": 4, "tp_comm_overlap": False, "overlap_param_gather": False,
                   "loss_peak_bytes_per_logit": PYTORCH_LOSS_PEAK_BYTES, "p2p_serial": True, "last_bucket_after_backward": True},
 }
