@@ -484,6 +484,9 @@ def _eval_options(system, r: dict) -> Options:
         # dropout (--no-dropout): 0 where the run sets attention and hidden dropout to 0 (the Neuron Megatron-LM
         # reference's --attention-dropout 0 --hidden-dropout 0): the GPT count keeps no masks
         dropout=False if r.get("dropout") == "0" else None,
+        # distribute_saved (--distribute-saved-activations): 1 where full recompute splits the checkpointed block
+        # inputs over the TP group (metaseq's --distribute-checkpointed-activations: OPT-175B's fsdp_1k row)
+        distribute_saved_activations=True if r.get("distribute_saved") == "1" else None,
         # megatron_core (--megatron-core): the container's megatron-core release where established (Megatron-Bridge
         # docs/releases/software-versions.md, its 3rdparty/Megatron-LM pin); empty: before 0.18
         megatron_core=r.get("megatron_core") or None,

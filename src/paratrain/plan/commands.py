@@ -111,6 +111,10 @@ class PlanTarget(Workload, OnSystem, Output):
     no_dropout: bool = opt(
         "the run sets attention and hidden dropout to 0 (Megatron-LM --attention-dropout 0 --hidden-dropout 0): a "
         "GPT model keeps no dropout masks; default: the masks are kept (Korthikanti et al.)", group=SOFTWARE)
+    distribute_saved_activations: bool = opt(
+        "full recompute splits each block's checkpointed input over the TP group and all-gathers it before the replay "
+        "(Megatron-LM --distribute-saved-activations, metaseq --distribute-checkpointed-activations); default: kept "
+        "whole on every TP rank", group=SOFTWARE)
     megatron_core: str | None = opt(
         "the run's megatron-core release (MAJOR.MINOR[.PATCH], the container's: Megatron-Bridge "
         "docs/releases/software-versions.md): from 0.18 the interleaved schedule waits for each forward pipeline send "
@@ -152,6 +156,7 @@ def software_of(args) -> Software:
                     bf16_optimizer=True if args.bf16_optimizer else None,
                     optimizer_state=args.optimizer_state,
                     dropout=False if args.no_dropout else None, megatron_core=args.megatron_core,
+                    distribute_saved_activations=True if args.distribute_saved_activations else None,
                     torch=args.torch)
 
 

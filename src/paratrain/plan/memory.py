@@ -127,6 +127,8 @@ def layer_activation_bytes(model, seq, opts, *, T, tp, cp, sp, rc):
     if opts.selective_ops:  # torchtitan's per-op SAC keeps the save list's outputs, plus the log-sum-exp (core)
         layer_selective = T * (selective_ops_bytes_per_token(model, tp, sp) + core / tp)
     layer_input = T * 2 * model.hidden * sp_scale
+    if opts.distribute_saved_activations:  # the checkpointed input split over the TP group (already split with SP)
+        layer_input = layer_input / np.where(sp, 1, tp)
     # full recompute with Options.recompute_every N checkpoints one layer in N; the other layers keep everything
     rf = 1.0 / opts.recompute_every
     per_layer = select([rc == 0, rc == 1], [layer_full, layer_selective], rf * layer_input + (1.0 - rf) * layer_full)

@@ -195,6 +195,12 @@ class Options:
     optimizer_state_bytes: the optimizer's state per parameter where the run's optimizer says it (precision.
     OPTIMIZER_STATE_BYTES: Apex DistributedFusedAdam's 16-bit param remainders, 10; a bf16 master with bf16 m, v,
     6); None: by master_weights (12 or 4). Memory only: the Adam step's traffic stays master_weights'.
+    distribute_saved_activations: under full recompute without SP, each block's checkpointed input is split over the
+    TP group (1/tp per rank) and all-gathered before its replay: Megatron-LM's --distribute-saved-activations
+    (CheckpointFunction: split_tensor_into_1d_equal_chunks forward, gather_split_1d_tensor backward), metaseq's
+    --distribute-checkpointed-activations (metaseq/modules/checkpoint_activation_wrapper/checkpoint_activations.py
+    @f7ffa5f, the same mpu calls on the first tensor input). Memory: the kept input at 1/tp; time: one TP all-gather
+    of it per replayed layer and microbatch, exposed (the replay needs it).
     dropout: the model's dropout layers are on (attention and hidden dropout > 0), so the GPT count keeps their
     masks (Korthikanti et al.: two 1-byte hidden masks per token, and under unfused attention the scores' mask and
     the dropped-out probabilities); False: a run configured with dropout 0 keeps neither (nn.Dropout with p 0
@@ -348,6 +354,7 @@ class Options:
     master_weights: bool = True
     optimizer_state_bytes: float | None = None
     dropout: bool = True
+    distribute_saved_activations: bool = False
     fused_softmax: bool = True
     kv_replica_grad_bytes: float = 0.0
     kv_replicas_adjacent: bool = False

@@ -59,7 +59,10 @@ class Software:
     bf16: Options.master_weights False), the gradients as the stack keeps them. optimizer_state: what Apex
     DistributedFusedAdam keeps per parameter where NeMo picks it, one of precision.OPTIMIZER_STATE_BYTES
     (Options.optimizer_state_bytes; "bf16" is bf16_optimizer). dropout: False where the run sets
-    attention and hidden dropout to 0 (Options.dropout: the GPT count keeps no masks). megatron_core: the run's
+    attention and hidden dropout to 0 (Options.dropout: the GPT count keeps no masks). distribute_saved_activations:
+    True where full recompute splits the checkpointed block inputs over the TP group (Megatron-LM
+    --distribute-saved-activations, metaseq --distribute-checkpointed-activations; Options.distribute_saved_activations).
+    megatron_core: the run's
     megatron-core release, "MAJOR.MINOR[.PATCH]" (the container's; megatron_core_options), None: before 0.18.
     torch: the run's torch release, "MAJOR.MINOR[.PATCH]" (torch_options), None: the stack's (a torch with
     checkpoint early stop).
@@ -86,6 +89,7 @@ class Software:
     bf16_optimizer: bool | None = None
     optimizer_state: str | None = None
     dropout: bool | None = None
+    distribute_saved_activations: bool | None = None
     megatron_core: str | None = None
     torch: str | None = None
 
@@ -178,7 +182,8 @@ def software_options(system: System, sw: Software, system_stack: bool = True) ->
                 "eager": None if sw.torch_compile is None else not sw.torch_compile,
                 "tp_comm_overlap": sw.tp_comm_overlap, "recompute_mlp": sw.recompute_mlp,
                 "recompute_every": sw.recompute_every, "zero1_grad_allreduce": sw.zero1_grad_allreduce,
-                "last_bucket_after_backward": sw.last_bucket_after_backward, "dropout": sw.dropout}
+                "last_bucket_after_backward": sw.last_bucket_after_backward, "dropout": sw.dropout,
+                "distribute_saved_activations": sw.distribute_saved_activations}
     kw |= {k: v for k, v in optional.items() if v is not None}
     kw |= megatron_core_options(sw.megatron_core)
     kw |= torch_options(sw.torch, sw.stack or runs_as)

@@ -224,6 +224,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     tp_bwd = tp_bwd - np.where(tail_dead & (tp > 1) & (not opts.tp_comm_overlap),
                                np.where(sp, rs1, ar) * tp_exposed, 0.0)
     tp_bwd = tp_bwd + kv_replica_grad_s(system, model, opts, T, tp)  # NxD's K/V replicas (exposed)
+    if opts.distribute_saved_activations:  # each replayed layer first re-gathers its split checkpointed input
+        tp_bwd = tp_bwd + np.where((rc == 2) & (tp > 1) & ~sp, rf * ag1, 0.0) * tp_exposed
     # Embedding and head under TP: the vocabulary-parallel embedding's all-reduce (reduce-scatter with SP);
     # with SP the final norm's output is gathered for the head; vocabulary-parallel cross-entropy all-reduces
     # three [tokens] fp32 vectors (max logit, sum of exponentials, target logit); backward, the head's input
