@@ -28,6 +28,7 @@ worklogs), timed on the catalog's dgx-b200 like the b200scale rows; measured as 
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 
@@ -49,6 +50,12 @@ CHOICES = {"recompute": ["none", "selective", "full"], "microbatch": [1, 2, 4, 8
 # activation_bytes_per_layer). Where it does not fit the planner's memory model the fastest fitting choice of
 # CHOICES is taken and the label says so (until 2026-12-01 evening the DGX-B200 GPT-OSS row at mb4, at full).
 NORM_ACT = "layernorm+moe_act"
+# csv `recompute` "mla_up_proj" / "mla_up_proj+mlp": Megatron-Core's recompute_modules of the DeepSeek-V3 recipes
+# (Megatron-Bridge deepseek_workload_base_configs.py; DeepSeek's own, report sec. 3.2.3: "MLA up-projections"):
+# the up-projections and RoPE rerun, Q/K/V dropped (Options.recompute_mla_up_proj); "+mlp": the MLP block checkpointed
+# too (selective recompute with recompute_mlp), the attention core not ("core_attn" is not in the list:
+# Options.recompute_core_attention False). Where it does not fit, the fastest fitting choice of CHOICES, labelled.
+MLA_UP_PROJ = ("mla_up_proj", "mla_up_proj+mlp")
 # csv `dispatcher`: alltoall (Megatron-Core's MoEAlltoAllTokenDispatcher); the flex dispatcher's backends deepep and
 # hybridep, and hierarchical (a node-deduplicating dispatch whose backend the source does not name: timed as
 # HybridEP, DeepSeek's own DeepEP stack on the fused GEMM path). HybridEP pads each expert's rows for FP8 while
@@ -104,6 +111,22 @@ def options_of(system, r: dict) -> Options:
                               **megatron_core_options(r.get("megatron_core") or None))
 
 
+def stage_layers(layout: str | None):
+    """Decoder layers per (virtual) pipeline stage of a Megatron-Core pipeline_model_parallel_layout string (csv
+    `pp_layout`; Megatron-Bridge's DeepSeek-V3 recipes, e.g. "Et*4|(t*4|)*14tmL": "|" separates stages, "t" one
+    decoder layer, "E" the embedding, "m" the MTP block, "L" the loss, "x*n" and "(...)*n" repeats), as
+    Layout.pp_layers; "auto": the planner's best split (an unpublished split); empty: the balanced split."""
+    if not layout:
+        return None
+    if layout == "auto":
+        return "auto"
+    text = layout
+    while "(" in text:  # innermost group first
+        text = re.sub(r"\(([^()]*)\)\*(\d+)", lambda g: g.group(1) * int(g.group(2)), text)
+    text = re.sub(r"([A-Za-z])\*(\d+)", lambda g: g.group(1) * int(g.group(2)), text)
+    return tuple(stage.count("t") for stage in text.split("|"))
+
+
 def measured_step_s(r: dict, tokens_per_device: float) -> float:
     """The published step time of a row: `unit` tokens_per_s_per_device (Megatron-Bridge's performance tables) or
     step_time_s (a run log's step time; the together_b200_moe rows)."""
@@ -136,13 +159,20 @@ def predict(catalog, r: dict):
     seq, gbs, nodes = int(r["seq"]), int(r["global_batch"]), int(r["nodes"])
     fixed = {"tp": int(r["tp"]), "pp": int(r["pp"]), "cp": int(r["cp"]), "ep": int(r["ep"]), "etp": int(r["etp"]),
              "virtual_stages": int(r["vp"]), "pp_schedule": r["schedule"], "dp_kind": r["dp_kind"],
-             "zero_stage": 3 if r["dp_kind"] == "fsdp" else 1}
+             "zero_stage": 3 if r["dp_kind"] == "fsdp" else 1, "pp_layers": stage_layers(r.get("pp_layout"))}
     opts = options_of(system, r)
     # fields not published: every choice is estimated and the fastest that fits is taken (the published
     # virtual-stage counts, e.g. 24, lie outside the search grid, so estimate() is called per choice)
     mbs = CHOICES["microbatch"] if r["microbatch"] == "best" else [int(r["microbatch"])]
     note = ""
-    if r["recompute"] == NORM_ACT:
+    if r["recompute"] in MLA_UP_PROJ:  # Megatron-Core's recompute_modules with "mla_up_proj" (see MLA_UP_PROJ)
+        with_mlp = r["recompute"].endswith("+mlp")
+        recipe = dataclasses.replace(opts, recompute_mla_up_proj=True, recompute_mlp=with_mlp,
+                                     recompute_core_attention=not with_mlp)
+        est = _fastest(model, system, nodes, seq, gbs, fixed, recipe, ["selective" if with_mlp else "none"], mbs)
+        note = f" +{r['recompute']}" if est is not None else " (recipe's recompute does not fit: best)"
+        est = est or _fastest(model, system, nodes, seq, gbs, fixed, opts, CHOICES["recompute"], mbs)
+    elif r["recompute"] == NORM_ACT:
         est = _fastest(model, system, nodes, seq, gbs, fixed, dataclasses.replace(opts, recompute_norm_act=True),
                        ["none"], mbs)
         note = " +layernorm,moe_act" if est is not None else " (recipe's recompute does not fit: best)"

@@ -110,7 +110,7 @@ def test_bad_moe_config_names_the_field(over, field):
 # (preset, published total, published active, relative tolerance, why that tolerance)
 PUBLISHED = [("mixtral-8x7b", 46.7e9, 12.9e9, 0.01, "rounding of the published numbers"),
              ("qwen3-30b-a3b", 30.5e9, 3.3e9, 0.02, "3.3B is rounded to 0.1B (1.5%)"),
-             ("deepseek-v3", 671e9, 37e9, 0.06, "MLA not modelled: 128-head attention has 18M more a layer")]
+             ("deepseek-v3", 671e9, 37e9, 0.02, "671.03B; 37B is 37.55B rounded down (1.5%)")]
 
 
 @pytest.mark.parametrize("name, total, active, tol, why", PUBLISHED)
@@ -118,6 +118,20 @@ def test_moe_preset_parameter_counts(name, total, active, tol, why):
     cfg = PRESETS[name]
     assert cfg.num_params() == pytest.approx(total, rel=tol), why
     assert cfg.active_params() == pytest.approx(active, rel=tol), why
+
+
+def test_mla_and_mtp_are_planner_only_shapes():
+    """DeepSeek-V3's MLA (187.1M a layer) and its MTP depth (11.6B of its own; 684.5B with the checkpoint's copies of
+    the embedding and head, the report's 671B + 14B) are counted, and a training config is refused naming the field."""
+    from paratrain.config.rules import View, check
+    cfg = PRESETS["deepseek-v3"]
+    assert cfg.mla.attention_params(cfg.hidden, cfg.heads) == 187_107_328
+    assert cfg.num_params() + cfg.mtp_params() + 2 * cfg.vocab * cfg.hidden == pytest.approx(684.5e9, rel=1e-3)
+    view = dict(tp=1, pp=1, cp=1, sp=False, schedule="1f1b", virtual_stages=1, dp_kind="ddp", zero=0, seq=4096)
+    check(View(**view, model=cfg), runtime=False)  # the planner's view accepts it
+    for over, field in (({"mtp_layers": 0}, "model.mla"), ({"mla": None}, "model.mtp_layers")):
+        with pytest.raises(ValueError, match=field):
+            check(View(**view, model=cfg.model_copy(update=over)))
 
 
 def test_moe_param_count_matches_the_module():

@@ -222,6 +222,15 @@ RULES: tuple[Rule, ...] = (
          lambda v: f"parallel.offload_layers={v.offload} with parallel.recompute='full': a fully recomputed block "
                    f"keeps only its input, held by the checkpoint itself, so there is nothing to move to host memory; "
                    f"allowed: offload_layers=0, or recompute 'none' or 'selective'"),
+    # -- planner-only model shapes (DeepSeek-V3): the trainer's reference modules have no MLA and no MTP ----------
+    Rule("model_mla", lambda v: getattr(v.model, "mla", None) is None,
+         lambda v: "model.mla is set: multi-head latent attention is a planner-only shape (plan.layer times it as "
+                   "Megatron-Core runs it); paratrain's trainer implements grouped-query attention only; allowed: "
+                   "mla unset", runtime_only=True),
+    Rule("model_mtp", lambda v: getattr(v.model, "mtp_layers", 0) == 0,
+         lambda v: f"model.mtp_layers={v.model.mtp_layers}: multi-token prediction is a planner-only shape (timed on "
+                   f"the last pipeline stage); paratrain's trainer has no MTP module; allowed: mtp_layers=0",
+         runtime_only=True),
     Rule("pp_tied_embeddings", lambda v: _or(_not(_pipelined(v)), not v.model.tie_embeddings),
          lambda v: "model.tie_embeddings=true with parallel.pp > 1: the embedding and the output head sit "
                    "on different stages; allowed: tie_embeddings=false for pipeline parallelism", runtime_only=True),

@@ -35,6 +35,37 @@ class RopeScaling(BaseModel):
         return self
 
 
+class MLA(BaseModel):
+    """Multi-head latent attention's shape (DeepSeek-AI 2024, DeepSeek-V3 Technical Report sec. 2.1.1, eq. 1-11;
+    deepseek-ai/DeepSeek-V3 config.json q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim,
+    v_head_dim). Per layer: the queries come from a down-projection to q_lora_rank (RMSNorm) and an up-projection to
+    heads x (nope + rope); the keys' and values' shared latent from a down-projection to kv_lora_rank (RMSNorm), plus
+    one rope-dim key shared by every head, and an up-projection to heads x (nope + v). RoPE on the rope-dim part only;
+    the attention core runs at q/k head dim nope + rope and v head dim v; the output projection reads heads x v.
+    Shape only, for the planner: paratrain's trainer has no MLA and refuses such a model (config.rules model_mla)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    q_lora_rank: int | None = Field(default=None, gt=0)  # None: one plain query projection (DeepSeek-V2-Lite)
+    kv_lora_rank: int = Field(gt=0)
+    qk_nope_head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def attention_params(self, hidden: int, heads: int) -> int:
+        """Weights of one MLA block: down/up projections, their two RMSNorms and the output projection."""
+        q_width = heads * self.qk_head_dim
+        q = hidden * q_width if self.q_lora_rank is None else \
+            hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * q_width
+        kv = (hidden * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
+              + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim))
+        return q + kv + heads * self.v_head_dim * hidden
+
+
 class ModelConfig(BaseModel):
     """Shape of a decoder-only transformer.
 
@@ -83,6 +114,15 @@ class ModelConfig(BaseModel):
     # clamps in eager PyTorch ahead of its fused activation (plan.moe.glu_clamp_s); paratrain's experts run a
     # plain SwiGLU and refuse such a config (model.moe.MoE)
     swiglu_limit: float | None = Field(default=None, gt=0)
+    # multi-head latent attention in place of (grouped-query) attention (DeepSeek-V3); None = plain attention. Shape
+    # only, for the planner (plan.layer times it as Megatron-Core runs it); the trainer refuses it (rules model_mla)
+    mla: MLA | None = None
+    # multi-token prediction depths (DeepSeek-V3 report sec. 2.2; config.json num_nextn_predict_layers; Megatron-Core
+    # mtp_num_layers): each adds one transformer block (the decoder's last layer's kind), two RMSNorms and a 2h -> h
+    # projection, sharing the embedding and the output head, with a loss of its own. Not in num_params /
+    # active_params (the report's 671B / 37B exclude them: mtp_params); the planner times and sizes them on the
+    # last pipeline stage; the trainer refuses mtp_layers > 0 (rules model_mtp)
+    mtp_layers: int = Field(default=0, ge=0)
 
     @model_validator(mode="after")
     def _check_shapes(self) -> ModelConfig:
@@ -152,6 +192,8 @@ class ModelConfig(BaseModel):
         """A dense layer (MoE layers: `moe_layer_params`)."""
         h, f, kv, q = self.hidden, self.ffn, self.kv_dim, self.heads * self.head_dim
         attn = 2 * h * q + 2 * h * kv  # q, k, v, o
+        if self.mla is not None:
+            attn = self.mla.attention_params(h, self.heads)
         if self.arch == "llama":
             qk_norm = 2 * self.head_dim if self.qk_norm else 0
             return attn + 3 * h * f + 2 * h + qk_norm  # gate, up, down; two RMSNorm weights (+ q/k norms)
@@ -181,7 +223,21 @@ class ModelConfig(BaseModel):
         return dense * self.params_per_layer() + self.moe_layers * self.moe_layer_params(active)
 
     def num_params(self) -> int:
+        """The main model (the multi-token-prediction modules apart: mtp_params)."""
         return self.embedding_params() + self.layer_params() + self.head_params()
+
+    def mtp_layer_params(self) -> int:
+        """Parameters of one multi-token-prediction depth that are its own (the embedding and output head are the
+        main model's): its transformer block (a MoE layer where the decoder's last layer is one: Megatron-Core builds
+        it from the decoder's layer spec), the RMSNorms of the hidden state and of the embedding, the 2h -> h
+        projection of their concatenation and the final RMSNorm before the shared head (DeepSeek-V3 report sec.
+        2.2, eq. 21; Megatron-Core MultiTokenPredictionLayer enorm, hnorm, eh_proj, final_layernorm)."""
+        h = self.hidden
+        block = self.moe_layer_params() if self.is_moe_layer(self.layers - 1) else self.params_per_layer()
+        return block + 2 * h * h + 3 * h
+
+    def mtp_params(self) -> int:
+        return self.mtp_layers * self.mtp_layer_params()
 
     def active_params(self) -> int:
         """Parameters one token uses (MoE: top-k routed experts only); = num_params for a dense model."""
@@ -192,14 +248,23 @@ class ModelConfig(BaseModel):
         a MoE layer counts its active experts."""
         return self.layer_params(active=True) + self.vocab * self.hidden
 
+    def attention_width(self) -> float:
+        """Per token and layer, the mean of the attention core's query/key width and its value width, the `h` of
+        the 2 x 2 x s x h attention FLOP count (QK^T over the q/k width, AV over the v width): the hidden size, the
+        convention for plain attention; MLA: heads x (qk_head_dim + v_head_dim) / 2 (DeepSeek-V3: 128 x 160)."""
+        if self.mla is None:
+            return float(self.hidden)
+        return self.heads * (self.mla.qk_head_dim + self.mla.v_head_dim) / 2.0
+
     # ---- FLOPs ------------------------------------------------------------------------------------
     def forward_flops_per_token(self, seq: int) -> float:
         """Model FLOPs of one forward pass per token: 2 per matmul weight, plus causal-free attention.
 
-        Attention scores and the weighted sum cost 2 * 2 * seq * hidden per layer per token (counted
-        for the full, unmasked square, the convention of Narayanan et al. 2021 and PaLM's MFU).
+        Attention scores and the weighted sum cost 2 * 2 * seq * attention_width per layer per token (counted
+        for the full, unmasked square, the convention of Narayanan et al. 2021 and PaLM's MFU). The
+        multi-token-prediction modules are not counted (DeepSeek-V3's 37B active exclude them).
         """
-        return 2.0 * self.num_matmul_params() + 4.0 * self.layers * seq * self.hidden
+        return 2.0 * self.num_matmul_params() + 4.0 * self.layers * seq * self.attention_width()
 
     def train_flops_per_token(self, seq: int) -> float:
         """Forward + backward (backward = 2x forward): the denominator-free numerator of MFU."""
@@ -253,12 +318,17 @@ PRESETS: dict[str, ModelConfig] = {
                                  moe_ffn_hidden=768, aux_loss_coef=0.001, qk_norm=True),
     # DeepSeek-V3-shaped: DeepSeek-AI 2024 "DeepSeek-V3 Technical Report" sec. 4.2 and deepseek-ai/DeepSeek-V3
     # config.json: 61 layers, hidden 7168, 3 dense first layers (ffn 18432), 256 routed experts of 2048, top 8,
-    # 1 shared, sigmoid scores; 671B parameters, 37B active (without the 14B multi-token-prediction module).
-    # Multi-head latent attention is NOT modelled: plain 128-head attention stands in (205M vs MLA's 187M a layer).
+    # 1 shared, sigmoid scores; multi-head latent attention (q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128,
+    # qk_rope_head_dim 64, v_head_dim 128: 187.1M a layer) and one multi-token-prediction depth
+    # (num_nextn_predict_layers 1; report sec. 2.2 and 4.2: D = 1 in training). 671.0B parameters, 37.5B active
+    # (the report's 671B / 37B); the MTP module's own 11.6B apart (with the checkpoint's copies of the embedding and
+    # the head: its 14B, 684.5B in all). YaRN's mscale folds into MLA's softmax scale (Megatron-Core), not into RoPE.
     "deepseek-v3": ModelConfig(name="deepseek-v3", layers=61, hidden=7168, heads=128, kv_heads=128, ffn_hidden=18432,
                                vocab=129280, max_seq=163840, norm_eps=1e-6, num_experts=256, experts_per_token=8,
                                moe_ffn_hidden=2048, shared_experts=1, first_dense_layers=3, router_score="sigmoid",
-                               aux_loss_coef=0.0001),
+                               aux_loss_coef=0.0001, mtp_layers=1,
+                               mla=MLA(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                                       v_head_dim=128)),
     "llama3.1-405b": ModelConfig(name="llama3.1-405b", layers=126, hidden=16384, heads=128, kv_heads=8,
                                  ffn_hidden=53248, vocab=128256, max_seq=131072, rope_theta=500000.0,
                                  rope_scaling=RopeScaling(factor=8.0)),

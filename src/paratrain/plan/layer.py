@@ -35,12 +35,45 @@ def layer_matmuls(model: ModelConfig, seq: int, attention: str):
     heads x head_dim, which is not the hidden size where the head dim is set apart (Qwen3, GPT-OSS)."""
     h, f, kv, q = model.hidden, model.ffn, model.kv_dim, query_dim(model)
     mlp_in = 2 * f if model.arch == "llama" else f
-    return [("qkv", q + 2 * kv, h, "n"), ("proj", h, q, "k"), ("mlp_in", mlp_in, h, "n"), ("mlp_out", h, f, "k")]
+    mlp = [("mlp_in", mlp_in, h, "n"), ("mlp_out", h, f, "k")]
+    if model.mla is not None:
+        return [*mla_matmuls(model), *mlp]
+    return [("qkv", q + 2 * kv, h, "n"), ("proj", h, q, "k"), *mlp]
+
+
+def mla_matmuls(model: ModelConfig):
+    """Multi-head latent attention's matmuls as Megatron-Core runs them (megatron/core/transformer/
+    multi_latent_attention.py MLASelfAttention): linear_q_down_proj (h -> q_lora_rank) and linear_kv_down_proj
+    (h -> kv_lora_rank + rope dim) duplicated on every TP rank (TELinear parallel_mode "duplicated"; shard "none"),
+    linear_q_up_proj (-> heads x (nope + rope)) and linear_kv_up_proj (-> heads x (nope + v)) column-parallel,
+    linear_proj (heads x v -> h) row-parallel."""
+    h, a, mla = model.hidden, model.heads, model.mla
+    q_width = a * mla.qk_head_dim
+    if mla.q_lora_rank is None:
+        q = [("q_up", q_width, h, "n")]
+    else:
+        q = [("q_down", mla.q_lora_rank, h, "none"), ("q_up", q_width, mla.q_lora_rank, "n")]
+    return [*q, ("kv_down", mla.kv_lora_rank + mla.qk_rope_head_dim, h, "none"),
+            ("kv_up", a * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank, "n"),
+            ("proj", h, attention_out_dim(model), "k")]
 
 
 def query_dim(model: ModelConfig) -> int:
-    """Width of the queries and of the attention output (the output projection's input): heads x head_dim."""
-    return model.heads * model.head_dim
+    """Width of the queries (heads x head_dim; MLA: heads x (nope + rope))."""
+    return model.heads * (model.mla.qk_head_dim if model.mla is not None else model.head_dim)
+
+
+def attention_out_dim(model: ModelConfig) -> int:
+    """Width of the attention output, the output projection's input: heads x head_dim (MLA: heads x v_head_dim)."""
+    return model.heads * (model.mla.v_head_dim if model.mla is not None else model.head_dim)
+
+
+def key_value_dims(model: ModelConfig) -> tuple[int, int]:
+    """(K, V) widths per token as the attention core reads them: kv heads x head_dim each; MLA: every head's key
+    (nope + rope; the shared rope part expanded per head) and value (v)."""
+    if model.mla is None:
+        return model.kv_dim, model.kv_dim
+    return model.heads * model.mla.qk_head_dim, model.heads * model.mla.v_head_dim
 
 
 def _mlp_params_per_layer(model: ModelConfig) -> float:
@@ -77,6 +110,8 @@ def elementwise_bytes_per_token(model: ModelConfig, seq: int, attention: str, fu
         rope = 0 if model.rope_attention_factor != 1.0 else 2 * (query_dim(model) + kv) * BF16_BYTES
         core = 2 * a * seq * BF16_BYTES  # fused scale-mask-softmax: read + write scores
         kernels = 6
+        if model.mla is not None:
+            norms, rope, kernels = norms + mla_norm_bytes(model), mla_rope_bytes(model), kernels + 2
     else:
         act = mlp_activation_bytes_per_token(model)  # bias-GeLU: read + write
         rope = 0
@@ -87,6 +122,34 @@ def elementwise_bytes_per_token(model: ModelConfig, seq: int, attention: str, fu
     elif not fused_softmax:
         core, kernels = core + UNFUSED_SOFTMAX_EXTRA_PASSES * a * seq * BF16_BYTES, kernels + 2
     return float(norms + residual), float(act + rope), float(core), kernels
+
+
+def mla_norm_bytes(model: ModelConfig) -> float:
+    """Per token: MLA's two RMSNorms on the latents (q_layernorm over q_lora_rank, kv_layernorm over kv_lora_rank),
+    read + write, on every TP rank (their down-projections are duplicated)."""
+    mla = model.mla
+    return 2.0 * ((mla.q_lora_rank or 0) + mla.kv_lora_rank) * BF16_BYTES
+
+
+def mla_rope_bytes(model: ModelConfig) -> float:
+    """Per token, split by TP: Megatron-Core's fused MLA RoPE (apply_rope_fusion: fused_apply_mla_rope_for_q,
+    fused_apply_mla_rope_for_kv): the query read and written in place (heads x (nope + rope)); the kv up-projection's
+    output (heads x (nope + v)) and the shared rope key read, the per-head key (nope + rope) and value (v) written."""
+    a, mla = model.heads, model.mla
+    q = 2 * a * mla.qk_head_dim
+    kv = a * (mla.qk_nope_head_dim + mla.v_head_dim) + mla.qk_rope_head_dim + a * (mla.qk_head_dim + mla.v_head_dim)
+    return float((q + kv) * BF16_BYTES)
+
+
+def mla_up_proj_replay_s(model: ModelConfig, system: System, opts: Options, T, tp):
+    """Forward time per layer that Megatron-Core's "mla_up_proj" recompute replays in the backward
+    (Options.recompute_mla_up_proj): the two column-parallel up-projections (q_up, kv_up) of T tokens and the fused
+    MLA RoPE (mla_rope_bytes, two kernels). Zero for a model without MLA."""
+    if model.mla is None:
+        return 0.0 * np.asarray(T, dtype=float)
+    gemms = sum(matmul_time_s(system, T, n / tp, k, opts.fp8, opts)
+                for name, n, k, _ in mla_matmuls(model) if name in ("q_up", "kv_up"))
+    return gemms + memory_time_s(system, T * mla_rope_bytes(model) / tp, 2)
 
 
 def eager_elementwise_bytes_per_token(model: ModelConfig, opts: Options) -> tuple[float, float]:
@@ -157,12 +220,12 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
     sac = sum(matmul_time_s(system, T, n, k, opts.fp8, opts) for n, k in _op_sac_recomputed(model, tp)) \
         if opts.selective_ops else 0.0
     for name, n, k, shard in layer_matmuls(model, seq, opts.attention):
-        n_dev, k_dev = (n / tp, k) if shard == "n" else (n, k / tp)
+        n_dev, k_dev = {"n": (n / tp, k), "k": (n, k / tp)}.get(shard, (n, k))  # "none": duplicated (MLA's down)
         if name == "qkv":  # GQA with tp > kv heads: each rank computes (a replica of) one K and one V head
             n_dev = query_dim(model) / tp + 2 * model.kv_dim / np.minimum(tp, model.n_kv_heads)
         one = matmul_time_s(system, T, n_dev, k_dev, opts.fp8, opts)
         matmuls = matmuls + one
-        if opts.tp_comm_overlap:
+        if opts.tp_comm_overlap and shard != "none":
             fwd_extra, bwd_extra = tp_overlap_split_s(system, opts, name, shard, one, T, n_dev, k_dev, tp)
             split_fwd, split_bwd = split_fwd + fwd_extra, split_bwd + bwd_extra
         mlp = mlp + (one if name.startswith("mlp") else 0.0)
@@ -177,16 +240,16 @@ def _per_layer_compute(model, system, seq, opts, T, tp, sp, cp, zero=0):
         cast_bytes = cast_bytes + (cast_cost(system, opts)[0] * (T * k_dev + weight) if opts.fp8 else 0.0)
     heads = model.heads / tp
     s_local = seq / cp
-    d = model.head_dim
+    d_qk, d_v = query_dim(model) / model.heads, attention_out_dim(model) / model.heads  # head dims (MLA: 192, 128)
     b_seqs = T / s_local  # microbatch sequences on this device
     # Attention core per head as two batched matmuls (QK^T and AV) over the visible keys. Flash skips the masked half
     # (causal), in the blocks its kernel works in (chip.flash_fwd_key_tile: the NKI kernel's 2048-key tiles run whole
     # on the diagonal); under CP the stack's ring kernel is taken as fine-grained
     keys = seq if opts.attention == "unfused" else seq * np.where(
         cp > 1, 0.5, flash_causal_fraction(seq, system.chip.flash_fwd_key_tile))
-    core_flops = 2 * 2.0 * b_seqs * heads * s_local * keys * d
+    core_flops = 2.0 * b_seqs * heads * s_local * keys * (d_qk + d_v)  # QK^T at the q/k head dim, AV at v's
     eff = system.chip.efficiency
-    core_traffic = BF16_BYTES * b_seqs * heads * (4 * s_local * d)
+    core_traffic = BF16_BYTES * b_seqs * heads * (2 * s_local * (d_qk + d_v))  # read Q, K, V, write the output
     if opts.attention == "unfused":
         core_traffic = core_traffic + 2 * BF16_BYTES * b_seqs * heads * s_local * keys  # scores written, read
     # the stack's attention kernel where it names one (on Hopper FlashAttention-2, or TE's cuDNN attention); else a flash kernel at the chip's
@@ -269,7 +332,7 @@ def cp_merge_s(model: ModelConfig, system: System, opts: Options, T, tp, cp):
     attention call over the gathered K/V) and without CP."""
     if opts.cp_comm != "allgather_rotate":
         return 0.0, 0.0
-    elements = T * query_dim(model) / tp
+    elements = T * attention_out_dim(model) / tp
     steps = np.maximum(cp - 1.0, 0.0)
     fwd = memory_time_s(system, elements * (CP_MERGE_FWD_ONCE_BYTES + steps * CP_MERGE_FWD_STEP_BYTES),
                         steps * CP_MERGE_FWD_KERNELS + 2)
@@ -282,7 +345,7 @@ def _op_sac_recomputed(model: ModelConfig, tp):
     """(N, K) per device of the matmuls torchtitan's per-op selective checkpointing recomputes (Options.selective_ops),
     every second one of the block: Llama's wq, wk, wv, wo, w1, w3, w2 -> wk (column-parallel, the rank's kv heads),
     wo (row-parallel), w3 (column-parallel); a GPT block's fused qkv, out, fc1, fc2 -> out and fc2."""
-    wo = (model.hidden, query_dim(model) / tp)
+    wo = (model.hidden, attention_out_dim(model) / tp)
     if model.arch != "llama":
         return [wo, (model.hidden, model.ffn / tp)]
     return [(model.kv_dim / np.minimum(tp, model.n_kv_heads), model.hidden), wo, (model.ffn / tp, model.hidden)]

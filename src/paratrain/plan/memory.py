@@ -9,7 +9,7 @@ import numpy as np
 
 from paratrain.model.config import ModelConfig
 from paratrain.plan.kernels import fp8_copies, low_precision_bytes
-from paratrain.plan.layer import query_dim
+from paratrain.plan.layer import attention_out_dim, key_value_dims, query_dim
 from paratrain.plan.numeric import select
 from paratrain.plan.pipeline import _rank_params, inflight_microbatches
 from paratrain.plan.precision import (
@@ -52,9 +52,28 @@ def activation_bytes_per_token(model: ModelConfig, seq: int, attention: str, fp8
         sp_part = 4 * h + 2 * h + 2 * h  # 2 RMSNorm inputs, QKV input, MLP input
         tp_part = 2 * q + 2 * kv + 2 * kv + 2 * q + 6 * f  # Q, K, V, proj input, gate, up, gate*up
         core = 2 * a * seq if attention == "unfused" else 4 * a  # softmax output, or fp32 log-sum-exp (flash)
+    o = q
+    if model.mla is not None:
+        latent, tp_part = _mla_activation_bytes(model)
+        sp_part, tp_part, o = sp_part + latent, tp_part + 6 * f, attention_out_dim(model)
     if fp8:  # QKV input, MLP input, projection input and second MLP input stored at 1 byte instead of 2
-        sp_part, tp_part = sp_part - 2 * h, tp_part - q - f
+        sp_part, tp_part = sp_part - 2 * h, tp_part - o - f
+        if model.mla is not None:  # the up-projections' inputs too
+            sp_part = sp_part - (model.mla.q_lora_rank or 0) - model.mla.kv_lora_rank
     return float(sp_part), float(tp_part), float(core)
+
+
+def _mla_activation_bytes(model: ModelConfig) -> tuple[float, float]:
+    """(latent, split) bytes per token MLA's block keeps for backward (Megatron-Core MLASelfAttention, bf16):
+    latent: the down-projections' outputs, the two latent RMSNorms' inputs and the up-projections' inputs (q_lora_rank
+    and kv_lora_rank each twice) and the shared rope key, on every TP rank (the down-projections are duplicated;
+    counted with the SP-sharded part, a few per cent of the block's); split (by TP): the attention core's Q, K, V
+    (heads x 192, 192, 128 for DeepSeek-V3) and its output, the output projection's input (heads x v). Fused RoPE
+    keeps nothing of its own."""
+    mla = model.mla
+    latent = 2 * (2 * (mla.q_lora_rank or 0) + 2 * mla.kv_lora_rank + mla.qk_rope_head_dim)
+    k, v = key_value_dims(model)
+    return float(latent), float(2 * (query_dim(model) + k + v) + 2 * attention_out_dim(model))
 
 
 def selective_ops_bytes_per_token(model: ModelConfig, tp, sp):
@@ -97,8 +116,8 @@ def offload_kept_bytes(model, T, tp, rc):
     checkpointed attention core's inputs (Q, K, V), which the checkpoint holds itself, outside the saved-tensor
     hooks that move the rest (paratrain.parallel.offload); nothing otherwise (full recompute is not offloaded:
     config.rules offload_full_recompute)."""
-    q, kv = query_dim(model), model.kv_dim
-    return np.where(np.asarray(rc) == 1, T * BF16_BYTES * (q + 2 * kv) / tp, 0.0)
+    q, (k, v) = query_dim(model), key_value_dims(model)
+    return np.where(np.asarray(rc) == 1, T * BF16_BYTES * (q + k + v) / tp, 0.0)
 
 
 def offloaded_layers(offload, layers, chunks=1.0):
@@ -124,6 +143,8 @@ def layer_activation_bytes(model, seq, opts, *, T, tp, cp, sp, rc):
     # recompute_mlp keeps the MLP block's input (already counted) instead of its gate/up (fc1/GeLU) outputs
     mlp_kept = (6 if model.arch == "llama" else 4) * model.ffn if opts.recompute_mlp else 0
     layer_selective = T * (sp_part * sp_scale + gathered + (tp_part - mlp_kept) / tp)
+    if not opts.recompute_core_attention:  # the core is not replayed: its saved state is kept (Options)
+        layer_selective = layer_selective + T * core / tp
     if opts.selective_ops:  # torchtitan's per-op SAC keeps the save list's outputs, plus the log-sum-exp (core)
         layer_selective = T * (selective_ops_bytes_per_token(model, tp, sp) + core / tp)
     layer_input = T * 2 * model.hidden * sp_scale
@@ -137,9 +158,13 @@ def layer_activation_bytes(model, seq, opts, *, T, tp, cp, sp, rc):
     # per-op SAC every op off its save list: torch.utils.checkpoint's selective checkpointing (create_selective_
     # checkpoint_contexts, torchtitan's apply_ac op mode at 9dec370) replays the block's forward in its backward,
     # the saved ops' outputs taken from the cache (counted in per_layer), the others computed again (memacc)
-    replayed_core = (opts.attention == "unfused") and not opts.selective_ops
+    replayed_core = (opts.attention == "unfused") and not opts.selective_ops and opts.recompute_core_attention
     sac_rebuilt = np.maximum(layer_full - layer_selective, 0.0) if opts.selective_ops else 0.0
     rebuilt = select([rc == 2, (rc == 1) & replayed_core, rc == 1], [layer_full, T * core / tp, sac_rebuilt], 0.0)
+    if opts.recompute_mla_up_proj and model.mla is not None:  # Q, K, V dropped after the core, rebuilt one layer
+        qkv = T * BF16_BYTES * (query_dim(model) + sum(key_value_dims(model))) / tp  # at a time before its backward
+        per_layer = per_layer - np.where(rc == 2, 1.0 - rf, 1.0) * qkv
+        rebuilt = rebuilt + np.where(rc == 2, 0.0, qkv)
     return per_layer, rebuilt + cp_gathered_kv_bytes(model, opts, T=T, tp=tp, cp=cp)
 
 
@@ -153,7 +178,7 @@ def cp_gathered_kv_bytes(model, opts, *, T, tp, cp):
     cp_comm "ring" (Megatron-Core's p2p ring). Once per rank: one layer's attention runs at a time."""
     if opts.cp_comm not in ("allgather", "allgather_rotate"):
         return 0.0
-    width = query_dim(model) if opts.cp_kv_repeated else model.kv_dim
+    width = query_dim(model) if opts.cp_kv_repeated else sum(key_value_dims(model)) / 2
     return (np.asarray(cp, dtype=float) - 1.0) * T * 2 * width * BF16_BYTES / tp
 
 
@@ -274,6 +299,11 @@ def memory_per_device(model, system, seq, opts, *, T, tp, pp, dp, cp, sp, rc, sc
         # more expert state than the average layer. The first rank keeps the average (the dense view gives its
         # dense layers the average FFN width, less than theirs, which the average's expert share offsets)
         held = np.where(r == 0, layers, moe_blocks_held(ex, layers)) if moe else layers
+        # the head's rank runs the multi-token-prediction layers too (plan.pipeline.mtp_rank_params; MoE layers where
+        # the model's are: one whole block each)
+        mtp = np.where(head, model.mtp_layers, 0.0)
+        layers = layers + mtp
+        held = held + (mtp / ex["share"] if moe else mtp)
         # FSDP kept gathered under a pipeline (Options.fsdp_pp_unsharded): the gathered copy beside the shard, and
         # the gradients accumulated unsharded in the reduce dtype until the last backward
         gathered = np.where(pinned, params_dev * opts.param_bytes, 0.0)

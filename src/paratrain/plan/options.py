@@ -152,6 +152,14 @@ class Options:
     activation, whose outputs the forward dropped and which are not kept (Megatron-Core's recompute_modules
     "layernorm" and "moe_act"; plan.moe.norm_act_replay_s, plan.moe.activation_bytes_per_layer); the attention
     core is replayed only under selective recompute, as before.
+    recompute_mla_up_proj: the backward reruns multi-head latent attention's up-projections and RoPE (ModelConfig.mla),
+    whose outputs, the attention core's Q, K and V, the forward dropped after the core ran (Megatron-Core's
+    recompute_modules "mla_up_proj": multi_latent_attention.py wraps qkv_up_proj_and_rope_apply in a
+    CheckpointWithoutOutput, discard_output_and_register_recompute after core attention; plan.layer.
+    mla_up_proj_replay_s, plan.memory.layer_activation_bytes); nothing for a model without MLA.
+    recompute_core_attention: selective recompute replays the attention core (Korthikanti et al. 2022; Megatron-
+    Core's recompute_modules "core_attn", its default); False where the run's recompute_modules leave it out (the
+    DeepSeek-V3 recipes' ["mla_up_proj", "mlp"]: selective recompute of the MLP block alone, with recompute_mlp).
     moe_probs_in_experts: the routing probabilities scale the expert activation's output inside the expert
     block (Megatron-Core since core 0.13, "Memory efficient token permutation"), so the combine keeps no expert
     output for the probabilities' gradient (plan.moe.activation_bytes_per_layer); otherwise it is kept.
@@ -334,6 +342,8 @@ class Options:
     moe_fused_padding: bool = False
     moe_flex_backend: str | None = None
     recompute_norm_act: bool = False
+    recompute_mla_up_proj: bool = False
+    recompute_core_attention: bool = True
     moe_probs_in_experts: bool = False
     ce_bytes_per_logit: float = 12.0
     loss_peak_bytes_per_logit: float = 6.0

@@ -72,7 +72,18 @@ def _rank_params(model: ModelConfig, loads: Loads, pp, v_shape):
     one = same_rank(pp, v_shape)
     first = loads.first * per_layer + model.embedding_params() + np.where(one, model.head_params(), 0.0)
     last = np.where(one, first, loads.last * per_layer + model.head_params())
-    return first, last, loads.inner * per_layer
+    return first + np.where(one, mtp_rank_params(model, one), 0.0), last + mtp_rank_params(model, one), \
+        loads.inner * per_layer
+
+
+def mtp_rank_params(model: ModelConfig, one):
+    """Parameters the multi-token-prediction depths (ModelConfig.mtp_layers) put on the head's rank, as the dense
+    view counts them (its average layer per depth: the routed experts come with plan.moe's terms), plus their
+    norms and eh_proj, and a copy of the embedding where that rank is not the first (Megatron-Core's MTP stage)."""
+    if not model.mtp_layers:
+        return 0.0
+    own = model.mtp_layers * (model.params_per_layer() + 2 * model.hidden * model.hidden + 3 * model.hidden)
+    return own + np.where(one, 0.0, model.vocab * model.hidden)
 
 
 def _largest_rank(model: ModelConfig, loads: Loads, pp, v_shape):

@@ -40,6 +40,9 @@ from paratrain.plan.layer import (
     _per_layer_compute,
     cp_merge_s,
     host_issue_s,
+    key_value_dims,
+    mla_matmuls,
+    mla_up_proj_replay_s,
     query_dim,
     unfused_rope_s,
 )
@@ -150,7 +153,7 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     merge_fwd, merge_bwd = cp_merge_s(model, system, opts, T, tp, cp)  # torch's ring attention: fp32 merges per step
     core = core + merge_fwd  # part of the attention op: replayed with it (selective, full), kept with it (op SAC)
     fwd_compute = mm + split_fwd + core + elem + quantize + bias_fwd + rope_fwd
-    selective = core + (mlp_fwd if opts.recompute_mlp else 0.0)
+    selective = (core if opts.recompute_core_attention else 0.0) + (mlp_fwd if opts.recompute_mlp else 0.0)
     if opts.selective_ops:  # torchtitan's per-op SAC: three matmuls and every elementwise op, not the attention core
         selective = sac_mm + elem + quantize + bias_fwd + rope_fwd
     # full recompute checkpoints one layer in Options.recompute_every (torchtitan's selective layer AC); the others
@@ -167,6 +170,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     if opts.recompute_norm_act:  # Megatron-Core's recompute_modules "layernorm", "moe_act" (plan.moe)
         norm_act = moe_plan.norm_act_replay_s(flops_model, system, T, tp, sp, etp, moe[5] if moe is not None else 0.0)
         recompute_fwd = recompute_fwd + np.where(rc == 2, 1.0 - rf, 1.0) * norm_act
+    if opts.recompute_mla_up_proj:  # MLA's up-projections and RoPE rerun before the core's backward (Options)
+        recompute_fwd = recompute_fwd + np.where(rc == 2, 1.0 - rf, 1.0) * mla_up_proj_replay_s(model, system, opts, T,
+                                                                                                tp)
     # FlashAttention's backward recomputes the scores and probabilities and runs 5 matmuls to the forward's 2
     # (Dao 2023, FlashAttention-2 sec. 3.2), at a lower fraction of peak than its forward (FLASH_BWD_EFF);
     # unfused attention keeps P and runs 4 (dP, dV, dQ, dK) as plain batched GEMMs
@@ -242,7 +248,8 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     # recompute that replays the attention op replays its K/V exchange too (torch.utils.checkpoint reruns the forward,
     # and with it the ring or all-gather inside the attention op: full recompute, and Korthikanti's selective, which
     # replays the attention core); torchtitan's per-op SAC saves SDPA's outputs, so its exchange is not replayed
-    cp_bwd = cp_bwd + np.where(rc == 2, rf, np.where((rc == 1) & (not opts.selective_ops), 1.0, 0.0)) * cp_fwd
+    core_replayed = (not opts.selective_ops) and opts.recompute_core_attention
+    cp_bwd = cp_bwd + np.where(rc == 2, rf, np.where((rc == 1) & core_replayed, 1.0, 0.0)) * cp_fwd
 
     layer_fwd = fwd_compute + tp_fwd + cp_fwd + a2a_fwd
     layer_bwd = bwd_compute + tp_bwd + cp_bwd + a2a_bwd
@@ -258,6 +265,9 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     head_fwd = logits_mm + memory_time_s(system, ce_bytes / 2, 2) + tp_head_fwd
     head_bwd = 2 * logits_mm + memory_time_s(system, ce_bytes / 2, 2) + tp_head_bwd
     embed = memory_time_s(system, 2 * T * h * BF16_BYTES, 1) + tp_embed
+    if model.mtp_layers:  # multi-token prediction on the head's stage (mtp_extra_s)
+        mtp_fwd, mtp_bwd = mtp_extra_s(model, system, opts, T, tp, layer_fwd, layer_bwd, head_fwd, head_bwd, embed)
+        head_fwd, head_bwd = head_fwd + mtp_fwd, head_bwd + mtp_bwd
 
     # -- pipeline: p2p activations between stages (Megatron scatter/gather: 1/t of them per rank) --
     # what a stage sends per rank: the SP shard, or with Megatron's scatter/gather 1/t of the replicated
@@ -350,7 +360,10 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     # weight whose two gradients are summed between those two ranks after the last backward, before the optimizer
     # step (Megatron-LM finalize_model_grads -> _allreduce_word_embedding_grads; DeepSpeed PipelineEngine's
     # ReduceTiedGrads, an instruction of its TrainSchedule after the last backward): V x h / tp gradients, exposed
-    if model.tie_embeddings:
+    # Multi-token prediction on the last stage reads the embedding too: Megatron-Core keeps a copy of it there whose
+    # gradient is summed with the first stage's the same way (_allreduce_word_embedding_grads: the embedding group
+    # holds the first stage and the MTP stage)
+    if model.tie_embeddings or model.mtp_layers:
         tied = collective_time_s(system, "allreduce", V * h / tp * opts.grad_bytes, 2.0, stride_pp * np.maximum(pp - 1, 1))
         tied = np.where(pp > 1, tied, 0.0)
         dp_time, dp_exposed = dp_time + tied, dp_exposed + tied
@@ -381,16 +394,19 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
     tokens = global_batch * seq
     flops = {}
     for name, attn_per_token in (("causal", CAUSAL_ATTENTION_FLOPS), ("full", 4.0)):
-        attn_fwd = attn_per_token * L * seq * h  # forward attention FLOPs per token
+        attn_fwd = attn_per_token * L * seq * model.attention_width()  # forward attention FLOPs per token
         fwd = 2.0 * flops_model.num_matmul_params() + attn_fwd
         mlp_flops = 2.0 * L * _mlp_params_per_layer(model) if opts.recompute_mlp else 0.0
         if opts.recompute_mlp and flops_model.num_experts:  # the active routed experts are recomputed too
             mlp_flops += 2.0 * flops_model.moe_layers * flops_model.experts_per_token * 3 * h * flops_model.moe_ffn
-        selective_flops = attn_fwd + mlp_flops
+        selective_flops = (attn_fwd if opts.recompute_core_attention else 0.0) + mlp_flops
         if opts.selective_ops:  # the recomputed matmuls (N x K per device times tp: the whole layer's)
             selective_flops = 2.0 * L * sum(n * k for n, k in _op_sac_recomputed(model, 1))
         recompute = np.where(rc == 2, rf * (fwd - 2.0 * V * h), np.where(rc == 1, selective_flops, 0.0))
         dead = np.where(tail_dead, np.where(rc == 2, rf, 1.0) * 2.0 * L * h * model.ffn, 0.0)  # the dead down-projection
+        if opts.recompute_mla_up_proj and model.mla is not None:  # the up-projections' replay (not under full)
+            up = sum(n * k for name, n, k, _ in mla_matmuls(model) if name in ("q_up", "kv_up"))
+            recompute = recompute + np.where(rc == 2, 1.0 - rf, 1.0) * 2.0 * L * up
         recompute = (recompute - dead) * tokens
         flops[name] = (3.0 * fwd * tokens, 3.0 * fwd * tokens + recompute)
     model_flops, hardware_flops = flops[ATTENTION_CONVENTION]
@@ -435,6 +451,21 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         "stage_layers_inner": loads.inner * ones, "stage_balanced": loads.balanced & (ones > 0),
         **memory,
     }
+
+
+def mtp_extra_s(model, system, opts, T, tp, layer_fwd, layer_bwd, head_fwd, head_bwd, embed):
+    """(forward s, backward s) per microbatch that ModelConfig.mtp_layers multi-token-prediction depths add to the
+    head's stage (Megatron-Core puts the MTP block after the decoder on the last stage: MultiTokenPredictionBlock;
+    DeepSeek-V3 report sec. 2.2): per depth the embedding lookup of the shifted tokens, the two RMSNorms and the
+    2h -> h projection of their concatenation (eh_proj, column-parallel), one transformer layer (timed as the
+    model's average layer: its recompute, TP and all-to-all included; DeepSeek-V3's MTP layer is a MoE layer, the
+    average carries 58/61 of one) and a second output head with its loss (the head's time again)."""
+    h = model.hidden
+    eh = matmul_time_s(system, T, h / tp, 2 * h, opts.fp8, opts)
+    norms = memory_time_s(system, T * 2 * (2 * h) * BF16_BYTES, 2)
+    depth_fwd = embed + norms + eh + layer_fwd + head_fwd
+    depth_bwd = 2 * norms + 2 * eh + layer_bwd + head_bwd
+    return model.mtp_layers * depth_fwd, model.mtp_layers * depth_bwd
 
 
 def check_host_link(system: System, offload_layers: int) -> None:
@@ -485,6 +516,8 @@ def _context_parallel_s(system, model, opts, T, tp, cp, core_fwd, core_bwd, stri
     `reorder_for_compute_comm_overlap`, False by default (torch/_inductor/config.py): the gather is exposed forward
     and backward, and so are all cp dK/dV rotations."""
     kv_width = query_dim(model) / tp if opts.cp_kv_repeated else model.kv_dim / np.minimum(tp, model.n_kv_heads)
+    if model.mla is not None:  # every head's key and value after the up-projection (Megatron-Core's CP runs on them)
+        kv_width = sum(key_value_dims(model)) / 2 / tp
     kv_local = 2 * T * kv_width * BF16_BYTES  # K and V of the local tokens, as they reach the attention op
     stride = tp if stride_cp is None else stride_cp
     if opts.cp_comm == "ring":
