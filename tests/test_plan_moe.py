@@ -69,6 +69,23 @@ def test_alltoall_grows_when_ep_crosses_a_node():
     assert moe.alltoall_time_s(system, nbytes, 64, 1, dedup_k=8) < 0.7 * moe.alltoall_time_s(system, nbytes, 64, 1)
 
 
+def test_node_limited_routing_reaches_at_most_group_topk_nodes():
+    """DeepSeek-V3's node-limited routing (n_group 8, topk_group 4; Megatron-Core group_limited_topk): with the 8
+    groups one per node (EP64 on 8 nodes) a token reaches at most 4 nodes, 4(1 - (3/4)^8) = 3.60 expected, not the
+    plain top-8's 8(1 - (7/8)^8) = 5.25; two groups a node (EP32, 4 nodes) 2.91 of 4; plain top-k (Qwen3) as before.
+    HybridEP's node copies and the network's remote copies scale with it."""
+    ds, qwen = PRESETS["deepseek-v3"], PRESETS["qwen3-30b-a3b"]
+    assert moe.node_hit_fraction(qwen, np.array([8.0]))[0] == pytest.approx(1 - (7 / 8) ** 8)
+    assert 8 * moe.node_hit_fraction(ds, 8.0) == pytest.approx(4 * (1 - 0.75 ** 8))
+    assert 4 * moe.node_hit_fraction(ds, 4.0) == pytest.approx((40 * (1 - 0.75 ** 8) + 15 * (1 - 0.5 ** 8)) / 70 * 4)
+    assert 16 * moe.node_hit_fraction(ds, 16.0) == pytest.approx(8 * (1 - (1 - 1 / 8) ** 8))  # a group on 2 nodes
+    assert moe.node_hit_fraction(ds, 1.0) == pytest.approx(1.0)
+    system = resolve_system(H100)
+    grouped = moe.alltoall_time_s(system, 256e6, 64, 1, dedup_k=8, model=ds)
+    assert grouped == pytest.approx(moe.alltoall_time_s(system, 256e6, 64, 1, dedup_k=8, model=qwen.model_copy(
+        update={"num_experts": 256})) * 3.60 / 5.25, rel=0.02)
+
+
 def test_estimate_ep_comm_grows_across_nodes():
     """Qwen3-30B-A3B on 2 DGX H100: EP8 inside a node against EP16 over both, same everything else."""
     lay = Layout(tp=1, pp=1, recompute="full", zero_stage=1)
@@ -179,8 +196,9 @@ def _published_rows():
     # Keyed by (model, published tokens/s/GPU): several rows share a model and batch
     missed: dict[tuple[str, str], str] = {
         # docs/planner.md "MLA and MTP (mla)": with MLA's attention core at head dims 192/128 (the 128 x 56 stand-in
-        # ran it at a third), its fused RoPE and the recipe's MTP depth on the last stage, +13.9% -> +31.1%
-        ("deepseek-v3", "1297"): "DeepSeek-V3 H100 TP2 PP8 VP4 EP64: +31% with MLA and MTP modelled",
+        # ran it at a third), its fused RoPE and the recipe's MTP depth on the last stage, +13.9% -> +31.1%;
+        # node-limited routing (dsv3: each token to at most 4 of the 8 EP nodes, plan.moe.node_hit_fraction) +16.6%
+        ("deepseek-v3", "1297"): "DeepSeek-V3 H100 TP2 PP8 VP4 EP64: +16.6% with MLA, MTP and node-limited routing",
     }
     # the DGX-B200 GPT-OSS mark (13568) was removed on 2026-12-01 night when the clamp GPT-OSS puts on its expert
     # activation (swiglu_limit 7) was timed as Megatron-Core runs it, in eager PyTorch ahead of the fused
@@ -493,13 +511,13 @@ def test_hybridep_node_copy_stage_across_nodes():
     hyb = Options(moe_imbalance=1.0, moe_hierarchical_dispatch=True, moe_flex_backend="hybridep")
     deepep = replace(hyb, moe_flex_backend="deepep")
     rates = moe.HYBRIDEP_NODE_COPY_BYTES_PER_S["h100"]
-    d, d16, c = moe.hybridep_node_copy_s(system, hyb, 4096.0, 16.0, 1.0, k, h)
+    d, d16, c = moe.hybridep_node_copy_s(system, hyb, 4096.0, 16.0, 1.0, cfg, h)
     copies = 2 * (1 - 0.5 ** k)  # 2 nodes: both touched by almost every token
     assert d == pytest.approx(4096 * copies * h * 2 / rates["dispatch_bf16"]) and d16 == d
     assert c == pytest.approx(4096 * copies * h * 2 / rates["combine"])
-    assert sum(moe.hybridep_node_copy_s(system, hyb, 4096.0, 8.0, 1.0, k, h)) == 0  # one node
-    assert sum(moe.hybridep_node_copy_s(system, deepep, 4096.0, 16.0, 1.0, k, h)) == 0
-    assert sum(moe.hybridep_node_copy_s(catalog.system("dgx-b200"), hyb, 4096.0, 16.0, 1.0, k, h)) == 0
+    assert sum(moe.hybridep_node_copy_s(system, hyb, 4096.0, 8.0, 1.0, cfg, h)) == 0  # one node
+    assert sum(moe.hybridep_node_copy_s(system, deepep, 4096.0, 16.0, 1.0, cfg, h)) == 0
+    assert sum(moe.hybridep_node_copy_s(catalog.system("dgx-b200"), hyb, 4096.0, 16.0, 1.0, cfg, h)) == 0
     kw = {"T": 4096.0, "tp": 1, "sp": False, "etp": 1, "rc": 0}
     share = cfg.moe_layers / cfg.layers
     fwd = lambda o, ep: moe.layer_terms(cfg, system, o, ep=ep, **kw)[2]  # noqa: E731

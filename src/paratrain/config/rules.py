@@ -231,6 +231,10 @@ RULES: tuple[Rule, ...] = (
          lambda v: f"model.mtp_layers={v.model.mtp_layers}: multi-token prediction is a planner-only shape (timed on "
                    f"the last pipeline stage); paratrain's trainer has no MTP module; allowed: mtp_layers=0",
          runtime_only=True),
+    Rule("model_router_groups", lambda v: getattr(v.model, "router_groups", 1) == 1,
+         lambda v: f"model.router_groups={v.model.router_groups}: group-limited routing is a planner-only shape (the "
+                   f"nodes a token's dispatch reaches, plan.moe.node_hit_fraction); paratrain's router takes a plain "
+                   f"top-k; allowed: router_groups=1", runtime_only=True),
     Rule("pp_tied_embeddings", lambda v: _or(_not(_pipelined(v)), not v.model.tie_embeddings),
          lambda v: "model.tie_embeddings=true with parallel.pp > 1: the embedding and the output head sit "
                    "on different stages; allowed: tie_embeddings=false for pipeline parallelism", runtime_only=True),

@@ -101,6 +101,13 @@ class ModelConfig(BaseModel):
     router_norm_topk: bool = True  # renormalise the top-k weights to sum 1 (Mixtral; Qwen3 norm_topk_prob)
     capacity_factor: float | None = Field(default=None, gt=0)  # None = dropless; else per-expert cap c*T*k/E
     aux_loss_coef: float = Field(default=0.01, ge=0)  # load-balancing loss weight (Switch Transformer: 0.01)
+    # group-limited (DeepSeek-V3: "node-limited") routing: the routed experts split into router_groups contiguous
+    # groups, each token's top-k taken inside its router_group_topk best groups (config.json n_group / topk_group;
+    # Megatron-Core moe_router_num_groups / moe_router_group_topk, moe_utils.group_limited_topk). 1 / 1: plain
+    # top-k. Shape only, for the planner (plan.moe.node_hit_fraction: the nodes a token's dispatch reaches); the
+    # trainer's router takes a plain top-k and refuses router_groups > 1 (rules model_router_groups)
+    router_groups: int = Field(default=1, gt=0)
+    router_group_topk: int = Field(default=1, gt=0)
     # routed experts with biases on their two linear layers (GPT-OSS: gate_up_proj_bias, down_proj_bias). Shape only:
     # the planner times how Megatron-Core applies them (plan.moe.expert_bias_s); paratrain's MoE block has none and
     # refuses such a config (model.moe.MoEBlock)
@@ -146,6 +153,11 @@ class ModelConfig(BaseModel):
              f"1..num_experts={self.num_experts}"),
             ("first_dense_layers", self.first_dense_layers, self.first_dense_layers < self.layers,
              f"0..layers-1={self.layers - 1} (at least one MoE layer)"),
+            ("router_groups", self.router_groups, self.num_experts % self.router_groups == 0,
+             f"a divisor of num_experts={self.num_experts}"),
+            ("router_group_topk", self.router_group_topk, self.router_group_topk <= self.router_groups and
+             self.experts_per_token <= self.router_group_topk * self.num_experts // self.router_groups,
+             f"1..router_groups={self.router_groups}, their experts holding experts_per_token"),
         ]
         for name, value, ok, allowed in checks:
             if not ok:
@@ -318,7 +330,8 @@ PRESETS: dict[str, ModelConfig] = {
                                  moe_ffn_hidden=768, aux_loss_coef=0.001, qk_norm=True),
     # DeepSeek-V3-shaped: DeepSeek-AI 2024 "DeepSeek-V3 Technical Report" sec. 4.2 and deepseek-ai/DeepSeek-V3
     # config.json: 61 layers, hidden 7168, 3 dense first layers (ffn 18432), 256 routed experts of 2048, top 8,
-    # 1 shared, sigmoid scores; multi-head latent attention (q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128,
+    # 1 shared, sigmoid scores, node-limited routing (n_group 8, topk_group 4: report sec. 2.1.2, "each token will be
+    # sent to at most M = 4 nodes"); multi-head latent attention (q_lora_rank 1536, kv_lora_rank 512, qk_nope_head_dim 128,
     # qk_rope_head_dim 64, v_head_dim 128: 187.1M a layer) and one multi-token-prediction depth
     # (num_nextn_predict_layers 1; report sec. 2.2 and 4.2: D = 1 in training). 671.0B parameters, 37.5B active
     # (the report's 671B / 37B); the MTP module's own 11.6B apart (with the checkpoint's copies of the embedding and
@@ -326,7 +339,7 @@ PRESETS: dict[str, ModelConfig] = {
     "deepseek-v3": ModelConfig(name="deepseek-v3", layers=61, hidden=7168, heads=128, kv_heads=128, ffn_hidden=18432,
                                vocab=129280, max_seq=163840, norm_eps=1e-6, num_experts=256, experts_per_token=8,
                                moe_ffn_hidden=2048, shared_experts=1, first_dense_layers=3, router_score="sigmoid",
-                               aux_loss_coef=0.0001, mtp_layers=1,
+                               aux_loss_coef=0.0001, mtp_layers=1, router_groups=8, router_group_topk=4,
                                mla=MLA(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                                        v_head_dim=128)),
     "llama3.1-405b": ModelConfig(name="llama3.1-405b", layers=126, hidden=16384, heads=128, kv_heads=8,

@@ -22,6 +22,8 @@ paratrain.config.rules' (the trainer's rules, written once); this module only ti
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from paratrain.config.rules import EXPERT, edp_degree, expert_view, mask  # noqa: F401 - edp_degree re-exported
@@ -144,7 +146,36 @@ def routing_imbalance(model: ModelConfig, opts, rows_per_rank, ep):
     return np.where(ep > 1, imb, 1.0)
 
 
-def alltoall_time_s(system: System, nbytes, degree, stride, imbalance=1.0, dedup_k=None):
+def node_hit_fraction(model: ModelConfig, nodes):
+    """Expected fraction of the EP group's `nodes` that one token's k routed experts reach (>= 1/nodes; a node is
+    reached when it holds one of them), experts laid out contiguously (Megatron-Core: EP rank r holds experts
+    r x local ...). Plain top-k: each of the k picks lands on a node with probability 1/N (experts uniform over
+    nodes, picks independent), 1 - (1 - 1/N)^k. Group-limited routing (ModelConfig.router_groups G, router_group_topk
+    g; Megatron-Core moe_utils.group_limited_topk: contiguous groups, the top-k taken inside the g best groups):
+    DeepSeek-V3's node-limited routing, each token sent to at most g nodes when the groups are the nodes (sec.
+    2.1.2). With c = G/N whole groups a node (G a multiple of N), j of them among the g chosen (hypergeometric) and
+    each pick landing in one of them with probability j/g: sum_j P(j) (1 - (1 - j/g)^k); a group spanning N/G whole
+    nodes (N a multiple of G): g/G (1 - (1 - G/(g N))^k). Groups that cut across nodes otherwise: plain top-k.
+    Under force-balanced benchmark routing (Megatron-Core moe_router_force_load_balancing: random logits, then the
+    same group-limited top-k) the chosen groups and experts are uniform, as assumed here."""
+    nodes = np.asarray(nodes, dtype=float)
+    k, G, g = model.experts_per_token, model.router_groups, model.router_group_topk
+    values, inverse = np.unique(nodes, return_inverse=True)
+    out = np.empty(values.shape)
+    for i, n in enumerate(values):
+        n_int = max(1, int(round(n)))
+        if G > 1 and g < G and G % n_int == 0:
+            c = G // n_int
+            out[i] = sum(math.comb(c, j) * math.comb(G - c, g - j) / math.comb(G, g) * (1 - (1 - j / g) ** k)
+                         for j in range(0, min(c, g) + 1))
+        elif G > 1 and g < G and n_int % G == 0:
+            out[i] = g / G * (1 - (1 - G / (g * n_int)) ** k)
+        else:
+            out[i] = 1 - (1 - 1 / max(n, 1.0)) ** k
+    return out[inverse].reshape(nodes.shape)
+
+
+def alltoall_time_s(system: System, nbytes, degree, stride, imbalance=1.0, dedup_k=None, model=None):
     """One all-to-all over `degree` ranks spaced `stride` apart, each sending `nbytes` spread evenly over the
     group (1/degree stays local). Alpha-beta per tier: the part bound for peers first reachable over tier i
     (inside its domain but not the inner one) moves at that tier's per-device bandwidth; the tiers move at once
@@ -153,7 +184,8 @@ def alltoall_time_s(system: System, nbytes, degree, stride, imbalance=1.0, dedup
     dedup_k (hierarchical dispatch, DeepEP / HybridEP as DeepSeek-V3 sec. 3.2.2 describes it): `nbytes` are k
     copies of each token; across the scale-out network a token goes once to each remote node holding one of
     its k experts, then NVLink fans it out: of N nodes, (N-1)(1-(1-1/N)^k) remote ones are expected (experts
-    uniform over nodes), instead of k(N-1)/N copies."""
+    uniform over nodes), instead of k(N-1)/N copies; with `model` given, (N-1) x node_hit_fraction (its
+    group-limited routing; the own node is reached as often as any other)."""
     nbytes = np.asarray(nbytes, dtype=float) * imbalance
     degree = np.asarray(degree, dtype=float)
     stride = np.asarray(stride, dtype=float)
@@ -168,7 +200,8 @@ def alltoall_time_s(system: System, nbytes, degree, stride, imbalance=1.0, dedup
         fraction = peers / degree
         if dedup_k is not None and not tier.domain_devices:  # node-deduplicated copies over the network
             nodes = degree / reached
-            fraction = np.where(nodes > 1, (nodes - 1) * (1 - (1 - 1 / nodes) ** dedup_k) / dedup_k, fraction)
+            hit = node_hit_fraction(model, nodes) if model is not None else 1 - (1 - 1 / nodes) ** dedup_k
+            fraction = np.where(nodes > 1, (nodes - 1) * hit / dedup_k, fraction)
         t = nbytes * fraction * share / tier.per_device_bw_bytes_per_s(system)
         slowest = np.maximum(slowest, t)
         fixed = np.where(peers > 0, (link.latency_us + link.collective_overhead_us) * 1e-6, fixed)
@@ -176,10 +209,10 @@ def alltoall_time_s(system: System, nbytes, degree, stride, imbalance=1.0, dedup
     return np.where(degree > 1, slowest + fixed, 0.0)
 
 
-def hybridep_node_copy_s(system: System, opts, tokens, ep, stride, k, hidden):
+def hybridep_node_copy_s(system: System, opts, tokens, ep, stride, model, hidden):
     """(dispatch s, dispatch-as-bf16 s, combine s) of HybridEP's per-node stage across nodes: each of a rank's
-    `tokens` goes once to every node holding one of its k experts, its own included, N(1-(1-1/N)^k) of N nodes
-    (experts uniform over nodes), at the measured rate (HYBRIDEP_NODE_COPY_BYTES_PER_S; the combine's gradient
+    `tokens` goes once to every node holding one of its k experts, its own included, N x node_hit_fraction of N
+    nodes (plain top-k: N(1-(1-1/N)^k), experts uniform over nodes; fewer under group-limited routing), at the measured rate (HYBRIDEP_NODE_COPY_BYTES_PER_S; the combine's gradient
     leaves like a bf16 dispatch). A lower bound on the dispatch time that the per-tier alltoall_time_s does not
     see; zero inside one node, for the other backends and on chips with no measurement."""
     rates = HYBRIDEP_NODE_COPY_BYTES_PER_S.get(system.chip.name)
@@ -188,7 +221,7 @@ def hybridep_node_copy_s(system: System, opts, tokens, ep, stride, k, hidden):
         return zero, zero, zero
     per_node = np.clip(np.floor(system.devices_per_node / np.asarray(stride, dtype=float)), 1.0, ep)
     nodes = np.asarray(ep, dtype=float) / per_node
-    copies = np.where(nodes > 1, nodes * (1 - (1 - 1 / nodes) ** k), 0.0)
+    copies = np.where(nodes > 1, nodes * node_hit_fraction(model, nodes), 0.0)
     bf16 = tokens * copies * hidden * BF16_BYTES
     fp8 = opts.fp8 and opts.moe_fp8_dispatch
     dispatch = tokens * copies * hidden * FP8_BYTES / rates["dispatch_fp8"] if fp8 else bf16 / rates["dispatch_bf16"]
@@ -355,11 +388,11 @@ def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp,
     dispatch_bytes = FP8_BYTES if opts.fp8 and opts.moe_fp8_dispatch else BF16_BYTES
     stride = np.where(etp > 1, tp, 1.0)
     dedup = k if opts.moe_hierarchical_dispatch else None
-    dispatch = alltoall_time_s(system, rows * h * dispatch_bytes, ep, stride, imb, dedup)
-    combine = alltoall_time_s(system, rows * h * BF16_BYTES, ep, stride, imb, dedup)
+    dispatch = alltoall_time_s(system, rows * h * dispatch_bytes, ep, stride, imb, dedup, model)
+    combine = alltoall_time_s(system, rows * h * BF16_BYTES, ep, stride, imb, dedup, model)
     # HybridEP's per-node pipeline across nodes (measured on H100), pipelined with the NICs: the slower sets it
     node_dispatch, node_dispatch_bf16, node_combine = hybridep_node_copy_s(system, opts, tokens * imb, ep, stride,
-                                                                          k, h)
+                                                                          model, h)
     dispatch_bf16 = np.maximum(combine, node_dispatch_bf16)  # the combine's gradient, sent like a bf16 dispatch
     dispatch, combine = np.maximum(dispatch, node_dispatch), np.maximum(combine, node_combine)
     # the dropless host sync sits on the dispatch path (once per forward; replayed by full recompute below);
