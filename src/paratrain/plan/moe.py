@@ -90,18 +90,22 @@ NCCL_ALLTOALL_SMS = 32
 # hybridep ("TODO: This needs to be adjusted when overlapping HybridEP with computation").
 HYBRIDEP_SMS = 32
 # HybridEP's inter-node dispatch and combine, measured: deepseek-ai/DeepEP hybrid-ep branch, Hybrid-EP
-# implementation doc, "H100 Platform" table (PR #494, 2025-11-18; docs/README_Hybrid-EP.md since): 16 ranks
-# (2 nodes of 8 H100), 4096 tokens per rank x hidden 7168, top-8 of 128 experts (8 per rank), uniform random
-# routing, 16 SMs, "Kernel Only": dispatch 71.71 GB/s BF16, 68.48 FP8, combine 62.95 GB/s (8 SMs: 76.80 / 62.00 /
-# 68.00: saturated, so the recipes' 32 SMs are taken as 16). The test counts one copy of each token per
-# destination node *including its own* (tests/utils.py count_rdma_send_from_routing_map: "we do not set the
-# local node map to zeros"), i.e. the tokens the kernel moves through its per-node pipeline (RDMA to the
-# remote node or straight to the own node, then TMA/NVLink to the node's GPUs holding an expert), so the rate is
-# taken per node-copy byte. At 2 nodes half of these copies are local: the network carries 36 GB/s of the
-# 71.71, under the catalog's 40 GB/s per GPU, so this stage, not the NICs, sets the time; at 4 and 8 nodes (32,
-# 64 ranks: kernel-only 54.5-57.7 and 50.0-55.0 GB/s BF16) the remote 3/4 and 7/8 of the copies at the NICs'
-# 40 GB/s give 53 and 46 GB/s, the NICs bind, as measured. Keyed by chip: no other chip's inter-node figure.
-HYBRIDEP_NODE_COPY_BYTES_PER_S = {"h100": {"dispatch_bf16": 71.71e9, "dispatch_fp8": 68.48e9, "combine": 62.95e9}}
+# implementation doc, "H100 Platform" table (PR #494, 2025-11-18, Hybrid-EP_Implementation.md @35a4826, the same
+# table @07eea0c; docs/README_Hybrid-EP.md since): 16 / 32 / 64 ranks (2 / 4 / 8 nodes of 8 H100), 4096 tokens
+# per rank x hidden 7168, top-8 of 128 experts (8 per rank), uniform random routing, "Kernel Only", the 16-SM
+# rows (the recipes' 32 SMs taken as 16: at 2 nodes 8 SMs already reach 76.80 / 62.00 / 68.00, saturated).
+# The test counts one copy of each token per destination node *including its own* (tests/utils.py
+# count_rdma_send_from_routing_map: "we do not set the local node map to zeros"), i.e. the tokens the kernel
+# moves through its per-node pipeline (RDMA to the remote node or straight to the own node, then TMA/NVLink to
+# the node's GPUs holding an expert), so each rate is per node-copy byte, NVLink fan-out included: the whole
+# across-node dispatch or combine of that node count. Read as the network's share (the remote (N-1)/N of the
+# copies): 2 nodes 35.9 GB/s (under the NICs: the per-node stage binds), 4 nodes 43.3, 8 nodes 43.7 GB/s (BF16
+# dispatch; the NICs bind, at 43.5 GB/s rather than the catalog's 40). Keyed by chip: no other chip's inter-node
+# figure (the B200 and GB200 tables are one NVLink domain).
+HYBRIDEP_MEASURED_NODES = (2, 4, 8)
+HYBRIDEP_NODE_COPY_BYTES_PER_S = {"h100": {"dispatch_bf16": (71.71e9, 57.69e9, 49.97e9),
+                                           "dispatch_fp8": (68.48e9, 55.35e9, 46.52e9),
+                                           "combine": (62.95e9, 57.46e9, 49.77e9)}}
 # Routing probabilities as the expert block receives them: DeepEP / HybridEP take float32 probs (Megatron-Core
 # token_dispatcher.py, the flex dispatcher: "self.token_probs = self.token_probs.float()"); the alltoall
 # dispatcher keeps the router's dtype, bf16 unless the recipe sets moe_router_dtype = fp32 (GPT-OSS does not).
@@ -209,12 +213,25 @@ def alltoall_time_s(system: System, nbytes, degree, stride, imbalance=1.0, dedup
     return np.where(degree > 1, slowest + fixed, 0.0)
 
 
+def hybridep_rate_bytes_per_s(measured, nodes):
+    """HybridEP's per-node-copy rate at `nodes` nodes from the rates measured at HYBRIDEP_MEASURED_NODES: the
+    network's share of it (the remote (N-1)/N of the copies) interpolated linearly between the measured node
+    counts and held beyond the largest (there the NICs bind, as measured at 4 and 8 nodes: more nodes only
+    raise the remote share), then back to a per-copy rate, x N/(N-1). Exact at each measured count."""
+    known = np.asarray(HYBRIDEP_MEASURED_NODES, dtype=float)
+    network = np.asarray(measured, dtype=float) * (known - 1) / known
+    n = np.maximum(np.asarray(nodes, dtype=float), known[0])
+    return np.interp(n, known, network) * n / (n - 1)
+
+
 def hybridep_node_copy_s(system: System, opts, tokens, ep, stride, model, hidden):
-    """(dispatch s, dispatch-as-bf16 s, combine s) of HybridEP's per-node stage across nodes: each of a rank's
-    `tokens` goes once to every node holding one of its k experts, its own included, N x node_hit_fraction of N
-    nodes (plain top-k: N(1-(1-1/N)^k), experts uniform over nodes; fewer under group-limited routing), at the measured rate (HYBRIDEP_NODE_COPY_BYTES_PER_S; the combine's gradient
-    leaves like a bf16 dispatch). A lower bound on the dispatch time that the per-tier alltoall_time_s does not
-    see; zero inside one node, for the other backends and on chips with no measurement."""
+    """(dispatch s, dispatch-as-bf16 s, combine s) of HybridEP's dispatch and combine across nodes: each of a
+    rank's `tokens` goes once to every node holding one of its k experts, its own included, N x
+    node_hit_fraction of N nodes (plain top-k: N(1-(1-1/N)^k), experts uniform over nodes; fewer under
+    group-limited routing), at the rate measured for that node count (HYBRIDEP_NODE_COPY_BYTES_PER_S via
+    hybridep_rate_bytes_per_s; the combine's gradient leaves like a bf16 dispatch). The measured kernel is the
+    whole across-node operation, so it replaces the per-tier alltoall_time_s there; zero inside one node, for
+    the other backends and on chips with no measurement."""
     rates = HYBRIDEP_NODE_COPY_BYTES_PER_S.get(system.chip.name)
     zero = 0.0 * np.asarray(tokens, dtype=float) * np.asarray(ep, dtype=float)
     if opts.moe_flex_backend != "hybridep" or rates is None:
@@ -222,10 +239,11 @@ def hybridep_node_copy_s(system: System, opts, tokens, ep, stride, model, hidden
     per_node = np.clip(np.floor(system.devices_per_node / np.asarray(stride, dtype=float)), 1.0, ep)
     nodes = np.asarray(ep, dtype=float) / per_node
     copies = np.where(nodes > 1, nodes * node_hit_fraction(model, nodes), 0.0)
+    rate = {key: hybridep_rate_bytes_per_s(measured, nodes) for key, measured in rates.items()}
     bf16 = tokens * copies * hidden * BF16_BYTES
     fp8 = opts.fp8 and opts.moe_fp8_dispatch
-    dispatch = tokens * copies * hidden * FP8_BYTES / rates["dispatch_fp8"] if fp8 else bf16 / rates["dispatch_bf16"]
-    return dispatch, bf16 / rates["dispatch_bf16"], bf16 / rates["combine"]
+    dispatch = tokens * copies * hidden * FP8_BYTES / rate["dispatch_fp8"] if fp8 else bf16 / rate["dispatch_bf16"]
+    return dispatch, bf16 / rate["dispatch_bf16"], bf16 / rate["combine"]
 
 
 def per_expert_quantize_s(system: System, opts, local):
@@ -390,11 +408,13 @@ def layer_terms(model: ModelConfig, system: System, opts, *, T, tp, sp, ep, etp,
     dedup = k if opts.moe_hierarchical_dispatch else None
     dispatch = alltoall_time_s(system, rows * h * dispatch_bytes, ep, stride, imb, dedup, model)
     combine = alltoall_time_s(system, rows * h * BF16_BYTES, ep, stride, imb, dedup, model)
-    # HybridEP's per-node pipeline across nodes (measured on H100), pipelined with the NICs: the slower sets it
+    # HybridEP across nodes where it was measured (H100): its measured kernel time for that node count, NICs,
+    # per-node stage and NVLink fan-out together, in place of the per-tier model
     node_dispatch, node_dispatch_bf16, node_combine = hybridep_node_copy_s(system, opts, tokens * imb, ep, stride,
                                                                           model, h)
-    dispatch_bf16 = np.maximum(combine, node_dispatch_bf16)  # the combine's gradient, sent like a bf16 dispatch
-    dispatch, combine = np.maximum(dispatch, node_dispatch), np.maximum(combine, node_combine)
+    measured = node_combine > 0
+    dispatch_bf16 = np.where(measured, node_dispatch_bf16, combine)  # the combine's gradient, like a bf16 dispatch
+    dispatch, combine = np.where(measured, node_dispatch, dispatch), np.where(measured, node_combine, combine)
     # the dropless host sync sits on the dispatch path (once per forward; replayed by full recompute below);
     # counted with the all-to-all, so where there is one (ep > 1; at ep = 1 a few microseconds are left out)
     sync = np.where(ep > 1, HOST_SYNC_LAUNCHES * overhead, 0.0) if model.capacity_factor is None else 0.0
