@@ -116,6 +116,17 @@ def test_kv_cache_bytes_gqa_mqa_and_tp():
     assert kv_bytes_per_token(L70, "bf16", pp=4) == kv_bytes_per_token(L70, "bf16") / 4
 
 
+def test_mla_caches_the_latent_and_rope_key_unsplit_by_tp():
+    # DeepSeek-V3 report sec. 2.1.1: per token and layer only c_KV (kv_lora_rank 512) and k_R (qk_rope_head_dim 64)
+    ds = PRESETS["deepseek-v3"]
+    for tp in (1, 8, 16):
+        assert kv_bytes_per_token(ds, "bf16", tp=tp) == ds.layers * (512 + 64) * 2
+    assert kv_bytes_per_token(ds, "fp8", tp=8, pp=2) == ds.layers / 2 * (512 + 64)
+    # the shared down-projections are held whole on every TP rank, the rest split
+    full, split = weight_bytes_per_device(ds, Replica(tp=1)), weight_bytes_per_device(ds, Replica(tp=8))
+    assert split - full / 8 == pytest.approx(ds.layers * ds.mla.latent_params(ds.hidden) * 7 / 8 * 2)
+
+
 def test_stack_head_layout_buckets_and_gqa_decode():
     """The software facts of serving_efficiency.toml: transformers-neuronx's head padding / K/V replication and
     power-of-two buckets, TensorRT-LLM's pre-XQA per-query-head K/V reads."""
@@ -400,10 +411,12 @@ def test_training_schema_moe_presets_hold_every_expert_and_multiply_the_active_o
 
     cfg = load_serving_model(name)
     rep = Replica(tp=8)
+    # MLA's down-projections sit whole on every TP rank (tp - 1 extra copies over the replica)
+    copies = cfg.layers * cfg.mla.latent_params(cfg.hidden) * (rep.tp - 1) if cfg.mla is not None else 0
     held = weight_bytes_per_device(cfg, rep) * rep.tp / 2  # bf16 bytes -> parameters, over the replica
-    assert held == pytest.approx(cfg.num_params(), rel=0.01)
+    assert held == pytest.approx(cfg.num_params() + copies, rel=0.01)
     active = _matmul_params_stage(cfg, rep) * rep.tp
-    assert active == pytest.approx(cfg.num_matmul_params(), rel=0.01)
+    assert active == pytest.approx(cfg.num_matmul_params() + copies, rel=0.01)
     one_token = _streamed_weight_bytes(cfg, rep, tokens=1.0) * rep.tp / 2
     assert cfg.num_matmul_params() * 0.95 < one_token < 1.3 * cfg.num_matmul_params()
     two_h100 = estimate(cfg, H100, Replica(tp=2), 1, 1024, 256)

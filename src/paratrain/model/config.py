@@ -56,14 +56,24 @@ class MLA(BaseModel):
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
 
+    @property
+    def cache_dim(self) -> int:
+        """Elements per token and layer an inference engine caches: the compressed latent and the decoupled RoPE key,
+        shared by every head (report sec. 2.1.1: "only the blue-boxed vectors need to be cached")."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def latent_params(self, hidden: int) -> int:
+        """The down-projections every head shares (hidden -> q_lora_rank, hidden -> kv_lora_rank + rope) and their
+        RMSNorms: not split by heads (inference engines replicate them on every TP rank)."""
+        q = 0 if self.q_lora_rank is None else hidden * self.q_lora_rank + self.q_lora_rank
+        return q + hidden * self.cache_dim + self.kv_lora_rank
+
     def attention_params(self, hidden: int, heads: int) -> int:
         """Weights of one MLA block: down/up projections, their two RMSNorms and the output projection."""
         q_width = heads * self.qk_head_dim
-        q = hidden * q_width if self.q_lora_rank is None else \
-            hidden * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * q_width
-        kv = (hidden * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
-              + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim))
-        return q + kv + heads * self.v_head_dim * hidden
+        q_up = hidden * q_width if self.q_lora_rank is None else self.q_lora_rank * q_width
+        kv_up = self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+        return self.latent_params(hidden) + q_up + kv_up + heads * self.v_head_dim * hidden
 
 
 class ModelConfig(BaseModel):

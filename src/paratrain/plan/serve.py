@@ -15,7 +15,9 @@ formulas up; in short, per replica of tp x pp devices (one pipeline stage per pp
 - pipeline parallelism: b sequences in pp microbatches; a token passes all pp stages (ITL = pp stage times
   plus the hand-offs), each stage holds 1/pp of the layers.
 - KV cache: 2 x layers x kv_heads x head_dim x bytes per token, paged in blocks (vLLM's 16 tokens); with
-  tp > kv_heads each device keeps one kv head (replicated, as vLLM and NxD Inference do).
+  tp > kv_heads each device keeps one kv head (replicated, as vLLM and NxD Inference do). Multi-head latent
+  attention (model.mla, DeepSeek-V3): layers x (kv_lora_rank + qk_rope_head_dim) x bytes, the same on every TP
+  rank; decode attention in the absorbed form, prefill in the expanded one (attention_head_dim).
 - speculative decoding (optional): k draft tokens per step accepted with probability a each: (1-a^(k+1))/(1-a)
   tokens per target verification (Leviathan et al. 2023, eq. 1) for k draft steps plus one target step over
   k + 1 tokens.
@@ -255,13 +257,34 @@ def heads_per_device(model: ModelConfig, tp: int, layout: str = "shard") -> tupl
     return q, model.n_kv_heads / tp
 
 
-def _padded_attention_params(model: ModelConfig, rep: Replica, layout: str) -> float:
-    """Per device and layer: the q/k/v/o weights the head layout adds over an even 1/tp split (pad: zero
-    heads and replicated K/V are real weights the device reads and multiplies)."""
+def _unsplit_attention_params(model: ModelConfig, rep: Replica, layout: str) -> float:
+    """Per device and layer: the attention weights held beyond an even 1/tp split (pad: zero heads and replicated
+    K/V are real weights the device reads and multiplies). MLA: its down-projections, which every TP rank holds
+    whole (vllm-project/vllm model_executor/models/deepseek_v2.py: q_a_proj and kv_a_proj_with_mqa are
+    ReplicatedLinear, fused_qkv_a_proj a MergedReplicatedLinear in later versions; q_b_proj / kv_b_proj
+    column-parallel, o_proj row-parallel; SGLang's deepseek_v2.py the same)."""
+    if model.mla is not None:
+        return model.mla.latent_params(model.hidden) * (1 - 1 / rep.tp)
     if layout == "shard":
         return 0.0
     q, kv = heads_per_device(model, rep.tp, layout)
     return model.hidden * model.head_dim * (2 * (q - model.heads / rep.tp) + 2 * (kv - model.n_kv_heads / rep.tp))
+
+
+def attention_head_dim(model: ModelConfig, phase: str) -> float:
+    """Per query head, the mean of the attention core's q/k width and its v width (the head_dim of the 2 x 2 x c
+    x head_dim FLOPs per head and token): head_dim for plain attention. MLA as inference engines run it (vLLM's
+    MLA backends / FlashMLA, SGLang; DeepSeek-V2 report sec. 2.1.2 on absorbing W_UK into W_Q and W_UV into W_O):
+    decode in the absorbed form, each head's query against the cached latent + RoPE key (kv_lora_rank +
+    qk_rope_head_dim) and its output in the latent (kv_lora_rank); prefill in the expanded form (q/k head dim
+    qk_nope + qk_rope, v head dim v_head_dim). The absorbed q and output projections cost the same 2 x kv_b_proj
+    FLOPs per token as the expanded ones, so the matmul FLOPs stay 2 x parameters."""
+    mla = model.mla
+    if mla is None:
+        return model.head_dim
+    if phase == "decode":
+        return (mla.cache_dim + mla.kv_lora_rank) / 2.0
+    return (mla.qk_head_dim + mla.v_head_dim) / 2.0
 
 
 def token_bucket(tokens, smallest: int = MIN_TOKEN_BUCKET):
@@ -272,7 +295,11 @@ def token_bucket(tokens, smallest: int = MIN_TOKEN_BUCKET):
 
 def kv_bytes_per_token(model: ModelConfig, kv: str, tp: int = 1, pp: int = 1, layout: str = "shard") -> float:
     """KV-cache bytes per token on one device: K and V of the kv heads it holds (GQA/MQA: kv_heads < heads;
-    tp > kv_heads replicates one kv head per device; `layout` pad: heads_per_device) for its layers."""
+    tp > kv_heads replicates one kv head per device; `layout` pad: heads_per_device) for its layers. MLA: the
+    latent and the RoPE key (MLA.cache_dim) per layer, the same on every TP rank (vLLM's MLA backends and
+    SGLang cache them unsplit by heads)."""
+    if model.mla is not None:
+        return (model.layers / pp) * model.mla.cache_dim * KV_PRECISIONS[kv]
     heads_dev = heads_per_device(model, tp, layout)[1]
     return 2.0 * (model.layers / pp) * heads_dev * model.head_dim * KV_PRECISIONS[kv]
 
@@ -282,7 +309,7 @@ def weight_bytes_per_device(model: ModelConfig, rep: Replica, layout: str = "sha
     the output head (last stage) sharded over tp; the fuller of the two end stages (both when pp = 1)."""
     wb = WEIGHT_PRECISIONS[rep.weights]
     layers = math.ceil(model.layers / rep.pp) * (_layer_params(model) / rep.tp
-                                                 + _padded_attention_params(model, rep, layout))
+                                                 + _unsplit_attention_params(model, rep, layout))
     ends = model.embedding_params() + model.head_params() if rep.pp == 1 else \
         max(model.embedding_params(), model.head_params())
     return (layers + ends / rep.tp) * wb
@@ -295,7 +322,7 @@ def _streamed_weight_bytes(model: ModelConfig, rep: Replica, tokens=1.0, layout:
     wb = WEIGHT_PRECISIONS[rep.weights]
     head = model.vocab * model.hidden
     layers = math.ceil(model.layers / rep.pp)
-    pad = layers * _padded_attention_params(model, rep, layout) * wb
+    pad = layers * _unsplit_attention_params(model, rep, layout) * wb
     if not _is_moe(model):
         return (layers * model.params_per_layer() + head) / rep.tp * wb + pad
     experts = model.num_experts
@@ -309,7 +336,7 @@ def _matmul_params_stage(model: ModelConfig, rep: Replica, layout: str = "shard"
     """Parameters each token multiplies with on the stage (active experts only), per device."""
     per_layer = _layer_params(model, active=True)
     layers = math.ceil(model.layers / rep.pp)
-    return (layers * per_layer + model.vocab * model.hidden) / rep.tp + layers * _padded_attention_params(
+    return (layers * per_layer + model.vocab * model.hidden) / rep.tp + layers * _unsplit_attention_params(
         model, rep, layout)
 
 
@@ -362,7 +389,7 @@ def prefill_time_s(model: ModelConfig, system: System, rep: Replica, prompt_toke
     attention = attention or eff.attention
     q_heads = heads_per_device(model, rep.tp, eff.head_layout)[0]
     square = 1.0 if attention == "unfused" else 0.5  # causal: a fused kernel skips the masked half
-    attn_flops = layers * n * 4.0 * square * s * s * q_heads * model.head_dim
+    attn_flops = layers * n * 4.0 * square * s * s * q_heads * attention_head_dim(model, "prefill")
     flops = 2.0 * tokens * _matmul_params_stage(model, rep, eff.head_layout) + attn_flops
     compute = flops / (peak_flops(system, rep.weights) * eff.prefill_flops_eff)
     score_bytes = 0.0
@@ -391,12 +418,13 @@ def decode_step_s(model: ModelConfig, system: System, rep: Replica, batch, conte
         c = token_bucket(c)
     q_heads = heads_per_device(model, rep.tp, eff.head_layout)[0]
     flops = 2.0 * tokens * _matmul_params_stage(model, rep, eff.head_layout) + \
-        layers * tokens * 4.0 * c * q_heads * model.head_dim
+        layers * tokens * 4.0 * c * q_heads * attention_head_dim(model, "decode")
     compute = flops / (peak_flops(system, rep.weights) * eff.prefill_flops_eff)
     bw = system.device_hbm_bw_bytes_per_s
     weights = _streamed_weight_bytes(model, rep, tokens, eff.head_layout) / (bw * eff.decode_bw_eff)
     kv = mb * c * kv_bytes_per_token(model, rep.kv, rep.tp, rep.pp, eff.head_layout) / (bw * eff.kv_bw_eff)
-    if eff.gqa_decode == "per_query_head":  # each query head reads its kv head's cache again
+    if eff.gqa_decode == "per_query_head" and model.mla is None:  # each query head reads its kv head's cache
+        # again (an MLA kernel reads the one shared latent per token once for all its heads)
         kv = kv * q_heads / heads_per_device(model, rep.tp, eff.head_layout)[1]
     stage = soft_roofline(compute, weights + kv) + layers * eff.layer_overhead_s + _tp_comm_s(
         sys_s, model, rep, tokens, layers)
