@@ -254,9 +254,14 @@ class ModelConfig(BaseModel):
         it from the decoder's layer spec), the RMSNorms of the hidden state and of the embedding, the 2h -> h
         projection of their concatenation and the final RMSNorm before the shared head (DeepSeek-V3 report sec.
         2.2, eq. 21; Megatron-Core MultiTokenPredictionLayer enorm, hnorm, eh_proj, final_layernorm)."""
-        h = self.hidden
         block = self.moe_layer_params() if self.is_moe_layer(self.layers - 1) else self.params_per_layer()
-        return block + 2 * h * h + 3 * h
+        return block + self.mtp_glue_params()
+
+    def mtp_glue_params(self) -> int:
+        """What one multi-token-prediction depth adds around its block: the 2h -> h eh_proj and three RMSNorms
+        (enorm, hnorm, final_layernorm)."""
+        h = self.hidden
+        return 2 * h * h + 3 * h
 
     def mtp_params(self) -> int:
         return self.mtp_layers * self.mtp_layer_params()

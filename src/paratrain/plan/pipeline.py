@@ -82,7 +82,7 @@ def mtp_rank_params(model: ModelConfig, one):
     norms and eh_proj, and a copy of the embedding where that rank is not the first (Megatron-Core's MTP stage)."""
     if not model.mtp_layers:
         return 0.0
-    own = model.mtp_layers * (model.params_per_layer() + 2 * model.hidden * model.hidden + 3 * model.hidden)
+    own = model.mtp_layers * (model.params_per_layer() + model.mtp_glue_params())
     return own + np.where(one, 0.0, model.vocab * model.hidden)
 
 
