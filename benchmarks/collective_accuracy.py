@@ -16,7 +16,9 @@ bandwidth, src/graph/tuning.cc `bw = nNodes <= 2 ? bwIntra : bwInter`, so these 
 latency (8-byte all-reduces: the bare NCCL call, against the planner's per-call framework overhead), and
 b200_scale_use3a / b200_scale_slinky (ring all-reduce and all-gather of 16 / 32 GiB on 8-512 B200 of two DGX-B200
 class clusters with 8 x 400 Gb/s NDR rails, Together AI's published scaling reports; only bulk sizes are published
-there, so these test the bandwidth term at scale, not the latency steps).
+there, so these test the bandwidth term at scale, not the latency steps), and size_sweep_scale (NCCL's default
+all-reduce and all-gather at every power of two from 1 MiB to 8 GiB on 32 H100, 4 nodes with 8 x 400 Gb/s InfiniBand:
+the latency steps and the bandwidth term together beyond two nodes).
 """
 
 from __future__ import annotations

@@ -17,7 +17,9 @@ from paratrain.plan.collectives import collective_time_s, comm_sm_fraction, over
 
 # MAPE per set at collbench (3 Dec 2026), rounded up to 0.1 point; one_node 33.8 -> 16.4 and latency 185.7 -> 129.6
 # with NCCL's NVLS all-reduce on Hopper (nccl, 4 Dec 2026)
-MAPE_PCT = {"one_node": 16.4, "two_node": 48.6, "latency": 129.6, "b200_scale_use3a": 21.9, "b200_scale_slinky": 49.1}
+# size_sweep_scale: 41.0% at its addition (collsize, 4 Dec 2026: a full 1 MiB-8 GiB sweep at 32 H100)
+MAPE_PCT = {"one_node": 16.4, "two_node": 48.6, "latency": 129.6, "b200_scale_use3a": 21.9, "b200_scale_slinky": 49.1,
+            "size_sweep_scale": 41.0}
 COMMIT = re.compile(r"@[0-9a-f]{40}\b")
 
 
@@ -38,6 +40,16 @@ def test_every_row_names_a_source_and_a_catalog_system(rows):
 def test_the_data_reaches_the_scale_the_issue_is_about(rows):
     assert max(int(r["ranks"]) for r in rows) >= 512
     assert sum(int(r["ranks"]) >= 256 for r in rows) >= 6
+
+
+def test_a_size_sweep_beyond_one_node_covers_every_size_class(rows):
+    """size_sweep_scale tests the latency steps as well as the bandwidth term: one rank count beyond two nodes, every
+    power of two from 1 MiB to 8 GiB for each collective."""
+    sweep = [r for r in rows if r["set"] == "size_sweep_scale"]
+    assert {int(r["ranks"]) for r in sweep} == {32}
+    for kind in ("allreduce", "allgather"):
+        sizes = sorted(int(r["bytes"]) for r in sweep if r["collective"] == kind)
+        assert sizes == [2**k for k in range(20, 34)], kind
 
 
 def test_each_set_stays_within_its_recorded_error(rows):
