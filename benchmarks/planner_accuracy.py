@@ -487,6 +487,9 @@ def _eval_options(system, r: dict) -> Options:
         # distribute_saved (--distribute-saved-activations): 1 where full recompute splits the checkpointed block
         # inputs over the TP group (metaseq's --distribute-checkpointed-activations: OPT-175B's fsdp_1k row)
         distribute_saved_activations=True if r.get("distribute_saved") == "1" else None,
+        # overlap_param_gather (--param-gather-in-step): 0 where the run turned Megatron-Core's overlap_param_gather
+        # off (Megatron-Bridge 0.2.0's 405B MXFP8 configs): the parameter all-gather is exposed in the optimizer step
+        param_gather_in_step=True if r.get("overlap_param_gather") == "0" else None,
         # megatron_core (--megatron-core): the container's megatron-core release where established (Megatron-Bridge
         # docs/releases/software-versions.md, its 3rdparty/Megatron-LM pin); empty: before 0.18
         megatron_core=r.get("megatron_core") or None,

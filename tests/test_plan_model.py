@@ -1632,6 +1632,30 @@ def test_last_bucket_rule_is_the_default_of_the_stacks_that_reduce_from_backward
     assert exposed[1] > exposed[0]
 
 
+
+def test_param_gather_in_step_exposes_the_whole_gather_and_keeps_the_reduce_dispatch():
+    """big3d: Megatron-Bridge 0.2.0's 405B MXFP8 configs turn overlap_param_gather off (overlap_grad_reduce on), so
+    megatron-core's step_with_ready_grads all-gathers the parameters synchronously in the optimizer step: the whole
+    gather exposed, the gradient reduce-scatter dispatched chunk by chunk as before (interleaved) or bucket by bucket
+    (not). The flag reaches Options through plan.software and moves an estimate by the gather's exposed part."""
+    from paratrain.plan.data_parallel import _megatron_dp_exposed_s
+
+    gather, reduce, k, fwd, bwd, usable = 0.2, 0.4, 8.0, 1.0, 2.0, 0.9
+    for pp, chunks in ((4.0, 2.0), (1.0, 1.0)):
+        ahead, in_step = (_megatron_dp_exposed_s(gather, reduce, k, pp, chunks, fwd, bwd, usable, True, 0.0, flag)
+                          for flag in (False, True))
+        grads_only = _megatron_dp_exposed_s(0.0, reduce, k, pp, chunks, fwd, bwd, usable, True, 0.0, False)
+        assert in_step == pytest.approx(gather + grads_only, rel=1e-12) and in_step > ahead
+    system = resolve_system("dgx-b200")
+    lay = Layout(tp=4, pp=8, cp=2, sp=True, microbatch=1, recompute="none", pp_schedule="interleaved_1f1b",
+                 virtual_stages=8, zero_stage=1)
+    runs = [estimate("llama3.1-405b", system, 16, 8192, 64, lay, software_options(system, Software(
+        stack="megatron", fp8_recipe="mxfp8", param_gather_in_step=flag))) for flag in (None, True)]
+    assert software_options(system, Software(stack="megatron", param_gather_in_step=True)).param_gather_in_step
+    assert runs[1].time_breakdown_s["dp_exposed"] > runs[0].time_breakdown_s["dp_exposed"] + 0.05
+    assert runs[1].step_time_s - runs[0].step_time_s == pytest.approx(
+        runs[1].time_breakdown_s["dp_exposed"] - runs[0].time_breakdown_s["dp_exposed"], rel=1e-9)
+
 def test_deepspeed_bf16_optimizer_accumulates_each_microbatch_into_fp32_in_two_eager_kernels():
     """pipegap: BF16_Optimizer.update_hp_grads after every backward (DeepSpeed PipelineEngine, bf16): the cast of the
     bf16 gradient (read 2, write 4) and add_ into the fp32 buffer (read 4 + 4, write 4), 18 bytes per parameter of the

@@ -115,6 +115,10 @@ class PlanTarget(Workload, OnSystem, Output):
         "full recompute splits each block's checkpointed input over the TP group and all-gathers it before the replay "
         "(Megatron-LM --distribute-saved-activations, metaseq --distribute-checkpointed-activations); default: kept "
         "whole on every TP rank", group=SOFTWARE)
+    param_gather_in_step: bool = opt(
+        "the distributed optimizer's parameter all-gather runs synchronously in the optimizer step (Megatron-Core "
+        "overlap_param_gather False with overlap_grad_reduce on: Megatron-Bridge 0.2.0's 70B / 405B MXFP8 "
+        "performance configs): exposed whole; default: dispatched behind the next forward", group=SOFTWARE)
     megatron_core: str | None = opt(
         "the run's megatron-core release (MAJOR.MINOR[.PATCH], the container's: Megatron-Bridge "
         "docs/releases/software-versions.md): from 0.18 the interleaved schedule waits for each forward pipeline send "
@@ -157,6 +161,7 @@ def software_of(args) -> Software:
                     optimizer_state=args.optimizer_state,
                     dropout=False if args.no_dropout else None, megatron_core=args.megatron_core,
                     distribute_saved_activations=True if args.distribute_saved_activations else None,
+                    param_gather_in_step=True if args.param_gather_in_step else None,
                     torch=args.torch)
 
 

@@ -114,7 +114,7 @@ def _data_parallel_s(system, opts, params_dev, dp, dp_shard, stride_dp, zero, ki
     if opts.overlap_param_gather:  # Megatron-Core's distributed optimizer: its own dispatch order, below
         usable = np.maximum(0.0, overlap - link_busy / np.maximum(m * (stage_fwd + stage_bwd), 1e-30))
         megatron = _megatron_dp_exposed_s(post_step, reduces, buckets, pp, chunks, stage_fwd, stage_bwd, usable,
-                                          opts.last_bucket_after_backward, sm)
+                                          opts.last_bucket_after_backward, sm, opts.param_gather_in_step)
         exposed = np.where(zero12 & ~as_fsdp,
                            np.maximum(megatron, overlapped_exposed_s(gathers + reduces + post_step, window_all, sm)),
                            exposed)
@@ -165,7 +165,8 @@ def _bucket_chain_exposed_s(reduces, buckets, window, sm=0.0):
     return np.maximum(per_call + sm * (reduces - per_call), reduces - window * (buckets - 1.0) / buckets)
 
 
-def _megatron_dp_exposed_s(gather, reduce, buckets, pp, chunks, fwd, bwd, usable, last_bucket=False, sm=0.0):
+def _megatron_dp_exposed_s(gather, reduce, buckets, pp, chunks, fwd, bwd, usable, last_bucket=False, sm=0.0,
+                           gather_in_step=False):
     """Exposed time of Megatron-Core's distributed optimizer with overlap_grad_reduce and overlap_param_gather,
     as NeMo 2.x / Megatron-Bridge configure it (MegatronCommOverlapCallback / CommOverlapConfig
     _get_optimizer_overlap_cfgs: both on when dp > 1, align_param_gather when pp > 1 and vp > 1). gather /
@@ -187,7 +188,8 @@ def _megatron_dp_exposed_s(gather, reduce, buckets, pp, chunks, fwd, bwd, usable
     start_grad_sync on the last microbatch); the buckets run in reverse parameter order, so the last one (the
     embedding's) waits for the backward's end (last_bucket: _bucket_chain_exposed_s). The parameter gather of
     the next forward does not hide it: finish_grad_sync waits for every bucket before the optimizer step. sm: the
-    SM share hidden traffic takes from the compute it overlaps (collectives.overlapped_exposed_s)."""
+    SM share hidden traffic takes from the compute it overlaps (collectives.overlapped_exposed_s). gather_in_step
+    (Options.param_gather_in_step): the gather runs synchronously in the optimizer step, exposed whole."""
     pp = np.asarray(pp, float)
     n = np.maximum(chunks, 1.0)
     k = np.maximum(buckets, 1.0)
@@ -197,4 +199,6 @@ def _megatron_dp_exposed_s(gather, reduce, buckets, pp, chunks, fwd, bwd, usable
     grads = _bucket_chain_exposed_s(reduce, k, usable * bwd, sm) if last_bucket \
         else overlapped_exposed_s(reduce, usable * bwd, sm)
     flat = chain + np.maximum(pp - 1.0, 0.0) * gather + grads
+    if gather_in_step:  # no gather left for the forward to hide: the step's own, then the grads as dispatched
+        return gather + np.where((pp > 1) & (n > 1), per_chunk(reduce, bwd), grads)
     return np.where((pp > 1) & (n > 1), interleaved, flat)

@@ -133,6 +133,11 @@ class Options:
     (NeMo / Megatron-Bridge's settings): the post-step parameter all-gather and the gradient reduce-scatter are
     dispatched as Megatron-Core does (_megatron_dp_exposed_s: bucket by bucket behind the first microbatch's
     forward, chunk by chunk under interleaving); otherwise (NxD ZeRO-1) the post-step gather is exposed.
+    param_gather_in_step: with overlap_param_gather, the run turns Megatron-Core's overlap_param_gather off and keeps
+    overlap_grad_reduce (Megatron-Bridge 0.2.0's 70B / 405B MXFP8 performance configs, "keeping this enabled causes
+    NaN grad norm"): DistributedOptimizer.step_with_ready_grads all-gathers every chunk's updated parameters
+    synchronously inside the optimizer step (start_param_sync, not dispatched async; megatron-core core_v0.15.0
+    optimizer/distrib_optimizer.py), so the gather is exposed whole; the reduce-scatter as before.
     zero12_as_fsdp: ZeRO-1/2 run as FSDP without resharding after forward (paratrain has no separate ZeRO-1:
     plan/config_writer.runtime_dp): per microbatch one all-gather per unit, one reduce-scatter per unit per
     step, no post-step gather; otherwise Megatron's distributed optimizer (bucketed reduce-scatter, all-gather
@@ -319,6 +324,7 @@ class Options:
     tp_comm_overlap: bool = False
     tp_overlap_sms: tuple = ()
     overlap_param_gather: bool = False
+    param_gather_in_step: bool = False
     attention_eff: float | None = None
     matmul_eff: float | None = None
     fp8_weight_cache: bool = False

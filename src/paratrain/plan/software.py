@@ -62,7 +62,9 @@ class Software:
     attention and hidden dropout to 0 (Options.dropout: the GPT count keeps no masks). distribute_saved_activations:
     True where full recompute splits the checkpointed block inputs over the TP group (Megatron-LM
     --distribute-saved-activations, metaseq --distribute-checkpointed-activations; Options.distribute_saved_activations).
-    megatron_core: the run's
+    param_gather_in_step: True where the run turns Megatron-Core's overlap_param_gather off (Megatron-Bridge 0.2.0's
+    70B / 405B MXFP8 performance configs): the parameter all-gather runs in the optimizer step, exposed
+    (Options.param_gather_in_step). megatron_core: the run's
     megatron-core release, "MAJOR.MINOR[.PATCH]" (the container's; megatron_core_options), None: before 0.18.
     torch: the run's torch release, "MAJOR.MINOR[.PATCH]" (torch_options), None: the stack's (a torch with
     checkpoint early stop).
@@ -90,6 +92,7 @@ class Software:
     optimizer_state: str | None = None
     dropout: bool | None = None
     distribute_saved_activations: bool | None = None
+    param_gather_in_step: bool | None = None
     megatron_core: str | None = None
     torch: str | None = None
 
@@ -183,7 +186,8 @@ def software_options(system: System, sw: Software, system_stack: bool = True) ->
                 "tp_comm_overlap": sw.tp_comm_overlap, "recompute_mlp": sw.recompute_mlp,
                 "recompute_every": sw.recompute_every, "zero1_grad_allreduce": sw.zero1_grad_allreduce,
                 "last_bucket_after_backward": sw.last_bucket_after_backward, "dropout": sw.dropout,
-                "distribute_saved_activations": sw.distribute_saved_activations}
+                "distribute_saved_activations": sw.distribute_saved_activations,
+                "param_gather_in_step": sw.param_gather_in_step}
     kw |= {k: v for k, v in optional.items() if v is not None}
     kw |= megatron_core_options(sw.megatron_core)
     kw |= torch_options(sw.torch, sw.stack or runs_as)
