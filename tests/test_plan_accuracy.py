@@ -97,7 +97,9 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
     # sends as overlap_p2p_comm waits for them: nemo_h100 6.2 -> 5.7, llama3_paper 12.8 -> 8.8, dgxc_h100 6.1 -> 3.2,
     # nemo_gb200 7.3 -> 6.0, together_b200 7.9 -> 6.1, nemo_long_seq_h100 2.2 -> 1.2 (guards 10 / 13.5 / 7 / 12 / 9 / 4
     # -> 7 / 9.5 / 4 / 7 / 7 / 2); nemo_b200 5.4 -> 7.1, ibm_fsdp2_h100 13.3 -> 14.8, mosaic_fsdp 4.9 -> 5.4 worse
-    goals = {"nemo_h100": 7.0, "torchtitan_a100": 10.0,
+    # nemo_h100 5.8 -> 5.5% once the SP backward's re-gather of the column-parallel inputs is exposed where it
+    # outlasts its dgrad GEMM (big3d, 4 Dec; was 7.0)
+    goals = {"nemo_h100": 6.5, "torchtitan_a100": 10.0,
              # torchtitan_h100: 7.6 -> 6.2% once torch's CP ring, traced by the benchmarks' torch.compile, waits for
              # each of its collectives where it issues it (cptt, 4 Dec; was 15.0)
              "torchtitan_h100": 7.0,

@@ -1656,6 +1656,31 @@ def test_param_gather_in_step_exposes_the_whole_gather_and_keeps_the_reduce_disp
     assert runs[1].step_time_s - runs[0].step_time_s == pytest.approx(
         runs[1].time_breakdown_s["dp_exposed"] - runs[0].time_breakdown_s["dp_exposed"], rel=1e-9)
 
+
+def test_sp_backward_regathers_column_inputs_behind_their_dgrad_gemm():
+    """big3d: with SP a column-parallel linear all-gathers its input shard again in the backward beside its dgrad GEMM
+    (Transformer Engine's bulk overlap, v1.11 / v2.9): exposed by what the gather outlasts that GEMM, once per layer
+    and microbatch. Llama 3.1 405B at TP 8 in FP8 (its QKV GEMM is shorter than the gather): the TP time grows by
+    exactly m x layers x that; nothing where the stack saves the gathered input (tp_saves_gathered_input)."""
+    from paratrain.plan.kernels import matmul_time_s
+    from paratrain.plan.layer import query_dim
+
+    system = resolve_system("dgx-h100")
+    model = PRESETS["llama3.1-405b"]
+    lay = Layout(tp=8, pp=8, cp=2, sp=True, microbatch=1, recompute="none", pp_schedule="interleaved_1f1b",
+                 virtual_stages=8, zero_stage=1, pp_layers="balanced")
+    opts = software_options(system, Software(stack="megatron", fp8=True))
+    base, saved = (estimate(model, system, 128, 8192, 512, lay, o) for o in
+                   (opts, dataclasses.replace(opts, tp_saves_gathered_input=True)))
+    T, h, tp = 4096, model.hidden, 8
+    ag = collective_time_s(system, "allgather", T * h * 2, tp, 1.0)
+    qkv = matmul_time_s(system, T, query_dim(model) / tp + 2 * model.kv_dim / tp, h, True, opts)
+    mlp_in = matmul_time_s(system, T, 2 * model.ffn / tp, h, True, opts)
+    assert ag > qkv and ag < mlp_in  # the narrow QKV exposes it, the wide MLP input hides it
+    grown = base.time_breakdown_s["tp_comm"] - saved.time_breakdown_s["tp_comm"]
+    # the slowest rank is the head's: 15 layers (126 in chunks of 2 with one each on the first and last)
+    assert grown == pytest.approx(base.microbatches * 15 * (ag - qkv), rel=1e-6) and grown > 0.05
+
 def test_deepspeed_bf16_optimizer_accumulates_each_microbatch_into_fp32_in_two_eager_kernels():
     """pipegap: BF16_Optimizer.update_hp_grads after every backward (DeepSpeed PipelineEngine, bf16): the cast of the
     bf16 gradient (read 2, write 4) and add_ into the fp32 buffer (read 4 + 4, write 4), 18 bytes per parameter of the

@@ -225,7 +225,16 @@ def evaluate(model: ModelConfig, system: System, seq: int, global_batch: int, *,
         comm = 2 * ag_rs_l
         hidden = lambda c, gemm: np.maximum(0.0, c - gemm) + c / tp  # noqa: E731
         tp_fwd = np.where((tp > 1) & sp, hidden(comm, mm), tp_fwd)
-        tp_bwd = np.where((tp > 1) & sp, hidden(comm, 2 * mm) * replay, tp_bwd)
+        # A column-parallel linear keeps its input as the sequence shard and all-gathers it again in the backward for
+        # its weight gradient, beside its input-gradient GEMM (Transformer Engine's LayerNormLinear/Linear backward:
+        # ub_bulk_dgrad "Overlap inputmat all-gather with dgrad compute", or without userbuffers
+        # gather_along_first_dim(async_op=True) before the dgrad GEMM; v1.11 c27ee60 and v2.9 70f5366): hidden
+        # behind that one GEMM (the forward's shape), exposed where the gather outlasts it (a GQA model's narrow QKV
+        # at TP 8 in FP8). Not where the stack saves the gathered input (torchtitan's DTensor TP); dense attention
+        # only (a MoE layer's experts gather as plan.moe times them, MLA's latent path is not this pair): not counted
+        regather = 0.0 if opts.tp_saves_gathered_input or moe is not None or model.mla is not None else \
+            sum(np.maximum(0.0, ag_l - g) for g in column_mm)
+        tp_bwd = np.where((tp > 1) & sp, hidden(comm, 2 * mm) * replay + regather, tp_bwd)
     # the dead tail's reduce-scatter (all-reduce without SP), one call of the replayed forward's collectives
     tp_bwd = tp_bwd - np.where(tail_dead & (tp > 1) & (not opts.tp_comm_overlap),
                                np.where(sp, rs1, ar) * tp_exposed, 0.0)
