@@ -1793,6 +1793,30 @@ def test_offload_layers_is_the_trainers_field_timed_on_the_host_link():
     assert [e.step_time_s for e in runs] == pytest.approx([runs[0].step_time_s] * 4)
 
 
+def test_plan_offloads_activations_only_where_the_named_stack_can():
+    """A named stack searches activation offloading only where its software has it: torchtitan's trainer and DeepSpeed
+    keep kept activations on the device (plan.stacks.offload_allowed), Megatron-Core offloads only at pp 1 without
+    recompute; with no stack named every layout may offload (paratrain's runtime). estimate notes a layout whose
+    offload the named stack cannot run. Llama 3 70B on 128 p5 at seq 8192: the unrestricted search offloads."""
+    from paratrain.plan.api import search
+    from paratrain.plan.stacks import STACKS, offload_allowed
+
+    assert not offload_allowed(STACKS["fsdp2"], 1, True) and not offload_allowed(STACKS["deepspeed"], 1, True)
+    assert offload_allowed(STACKS["megatron"], np.array([1, 1, 2]), np.array([True, False, True])).tolist() == \
+        [True, False, False]
+    assert offload_allowed(None, np.array([4, 1]), np.array([False, True])).all()
+    args = ("llama3-70b", "p5.48xlarge", 128, 8192, 1024)
+    free = search(*args, top=50).candidates
+    assert any(c.layout.offload_layers for c in free)
+    for name in ("fsdp2", "deepspeed"):
+        assert not any(c.layout.offload_layers for c in search(*args, top=50, stack=name).candidates)
+    megatron = [c.layout for c in search(*args, top=50, stack="megatron").candidates if c.layout.offload_layers]
+    assert megatron and all(lay.pp == 1 and lay.recompute == "none" for lay in megatron)
+    lay = Layout(tp=2, sp=True, dp_kind="fsdp", microbatch=1, recompute="selective", offload_layers=20)
+    assert any("does not offload activations" in n for n in estimate(*args, lay, stack="megatron").notes)
+    assert not any("does not offload" in n for n in estimate(*args, lay).notes)
+
+
 def test_overlapped_p2p_closed_form_matches_replay():
     """plan.pipeline.overlapped_p2p_path_s against the event replay of Megatron-Core's interleaved schedule
     (benchmarks/megatron_p2p_replay.py) under overlap_p2p_comm: before core 0.18 (hidden behind a chunk's forward,

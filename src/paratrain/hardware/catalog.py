@@ -165,6 +165,12 @@ class Stack:
     attention: str = "flash"
     # the planner stack (plan.stacks key) this software is timed as when no --stack is named; None: generic timing
     runs_as: str | None = None
+    # activation offloading (parallel.offload_layers: blocks whose activations wait in host memory): whether the
+    # software has it at all, and whether it allows it with pipeline parallelism and with (selective) recompute;
+    # full recompute never offloads (config.rules offload_full_recompute). The defaults are paratrain's own runtime.
+    activation_offload: bool = True
+    offload_with_pp: bool = True
+    offload_with_recompute: bool = True
 
 
 # How a node-hour is bought (prices.toml documents each). The order is the order tables and plots use.
@@ -340,7 +346,8 @@ SERVING_FIELDS = {
 STACK_FIELDS = {
     "name": ("str", True), "dp_kinds": ("dp_kinds", True), "zero_stages": ("zero_stages", True),
     "schedules": ("schedules", True), "source": ("str", True), "attention": ("attention", False),
-    "runs_as": ("str", False),
+    "runs_as": ("str", False), "activation_offload": ("bool", False), "offload_with_pp": ("bool", False),
+    "offload_with_recompute": ("bool", False),
 }
 SYSTEM_EFF_FIELDS = {
     "dp_overlap": ("frac0", True), "tp_overlap": ("frac0", True), "memory_usable_fraction": ("frac", True),
@@ -513,7 +520,8 @@ def _system(origin: str, name: str, raw: dict, chips: dict[str, Chip], links: di
     if "stack" in raw:
         st = _check(origin, f"{where}.stack", raw["stack"], STACK_FIELDS)
         stack = Stack(st["name"], tuple(st["dp_kinds"]), tuple(st["zero_stages"]), tuple(st["schedules"]), st["source"],
-                      st.get("attention", "flash"), st.get("runs_as"))
+                      st.get("attention", "flash"), st.get("runs_as"), st.get("activation_offload", True),
+                      st.get("offload_with_pp", True), st.get("offload_with_recompute", True))
     serving = tuple(_check(origin, f"{where}.serving", raw["serving"], SERVING_FIELDS).items()) \
         if "serving" in raw else ()
     if ("host_link_gbytes_per_s" in raw) != bool(raw.get("host_link_source")):

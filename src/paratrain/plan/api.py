@@ -27,7 +27,7 @@ from paratrain.config.dp import check_dp_fields
 from paratrain.config.names import DP_KINDS, RECOMPUTE
 from paratrain.config.ranks import DEFAULT_RANK_ORDER
 from paratrain.config.rules import EXPERT, View, check, mask
-from paratrain.hardware.catalog import System, resolve_system
+from paratrain.hardware.catalog import Stack, System, resolve_system
 from paratrain.model.config import ModelConfig, load_model_config
 from paratrain.plan.moe import expert_axes
 from paratrain.plan.options import Options
@@ -333,6 +333,8 @@ def _check_scalars(nodes: int, seq: int, global_batch: int) -> None:
 
 def _to_estimate(model, system, nodes, seq, global_batch, layout, r: dict, train_tokens,
                  balanced_step_time_s: float | None = None, stack=None) -> Estimate:
+    from paratrain.plan.stacks import offload_allowed
+
     price = r["cost_usd_per_hour"]
     price = None if price is None or math.isnan(price) else float(price)
     per_m = None if price is None else price / 3600.0 / r["tokens_per_s"] * 1e6
@@ -374,6 +376,9 @@ def _to_estimate(model, system, nodes, seq, global_batch, layout, r: dict, train
                               or (layout.pp > 1 and layout.pp_schedule not in stack.schedules)):
         est.notes.append(f"{stack.name} on {system.name} does not support this choice "
                          f"(dp_kind {layout.dp_kind}, zero {layout.zero_stage}, schedule {layout.pp_schedule})")
+    if layout.offload_layers and not offload_allowed(stack, layout.pp, layout.recompute == "none"):
+        est.notes.append(f"{stack.name} on {system.name} does not offload activations with this layout "
+                         f"(offload_layers {layout.offload_layers}, pp {layout.pp}, recompute {layout.recompute})")
     if price is None:
         est.notes.append(no_price_note(system))
     return est
@@ -523,13 +528,18 @@ def _with_mlp_recompute(model, system, seq, global_batch, opts, stack, grid, res
     return grid, res, np.concatenate([np.zeros(n, bool), np.ones(sel.size, bool)])
 
 
-def _with_offload(model, system, seq, global_batch, opts, grid, res, mlp):
+def _with_offload(model, system, seq, global_batch, opts, grid, res, mlp, stack: Stack | None = None):
     """(grid, results, recompute_mlp flags) with, where the system's host link is in the catalog, every layout that
     does not fit once more with the fewest offloaded blocks per stage that make it fit (plan.memory's
     offload_min_layers; parallel.offload_layers), appended: 0 and that one count are what is searched. Fully
-    recomputed layouts are not offloaded (config.rules offload_full_recompute)."""
+    recomputed layouts are not offloaded (config.rules offload_full_recompute), nor layouts the searched software
+    cannot offload (plan.stacks.offload_allowed: torchtitan and DeepSpeed keep activations on the device,
+    Megatron-Core offloads only without pipeline parallelism and recompute)."""
+    from paratrain.plan.stacks import offload_allowed
+
     sel = np.flatnonzero(~np.asarray(res["fits"], bool) & np.isfinite(res["offload_min_layers"])
-                         & (grid["recompute"] != RECOMPUTE.index("full")))
+                         & (grid["recompute"] != RECOMPUTE.index("full"))
+                         & offload_allowed(stack, grid["pp"], grid["recompute"] == RECOMPUTE.index("none")))
     if system.host_link_gbytes_per_s is None or not sel.size:
         return grid, res, mlp
     n = grid["tp"].size
@@ -594,7 +604,7 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
     grid = {k: np.concatenate([g[k] for g in grids]) for k in grids[0]}
     res = evaluate(model, system, seq, global_batch, opts=opts, split="auto", **grid)
     grid, res, mlp = _with_mlp_recompute(model, system, seq, global_batch, opts, stack, grid, res)
-    grid, res, mlp = _with_offload(model, system, seq, global_batch, opts, grid, res, mlp)
+    grid, res, mlp = _with_offload(model, system, seq, global_batch, opts, grid, res, mlp, searched)
     fits = res["fits"]
     score = res["step_time_s"] if objective == "time" else res["cost_usd_per_hour"] / res["tokens_per_s"]
     allowed = fits

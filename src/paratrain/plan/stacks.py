@@ -7,6 +7,8 @@ search only looks at those) and how it runs what it supports (the `Options` defa
 
 from __future__ import annotations
 
+import numpy as np
+
 from paratrain.hardware.catalog import Stack
 from paratrain.plan.layer import TE_OVERLAP_SMS
 
@@ -19,16 +21,27 @@ STACKS: dict[str, Stack] = {
     "megatron": Stack(
         "Megatron-Core / NeMo", ("ddp", "fsdp"), (0, 1, 3), ("1f1b", "interleaved_1f1b"),
         "Megatron-Core: distributed optimizer (ZeRO-1 with bucketed reduce-scatter and overlap_param_gather), "
-        "Megatron FSDP (NeMo performance tables: FSDP column), 1F1B and interleaved pipelines", "flash"),
+        "Megatron FSDP (NeMo performance tables: FSDP column), 1F1B and interleaved pipelines; activation CPU "
+        "offloading (cpu_offloading_num_layers) only without pipeline parallelism and without recompute: NVIDIA/"
+        "Megatron-LM @d98e8a6 megatron/core/transformer/transformer_config.py __post_init__ ('Currently there is no "
+        "support for Pipeline parallelism with CPU offloading', 'CPU offloading does not work when activation "
+        "recomputation is enabled'; Megatron-Bridge's CPU-offloading page: PP must be 1, recompute_granularity None)",
+        "flash", offload_with_pp=False, offload_with_recompute=False),
     "fsdp2": Stack(
         "torchtitan (FSDP2 + DTensor TP + torch.distributed.pipelining)", ("ddp", "fsdp", "hsdp"), (0, 3),
         ("gpipe", "1f1b", "interleaved_1f1b", "zbv"),
         "pytorch/torchtitan docs: FSDP/HSDP (fully_shard), TP/async TP, CP, PP schedules GPipe, 1F1B, "
-        "Interleaved1F1B, ZBVZeroBubble", "flash"),
+        "Interleaved1F1B, ZBVZeroBubble; no activation offloading in its trainer (pytorch/torchtitan @b5bcd76 "
+        "torchtitan/config/configs.py: activation_checkpoint modes none / selective / full; training.enable_cpu_offload "
+        "is FSDP2's CPUOffloadPolicy of parameters, gradients and optimizer states, torchtitan/distributed/fsdp.py; "
+        "activations are offloaded only by the experiments/graph_trainer memory_policy sac_and_offload)",
+        "flash", activation_offload=False),
     "deepspeed": Stack(
         "DeepSpeed (ZeRO-1/2/3, pipeline engine)", ("ddp", "fsdp"), (0, 1, 2, 3), ("1f1b",),
         "deepspeed.ai docs: ZeRO stages 1-3 (stage 3 = parameter partitioning with prefetch), PipelineModule "
-        "runs a 1F1B schedule", "flash"),
+        "runs a 1F1B schedule; activations reach the CPU only as checkpointed inputs (activation_checkpointing."
+        "cpu_checkpointing inside deepspeed.checkpointing.checkpoint, i.e. under full recompute, which the planner "
+        "does not offload), so no offloading of kept activations", "flash", activation_offload=False),
 }
 
 # How each stack runs (plan.options.Options fields). grad_bytes: Megatron-Core keeps bf16 gradient buffers
@@ -311,6 +324,21 @@ def attention_kernel_eff(kernel: str, chip, stack: str | None = None) -> float |
         return CUDNN_HOPPER_EFF
     fa2 = FA2_HOPPER_EFF * (PYTORCH_HOPPER_SCALE if native else 1.0)
     return fa2 * FA1_OVER_FA2 if kernel == "fa1" else fa2
+
+
+def offload_allowed(stack: Stack | None, pp, recompute_none):
+    """Where the software can keep blocks' activations in host memory (parallel.offload_layers > 0), the one rule
+    `plan` searches by and `estimate` notes against: pp and recompute_none (the layout recomputes nothing) are
+    scalars or arrays of one shape; stack None (no stack named, the system's unrestricted software): everywhere."""
+    shape = np.broadcast(np.asarray(pp), np.asarray(recompute_none)).shape
+    if stack is None:
+        return np.ones(shape, bool)
+    ok = np.full(shape, stack.activation_offload)
+    if not stack.offload_with_pp:
+        ok &= np.asarray(pp) == 1
+    if not stack.offload_with_recompute:
+        ok &= np.asarray(recompute_none, bool)
+    return ok
 
 
 def check_stack(name: str) -> str:
