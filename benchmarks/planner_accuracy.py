@@ -1,6 +1,8 @@
 """Planner accuracy on published training runs: CALIBRATION sets (constants were fitted on them) and EVALUATION
 sets (never used to set a constant), reported apart, per set step-time MAPE and Spearman, and the signed errors
-of the evaluation runs by layout kind (3D, FSDP/ZeRO-3, TP+FSDP, TP-only, DDP/ZeRO-1/2, CP), system and model size.
+of the evaluation runs by layout kind (3D, FSDP/ZeRO-3, TP+FSDP, TP-only, DDP/ZeRO-1/2, CP), system and model size,
+and the planner as a chooser (layout decisions): for every job measured with several layouts, whether the planner
+orders them as measured and how much slower its first choice ran than the best published one (the regret).
 
     .venv/bin/python benchmarks/planner_accuracy.py                       # all sets, worst rows
     .venv/bin/python benchmarks/planner_accuracy.py --calibrate           # refit the A100 physical parameters
@@ -578,7 +580,7 @@ def _eval_row(catalog, r: dict):
             else "DDP/ZeRO-1/2")  # tp 1, replicated parameters: data parallelism alone
     size = (model.num_params() if not isinstance(model, str) else None)
     label = f"{r['model']} {r['system']} {devices}dev tp{r['tp']} pp{r['pp']} cp{r['cp']} {r['dp_kind']} {r['precision']}"
-    return (label, est.step_time_s if est else float("nan"), measured, kind, r["system"], r["model"], size)
+    return (label, est.step_time_s if est else float("nan"), measured, kind, r["system"], r["model"], size, gbs * seq)
 
 
 CAL_CSV = Path(__file__).parent / "data" / "calibration_runs.csv"
@@ -626,6 +628,94 @@ def version_spread_floor(path: Path, sets: dict[str, list[tuple]]) -> dict[str, 
         out[name] = {"floor_pct": float(np.mean(errors) * 100), "layouts": len(groups), "rows": len(predicted),
                      "spread_pct": max(float((max(g) / min(g) - 1) * 100) for g in groups.values())}
     return out
+
+
+# ---- decision quality: does the planner order the layouts one job was measured with as the measurements do? ----
+# Two layouts whose measured time per token differs by less than this are a tie: below the spread of one layout
+# measured on several containers or SDKs (version_spread_floor's widest spreads are 2-27%), so no order is claimed.
+RANK_TIE_PCT = 5.0
+# the decision `plan` makes: one model on one cluster with one software release (a layout measured on an older
+# container against another on a newer one is a software comparison, not a layout decision)
+_JOB = ("model", "system", "nodes", "seq", "precision", "stack", "megatron_core", "torch")
+# what `plan` chooses between (parallel.* and the batch split); the other columns are the software a layout ran on, so
+# one layout measured on several containers or SDKs is one alternative (its measurements averaged)
+_LAYOUT = ("global_batch", "tp", "pp", "cp", "vp", "ep", "microbatch", "dp_kind", "zero_stage", "sp", "recompute",
+           "schedule", "offload_layers", "rank_order")
+
+
+def layout_decisions(path: Path, sets: dict[str, list[tuple]], job_fields: tuple[str, ...] = _JOB) -> dict:
+    """The planner as a chooser between the layouts published for one job: rows of a runs file that share model,
+    system, node count, sequence, precision and software release (_JOB) but not their layout (_LAYOUT) are one job's
+    alternatives. Per job, time
+    per token (step time / tokens per step, so global batches may differ) predicted and measured, one value per
+    layout (a layout measured on several software versions: the mean). Returns {"jobs": [...], "pairs": n,
+    "agree": n, "regret_pct": [...]}: pairs of layouts whose measured times differ by more than RANK_TIE_PCT, how
+    many the planner orders the same way, and per job the regret, how much slower (measured) the layout the planner
+    ranks first is than the fastest measured one (0 = the planner picks the best published layout). job_fields
+    _JOB[:5] (any software): the stacks and releases of one job compete too (plan's choice across software; a newer
+    release's own speed-up then counts as the layout's)."""
+    with path.open(encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    jobs: dict[tuple, dict[tuple, list]] = {}
+    for name, predicted in sets.items():
+        for r, p in zip((r for r in rows if r["set"] == name), predicted, strict=True):
+            if not np.isfinite(p[1]):
+                continue
+            layout = tuple(r.get(k, "") for k in _LAYOUT)
+            name_ = " ".join(f"{k}={v}" for k, v in zip(_LAYOUT, layout, strict=True) if v not in ("", "1", "0", "None")
+                             or k in ("tp", "pp"))
+            per = jobs.setdefault(tuple(r.get(k, "") for k in job_fields), {}).setdefault(layout, [name_, [], []])
+            per[1].append(p[1] / p[7])
+            per[2].append(p[2] / p[7])
+    out = {"jobs": [], "pairs": 0, "agree": 0, "regret_pct": []}
+    for job, layouts in jobs.items():
+        if len(layouts) < 2:
+            continue
+        alts = [(label, float(np.mean(pr)), float(np.mean(me))) for label, pr, me in layouts.values()]
+        best_measured = min(m for _, _, m in alts)
+        chosen = min(alts, key=lambda a: a[1])
+        regret = (chosen[2] / best_measured - 1) * 100
+        wrong = []
+        for i, a in enumerate(alts):
+            for b in alts[i + 1:]:
+                if abs(a[2] / b[2] - 1) * 100 <= RANK_TIE_PCT:
+                    continue
+                out["pairs"] += 1
+                if (a[1] < b[1]) == (a[2] < b[2]):
+                    out["agree"] += 1
+                else:
+                    wrong.append((a, b))
+        out["regret_pct"].append(regret)
+        out["jobs"].append({"job": job, "layouts": alts, "regret_pct": regret, "misordered": wrong})
+    return out
+
+
+def decision_summary(d: dict) -> str:
+    return (f"{d['agree']}/{d['pairs']} pairs ordered as measured, regret of the planner's pick mean "
+            f"{np.mean(d['regret_pct']):.1f}% max {max(d['regret_pct']):.1f}% ({len(d['jobs'])} jobs)")
+
+
+def decision_table(path: Path, sets: dict[str, list[tuple]]) -> dict[str, dict]:
+    """Print layout_decisions, one software release per job ("same software") and then any software ("any
+    software"): per job its layouts, the regret, and every pair the planner orders against the measurements."""
+    out = {}
+    for title, fields in (("same software", _JOB), ("any software", _JOB[:5])):
+        d = out[title] = layout_decisions(path, sets, fields)
+        print(f"\n   layout decisions, {title} (jobs measured with several layouts; measured ties within "
+              f"{RANK_TIE_PCT:.0f}% not counted): {decision_summary(d)}")
+        _decision_rows(d)
+    return out
+
+
+def _decision_rows(d: dict) -> None:
+    for j in d["jobs"]:
+        model, system, nodes, seq, prec = j["job"][:5]
+        flag = "  !!" if j["misordered"] else ""
+        print(f"     {model} on {nodes} x {system}, seq {seq}, {prec}: {len(j['layouts'])} layouts, regret "
+              f"{j['regret_pct']:.1f}%{flag}")
+        for a, b in j["misordered"]:
+            print(f"        misordered: {a[0]} (pred {a[1] * 1e6:.2f} / meas {a[2] * 1e6:.2f} us/token) vs "
+                  f"{b[0]} ({b[1] * 1e6:.2f} / {b[2] * 1e6:.2f})")
 
 
 def _size_bucket(model: str) -> str:
@@ -851,6 +941,7 @@ def main() -> int:
     for key, (name, rows) in evaluation.items():
         results[("evaluation", key)] = report(name, rows, args.worst, True)
     signed_error_table(grouped)
+    decisions = decision_table(EVAL_CSV, grouped)
     if args.plot:
         plot({k: rows for k, (_, rows) in {**calibration, **evaluation}.items()}, args.plot)
     print(f"\nCalculon's published predictions on Korthikanti Table 5: MAPE {calculon_korthikanti():.1f}%")
@@ -858,6 +949,8 @@ def main() -> int:
     for (role, name), r in results.items():
         rank = f", Spearman {r['spearman']:.3f}" if np.isfinite(r.get("spearman", np.nan)) else ""
         print(f"  {role:<11} {name:<24} MAPE {r['mape_pct']:5.1f}%{rank}  ({r['predicted']}/{r['rows']} rows)")
+    for title, d in decisions.items():
+        print(f"  evaluation  layout decisions, {title:<13} {decision_summary(d)}")
     print("\nfloor from the software-version spread (one layout measured on several SDKs / containers: the best MAPE of "
           "one prediction per layout):")
     for role, (path, sets) in (("calibration", (CAL_CSV, cal_grouped)), ("evaluation", (EVAL_CSV, grouped))):
