@@ -1793,6 +1793,38 @@ def test_offload_layers_is_the_trainers_field_timed_on_the_host_link():
     assert [e.step_time_s for e in runs] == pytest.approx([runs[0].step_time_s] * 4)
 
 
+def test_host_copy_rate_is_the_least_of_link_uplink_share_and_memory_share():
+    """plan.step.host_copy_gbytes_per_s, by hand: a node of 8 devices, each on its own 64 GB/s link, 2 behind each
+    64 GB/s switch uplink, 300 GB/s of host memory at 0.8: all 8 copying get min(64, 64/2, 240/8) = 30 GB/s each
+    (memory binds), 4 copying min(64, 64/2, 240/4) = 32 (the uplink), 1 copying min(64, 64/1, 240) = 64 (its own
+    link); an unpublished term is not applied; NVLink-C2C keeps its own path (the link, already the device's share);
+    p5.48xlarge's H100s reach the CPU over PCIe Gen4 (32, not their Gen5 64); the offload timing uses the rate of
+    every device of the node copying."""
+    from paratrain.plan.step import host_copy_gbytes_per_s
+
+    box = dataclasses.replace(resolve_system("p5.48xlarge"), host_link_gbytes_per_s=64, host_uplink_gbytes_per_s=64,
+                              host_uplink_devices=2, host_memory_gbytes_per_s=300, host_memory_efficiency=0.8)
+    assert box.devices_per_node == 8
+    assert host_copy_gbytes_per_s(box) == pytest.approx(30.0)
+    assert host_copy_gbytes_per_s(box, 4) == pytest.approx(32.0)
+    assert host_copy_gbytes_per_s(box, 1) == pytest.approx(64.0)
+    with pytest.raises(ValueError, match=r"copying devices = 9 on p5\.48xlarge: allowed: 1 to 8"):
+        host_copy_gbytes_per_s(box, 9)
+    unpublished = dataclasses.replace(box, host_memory_gbytes_per_s=None, host_memory_efficiency=None,
+                                      host_memory_unpublished="why")
+    assert host_copy_gbytes_per_s(unpublished) == pytest.approx(32.0)
+    c2c = dataclasses.replace(box, host_link_kind="nvlink-c2c")
+    assert host_copy_gbytes_per_s(c2c) == 64
+    assert host_copy_gbytes_per_s(resolve_system("p5.48xlarge")) == 32
+    assert host_copy_gbytes_per_s(resolve_system("dgx-gb200")) == 225
+    args = ("llama3-70b", "p5.48xlarge", 128, 8192, 1024)
+    lay = Layout(tp=1, sp=False, dp_kind="fsdp", zero_stage=3, microbatch=1, offload_layers=49)
+    at_32 = estimate(*args, lay).time_breakdown_s["offload_exposed"]
+    at_64 = estimate(*args[:1], dataclasses.replace(resolve_system("p5.48xlarge"), host_uplink_gbytes_per_s=64),
+                     *args[2:], lay).time_breakdown_s["offload_exposed"]
+    assert at_32 > at_64 > 0
+
+
 def test_overlapped_p2p_closed_form_matches_replay():
     """plan.pipeline.overlapped_p2p_path_s against the event replay of Megatron-Core's interleaved schedule
     (benchmarks/megatron_p2p_replay.py) under overlap_p2p_comm: before core 0.18 (hidden behind a chunk's forward,
