@@ -280,7 +280,10 @@ def test_price_tables_merge_option_by_option(tmp_path):
 def test_host_links_are_sourced_and_absent_where_unpublished():
     """The host link each device offloads activations over (System.host_link_gbytes_per_s, one direction): named
     with its source where set; GB200's NVLink-C2C share (900 GB/s both ways per superchip, 2 GPUs) above the PCIe
-    Gen5 x16 of H100/H200 (64) above A100's Gen4 (32); no figure (so no offloading) for Trainium."""
+    Gen5 x16 of H100/H200 (64) above A100's Gen4 (32); no figure (so no offloading) for Trainium. Every PCIe host
+    link has its switch uplink and host memory, each as numbers with a source or a reason there are none; the
+    sourced uplinks: p5's one Gen4 x16 per GPU (AWS: PCIe Gen4 between CPU and GPU), p4d/p4de's Gen3 x16 and DGX
+    A100's Gen4 x16 each shared by 2 GPUs; GB200 is its own path (no uplink or memory term)."""
     systems = load_catalog().systems
     links = {name: s.host_link_gbytes_per_s for name, s in systems.items()}
     assert all(systems[n].host_link_source for n, bw in links.items() if bw is not None)
@@ -288,6 +291,67 @@ def test_host_links_are_sourced_and_absent_where_unpublished():
     assert links["p4d.24xlarge"] == links["dgx-a100-80gb"] == 32
     trainium = [n for n in systems if systems[n].chip.vendor == "aws"]
     assert trainium and all(links[n] is None for n in trainium)
+    pcie = [s for s in systems.values() if s.host_link_gbytes_per_s is not None and s.host_link_kind == "pcie"]
+    for s in pcie:
+        assert (s.host_uplink_source and s.host_uplink_gbytes_per_s and s.host_uplink_devices) or s.host_uplink_unpublished
+        assert (s.host_memory_source and s.host_memory_gbytes_per_s and s.host_memory_efficiency) \
+            or s.host_memory_unpublished
+    uplinks = {s.name: (s.host_uplink_gbytes_per_s, s.host_uplink_devices) for s in pcie}
+    assert uplinks["p5.48xlarge"] == (32, 1)
+    assert uplinks["p4d.24xlarge"] == uplinks["p4de.24xlarge"] == (16, 2) and uplinks["dgx-a100-80gb"] == (32, 2)
+    gb200 = systems["dgx-gb200"]
+    assert gb200.host_link_kind == "nvlink-c2c" and gb200.host_uplink_gbytes_per_s is None
+    assert gb200.host_memory_gbytes_per_s is None
+
+
+HOST_LINK = """host_link_gbytes_per_s = 64
+host_link_source = "test"
+"""
+UPLINK = """host_uplink_gbytes_per_s = 64
+host_uplink_devices = 2
+host_uplink_source = "test"
+"""
+MEMORY = """host_memory_gbytes_per_s = 300
+host_memory_efficiency = 0.8
+host_memory_source = "test"
+"""
+
+
+@pytest.mark.parametrize("fields, message", [
+    (HOST_LINK + MEMORY, r"systems\.test-box\.host_uplink_gbytes_per_s: missing; .* or host_uplink_unpublished"),
+    (HOST_LINK + UPLINK, r"systems\.test-box\.host_memory_gbytes_per_s: missing"),
+    (HOST_LINK + UPLINK.replace('host_uplink_source = "test"\n', "") + MEMORY,
+     r"test-box\.host_uplink_source: missing"),
+    (HOST_LINK + UPLINK + 'host_uplink_unpublished = "why"\n' + MEMORY,
+     r"test-box\.host_uplink_unpublished and host_uplink_gbytes_per_s: both given"),
+    (HOST_LINK + UPLINK.replace("= 2", "= 9") + MEMORY, r"host_uplink_devices = 9: more than the node's 8 devices"),
+    (HOST_LINK + UPLINK.replace("= 2", "= 1.5") + MEMORY, r"host_uplink_devices = 1\.5: must be an integer > 0"),
+    (HOST_LINK + UPLINK + MEMORY.replace("0.8", "1.2"), r"host_memory_efficiency = 1\.2: must be a number in \(0, 1\]"),
+    (HOST_LINK + 'host_link_kind = "nvlink-c2c"\n' + UPLINK, r"host_uplink_gbytes_per_s: not used with host_link_kind"),
+    (HOST_LINK + 'host_link_kind = "cxl"\n', r"host_link_kind = 'cxl': unknown; allowed: pcie, nvlink-c2c"),
+    (UPLINK, r"host_uplink_gbytes_per_s: not used with no host_link_gbytes_per_s"),
+])
+def test_host_path_fields_error_clearly(tmp_path, fields, message):
+    """A PCIe host link needs what the host side carries when every device copies at once (the switch uplink and
+    the host memory, each with its source, or a reason there is none): each malformed or missing field is one
+    error naming it and what is allowed."""
+    box = tmp_path / "box.toml"
+    box.write_text(USER_SYSTEM.replace('source = "test"\n[systems.test-box.prices]',
+                                       fields + 'source = "test"\n[systems.test-box.prices]'))
+    with pytest.raises(CatalogError, match=message):
+        load_catalog([box])
+
+
+def test_host_path_fields_load_and_round_trip(tmp_path):
+    box = tmp_path / "box.toml"
+    box.write_text(USER_SYSTEM.replace('source = "test"\n[systems.test-box.prices]',
+                                       HOST_LINK + UPLINK + MEMORY + 'source = "test"\n[systems.test-box.prices]'))
+    system = load_catalog([box]).system("test-box")
+    assert (system.host_uplink_gbytes_per_s, system.host_uplink_devices, system.host_memory_efficiency) == (64, 2, 0.8)
+    from paratrain.hardware.catalog import system_table
+    table = system_table(system)
+    assert table["host_uplink_devices"] == 2 and table["host_memory_gbytes_per_s"] == 300
+    assert "host_link_kind" not in table and "host_uplink_unpublished" not in table
 
 
 def test_power_capped_h100_peak_is_the_700w_part_scaled_by_what_the_cap_leaves():

@@ -1797,7 +1797,7 @@ def test_plan_offloads_activations_only_where_the_named_stack_can():
     """A named stack searches activation offloading only where its software has it: torchtitan's trainer and DeepSpeed
     keep kept activations on the device (plan.stacks.offload_allowed), Megatron-Core offloads only at pp 1 without
     recompute; with no stack named every layout may offload (paratrain's runtime). estimate notes a layout whose
-    offload the named stack cannot run. Llama 3 70B on 128 p5 at seq 8192: the unrestricted search offloads."""
+    offload the named stack cannot run. Llama 3 70B on 128 DGX H100 at seq 8192: the unrestricted search offloads."""
     from paratrain.plan.api import search
     from paratrain.plan.stacks import STACKS, offload_allowed
 
@@ -1805,7 +1805,7 @@ def test_plan_offloads_activations_only_where_the_named_stack_can():
     assert offload_allowed(STACKS["megatron"], np.array([1, 1, 2]), np.array([True, False, True])).tolist() == \
         [True, False, False]
     assert offload_allowed(None, np.array([4, 1]), np.array([False, True])).all()
-    args = ("llama3-70b", "p5.48xlarge", 128, 8192, 1024)
+    args = ("llama3-70b", "dgx-h100", 128, 8192, 1024)
     free = search(*args, top=50).candidates
     assert any(c.layout.offload_layers for c in free)
     for name in ("fsdp2", "deepspeed"):
@@ -1815,6 +1815,37 @@ def test_plan_offloads_activations_only_where_the_named_stack_can():
     lay = Layout(tp=2, sp=True, dp_kind="fsdp", microbatch=1, recompute="selective", offload_layers=20)
     assert any("does not offload activations" in n for n in estimate(*args, lay, stack="megatron").notes)
     assert not any("does not offload" in n for n in estimate(*args, lay).notes)
+
+def test_host_copy_rate_is_the_least_of_link_uplink_share_and_memory_share():
+    """plan.step.host_copy_gbytes_per_s, by hand: a node of 8 devices, each on its own 64 GB/s link, 2 behind each
+    64 GB/s switch uplink, 300 GB/s of host memory at 0.8: all 8 copying get min(64, 64/2, 240/8) = 30 GB/s each
+    (memory binds), 4 copying min(64, 64/2, 240/4) = 32 (the uplink), 1 copying min(64, 64/1, 240) = 64 (its own
+    link); an unpublished term is not applied; NVLink-C2C keeps its own path (the link, already the device's share);
+    p5.48xlarge's H100s reach the CPU over PCIe Gen4 (32, not their Gen5 64); the offload timing uses the rate of
+    every device of the node copying."""
+    from paratrain.plan.step import host_copy_gbytes_per_s
+
+    box = dataclasses.replace(resolve_system("p5.48xlarge"), host_link_gbytes_per_s=64, host_uplink_gbytes_per_s=64,
+                              host_uplink_devices=2, host_memory_gbytes_per_s=300, host_memory_efficiency=0.8)
+    assert box.devices_per_node == 8
+    assert host_copy_gbytes_per_s(box) == pytest.approx(30.0)
+    assert host_copy_gbytes_per_s(box, 4) == pytest.approx(32.0)
+    assert host_copy_gbytes_per_s(box, 1) == pytest.approx(64.0)
+    with pytest.raises(ValueError, match=r"copying devices = 9 on p5\.48xlarge: allowed: 1 to 8"):
+        host_copy_gbytes_per_s(box, 9)
+    unpublished = dataclasses.replace(box, host_memory_gbytes_per_s=None, host_memory_efficiency=None,
+                                      host_memory_unpublished="why")
+    assert host_copy_gbytes_per_s(unpublished) == pytest.approx(32.0)
+    c2c = dataclasses.replace(box, host_link_kind="nvlink-c2c")
+    assert host_copy_gbytes_per_s(c2c) == 64
+    assert host_copy_gbytes_per_s(resolve_system("p5.48xlarge")) == 32
+    assert host_copy_gbytes_per_s(resolve_system("dgx-gb200")) == 225
+    args = ("llama3-70b", "p5.48xlarge", 128, 8192, 1024)
+    lay = Layout(tp=1, sp=False, dp_kind="fsdp", zero_stage=3, microbatch=1, offload_layers=49)
+    at_32 = estimate(*args, lay).time_breakdown_s["offload_exposed"]
+    at_64 = estimate(*args[:1], dataclasses.replace(resolve_system("p5.48xlarge"), host_uplink_gbytes_per_s=64),
+                     *args[2:], lay).time_breakdown_s["offload_exposed"]
+    assert at_32 > at_64 > 0
 
 
 def test_overlapped_p2p_closed_form_matches_replay():

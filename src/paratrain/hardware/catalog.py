@@ -255,12 +255,28 @@ class System:
     # on `paratrain generate` summaries); plan.serve.serving_efficiency prefers it to the vendor's stack table.
     # (field, value) pairs: the System stays hashable
     serving: tuple[tuple[str, Any], ...] = ()
-    # One direction of the link between one device and host memory, GB/s, what the device's share of it is when
-    # every device of the node copies at once (PCIe x16 per GPU; GB200's NVLink-C2C shared by the 2 GPUs of a
-    # superchip): what activation offloading (parallel.offload_layers) copies over. None: no published figure, so
-    # the planner refuses to offload on this system. host_link_source: where the number comes from (required)
+    # One direction of the link between one device and host memory, GB/s: what activation offloading
+    # (parallel.offload_layers) copies over. host_link_kind "pcie": the device's own PCIe x16 link at its
+    # generation; what the host side carries when every device copies at once is the uplink and memory terms below
+    # (plan.step.host_copy_gbytes_per_s). "nvlink-c2c": GB200's NVLink-C2C, already the device's share of its
+    # superchip's link when both GPUs copy (its own path: no PCIe uplink or memory term). None: no published
+    # figure, so the planner refuses to offload on this system. host_link_source: where the number comes from
     host_link_gbytes_per_s: float | None = None
     host_link_source: str = ""
+    host_link_kind: str = "pcie"
+    # The PCIe switch's upstream link to the CPU (one direction, GB/s, at the narrower of the switch's and the CPU
+    # root port's generation) and how many devices sit behind one such uplink; host_uplink_unpublished: why the
+    # catalog has no figure (then the term is not applied). One of the two on every PCIe host with a host link.
+    host_uplink_gbytes_per_s: float | None = None
+    host_uplink_devices: int | None = None
+    host_uplink_source: str = ""
+    host_uplink_unpublished: str = ""
+    # The node's host DRAM bandwidth (all sockets, GB/s, the datasheet peak) and the fraction of it copies reach;
+    # host_memory_unpublished: why the catalog has no figure. One of the two on every PCIe host with a host link
+    host_memory_gbytes_per_s: float | None = None
+    host_memory_efficiency: float | None = None
+    host_memory_source: str = ""
+    host_memory_unpublished: str = ""
 
     @property
     def devices_per_node(self) -> int:
@@ -332,7 +348,18 @@ SYSTEM_FIELDS = {
     "devices_per_chip": ("posint", True), "device_unit": ("str", True), "tiers": ("tiers", True),
     "source": ("str", True), "conflicts": ("strlist", False), "prices": ("table", False),
     "efficiency": ("table", True), "stack": ("table", False), "serving": ("table", False),
-    "host_link_gbytes_per_s": ("pos", False), "host_link_source": ("str", False),
+    "host_link_gbytes_per_s": ("pos", False), "host_link_source": ("str", False), "host_link_kind": ("str", False),
+    "host_uplink_gbytes_per_s": ("pos", False), "host_uplink_devices": ("posint", False),
+    "host_uplink_source": ("str", False), "host_uplink_unpublished": ("str", False),
+    "host_memory_gbytes_per_s": ("pos", False), "host_memory_efficiency": ("frac", False),
+    "host_memory_source": ("str", False), "host_memory_unpublished": ("str", False),
+}
+HOST_LINK_KINDS = ("pcie", "nvlink-c2c")
+# the host side of a PCIe host link when every device copies at once: (fields that go together, the reason field)
+HOST_PATH_GROUPS = {
+    "uplink": (("host_uplink_gbytes_per_s", "host_uplink_devices", "host_uplink_source"), "host_uplink_unpublished"),
+    "memory": (("host_memory_gbytes_per_s", "host_memory_efficiency", "host_memory_source"),
+               "host_memory_unpublished"),
 }
 # The serving model's parameters (plan/serving_efficiency.toml documents each) as `paratrain calibrate` fits
 # them for one system
@@ -528,6 +555,7 @@ def _system(origin: str, name: str, raw: dict, chips: dict[str, Chip], links: di
         raise CatalogError(f"{origin}: {where}.host_link_gbytes_per_s and host_link_source: each needs the other "
                            f"(every number names its source); allowed: both, or neither")
     per_node = raw["chips_per_node"] * raw["devices_per_chip"]
+    _host_path(origin, where, raw, per_node)
     inner = [t.domain_devices for t in tiers[:-1]]
     if inner and per_node % inner[-1] and inner[-1] % per_node:
         raise CatalogError(f"{origin}: {where}.tiers: innermost-to-node domain sizes {inner} do not nest with "
@@ -538,8 +566,45 @@ def _system(origin: str, name: str, raw: dict, chips: dict[str, Chip], links: di
         device_unit=raw["device_unit"], tiers=tiers, efficiency=SystemEfficiency(**eff),
         prices=prices, source=raw["source"], stack=stack, conflicts=tuple(raw.get("conflicts", ())), origin=origin,
         serving=serving, host_link_gbytes_per_s=raw.get("host_link_gbytes_per_s"),
-        host_link_source=raw.get("host_link_source", ""),
+        host_link_source=raw.get("host_link_source", ""), host_link_kind=raw.get("host_link_kind", "pcie"),
+        host_uplink_gbytes_per_s=raw.get("host_uplink_gbytes_per_s"), host_uplink_devices=raw.get("host_uplink_devices"),
+        host_uplink_source=raw.get("host_uplink_source", ""),
+        host_uplink_unpublished=raw.get("host_uplink_unpublished", ""),
+        host_memory_gbytes_per_s=raw.get("host_memory_gbytes_per_s"),
+        host_memory_efficiency=raw.get("host_memory_efficiency"), host_memory_source=raw.get("host_memory_source", ""),
+        host_memory_unpublished=raw.get("host_memory_unpublished", ""),
     )
+
+
+def _host_path(origin: str, where: str, raw: dict, per_node: int) -> None:
+    """The host side of a system's host link, one clear error for each way it can be wrong: a PCIe host link
+    needs its uplink and its memory, each as all its fields (numbers with their source) or a reason why the
+    catalog has none; NVLink-C2C is its own path and takes neither; neither exists without a host link."""
+    kind = raw.get("host_link_kind", "pcie")
+    if kind not in HOST_LINK_KINDS:
+        raise CatalogError(f"{origin}: {where}.host_link_kind = {kind!r}: unknown; allowed: {', '.join(HOST_LINK_KINDS)}")
+    given = [k for fields, why in HOST_PATH_GROUPS.values() for k in (*fields, why) if k in raw]
+    if "host_link_gbytes_per_s" not in raw or kind != "pcie":
+        extra = given + (["host_link_kind"] if "host_link_kind" in raw and "host_link_gbytes_per_s" not in raw else [])
+        if extra:
+            reason = ("no host_link_gbytes_per_s" if "host_link_gbytes_per_s" not in raw
+                      else f"host_link_kind = {kind!r} is its own path (the link is already the device's share)")
+            raise CatalogError(f"{origin}: {where}.{extra[0]}: not used with {reason}; allowed: these fields only with "
+                               "a PCIe host link (host_link_gbytes_per_s, host_link_kind = \"pcie\")")
+        return
+    for name, (fields, why) in HOST_PATH_GROUPS.items():
+        have = [k for k in fields if k in raw]
+        if why in raw and have:
+            raise CatalogError(f"{origin}: {where}.{why} and {have[0]}: both given; allowed: {', '.join(fields)} "
+                               f"(the {name} figure with its source) or {why} (why there is none), not both")
+        if why not in raw and len(have) < len(fields):
+            missing = [k for k in fields if k not in raw]
+            raise CatalogError(f"{origin}: {where}.{missing[0]}: missing; the host link copies over the {name} when "
+                               f"every device of the node copies at once, so a PCIe host link needs "
+                               f"{', '.join(fields)} (every number names its source), or {why} = \"why\"")
+    if raw.get("host_uplink_devices", 1) > per_node:
+        raise CatalogError(f"{origin}: {where}.host_uplink_devices = {raw['host_uplink_devices']}: more than the node's "
+                           f"{per_node} devices; allowed: 1 to {per_node}")
 
 
 # ---- loading --------------------------------------------------------------------------------------------
@@ -660,6 +725,12 @@ def system_table(system: System) -> dict:
     }
     if system.host_link_gbytes_per_s is not None:
         data.update(host_link_gbytes_per_s=system.host_link_gbytes_per_s, host_link_source=system.host_link_source)
+        if system.host_link_kind != "pcie":
+            data["host_link_kind"] = system.host_link_kind
+        for key in (k for fields, why in HOST_PATH_GROUPS.values() for k in (*fields, why)):
+            value = getattr(system, key)
+            if value not in (None, ""):
+                data[key] = value
     if system.stack is not None:
         stack = asdict(system.stack)
         data["stack"] = {k: list(v) if isinstance(v, tuple) else v for k, v in stack.items()}

@@ -486,10 +486,32 @@ def check_host_link(system: System, offload_layers: int) -> None:
                          f"the copies cannot be timed; allowed: offload_layers=0")
 
 
+def host_copy_gbytes_per_s(system: System, copying: int | None = None) -> float:
+    """One direction of the host rate per device (GB/s) when `copying` devices of a node copy to or from host memory
+    at once (None: all of them, as every offloaded rank of a layout does in the same block): the least of the
+    device's own link (host_link_gbytes_per_s), its share of the PCIe switch uplink it sits behind
+    (host_uplink_gbytes_per_s over the copying devices behind it, at most host_uplink_devices) and its share of the
+    node's host memory (host_memory_gbytes_per_s x host_memory_efficiency over the copying devices). An uplink or
+    memory figure the catalog marks unpublished (host_*_unpublished) is not applied; NVLink-C2C (GB200) is its own
+    path, its link already the device's share of the superchip's."""
+    check_host_link(system, 1)
+    n = system.devices_per_node if copying is None else int(copying)
+    if not 1 <= n <= system.devices_per_node:
+        raise ValueError(f"copying devices = {copying} on {system.name}: allowed: 1 to {system.devices_per_node}")
+    rate = system.host_link_gbytes_per_s
+    if system.host_link_kind != "pcie":
+        return rate
+    if system.host_uplink_gbytes_per_s is not None:
+        rate = min(rate, system.host_uplink_gbytes_per_s / min(n, system.host_uplink_devices))
+    if system.host_memory_gbytes_per_s is not None:
+        rate = min(rate, system.host_memory_gbytes_per_s * system.host_memory_efficiency / n)
+    return rate
+
+
 def offload_exposed_s(model, system, seq, opts, n, layer_fwd, layer_bwd, moe_mem, *, T, tp, cp, sp, rc):
     """(forward, backward) exposed time per microbatch of a stage's activation offloading (parallel.offload_layers):
     each offloaded block's activations (the bytes plan.memory keeps for it, less what stays on the device) go to
-    the host over the system's host link while the block computes, and come back while the block after it runs
+    the host at host_copy_gbytes_per_s (every device of the node copying at once) while the block computes, and come back while the block after it runs
     its backward (one block prefetched, on a copy stream of their own: Megatron-Core / Transformer Engine's
     offload scheduler, torch's save_on_cpu with pinned memory). Exposed only where a copy outlasts the compute it
     hides behind; the HBM traffic of the copies is not taken from the compute (their bytes are a few per cent of
@@ -499,7 +521,7 @@ def offload_exposed_s(model, system, seq, opts, n, layer_fwd, layer_bwd, moe_mem
     check_host_link(system, int(np.max(n)))
     per_layer, _ = layer_activation_bytes(model, seq, opts, T=T, tp=tp, cp=cp, sp=sp, rc=rc)
     moved = per_layer + (moe_mem["activations"] if moe_mem is not None else 0.0) - offload_kept_bytes(model, T, tp, rc)
-    copy = moved / (system.host_link_gbytes_per_s * 1e9)
+    copy = moved / (host_copy_gbytes_per_s(system) * 1e9)  # every offloaded device of the node copies at once
     return n * np.maximum(copy - layer_fwd, 0.0), n * np.maximum(copy - layer_bwd, 0.0)
 
 
