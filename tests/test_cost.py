@@ -77,14 +77,15 @@ def _rec(kind, **kw):
     return recommend(Request(kind=kind, **kw))
 
 
-# At catalog prices among trn1 / p4d / p5 every kind but finetune lands on p5.48xlarge, for different reasons: a
-# rule removes Trainium (research, multicloud, onprem) or the cost model ranks it last (pretrain, experiment).
-# finetune's smaller job lands on p4d.24xlarge since the H100's GEMM efficiency is megatron_h100_1node's calibrated
-# 0.64 (h100p2p, 4 Dec 2026; p5 at 0.70 before): $31.2k vs $31.9k, p5 2.4x faster. Which candidates survive the
-# rules and what the reasons say is checked per kind.
+# At catalog prices among trn1 / p4d / p5 every kind lands on p5.48xlarge, for different reasons: a rule removes
+# Trainium (research, multicloud, onprem) or the cost model ranks it last (pretrain, experiment, finetune).
+# finetune's smaller job was a near tie (p4d $31.2k vs p5 $31.9k after h100p2p, 4 Dec 2026) that p4d won with
+# offloaded activations; since hostlink (6 Dec 2026) p4d's A100s reach the host at 8 GB/s each when all copy (two
+# GPUs per PCIe Gen3 x16 switch uplink, aws-ofi-nccl's p4d topology), so its best layout offloads nothing and costs
+# $38.8k against p5's $32.1k. Which candidates survive the rules and what the reasons say is checked per kind.
 EXPECTED = {
     "pretrain": ("p5.48xlarge", GPU_AND_TRN, "no hard constraint"),
-    "finetune": ("p4d.24xlarge", GPU_AND_TRN, "no hard constraint"),
+    "finetune": ("p5.48xlarge", GPU_AND_TRN, "no hard constraint"),
     "research": ("p5.48xlarge", ["p4d.24xlarge", "p5.48xlarge"], "custom CUDA kernels"),
     "experiment": ("p5.48xlarge", GPU_AND_TRN, "no hard constraint"),
     "multicloud": ("p5.48xlarge", ["p4d.24xlarge", "p5.48xlarge"], "several clouds"),

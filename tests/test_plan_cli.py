@@ -427,7 +427,6 @@ def bench():
 
 @pytest.mark.parametrize("flags,columns", [
     (["--fp8-recipe", "delayed"], {"fp8_recipe": "delayed"}),
-    (["--fp8-recipe", "mxfp8"], {"precision": "mxfp8"}),
     (["--attention-kernel", "fa2"], {"attention_kernel": "fa2"}),
     (["--grad-bucket-mb", "8"], {"bucket_mb": "8"}),
     (["--grad-bytes", "4"], {"reduce_bytes": "4"}),
@@ -542,6 +541,8 @@ def test_param_gather_in_step_flag_matches_the_benchmark_column(capsys, bench):
     (["--cp-comm", "p2p"], ("argument --cp-comm: invalid choice: 'p2p'", "allgather_rotate")),
     (["--torch-compile", "yes"], ("argument --torch-compile: invalid choice: 'yes'", "off")),
     (["--unfused-softmax"], ("--unfused-softmax with flash attention",)),
+    (["--fp8-recipe", "mxfp8"], ("--fp8-recipe mxfp8 on dgx-h100: h100 runs no MX block-scaled matmuls",
+                                 "chips.h100.mx_formats", "allowed: --fp8-recipe current or delayed")),
 ])
 def test_bad_software_flags_fail_with_one_line(capsys, argv, expect):
     """One line naming the flag, the value and what is allowed (argparse's choices exit from the parser)."""
@@ -551,6 +552,25 @@ def test_bad_software_flags_fail_with_one_line(capsys, argv, expect):
         code = exc.code
     err = capsys.readouterr().err
     assert code == 2 and all(e in err for e in expect) and err.count("\n") == 1, err
+
+
+def test_mxfp8_flag_matches_the_benchmark_column_on_blackwell_and_fp8_needs_an_fp8_rate(capsys, bench):
+    """--fp8-recipe mxfp8 where the chip runs MX formats (B200: chips.b200.mx_formats) gives the benchmark's
+    precision=mxfp8 column and moves the step; --fp8 on an A100 (no FP8 rate in the catalog) is refused with one line
+    before anything is timed (a BF16 rate under an FP8 label would be a wrong number), by estimate and by plan."""
+    argv = [a if a != "dgx-h100" else "dgx-b200" for a in H100_8B]
+    system = resolve_system("dgx-b200")
+    lay = Layout(tp=2, sp=True, dp_kind="ddp", zero_stage=1, recompute="selective", microbatch=1)
+    flagged = _json(capsys, [*argv, "--fp8-recipe", "mxfp8"])["step_time_s"]
+    expected = estimate("llama3-8b", system, 16, 8192, 512, lay,
+                        bench._eval_options(system, H100_8B_ROW | {"precision": "mxfp8"})).step_time_s
+    assert flagged == pytest.approx(expected, rel=1e-12) and flagged != pytest.approx(_json(capsys, argv)["step_time_s"], rel=1e-4)
+    for command in ("estimate", "plan"):
+        args = ["--model", "llama3-8b", "--hardware", "p4de.24xlarge", "--nodes", "4", "--fp8"]
+        assert main([command, *args]) == 2
+        err = capsys.readouterr().err
+        assert "--fp8 on p4de.24xlarge: a100-80gb has no FP8 matmul rate (chips.a100-80gb.fp8_tflops unset" in err, err
+        assert err.count("\n") == 1
 
 
 def test_tp_comm_overlap_is_refused_off_nvidia(capsys):

@@ -66,6 +66,10 @@ class Chip:
     # the FP8/FP4 rates are those of block-scaled (MX) formats, one scale per 32 elements (Trainium3: "2,517
     # MXFP8/MXFP4 TFLOPS"): what the planner assumes its low-precision matmuls use unless told otherwise
     fp8_block_scaled: bool = False
+    # the matrix engines run the OCP MX block-scaled formats at all (MXFP8 / MXFP4 operands with one E8M0 scale per 32
+    # elements): Blackwell (Transformer Engine check_mxfp8_support: compute capability >= 10.0) and Trainium3 on;
+    # Hopper and Ampere do not, so an MXFP8 recipe there is refused, not timed (plan.api check_precision)
+    mx_formats: bool = False
     # per-tensor FP8 GEMMs run in any operand layout (cuBLASLt on Blackwell; Transformer Engine's
     # nvte_is_non_tn_fp8_gemm_supported), so TE keeps no transposed FP8 copy of a per-tensor-scaled tensor for the
     # backward's GEMMs (quantizer.cpp: create_transpose = columnwise_usage && !nvte_is_non_tn_fp8_gemm_supported());
@@ -324,7 +328,7 @@ class Catalog:
 CHIP_FIELDS = {
     "display_name": ("str", False), "vendor": ("str", True), "status": ("str", False),
     "bf16_tflops": ("pos", True), "fp8_tflops": ("pos", False), "fp4_tflops": ("pos", False),
-    "fp8_block_scaled": ("bool", False), "fp8_any_layout": ("bool", False), "matmul_tile": ("nonneg_int", False), "matmul_moving_tile": ("nonneg_int", False),
+    "fp8_block_scaled": ("bool", False), "mx_formats": ("bool", False), "fp8_any_layout": ("bool", False), "matmul_tile": ("nonneg_int", False), "matmul_moving_tile": ("nonneg_int", False),
     "flash_fwd_key_tile": ("nonneg_int", False), "flash_bwd_key_tile": ("nonneg_int", False),
     "reduce_gbytes_per_s": ("nonneg", False),
     "hbm_bytes": ("posint", True), "hbm_bw_gbytes_per_s": ("pos", True), "cores_per_chip": ("posint", True),

@@ -272,6 +272,7 @@ def estimate_checked(model: ModelConfig | str, system: System | str, nodes: int,
     from paratrain.plan.stacks import STACKS, check_stack
 
     opts = options or Options.for_system(system, stack=stack and check_stack(stack))
+    check_precision(system, opts)
     res = _evaluate_one(model, system, nodes, seq, global_batch, layout, opts, **_split_args(model, layout))
     split = _concrete_split(model, layout, res)
     balanced = None
@@ -323,6 +324,22 @@ def check_seq(model: ModelConfig, seq: int) -> None:
         raise ValueError(f"--seq {seq} exceeds {model.name}'s max_seq = {model.max_seq}; allowed: --seq <= "
                          f"{model.max_seq}, or --max-seq {seq} (a longer context by RoPE scaling, as Llama 3.1's "
                          f"rope_scaling factor 8 takes 8192 to 131072)")
+
+
+def check_precision(system: System, opts: Options) -> None:
+    """Refuse a matmul format the system's chip cannot run, before anything is timed (a BF16 rate under an FP8
+    label would be a silently wrong number): FP8 needs an FP8 rate in the catalog (chips.X.fp8_tflops: Ampere has
+    none), the MX block-scaled formats (an MXFP8 recipe, FP4) need chips.X.mx_formats (Blackwell, Trainium3 on)."""
+    chip = system.chip
+    if opts.fp8 and chip.fp8_tflops is None:
+        raise ValueError(f"--fp8 on {system.name}: {chip.name} has no FP8 matmul rate (chips.{chip.name}.fp8_tflops "
+                         f"unset: its matrix engines run no FP8); allowed: BF16 (no --fp8 / --fp8-recipe), or a chip "
+                         f"with an FP8 rate")
+    if (opts.fp4 or (opts.fp8 and opts.block_scaling)) and not chip.mx_formats:
+        what = "FP4" if opts.fp4 else "--fp8-recipe mxfp8"
+        raise ValueError(f"{what} on {system.name}: {chip.name} runs no MX block-scaled matmuls "
+                         f"(chips.{chip.name}.mx_formats false; Transformer Engine's MXFP8 needs compute capability "
+                         f"10.0); allowed: --fp8-recipe current or delayed (per-tensor FP8), or a chip with mx_formats")
 
 
 def _check_scalars(nodes: int, seq: int, global_batch: int) -> None:
@@ -586,6 +603,7 @@ def search(model: ModelConfig | str, system: System | str, nodes: int, seq: int,
     if stack is not None:
         check_stack(stack)
     opts = options or Options.for_system(system, stack=stack, system_stack=not any_stack)
+    check_precision(system, opts)
     searched = STACKS[stack] if stack is not None else (None if any_stack else system.stack)
     if cp_options is None:
         cp_options = [1] if seq < 16384 else [1, 2, 4, 8, 16, 32]
