@@ -371,7 +371,13 @@ NEMOTRON = {"nemotron4-15b": (32, 6144, 48), "nemotron4-340b": (96, 18432, 96)}
 # embeddings). MT-NLG 530B (Smith et al. 2022, arXiv 2201.11990 sec. 2.4 / cli99/llm-analysis
 # examples/megatron-turing-nlg/README.md @b60b392: 105 layers, hidden 20480, 128 heads, FFN 4h; the GPT-2 BPE padded
 # to Megatron's 51,200)
-MEGATRON_DEEPSPEED = {"bloom-176b": (70, 14336, 112, 250880), "mt-nlg-530b": (105, 20480, 128, VOCAB)}
+# BLOOM's pre-launch layout search (bigscience-workshop/bigscience train/tr11-176B-ml/chronicles-prequel.md @00327f8,
+# "Rebalancing layers", 02-28): candidate shapes with NHEADS 64, named by the size the table prints: "NHIDDEN=14336;
+# NLAYERS=70" (176B, BLOOM's shape with 64 instead of 112 heads), "NHIDDEN=13312; NLAYERS=82" (178B), "HIDDEN=12288;
+# NLAYERS=100" (184B); vocabulary as BLOOM's ("VOCAB_LENGTH=250k" in that file; 250,880 padded, README)
+MEGATRON_DEEPSPEED = {"bloom-176b": (70, 14336, 112, 250880), "mt-nlg-530b": (105, 20480, 128, VOCAB),
+                      "bloom-64h-176b": (70, 14336, 64, 250880), "bloom-64h-178b": (82, 13312, 64, 250880),
+                      "bloom-64h-184b": (100, 12288, 64, 250880)}
 
 
 # InternLM 7B (InternLM/InternLM configs/7B_sft.py @c18bec9: HIDDEN_SIZE 4096, NUM_ATTENTION_HEAD 32, NUM_LAYER 32,
