@@ -39,6 +39,7 @@ import argparse
 import csv
 import dataclasses
 import itertools
+import re
 import sys
 import time
 from pathlib import Path
@@ -645,14 +646,23 @@ RANK_TIE_PCT = 5.0
 _JOB = ("model", "system", "nodes", "seq", "precision", "stack", "megatron_core", "torch")
 # what `plan` chooses between (parallel.* and the batch split); the other columns are the software a layout ran on, so
 # one layout measured on several containers or SDKs is one alternative (its measurements averaged)
+# a release the csv names only in its source text (Neuron SDK rows; NeMo containers and dgxc-benchmarking's NeMo
+# versions where megatron_core is empty): part of the strict job key, so two SDKs' layouts are not one job's choice
+_RELEASE = re.compile(r"Neuron \d+\.\d+(?:\.\d+)?|NeMo \d+\.\d+(?:\.\d+)?|\d\d\.\d\d(?:\.\d+)? container")
+
+
+def _release(r: dict) -> tuple[str, ...]:
+    return tuple(sorted(set(_RELEASE.findall(r.get("source", "")))))
+
+
 _LAYOUT = ("global_batch", "tp", "pp", "cp", "vp", "ep", "microbatch", "dp_kind", "zero_stage", "sp", "recompute",
            "schedule", "offload_layers", "rank_order")
 
 
 def layout_decisions(path: Path, sets: dict[str, list[tuple]], job_fields: tuple[str, ...] = _JOB) -> dict:
     """The planner as a chooser between the layouts published for one job: rows of a runs file that share model,
-    system, node count, sequence, precision and software release (_JOB) but not their layout (_LAYOUT) are one job's
-    alternatives. Per job, time
+    system, node count, sequence, precision and software release (_JOB, and a release named only in the source
+    text: _release) but not their layout (_LAYOUT) are one job's alternatives. Per job, time
     per token (step time / tokens per step, so global batches may differ) predicted and measured, one value per
     layout (a layout measured on several software versions: the mean). Returns {"jobs": [...], "pairs": n,
     "agree": n, "regret_pct": [...]}: pairs of layouts whose measured times differ by more than RANK_TIE_PCT, how
@@ -670,7 +680,8 @@ def layout_decisions(path: Path, sets: dict[str, list[tuple]], job_fields: tuple
             layout = tuple(r.get(k, "") for k in _LAYOUT)
             name_ = " ".join(f"{k}={v}" for k, v in zip(_LAYOUT, layout, strict=True) if v not in ("", "1", "0", "None")
                              or k in ("tp", "pp"))
-            per = jobs.setdefault(tuple(r.get(k, "") for k in job_fields), {}).setdefault(layout, [name_, [], []])
+            job = tuple(r.get(k, "") for k in job_fields) + (_release(r) if job_fields == _JOB else ())
+            per = jobs.setdefault(job, {}).setdefault(layout, [name_, [], []])
             per[1].append(p[1] / p[7])
             per[2].append(p[2] / p[7])
     out = {"jobs": [], "pairs": 0, "agree": 0, "regret_pct": []}
@@ -935,6 +946,9 @@ def main() -> int:
               "together_b200": "Together AI's Llama 3 70B runs on two B200 clusters (use3a-ss, slinky; together-dgxc-"
                                "benchmarking worklogs): Megatron FSDP FP8-CS + 5 offloaded layers on 64-592 GPUs, TP2 PP4 "
                                "VP5 MXFP8 on 256-512 (Megatron-Bridge 25.11-26.02)",
+              "bloom_search": "BLOOM's pre-launch layout search: three 64-head candidate shapes (176B-184B) in TP4/TP8, "
+                              "PP6/PP12, MBS 2/4 on the same 384 A100 (bigscience tr11-176B-ml chronicles-prequel.md, "
+                              "02-28 tables; 3D + DeepSpeed BF16_Optimizer ZeRO-1)",
               "fsdp_1k": "Fully sharded data parallelism at 768-4,096 GPUs: OPT-175B on 992 A100 80GB (metaseq: fairscale "
                          "FSDP without reshard after forward + Megatron TP8, full recompute, FP16; Zhang et al. 2022)"}
     for key, rows in grouped.items():
