@@ -684,6 +684,11 @@ def layout_decisions(path: Path, sets: dict[str, list[tuple]], job_fields: tuple
             per = jobs.setdefault(job, {}).setdefault(layout, [name_, [], []])
             per[1].append(p[1] / p[7])
             per[2].append(p[2] / p[7])
+    return score_decisions(jobs)
+
+
+def score_decisions(jobs: dict[tuple, dict[tuple, list]]) -> dict:
+    """layout_decisions' scores of {job: {layout: [label, [predicted s per token], [measured s per token]]}}."""
     out = {"jobs": [], "pairs": 0, "agree": 0, "regret_pct": []}
     for job, layouts in jobs.items():
         if len(layouts) < 2:
@@ -705,6 +710,23 @@ def layout_decisions(path: Path, sets: dict[str, list[tuple]], job_fields: tuple
         out["regret_pct"].append(regret)
         out["jobs"].append({"job": job, "layouts": alts, "regret_pct": regret, "misordered": wrong})
     return out
+
+
+def vtrain_decisions(system) -> dict:
+    """layout_decisions on vTrain's multi-node ground truth (evaluation data, planner_vtrain_multi.csv): a job is one
+    model (parameters, hidden, layers) on one GPU count, sequence and global batch; its layouts are the runs' tp, dp,
+    pp and micro batch (Megatron-DeepSpeed, full recompute, 64-512 A100)."""
+    with (Path(__file__).parent / "planner_vtrain_multi.csv").open(encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    jobs: dict[tuple, dict[tuple, list]] = {}
+    for r, (label, pred, meas) in zip(rows, vtrain_multi(system), strict=True):
+        tokens = int(r["global batch"]) * int(r["sequence length"])
+        job = tuple(r[k] for k in ("Parameters (billion)", "hidden size", "# layers", "# GPUs", "sequence length",
+                                   "global batch"))
+        per = jobs.setdefault(job, {}).setdefault(label, [label, [], []])
+        per[1].append(pred / tokens)
+        per[2].append(meas / tokens)
+    return score_decisions(jobs)
 
 
 def decision_summary(d: dict) -> str:
@@ -962,6 +984,9 @@ def main() -> int:
         results[("evaluation", key)] = report(name, rows, args.worst, True)
     signed_error_table(grouped)
     decisions = decision_table(EVAL_CSV, grouped)
+    decisions["vtrain_multi"] = vtrain_decisions(vtrain_cluster(catalog))
+    print(f"\n   layout decisions, vtrain_multi (one model, GPU count, sequence and batch; Megatron-DeepSpeed on "
+          f"64-512 A100): {decision_summary(decisions['vtrain_multi'])}")
     if args.plot:
         plot({k: rows for k, (_, rows) in {**calibration, **evaluation}.items()}, args.plot)
     print(f"\nCalculon's published predictions on Korthikanti Table 5: MAPE {calculon_korthikanti():.1f}%")

@@ -451,3 +451,7 @@ def test_the_planner_orders_published_layouts_of_one_job_as_measured(bench):
     assert same["agree"] / same["pairs"] >= 0.95 and max(same["regret_pct"]) <= 3.0
     loose = bench.layout_decisions(bench.EVAL_CSV, sets, bench._JOB[:5])
     assert loose["agree"] / loose["pairs"] >= 0.89 and max(loose["regret_pct"]) <= 11.5
+    # vTrain's 109 multi-node runs: 4 jobs of 15-47 layouts each, many within a few per cent of each other; at its
+    # addition 1063/1308 pairs (81.3%), regret mean 1.3% max 4.5%
+    vt = bench.vtrain_decisions(bench.vtrain_cluster(get_catalog()))
+    assert vt["agree"] / vt["pairs"] >= 0.81 and max(vt["regret_pct"]) <= 5.0
