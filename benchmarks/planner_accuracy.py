@@ -50,7 +50,7 @@ from paratrain.config.names import DP_KINDS, RECOMPUTE
 from paratrain.config.ranks import DEFAULT_RANK_ORDER
 from paratrain.hardware.catalog import get_catalog
 from paratrain.model.config import ModelConfig, gpt_config
-from paratrain.plan.api import Layout, estimate, search
+from paratrain.plan.api import TIE_FRACTION, Layout, estimate, search
 from paratrain.plan.options import Options
 from paratrain.plan.software import Software, software_options
 from paratrain.plan.step import SCHEDULES, evaluate
@@ -639,8 +639,9 @@ def version_spread_floor(path: Path, sets: dict[str, list[tuple]]) -> dict[str, 
 
 # ---- decision quality: does the planner order the layouts one job was measured with as the measurements do? ----
 # Two layouts whose measured time per token differs by less than this are a tie: below the spread of one layout
-# measured on several containers or SDKs (version_spread_floor's widest spreads are 2-27%), so no order is claimed.
-RANK_TIE_PCT = 5.0
+# measured on several containers or SDKs (version_spread_floor's widest spreads are 2-27%), so no order is claimed;
+# the planner's own tie (plan.api.TIE_FRACTION, which `plan` reports), one rule
+RANK_TIE_PCT = TIE_FRACTION * 100
 # the decision `plan` makes: one model on one cluster with one software release (a layout measured on an older
 # container against another on a newer one is a software comparison, not a layout decision)
 _JOB = ("model", "system", "nodes", "seq", "precision", "stack", "megatron_core", "torch")

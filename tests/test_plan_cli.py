@@ -585,3 +585,21 @@ def test_software_checks_name_the_flag_in_the_benchmarks_path_too():
         Software(grad_bucket_mb=-1)
     with pytest.raises(ValueError, match=r"--fp8-recipe = 'blockwise': allowed: current, delayed, mxfp8"):
         Software(fp8_recipe="blockwise")
+
+
+def test_plan_names_the_layouts_tied_with_its_first_choice(capsys):
+    """plan reports the candidates within plan.api.TIE_FRACTION (5%) of #1's step time (the planner's resolution: the
+    layout decisions count published pairs only beyond it) in --json (search.ties_with_best) and as a note; the
+    seed's Trainium layout (TP8 PP1 SP, DP512) is 5.7% ahead of its runner-up, so it has none."""
+    from paratrain.plan.api import TIE_FRACTION
+
+    argv = ["plan", "--model", "llama3-70b", "--hardware", "p5.48xlarge", "--nodes", "128", "--seq", "8192",
+            "--global-batch", "1024", "--top", "5"]
+    data = _json(capsys, [*argv, "--json"])
+    steps = [c["step_time_s"] for c in data["candidates"]]
+    ties = [i for i, s in enumerate(steps[1:], 2) if s <= steps[0] * (1 + TIE_FRACTION)]
+    assert ties and data["search"]["ties_with_best"] == ties
+    assert main(argv) == 0
+    assert f"note: {', '.join(f'#{r}' for r in ties)} within 5% of #1's step time" in capsys.readouterr().out
+    seed = _json(capsys, ["plan", *SEVEN_B, "--top", "5", "--json"])
+    assert seed["search"]["ties_with_best"] == []

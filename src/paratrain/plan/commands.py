@@ -9,7 +9,7 @@ from paratrain.cli import OnSystem, Output, UserError, Workload, command, opt, s
 from paratrain.hardware.catalog import resolve_system
 from paratrain.model.config import load_model_config
 from paratrain.plan import report
-from paratrain.plan.api import check_seq, estimate, layout_of, search
+from paratrain.plan.api import TIE_FRACTION, check_seq, estimate, layout_of, near_ties, search
 from paratrain.plan.config_writer import write_training_config
 from paratrain.plan.options import CP_COMM
 from paratrain.plan.software import FP8_RECIPES, Software, software_options
@@ -201,7 +201,8 @@ def cmd_plan(args) -> None:
     searched = args.stack or ("any" if args.any_stack or system.stack is None else system.stack.name)
     info = {"stack": searched, "combinations": result.combinations, "evaluated": result.valid,
             "fitting": result.fitting, "seconds": result.seconds, "configs_per_s": result.configs_per_s,
-            "objective": args.objective}
+            "objective": args.objective, "ties_with_best": near_ties(result.candidates, args.objective),
+            "tie_fraction": TIE_FRACTION}
     show(args, {"best": best.to_dict(), "candidates": [c.to_dict() for c in result.candidates], "search": info},
          lambda: report.print_plan(result, info, experts=model.num_experts > 0))
 

@@ -76,5 +76,10 @@ def print_plan(result, info, experts: bool = False) -> None:
               + f"{lay.microbatch:>3} {'sel+mlp' if c.recompute_mlp else lay.recompute:>9} "
               + (f"{lay.offload_layers:>3} " if offload else "") + f"{lay.pp_schedule:>16} {lay.virtual_stages:>2} {lay.dp_kind:>7} "
               f"{lay.zero_stage:>1} {c.step_time_s:>9.4f} {c.mfu:>6.1%} {c.memory_per_device_bytes / 2**30:>8.2f} {cost:>8}")
+    if info.get("ties_with_best"):
+        ranks = ", ".join(f"#{r}" for r in info["ties_with_best"])
+        what = "step time" if info.get("objective", "time") == "time" else "cost per token"
+        print(f"note: {ranks} within {info['tie_fraction']:.0%} of #1's {what}: a tie at the planner's resolution "
+              f"(docs/planner.md, 'The planner as a chooser'); measure the tied layouts on the cluster before committing")
     print()
     print_estimate(best)
