@@ -600,6 +600,11 @@ def test_plan_names_the_layouts_tied_with_its_first_choice(capsys):
     ties = [i for i, s in enumerate(steps[1:], 2) if s <= steps[0] * (1 + TIE_FRACTION)]
     assert ties and data["search"]["ties_with_best"] == ties
     assert main(argv) == 0
-    assert f"note: {', '.join(f'#{r}' for r in ties)} within 5% of #1's step time" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert f"note: {', '.join(f'#{r}' for r in ties)} within 5% of #1's step time" in out
+    # why #1 beats #2, in the breakdown's terms: the component that differs most, from the same candidates' JSON
+    a, b = (c["time_breakdown_s"] for c in data["candidates"][:2])
+    part, delta = max(((k, b[k] - a[k]) for k in a), key=lambda kv: abs(kv[1]))
+    assert f"note: #2 is {steps[1] - steps[0]:+.4f} s per step" in out and f"{part} {delta:+.3f}" in out
     seed = _json(capsys, ["plan", *SEVEN_B, "--top", "5", "--json"])
     assert seed["search"]["ties_with_best"] == []

@@ -55,6 +55,17 @@ def print_estimate(est) -> None:
         print(f"note: {note}")
 
 
+def runner_up_difference(best, second, parts: int = 3) -> str:
+    """Why #1 ranks above #2, in the step-time breakdown's own terms: the step difference and the `parts` components
+    that differ most between them (each at least 1% of #1's step), signed as #2 minus #1."""
+    a, b = best.time_breakdown_s, second.time_breakdown_s
+    deltas = sorted(((k, b.get(k, 0.0) - a.get(k, 0.0)) for k in set(a) | set(b)), key=lambda kv: -abs(kv[1]))
+    shown = [f"{k} {d:+.3f}" for k, d in deltas[:parts] if abs(d) >= 0.01 * best.step_time_s]
+    gap = second.step_time_s - best.step_time_s
+    return (f"#2 is {gap:+.4f} s per step ({gap / best.step_time_s:+.1%})"
+            + (f": {', '.join(shown)} s" if shown else ": no component differs by 1% of the step"))
+
+
 def print_plan(result, info, experts: bool = False) -> None:
     """The ranked table, then the best layout in full. `experts` (a MoE model): ep and etp columns, which the
     search varies too (without them two rows of one table can read the same)."""
@@ -76,6 +87,8 @@ def print_plan(result, info, experts: bool = False) -> None:
               + f"{lay.microbatch:>3} {'sel+mlp' if c.recompute_mlp else lay.recompute:>9} "
               + (f"{lay.offload_layers:>3} " if offload else "") + f"{lay.pp_schedule:>16} {lay.virtual_stages:>2} {lay.dp_kind:>7} "
               f"{lay.zero_stage:>1} {c.step_time_s:>9.4f} {c.mfu:>6.1%} {c.memory_per_device_bytes / 2**30:>8.2f} {cost:>8}")
+    if len(result.candidates) > 1:
+        print(f"note: {runner_up_difference(best, result.candidates[1])}")
     if info.get("ties_with_best"):
         ranks = ", ".join(f"#{r}" for r in info["ties_with_best"])
         what = "step time" if info.get("objective", "time") == "time" else "cost per token"
