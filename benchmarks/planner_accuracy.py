@@ -375,10 +375,11 @@ NEMOTRON = {"nemotron4-15b": (32, 6144, 48), "nemotron4-340b": (96, 18432, 96)}
 # BLOOM's pre-launch layout search (bigscience-workshop/bigscience train/tr11-176B-ml/chronicles-prequel.md @00327f8,
 # "Rebalancing layers", 02-28): candidate shapes with NHEADS 64, named by the size the table prints: "NHIDDEN=14336;
 # NLAYERS=70" (176B, BLOOM's shape with 64 instead of 112 heads), "NHIDDEN=13312; NLAYERS=82" (178B), "HIDDEN=12288;
-# NLAYERS=100" (184B); vocabulary as BLOOM's ("VOCAB_LENGTH=250k" in that file; 250,880 padded, README)
+# NLAYERS=100" (184B); vocabulary as BLOOM's ("VOCAB_LENGTH=250k" in that file; 250,880 padded, README); and the
+# 02-25 fp16 tables' shape ("GBS Variations": "NLAYERS=72 NHIDDEN=14336 NHEADS=64", 181B), the same vocabulary
 MEGATRON_DEEPSPEED = {"bloom-176b": (70, 14336, 112, 250880), "mt-nlg-530b": (105, 20480, 128, VOCAB),
                       "bloom-64h-176b": (70, 14336, 64, 250880), "bloom-64h-178b": (82, 13312, 64, 250880),
-                      "bloom-64h-184b": (100, 12288, 64, 250880)}
+                      "bloom-64h-184b": (100, 12288, 64, 250880), "bloom-64h-181b": (72, 14336, 64, 250880)}
 
 
 # InternLM 7B (InternLM/InternLM configs/7B_sft.py @c18bec9: HIDDEN_SIZE 4096, NUM_ATTENTION_HEAD 32, NUM_LAYER 32,
@@ -478,6 +479,9 @@ def _eval_options(system, r: dict) -> Options:
         # zero1_grad_allreduce (--zero1-grad-allreduce): ZeRO-1 that all-reduces the whole gradient buffer (DeepSpeed's
         # BF16_Optimizer, bf16 with ZeRO stage 0 in the DeepSpeed config: BLOOM's)
         zero1_grad_allreduce=True if r.get("zero1_grad_allreduce") == "1" else None,
+        # zero1_fp16_allreduce (--zero1-fp16-allreduce): DeepSpeed's fp16 ZeRO-1 (DeepSpeedZeroOptimizer, stage 1,
+        # v0.5.10-v0.6.0): fp16 buckets all-reduced, autograd's fp16 accumulation (BLOOM's 02-25 rows)
+        zero1_fp16_allreduce=True if r.get("zero1_fp16_allreduce") == "1" else None,
         # last_bucket_after_backward (--last-bucket-after-backward): the gradient all-reduce follows the backward
         # bucket by bucket, the last after it (InternLM's HybridZeroOptimizer: zero1_1k's rows)
         last_bucket_after_backward=True if r.get("last_bucket_after_backward") == "1" else None,
@@ -744,6 +748,14 @@ def decision_table(path: Path, sets: dict[str, list[tuple]]) -> dict[str, dict]:
         print(f"\n   layout decisions, {title} (jobs measured with several layouts; measured ties within "
               f"{RANK_TIE_PCT:.0f}% not counted): {decision_summary(d)}")
         _decision_rows(d)
+    # the same-software view set by set (a job whose rows lie in two sets counts in neither line): which set's jobs
+    # the summary's pairs come from (bloom_search_fp16's one job of 21 layouts holds most of them)
+    print("\n   layout decisions, same software, per evaluation set:")
+    for name, rows in sets.items():
+        d = layout_decisions(path, {name: rows})
+        if d["jobs"]:
+            out[f"same software, {name}"] = d
+            print(f"     {name:<22} {decision_summary(d)}")
     return out
 
 
@@ -972,6 +984,9 @@ def main() -> int:
               "bloom_search": "BLOOM's pre-launch layout search: three 64-head candidate shapes (176B-184B) in TP4/TP8, "
                               "PP6/PP12, MBS 2/4 on the same 384 A100 (bigscience tr11-176B-ml chronicles-prequel.md, "
                               "02-28 tables; 3D + DeepSpeed BF16_Optimizer ZeRO-1)",
+              "bloom_search_fp16": "BLOOM's pre-launch layout search in fp16: one 64-head 181B shape (72 x 14336), 21 "
+                                   "layouts (TP 2-8, PP 2-24, MBS 1-6, GBS 1568-2048) on the same 384 A100 "
+                                   "(chronicles-prequel.md, 02-25 tables; 3D + DeepSpeed fp16 ZeRO-1)",
               "fsdp_1k": "Fully sharded data parallelism at 768-4,096 GPUs: OPT-175B on 992 A100 80GB (metaseq: fairscale "
                          "FSDP without reshard after forward + Megatron TP8, full recompute, FP16; Zhang et al. 2022)"}
     for key, rows in grouped.items():

@@ -1708,6 +1708,46 @@ def test_deepspeed_bf16_optimizer_accumulates_each_microbatch_into_fp32_in_two_e
     assert estimate("llama2-7b", system, 4, 2048, 32, lay, off).time_breakdown_s["grad_accum"] == 0.0
 
 
+
+def test_deepspeed_fp16_zero1_all_reduces_fp16_buckets_and_accumulates_in_autograd():
+    """bloomfp16: DeepSpeed's fp16 ZeRO-1 under the pipeline engine (DeepSpeedZeroOptimizer at v0.5.10-v0.6.0,
+    --zero1-fp16-allreduce): stage 1 forces contiguous_gradients off, so the boundary's reduce_ipg_grads all-reduces
+    fp16 buckets of 500M elements (buffered_reduce_fallback -> allreduce_bucket, rank None) and step() all-gathers the
+    updated partitions; without gradient hooks autograd adds each microbatch's fp16 gradient into .grad (read 2 + 2,
+    write 2 bytes). The exposed DP time is those all-reduces plus the gather, by hand; a named --grad-bytes wins;
+    the flag and BF16_Optimizer's are one optimizer or the other."""
+    from paratrain.hardware.catalog import get_catalog
+    from paratrain.plan.collectives import collective_time_s
+    from paratrain.plan.kernels import memory_time_s
+    from paratrain.plan.stacks import DEEPSPEED_ZERO_BUCKET_ELEMENTS
+
+    system = get_catalog().system("p4de.24xlarge")
+    sw = Software(stack="deepspeed", attention="unfused", dp_overlap=0.0, zero1_fp16_allreduce=True)
+    opts = software_options(system, sw)
+    assert (opts.zero1_grad_allreduce, opts.grad_bytes, opts.grad_accum_in_hbm, opts.grad_accum_bytes) == (True, 2, True, None)
+    assert DEEPSPEED_ZERO_BUCKET_ELEMENTS == 500_000_000 and opts.bucket_bytes == 1e9
+    lay = Layout(tp=2, pp=1, sp=False, microbatch=1, recompute="full", zero_stage=1)
+    est = estimate("llama2-13b", system, 4, 2048, 32, lay, opts)  # dp 16, 2 microbatches per replica
+    params_dev = est.memory_breakdown_bytes["grads"] / 2
+    assert params_dev == pytest.approx(PRESETS["llama2-13b"].num_params() / 2, rel=1e-6)
+    buckets = np.ceil(params_dev * 2 / 1e9)
+    assert buckets >= 7  # several 500M-element buckets (else the bucket count could not be wrong)
+    dp, stride = 16.0, 2.0
+    by_hand = buckets * (collective_time_s(system, "allreduce", params_dev * 2 / buckets, dp, stride)
+                         + collective_time_s(system, "allgather", params_dev * 2 / buckets, dp, stride))
+    assert est.time_breakdown_s["dp_exposed"] == pytest.approx(by_hand, rel=1e-6)
+    assert est.time_breakdown_s["grad_accum"] == pytest.approx(2 * memory_time_s(system, params_dev * 6.0, 1), rel=1e-9)
+    plain = estimate("llama2-13b", system, 4, 2048, 32, lay,
+                     software_options(system, Software(stack="deepspeed", attention="unfused", dp_overlap=0.0)))
+    # without the flag: the 4-byte reduce-scatter in Megatron-sized buckets, no accumulation pass (here the fewer,
+    # larger fp16 calls outweigh the 6-byte pass: the rule's step is the shorter one)
+    assert plain.time_breakdown_s["grad_accum"] == 0.0
+    assert plain.time_breakdown_s["dp_exposed"] != pytest.approx(est.time_breakdown_s["dp_exposed"], rel=1e-3)
+    assert software_options(system, dataclasses.replace(sw, grad_bytes=4)).grad_bytes == 4
+    with pytest.raises(ValueError, match="--zero1-fp16-allreduce"):
+        Software(stack="deepspeed", zero1_fp16_allreduce=True, zero1_grad_allreduce=True)
+
+
 def _deepspeed_train_schedule_s(p, m, fwd, bwd, c):
     """Replay of DeepSpeed's TrainSchedule (deepspeed/runtime/pipe/schedule.py: step -> microbatch, and per step
     RecvActivation, SendGrad on a forward step, SendActivation, RecvGrad on a backward one, then the pass), each

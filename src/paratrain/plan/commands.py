@@ -95,6 +95,11 @@ class PlanTarget(Workload, OnSystem, Output):
         "(DeepSpeed's BF16_Optimizer: bf16 with ZeRO stage 0 in the DeepSpeed config), and its eager fp32 gradient "
         "accumulation each microbatch timed; default: reduce-scattered",
         group=SOFTWARE)
+    zero1_fp16_allreduce: bool = opt(
+        "with --zero-stage 1: DeepSpeed's fp16 ZeRO-1 (DeepSpeedZeroOptimizer under the pipeline engine, v0.5.10-"
+        "v0.6.0): fp16 gradients all-reduced in 500M-element buckets after the schedule, the updated partitions "
+        "all-gathered, and autograd's fp16 accumulation each microbatch timed; default: reduce-scattered",
+        group=SOFTWARE)
     last_bucket_after_backward: bool = opt(
         "the gradient all-reduce follows the backward bucket by bucket, the first once its bucket fills, the last "
         "after the backward (InternLM's HybridZeroOptimizer): one bucket's reduce is exposed at least; default: "
@@ -156,6 +161,7 @@ def software_of(args) -> Software:
                     recompute_mlp=True if args.recompute_mlp else None, cross_entropy=args.cross_entropy,
                     recompute_every=args.recompute_every,
                     zero1_grad_allreduce=True if args.zero1_grad_allreduce else None,
+                    zero1_fp16_allreduce=True if args.zero1_fp16_allreduce else None,
                     last_bucket_after_backward=True if args.last_bucket_after_backward else None,
                     bf16_optimizer=True if args.bf16_optimizer else None,
                     optimizer_state=args.optimizer_state,

@@ -18,6 +18,7 @@ from paratrain.plan.stacks import (
     CROSS_ENTROPY_BYTES,
     CROSS_ENTROPY_LOSS_PEAK_BYTES,
     DEEPSPEED_BF16_ACCUM_BYTES,
+    DEEPSPEED_ZERO_BUCKET_ELEMENTS,
     MEGATRON_CORE_FWD_SEND_WAIT,
     TORCH_CHECKPOINT_STACKS,
     TORCH_EARLY_STOP,
@@ -53,6 +54,11 @@ class Software:
     zero1_grad_allreduce: ZeRO-1 all-reduces the whole gradient buffer before its post-step gather (DeepSpeed's
     BF16_Optimizer; Options.zero1_grad_allreduce), and that optimizer's per-microbatch fp32 gradient accumulation is
     timed with it (Options.grad_accum_in_hbm at plan.stacks.DEEPSPEED_BF16_ACCUM_BYTES).
+    zero1_fp16_allreduce: DeepSpeed's fp16 ZeRO-1 (DeepSpeedZeroOptimizer, stage 1, under the pipeline engine,
+    DeepSpeed v0.5.10-v0.6.0: plan.stacks.DEEPSPEED_ZERO_BUCKET_ELEMENTS): fp16 gradients all-reduced in buckets
+    of 500M elements after the schedule, the updated partitions all-gathered after the step
+    (Options.zero1_grad_allreduce, grad_bytes 2, bucket_bytes), and autograd's fp16 accumulation into .grad each
+    microbatch (Options.grad_accum_in_hbm: 2 + 2 x 2 bytes per parameter). --grad-bytes / --grad-bucket-mb win.
     last_bucket_after_backward: the gradient all-reduce follows the backward bucket by bucket, its last bucket
     after the backward (InternLM's HybridZeroOptimizer; Options.last_bucket_after_backward).
     bf16_optimizer: Adam's states in bf16 with no fp32 master copy (NeMo's distributed_fused_adam with optim.dtype
@@ -87,6 +93,7 @@ class Software:
     cross_entropy: str | None = None
     recompute_every: int | None = None
     zero1_grad_allreduce: bool | None = None
+    zero1_fp16_allreduce: bool | None = None
     last_bucket_after_backward: bool | None = None
     bf16_optimizer: bool | None = None
     optimizer_state: str | None = None
@@ -115,6 +122,9 @@ class Software:
             core_version(self.megatron_core)
         if self.torch is not None:
             release_version(self.torch, "--torch")
+        if self.zero1_fp16_allreduce and (self.zero1_grad_allreduce or self.bf16_sr):
+            raise ValueError("--zero1-fp16-allreduce (DeepSpeed's fp16 ZeRO-1) with --zero1-grad-allreduce or "
+                             "--bf16-sr: one optimizer per run; allowed: one of them")
         if self.bf16_sr and self.grad_bytes == 4:
             raise ValueError("--grad-bytes 4 with --bf16-sr: pure BF16 keeps bf16 gradients; allowed: --grad-bytes 2 "
                              "or no --grad-bytes")
@@ -168,6 +178,9 @@ def software_options(system: System, sw: Software, system_stack: bool = True) ->
         kw["master_weights"] = False
     elif sw.optimizer_state is not None:  # a master copy (fp32 or bf16, or remainders): the state's size only
         kw["optimizer_state_bytes"] = float(OPTIMIZER_STATE_BYTES[sw.optimizer_state])
+    if sw.zero1_fp16_allreduce:  # fp16 buckets all-reduced, autograd's fp16 accumulation (stacks, the constant)
+        kw |= {"zero1_grad_allreduce": True, "grad_bytes": 2, "grad_accum_in_hbm": True,
+               "bucket_bytes": float(DEEPSPEED_ZERO_BUCKET_ELEMENTS * 2)}
     if sw.grad_bytes is not None:
         kw["grad_bytes"] = sw.grad_bytes
     if sw.grad_bucket_mb is not None:

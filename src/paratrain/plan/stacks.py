@@ -144,6 +144,24 @@ NXD_CE_BYTES = 28.0
 # parameters `hp_grad.data.add_(lp.grad.data.to(hp_grad.dtype)...)`, eager PyTorch: the cast reads the bf16 gradient (2)
 # and writes an fp32 copy (4), add_ reads that copy and the fp32 buffer and writes the buffer (4 + 4 + 4): 18 bytes
 DEEPSPEED_BF16_ACCUM_BYTES = 18.0
+# zero1_fp16_allreduce (plan.software.Software, the csv column, --zero1-fp16-allreduce): DeepSpeed's fp16 ZeRO stage 1
+# under the pipeline engine, as BLOOM's 02-25 layout search ran it (DeepSpeed master of Feb 2022, v0.5.10-v0.6.0;
+# microsoft/DeepSpeed @2151c78, 18 Feb 2022). engine.py _configure_optimizer: fp16 with ZeRO -> _configure_zero_optimizer
+# -> DeepSpeedZeroOptimizer (zero/stage_1_and_2.py), which for stage 1 forces overlap_comm, contiguous_gradients and
+# round_robin_gradients False ("meaningless in stage 1"); without partition_gradients or overlap_comm no gradient
+# hooks are registered, so autograd adds each microbatch's fp16 gradient into param.grad (read 2 + 2, write 2 bytes:
+# Options.grad_accum_in_hbm at grad_bytes 2; the first microbatch's is a plain assignment, the optimizer's zero_grad
+# sets .grad to None). At the boundary PipelineEngine._exec_reduce_grads -> allreduce_gradients -> stage 1's
+# reduce_gradients(pipeline_parallel=True): every gradient into buckets of reduce_bucket_size elements,
+# reduce_ipg_grads -> buffered_reduce_fallback(None, ...) -> allreduce_and_copy -> allreduce_bucket: flatten, div_ by
+# the dp size, dist.all_reduce in fp16 (communication_data_type fp16: no cast), copied back (Options.zero1_grad_allreduce
+# at grad_bytes 2). step(): the overflow check (float(x.float().sum()) per tensor of the rank's own partition), the
+# norm, Adam on the fp32 partition, the fp16 copy, then dist.all_gather of the updated partitions in
+# max(1, partition x dp // allgather_bucket_size) shards. Both bucket sizes default to 500,000,000 elements
+# (zero/constants.py ZERO_OPTIMIZATION_REDUCE_BUCKET_SIZE_DEFAULT, ZERO_OPTIMIZATION_ALLGATHER_BUCKET_SIZE_DEFAULT;
+# BLOOM's ds_config of that week names neither: bigscience-workshop/bigscience @e6a63d8
+# train/tr11-200B-ml/tr11-200B-ml.slurm)
+DEEPSPEED_ZERO_BUCKET_ELEMENTS = 500_000_000
 # norm_saved_bytes (plan.options.Options): NxDT's LlamaRMSNorm.forward (models/hf_models/modeling_llama.py at 9169aa0,
 # the 2.26 release) runs hidden_states.to(float32), pow(2).mean, * rsqrt, .to(bf16), weight *: autograd keeps the
 # fp32 input (4 bytes per element) and the bf16 normalised output (2) where the count has the bf16 input (2)
