@@ -448,10 +448,17 @@ def test_the_planner_orders_published_layouts_of_one_job_as_measured(bench):
     """Decision quality on the evaluation runs (planner_accuracy's layout decisions): jobs measured with several
     layouts on one software release (the csv's stack / megatron_core / torch and a release its source names: Neuron
     SDK, NeMo container) are ordered as measured in at least 95% of pairs and the planner's first choice is within 3%
-    of the best measured layout; across software releases of one job at least 89% of pairs, regret at most 11.5%.
-    At their addition (offloadstack, 6 Dec) 21/22 and 2.4%, 26/29 and 11.0%; with BLOOM's pre-launch layout search
-    and the Neuron SDKs apart (layoutpairs, 6 Dec) 25/26 and 2.4% (12 jobs), 31/34 and 11.0% (21 jobs)."""
-    sets = bench.eval_sets(get_catalog())
+    of the best measured layout; across software releases of one job at least 89% of pairs, regret at most 11.5%;
+    BLOOM's fp16 layout search, one job of 21 layouts, on its own line. At their addition (offloadstack, 6 Dec) 21/22
+    and 2.4%, 26/29 and 11.0%; with BLOOM's bf16 layout search and the Neuron SDKs apart (layoutpairs) 25/26 and
+    2.4% (12 jobs), 31/34 and 11.0% (21 jobs); the fp16 job (bloomfp16) 79/124, regret 0."""
+    # guarded set by set, as the MAPE guards are: BLOOM's fp16 layout search (bloomfp16, 6 Dec) is one job of 21
+    # layouts whose 124 pairs would outweigh every other job; its own line at its addition: 79/124 pairs (63.7%),
+    # the planner's pick the fastest measured (regret 0); the pooled same-software line is printed, not guarded
+    all_sets = bench.eval_sets(get_catalog())
+    fp16 = bench.layout_decisions(bench.EVAL_CSV, {"bloom_search_fp16": all_sets["bloom_search_fp16"]})
+    assert fp16["agree"] / fp16["pairs"] >= 0.63 and max(fp16["regret_pct"]) <= 1.0
+    sets = {k: v for k, v in all_sets.items() if k != "bloom_search_fp16"}
     same = bench.layout_decisions(bench.EVAL_CSV, sets)
     assert same["agree"] / same["pairs"] >= 0.95 and max(same["regret_pct"]) <= 3.0
     loose = bench.layout_decisions(bench.EVAL_CSV, sets, bench._JOB[:5])

@@ -495,6 +495,23 @@ def test_zero1_grad_allreduce_flag_matches_the_benchmark_column(capsys, bench):
     assert flagged == pytest.approx(expected, rel=1e-12) and flagged > base * (1 + 1e-4)
 
 
+def test_zero1_fp16_allreduce_flag_matches_the_benchmark_column(capsys, bench):
+    """DeepSpeed's fp16 ZeRO-1 (BLOOM's 02-25 rows, bloom_search_fp16): --zero1-fp16-allreduce and the csv's
+    zero1_fp16_allreduce 1 give the same estimate, different from the reduce-scattering ZeRO-1 (else the test could
+    not fail); with --zero1-grad-allreduce (BF16_Optimizer, another optimizer) it is one error."""
+    argv = ["estimate", "--model", "llama2-7b", "--hardware", "p4de.24xlarge", "--nodes", "4", "--seq", "2048",
+            "--global-batch", "32", "--tp", "8", "--stack", "deepspeed", "--attention", "unfused", "--dp-overlap", "0",
+            "--zero-stage", "1", "--recompute", "full", "--microbatch", "1", "--json"]
+    row = {"stack": "deepspeed", "attention": "unfused", "precision": "bf16", "compile": "1", "tp_overlap": "0",
+           "recompute": "full", "dp_overlap": "0"}
+    lay = Layout(tp=8, sp=False, zero_stage=1, recompute="full", microbatch=1)
+    base, flagged, expected = _flag_and_column(capsys, bench, argv, row, lay, "--zero1-fp16-allreduce",
+                                               "zero1_fp16_allreduce")
+    assert flagged == pytest.approx(expected, rel=1e-12) and flagged != pytest.approx(base, rel=1e-4)
+    assert main([*argv[:-1], "--zero1-fp16-allreduce", "--zero1-grad-allreduce"]) == 2
+    assert "--zero1-fp16-allreduce" in capsys.readouterr().err
+
+
 def test_last_bucket_after_backward_flag_matches_the_benchmark_column(capsys, bench):
     """InternLM's HybridZeroOptimizer (zero1_1k's rows): --last-bucket-after-backward and the csv's
     last_bucket_after_backward 1 give the same estimate, slower than without the rule (else the test could not
