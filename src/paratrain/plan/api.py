@@ -337,9 +337,11 @@ def check_precision(system: System, opts: Options) -> None:
                          f"with an FP8 rate")
     if (opts.fp4 or (opts.fp8 and opts.block_scaling)) and not chip.mx_formats:
         what = "FP4" if opts.fp4 else "--fp8-recipe mxfp8"
+        why = ("Transformer Engine's MXFP8 needs compute capability 10.0" if chip.vendor == "nvidia"
+               else "the MX formats start with Trainium3's NeuronCore-v4")
         raise ValueError(f"{what} on {system.name}: {chip.name} runs no MX block-scaled matmuls "
-                         f"(chips.{chip.name}.mx_formats false; Transformer Engine's MXFP8 needs compute capability "
-                         f"10.0); allowed: --fp8-recipe current or delayed (per-tensor FP8), or a chip with mx_formats")
+                         f"(chips.{chip.name}.mx_formats false; {why}); allowed: --fp8-recipe current or delayed "
+                         f"(per-tensor FP8), or a chip with mx_formats")
 
 
 def _check_scalars(nodes: int, seq: int, global_batch: int) -> None:
