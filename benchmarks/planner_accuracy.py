@@ -988,7 +988,9 @@ def main() -> int:
                                    "layouts (TP 2-8, PP 2-24, MBS 1-6, GBS 1568-2048) on the same 384 A100 "
                                    "(chronicles-prequel.md, 02-25 tables; 3D + DeepSpeed fp16 ZeRO-1)",
               "fsdp_1k": "Fully sharded data parallelism at 768-4,096 GPUs: OPT-175B on 992 A100 80GB (metaseq: fairscale "
-                         "FSDP without reshard after forward + Megatron TP8, full recompute, FP16; Zhang et al. 2022)"}
+                         "FSDP without reshard after forward + Megatron TP8, full recompute, FP16; Zhang et al. 2022)",
+              "automodel": "NVIDIA NeMo AutoModel (torch FSDP2 + DTensor CP, torch.compile, full AC) on DGX-H100: Llama 3.1 "
+                           "70B BF16, FSDP over 64 GPUs with CP2 (docs/performance-summary.md @2013a4dd6)"}
     for key, rows in grouped.items():
         evaluation[key] = (titles.get(key, key), [r[:3] for r in rows])
     results = {}

@@ -173,6 +173,10 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
              # 14.5% (fast) at its addition, 13.3% once its checkpointed inputs are split over the TP group and
              # re-gathered before each replay (--distribute-checkpointed-activations; guard 15 -> 14)
              "fsdp_1k": 14.0,
+             # automodel (autorows, 6 Dec): NVIDIA NeMo AutoModel's one dense pre-training row (Llama 3.1 70B BF16 on
+             # 64 H100, torch FSDP2 over 64 ranks with CP2, torch.compile, AC on each block's attention and MLP),
+             # never tuned: +11.7% (slow) at its addition; its compute alone (19.1 s) is over the measured 18.90 s
+             "automodel": 12.0,
              "dgxc_h100": 4.0}  # dgxc_h100: 6.7% with the runs' own cross-entropy (accdgx, 3 Dec; guard 9 -> 8), 7.7% at its addition (accdgxc, 2 Dec), 8.3% with the Nemotron-4/GPT-3 rows, 7.8% with acccp's FA2 rows, 7.7% with FP8 delayed scaling's amax all-reduce, 7.6% with the runs' gradient buckets (accdp, 3 Dec)
     # nemo_long_seq_h100: 28.1% at its addition (accl3, 2 Dec; docs/planner.md)  # nemo_gb200: 9.2% at its addition (accgpu, 2 Dec)  # ibm_fsdp2_h100: 15.0% at its addition (acc3),
     # 12.7% since torchtitan's per-op checkpointing is timed; the cause left is in docs/planner.md
@@ -331,6 +335,26 @@ def test_fsdp_1k_set_is_fully_sharded_at_scale(bench):
     assert all(768 <= int(r["nodes"]) * bench._system(catalog, r["system"]).devices_per_node <= 4096 for r in rows)
     opt = next(r for r in rows if r["model"] == "opt-175b")
     assert bench._eval_row(catalog, opt)[2] == pytest.approx(19.977, abs=0.01)
+
+
+def test_automodel_rows_name_their_table_and_recipe(bench):
+    """automodel (autorows): every row is NVIDIA NeMo AutoModel's torch FSDP2 (the planner's fsdp2 stack) and names
+    the performance-summary table it was read from at a pinned commit and the YAML recipe that fixed its unpublished
+    fields; its one Llama row is 128 x 8192 tokens in 18.90 s on 64 GPUs, the table's 866.77 tokens/s/GPU."""
+    import csv
+    import re
+
+    catalog = get_catalog()
+    with bench.EVAL_CSV.open(encoding="utf-8") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["set"] == "automodel"]
+    assert rows and all(r["stack"] == "fsdp2" and r["dp_kind"] == "fsdp" for r in rows)
+    assert all(re.match(r"NVIDIA-NeMo/Automodel docs/performance-summary\.md @[0-9a-f]{40} ", r["source"])
+               for r in rows)
+    assert all(re.search(r"examples/\S+\.yaml @[0-9a-f]{9}", r["notes"]) for r in rows)
+    llama = next(r for r in rows if r["model"] == "llama3-70b")
+    label, _, measured, *_ = bench._eval_row(catalog, llama)
+    assert "64dev" in label and measured == pytest.approx(18.90)
+    assert 128 * 8192 / (measured * 64) == pytest.approx(866.77, rel=1e-3)
 
 
 def test_zero1_1k_set_is_data_parallel_at_scale(bench):
