@@ -989,6 +989,8 @@ def main() -> int:
                                    "(chronicles-prequel.md, 02-25 tables; 3D + DeepSpeed fp16 ZeRO-1)",
               "fsdp_1k": "Fully sharded data parallelism at 768-4,096 GPUs: OPT-175B on 992 A100 80GB (metaseq: fairscale "
                          "FSDP without reshard after forward + Megatron TP8, full recompute, FP16; Zhang et al. 2022)",
+              "torchtitan_h200": "torchtitan Llama 3.1 8B FP8 FSDP on 32 / 64 H200 (Trainy on WhiteFiber, June 2025; "
+                                 "400 Gb/s per GPU)",
               "automodel": "NVIDIA NeMo AutoModel (torch FSDP2 + DTensor CP, torch.compile, full AC) on DGX-H100: Llama 3.1 "
                            "70B BF16, FSDP over 64 GPUs with CP2 (docs/performance-summary.md @2013a4dd6)"}
     for key, rows in grouped.items():

@@ -177,6 +177,9 @@ def test_evaluation_sets_stay_within_their_reported_error(bench):
              # 64 H100, torch FSDP2 over 64 ranks with CP2, torch.compile, AC on each block's attention and MLP),
              # never tuned: +11.7% (slow) at its addition; its compute alone (19.1 s) is over the measured 18.90 s
              "automodel": 12.0,
+             # torchtitan_h200 (lead, 6 Dec): Trainy's torchtitan Llama 3.1 8B FP8 FSDP runs on 32 / 64 H200 (the
+             # torchtitan benchmark whose memory memory_runs.csv already holds): -1.8 / -3.2% at its addition
+             "torchtitan_h200": 3.5,
              "dgxc_h100": 4.0}  # dgxc_h100: 6.7% with the runs' own cross-entropy (accdgx, 3 Dec; guard 9 -> 8), 7.7% at its addition (accdgxc, 2 Dec), 8.3% with the Nemotron-4/GPT-3 rows, 7.8% with acccp's FA2 rows, 7.7% with FP8 delayed scaling's amax all-reduce, 7.6% with the runs' gradient buckets (accdp, 3 Dec)
     # nemo_long_seq_h100: 28.1% at its addition (accl3, 2 Dec; docs/planner.md)  # nemo_gb200: 9.2% at its addition (accgpu, 2 Dec)  # ibm_fsdp2_h100: 15.0% at its addition (acc3),
     # 12.7% since torchtitan's per-op checkpointing is timed; the cause left is in docs/planner.md
@@ -355,6 +358,23 @@ def test_automodel_rows_name_their_table_and_recipe(bench):
     label, _, measured, *_ = bench._eval_row(catalog, llama)
     assert "64dev" in label and measured == pytest.approx(18.90)
     assert 128 * 8192 / (measured * 64) == pytest.approx(866.77, rel=1e-3)
+
+
+def test_torchtitan_h200_rows_are_the_memory_sets_runs(bench):
+    """torchtitan_h200: the two Trainy runs whose memory memory_runs.csv holds (same layout, same source file at the
+    same commit), timed from their TPS/GPU column: 64 x 8192 tokens on 32 GPUs at 10,938 tokens/s/GPU."""
+    import csv
+
+    with bench.EVAL_CSV.open(encoding="utf-8") as fh:
+        rows = [r for r in csv.DictReader(fh) if r["set"] == "torchtitan_h200"]
+    with (bench.EVAL_CSV.parent / "memory_runs.csv").open(encoding="utf-8") as fh:
+        mem = [r for r in csv.DictReader(fh) if r["set"] == "torchtitan_h200"]
+    key = ("model", "system", "nodes", "seq", "global_batch", "tp", "pp", "cp", "microbatch", "dp_kind", "recompute",
+           "precision", "compile", "stack")
+    assert len(rows) == len(mem) == 2 and [tuple(r[k] for k in key) for r in rows] == [tuple(m[k] for k in key) for m in mem]
+    assert all(r["source"] == m["source"].replace("Memory(GiB)", "TPS/GPU") for r, m in zip(rows, mem, strict=True))
+    label, _, measured, *_ = bench._eval_row(get_catalog(), rows[0])
+    assert "32dev" in label and 64 * 8192 / (measured * 32) == pytest.approx(10938)
 
 
 def test_zero1_1k_set_is_data_parallel_at_scale(bench):
