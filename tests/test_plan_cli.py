@@ -481,15 +481,20 @@ def _flag_and_column(capsys, bench, argv, row, lay, flag, column):
     return base, flagged, expected.step_time_s
 
 
+# DeepSpeed's pipeline-less ZeRO-1 on 4 p4de (TP 8, full recompute, gradients reduced after the backward), for the
+# DeepSpeed ZeRO-1 flags: the command line and the same run's benchmark columns
+DEEPSPEED_7B_ARGV = ["estimate", "--model", "llama2-7b", "--hardware", "p4de.24xlarge", "--nodes", "4", "--seq", "2048",
+                     "--global-batch", "32", "--tp", "8", "--stack", "deepspeed", "--attention", "unfused",
+                     "--dp-overlap", "0", "--zero-stage", "1", "--recompute", "full", "--microbatch", "1", "--json"]
+DEEPSPEED_7B_ROW = {"stack": "deepspeed", "attention": "unfused", "precision": "bf16", "compile": "1", "tp_overlap": "0",
+                    "recompute": "full", "dp_overlap": "0"}
+DEEPSPEED_7B_LAYOUT = Layout(tp=8, sp=False, zero_stage=1, recompute="full", microbatch=1)
+
+
 def test_zero1_grad_allreduce_flag_matches_the_benchmark_column(capsys, bench):
     """DeepSpeed's BF16_Optimizer (BLOOM's rows): --zero1-grad-allreduce and the csv's zero1_grad_allreduce 1 give the
     same estimate, and it differs from the reduce-scattering ZeRO-1 (else the test could not fail)."""
-    argv = ["estimate", "--model", "llama2-7b", "--hardware", "p4de.24xlarge", "--nodes", "4", "--seq", "2048",
-            "--global-batch", "32", "--tp", "8", "--stack", "deepspeed", "--attention", "unfused", "--dp-overlap", "0",
-            "--zero-stage", "1", "--recompute", "full", "--microbatch", "1", "--json"]
-    row = {"stack": "deepspeed", "attention": "unfused", "precision": "bf16", "compile": "1", "tp_overlap": "0",
-           "recompute": "full", "dp_overlap": "0"}
-    lay = Layout(tp=8, sp=False, zero_stage=1, recompute="full", microbatch=1)
+    argv, row, lay = DEEPSPEED_7B_ARGV, DEEPSPEED_7B_ROW, DEEPSPEED_7B_LAYOUT
     base, flagged, expected = _flag_and_column(capsys, bench, argv, row, lay, "--zero1-grad-allreduce",
                                                "zero1_grad_allreduce")
     assert flagged == pytest.approx(expected, rel=1e-12) and flagged > base * (1 + 1e-4)
@@ -499,12 +504,7 @@ def test_zero1_fp16_allreduce_flag_matches_the_benchmark_column(capsys, bench):
     """DeepSpeed's fp16 ZeRO-1 (BLOOM's 02-25 rows, bloom_search_fp16): --zero1-fp16-allreduce and the csv's
     zero1_fp16_allreduce 1 give the same estimate, different from the reduce-scattering ZeRO-1 (else the test could
     not fail); with --zero1-grad-allreduce (BF16_Optimizer, another optimizer) it is one error."""
-    argv = ["estimate", "--model", "llama2-7b", "--hardware", "p4de.24xlarge", "--nodes", "4", "--seq", "2048",
-            "--global-batch", "32", "--tp", "8", "--stack", "deepspeed", "--attention", "unfused", "--dp-overlap", "0",
-            "--zero-stage", "1", "--recompute", "full", "--microbatch", "1", "--json"]
-    row = {"stack": "deepspeed", "attention": "unfused", "precision": "bf16", "compile": "1", "tp_overlap": "0",
-           "recompute": "full", "dp_overlap": "0"}
-    lay = Layout(tp=8, sp=False, zero_stage=1, recompute="full", microbatch=1)
+    argv, row, lay = DEEPSPEED_7B_ARGV, DEEPSPEED_7B_ROW, DEEPSPEED_7B_LAYOUT
     base, flagged, expected = _flag_and_column(capsys, bench, argv, row, lay, "--zero1-fp16-allreduce",
                                                "zero1_fp16_allreduce")
     assert flagged == pytest.approx(expected, rel=1e-12) and flagged != pytest.approx(base, rel=1e-4)
