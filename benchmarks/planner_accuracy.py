@@ -664,7 +664,8 @@ _LAYOUT = ("global_batch", "tp", "pp", "cp", "vp", "ep", "microbatch", "dp_kind"
            "schedule", "offload_layers", "rank_order")
 
 
-def layout_decisions(path: Path, sets: dict[str, list[tuple]], job_fields: tuple[str, ...] = _JOB) -> dict:
+def layout_decisions(path: Path, sets: dict[str, list[tuple]], job_fields: tuple[str, ...] = _JOB,
+                     by_release: bool = True, rows: list[dict] | None = None) -> dict:
     """The planner as a chooser between the layouts published for one job: rows of a runs file that share model,
     system, node count, sequence, precision and software release (_JOB, and a release named only in the source
     text: _release) but not their layout (_LAYOUT) are one job's alternatives. Per job, time
@@ -674,9 +675,10 @@ def layout_decisions(path: Path, sets: dict[str, list[tuple]], job_fields: tuple
     many the planner orders the same way, and per job the regret, how much slower (measured) the layout the planner
     ranks first is than the fastest measured one (0 = the planner picks the best published layout). job_fields
     _JOB[:5] (any software): the stacks and releases of one job compete too (plan's choice across software; a newer
-    release's own speed-up then counts as the layout's)."""
-    with path.open(encoding="utf-8") as fh:
-        rows = list(csv.DictReader(fh))
+    release's own speed-up then counts as the layout's), with by_release False. rows: the runs file already read."""
+    if rows is None:
+        with path.open(encoding="utf-8") as fh:
+            rows = list(csv.DictReader(fh))
     jobs: dict[tuple, dict[tuple, list]] = {}
     for name, predicted in sets.items():
         for r, p in zip((r for r in rows if r["set"] == name), predicted, strict=True):
@@ -685,7 +687,7 @@ def layout_decisions(path: Path, sets: dict[str, list[tuple]], job_fields: tuple
             layout = tuple(r.get(k, "") for k in _LAYOUT)
             name_ = " ".join(f"{k}={v}" for k, v in zip(_LAYOUT, layout, strict=True) if v not in ("", "1", "0", "None")
                              or k in ("tp", "pp"))
-            job = tuple(r.get(k, "") for k in job_fields) + (_release(r) if job_fields == _JOB else ())
+            job = tuple(r.get(k, "") for k in job_fields) + (_release(r) if by_release else ())
             per = jobs.setdefault(job, {}).setdefault(layout, [name_, [], []])
             per[1].append(p[1] / p[7])
             per[2].append(p[2] / p[7])
@@ -743,16 +745,18 @@ def decision_table(path: Path, sets: dict[str, list[tuple]]) -> dict[str, dict]:
     """Print layout_decisions, one software release per job ("same software") and then any software ("any
     software"): per job its layouts, the regret, and every pair the planner orders against the measurements."""
     out = {}
-    for title, fields in (("same software", _JOB), ("any software", _JOB[:5])):
-        d = out[title] = layout_decisions(path, sets, fields)
+    with path.open(encoding="utf-8") as fh:
+        rows = list(csv.DictReader(fh))
+    for title, fields, release in (("same software", _JOB, True), ("any software", _JOB[:5], False)):
+        d = out[title] = layout_decisions(path, sets, fields, release, rows)
         print(f"\n   layout decisions, {title} (jobs measured with several layouts; measured ties within "
               f"{RANK_TIE_PCT:.0f}% not counted): {decision_summary(d)}")
         _decision_rows(d)
     # the same-software view set by set (a job whose rows lie in two sets counts in neither line): which set's jobs
     # the summary's pairs come from (bloom_search_fp16's one job of 21 layouts holds most of them)
     print("\n   layout decisions, same software, per evaluation set:")
-    for name, rows in sets.items():
-        d = layout_decisions(path, {name: rows})
+    for name, predicted in sets.items():
+        d = layout_decisions(path, {name: predicted}, rows=rows)
         if d["jobs"]:
             out[f"same software, {name}"] = d
             print(f"     {name:<22} {decision_summary(d)}")

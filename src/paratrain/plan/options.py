@@ -116,7 +116,7 @@ class Options:
     reduce is exposed even where the backward is long enough to hide the rest (plan.data_parallel). InternLM's
     HybridZeroOptimizer (InternLM/InternLM internlm/solver/optimizer/hybrid_zero_optim.py @c18bec9): the gradient
     hook calls _reduce_grads_stored_in_bucket when the next gradient would overflow reduce_bucket_size, and
-    _reduce_and_copy runs torch.cuda.synchronize() before each all-reduce on its communication stream; step()
+    _reduce_and_copy synchronizes the device before each all-reduce on its communication stream; step()
     reduces what is left in the bucket (_reduce_grads_stored_in_bucket) and synchronizes again before the
     optimizer runs. The megatron, fsdp2 and deepspeed stacks' default (PyTorch DDP's Reducer, Megatron-Core's
     buckets, DeepSpeed's ZeRO-1/2 buckets: plan.stacks).

@@ -511,8 +511,8 @@ def host_copy_gbytes_per_s(system: System, copying: int | None = None) -> float:
 def offload_exposed_s(model, system, seq, opts, n, layer_fwd, layer_bwd, moe_mem, *, T, tp, cp, sp, rc):
     """(forward, backward) exposed time per microbatch of a stage's activation offloading (parallel.offload_layers):
     each offloaded block's activations (the bytes plan.memory keeps for it, less what stays on the device) go to
-    the host at host_copy_gbytes_per_s (every device of the node copying at once) while the block computes, and come back while the block after it runs
-    its backward (one block prefetched, on a copy stream of their own: Megatron-Core / Transformer Engine's
+    the host at host_copy_gbytes_per_s (every device of the node copying at once) while the block computes, and
+    come back while the block after it runs its backward (one block prefetched, on a copy stream of their own: Megatron-Core / Transformer Engine's
     offload scheduler, torch's save_on_cpu with pinned memory). Exposed only where a copy outlasts the compute it
     hides behind; the HBM traffic of the copies is not taken from the compute (their bytes are a few per cent of
     the layer's). n: the offloaded blocks of the stage's rank (plan.memory.offloaded_layers)."""
